@@ -1,0 +1,123 @@
+"""Checkpoints (resumable training state) and the final export in Hugging Face format.
+
+Layout under --output_dir:
+    checkpoint-<step>/      accelerator.save_state() + trainer_state.json + COMPLETE marker
+    config.json, model*.safetensors, tokenizer files   (final export, from_pretrained-loadable)
+
+Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, then renamed
+to `checkpoint-<step>/` and marked COMPLETE. `latest` only ever picks a COMPLETE checkpoint, so a
+kill during a save leaves the previous one usable. Retention (--save_total_limit) only deletes
+older COMPLETE checkpoints written by hfpar and never the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from hfpar.config import ConfigError
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _CKPT_RE.match(child.name)
+        if m and (child / MARKER).is_file():
+            found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
+    root = Path(output_dir)
+    return root.is_dir() and any(_CKPT_RE.match(c.name) for c in root.iterdir())
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
+    """`latest` -> newest complete checkpoint or None (fresh run); a path must be a complete checkpoint."""
+    if not resume:
+        return None
+    if resume == "latest":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"--resume_from_checkpoint {resume}: no such directory (use 'latest' or a checkpoint-<step> dir)")
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one")
+    return path
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, save_total_limit: int | None) -> Path:
+    """Collective: every rank must call it. Returns the final checkpoint path."""
+    final = Path(output_dir) / f"checkpoint-{step}"
+    tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # our own leftover from a killed save, never user data
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(final / MARKER, "w") as fh:
+            fh.write(str(step))
+            fh.flush()
+            os.fsync(fh.fileno())
+        _apply_retention(output_dir, save_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _apply_retention(output_dir: str, limit: int | None) -> None:
+    if not limit:
+        return
+    ckpts = list_checkpoints(output_dir)
+    for old in ckpts[: max(0, len(ckpts) - limit)]:  # newest is always kept since limit >= 1
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
+    accelerator.load_state(str(path))
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> None:
+    """Gather FSDP2 / ZeRO-3 shards and write a standard HF checkpoint at the root of output_dir."""
+    state_dict = accelerator.get_state_dict(model)  # collective: full tensors on the main process
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()

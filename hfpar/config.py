@@ -1,0 +1,233 @@
+"""Typed recipe configuration with HF TrainingArguments / TRL option names.
+
+    from hfpar.config import parse_args
+    args = parse_args(["--max_steps", "20", "--learning_rate", "3e-4"], recipe="sft")
+
+Sources, later wins: dataclass defaults < recipe defaults < `--config recipe.yaml` < CLI flags.
+Every problem (unknown key, bad value, inconsistent combination) is collected and raised once,
+as a `ConfigError` whose message lists one problem per line, before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+import yaml
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "trackio")
+TRUNCATION = ("truncate", "drop")
+NONFINITE = ("error", "skip")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. The message has one line per problem."""
+
+
+@dataclass
+class RecipeArgs:
+    # --- model / data -------------------------------------------------------------------------
+    model_name_or_path: str = "hfpar-tiny"  # hub id or local dir; "hfpar-tiny" = the embedded tiny Llama
+    tokenizer_name_or_path: str | None = None  # defaults to model_name_or_path
+    dataset_name: str | None = None  # hub id or local json/jsonl/csv/parquet/txt file or dir; None = embedded
+    max_seq_length: int = 128
+    packing: bool = False
+    completion_only_loss: bool = True  # SFT: loss on assistant/completion tokens only
+    truncation: str = "truncate"  # what to do with samples longer than max_seq_length: truncate | drop
+    eval_split_fraction: float = 0.05  # carved from train when the dataset has no eval split
+    attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2
+    # --- HF TrainingArguments names -------------------------------------------------------------
+    output_dir: str = "outputs/run"
+    overwrite_output_dir: bool = False
+    per_device_train_batch_size: int = 8  # per data-parallel replica
+    per_device_eval_batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # <= 0 disables clipping (the norm is still logged)
+    num_train_epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides num_train_epochs
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    logging_steps: int = 10
+    eval_steps: int | None = None  # None = evaluate at the end only; 0 disables eval
+    save_steps: int | None = None  # None = no intermediate checkpoints
+    save_total_limit: int | None = None
+    seed: int = 42
+    gradient_checkpointing: bool = False
+    resume_from_checkpoint: str | None = None  # "latest" or a checkpoint path
+    report_to: str = "none"  # trackers via Accelerate's log_with, comma separated
+    run_name: str | None = None
+    max_eval_samples: int | None = None
+    # --- hfpar -----------------------------------------------------------------------------------
+    tp_size: int = 1
+    ep_size: int = 1
+    sequence_parallel: bool = False
+    on_nonfinite: str = "error"  # non-finite loss / grad norm: error | skip (the step, on all ranks)
+    dist_timeout_s: int = 1800  # process-group timeout (hangs end with a clear message)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer_name_or_path or self.model_name_or_path
+
+
+def _parse_bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "y", "on"):
+        return True
+    if low in ("0", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def _coerce(name: str, typ: Any, value: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type; raise ValueError with a readable reason."""
+    text = typ if isinstance(typ, str) else repr(typ)
+    optional = "None" in text
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ValueError("must not be empty")
+    if "bool" in text:
+        return value if isinstance(value, bool) else _parse_bool(value)
+    if "int" in text:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+    if "float" in text:
+        return float(value)
+    return str(value)
+
+
+def _fields() -> dict[str, Any]:
+    hints = get_type_hints(RecipeArgs)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RecipeArgs)}
+
+
+def _build_parser(recipe: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"recipes/{recipe}.py",
+        description=f"hfpar {recipe} recipe. Options use HF TrainingArguments names; "
+        "launch with `accelerate launch --config_file accelerate_configs/<strategy>.yaml`.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    for f in dataclasses.fields(RecipeArgs):
+        # every option takes a value as text; booleans may also be given bare (`--packing`)
+        p.add_argument(f"--{f.name}", nargs="?", const="true" if "bool" in str(f.type) else None, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None) -> RecipeArgs:
+    """Parse CLI + YAML into RecipeArgs; raise ConfigError listing every problem."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser(recipe)
+    problems: list[str] = []
+    known = _fields()
+    # Unknown / misspelled flags: report them all with a suggestion instead of argparse's first-only exit.
+    for tok in argv:
+        if tok.startswith("--"):
+            key = tok[2:].split("=", 1)[0]
+            if key != "config" and key not in known and key not in ("help", "h"):
+                hint = difflib.get_close_matches(key, list(known), n=1)
+                problems.append(f"unknown option --{key}" + (f" (did you mean --{hint[0]}?)" if hint else ""))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    ns = parser.parse_args(argv)
+
+    values: dict[str, Any] = dict(defaults or {})
+    if ns.config:
+        if not os.path.isfile(ns.config):
+            raise ConfigError(f"--config {ns.config}: file not found")
+        try:
+            with open(ns.config) as fh:
+                loaded = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {ns.config}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {ns.config}: expected a mapping of option: value, got {type(loaded).__name__}")
+        for key, val in loaded.items():
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), list(known), n=1)
+                problems.append(
+                    f"unknown key {key!r} in {ns.config}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                )
+            else:
+                values[key] = val
+    for key in known:
+        val = getattr(ns, key)
+        if val is not None:
+            values[key] = val
+
+    kwargs: dict[str, Any] = {}
+    for key, val in values.items():
+        try:
+            kwargs[key] = _coerce(key, known[key], val)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"--{key} {val!r}: {exc}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    args = RecipeArgs(**kwargs)
+    problems += validate(args)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return args
+
+
+def validate(a: RecipeArgs) -> list[str]:
+    """Return every problem with the values themselves (world-size checks happen in distributed.py)."""
+    p = []
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_seq_length", "tp_size", "ep_size", "logging_steps", "dist_timeout_s"):
+        if getattr(a, name) <= 0:
+            p.append(f"--{name} {getattr(a, name)}: must be a positive integer")
+    if a.max_steps == 0 or a.max_steps < -1:
+        p.append(f"--max_steps {a.max_steps}: must be > 0, or -1 to use num_train_epochs")
+    if a.max_steps == -1 and a.num_train_epochs <= 0:
+        p.append(f"--num_train_epochs {a.num_train_epochs}: must be > 0 when --max_steps is not set")
+    if a.learning_rate <= 0:
+        p.append(f"--learning_rate {a.learning_rate}: must be > 0")
+    if a.weight_decay < 0:
+        p.append(f"--weight_decay {a.weight_decay}: must be >= 0")
+    if not 0 <= a.warmup_ratio < 1:
+        p.append(f"--warmup_ratio {a.warmup_ratio}: must be in [0, 1)")
+    if a.warmup_steps < 0:
+        p.append(f"--warmup_steps {a.warmup_steps}: must be >= 0")
+    if not 0 < a.eval_split_fraction < 1:
+        p.append(f"--eval_split_fraction {a.eval_split_fraction}: must be in (0, 1)")
+    for name in ("eval_steps", "save_steps", "save_total_limit", "max_eval_samples"):
+        v = getattr(a, name)
+        if v is not None and v < 0:
+            p.append(f"--{name} {v}: must be >= 0")
+    if a.save_total_limit == 0:
+        p.append("--save_total_limit 0: must be >= 1 (or unset to keep every checkpoint)")
+    if a.lr_scheduler_type not in SCHEDULERS:
+        p.append(f"--lr_scheduler_type {a.lr_scheduler_type!r}: valid values are {', '.join(SCHEDULERS)}")
+    if a.truncation not in TRUNCATION:
+        p.append(f"--truncation {a.truncation!r}: valid values are {', '.join(TRUNCATION)}")
+    if a.on_nonfinite not in NONFINITE:
+        p.append(f"--on_nonfinite {a.on_nonfinite!r}: valid values are {', '.join(NONFINITE)}")
+    for tracker in a.report_to.split(","):
+        if tracker.strip() not in REPORT_TO:
+            p.append(f"--report_to {a.report_to!r}: {tracker.strip()!r} is not one of {', '.join(REPORT_TO)}")
+    if a.sequence_parallel and a.tp_size == 1:
+        p.append("--sequence_parallel needs --tp_size > 1")
+    if a.tp_size > 1:
+        p.append(f"--tp_size {a.tp_size}: tensor parallelism is not available in this version of hfpar yet (use 1)")
+    if a.ep_size > 1:
+        p.append(f"--ep_size {a.ep_size}: expert parallelism is not available in this version of hfpar yet (use 1)")
+    return p
+
+
+def to_dict(a: RecipeArgs) -> dict[str, Any]:
+    return dataclasses.asdict(a)

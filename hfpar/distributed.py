@@ -1,0 +1,137 @@
+"""Process groups and the Accelerator, on GPUs and on a CPU-only machine alike.
+
+    accelerator, dims = setup_accelerator(args)   # inside a script started by `accelerate launch`
+
+Why this module exists: stock Accelerate, on a machine without an accelerator, turns
+`accelerate launch --config_file fsdp2.yaml` into a *single-process* run (it finds no CUDA, so
+`PartialState` picks DistributedType.NO and every rank trains alone) and gives DeepSpeed a world
+size of 1. Its FSDP2 and DeepSpeed code paths themselves work on CPU once its state says FSDP /
+DEEPSPEED over a gloo group of the right size. So, only when the script was started by a
+launcher (torchrun env present) and no CUDA device exists, we wrap Accelerate's backend choice
+for the duration of `Accelerator(...)` so that it initialises a gloo process group of the
+launcher's world size and keeps the strategy the config asked for. Nothing installed is edited;
+on CUDA machines this code path is not taken and Accelerate runs untouched (NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """world = dp x tp; ep ranks are drawn from the dp ranks."""
+
+    world: int
+    dp: int
+    tp: int = 1
+    ep: int = 1
+    rank: int = 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+
+def _launched_by_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def needs_cpu_shim() -> bool:
+    """True when a launcher started us and there is no CUDA device: Accelerate would go single-process."""
+    return _launched_by_torchrun() and not torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def _cpu_backend():
+    """Make Accelerate's state build a gloo group of the launcher's size and keep FSDP/DeepSpeed.
+
+    Accelerate maps (launcher env, no CUDA) to DistributedType.NO. We answer its backend query with
+    ("gloo", MULTI_GPU): it then calls `init_process_group("gloo")` (or DeepSpeed's
+    `init_distributed("gloo")`), reads world size / rank from it, and upgrades MULTI_GPU to FSDP or
+    DEEPSPEED exactly as it does on GPUs. The device is pinned to CPU through Accelerate's own
+    ACCELERATE_TORCH_DEVICE, and ACCELERATE_BYPASS_DEVICE_MAP makes DDP wrap with device_ids=None,
+    which is what DDP requires for CPU modules.
+    """
+    original = PartialState._prepare_backend
+
+    def _gloo_backend(self, cpu=False, sagemaker_dp=False, backend=None):  # noqa: ARG001
+        return "gloo", DistributedType.MULTI_GPU
+
+    PartialState._prepare_backend = _gloo_backend
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+    os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
+    try:
+        yield
+    finally:
+        PartialState._prepare_backend = original
+
+
+def strategy_name(accelerator: Accelerator) -> str:
+    """The strategy actually in effect: single | ddp | fsdp2 | fsdp1 | zero1 | zero2 | zero3."""
+    dt = accelerator.distributed_type
+    if dt == DistributedType.DEEPSPEED:
+        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    if dt == DistributedType.FSDP:
+        return "fsdp2" if accelerator.is_fsdp2 else "fsdp1"
+    if accelerator.num_processes > 1:
+        return "ddp"
+    return "single"
+
+
+def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Accelerator, ParallelDims]:
+    """Build the Accelerator for the launched strategy (CPU-capable) and the parallel dims."""
+    kwargs = dict(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=log_with,
+        project_dir=project_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=args.dist_timeout_s))],
+    )
+    ds_env = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if ds_env:
+        # DeepSpeed reads its own timeout at init_distributed; keep it equal to ours.
+        os.environ.setdefault("DEEPSPEED_TIMEOUT", str(max(1, args.dist_timeout_s // 60)))
+    if needs_cpu_shim():
+        with _cpu_backend():
+            accelerator = Accelerator(**kwargs)
+    else:
+        accelerator = Accelerator(**kwargs)
+
+    world = accelerator.num_processes
+    problems = []
+    if world % args.tp_size:
+        problems.append(f"--tp_size {args.tp_size} does not divide the world size {world}")
+    dp = max(1, world // args.tp_size)
+    if dp % args.ep_size:
+        problems.append(f"--ep_size {args.ep_size} does not divide the data-parallel size {dp} (world {world} / tp {args.tp_size})")
+    if problems:
+        from hfpar.config import ConfigError
+
+        raise ConfigError("\n".join(problems))
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # hfpar's flags are the single source of truth for these DeepSpeed keys.
+        ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_cfg["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        ds_cfg["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
+        ds_cfg["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
+    dims = ParallelDims(world=world, dp=dp, tp=args.tp_size, ep=args.ep_size, rank=accelerator.process_index)
+    return accelerator, dims
+
+
+def all_reduce_sum(value: float | int | torch.Tensor, device) -> torch.Tensor:
+    """Sum a scalar over all ranks (float64, exact for token counts)."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t

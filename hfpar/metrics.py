@@ -1,0 +1,118 @@
+"""Measurements of a run: per-rank bytes held, peak memory, metrics.jsonl, run_info.json.
+
+Bytes are counted from what each rank really holds: the local shard of an FSDP2 DTensor,
+the ZeRO-3 partition (`ds_tensor`), the optimizer state tensors behind any wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters stored on this rank (sharded strategies count their shard only)."""
+    total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition; p itself is an empty placeholder
+            total += p.ds_tensor.numel() * p.ds_tensor.element_size()
+        else:
+            loc = _local(p)
+            total += loc.numel() * loc.element_size()
+    return total
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Full (unsharded) parameter count."""
+    n = 0
+    for p in model.parameters():
+        n += p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+    return n
+
+
+def _base_optimizer(opt):
+    seen = set()
+    while id(opt) not in seen:
+        seen.add(id(opt))
+        if isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch.optim"):
+            return opt
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            return opt
+        opt = inner
+    return opt
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state (e.g. Adam moments) held by this rank, under any wrapper."""
+    base = _base_optimizer(optimizer)
+    total = 0
+    for state in getattr(base, "state", {}).values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                loc = _local(v)
+                total += loc.numel() * loc.element_size()
+    return total
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # CPU: peak resident set size of this process (ru_maxrss is KiB on Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def library_versions() -> dict:
+    import accelerate
+    import datasets
+    import transformers
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "transformers": transformers.__version__,
+        "datasets": datasets.__version__,
+    }
+    try:
+        import deepspeed
+
+        out["deepspeed"] = deepspeed.__version__
+    except Exception:  # deepspeed is an optional extra
+        out["deepspeed"] = None
+    from hfpar import __version__
+
+    out["hfpar"] = __version__
+    return out
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to output_dir/metrics.jsonl (main process only)."""
+
+    def __init__(self, path: str | Path, enabled: bool, append: bool):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled and not append and self.path.exists():
+            self.path.unlink()
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def command_line() -> str:
+    return " ".join(sys.argv)

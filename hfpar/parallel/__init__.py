@@ -1,0 +1,1 @@
+"""hfpar.parallel: tensor-parallel and expert-parallel layers."""

@@ -1,0 +1,133 @@
+"""What every recipe does, in order: parse -> validate -> accelerator -> data -> model -> train -> export.
+
+    from hfpar.recipe import main
+    main("sft")        # or "clm", "classify"; reads sys.argv
+
+User mistakes (bad options, bad data, an output_dir that holds someone's checkpoints) end with a
+one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from hfpar.checkpoint import has_any_checkpoint, resolve_resume
+from hfpar.config import ConfigError, RecipeArgs, parse_args
+
+TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
+
+# Embedded defaults: what `python recipes/<kind>.py` with no arguments runs (tiny model, generated data).
+RECIPE_DEFAULTS = {
+    "sft": dict(output_dir="outputs/sft", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
+                warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
+    "clm": dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
+                warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
+    "classify": dict(output_dir="outputs/classify", max_steps=150, per_device_train_batch_size=32,
+                     learning_rate=2e-3, warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=64),
+}
+
+
+def _fail(problems: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in str(problems).splitlines():
+            print(f"hfpar: error: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_output_dir(args: RecipeArgs) -> None:
+    """Never write over someone's checkpoints without an explicit flag."""
+    if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint and not args.overwrite_output_dir:
+        raise ConfigError(
+            f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to continue "
+            "or --overwrite_output_dir to start over there (or pick another --output_dir)")
+    resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
+
+
+def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hfpar import data
+
+    cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
+    extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+    if args.model_name_or_path == data.EMBEDDED:
+        config = AutoConfig.from_pretrained(data.embedded_model_path())
+        if num_labels is not None:
+            config.num_labels = num_labels
+        torch.manual_seed(args.seed)  # same init on every rank
+        return cls.from_config(config, **extra)
+    kw = {"num_labels": num_labels} if num_labels is not None else {}
+    # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
+    model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+    if task == "classify" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def build_data(args: RecipeArgs, kind: str, tokenizer):
+    """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels."""
+    from hfpar import data
+
+    splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
+    info, num_labels = {}, None
+    out = {}
+    for name in ("train", "eval"):
+        ds = splits[name]
+        if kind == "sft":
+            ds, stats = data.tokenize_sft(ds, tokenizer, args.max_seq_length,
+                                          completion_only_loss=args.completion_only_loss, truncation=args.truncation)
+            if args.packing:
+                ds = data.pack(ds, args.max_seq_length)
+        elif kind == "clm":
+            ds, stats = data.tokenize_clm(ds, tokenizer, args.max_seq_length)
+        else:
+            ds, stats, num_labels = data.tokenize_classify(ds, tokenizer, args.max_seq_length, truncation=args.truncation)
+        out[name] = ds
+        info[f"{name}_data"] = {**stats, "rows": len(ds)}
+    collator = data.DataCollator(tokenizer, task=TASK_OF[kind])
+    return out["train"], out["eval"], collator, info, num_labels
+
+
+def main(kind: str, argv: list[str] | None = None) -> dict:
+    from accelerate.utils import set_seed
+
+    from hfpar import data
+    from hfpar.distributed import setup_accelerator
+    from hfpar.trainer import Trainer
+
+    task = TASK_OF[kind]
+    try:
+        args = parse_args(argv, recipe=kind, defaults=RECIPE_DEFAULTS[kind])
+        check_output_dir(args)
+    except ConfigError as exc:
+        _fail(str(exc))
+    log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
+    try:
+        accelerator, dims = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
+        set_seed(args.seed)
+        tokenizer = data.load_tokenizer(args.tokenizer_path)
+        with accelerator.main_process_first():
+            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer)
+    except (ConfigError, data.DataError) as exc:
+        _fail(str(exc))
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
+    if log_with:
+        from hfpar.config import to_dict
+
+        accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
+    model = load_model(args, task, num_labels)
+    trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task=task,
+                      run_extra={"recipe": kind, **info})
+    try:
+        result = trainer.train()
+    except ConfigError as exc:  # e.g. a checkpoint from an incompatible run: a user problem, said in one line
+        _fail(str(exc))
+    accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return result

@@ -1,0 +1,305 @@
+"""The one training loop behind every recipe, on top of Accelerate.
+
+    trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task="lm")
+    trainer.train()
+
+Loss normalization (the parity contract): the optimized and logged loss of an optimizer step is
+    sum of per-token losses over the whole global batch / number of real target tokens in it
+(all dp ranks, all accumulation steps). Each rank back-propagates local_sum * (dp * accum) / N_global:
+Accelerate divides by `accum` and the data-parallel backends average over dp, which leaves exactly
+d(global_sum / N_global). Unequal sequence lengths or masks therefore do not bias the loss, unlike
+a mean of per-micro-batch means.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import DistributedType
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from hfpar import checkpoint as ckpt
+from hfpar import metrics as M
+from hfpar.config import ConfigError
+from hfpar.distributed import all_reduce_sum, strategy_name
+from hfpar.sampler import GlobalBatchSampler, eval_shard
+
+IGNORE = -100
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Losses are computed in at least fp32 (bf16 logits lose too much in log-softmax)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over real targets. logits (B, T, V), labels (B, T) unshifted."""
+    logits = _upcast(logits[:, :-1, :])  # (B, T-1, V)
+    target = labels[:, 1:]  # (B, T-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
+def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, C), labels (B,) with IGNORE for padding slots."""
+    loss = F.cross_entropy(_upcast(logits), labels, ignore_index=IGNORE, reduction="sum")
+    return loss, (labels != IGNORE).sum()
+
+
+def count_targets(batch: dict, task: str) -> int:
+    labels = batch["labels"]
+    return int((labels[:, 1:] != IGNORE).sum()) if task == "lm" else int((labels != IGNORE).sum())
+
+
+def count_input_tokens(batch: dict) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norm weights (HF Trainer's rule: 1-D parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, foreach=False)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, args, accelerator, dims, model, tokenizer, train_dataset, eval_dataset, collator,
+                 task: str = "lm", run_extra: dict | None = None):
+        assert task in ("lm", "classify")
+        self.args, self.acc, self.dims = args, accelerator, dims
+        self.tokenizer, self.collator, self.task = tokenizer, collator, task
+        self.train_ds, self.eval_ds = train_dataset, eval_dataset
+        self.loss_fn = lm_loss_sum if task == "lm" else classify_loss_sum
+        self.run_extra = run_extra or {}
+        self.out = Path(args.output_dir)
+
+        self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, dims.dp,
+                                          dims.dp_rank, args.gradient_accumulation_steps, args.seed)
+        if args.max_steps > 0:
+            self.total_steps = args.max_steps
+        else:
+            self.total_steps = max(1, math.ceil(args.num_train_epochs * self.sampler.steps_per_epoch))
+        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.total_steps)
+
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.n_params = M.param_count(model)
+        optimizer = build_optimizer(model, args)
+        # The scheduler is stepped by us once per optimizer step (not prepared: Accelerate's wrapper
+        # would step it num_processes times per call) and saved with the checkpoint.
+        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                       num_training_steps=self.total_steps)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler)
+        self.strategy = strategy_name(accelerator)
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
+
+    def _collate(self, indices: list[int]) -> dict:
+        return self.collator([self.train_ds[i] for i in indices])
+
+    def _forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.model(**inputs, use_cache=False).logits if self.task == "lm" else self.model(**inputs).logits
+        loss_sum, n = self.loss_fn(logits, labels)
+        return loss_sum, n, logits
+
+    def _grad_norm_and_clip(self) -> float:
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if norm is None:
+            return float("nan")
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ state
+    def _trainer_state(self, step: int) -> dict:
+        return {"global_step": step, "world_size": self.dims.world, "dp": self.dims.dp, "tp": self.dims.tp,
+                "ep": self.dims.ep, "strategy": self.strategy, "seed": self.args.seed,
+                "global_batch": self.sampler.global_batch}
+
+    def maybe_resume(self) -> None:
+        path = ckpt.resolve_resume(self.args.resume_from_checkpoint, self.args.output_dir)
+        if path is None:
+            if self.args.resume_from_checkpoint:
+                self.acc.print(f"[hfpar] --resume_from_checkpoint {self.args.resume_from_checkpoint}: no checkpoint yet, starting fresh")
+            return
+        state = ckpt.load_checkpoint(self.acc, path)
+        if state["global_batch"] != self.sampler.global_batch:
+            raise ConfigError(
+                f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has "
+                f"{self.sampler.global_batch}; keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
+        self.start_step = state["global_step"]
+        self.acc.print(f"[hfpar] resumed from {path} at step {self.start_step}")
+
+    def write_run_info(self) -> None:
+        local = torch.tensor([M.param_bytes(self.model), M.optimizer_state_bytes(self.optimizer)], dtype=torch.float64)
+        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 2).cpu()
+        info = {
+            "strategy": self.strategy,
+            "distributed_type": str(self.acc.distributed_type).split(".")[-1],
+            "mixed_precision": self.acc.mixed_precision,
+            "device": str(self.acc.device),
+            "world_size": self.dims.world, "dp_size": self.dims.dp, "tp_size": self.dims.tp, "ep_size": self.dims.ep,
+            "num_parameters": self.n_params,
+            "param_bytes_per_rank": [int(x) for x in gathered[:, 0]],
+            "optimizer_state_bytes_per_rank": [int(x) for x in gathered[:, 1]],
+            "global_batch_size": self.sampler.global_batch,
+            "total_steps": self.total_steps,
+            "versions": M.library_versions(),
+            "command": M.command_line(),
+            **self.run_extra,
+        }
+        if self.acc.is_main_process:
+            M.write_json(self.out / "run_info.json", info)
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        if self.eval_ds is None or len(self.eval_ds) == 0:
+            return {}
+        self.model.eval()
+        n = len(self.eval_ds)
+        if self.args.max_eval_samples:
+            n = min(n, self.args.max_eval_samples)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.acc.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.acc.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.acc.device)
+        for idx in eval_shard(n, self.args.per_device_eval_batch_size, self.dims.dp, self.dims.dp_rank):
+            feats = []
+            for i in idx:
+                f = dict(self.eval_ds[i if i is not None else 0])
+                if i is None:  # padding slot: same shapes, no targets
+                    lab = f["labels"]
+                    f["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
+                feats.append(f)
+            batch = self._to_device(self.collator(feats))
+            ls, cnt, logits = self._forward_loss(batch)
+            loss_sum += ls.double()
+            count += cnt.double()
+            if self.task == "classify":
+                lab = batch["labels"]
+                correct += ((logits.argmax(-1) == lab) & (lab != IGNORE)).sum().double()
+        stats = torch.stack([loss_sum, count, correct])
+        if self.acc.num_processes > 1:
+            torch.distributed.all_reduce(stats)
+        # every rank of a tp group counted the same samples
+        stats = stats / self.dims.tp
+        self.model.train()
+        out = {"eval_loss": float(stats[0] / stats[1].clamp(min=1))}
+        if self.task == "classify":
+            out["eval_accuracy"] = float(stats[2] / stats[1].clamp(min=1))
+        return out
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> dict:
+        args, acc = self.args, self.acc
+        self.maybe_resume()
+        writer = M.MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process, append=self.start_step > 0)
+        if self.start_step > 0 and acc.is_main_process:
+            _truncate_metrics(self.out / "metrics.jsonl", self.start_step)
+        dp_accum = self.dims.dp * args.gradient_accumulation_steps
+        eval_every = args.eval_steps
+        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not acc.is_local_main_process,
+                   desc=f"hfpar {self.strategy}", dynamic_ncols=True)
+        last = {}
+        self.model.train()
+        for step, epoch, micro in self.sampler.iterate(self.start_step, self.total_steps):
+            t0 = time.perf_counter()
+            batches = [self._collate(ix) for ix in micro]
+            local_targets = sum(count_targets(b, self.task) for b in batches)
+            local_tokens = sum(count_input_tokens(b) for b in batches)
+            totals = all_reduce_sum(torch.tensor([local_targets, local_tokens]), acc.device) / self.dims.tp
+            n_global = float(totals[0])
+            if n_global == 0:
+                raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
+            step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+            for batch in batches:
+                batch = self._to_device(batch)
+                with acc.accumulate(self.model):
+                    loss_sum, _, _ = self._forward_loss(batch)
+                    acc.backward(loss_sum * (dp_accum / n_global))
+                step_loss += loss_sum.detach().double()
+            loss = float(all_reduce_sum(step_loss, acc.device) / self.dims.tp) / n_global
+            grad_norm = self._grad_norm_and_clip()
+            bad = not math.isfinite(loss) or (acc.distributed_type != DistributedType.DEEPSPEED and not math.isfinite(grad_norm))
+            if bad and args.on_nonfinite == "error":
+                raise NonFiniteError(f"step {step + 1}: non-finite loss {loss} or grad_norm {grad_norm}; stopping before the optimizer step")
+            if not bad:
+                self.optimizer.step()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            done = step + 1
+            rec = {"step": done, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
+                   "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
+                   "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
+            if bad:
+                rec["skipped"] = True
+            writer.write(rec)
+            if step == self.start_step:  # after the first step, so optimizer state exists and is counted
+                self.write_run_info()
+            last = rec
+            if args.report_to != "none":
+                acc.log({k: v for k, v in rec.items() if k != "step"}, step=done)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+            if done % args.logging_steps == 0 or done == self.total_steps:
+                if acc.is_local_main_process:
+                    bar.write(f"step {done}/{self.total_steps} loss {loss:.4f} grad_norm {grad_norm:.3f} "
+                              f"lr {lr:.3e} tok/s {rec['tokens_per_s']:.0f}")
+            if eval_every and done % eval_every == 0 and done != self.total_steps:
+                self._log_eval(writer, done)
+            if args.save_steps and done % args.save_steps == 0 and done != self.total_steps:
+                ckpt.save_checkpoint(acc, args.output_dir, done, self._trainer_state(done), args.save_total_limit)
+        bar.close()
+        final = {}
+        if eval_every != 0:
+            final = self._log_eval(writer, self.total_steps)
+        if args.save_steps:
+            ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps), args.save_total_limit)
+        ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir)
+        if args.report_to != "none":
+            acc.end_training()
+        return {**last, **final}
+
+    def _log_eval(self, writer, step: int) -> dict:
+        ev = self.evaluate()
+        if ev:
+            writer.write({"step": step, **ev})
+            if self.args.report_to != "none":
+                self.acc.log(ev, step=step)
+            msg = " ".join(f"{k} {v:.4f}" for k, v in ev.items())
+            self.acc.print(f"[hfpar] step {step}: {msg}")
+        return ev
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records the interrupted run wrote after the checkpoint step."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,50 @@
+"""Run a recipe the way users do (`accelerate launch --config_file ...`) and read its outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+             TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", ACCELERATE_DISABLE_RICH="1")
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    return e
+
+
+def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool = True, timeout: int = 600,
+           extra_launch: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+           "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", "0",
+           *(extra_launch or []), str(ROOT / "recipes" / f"{recipe}.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_python(recipe: str, args: list[str], *, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Plain `python recipes/<recipe>.py ...` (no launcher), as the quickstart does."""
+    cmd = [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) from metrics.jsonl."""
+    rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+
+
+def read_run_info(out: str | Path) -> dict:
+    return json.loads(Path(out, "run_info.json").read_text())
+
+
+def rel_close(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
