@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -114,6 +115,18 @@ def _fields() -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(RecipeArgs)}
 
 
+def _field_help() -> dict[str, str]:
+    """Help text for --help, taken from the comment after each field in RecipeArgs (one source of truth)."""
+    import inspect
+
+    out = {}
+    for line in inspect.getsource(RecipeArgs).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+= ([^#]+?)\s*(?:#\s*(.*))?$", line)
+        if m:
+            out[m.group(1)] = (m.group(3) or "") + f" (default: {m.group(2).strip()})"
+    return out
+
+
 def _build_parser(recipe: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"recipes/{recipe}.py",
@@ -122,9 +135,12 @@ def _build_parser(recipe: str) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
+    helps = _field_help()
     for f in dataclasses.fields(RecipeArgs):
         # every option takes a value as text; booleans may also be given bare (`--packing`)
-        p.add_argument(f"--{f.name}", nargs="?", const="true" if "bool" in str(f.type) else None, default=None)
+        is_bool = "bool" in str(f.type)
+        p.add_argument(f"--{f.name}", nargs="?" if is_bool else None, const="true" if is_bool else None,
+                       default=None, metavar="BOOL" if is_bool else "VALUE", help=helps.get(f.name, "").strip())
     return p
 
 

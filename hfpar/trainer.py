@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -216,6 +217,9 @@ class Trainer:
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
         args, acc = self.args, self.acc
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
         self.maybe_resume()
         writer = M.MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process, append=self.start_step > 0)
         if self.start_step > 0 and acc.is_main_process:
@@ -250,7 +254,9 @@ class Trainer:
             if not bad:
                 self.optimizer.step()
             lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
+            with warnings.catch_warnings():  # DeepSpeed steps its optimizer inside backward; the order is right
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             done = step + 1
