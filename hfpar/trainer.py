@@ -69,8 +69,10 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()  # ZeRO-3 init leaves empty placeholders
+            (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # DeepSpeed drops empty groups, which would desync the scheduler
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                              eps=args.adam_epsilon, foreach=False)
 
