@@ -41,6 +41,30 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.rank // self.tp
 
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+
+def build_groups(dims: ParallelDims):
+    """(tp_group, dp_group) of this rank. TP ranks are contiguous (rank = dp_rank * tp + tp_rank), so a
+    TP group stays inside a node when tp <= GPUs per node; DP groups stride across them. Every rank
+    must create every group (torch requires it), in the same order."""
+    if dims.world == 1 or not dist.is_initialized():
+        return None, None
+    tp_group = dp_group = None
+    for d in range(dims.dp):
+        ranks = list(range(d * dims.tp, (d + 1) * dims.tp))
+        g = dist.new_group(ranks)
+        if dims.rank in ranks:
+            tp_group = g
+    for t in range(dims.tp):
+        ranks = list(range(t, dims.world, dims.tp))
+        g = dist.new_group(ranks)
+        if dims.rank in ranks:
+            dp_group = g
+    return tp_group, dp_group
+
 
 def _launched_by_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
