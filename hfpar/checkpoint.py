@@ -72,8 +72,10 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, save_total_limit: int | None) -> Path:
-    """Collective: every rank must call it. Returns the final checkpoint path."""
+def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, save_total_limit: int | None,
+                    extra=None) -> Path:
+    """Collective: every rank must call it. `extra(tmp_dir)` writes state Accelerate does not know
+    (per-TP-rank shards). Returns the final checkpoint path."""
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process:
@@ -82,6 +84,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if extra is not None:
+        extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
@@ -111,9 +115,11 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> None:
-    """Gather FSDP2 / ZeRO-3 shards and write a standard HF checkpoint at the root of output_dir."""
-    state_dict = accelerator.get_state_dict(model)  # collective: full tensors on the main process
+def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str, state_dict=None) -> None:
+    """Gather FSDP2 / ZeRO-3 shards and write a standard HF checkpoint at the root of output_dir.
+    `state_dict`: already-gathered full tensors (tensor-parallel models gather their own shards)."""
+    if state_dict is None:
+        state_dict = accelerator.get_state_dict(model)  # collective: full tensors on the main process
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}

@@ -238,8 +238,6 @@ def validate(a: RecipeArgs) -> list[str]:
             p.append(f"--report_to {a.report_to!r}: {tracker.strip()!r} is not one of {', '.join(REPORT_TO)}")
     if a.sequence_parallel and a.tp_size == 1:
         p.append("--sequence_parallel needs --tp_size > 1")
-    if a.tp_size > 1:
-        p.append(f"--tp_size {a.tp_size}: tensor parallelism is not available in this version of hfpar yet (use 1)")
     if a.ep_size > 1:
         p.append(f"--ep_size {a.ep_size}: expert parallelism is not available in this version of hfpar yet (use 1)")
     return p

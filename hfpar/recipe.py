@@ -46,6 +46,19 @@ def check_output_dir(args: RecipeArgs) -> None:
     resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
 
 
+def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
+    """Combinations that are not implemented yet end here, before the model is loaded."""
+    from hfpar.distributed import strategy_name
+
+    if args.tp_size > 1:
+        strategy = strategy_name(accelerator)
+        if strategy not in ("single", "ddp"):
+            raise ConfigError(f"--tp_size {args.tp_size} with {strategy}: tensor parallelism currently composes with "
+                              "single.yaml and ddp.yaml only (FSDP2 / ZeRO over the dp group: not yet)")
+        if task != "lm":
+            raise ConfigError(f"--tp_size {args.tp_size}: tensor parallelism is available for causal-LM recipes (sft, clm)")
+
+
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -87,7 +100,9 @@ def build_data(args: RecipeArgs, kind: str, tokenizer):
             ds, stats, num_labels = data.tokenize_classify(ds, tokenizer, args.max_seq_length, truncation=args.truncation)
         out[name] = ds
         info[f"{name}_data"] = {**stats, "rows": len(ds)}
-    collator = data.DataCollator(tokenizer, task=TASK_OF[kind])
+    # sequence parallelism splits T over the TP ranks: pad every batch to a multiple of tp
+    collator = data.DataCollator(tokenizer, task=TASK_OF[kind],
+                                 pad_to_multiple_of=args.tp_size if args.sequence_parallel else None)
     return out["train"], out["eval"], collator, info, num_labels
 
 
@@ -95,7 +110,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     from accelerate.utils import set_seed
 
     from hfpar import data
-    from hfpar.distributed import setup_accelerator
+    from hfpar.distributed import build_groups, setup_accelerator
     from hfpar.trainer import Trainer
 
     task = TASK_OF[kind]
@@ -107,6 +122,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
     try:
         accelerator, dims = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
+        check_parallel_support(args, accelerator, task)
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
         with accelerator.main_process_first():
@@ -121,8 +137,16 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
 
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
     model = load_model(args, task, num_labels)
+    groups = build_groups(dims)
+    if args.tp_size > 1:
+        from hfpar.parallel.apply import apply_tensor_parallel
+
+        try:
+            apply_tensor_parallel(model, groups[0], sequence_parallel=args.sequence_parallel)
+        except ValueError as exc:  # degrees that do not divide the model's sizes, unknown architecture
+            _fail(str(exc))
     trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      run_extra={"recipe": kind, **info})
+                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info}, groups=groups)
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint from an incompatible run: a user problem, said in one line

@@ -47,6 +47,15 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     return loss, (target != IGNORE).sum()
 
 
+def tp_lm_loss_sum(logits_shard: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """As lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp): the full vocab is never gathered."""
+    from hfpar.parallel.tensor import vocab_parallel_cross_entropy
+
+    target = labels[:, 1:]
+    loss = vocab_parallel_cross_entropy(logits_shard[:, :-1, :], target, group=group, ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
 def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, C), labels (B,) with IGNORE for padding slots."""
     loss = F.cross_entropy(_upcast(logits), labels, ignore_index=IGNORE, reduction="sum")
@@ -83,12 +92,18 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, args, accelerator, dims, model, tokenizer, train_dataset, eval_dataset, collator,
-                 task: str = "lm", run_extra: dict | None = None):
+                 task: str = "lm", run_extra: dict | None = None, groups: tuple = (None, None)):
         assert task in ("lm", "classify")
         self.args, self.acc, self.dims = args, accelerator, dims
         self.tokenizer, self.collator, self.task = tokenizer, collator, task
         self.train_ds, self.eval_ds = train_dataset, eval_dataset
         self.loss_fn = lm_loss_sum if task == "lm" else classify_loss_sum
+        self.tp_group, self.dp_group = groups
+        self.tp = getattr(model, "_hfpar_tp", None)
+        if self.tp is not None and self.tp["size"] == 1:
+            self.tp = None
+        if self.tp is not None and self.tp.get("vocab_parallel_logits"):
+            self.loss_fn = lambda logits, labels: tp_lm_loss_sum(logits, labels, self.tp_group)
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
 
@@ -109,10 +124,45 @@ class Trainer:
         # would step it num_processes times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.total_steps)
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if self.tp is None:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        else:
+            self.model, self.optimizer = self._prepare_tp(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)
         self.strategy = strategy_name(accelerator)
         self.start_step = 0
+
+    def _prepare_tp(self, model, optimizer):
+        """TP models: data parallelism over the dp group only (Accelerate's wrappers would reduce over
+        the whole world, averaging different TP shards together). Shards differ per TP rank, so the
+        model and optimizer are checkpointed by hfpar per TP rank (see _save_tp_state)."""
+        model.to(self.acc.device)
+        if self.dims.dp > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dev = [self.acc.device.index] if self.acc.device.type == "cuda" else None
+            model = DDP(model, process_group=self.dp_group, device_ids=dev)
+        return model, optimizer
+
+    def _unwrapped(self):
+        return self.model.module if hasattr(self.model, "module") else self.model
+
+    def _tp_state_file(self, ckpt_dir) -> Path:
+        return Path(ckpt_dir) / f"tp_rank{self.dims.tp_rank:02d}_of{self.dims.tp:02d}.pt"
+
+    def _save_tp_state(self, ckpt_dir) -> None:
+        if self.tp is not None and self.dims.dp_rank == 0:  # one copy per TP shard
+            torch.save({"model": self._unwrapped().state_dict(), "optimizer": self.optimizer.state_dict()},
+                       self._tp_state_file(ckpt_dir))
+
+    def _load_tp_state(self, ckpt_dir) -> None:
+        if self.tp is not None:
+            f = self._tp_state_file(ckpt_dir)
+            if not f.is_file():
+                raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another --tp_size")
+            state = torch.load(f, map_location=self.acc.device, weights_only=False)
+            self._unwrapped().load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # ------------------------------------------------------------------ helpers
     def _to_device(self, batch: dict) -> dict:
@@ -130,6 +180,11 @@ class Trainer:
 
     def _grad_norm_and_clip(self) -> float:
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        if self.tp is not None:
+            from hfpar.parallel.apply import clip_tp_grad_norm_, sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(self._unwrapped())
+            return float(clip_tp_grad_norm_(self.model.parameters(), max_norm, self.tp_group))
         norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
         if norm is None:
             return float("nan")
@@ -150,6 +205,10 @@ class Trainer:
                 self.acc.print(f"[hfpar] --resume_from_checkpoint {self.args.resume_from_checkpoint}: no checkpoint yet, starting fresh")
             return
         state = ckpt.load_checkpoint(self.acc, path)
+        if (state.get("tp", 1), state.get("ep", 1)) != (self.dims.tp, self.dims.ep):
+            raise ConfigError(f"checkpoint {path} was written with tp {state.get('tp', 1)} / ep {state.get('ep', 1)}; "
+                              f"this run has tp {self.dims.tp} / ep {self.dims.ep}: resume with the same --tp_size/--ep_size")
+        self._load_tp_state(path)
         if state["global_batch"] != self.sampler.global_batch:
             raise ConfigError(
                 f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has "
@@ -282,14 +341,22 @@ class Trainer:
             if eval_every and done % eval_every == 0 and done != self.total_steps:
                 self._log_eval(writer, done)
             if args.save_steps and done % args.save_steps == 0 and done != self.total_steps:
-                ckpt.save_checkpoint(acc, args.output_dir, done, self._trainer_state(done), args.save_total_limit)
+                ckpt.save_checkpoint(acc, args.output_dir, done, self._trainer_state(done), args.save_total_limit,
+                                     extra=self._save_tp_state)
         bar.close()
         final = {}
         if eval_every != 0:
             final = self._log_eval(writer, self.total_steps)
         if args.save_steps:
-            ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps), args.save_total_limit)
-        ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir)
+            ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps),
+                                 args.save_total_limit, extra=self._save_tp_state)
+        if self.tp is not None:
+            from hfpar.parallel.apply import gather_full_state_dict
+
+            full = gather_full_state_dict(self._unwrapped())  # collective over the TP group
+            ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir, state_dict=full)
+        else:
+            ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir)
         if args.report_to != "none":
             acc.end_training()
         return {**last, **final}

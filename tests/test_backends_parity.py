@@ -17,49 +17,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches, export_eval_loss
 from tests.launch import launch, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
 STRATEGIES = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
-TOL = 1e-4
-COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
-          "--warmup_steps", "2", "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_steps", "4",
-          "--per_device_eval_batch_size", "8", "--max_eval_samples", "48", "--weight_decay", "0.01"]
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    """A saved random-init tiny Llama + tokenizer, so every strategy (ZeRO-3 zero.Init included) loads the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hfpar import data
-
-    path = tmp_path_factory.mktemp("base")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data.embedded_model_path()))
-    model.save_pretrained(path)
-    data.load_tokenizer(None).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def runs(base_model, tmp_path_factory):
+def runs(base_model, single_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    outs = {}
-    for name in ["single", *STRATEGIES]:
-        nproc, bs = (1, "4") if name == "single" else (2, "2")
+    outs = {"single": single_run}
+    for name in STRATEGIES:
         out = root / name
-        launch(name, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                    "--per_device_train_batch_size", bs])
+        launch(name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
+                                "--per_device_train_batch_size", "2"])
         outs[name] = out
     return outs
-
-
-def _assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, what: str):
-    assert [r["step"] for r in ref] == [r["step"] for r in got], f"{what}: steps differ"
-    for r, g in zip(ref, got):
-        assert rel_close(r[key], g[key], tol), f"{what} step {r['step']}: {key} {g[key]!r} vs single {r[key]!r}"
 
 
 def test_single_reference_learns(runs):
@@ -74,46 +49,22 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
     assert len(got) == 8
-    _assert_close_series(ref, got, "loss", TOL, strategy)
-    _assert_close_series(ref, got, "grad_norm", TOL, strategy)
+    assert_close_series(ref, got, "loss", TOL, strategy)
+    assert_close_series(ref, got, "grad_norm", TOL, strategy)
     # the same global batch: identical target-token counts per step
     assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exported_weights_match_single(runs, strategy):
-    ref = load_file(str(runs["single"] / "model.safetensors"))
-    got = load_file(str(runs[strategy] / "model.safetensors"))
-    assert ref.keys() == got.keys()
-    for k in ref:
-        diff = (ref[k].float() - got[k].float()).norm() / ref[k].float().norm().clamp(min=1e-12)
-        assert diff <= TOL, f"{strategy}: {k} relative diff {diff:.2e}"
+    assert_export_matches(runs["single"], runs[strategy], strategy)
 
 
 @pytest.mark.parametrize("strategy", ["single", *STRATEGIES])
 def test_export_loads_and_reproduces_eval_loss(runs, strategy):
     """from_pretrained on one process gives the trainer's final eval loss (same logits)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hfpar import data
-    from hfpar.trainer import lm_loss_sum
-
-    out = runs[strategy]
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(out)
-    splits = data.load_splits(None, "sft", eval_split_fraction=0.05, seed=42)
-    ev, _ = data.tokenize_sft(splits["eval"], tok, 128)
-    ev = ev.select(range(48))
-    collate = data.DataCollator(tok, task="lm")
-    tot, cnt = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, 48, 8):
-            b = collate([ev[j] for j in range(i, i + 8)])
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            s, n = lm_loss_sum(logits, b["labels"])
-            tot, cnt = tot + float(s), cnt + int(n)
-    _, evals = read_metrics(out)
-    assert rel_close(tot / cnt, evals[-1]["eval_loss"], 1e-4), (tot / cnt, evals[-1]["eval_loss"])
+    _, evals = read_metrics(runs[strategy])
+    assert rel_close(export_eval_loss(runs[strategy]), evals[-1]["eval_loss"], 1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["single", *STRATEGIES])
@@ -149,5 +100,5 @@ def test_resume_reproduces_remaining_steps(runs, strategy, tmp_path, base_model)
     ref, _ = read_metrics(src)
     got, _ = read_metrics(out)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
-    _assert_close_series(ref[4:], got, "loss", 1e-6, f"{strategy} resumed")
-    _assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{strategy} resumed")
+    assert_close_series(ref[4:], got, "loss", 1e-6, f"{strategy} resumed")
+    assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{strategy} resumed")

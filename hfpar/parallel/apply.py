@@ -1,0 +1,449 @@
+"""Apply tensor parallelism (and sequence parallelism) to a loaded HF causal LM, in place.
+
+    # python -c "from tests.dist_utils import run_distributed; from hfpar.parallel.apply import _demo; run_distributed(_demo, 2)"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)          # the SAME full weights on every rank
+    apply_tensor_parallel(model, tp_group, sequence_parallel=True)
+    logits = model(input_ids, attention_mask=mask).logits  # (B, T, V/tp): this rank's vocab slice
+    loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], group=tp_group)
+    loss.backward()
+    sync_sequence_parallel_grads(model)                    # replicated params that saw part of the data
+    clip_tp_grad_norm_(model.parameters(), 1.0, tp_group)  # counts every shard once
+    model.save_pretrained(out, state_dict=gather_full_state_dict(model))   # collective; a normal checkpoint
+
+Layout of one decoder layer at tp ranks (per-architecture plans in plans.py):
+
+    x (B, T, H) replicated       [SP: (B, T/tp, H), split along T once, on entry to the first layer]
+    input_layernorm              replicated weight            [SP: on T/tp tokens; grad summed over TP]
+    self_attn   enter region     bwd all-reduce               [SP: fwd all-gather T, bwd reduce-scatter]
+      q/k/v_proj  column         (B, T, heads/tp * head_dim)  local heads; attention on local heads
+      o_proj      row            fwd all-reduce               [SP: fwd reduce-scatter T, bwd all-gather]
+    mlp: the same with gate/up (column) and down (row)
+    final norm, lm_head column   logits (B, T, V/tp), never gathered [SP: lm_head all-gathers T]
+
+Why the attention / MLP modules enter the TP region themselves (and not each column layer):
+transformers' attention takes its head shapes from its input (`view(*hidden_states.shape[:-1], -1,
+head_dim)`), so under SP the module must receive the full (B, T, H) sequence; and one entry per
+module costs one backward all-reduce instead of one per projection (q, k, v: 3 -> 1).
+
+The embedding is NOT sequence-sharded: LlamaModel derives cache_position, default position_ids and
+the causal mask from inputs_embeds.shape[1]; they (and rotary cos/sin) stay full length, which is
+what attention needs after its all-gather.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
+                   group_size, scatter_to_sequence_parallel_region)
+from .plans import compile_pattern, get_plan, packed_splits, validate_plan
+from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards
+
+__all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
+           "gather_full_state_dict", "RegionColumnParallelLinear"]
+
+_REGIONS = ("attention", "mlp")
+
+
+class RegionColumnParallelLinear(ColumnParallelLinear):
+    """A ColumnParallelLinear inside an "attention" / "mlp" region: the region's forward pre-hook has
+    already brought its input into the TP region (copy, or the sequence all-gather under SP), so
+    this layer does no collective of its own. Same parameters and export as the parent class."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)                                      # (B, T, out/tp)
+
+
+class _LocalHeadsConfig:
+    """The model config as one attention module sees it: per-rank head counts, every other field
+    read live from the shared config (which keeps the full counts for export / save_pretrained)."""
+
+    def __init__(self, base, **overrides):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", dict(overrides))
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_base", "_overrides"):
+            raise AttributeError(name)
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._base, name)
+
+    def __setattr__(self, name, value):
+        if name in self._overrides:
+            self._overrides[name] = value
+        else:
+            setattr(self._base, name, value)
+
+    def __repr__(self) -> str:
+        return f"_LocalHeadsConfig({self._overrides}, base={type(self._base).__name__})"
+
+
+# ----------------------------------------------------------------------------- validation
+class _Problems:
+    """Collects every problem (one line per issue and plan pattern, first module named), raises once."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], list[str]] = {}
+
+    def add(self, where: str, what: str, pattern: str | None = None) -> None:
+        self.items.setdefault((pattern or where, what), []).append(where)
+
+    def raise_if_any(self, tp: int) -> None:
+        if not self.items:
+            return
+        lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
+                 for (pat, what), w in self.items.items()]
+        raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
+
+
+def _match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """{module name: (style, pattern)} for every module a pattern matches; every pattern must match."""
+    compiled = [(p, compile_pattern(p), s) for p, s in plan.items()]
+    hits = {p: 0 for p in plan}
+    out: dict[str, tuple[str, str]] = {}
+    for name, _ in model.named_modules():
+        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)]
+        if len(found) > 1:
+            raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
+        if found:
+            hits[found[0][0]] += 1
+            out[name] = (found[0][1], found[0][0])
+    missing = [p for p, n in hits.items() if n == 0]
+    if missing:
+        raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
+                         f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
+                         f"unwrapped); pass plan= for other layouts")
+    return out
+
+
+def _validate(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
+              tied: bool) -> None:
+    """Every divisibility / type problem, before any collective."""
+    pr = _Problems()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp > world:
+        pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
+    assigned = {n: s for n, (s, _) in matched.items()}
+    for name, (style, pat) in matched.items():
+        mod, base = model.get_submodule(name), style.partition(":")[0]
+        add = partial(pr.add, name, pattern=pat)
+        if base in _REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
+            for sub, m in mod.named_modules(prefix=name):
+                if isinstance(m, (nn.Linear, nn.Embedding)) and sub not in matched:
+                    add(f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
+                        f"(its input gradient would be summed over the TP ranks)")
+        if base == "attention" and config is not None:
+            nh = getattr(config, "num_attention_heads")
+            nkv = getattr(config, "num_key_value_heads", None) or nh
+            for field, n in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):
+                if n % tp:
+                    add(f"{field} {n} is not divisible by tp_size {tp}")
+        elif base == "mlp":
+            n = getattr(mod, "intermediate_size", None) or getattr(config, "intermediate_size", None)
+            if n is not None and n % tp:
+                add(f"intermediate_size {n} is not divisible by tp_size {tp}")
+        elif base == "vocab_embedding":
+            if not isinstance(mod, nn.Embedding):
+                add(f"style {style!r} needs an nn.Embedding, found {type(mod).__name__}")
+            elif type(mod).forward is not nn.Embedding.forward and not hasattr(mod, "embed_scale"):
+                add(f"{type(mod).__name__} overrides nn.Embedding.forward; its extra computation would be lost")
+            elif mod.num_embeddings % tp:
+                add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
+        elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
+            if not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward:
+                add(f"style {style!r} needs a plain nn.Linear, found {type(mod).__name__}")
+                continue
+            if base == "rowwise":
+                if mod.in_features % tp:
+                    add(f"in_features {mod.in_features} is not divisible by tp_size {tp}")
+                continue
+            what = "vocab_size" if base == "colwise_lm_head" else "out_features"
+            if mod.out_features % tp:
+                add(f"{what} {mod.out_features} is not divisible by tp_size {tp}")
+            splits = packed_splits(style, config)
+            if splits is not None:
+                if sum(splits) != mod.out_features:
+                    add(f"packed splits {splits} ({style}) sum to {sum(splits)}, not out_features "
+                        f"{mod.out_features}")
+                elif any(s % tp for s in splits):
+                    add(f"packed splits {splits} ({style}) are not all divisible by tp_size {tp}")
+    styles = set(s.partition(":")[0] for s in assigned.values())
+    if sequence_parallel and "sequence_scatter" not in styles:
+        pr.add("plan", "sequence_parallel=True needs a 'sequence_scatter' entry (the first decoder layer)")
+    if tied:
+        emb = [n for n, s in assigned.items() if s == "vocab_embedding"]
+        head = [n for n, s in assigned.items() if s == "colwise_lm_head"]
+        if len(emb) != 1 or len(head) != 1:
+            pr.add("tie_word_embeddings", "tied input/output embeddings need exactly one 'vocab_embedding' and one "
+                                          f"'colwise_lm_head' entry in the plan (found {emb} and {head})")
+    pr.raise_if_any(tp)
+
+
+def _check_replicated(model: nn.Module, group) -> None:
+    """Cheap check that every rank holds the same full weights: (sum, L2 norm) per parameter,
+    compared by a MAX and a MIN all-reduce (two small collectives, no full-size copies)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
+    if not named:
+        return
+    stats = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
+                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)]).to(named[0][1].device)
+                         for _, p in named])                                            # (P, 2)
+    hi = all_reduce(stats, group, op=dist.ReduceOp.MAX)
+    lo = -all_reduce(-stats, group, op=dist.ReduceOp.MAX)
+    bad = (~torch.isclose(hi, lo, rtol=1e-9, atol=0.0, equal_nan=True)).any(dim=1).tolist()
+    names = [n for (n, _), b in zip(named, bad) if b]
+    if names:
+        raise ValueError(f"apply_tensor_parallel: the full weights differ across the ranks of the TP group "
+                         f"(every rank must load the same model: same checkpoint, or the same seed before "
+                         f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+
+
+# ----------------------------------------------------------------------------- hooks
+def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
+    """Apply fn to a module's hidden_states argument (first positional or keyword `hidden_states`)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise TypeError(f"{where}: tensor-parallel hook found no hidden_states argument")
+
+
+def _scatter_sequence_hook(module, args, kwargs, *, group, tp: int, name: str):
+    def split(x):                                                                       # (B, T, H) -> (B, T/tp, H)
+        if x.shape[1] % tp:
+            raise ValueError(f"{name}: sequence_parallel needs the sequence length divisible by tp_size {tp}, got "
+                             f"T={x.shape[1]} (input {tuple(x.shape)}); pad batches to a multiple of {tp}")
+        return scatter_to_sequence_parallel_region(x, 1, group)
+    return _map_hidden(args, kwargs, split, name)
+
+
+def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, name: str):
+    if sequence_parallel:   # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
+        fn = partial(gather_from_sequence_parallel_region, dim=1, group=group)
+    else:                   # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
+        fn = partial(copy_to_parallel_region, group=group)
+    return _map_hidden(args, kwargs, fn, name)
+
+
+def _embed_scale_hook(module, args, out):
+    return out * module.embed_scale.to(module.weight.dtype)                             # (B, T, H)
+
+
+def _guard_hook(module, args, kwargs, *, sequence_parallel: bool):
+    if kwargs.get("labels") is not None:
+        raise ValueError("tensor-parallel model: logits are vocab shards (B, T, V/tp), so the built-in HF loss "
+                         "would be wrong; call the model without labels= and use "
+                         "hfpar.parallel.tensor.vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
+    if sequence_parallel and kwargs.get("logits_to_keep", 0) not in (0, None):
+        raise ValueError("sequence-parallel model: logits_to_keep must be 0 (each rank holds T/tp positions "
+                         "before lm_head)")
+    return None
+
+
+# ----------------------------------------------------------------------------- apply
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel: bool = False,
+                          plan: Mapping[str, str] | None = None, verify_weights: bool = True) -> nn.Module:
+    """Shard an HF causal LM over `tp_group` (None = the default group), in place; returns it.
+
+    Every rank must hold the SAME full weights on entry (same checkpoint, or the same seed before
+    from_config); each keeps only its shard. verify_weights checks that with two small all-reduces.
+    All degrees are validated before the first collective. The model's logits become vocab shards
+    (B, T, V/tp) and `model._hfpar_tp` tells the trainer so (use vocab_parallel_cross_entropy).
+    sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by
+    tp; call `sync_sequence_parallel_grads(model)` after backward (before clipping).
+    The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
+    """
+    tp = group_size(tp_group)
+    if getattr(model, "_hfpar_tp", None) is not None:
+        raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
+    if tp == 1:   # nothing to shard; logits stay full
+        model._hfpar_tp = {"group": tp_group, "size": 1, "sequence_parallel": False, "vocab_parallel_logits": False,
+                           "needs_grad_sync": False}
+        return model
+    config = getattr(model, "config", None)
+    if plan is None:
+        if config is None or not getattr(config, "model_type", None):
+            raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
+        plan = get_plan(config.model_type)
+    validate_plan(plan)
+    matched = _match_plan(model, plan)
+    assigned = {n: s for n, (s, _) in matched.items()}
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = inp is not None and out is not None and out.weight is inp.weight
+    _validate(model, matched, config, tp, sequence_parallel, tied)
+    # ---- collectives from here on
+    if verify_weights:
+        _check_replicated(model, tp_group)
+
+    regions = [n for n, s in assigned.items() if s in _REGIONS]
+    sp_marked = 0
+    new_modules: dict[str, nn.Module] = {}
+    for name, style in assigned.items():
+        mod, base = model.get_submodule(name), style.partition(":")[0]
+        if base == "vocab_embedding":
+            new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
+            if hasattr(mod, "embed_scale"):   # Gemma's scaled embedding: forward(ids) * embed_scale
+                new.register_buffer("embed_scale", torch.as_tensor(mod.embed_scale).detach().clone(), persistent=False)
+                new.register_forward_hook(_embed_scale_hook)
+        elif base in ("colwise", "colwise_packed"):
+            in_region = any(name.startswith(r + ".") for r in regions)
+            cls = RegionColumnParallelLinear if in_region else ColumnParallelLinear
+            new = cls.from_linear(mod, tp_group, packed_splits=packed_splits(style, config),
+                                  sequence_parallel=sequence_parallel and not in_region, name=name)
+        elif base == "colwise_lm_head":
+            new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
+        elif base == "rowwise":
+            new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True,
+                                                sequence_parallel=sequence_parallel, name=name)
+        else:
+            if base in _REGIONS:
+                mod.register_forward_pre_hook(partial(_enter_region_hook, group=tp_group, name=name,
+                                                      sequence_parallel=sequence_parallel), with_kwargs=True)
+            if base == "attention":
+                _localize_heads(mod, config, tp)
+            elif base == "sequence_scatter" and sequence_parallel:
+                mod.register_forward_pre_hook(partial(_scatter_sequence_hook, group=tp_group, tp=tp, name=name),
+                                              with_kwargs=True)
+            elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
+                for p in mod.parameters():
+                    p._hfpar_sp = {"group": tp_group}
+                    sp_marked += 1
+            continue
+        new.train(mod.training)
+        new_modules[name] = new
+    for name, new in new_modules.items():
+        _set_submodule(model, name, new)
+    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
+        emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
+        head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
+        head.weight = emb.weight
+    model.register_forward_pre_hook(partial(_guard_hook, sequence_parallel=sequence_parallel), with_kwargs=True)
+    model._hfpar_tp = {"group": tp_group, "size": tp, "sequence_parallel": bool(sequence_parallel),
+                       "vocab_parallel_logits": True, "needs_grad_sync": sp_marked > 0}
+    return model
+
+
+def _localize_heads(attn: nn.Module, config, tp: int) -> None:
+    """Per-rank head counts on the attention module (never on the shared config)."""
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
+        v = getattr(attn, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            setattr(attn, attr, v // tp)
+    if getattr(attn, "config", None) is not None and config is not None:   # e.g. Phi-3 reads config.num_attention_heads
+        nh = config.num_attention_heads
+        nkv = getattr(config, "num_key_value_heads", None) or nh
+        attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)
+
+
+# ----------------------------------------------------------------------------- gradients
+def _unique(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
+def sync_sequence_parallel_grads(model: nn.Module) -> int:
+    """All-reduce (SUM) over the TP group the grads of params marked `_hfpar_sp`; returns how many.
+
+    Why: under sequence parallelism a replicated norm weight is applied on each rank to its own
+    T/tp tokens only, so each rank's grad holds the contribution of those tokens; the full grad is
+    the sum over the TP ranks. (Same for Qwen3 q/k norms, which each rank applies to its own heads,
+    with or without SP.) Call once per optimizer step after the last backward, before clipping.
+    A no-op (returns 0) when nothing is marked.
+    """
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[int, object] = {}
+    for p in _unique(model.parameters()):
+        meta = getattr(p, "_hfpar_sp", None)
+        if meta is None or p.grad is None:
+            continue
+        groups[id(meta["group"])] = meta["group"]
+        buckets.setdefault((id(meta["group"]), p.grad.dtype, p.grad.device), []).append(p.grad)
+    n = 0
+    for (gid, _, _), grads in buckets.items():
+        if group_size(groups[gid]) > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=groups[gid])
+            for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
+        n += len(grads)
+    return n
+
+
+def tp_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, group=None) -> torch.Tensor:
+    """Global L2 norm of the grads: TP shards (params with `_hfpar_tp`) summed over `group` (the TP
+    group), replicated params counted once. Collective (every TP rank calls it). fp32 or wider."""
+    params = [p for p in _unique(parameters) if p.grad is not None]
+    dev = params[0].grad.device if params else torch.device("cpu")
+    acc = torch.promote_types(params[0].grad.dtype, torch.float32) if params else torch.float32
+
+    def sq(ps):   # sum of squares, ()
+        if not ps:
+            return torch.zeros((), dtype=acc, device=dev)
+        return torch.stack([torch.linalg.vector_norm(p.grad, dtype=acc).to(dev) for p in ps]).square().sum()
+
+    sharded = sq([p for p in params if getattr(p, "_hfpar_tp", None) is not None])
+    if group_size(group) > 1:
+        sharded = all_reduce(sharded, group)
+    return (sharded + sq([p for p in params if getattr(p, "_hfpar_tp", None) is None])).sqrt()
+
+
+def clip_tp_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, group=None) -> torch.Tensor:
+    """Scale grads so their global norm (tp_grad_norm) is at most max_norm; returns the norm before."""
+    params = _unique(parameters)
+    total = tp_grad_norm(params, group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ----------------------------------------------------------------------------- export
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors under the ORIGINAL HF names (collective: every TP rank calls it, every rank gets
+    the full dict). Packed projections come back in their original [q | k | v] / [gate | up] layout;
+    tied weights stay one tensor. `model.save_pretrained(d, state_dict=...)` on one rank then writes
+    a checkpoint any single process loads. Replicated entries share storage with the live params."""
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            meta = getattr(t, "_hfpar_tp", None)
+            done[id(t)] = t.detach() if meta is None else gather_shards(t, meta["dim"], meta["group"],
+                                                                         meta["packed_splits"])
+        out[name] = done[id(t)]
+    return out
+
+
+def _demo(rank: int, world_size: int) -> None:
+    """The docstring's example on a tiny Llama, checked against the unsharded model."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .tensor import vocab_parallel_cross_entropy
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 8))
+    apply_tensor_parallel(model, sequence_parallel=True)
+    loss = vocab_parallel_cross_entropy(model(ids).logits[:, :-1], ids[:, 1:])
+    ref_loss = F.cross_entropy(ref(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert torch.allclose(loss, ref_loss, atol=1e-5), (loss, ref_loss)
+    if rank == 0:
+        print(f"ok: loss {loss.item():.6f} == {ref_loss.item():.6f}, rank {group_rank()} lm_head",
+              tuple(model.lm_head.weight.shape))

@@ -1,0 +1,268 @@
+"""Mixture-of-experts layers with expert parallelism (EP): GroupedExperts, MoELayer.
+
+    router  = TopKRouter(H, E, top_k=2, group=dp_group)                 # see router.py
+    experts = GroupedExperts(E, H, I)                                    # gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    moe     = MoELayer(router, experts, ep_group=ep_group)               # keeps only this rank's E/ep experts
+    y = moe(x)                                                           # (B, T, H) -> (B, T, H)
+
+Parameter names and layouts are those of transformers 5 (Mixtral, Qwen2-MoE) so state dicts copy
+over unchanged: `gate.weight` (E, H); `experts.gate_up_proj` (E, 2I, H) with rows [gate; up];
+`experts.down_proj` (E, H, I); `shared_expert.*`, `shared_expert_gate.weight` (1, H).
+    h = act(x @ gate_up_proj[e][:I].T) * (x @ gate_up_proj[e][I:].T);   y = h @ down_proj[e].T
+
+Forward of MoELayer, N = B*T tokens, k copies each:
+    route           weights (N, k), experts (N, k)
+    sort            token copies by expert                               (N*k, H), counts (E,)
+    [capacity]      drop copies past `capacity` per expert, in global token order
+    dispatch (ep>1) expert e lives on EP rank e // (E/ep); all-to-all the counts (E,), then
+                    all-to-all the tokens with uneven splits; re-sort the received rows by local expert
+    experts         one grouped matmul per projection over the local experts
+    combine         inverse of the above, weighted sum of the k copies (in the input dtype) [+ shared expert]
+Only routed token copies travel; ep size 1 means no communication at all.
+
+Gradients of expert parameters: an EP rank's expert grads already sum the contributions of the
+tokens of every rank of its EP group. Expert params carry `p._hfpar_ep` (group, size, ...) so the
+data-parallel backend can reduce them over the expert-data-parallel group (the dp ranks holding the
+same experts, size dp/ep) instead of the whole dp group: with the trainer's dp-mean convention,
+grad = sum over that group / dp.
+
+Run the tests: python -m pytest tests/test_moe_layers.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import all_gather, all_to_all_single_autograd, group_rank, group_size
+from .router import AuxLossBackprop, TopKRouter, current_token_mask, moe_token_mask, set_aux_loss_grad_scale
+
+__all__ = ["TopKRouter", "GroupedExperts", "MoELayer", "AuxLossBackprop", "set_aux_loss_grad_scale",
+           "moe_token_mask"]
+
+
+# ----------------------------------------------------------------------------- grouped matmul
+# Activations by HF name, without importing transformers (spawned test ranks stay light);
+# other names fall back to transformers' ACT2FN.
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _activation(name: str):
+    if name in _ACTS:
+        return _ACTS[name]
+    from transformers.activations import ACT2FN
+    return ACT2FN[name]
+
+
+def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Fused grouped GEMM only on CUDA sm90+ in bf16 with 16-byte aligned rows."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None or not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    if x.shape[-1] % 8 or w.shape[-1] % 8 or w.shape[-2] % 8:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs: torch.Tensor,
+                    fused: bool) -> torch.Tensor:
+    """Rows of x sorted by group; group g -> x_g @ w[g].T.  x (N, in), w (G, out, in) -> (N, out)."""
+    if fused:
+        fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+        return fn(x, w.transpose(-2, -1), offs=offs)                     # (N, out)
+    # Fallback: one GEMM per group on contiguous slices. Empty groups still go through F.linear so
+    # every expert parameter is in the graph (zero grad) and DDP-style hooks always fire.
+    return torch.cat([F.linear(xg, w[g]) for g, xg in enumerate(torch.split(x, counts))], dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU-style experts stored as 3-D tensors (transformers 5 layout).
+
+    forward(x_sorted (N, H), tokens_per_expert (E,)) -> (N, H); rows of x_sorted are grouped by expert
+    in expert order (tokens_per_expert[e] rows for expert e, zeros allowed).
+    `backend`: "auto" (torch grouped_mm on CUDA sm90+ bf16, else the per-expert loop), "grouped_mm", "loop".
+    """
+
+    backend: str = "auto"
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act_fn: str = "silu"):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.act_name = act_fn
+        self.act_fn = _activation(act_fn)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # (E, 2I, H)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))         # (E, H, I)
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, act={self.act_name}"
+
+    def shard(self, start: int, count: int) -> "GroupedExperts":
+        """A new module holding copies of experts [start, start + count)."""
+        out = GroupedExperts(count, self.hidden_size, self.intermediate_size, self.act_name)
+        out.to(device=self.gate_up_proj.device, dtype=self.gate_up_proj.dtype)
+        with torch.no_grad():
+            out.gate_up_proj.copy_(self.gate_up_proj[start:start + count])
+            out.down_proj.copy_(self.down_proj[start:start + count])
+        return out
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if tokens_per_expert.numel() != self.num_experts:
+            raise ValueError(f"GroupedExperts: {tokens_per_expert.numel()} counts for {self.num_experts} experts")
+        mode = self.backend
+        fused = mode == "grouped_mm" or (mode == "auto" and _grouped_mm_supported(x, self.gate_up_proj))
+        counts = [] if fused else tokens_per_expert.tolist()
+        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32) if fused else None
+        gate_up = _grouped_linear(x, self.gate_up_proj, counts, offs, fused)   # (N, 2I)
+        gate, up = gate_up.chunk(2, dim=-1)                                     # (N, I) each
+        h = self.act_fn(gate) * up                                              # (N, I)
+        return _grouped_linear(h, self.down_proj, counts, offs, fused)          # (N, H)
+
+
+# ----------------------------------------------------------------------------- the MoE layer
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class MoELayer(nn.Module):
+    """Routed experts (+ optional shared expert), dropless by default, expert-parallel over `ep_group`.
+
+    `ep_group=None` (or a group of one rank) means no expert parallelism; `router.group=None` means
+    statistics over this process's tokens only. `experts` may hold all E experts (same on every rank; this rank's E/ep are copied out) or only
+    this rank's E/ep. `capacity_factor`: per-expert capacity ceil(cf * k * N_global / E), N_global the
+    real tokens over `router.group` (which must contain the EP group); copies past it, in global order
+    (rank of router.group, then token), are dropped and contribute zero. Padding (see
+    `moe_token_mask`) never takes capacity: with a capacity its copies are dropped.
+    """
+
+    def __init__(self, router: TopKRouter, experts: GroupedExperts, *, ep_group=None,
+                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None,
+                 capacity_factor: float | None = None):
+        super().__init__()
+        E = router.num_experts
+        ep = group_size(ep_group) if ep_group is not None else 1       # None = no expert parallelism
+        if E % ep:
+            raise ValueError(f"MoELayer: num_experts={E} is not divisible by the expert-parallel size ep={ep}")
+        if not 1 <= router.top_k <= E:
+            raise ValueError(f"MoELayer: top_k={router.top_k} must be in [1, num_experts={E}]")
+        if experts.hidden_size != router.hidden_size:
+            raise ValueError(f"MoELayer: experts hidden_size={experts.hidden_size} != router hidden_size={router.hidden_size}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"MoELayer: capacity_factor={capacity_factor} must be > 0 (or None for dropless)")
+        self.num_experts, self.top_k = E, router.top_k
+        self.ep_group, self.ep_size = ep_group, ep
+        self.ep_rank = group_rank(ep_group) if ep > 1 else 0
+        if capacity_factor is not None and ep > 1 and router.group is None:
+            raise ValueError("MoELayer: capacity_factor with ep > 1 needs router.group (the data-parallel group, "
+                             "which contains the EP group) so capacity comes from global counts")
+        self.num_local_experts = E // ep
+        self.local_expert_start = self.ep_rank * self.num_local_experts
+        if experts.num_experts == E and ep > 1:
+            experts = experts.shard(self.local_expert_start, self.num_local_experts)
+        elif experts.num_experts != self.num_local_experts:
+            raise ValueError(f"MoELayer: experts holds {experts.num_experts} experts; expected {E} (all) or "
+                             f"{self.num_local_experts} (this rank's, num_experts={E} / ep={ep})")
+        if ep > 1:
+            for p in experts.parameters():
+                p._hfpar_ep = {"group": ep_group, "size": ep, "rank": self.ep_rank, "dim": 0,
+                               "num_experts": E, "start": self.local_expert_start}
+        self.gate, self.experts = router, experts            # HF names: mlp.gate, mlp.experts
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.capacity_factor = capacity_factor
+        self.last_dropped = torch.zeros((), dtype=torch.long)  # token copies dropped by capacity, this rank
+
+    @property
+    def router(self) -> TopKRouter:
+        return self.gate
+
+    def extra_repr(self) -> str:
+        return (f"ep={self.ep_size}, local_experts=[{self.local_expert_start}, "
+                f"{self.local_expert_start + self.num_local_experts}), capacity_factor={self.capacity_factor}")
+
+    # --------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, H = x.shape
+        x_flat = x.reshape(-1, H)                                        # (N, H)
+        N, k, E = x_flat.shape[0], self.top_k, self.num_experts
+        if token_mask is None:
+            token_mask = current_token_mask()
+        if token_mask is not None:
+            if token_mask.numel() != N:
+                raise ValueError(f"MoELayer: token mask of shape {tuple(token_mask.shape)} for input {(B, T, H)}")
+            token_mask = token_mask.reshape(N).to(x.device) != 0         # (N,) bool
+        weights, experts, _ = self.gate(x_flat, token_mask)              # (N, k) fp32, (N, k)
+
+        flat_expert = experts.reshape(-1)                                # (N*k,) copy i = token i // k
+        if self.capacity_factor is not None and token_mask is not None:  # padding copies sort last, dropped
+            flat_expert = torch.where(token_mask.repeat_interleave(k), flat_expert, E)
+        order = torch.argsort(flat_expert, stable=True)                  # (N*k,) copies by expert, token order kept
+        counts = torch.bincount(flat_expert, minlength=E + 1)[:E]        # (E,)
+        if self.capacity_factor is not None:
+            keep = self._capacity_keep(flat_expert[order], counts)       # (N*k,) bool, sorted order
+            order = order[keep]
+            counts = torch.bincount(flat_expert[order], minlength=E)[:E]
+            self.last_dropped = (flat_expert < E).sum() - keep.sum()     # real copies dropped
+        x_sorted = x_flat[order // k]                                    # (M, H), M = copies kept
+
+        y_sorted = self._experts_ep(x_sorted, counts)                    # (M, H)
+
+        w = weights.reshape(-1)[order].to(x.dtype)                       # (M,)
+        y_copies = x_flat.new_zeros(N * k, H).index_copy(0, order, y_sorted * w[:, None])  # (N*k, H)
+        out = y_copies.view(N, k, H).sum(dim=1)                          # (N, H)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x_flat)                          # (N, H)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x_flat)) * shared
+            out = out + shared
+        return out.view(B, T, H)
+
+    def _capacity_keep(self, expert_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Keep mask for sorted copies: global position within the expert < capacity."""
+        E, group = self.num_experts, self.gate.group
+        n_local = (expert_sorted < E).sum() // self.top_k                # real tokens (k copies each)
+        local = torch.cat([counts, n_local[None]])[None]                # (1, E+1)
+        if group is not None and group_size(group) > 1:
+            every = all_gather(local, dim=0, group=group)                # (G, E+1)
+            offset = every[:group_rank(group)].sum(0)[:E]                # (E,) copies of lower ranks
+            n_global = int(every[:, E].sum())
+        else:
+            offset, n_global = torch.zeros_like(counts), int(n_local)
+        capacity = math.ceil(self.capacity_factor * self.top_k * n_global / E)
+        starts = torch.cumsum(counts, 0) - counts                        # (E,) first sorted row of each expert
+        valid = expert_sorted < E
+        e = expert_sorted.clamp(max=E - 1)
+        pos = torch.arange(expert_sorted.numel(), device=e.device) - starts[e] + offset[e]
+        return valid & (pos < capacity)
+
+    def _experts_ep(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(M, H) copies sorted by global expert, counts (E,) -> expert outputs in the same order."""
+        if self.ep_size == 1:
+            return self.experts(x_sorted, counts)
+        ep, El = self.ep_size, self.num_local_experts
+        # 1. counts: row r of recv = how many copies rank r sends to each of my local experts.
+        recv = all_to_all_single_autograd(counts, None, None, self.ep_group).view(ep, El)  # (ep, El)
+        send_splits = counts.view(ep, El).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        # 2. tokens: blocks ordered (source rank, local expert) -> re-sort by (local expert, source rank).
+        x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.ep_group)  # (R, H)
+        local_expert = torch.repeat_interleave(
+            torch.arange(El, device=x_recv.device).repeat(ep), recv.reshape(-1))              # (R,)
+        perm = torch.argsort(local_expert, stable=True)
+        y_local = self.experts(x_recv[perm], recv.sum(0))                                      # (R, H)
+        # 3. back: undo the re-sort, reverse all-to-all.
+        y_recv = y_local[_inverse(perm)]                                                       # (R, H)
+        return all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.ep_group)     # (M, H)
+
+    # --------------------------------------------------------------------- export
+    @torch.no_grad()
+    def full_expert_state(self) -> dict[str, torch.Tensor]:
+        """{"gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)} gathered over the EP group (collective)."""
+        return {name: all_gather(p.detach(), dim=0, group=self.ep_group) if self.ep_size > 1 else p.detach().clone()
+                for name, p in self.experts.named_parameters()}

@@ -1,0 +1,136 @@
+"""Tensor-parallel plans as data: {model_type: {module-path pattern: style}}.
+
+    python -c "from hfpar.parallel.plans import get_plan; print(get_plan('llama'))"
+
+A pattern matches a module's full path in the HF model (`model.layers.3.self_attn.q_proj`):
+`*` matches one path component (no dots); a pattern starting with `re:` is a full-match regex.
+Styles (`apply.py` turns them into layers and hooks):
+
+    vocab_embedding      nn.Embedding -> VocabParallelEmbedding (rows of the vocab split; output all-reduced)
+    colwise              nn.Linear -> ColumnParallelLinear, output features split (q/k/v, gate/up)
+    colwise_packed:RULE  the same for a fused projection; RULE names the part sizes, each part split on
+                         its own ("qkv" -> [q, k, v] from the config, "gate_up" -> [I, I]) or lists
+                         them ("colwise_packed:64,32,32")
+    rowwise              nn.Linear -> RowParallelLinear, input features split (o_proj, down_proj)
+    colwise_lm_head      lm_head -> ColumnParallelLinear without gather: logits are vocab shards (B, T, V/tp)
+    attention            the module holding q/k/v/o. Its input enters the TP region once (backward: one
+                         all-reduce, or under sequence parallelism one all-gather of T forward and one
+                         reduce-scatter backward) and its column layers use it as is. Head counts are
+                         validated and set per rank on the module.
+    mlp                  the same region for the MLP (gate/up/down); intermediate_size validated.
+                         A region's input may feed only the plan's column layers (every Linear inside
+                         a region needs a plan entry; checked).
+    sequence_scatter     the first decoder layer: under sequence parallelism its input is split along T
+    replicated_sp        replicated (norms); under sequence parallelism each rank sees T/tp tokens, so
+                         the gradient is summed over the TP group (`sync_sequence_parallel_grads`)
+    replicated_heads     replicated but applied to this rank's heads only (Qwen3 q_norm / k_norm on
+                         head_dim): forward exact, gradient partial -> summed over TP, with or without SP
+
+Modules not named by a plan stay replicated (plain parameters, identical on every rank).
+Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "STYLES", "PACKED_SPLIT_RULES", "get_plan", "compile_pattern",
+           "packed_splits"]
+
+STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
+          "sequence_scatter", "replicated_sp", "replicated_heads")
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+# Fused projections: full part sizes, in the order they are concatenated in the weight's rows.
+PACKED_SPLIT_RULES = {
+    "qkv": lambda cfg: [cfg.num_attention_heads * _head_dim(cfg), _kv_heads(cfg) * _head_dim(cfg),
+                        _kv_heads(cfg) * _head_dim(cfg)],
+    "gate_up": lambda cfg: [cfg.intermediate_size, cfg.intermediate_size],
+}
+
+
+# The Llama layout, shared by most decoder-only families.
+_LLAMA = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.0": "sequence_scatter",
+    "model.layers.*.input_layernorm": "replicated_sp",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.post_attention_layernorm": "replicated_sp",
+    "model.layers.*.mlp": "mlp",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.norm": "replicated_sp",
+    "lm_head": "colwise_lm_head",
+}
+
+TP_PLANS: dict[str, dict[str, str]] = {
+    "llama": dict(_LLAMA),
+    "mistral": dict(_LLAMA),
+    "qwen2": dict(_LLAMA),                      # q/k/v biases are split with their rows
+    # Parity-tested on one tiny config each (tests/test_tp_models.py), beyond the llama/mistral/qwen2 contract:
+    "qwen3": {**_LLAMA,                         # per-head q/k RMSNorm over head_dim
+              "model.layers.*.self_attn.q_norm": "replicated_heads",
+              "model.layers.*.self_attn.k_norm": "replicated_heads"},
+    "phi3": {k: v for k, v in _LLAMA.items() if ".self_attn." not in k and ".mlp." not in k}
+    | {"model.layers.*.self_attn.qkv_proj": "colwise_packed:qkv",
+       "model.layers.*.self_attn.o_proj": "rowwise",
+       "model.layers.*.mlp.gate_up_proj": "colwise_packed:gate_up",
+       "model.layers.*.mlp.down_proj": "rowwise"},
+    "gemma": dict(_LLAMA),                      # tied embeddings by default: lm_head shares the shard
+    "gemma2": {**_LLAMA,                        # + sandwich norms; logit soft-capping is elementwise
+               "model.layers.*.pre_feedforward_layernorm": "replicated_sp",
+               "model.layers.*.post_feedforward_layernorm": "replicated_sp"},
+}
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
+
+
+def get_plan(model_type: str) -> dict[str, str]:
+    """A copy of the built-in plan for `model_type`; ValueError naming it and the supported ones."""
+    if model_type not in TP_PLANS:
+        raise ValueError(f"apply_tensor_parallel: no tensor-parallel plan for model_type {model_type!r}; "
+                         f"supported: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}). "
+                         f"Pass plan={{module pattern: style}} for other architectures.")
+    return dict(TP_PLANS[model_type])
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """`*` = one path component; `re:...` = a regex matched against the whole path."""
+    if pattern.startswith("re:"):
+        return re.compile(pattern[3:])
+    return re.compile("[^.]+".join(re.escape(p) for p in pattern.split("*")))
+
+
+def packed_splits(style: str, config) -> list[int] | None:
+    """Part sizes for "colwise_packed:RULE" (None for every other style)."""
+    base, _, rule = style.partition(":")
+    if base != "colwise_packed":
+        return None
+    if rule in PACKED_SPLIT_RULES:
+        return PACKED_SPLIT_RULES[rule](config)
+    try:
+        return [int(s) for s in rule.split(",")]
+    except ValueError:
+        raise ValueError(f"tensor-parallel plan: style {style!r} needs a split rule "
+                         f"({' | '.join(PACKED_SPLIT_RULES)} | comma-separated sizes)") from None
+
+
+def validate_plan(plan: Mapping[str, str]) -> None:
+    bad = [f"{p!r}: {s!r}" for p, s in plan.items() if s.partition(":")[0] not in STYLES
+           or (s.partition(":")[0] == "colwise_packed") != bool(s.partition(":")[2])]
+    if bad:
+        raise ValueError(f"tensor-parallel plan: unknown style(s) {', '.join(bad)}; styles: {', '.join(STYLES)} "
+                         f"(colwise_packed needs ':RULE')")

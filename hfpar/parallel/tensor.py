@@ -1,0 +1,485 @@
+"""Tensor-parallel layers (Megatron style) and a vocab-parallel cross-entropy.
+
+    ColumnParallelLinear   W (out/tp, in)  shards the output features; bias sharded with them
+    RowParallelLinear      W (out, in/tp)  shards the input features; output all-reduced (or
+                           reduce-scattered along the sequence), bias added once after that
+    VocabParallelEmbedding W (V/tp, H)     each rank looks up its vocab rows, then sum over ranks
+    vocab_parallel_cross_entropy           loss from (..., V/tp) logit shards, never the full vocab
+
+A Column -> Row pair (q/k/v -> o, gate/up -> down) needs one all-reduce forward and one backward.
+With sequence_parallel=True activations between TP regions are sharded along the sequence,
+(B, T/tp, H): Column all-gathers T in, Row reduce-scatters T out, the embedding reduce-scatters.
+
+Parameters are plain nn.Parameters (DDP / FSDP2 / DeepSpeed wrap them as usual). Sharded ones
+carry `param._hfpar_tp = {"dim": 0 | 1, "group": group, "size": tp, "packed_splits": ...}` so
+grad-norm clipping can sum their squares over the TP group; params without it are replicated.
+
+Build from an existing layer (same seed => same math as the single-process model):
+
+    # python -c "from tests.dist_utils import run_distributed; from hfpar.parallel.tensor import _demo; run_distributed(_demo, 2)"
+    torch.manual_seed(0)
+    up, down = nn.Linear(16, 64), nn.Linear(64, 16)               # the same on every rank
+    col = ColumnParallelLinear.from_linear(up, group)             # W (64/tp, 16)
+    row = RowParallelLinear.from_linear(down, group)              # W (16, 64/tp)
+    x = torch.randn(2, 5, 16)                                      # (B, T, H), same on every rank
+    y = row(F.gelu(col(x)))                                        # (B, T, H) == down(gelu(up(x)))
+    row.full_weight()                                              # (16, 64) on every rank (collective)
+    fused = nn.Linear(16, 48)                                      # q | k | v = 32 | 8 | 8 rows
+    qkv = ColumnParallelLinear.from_linear(fused, group, packed_splits=[32, 8, 8])  # (16+4+4, 16) at tp=2
+    qkv.to_linear()                                                # == fused, parts in order (collective)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import (all_gather, all_reduce, copy_to_parallel_region, gather_from_parallel_region,
+                   gather_from_sequence_parallel_region, group_rank, group_size,
+                   reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                   scatter_to_parallel_region)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "gather_shards", "shard_tensor", "tp_sharded_parameters",
+           "TPShardInfo"]
+
+
+# ----------------------------------------------------------------------------- sharding helpers
+def _check_divisible(layer: str, what: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise ValueError(f"{layer}: {what}={n} is not divisible by the tensor-parallel size {tp}")
+
+
+def _part_sizes(total: int, packed_splits: Sequence[int] | None) -> list[int]:
+    return [total] if packed_splits is None else [int(s) for s in packed_splits]
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, tp: int,
+                 packed_splits: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's shard along `dim`; with packed_splits, its slice of EACH part, concatenated.
+
+    E.g. fused qkv (q+k+v, H) with packed_splits=[q, k, v] -> (q/tp + k/tp + v/tp, H).
+    Returns a fresh tensor (does not keep `full` alive).
+    """
+    sizes = _part_sizes(full.shape[dim], packed_splits)
+    if full.is_meta:  # any op on meta tensors imports torch's meta kernels (~3 s): build it directly
+        shape = list(full.shape)
+        shape[dim] = sum(s // tp for s in sizes)
+        return torch.empty(shape, dtype=full.dtype, device="meta")
+    parts = full.split(sizes, dim)
+    return torch.cat([p.narrow(dim, rank * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts], dim)
+
+
+def _unpack(x: torch.Tensor, dim: int, tp: int, packed_splits: Sequence[int]) -> torch.Tensor:
+    """Rank-major [p0_r0 p1_r0 .. | p0_r1 p1_r1 ..] along dim -> part-major [p0 | p1 | ..]."""
+    local = [s // tp for s in packed_splits]
+    per_rank = [c.split(local, dim) for c in x.chunk(tp, dim)]
+    return torch.cat([per_rank[r][i] for i in range(len(local)) for r in range(tp)], dim)
+
+
+def gather_shards(shard: torch.Tensor, dim: int, group=None,
+                  packed_splits: Sequence[int] | None = None) -> torch.Tensor:
+    """Inverse of shard_tensor over `group` (a collective: every rank calls it, every rank gets
+    the full tensor). Not differentiable; use it for export and for checking weights / grads."""
+    tp = group_size(group)
+    full = shard.detach().clone() if tp == 1 else all_gather(shard.detach(), dim, group)
+    return full if packed_splits is None or tp == 1 else _unpack(full, dim, tp, packed_splits)
+
+
+def _is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t.detach().clone()
+
+
+def _full_linear(in_features: int, out_features: int, bias: bool, device, dtype):
+    """Full (weight, bias) drawn exactly like nn.Linear(in, out) (same RNG stream); uninitialised on meta."""
+    if _is_meta(device):
+        return (torch.empty(out_features, in_features, device="meta", dtype=dtype),
+                torch.empty(out_features, device="meta", dtype=dtype) if bias else None)
+    full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+    return full.weight, full.bias
+
+
+class TPShardInfo(dict):
+    """The `param._hfpar_tp` tag: {"dim", "group", "size", "packed_splits"}.
+
+    Pickles without the process group (a ProcessGroup cannot be pickled; torch.save(param) would
+    fail), which then reads None. Note: Parameter deepcopy and FSDP2's fully_shard create new
+    Parameter objects WITHOUT the tag; tp_sharded_parameters() finds shards from the modules instead.
+    """
+
+    def __reduce__(self):
+        return (TPShardInfo, ({**self, "group": None},))
+
+
+def _mark(param: nn.Parameter, dim: int, group, tp: int, packed_splits=None) -> nn.Parameter:
+    param._hfpar_tp = TPShardInfo(dim=dim, group=group, size=tp,
+                                  packed_splits=None if packed_splits is None else list(packed_splits))
+    return param
+
+
+def tp_sharded_parameters(model: nn.Module):
+    """Yield (qualified name, parameter, info) for every TP-sharded parameter of `model`.
+
+    Found through the TP modules, so it also works after a wrapper (FSDP2) replaced the Parameter
+    objects. Parameters not yielded are replicated across the TP group (row-parallel biases, norms).
+    """
+    seen: set[int] = set()                                       # a tied lm_head / embedding: once
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            dim = 1 if isinstance(mod, RowParallelLinear) else 0
+            packed = getattr(mod, "packed_splits", None)
+            names = ("weight", "bias") if isinstance(mod, ColumnParallelLinear) else ("weight",)
+            for n in names:
+                p = getattr(mod, n, None)
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    info = TPShardInfo(dim=dim, group=mod.group, size=mod.tp, packed_splits=packed)
+                    yield (f"{mod_name}.{n}" if mod_name else n), p, info
+
+
+def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=requires_grad)
+
+
+def _grads(linear: nn.Linear) -> tuple[bool, bool]:
+    """Keep a frozen source's requires_grad (e.g. LoRA base weights)."""
+    return linear.weight.requires_grad, linear.bias is not None and linear.bias.requires_grad
+
+
+# ----------------------------------------------------------------------------- linear layers
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output features: W (out/tp, in), b (out/tp,).
+
+    Input (B, T, in) replicated, or (B, T/tp, in) with sequence_parallel. Output (B, T, out/tp),
+    or (B, T, out) with gather_output. packed_splits: out_features is a concatenation of parts
+    (fused qkv / gate_up); each rank holds its slice of every part, in part order.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 packed_splits: Sequence[int] | None = None, device=None, dtype=None, name: str | None = None):
+        super().__init__()
+        tp = group_size(group)
+        label = name or f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
+        if packed_splits is not None:
+            if sum(packed_splits) != out_features:
+                raise ValueError(f"{label}: packed_splits {list(packed_splits)} sum to {sum(packed_splits)}, "
+                                 f"not out_features={out_features}")
+            for i, s in enumerate(packed_splits):
+                _check_divisible(label, f"packed_splits[{i}]", s, tp)
+        _check_divisible(label, "out_features", out_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp, self.rank = group, tp, group_rank(group)
+        self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
+        self.packed_splits = None if packed_splits is None else [int(s) for s in packed_splits]
+        # Same RNG stream as nn.Linear(in, out): initialise the full weight, keep this rank's rows.
+        self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
+
+    def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
+        w = shard_tensor(weight.detach(), 0, self.rank, self.tp, self.packed_splits)      # (out/tp, in)
+        self.weight = _mark(_param(w, requires_grad[0]), 0, self.group, self.tp, self.packed_splits)
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            b = shard_tensor(bias.detach(), 0, self.rank, self.tp, self.packed_splits)      # (out/tp,)
+            self.bias = _mark(_param(b, requires_grad[1]), 0, self.group, self.tp, self.packed_splits)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, packed_splits: Sequence[int] | None = None,
+                    gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
+                    name: str | None = None) -> "ColumnParallelLinear":
+        """Shard an existing nn.Linear (any device, meta included) for this rank of `group`."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    gather_output=gather_output, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                    packed_splits=packed_splits, device="meta", dtype=linear.weight.dtype, name=name)
+        layer._load_full(linear.weight, linear.bias, _grads(linear))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.group)  # (B, T/tp, in) -> (B, T, in)
+        else:
+            x = copy_to_parallel_region(x, self.group)                                  # (B, T, in)
+        y = F.linear(x, self.weight, self.bias)                                         # (B, T, out/tp)
+        if self.gather_output:
+            y = gather_from_parallel_region(y, self.group)                              # (B, T, out)
+            if self.packed_splits is not None and self.tp > 1:
+                y = _unpack(y, y.dim() - 1, self.tp, self.packed_splits)
+        return y
+
+    def full_weight(self) -> torch.Tensor:
+        """(out, in) on every rank, parts in their original order. Collective."""
+        return gather_shards(self.weight, 0, self.group, self.packed_splits)
+
+    def full_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else gather_shards(self.bias, 0, self.group, self.packed_splits)
+
+    def to_linear(self) -> nn.Linear:
+        """The equivalent single-device nn.Linear (collective; for export)."""
+        return _linear_from(self.full_weight(), self.full_bias())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+                f"bias={self.bias is not None}, tp={self.tp}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}, packed_splits={self.packed_splits}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input features: W (out, in/tp), b (out,) replicated.
+
+    Input (B, T, in/tp) (input_is_parallel, e.g. a ColumnParallelLinear's output) or (B, T, in).
+    Output (B, T, out) all-reduced, or (B, T/tp, out) reduce-scattered with sequence_parallel.
+    The bias is added once, after the reduction. Under sequence_parallel each rank adds it to its
+    own tokens only, so its gradient is all-reduced over the group (stays replicated and exact).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 device=None, dtype=None, name: str | None = None):
+        super().__init__()
+        tp = group_size(group)
+        label = name or f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
+        _check_divisible(label, "in_features", in_features, tp)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(f"{label}: sequence_parallel=True needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp, self.rank = group, tp, group_rank(group)
+        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = input_is_parallel, sequence_parallel, sequence_dim
+        self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
+
+    def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
+        w = shard_tensor(weight.detach(), 1, self.rank, self.tp)                        # (out, in/tp)
+        self.weight = _mark(_param(w, requires_grad[0]), 1, self.group, self.tp)
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:                                                                           # (out,) replicated
+            self.bias = _param(_copy(bias), requires_grad[1])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, input_is_parallel: bool = True,
+                    sequence_parallel: bool = False, sequence_dim: int = 1,
+                    name: str | None = None) -> "RowParallelLinear":
+        """Shard an existing nn.Linear (any device, meta included) for this rank of `group`."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                    sequence_dim=sequence_dim, device="meta", dtype=linear.weight.dtype, name=name)
+        layer._load_full(linear.weight, linear.bias, _grads(linear))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_parallel_region(x, self.group)                               # (B, T, in) -> (B, T, in/tp)
+        y = F.linear(x, self.weight)                                                    # (B, T, out) partial sums
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, out)
+            bias = None if self.bias is None else copy_to_parallel_region(self.bias, self.group)
+        else:
+            y = reduce_from_parallel_region(y, self.group)                              # (B, T, out)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def full_weight(self) -> torch.Tensor:
+        """(out, in) on every rank. Collective."""
+        return gather_shards(self.weight, 1, self.group)
+
+    def full_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach().clone()
+
+    def to_linear(self) -> nn.Linear:
+        return _linear_from(self.full_weight(), self.full_bias())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias is not None, device="meta", dtype=weight.dtype)
+    lin.weight = nn.Parameter(weight)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias)
+    return lin
+
+
+# ----------------------------------------------------------------------------- embedding
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with rows split over the group: rank r holds ids [r*V/tp, (r+1)*V/tp).
+
+    Input ids (B, T) (full vocab ids, same on every rank). Output (B, T, H), or (B, T/tp, H) with
+    sequence_parallel. Ids outside [0, V) are not checked (they embed to zeros).
+    The row split matches ColumnParallelLinear's, so a tied lm_head can share `weight`.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
+                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None,
+                 name: str | None = None):
+        super().__init__()
+        tp = group_size(group)
+        label = name or f"VocabParallelEmbedding(num_embeddings={num_embeddings}, embedding_dim={embedding_dim})"
+        _check_divisible(label, "num_embeddings (vocab size)", num_embeddings, tp)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.tp, self.rank = group, tp, group_rank(group)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.vocab_start = self.rank * (num_embeddings // tp)
+        self.vocab_end = self.vocab_start + num_embeddings // tp
+        if padding_idx is not None:                                                    # as nn.Embedding does
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"{label}: padding_idx={padding_idx} must be within num_embeddings")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        if _is_meta(device):
+            weight = torch.empty(num_embeddings, embedding_dim, device="meta", dtype=dtype)
+        else:                                                                          # nn.Embedding's RNG stream
+            weight = nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype).weight.detach()
+            if padding_idx is not None:
+                weight[padding_idx].zero_()
+        self._load_full(weight)
+
+    def _load_full(self, weight: torch.Tensor, requires_grad: bool = True) -> None:
+        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)                        # (V/tp, H)
+        self.weight = _mark(_param(w, requires_grad), 0, self.group, self.tp)
+        p = self.padding_idx
+        self._local_padding_idx = p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else None
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group=None, *, sequence_parallel: bool = False,
+                       sequence_dim: int = 1, name: str | None = None) -> "VocabParallelEmbedding":
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, group=group,
+                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta",
+                    dtype=embedding.weight.dtype, name=name)
+        layer._load_full(embedding.weight, embedding.weight.requires_grad)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)                   # (B, T)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight, self._local_padding_idx)                   # (B, T, H) this rank's rows
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, H)
+        return reduce_from_parallel_region(y, self.group)                              # (B, T, H)
+
+    def full_weight(self) -> torch.Tensor:
+        """(V, H) on every rank. Collective."""
+        return gather_shards(self.weight, 0, self.group)
+
+    def to_embedding(self) -> nn.Embedding:
+        w = self.full_weight()
+        return nn.Embedding(w.shape[0], w.shape[1], self.padding_idx, _weight=w)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.tp}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Saves only the local softmax (N, V/tp) and reuses its memory for the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, reduction):
+        tp, vl = group_size(group), logits.shape[-1]
+        start, vocab = group_rank(group) * vl, vl * tp
+        x = logits.reshape(-1, vl)                                                      # (N, V/tp)
+        t = target.reshape(-1)                                                          # (N,)
+        acc = torch.promote_types(logits.dtype, torch.float32)                          # fp32 (or fp64) math
+        m = x.max(dim=-1).values.to(acc)                                                # (N,) local max
+        if tp > 1:
+            m = all_reduce(m, group, op=dist.ReduceOp.MAX)                              # global max
+        z = x.to(acc, copy=True).sub_(m.unsqueeze(-1))                                  # (N, V/tp), one new tensor
+        valid = t != ignore_index
+        mine = valid & (t >= start) & (t < start + vl)                                  # target row is local
+        lt = (t - start).masked_fill(~mine, 0)
+        z_t = z.gather(1, lt.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)        # (N,) target logit or 0
+        sum_z = z.sum(-1) if label_smoothing > 0 else torch.zeros_like(z_t)             # (N,) for smoothing
+        z.exp_()
+        stats = torch.stack([z.sum(-1), z_t, sum_z])                                    # (3, N)
+        if tp > 1:
+            stats = all_reduce(stats, group)                                            # one sum over ranks
+        sum_exp, z_t, sum_z = stats.unbind(0)
+        lse = sum_exp.log()                                                             # log-sum-exp - m
+        loss = lse - z_t
+        if label_smoothing > 0:                                                         # -mean_v log p_v
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab)
+        loss = loss.masked_fill(~valid, 0.0)
+        n_valid = valid.sum()
+        if reduction == "mean":
+            out = loss.sum() / n_valid
+        elif reduction == "sum":
+            out = loss.sum()
+        else:
+            out = loss.view(target.shape)
+        probs = z.div_(sum_exp.unsqueeze(-1))                                           # (N, V/tp) softmax shard
+        ctx.save_for_backward(probs, lt, mine, valid, n_valid)
+        ctx.meta = (label_smoothing, vocab, reduction, logits.dtype, logits.shape)
+        ctx.used = False
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.used:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its saved softmax in place "
+                               "and can run only once (no retain_graph double backward)")
+        ctx.used = True
+        probs, lt, mine, valid, n_valid = ctx.saved_tensors
+        eps, vocab, reduction, dtype, shape = ctx.meta
+        grad = probs                                                                    # (N, V/tp), in place
+        if eps > 0:
+            grad.sub_(eps / vocab)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, lt] -= (1.0 - eps) * mine.to(grad.dtype)                            # d/dz of -(1-eps) z_t
+        if reduction == "none":
+            scale = g.reshape(-1).to(grad.dtype) * valid
+        else:
+            scale = valid.to(grad.dtype) * (g.to(grad.dtype) / n_valid if reduction == "mean" else g.to(grad.dtype))
+        grad.mul_(scale.unsqueeze(-1))
+        return grad.to(dtype).view(shape), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, group=None,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over a vocab sharded like ColumnParallelLinear's output.
+
+    logits_shard: (..., V/tp), this rank's contiguous vocab slice [r*V/tp, (r+1)*V/tp), classes LAST.
+    target: (...,) full-vocab ids, the same on every rank. Equals
+    F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=..., label_smoothing=...,
+    reduction=...) ("none" keeps target's shape, 0 at ignored positions; "mean" divides by the
+    non-ignored count). Computed in fp32 (fp64 stays fp64); the loss is returned in that dtype and
+    is the same on every rank. Costs two all-reduces of O(N) numbers and keeps one (N, V/tp) tensor.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be mean|sum|none, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits_shard.shape)} (classes last) do not "
+                         f"match target {tuple(target.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, float(label_smoothing),
+                                            reduction)
+
+
+def _demo(rank: int, world_size: int) -> None:
+    """The module docstring's example, checked against the single-process layers."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    up, down = nn.Linear(16, 64), nn.Linear(64, 16)
+    col, row = ColumnParallelLinear.from_linear(up, group), RowParallelLinear.from_linear(down, group)
+    x = torch.randn(2, 5, 16)                                                           # (B, T, H)
+    y = row(F.gelu(col(x)))                                                             # (B, T, H)
+    assert torch.allclose(y, down(F.gelu(up(x))), atol=1e-5)
+    assert torch.equal(row.full_weight(), down.weight.detach())
+    fused = nn.Linear(16, 48)
+    qkv = ColumnParallelLinear.from_linear(fused, group, packed_splits=[32, 8, 8])
+    assert torch.equal(qkv.to_linear().weight, fused.weight) and qkv.weight.shape[0] == 48 // world_size
+    if rank == 0:
+        print("ok:", tuple(x.shape), "->", tuple(col.weight.shape), tuple(row.weight.shape), "->", tuple(y.shape))

@@ -1,0 +1,74 @@
+"""Shared fixtures: one saved tiny base model and one single-process reference run per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import launch, read_metrics, rel_close
+
+TOL = 1e-4  # the parity contract (DESIGN.md)
+# fp32, 8 optimizer steps, global batch 8 = per-device x dp x 2 accumulation steps
+COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
+          "--warmup_steps", "2", "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_steps", "4",
+          "--per_device_eval_batch_size", "8", "--max_eval_samples", "48", "--weight_decay", "0.01"]
+
+
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory):
+    """A saved random-init tiny Llama + tokenizer, so every strategy (ZeRO-3 zero.Init included) loads the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpar import data
+
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data.embedded_model_path()))
+    model.save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def single_run(base_model, tmp_path_factory):
+    """The reference: one process, batch 4 x accumulation 2."""
+    out = tmp_path_factory.mktemp("runs") / "single"
+    launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
+                                "--per_device_train_batch_size", "4"])
+    return out
+
+
+def assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, what: str):
+    assert [r["step"] for r in ref] == [r["step"] for r in got], f"{what}: steps differ"
+    for r, g in zip(ref, got):
+        assert rel_close(r[key], g[key], tol), f"{what} step {r['step']}: {key} {g[key]!r} vs single {r[key]!r}"
+
+
+def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL):
+    ref = load_file(str(ref_dir / "model.safetensors"))
+    got = load_file(str(got_dir / "model.safetensors"))
+    assert ref.keys() == got.keys()
+    for k in ref:
+        diff = (ref[k].float() - got[k].float()).norm() / ref[k].float().norm().clamp(min=1e-12)
+        assert diff <= tol, f"{what}: {k} relative diff {diff:.2e}"
+
+
+def export_eval_loss(out, n: int = 48) -> float:
+    """Eval loss of the exported model, loaded on one process with from_pretrained (same eval samples as the run)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfpar import data
+    from hfpar.trainer import lm_loss_sum
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    ev, _ = data.tokenize_sft(data.load_splits(None, "sft", eval_split_fraction=0.05, seed=42)["eval"], tok, 128)
+    collate = data.DataCollator(tok, task="lm")
+    tot, cnt = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, n, 8):
+            b = collate([ev[j] for j in range(i, i + 8)])
+            s, c = lm_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+            tot, cnt = tot + float(s), cnt + int(c)
+    return tot / cnt
