@@ -209,7 +209,8 @@ def _carve_eval(train: Dataset, fraction: float, seed: int, name: str) -> tuple[
     """Deterministic eval split from train: a seeded permutation, at least one row each side."""
     n = len(train)
     if n < 2:
-        raise DataError(f"dataset {name}: {n} row(s) is too few to carve an eval split; give at least 2 or an eval split")
+        raise DataError(f"dataset {name}: {n} row(s) are too few to carve an eval split from; "
+                        "give at least 2 rows or an eval split")
     n_eval = min(n - 1, max(1, round(n * fraction)))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return train.select(sorted(perm[n_eval:])), train.select(sorted(perm[:n_eval]))

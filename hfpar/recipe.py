@@ -52,9 +52,9 @@ def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
 
     if args.tp_size > 1:
         strategy = strategy_name(accelerator)
-        if strategy not in ("single", "ddp"):
+        if strategy not in ("single", "ddp", "fsdp2"):
             raise ConfigError(f"--tp_size {args.tp_size} with {strategy}: tensor parallelism currently composes with "
-                              "single.yaml and ddp.yaml only (FSDP2 / ZeRO over the dp group: not yet)")
+                              "single.yaml, ddp.yaml and fsdp2.yaml (ZeRO over the dp group: not yet)")
         if task != "lm":
             raise ConfigError(f"--tp_size {args.tp_size}: tensor parallelism is available for causal-LM recipes (sft, clm)")
 

@@ -5,11 +5,12 @@
 
 One generator per recipe kind, each small enough for the tiny character-level model to learn
 visibly in about a minute of CPU training:
-  sft       `messages` chats. The user asks for one of three string tasks, the assistant answers:
-              "repeat k 13"    -> "kkkkkkkkkkkkk"  (1-40 characters: completions differ a lot in length)
-              "reverse hello"  -> "olleh"
-              "sort dbca"      -> "abcd"
-            A quarter of the chats start with a short system message.
+  sft       `messages` chats. The user asks for one of two string tasks, the assistant answers:
+              "count 14 to 19"  -> "14 15 16 17 18 19"   (1-25 numbers: 1 to ~75 completion tokens)
+              "repeat k 3"      -> "kkk"                 (1-9 tokens)
+            so completions differ a lot in length. A quarter of the chats start with a short system
+            message. Counting is learned first (eval loss ~4.9 -> <1 in ~150 steps); copying the
+            letter and stopping at the right number take a few hundred steps more.
   clm       `text`: short documents from a small grammar ("the red fox sees a big dog. ...") and
             counting runs ("count 12 13 14 15."), so characters, words and numbers are predictable.
   classify  `text` + `label` (ClassLabel sports/food/weather/music): a few words, most of them from
@@ -33,17 +34,13 @@ SYSTEM_PROMPTS = ["answer with the result only.", "be exact.", "you are a tiny a
 
 
 def _sft_sample(rng: random.Random) -> list[dict]:
-    task = rng.choice(("count", "repeat"))
-    if task == "count":
+    if rng.random() < 0.5:
         a = rng.randint(0, 99)
         b = a + rng.randint(0, 24)
         user, answer = f"count {a} to {b}", " ".join(str(i) for i in range(a, b + 1))
-    elif task == "repeat":
+    else:
         ch, n = rng.choice(LETTERS), rng.randint(1, 9)
         user, answer = f"repeat {ch} {n}", ch * n
-    else:
-        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 5)))
-        user, answer = f"reverse {word}", word[::-1]
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
     if rng.random() < 0.25:
         messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})

@@ -13,6 +13,7 @@ a mean of per-micro-batch means.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -119,6 +120,9 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         self.n_params = M.param_count(model)
+        self.strategy = strategy_name(accelerator)
+        if self.tp is not None:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
+            model = self._wrap_tp(model)
         optimizer = build_optimizer(model, args)
         # The scheduler is stepped by us once per optimizer step (not prepared: Accelerate's wrapper
         # would step it num_processes times per call) and saved with the checkpoint.
@@ -127,40 +131,60 @@ class Trainer:
         if self.tp is None:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         else:
-            self.model, self.optimizer = self._prepare_tp(model, optimizer)
+            self.model, self.optimizer = model, optimizer
         accelerator.register_for_checkpointing(self.scheduler)
-        self.strategy = strategy_name(accelerator)
         self.start_step = 0
 
-    def _prepare_tp(self, model, optimizer):
+    def _wrap_tp(self, model):
         """TP models: data parallelism over the dp group only (Accelerate's wrappers would reduce over
-        the whole world, averaging different TP shards together). Shards differ per TP rank, so the
-        model and optimizer are checkpointed by hfpar per TP rank (see _save_tp_state)."""
+        the whole world, averaging different TP shards together): DDP, or FSDP2 on a dp mesh.
+        Shards differ per TP rank, so hfpar checkpoints model + optimizer per rank (_save_tp_state)."""
         model.to(self.acc.device)
+        if self.strategy == "fsdp2":
+            from hfpar.parallel.fsdp_tp import fully_shard_dp
+
+            return fully_shard_dp(model, self.dp_group)
         if self.dims.dp > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             dev = [self.acc.device.index] if self.acc.device.type == "cuda" else None
-            model = DDP(model, process_group=self.dp_group, device_ids=dev)
-        return model, optimizer
+            return DDP(model, process_group=self.dp_group, device_ids=dev)
+        return model
 
     def _unwrapped(self):
         return self.model.module if hasattr(self.model, "module") else self.model
 
     def _tp_state_file(self, ckpt_dir) -> Path:
+        if self.strategy == "fsdp2":  # every rank holds a distinct (dp, tp) shard
+            return Path(ckpt_dir) / f"rank{self.dims.rank:03d}_of{self.dims.world:03d}.pt"
         return Path(ckpt_dir) / f"tp_rank{self.dims.tp_rank:02d}_of{self.dims.tp:02d}.pt"
 
     def _save_tp_state(self, ckpt_dir) -> None:
-        if self.tp is not None and self.dims.dp_rank == 0:  # one copy per TP shard
+        if self.tp is None:
+            return
+        if self.strategy == "fsdp2":
+            from hfpar.parallel.fsdp_tp import local_state
+
+            torch.save({"model": local_state(self.model.state_dict()),
+                        "optimizer": local_state(self.optimizer.state_dict())}, self._tp_state_file(ckpt_dir))
+        elif self.dims.dp_rank == 0:  # DDP replicas are identical: one copy per TP shard
             torch.save({"model": self._unwrapped().state_dict(), "optimizer": self.optimizer.state_dict()},
                        self._tp_state_file(ckpt_dir))
 
     def _load_tp_state(self, ckpt_dir) -> None:
-        if self.tp is not None:
-            f = self._tp_state_file(ckpt_dir)
-            if not f.is_file():
-                raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another --tp_size")
-            state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        if self.tp is None:
+            return
+        f = self._tp_state_file(ckpt_dir)
+        if not f.is_file():
+            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
+        state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        if self.strategy == "fsdp2":
+            from hfpar.parallel.fsdp_tp import load_local_state, load_optimizer_2d
+
+            with torch.no_grad():
+                load_local_state(self.model.state_dict(), state["model"])
+            load_optimizer_2d(self.optimizer, state["optimizer"])
+        else:
             self._unwrapped().load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
 
@@ -174,12 +198,19 @@ class Trainer:
     def _forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = self.model(**inputs, use_cache=False).logits if self.task == "lm" else self.model(**inputs).logits
+        extra = {"use_cache": False} if self.task == "lm" else {}
+        with self.acc.autocast() if self.tp is not None else contextlib.nullcontext():  # prepare() adds it otherwise
+            logits = self.model(**inputs, **extra).logits
         loss_sum, n = self.loss_fn(logits, labels)
         return loss_sum, n, logits
 
     def _grad_norm_and_clip(self) -> float:
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        if self.tp is not None and self.strategy == "fsdp2":
+            from hfpar.parallel.fsdp_tp import clip_grad_norm_2d_, sync_sp_grads_2d
+
+            sync_sp_grads_2d(self.model, self.tp_group)
+            return float(clip_grad_norm_2d_(self.model, max_norm, self.tp_group, self.dp_group))
         if self.tp is not None:
             from hfpar.parallel.apply import clip_tp_grad_norm_, sync_sequence_parallel_grads
 
@@ -351,9 +382,12 @@ class Trainer:
             ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps),
                                  args.save_total_limit, extra=self._save_tp_state)
         if self.tp is not None:
-            from hfpar.parallel.apply import gather_full_state_dict
+            if self.strategy == "fsdp2":
+                from hfpar.parallel.fsdp_tp import full_state_dict_2d as gather_full_state_dict
+            else:
+                from hfpar.parallel.apply import gather_full_state_dict
 
-            full = gather_full_state_dict(self._unwrapped())  # collective over the TP group
+            full = gather_full_state_dict(self._unwrapped())  # collective: full tensors, HF names
             ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir, state_dict=full)
         else:
             ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir)

@@ -59,7 +59,8 @@ def test_embedded_tokenizer_and_config_load_offline(tok):
     assert lm(input_ids=torch.tensor([[1, 50, 60]])).logits.shape == (1, 3, 128)
     cfg.num_labels = 3
     clf = AutoModelForSequenceClassification.from_config(cfg)
-    batch = data.DataCollator(tok, task="classify")([{"input_ids": [1, 50], "labels": 0}, {"input_ids": [1, 50, 60, 70], "labels": 2}])
+    feats = [{"input_ids": [1, 50], "labels": 0}, {"input_ids": [1, 50, 60, 70], "labels": 2}]
+    batch = data.DataCollator(tok, task="classify")(feats)
     assert clf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.shape == (2, 3)
 
 
@@ -182,7 +183,8 @@ def test_classify_labels(tok):
     emb = data.load_splits(None, "classify")
     out, stats, n = data.tokenize_classify(emb["eval"], tok, 64)
     assert n == 4 and stats["label_names"] == ["sports", "food", "weather", "music"]
-    out, stats, _ = data.tokenize_classify(Dataset.from_dict({"text": ["abcdef", "ab"], "label": [0, 1]}), tok, 4, truncation="drop")
+    long_short = Dataset.from_dict({"text": ["abcdef", "ab"], "label": [0, 1]})
+    out, stats, _ = data.tokenize_classify(long_short, tok, 4, truncation="drop")
     assert stats["dropped"] == 1 and out["labels"] == [1]
     _raises_one_line(lambda: data.tokenize_classify(ds, tok, 8, label_names=["pos"]), "'neg'", "['pos']")
     _raises_one_line(lambda: data.tokenize_classify(Dataset.from_dict({"text": ["a"], "label": [-1]}), tok, 8), "-1")

@@ -47,7 +47,8 @@ def _build(model_type: str, dtype: str = "float64", seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN.get(model_type, "sdpa")).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN.get(model_type, "sdpa"))
+    model = model.to(getattr(torch, dtype))
     return model.train()
 
 
@@ -224,7 +225,7 @@ def test_errors_on_ranks(ranks):
             in res["err_kv"], res["err_kv"]
         assert "model.embed_tokens: vocab_size 129 is not divisible by tp_size 2" in res["err_vocab"], res["err_vocab"]
         assert "lm_head: vocab_size 129" in res["err_vocab"]
-        assert "'gpt2'" in res["err_gpt2"] and "llama" in res["err_gpt2"] and "qwen2" in res["err_gpt2"], res["err_gpt2"]
+        assert all(s in res["err_gpt2"] for s in ("'gpt2'", "llama", "mistral", "qwen2")), res["err_gpt2"]
         assert "model.layers.1.mlp.up_proj.weight" in res["err_weights"], res["err_weights"]
         assert "T=7" in res["err_seq"] and "tp_size 2" in res["err_seq"], res["err_seq"]
         assert "vocab_parallel_cross_entropy" in res["err_labels"], res["err_labels"]
@@ -234,7 +235,8 @@ def test_errors_on_ranks(ranks):
 @pytest.mark.parametrize("overrides, expected", [
     ({}, "model.layers.0.self_attn: num_key_value_heads 2 is not divisible by tp_size 4"),
     ({"vocab_size": 130, "num_key_value_heads": 4}, "model.embed_tokens: vocab_size 130 is not divisible by tp_size 4"),
-    ({"intermediate_size": 130, "num_key_value_heads": 4}, "model.layers.0.mlp: intermediate_size 130 is not divisible by tp_size 4"),
+    ({"intermediate_size": 130, "num_key_value_heads": 4},
+     "model.layers.0.mlp: intermediate_size 130 is not divisible by tp_size 4"),
 ])
 def test_invalid_degree_before_any_collective(overrides, expected):
     """No process group exists here: a collective would raise 'not initialized', not this message."""

@@ -325,8 +325,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             continue
         new.train(mod.training)
         new_modules[name] = new
-    for name, new in new_modules.items():
-        _set_submodule(model, name, new)
+        _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
     if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
         head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
