@@ -125,6 +125,9 @@ def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Acceler
         # DeepSpeed reads its own timeout at init_distributed; keep it equal to ours.
         os.environ.setdefault("DEEPSPEED_TIMEOUT", str(max(1, args.dist_timeout_s // 60)))
     if needs_cpu_shim():
+        if "OMP_NUM_THREADS" not in os.environ:  # as Accelerate does for MULTI_CPU: no oversubscription
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         with _cpu_backend():
             accelerator = Accelerator(**kwargs)
     else:

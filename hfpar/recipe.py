@@ -21,7 +21,7 @@ TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
 
 # Embedded defaults: what `python recipes/<kind>.py` with no arguments runs (tiny model, generated data).
 RECIPE_DEFAULTS = {
-    "sft": dict(output_dir="outputs/sft", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
+    "sft": dict(output_dir="outputs/sft", max_steps=150, per_device_train_batch_size=16, learning_rate=1e-3,
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
     "clm": dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
