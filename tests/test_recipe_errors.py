@@ -42,3 +42,11 @@ def test_resume_from_incomplete_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoint-3").mkdir()
     err = _run(["--output_dir", str(tmp_path), "--resume_from_checkpoint", str(tmp_path / "checkpoint-3")], capsys)
     assert "incomplete" in err[0]
+
+
+def test_cli_rejects_unknown_recipe(capsys):
+    from hfpar.cli import main as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["train"])
+    assert e.value.code == 2 and "expected a recipe (sft, clm, classify), got 'train'" in capsys.readouterr().err
