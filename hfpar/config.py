@@ -74,6 +74,10 @@ class RecipeArgs:
     tp_size: int = 1
     ep_size: int = 1
     sequence_parallel: bool = False
+    upcycle_experts: int = 0  # > 0: turn every dense MLP into an MoE of this many copies (then --ep_size works)
+    moe_top_k: int = 2  # experts per token for upcycled MoE layers
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss coefficient (upcycled layers)
+    moe_z_loss_coef: float = 0.0  # router z-loss coefficient (upcycled layers)
     on_nonfinite: str = "error"  # non-finite loss / grad norm: error | skip (the step, on all ranks)
     dist_timeout_s: int = 1800  # process-group timeout (hangs end with a clear message)
 
@@ -238,8 +242,12 @@ def validate(a: RecipeArgs) -> list[str]:
             p.append(f"--report_to {a.report_to!r}: {tracker.strip()!r} is not one of {', '.join(REPORT_TO)}")
     if a.sequence_parallel and a.tp_size == 1:
         p.append("--sequence_parallel needs --tp_size > 1")
-    if a.ep_size > 1:
-        p.append(f"--ep_size {a.ep_size}: expert parallelism is not available in this version of hfpar yet (use 1)")
+    if a.upcycle_experts < 0 or a.upcycle_experts == 1:
+        p.append(f"--upcycle_experts {a.upcycle_experts}: must be 0 (off) or >= 2 experts")
+    if a.upcycle_experts and not 1 <= a.moe_top_k <= a.upcycle_experts:
+        p.append(f"--moe_top_k {a.moe_top_k}: must be between 1 and --upcycle_experts {a.upcycle_experts}")
+    if a.ep_size > 1 and a.tp_size > 1:
+        p.append(f"--ep_size {a.ep_size} with --tp_size {a.tp_size}: EP together with TP is not supported yet")
     return p
 
 

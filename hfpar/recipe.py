@@ -9,6 +9,7 @@ one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -57,6 +58,49 @@ def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
                               "single.yaml, ddp.yaml and fsdp2.yaml (ZeRO over the dp group: not yet)")
         if task != "lm":
             raise ConfigError(f"--tp_size {args.tp_size}: tensor parallelism is available for causal-LM recipes (sft, clm)")
+    if args.ep_size > 1 and strategy_name(accelerator) not in ("single", "ddp"):
+        raise ConfigError(f"--ep_size {args.ep_size} with {strategy_name(accelerator)}: expert parallelism currently "
+                          "composes with ddp.yaml only (FSDP2 / ZeRO: not yet)")
+    if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
+        raise ConfigError("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
+    if args.ep_size > 1 and args.gradient_checkpointing:
+        raise ConfigError(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks "
+                          "are published for the forward only)")
+
+
+def prepare_moe(args: RecipeArgs, model, dims) -> None:
+    """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over --ep_size ranks. Any MoE model
+    gets router statistics over all data-parallel ranks, so EP and DP do not change the aux loss."""
+    import torch.distributed as dist
+
+    from hfpar.parallel.moe_apply import apply_expert_parallel, expert_parallel_groups, upcycle_to_moe
+
+    if args.upcycle_experts:
+        upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
+                       z_loss_coef=args.moe_z_loss_coef, seed=args.seed)
+    is_moe = args.upcycle_experts or any(type(m).__name__.endswith("SparseMoeBlock") for m in model.modules())
+    if args.ep_size > 1 and not is_moe:
+        raise ValueError(f"--ep_size {args.ep_size}: {type(model).__name__} has no MoE layers; "
+                         "pass --upcycle_experts N to turn its MLPs into experts first")
+    if is_moe and dist.is_initialized():
+        ep_group, edp_group = expert_parallel_groups(args.ep_size)
+        apply_expert_parallel(model, ep_group, dp_group=dist.group.WORLD, edp_group=edp_group)
+    elif is_moe:  # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs
+        apply_expert_parallel(model)
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Build the embedded (tiny, random-init) model outside DeepSpeed's zero.Init, so its initial weights are
+    the same under every strategy; real checkpoints still load partitioned (zero3_init_flag) via from_pretrained."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
@@ -71,7 +115,8 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
         if num_labels is not None:
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
-        return cls.from_config(config, **extra)
+        with _without_zero3_init():
+            return cls.from_config(config, **extra)
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
     model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
@@ -144,6 +189,11 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         try:
             apply_tensor_parallel(model, groups[0], sequence_parallel=args.sequence_parallel)
         except ValueError as exc:  # degrees that do not divide the model's sizes, unknown architecture
+            _fail(str(exc))
+    if task == "lm":
+        try:
+            prepare_moe(args, model, dims)
+        except ValueError as exc:  # dense model with --ep_size, experts not divisible, unknown MoE family
             _fail(str(exc))
     trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task=task,
                       run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info}, groups=groups)

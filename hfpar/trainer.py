@@ -105,6 +105,18 @@ class Trainer:
             self.tp = None
         if self.tp is not None and self.tp.get("vocab_parallel_logits"):
             self.loss_fn = lambda logits, labels: tp_lm_loss_sum(logits, labels, self.tp_group)
+        self.ep = getattr(model, "_hfpar_ep", None)
+        self.upcycled = bool(getattr(args, "upcycle_experts", 0))
+        if self.ep is not None:
+            from hfpar.parallel.moe_apply import attach_moe_token_mask
+            from hfpar.parallel.router import set_aux_loss_grad_scale
+
+            # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the
+            # backend like every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
+            set_aux_loss_grad_scale(dims.dp / args.gradient_accumulation_steps)
+            attach_moe_token_mask(model)  # padding takes no part in routing statistics
+        self.ep_split = self.ep is not None and self.ep["size"] > 1
+        self.custom = self.tp is not None or self.ep_split  # model-parallel: hfpar wraps, not Accelerate
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
 
@@ -121,14 +133,14 @@ class Trainer:
             model.config.use_cache = False
         self.n_params = M.param_count(model)
         self.strategy = strategy_name(accelerator)
-        if self.tp is not None:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
+        if self.custom:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
             model = self._wrap_tp(model)
         optimizer = build_optimizer(model, args)
         # The scheduler is stepped by us once per optimizer step (not prepared: Accelerate's wrapper
         # would step it num_processes times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.total_steps)
-        if self.tp is None:
+        if not self.custom:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         else:
             self.model, self.optimizer = model, optimizer
@@ -147,20 +159,45 @@ class Trainer:
         if self.dims.dp > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
+            if self.ep_split:  # expert grads are reduced by hfpar over the ranks holding the same experts
+                ignore = [n for n, p in model.named_parameters() if getattr(p, "_hfpar_ep", None) is not None]
+                DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
             dev = [self.acc.device.index] if self.acc.device.type == "cuda" else None
             return DDP(model, process_group=self.dp_group, device_ids=dev)
         return model
+
+    def _reduce_expert_grads_and_clip(self, max_norm: float) -> float:
+        """EP: an expert's grad on its rank already sums its EP group's tokens; SUM over the ranks holding
+        the same experts and divide by dp gives the data-parallel mean. Norm: experts counted across the
+        EP group, replicated params once."""
+        ep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is not None and p.grad is not None]
+        rep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is None and p.grad is not None]
+        edp = self.ep["edp_group"]
+        for p in ep_params:
+            if edp is not None and torch.distributed.get_world_size(edp) > 1:
+                torch.distributed.all_reduce(p.grad, group=edp)
+            p.grad.div_(self.dims.dp)
+        sq = torch.stack([sum(p.grad.double().square().sum() for p in ps) if ps else torch.zeros((), dtype=torch.float64)
+                          for ps in (ep_params, rep_params)])
+        torch.distributed.all_reduce(sq[0:1], group=self.ep["group"])
+        total = float(sq.sum().sqrt())
+        torch.nn.utils.clip_grads_with_norm_(ep_params + rep_params, max_norm, torch.tensor(total))
+        return total
 
     def _unwrapped(self):
         return self.model.module if hasattr(self.model, "module") else self.model
 
     def _tp_state_file(self, ckpt_dir) -> Path:
-        if self.strategy == "fsdp2":  # every rank holds a distinct (dp, tp) shard
+        if self.strategy == "fsdp2" or self.ep_split:  # per-rank shards (dp x tp, or experts)
             return Path(ckpt_dir) / f"rank{self.dims.rank:03d}_of{self.dims.world:03d}.pt"
         return Path(ckpt_dir) / f"tp_rank{self.dims.tp_rank:02d}_of{self.dims.tp:02d}.pt"
 
     def _save_tp_state(self, ckpt_dir) -> None:
-        if self.tp is None:
+        if not self.custom:
+            return
+        if self.ep_split:
+            torch.save({"model": self._unwrapped().state_dict(), "optimizer": self.optimizer.state_dict()},
+                       self._tp_state_file(ckpt_dir))
             return
         if self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import local_state
@@ -172,7 +209,7 @@ class Trainer:
                        self._tp_state_file(ckpt_dir))
 
     def _load_tp_state(self, ckpt_dir) -> None:
-        if self.tp is None:
+        if not self.custom:
             return
         f = self._tp_state_file(ckpt_dir)
         if not f.is_file():
@@ -206,6 +243,8 @@ class Trainer:
 
     def _grad_norm_and_clip(self) -> float:
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        if self.ep_split:
+            return self._reduce_expert_grads_and_clip(max_norm)
         if self.tp is not None and self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import clip_grad_norm_2d_, sync_sp_grads_2d
 
@@ -381,7 +420,21 @@ class Trainer:
         if args.save_steps:
             ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps),
                                  args.save_total_limit, extra=self._save_tp_state)
-        if self.tp is not None:
+        if self.ep is not None and (self.ep_split or self.upcycled):
+            from hfpar.parallel.moe_apply import gather_expert_state_dict, save_upcycled_pretrained
+
+            full = gather_expert_state_dict(self._unwrapped()) if self.ep_split else None
+            if full is None:
+                full = acc.get_state_dict(self.model)
+            if self.upcycled:  # saved as the matching HF MoE architecture (e.g. Mixtral for Llama)
+                save_upcycled_pretrained(self._unwrapped(), args.output_dir, state_dict=full,
+                                         is_main_process=acc.is_main_process)
+                if acc.is_main_process and self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(args.output_dir)
+                acc.wait_for_everyone()
+            else:
+                ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir, state_dict=full)
+        elif self.tp is not None:
             if self.strategy == "fsdp2":
                 from hfpar.parallel.fsdp_tp import full_state_dict_2d as gather_full_state_dict
             else:

@@ -1,0 +1,488 @@
+"""Expert parallelism for HF mixture-of-experts models, and dense -> MoE upcycling, in place.
+
+    # python -m pytest tests/test_ep_models.py -q
+    ep_group, edp_group = expert_parallel_groups(ep_size=2)          # collective: every rank, same args
+    model = AutoModelForCausalLM.from_pretrained(...)                # the SAME full weights on every rank
+    apply_expert_parallel(model, ep_group, dp_group=None, edp_group=edp_group)   # None = default group
+    with moe_token_mask(batch["attention_mask"]):                    # padding out of router statistics
+        loss = model(**batch).loss
+        loss.backward()                                              # (inside the `with` if checkpointing)
+    # reduce grads: expert_parameters(model) SUM over edp_group / dp; the others: mean over dp
+    model.save_pretrained(out, state_dict=gather_expert_state_dict(model))   # collective; a normal checkpoint
+
+    dense = AutoModelForCausalLM.from_pretrained("a llama")          # llama / mistral / qwen3
+    upcycle_to_moe(dense, num_experts=8, top_k=2)                    # every MLP -> 8 copies + a router
+    apply_expert_parallel(dense, ep_group)                           # optional; same as above
+    save_upcycled_pretrained(dense, out)                             # collective; a Mixtral checkpoint
+
+Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E experts, k per token):
+
+    mlp            MoELayer (hfpar.parallel.moe), same state-dict keys as the HF sparse block
+      gate         TopKRouter (E, H), replicated; statistics (aux / z / capacity) over dp_group
+      experts      GroupedExperts holding experts [ep_rank * E/ep, (ep_rank+1) * E/ep): (E/ep, 2I, H), (E/ep, H, I)
+      shared_expert / shared_expert_gate   the HF modules themselves, replicated (Qwen2-MoE)
+
+Architectures are data (MOE_FAMILIES, UPCYCLE_FAMILIES): add a model_type by naming its sparse block
+class and the config fields to read. What TopKRouter cannot do (sigmoid / group-limited routing and
+routed scaling of DeepSeek-V2/V3, GLM-4-MoE; per-expert bias) is refused, not approximated.
+
+Gradient reduction (the trainer's job; nothing here reduces gradients):
+    non_expert_parameters(model)  router, shared expert, attention, norms, embeddings: replicated over
+                                  dp -> the usual data-parallel MEAN (sum over dp_group / dp).
+    expert_parameters(model)      this rank's experts (p._hfpar_ep): their grads already hold every
+                                  token of the EP group; SUM over the expert-data-parallel group (ranks
+                                  with the same experts, size dp/ep; p._hfpar_ep["edp_group"]) and divide
+                                  by dp (NOT dp/ep). Exclude them from DDP's reduction and from its
+                                  rank-0 broadcast at wrap time (ranks hold different experts).
+    grad norm                     sum of squares: non-expert once + expert all-reduced over ep_group.
+Padding: HF decoder layers call `mlp(hidden_states)` without the mask; wrap forward (and backward when
+activation checkpointing recomputes MoE layers) in `moe_token_mask(attention_mask)`, or use
+`attach_moe_token_mask(model)` (forward only). Aux / z losses never appear in the returned loss: they
+are injected in backward (router.py, `set_aux_loss_grad_scale`), so `config.output_router_logits` is
+switched off here to avoid counting transformers' own aux loss twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import all_gather, group_rank, group_size
+from .moe import GroupedExperts, MoELayer
+from .router import TopKRouter, moe_token_mask
+
+__all__ = ["MoEFamily", "UpcycleFamily", "MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel",
+           "gather_expert_state_dict", "upcycle_to_moe", "upcycled_hf_config", "save_upcycled_pretrained",
+           "expert_parallel_groups", "expert_parameters", "non_expert_parameters", "attach_moe_token_mask",
+           "moe_token_mask"]
+
+
+# ----------------------------------------------------------------------------- architectures as data
+@dataclass(frozen=True)
+class MoEFamily:
+    """How to read one HF sparse MoE block. Config fields are attribute names of `model.config`;
+    `norm_topk_prob` may be a constant. The block must hold `router.weight` (E, H) and 3-D experts
+    `gate_up_proj` (E, 2I, H) [gate; up] / `down_proj` (E, H, I) with act = config.hidden_act."""
+
+    block: str                                  # class name of the sparse block
+    num_experts: str = "num_experts"
+    top_k: str = "num_experts_per_tok"
+    norm_topk_prob: str | bool = "norm_topk_prob"
+    aux_loss_coef: str = "router_aux_loss_coef"
+    jitter: str | None = None                   # HF jitters the block input, hfpar the router input only
+    router: str = "gate"                        # module attributes of the block
+    experts: str = "experts"
+    shared_expert: str | None = None            # an MLP module, kept as is (replicated)
+    shared_expert_gate: str | None = None       # Linear(H, 1): out += sigmoid(gate(x)) * shared(x)
+
+
+MOE_FAMILIES: dict[str, MoEFamily] = {
+    "mixtral": MoEFamily("MixtralSparseMoeBlock", num_experts="num_local_experts", norm_topk_prob=True,
+                         jitter="router_jitter_noise"),
+    "qwen2_moe": MoEFamily("Qwen2MoeSparseMoeBlock", shared_expert="shared_expert",
+                           shared_expert_gate="shared_expert_gate"),
+    "qwen3_moe": MoEFamily("Qwen3MoeSparseMoeBlock"),
+    "olmoe": MoEFamily("OlmoeSparseMoeBlock"),
+}
+
+
+@dataclass(frozen=True)
+class UpcycleFamily:
+    """A dense architecture whose SwiGLU MLPs (gate_proj / up_proj / down_proj, no bias) upcycle_to_moe
+    converts, and the HF MoE architecture the result is exported as (upcycled_hf_config)."""
+
+    mlp_class: str                              # class name of the dense MLP
+    export_model_type: str                      # HF MoE model_type of the export
+    export_num_experts: str = "num_local_experts"
+    export_intermediate: tuple[str, ...] = ("intermediate_size",)   # export fields = dense intermediate size
+    export_constants: dict = field(default_factory=dict)           # e.g. every layer sparse, renormalized top-k
+    not_exportable: tuple[str, ...] = ("attention_bias", "mlp_bias")  # truthy source fields the export lacks
+
+
+UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
+    "llama": UpcycleFamily("LlamaMLP", "mixtral"),
+    "mistral": UpcycleFamily("MistralMLP", "mixtral"),
+    "qwen3": UpcycleFamily("Qwen3MLP", "qwen3_moe", export_num_experts="num_experts",
+                           export_intermediate=("moe_intermediate_size",),
+                           export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+                           not_exportable=("attention_bias",)),
+}
+
+
+def _config_value(cfg, spec):
+    return spec if isinstance(spec, bool) else getattr(cfg, spec)
+
+
+# ----------------------------------------------------------------------------- groups
+def _default_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _ranks(group) -> list[int] | None:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return list(dist.get_process_group_ranks(group))
+
+
+def expert_parallel_groups(ep_size: int, dp_ranks: Sequence[Sequence[int]] | None = None):
+    """(ep_group, edp_group) of this rank. Collective: every rank calls it with the same arguments.
+
+    dp_ranks: the rank lists of ALL data-parallel groups (default: one group, the whole world; under
+    TP, `[range(t, world, tp) for t in range(tp)]`). Inside a dp group D (size dp), EP groups are runs
+    of ep_size consecutive entries D[i*ep:(i+1)*ep]; a rank's expert-data-parallel group is D[j::ep]
+    (the ranks holding the same experts, size dp/ep)."""
+    world = group_size(None)
+    dp_ranks = [list(range(world))] if dp_ranks is None else [list(r) for r in dp_ranks]
+    bad = [len(r) for r in dp_ranks if ep_size < 1 or len(r) % ep_size]
+    if bad:
+        raise ValueError(f"expert_parallel_groups: ep_size {ep_size} does not divide the data-parallel size {bad[0]}")
+    me, ep_group, edp_group = group_rank(None), None, None
+    for d in dp_ranks:
+        for i in range(0, len(d), ep_size):
+            g = dist.new_group(d[i:i + ep_size])
+            ep_group = g if me in d[i:i + ep_size] else ep_group
+        for j in range(ep_size):
+            g = dist.new_group(d[j::ep_size])
+            edp_group = g if me in d[j::ep_size] else edp_group
+    return ep_group, edp_group
+
+
+# ----------------------------------------------------------------------------- apply_expert_parallel
+@dataclass
+class _Block:
+    path: str
+    module: nn.Module
+    fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
+    E: int = 0
+    k: int = 0
+
+
+def _find_blocks(model: nn.Module) -> tuple[list[_Block], list[str]]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fam = MOE_FAMILIES.get(model_type)
+    blocks, problems = [], []
+    for path, m in model.named_modules():
+        if isinstance(m, MoELayer):
+            blocks.append(_Block(path, m, None, m.num_experts, m.top_k))
+        elif fam is not None and type(m).__name__ == fam.block:
+            cfg = model.config
+            blocks.append(_Block(path, m, fam, int(getattr(cfg, fam.num_experts)), int(getattr(cfg, fam.top_k))))
+    if not blocks:
+        if fam is not None or model_type in UPCYCLE_FAMILIES:
+            problems.append(f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
+                            f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
+                            f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
+        else:
+            problems.append(f"model_type {model_type!r} is not a supported MoE architecture (supported: "
+                            f"{', '.join(sorted(MOE_FAMILIES))}); a dense model must first be converted with "
+                            f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
+    return blocks, problems
+
+
+def _validate(blocks: list[_Block], ep: int, dp: int) -> list[str]:
+    problems = []
+    if dp % ep:
+        problems.append(f"ep_size {ep} does not divide the data-parallel size {dp}")
+    for b in blocks:
+        where = f"{b.path}: "
+        if b.fam is None:                                                # upcycled: shapes set by hfpar
+            if b.module.ep_size > 1:
+                problems.append(where + f"already expert-parallel (ep={b.module.ep_size})")
+                continue
+        else:
+            router, experts = getattr(b.module, b.fam.router), getattr(b.module, b.fam.experts)
+            gate_w = router.weight
+            H = gate_w.shape[-1]
+            I = experts.down_proj.shape[-1]
+            want = {"router.weight": (gate_w.shape, (b.E, H)),
+                    "experts.gate_up_proj": (experts.gate_up_proj.shape, (b.E, 2 * I, H)),
+                    "experts.down_proj": (experts.down_proj.shape, (b.E, H, I))}
+            problems += [where + f"{n} has shape {tuple(got)}, expected {exp} (num_experts={b.E})"
+                         for n, (got, exp) in want.items() if tuple(got) != exp]
+        if b.E % ep:
+            problems.append(where + f"num_experts {b.E} is not divisible by ep_size {ep}")
+        if not 1 <= b.k <= b.E:
+            problems.append(where + f"top_k {b.k} must be in [1, num_experts {b.E}]")
+    return problems
+
+
+@torch.no_grad()
+def _check_same_weights(blocks: list[_Block], group) -> None:
+    """Routers and the FULL expert weights must be equal on every rank of `group` (one all-gather)."""
+    if group is None or group_size(group) == 1:
+        return
+    rows, spans = [], []
+    for b in blocks:
+        ts = ([b.module.gate.weight, *b.module.experts.parameters()] if b.fam is None else
+              [getattr(b.module, b.fam.router).weight, *getattr(b.module, b.fam.experts).parameters()])
+        spans.append((len(rows), len(rows) + 2 * len(ts)))
+        for t in ts:
+            rows += [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]
+    local = torch.stack(rows)[None]                                      # (1, 2 * tensors), on the params' device
+    every = all_gather(local, dim=0, group=group)                        # (G, 2 * tensors)
+    for b, (lo, hi) in zip(blocks, spans):
+        cols = every[:, lo:hi]
+        if not torch.equal(cols, cols[:1].expand_as(cols)):
+            raise ValueError(f"apply_expert_parallel: {b.path} router / expert weights differ across the ranks of "
+                             f"the data-parallel group; load the same full weights (same seed / checkpoint) on "
+                             f"every rank before apply_expert_parallel")
+
+
+def _param_like(src: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(src.detach().clone(), requires_grad=src.requires_grad)
+
+
+def _new_router(weight: torch.Tensor, num_experts: int, top_k: int, **kw) -> TopKRouter:
+    """A TopKRouter whose (E, H) weight is `weight` (its dtype / device), built without an init pass."""
+    with torch.device("meta"):
+        router = TopKRouter(weight.shape[-1], num_experts, top_k, **kw)
+    router.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+    router.last_aux_loss, router.last_z_loss = torch.zeros(()), torch.zeros(())
+    router.last_load = torch.zeros(num_experts)
+    return router
+
+
+def _convert(b: _Block, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux_loss_coef, z_loss_coef,
+             capacity_factor) -> MoELayer:
+    El, start = b.E // ep, ep_rank * (b.E // ep)
+    if b.fam is None:                                                    # upcycled MoELayer with all experts
+        router, src = b.module.gate, b.module.experts
+        shared, shared_gate = b.module.shared_expert, b.module.shared_expert_gate
+        act = src.act_name
+    else:
+        fam = b.fam
+        hf_router, src = getattr(b.module, fam.router), getattr(b.module, fam.experts)
+        router = _new_router(_param_like(hf_router.weight), b.E, b.k,
+                             norm_topk_prob=bool(_config_value(cfg, fam.norm_topk_prob)),
+                             jitter_eps=float(getattr(cfg, fam.jitter, 0.0) or 0.0) if fam.jitter else 0.0,
+                             aux_loss_coef=float(getattr(cfg, fam.aux_loss_coef, 0.0) or 0.0))
+        shared = getattr(b.module, fam.shared_expert) if fam.shared_expert else None
+        shared_gate = getattr(b.module, fam.shared_expert_gate) if fam.shared_expert_gate else None
+        act = cfg.hidden_act
+    router.group = dp_group
+    if aux_loss_coef is not None:
+        router.aux_loss_coef = float(aux_loss_coef)
+    if z_loss_coef is not None:
+        router.z_loss_coef = float(z_loss_coef)
+    H, I = src.gate_up_proj.shape[-1], src.down_proj.shape[-1]
+    with torch.device("meta"):
+        experts = GroupedExperts(El, H, I, act)
+    experts.gate_up_proj = _param_like(src.gate_up_proj[start:start + El])   # (E/ep, 2I, H)
+    experts.down_proj = _param_like(src.down_proj[start:start + El])         # (E/ep, H, I)
+    return MoELayer(router, experts, ep_group=ep_group, shared_expert=shared, shared_expert_gate=shared_gate,
+                    capacity_factor=capacity_factor)
+
+
+def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp_group=None,
+                          aux_loss_coef: float | None = None, z_loss_coef: float | None = None,
+                          capacity_factor: float | None = None, check_replicated: bool = True) -> nn.Module:
+    """Replace every sparse MoE block (MOE_FAMILIES, or MoELayers made by upcycle_to_moe) by an
+    expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
+
+    ep_group / dp_group: None = the default group (no EP when torch.distributed is not initialised).
+    dp_group must contain ep_group; routers compute aux / z / capacity statistics over it.
+    edp_group: the ranks holding the same experts (expert_parallel_groups); only recorded, for the
+    trainer, in `model._hfpar_ep` and each expert param's `_hfpar_ep` dict (with "dp_size").
+    aux_loss_coef: None = the config's router_aux_loss_coef (upcycled: keep); z_loss_coef: None = keep
+    (HF blocks: 0); capacity_factor: None = dropless. Every problem is collected and raised as one
+    ValueError before any collective; then (check_replicated) one all-gather over dp_group checks that
+    every rank loaded the same router / expert weights. Every rank of dp_group must then run every
+    MoE forward (their statistics are all-reduced).
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    ep_group = ep_group if ep_group is not None else _default_group()
+    dp_group = dp_group if dp_group is not None else _default_group()
+    ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
+    if getattr(model, "_hfpar_ep", None) is not None:
+        raise ValueError("apply_expert_parallel: the model is already expert-parallel")
+    blocks, problems = _find_blocks(model)
+    problems += _validate(blocks, ep, dp)
+    if not problems and initialised and ep > 1 and ep_group is not dp_group:
+        ep_ranks, dp_ranks = _ranks(ep_group), _ranks(dp_group)
+        if not set(ep_ranks) <= set(dp_ranks):
+            problems.append(f"the EP group (ranks {ep_ranks}) is not inside the data-parallel group (ranks {dp_ranks})")
+    if problems:
+        raise ValueError("apply_expert_parallel: " + "; ".join(problems))
+    if check_replicated:
+        _check_same_weights(blocks, dp_group)
+
+    ep_rank = group_rank(ep_group) if ep > 1 else 0
+    cfg = getattr(model, "config", None)
+    for b in blocks:
+        layer = _convert(b, cfg, ep=ep, ep_rank=ep_rank, ep_group=ep_group if initialised else None,
+                         dp_group=dp_group if initialised else None, aux_loss_coef=aux_loss_coef,
+                         z_loss_coef=z_loss_coef, capacity_factor=capacity_factor)
+        for p in layer.experts.parameters():
+            if getattr(p, "_hfpar_ep", None) is not None:
+                p._hfpar_ep.update(edp_group=edp_group, dp_size=dp)
+        parent, _, name = b.path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, layer)
+    if cfg is not None and getattr(cfg, "output_router_logits", False):
+        cfg.output_router_logits = False                                 # hfpar injects the aux loss itself
+    model._hfpar_ep = {"group": ep_group, "size": ep, "dp_group": dp_group, "dp_size": dp,
+                       "edp_group": edp_group, "num_moe_layers": len(blocks)}
+    return model
+
+
+# ----------------------------------------------------------------------------- parameters, masks
+def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """Expert-parallel parameters (this rank's experts; empty when ep == 1). Reduce their grads as
+    SUM over the expert-data-parallel group (p._hfpar_ep["edp_group"], size dp/ep) / dp."""
+    return (p for p in model.parameters() if getattr(p, "_hfpar_ep", None) is not None)
+
+
+def non_expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """Everything else, replicated over the data-parallel group: the usual dp mean."""
+    return (p for p in model.parameters() if getattr(p, "_hfpar_ep", None) is None)
+
+
+class _MaskHandle:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def attach_moe_token_mask(model: nn.Module) -> _MaskHandle:
+    """Make `model(..., attention_mask=m)` (2-D, 1 = real token) publish `m` to every MoE layer for the
+    duration of the forward, as `with moe_token_mask(m)` would. Forward only: under activation
+    checkpointing MoE layers are recomputed in backward, so wrap forward AND backward in
+    moe_token_mask instead. Returns a handle with .remove()."""
+    stack: list[contextlib.ExitStack] = []
+
+    def pre(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        es = contextlib.ExitStack()
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            es.enter_context(moe_token_mask(mask))
+        stack.append(es)
+
+    def post(module, args, kwargs, output):
+        if stack:
+            stack.pop().close()
+
+    return _MaskHandle([model.register_forward_pre_hook(pre, with_kwargs=True),
+                        model.register_forward_hook(post, with_kwargs=True, always_call=True)])
+
+
+# ----------------------------------------------------------------------------- export
+@torch.no_grad()
+def gather_expert_state_dict(model: nn.Module,
+                             state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full state dict under the ORIGINAL HF names, experts gathered back to (E, ...). Collective over
+    every EP group: every rank calls it, every rank gets the full dict.
+
+    state_dict: a full dict the backend already gathered (FSDP / ZeRO-3 full state dict, in which the
+    expert entries are still this rank's (E/ep, ...) slice); default: the model's own (TP shards
+    gathered with gather_full_state_dict when tensor parallelism was applied)."""
+    if state_dict is None:
+        if any(getattr(p, "_hfpar_tp", None) is not None for p in model.parameters()):
+            from .apply import gather_full_state_dict
+            state_dict = gather_full_state_dict(model)
+        else:
+            state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    out = dict(state_dict)
+    for path, m in model.named_modules():
+        if isinstance(m, MoELayer) and m.ep_size > 1:
+            for name in ("gate_up_proj", "down_proj"):
+                key = f"{path}.experts.{name}" if path else f"experts.{name}"
+                out[key] = all_gather(out[key].detach(), dim=0, group=m.ep_group)   # (E, ...)
+    return out
+
+
+# ----------------------------------------------------------------------------- upcycling
+@torch.no_grad()
+def upcycle_to_moe(model: nn.Module, num_experts: int, top_k: int = 2, *, aux_loss_coef: float = 0.01,
+                   z_loss_coef: float = 0.0, router_init_std: float = 0.02, seed: int = 0,
+                   dp_group=None) -> nn.Module:
+    """Turn every dense SwiGLU MLP (UPCYCLE_FAMILIES) into a MoELayer of `num_experts` copies of it with a
+    new router (normal(0, router_init_std), drawn from `seed` alone, so identical on every rank). The
+    top-k weights are renormalized to sum to 1, so at init the model computes the dense function.
+    dp_group: the routers' statistics group (None: this process; apply_expert_parallel sets it).
+    Returns `model`, changed in place; `model.config` stays the dense config (see upcycled_hf_config)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fam = UPCYCLE_FAMILIES.get(model_type)
+    if fam is None:
+        raise ValueError(f"upcycle_to_moe: model_type {model_type!r} is not supported (supported: "
+                         f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
+    mlps = [(p, m) for p, m in model.named_modules() if type(m).__name__ == fam.mlp_class]
+    problems = []
+    if not mlps:
+        problems.append(f"no {fam.mlp_class} module found in this {model_type} model")
+    if not 1 <= top_k <= num_experts:
+        problems.append(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
+    for path, m in mlps:
+        if any(getattr(m, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            problems.append(f"{path}: projections with bias are not supported (mlp_bias=True)")
+    if problems:
+        raise ValueError("upcycle_to_moe: " + "; ".join(problems))
+    gen = torch.Generator().manual_seed(seed)
+    act = model.config.hidden_act
+    for path, m in mlps:
+        w_gate, w_up, w_down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight   # (I, H), (I, H), (H, I)
+        I, H = w_gate.shape
+        w = torch.randn(num_experts, H, generator=gen, dtype=torch.float32) * router_init_std   # (E, H)
+        router = _new_router(w.to(device=w_gate.device, dtype=w_gate.dtype), num_experts, top_k,
+                             norm_topk_prob=True, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                             group=dp_group)
+        with torch.device("meta"):
+            experts = GroupedExperts(num_experts, H, I, act)
+        gate_up = torch.cat([w_gate, w_up], dim=0)                                      # (2I, H)
+        experts.gate_up_proj = nn.Parameter(gate_up[None].repeat(num_experts, 1, 1))    # (E, 2I, H)
+        experts.down_proj = nn.Parameter(w_down.detach()[None].repeat(num_experts, 1, 1))  # (E, H, I)
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, MoELayer(router, experts))
+    model._hfpar_upcycled = {"source_model_type": model_type, "num_experts": num_experts, "top_k": top_k}
+    return model
+
+
+def upcycled_hf_config(model: nn.Module):
+    """The HF MoE config (MixtralConfig for llama / mistral, Qwen3MoeConfig for qwen3) an upcycled model
+    is exported as: the dense config's shared fields + num experts, top_k, router_aux_loss_coef."""
+    from transformers import AutoConfig
+    info = getattr(model, "_hfpar_upcycled", None)
+    if info is None:
+        raise ValueError("upcycled_hf_config: the model was not converted by upcycle_to_moe")
+    src, fam = model.config, UPCYCLE_FAMILIES[info["source_model_type"]]
+    problems = [f"{n}=True" for n in fam.not_exportable if getattr(src, n, False)]
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    n_layers = getattr(src, "num_hidden_layers", len(layers))
+    if len(layers) != n_layers:
+        problems.append(f"{len(layers)} MoE layers for {n_layers} decoder layers")
+    if problems:
+        raise ValueError(f"upcycled_hf_config: {fam.export_model_type} cannot represent this {src.model_type} model: "
+                         + ", ".join(problems))
+    router = layers[0].gate
+    target = type(AutoConfig.for_model(fam.export_model_type))
+    names = {f.name for f in dataclasses.fields(target)} - {"architectures", "transformers_version", "model_type"}
+    kw = {k: v for k, v in src.to_dict().items() if k in names}
+    kw.update({fam.export_num_experts: router.num_experts, "num_experts_per_tok": router.top_k,
+               "router_aux_loss_coef": router.aux_loss_coef, "output_router_logits": False})
+    kw.update({n: layers[0].experts.intermediate_size for n in fam.export_intermediate})
+    kw.update(fam.export_constants)
+    return AutoConfig.for_model(fam.export_model_type, **kw)
+
+
+def save_upcycled_pretrained(model: nn.Module, save_directory: str, state_dict: dict | None = None,
+                             is_main_process: bool | None = None, **kwargs) -> None:
+    """Write an upcycled model as a standard HF MoE checkpoint (upcycled_hf_config); its state-dict keys
+    already are the MoE architecture's (mlp.gate.weight, mlp.experts.gate_up_proj / down_proj).
+    Collective when `state_dict` is None (gather_expert_state_dict); rank 0 writes by default."""
+    from transformers import AutoModelForCausalLM
+    cfg = upcycled_hf_config(model)
+    sd = gather_expert_state_dict(model) if state_dict is None else state_dict
+    if is_main_process is None:
+        is_main_process = group_rank(None) == 0
+    if not is_main_process:
+        return
+    with torch.device("meta"):                                           # a shell that only writes config + sd
+        shell = AutoModelForCausalLM.from_config(cfg)
+    shell.save_pretrained(save_directory, state_dict=sd, **kwargs)
