@@ -1,7 +1,7 @@
 """Expert parallelism end to end (`--upcycle_experts 4 --ep_size 2` through the sft recipe).
 
 fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained
-with EP=2 on 2 processes (DDP for the rest) must match the same upcycled model trained in one
+with EP=2 on 2 and on 4 processes (DDP for the rest) must match the same upcycled model trained in one
 process, per step (loss, grad_norm: the aux-loss gradient included) and in the exported weights,
 which are written as a Mixtral checkpoint that from_pretrained loads; resume with EP; refusals.
 """
@@ -24,7 +24,8 @@ MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.0
 @pytest.fixture(scope="module")
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"])}
+    runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
+            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"])}
     outs = {}
     for name, (config, nproc, bs, extra) in runs.items():
         out = root / name
@@ -34,7 +35,7 @@ def ep_runs(base_model, tmp_path_factory):
     return outs
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2"])
+@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4"])
 def test_ep_matches_single_per_step(ep_runs, case):
     ref, _ = read_metrics(ep_runs["single"])
     got, _ = read_metrics(ep_runs[case])
@@ -43,7 +44,7 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2"])
+@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4"])
 def test_ep_export_is_mixtral_and_matches(ep_runs, case):
     from transformers import AutoConfig, AutoModelForCausalLM
 
