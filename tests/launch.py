@@ -30,12 +30,6 @@ def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool
     return proc
 
 
-def run_python(recipe: str, args: list[str], *, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Plain `python recipes/<recipe>.py ...` (no launcher), as the quickstart does."""
-    cmd = [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
 def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from metrics.jsonl."""
     rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
