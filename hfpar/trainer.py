@@ -134,7 +134,7 @@ class Trainer:
         self.n_params = M.param_count(model)
         self.strategy = strategy_name(accelerator)
         if self.custom:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
-            model = self._wrap_tp(model)
+            model = self._wrap_model_parallel(model)
         optimizer = build_optimizer(model, args)
         # The scheduler is stepped by us once per optimizer step (not prepared: Accelerate's wrapper
         # would step it num_processes times per call) and saved with the checkpoint.
@@ -147,10 +147,10 @@ class Trainer:
         accelerator.register_for_checkpointing(self.scheduler)
         self.start_step = 0
 
-    def _wrap_tp(self, model):
+    def _wrap_model_parallel(self, model):
         """TP models: data parallelism over the dp group only (Accelerate's wrappers would reduce over
         the whole world, averaging different TP shards together): DDP, or FSDP2 on a dp mesh.
-        Shards differ per TP rank, so hfpar checkpoints model + optimizer per rank (_save_tp_state)."""
+        Shards differ per TP rank, so hfpar checkpoints model + optimizer per rank (_save_rank_state)."""
         model.to(self.acc.device)
         if self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import fully_shard_dp
@@ -187,31 +187,27 @@ class Trainer:
     def _unwrapped(self):
         return self.model.module if hasattr(self.model, "module") else self.model
 
-    def _tp_state_file(self, ckpt_dir) -> Path:
+    def _rank_state_file(self, ckpt_dir) -> Path:
         if self.strategy == "fsdp2" or self.ep_split:  # per-rank shards (dp x tp, or experts)
             return Path(ckpt_dir) / f"rank{self.dims.rank:03d}_of{self.dims.world:03d}.pt"
         return Path(ckpt_dir) / f"tp_rank{self.dims.tp_rank:02d}_of{self.dims.tp:02d}.pt"
 
-    def _save_tp_state(self, ckpt_dir) -> None:
+    def _save_rank_state(self, ckpt_dir) -> None:
         if not self.custom:
             return
-        if self.ep_split:
-            torch.save({"model": self._unwrapped().state_dict(), "optimizer": self.optimizer.state_dict()},
-                       self._tp_state_file(ckpt_dir))
-            return
-        if self.strategy == "fsdp2":
+        if self.strategy == "fsdp2" and not self.ep_split:
             from hfpar.parallel.fsdp_tp import local_state
 
             torch.save({"model": local_state(self.model.state_dict()),
-                        "optimizer": local_state(self.optimizer.state_dict())}, self._tp_state_file(ckpt_dir))
-        elif self.dims.dp_rank == 0:  # DDP replicas are identical: one copy per TP shard
+                        "optimizer": local_state(self.optimizer.state_dict())}, self._rank_state_file(ckpt_dir))
+        elif self.ep_split or self.dims.dp_rank == 0:  # experts differ per rank; TP x DDP replicas are identical
             torch.save({"model": self._unwrapped().state_dict(), "optimizer": self.optimizer.state_dict()},
-                       self._tp_state_file(ckpt_dir))
+                       self._rank_state_file(ckpt_dir))
 
-    def _load_tp_state(self, ckpt_dir) -> None:
+    def _load_rank_state(self, ckpt_dir) -> None:
         if not self.custom:
             return
-        f = self._tp_state_file(ckpt_dir)
+        f = self._rank_state_file(ckpt_dir)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
         state = torch.load(f, map_location=self.acc.device, weights_only=False)
@@ -278,7 +274,7 @@ class Trainer:
         if (state.get("tp", 1), state.get("ep", 1)) != (self.dims.tp, self.dims.ep):
             raise ConfigError(f"checkpoint {path} was written with tp {state.get('tp', 1)} / ep {state.get('ep', 1)}; "
                               f"this run has tp {self.dims.tp} / ep {self.dims.ep}: resume with the same --tp_size/--ep_size")
-        self._load_tp_state(path)
+        self._load_rank_state(path)
         if state["global_batch"] != self.sampler.global_batch:
             raise ConfigError(
                 f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has "
@@ -412,14 +408,14 @@ class Trainer:
                 self._log_eval(writer, done)
             if args.save_steps and done % args.save_steps == 0 and done != self.total_steps:
                 ckpt.save_checkpoint(acc, args.output_dir, done, self._trainer_state(done), args.save_total_limit,
-                                     extra=self._save_tp_state)
+                                     extra=self._save_rank_state)
         bar.close()
         final = {}
         if eval_every != 0:
             final = self._log_eval(writer, self.total_steps)
         if args.save_steps:
             ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps),
-                                 args.save_total_limit, extra=self._save_tp_state)
+                                 args.save_total_limit, extra=self._save_rank_state)
         if self.ep is not None and (self.ep_split or self.upcycled):
             from hfpar.parallel.moe_apply import gather_expert_state_dict, save_upcycled_pretrained
 

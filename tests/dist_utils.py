@@ -141,3 +141,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, start_me
     if failure is not None:
         raise AssertionError(f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}): {failure}")
     return [out[r] for r in range(world_size)]
+
+
+def value_error_message(fn) -> str:
+    """Call fn(); the ValueError message it raised, or "no error" (lets ranks return refusals as data)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"

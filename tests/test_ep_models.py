@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, value_error_message
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -209,26 +209,18 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     return res
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
     from hfpar.parallel.moe_apply import apply_expert_parallel
     torch.set_num_threads(1)
     self_groups = [dist.new_group([r]) for r in range(world_size)]   # every rank creates every group
     results = {"parity": {c[0]: _parity_case(rank, c, self_groups[rank], outdir) for c in CASES}}
     # validation for real (ep=4): every rank raises before any collective, so ranks stay in step
-    results["err_div"] = _error(lambda: apply_expert_parallel(_build("mixtral", num_local_experts=6)))
+    results["err_div"] = value_error_message(lambda: apply_expert_parallel(_build("mixtral", num_local_experts=6)))
     model = _build("mixtral")                                      # different weights on one rank
     if rank == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.gate.weight[2, 3] += 1e-3
-    results["err_weights"] = _error(lambda: apply_expert_parallel(model))
+    results["err_weights"] = value_error_message(lambda: apply_expert_parallel(model))
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     results["in_step"] = t.item()

@@ -38,6 +38,17 @@ def _seq_chunk(t, rank, tp):
     return t.chunk(tp, 1)[rank]
 
 
+def _check_output_and_backward(y, y_ref, w_out, sp, rank, tp, what):
+    """Compare a layer output with the reference (this rank's sequence chunk under SP), then backprop
+    the matching slice of the same output weights."""
+    if sp:
+        _close(y, _seq_chunk(y_ref, rank, tp), f"{what} output (B, T/tp, H)")
+        (y * _seq_chunk(w_out, rank, tp)).sum().backward()
+    else:
+        _close(y, y_ref, f"{what} output")
+        (y * w_out).sum().backward()
+
+
 def _check_column(rank, tp, group, dt):
     n = 0
     for bias, gather_output, sp, packed in itertools.product((True, False), (False, True), (False, True),
@@ -87,12 +98,7 @@ def _check_row(rank, tp, group, dt):
 
         xl = (x.chunk(tp, -1)[rank] if input_is_parallel else x).clone().requires_grad_()
         y = layer(xl)
-        if sp:
-            _close(y, _seq_chunk(y_ref, rank, tp), f"{what} output (B, T/tp, H)")
-            (y * _seq_chunk(w_out, rank, tp)).sum().backward()
-        else:
-            _close(y, y_ref, f"{what} output")
-            (y * w_out).sum().backward()
+        _check_output_and_backward(y, y_ref, w_out, sp, rank, tp, what)
         _close(xl.grad, xr.grad.chunk(tp, -1)[rank] if input_is_parallel else xr.grad, f"{what} input grad")
         _close(gather_shards(layer.weight.grad, 1, group), ref.weight.grad, f"{what} weight grad")
         if bias:
@@ -138,12 +144,7 @@ def _check_embedding(rank, tp, group, dt):
         y_ref = ref(ids)
         (y_ref * w_out).sum().backward()
         y = layer(ids)
-        if sp:
-            _close(y, _seq_chunk(y_ref, rank, tp), f"{what} output (B, T/tp, H)")
-            (y * _seq_chunk(w_out, rank, tp)).sum().backward()
-        else:
-            _close(y, y_ref, f"{what} output")
-            (y * w_out).sum().backward()
+        _check_output_and_backward(y, y_ref, w_out, sp, rank, tp, what)
         _close(gather_shards(layer.weight.grad, 0, group), ref.weight.grad, f"{what} weight grad")
         _close(layer.full_weight(), ref.weight.detach(), f"{what} full_weight", 0.0)
         assert layer.to_embedding().padding_idx == ref.padding_idx

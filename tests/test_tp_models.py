@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, value_error_message
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -148,33 +148,25 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
     return res
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
     from hfpar.parallel.apply import apply_tensor_parallel
     torch.set_num_threads(1)
     results = {"parity": {_case_id(c): _parity_case(rank, c, outdir) for c in CASES}}
     g = dist.group.WORLD
     # invalid degrees for real (tp=2): every rank raises, before any collective (ranks stay in step)
-    results["err_kv"] = _error(lambda: apply_tensor_parallel(_build("llama", num_key_value_heads=1), g))
-    results["err_vocab"] = _error(lambda: apply_tensor_parallel(_build("llama", vocab_size=129), g))
-    results["err_gpt2"] = _error(lambda: apply_tensor_parallel(_build_gpt2(), g))
+    results["err_kv"] = value_error_message(lambda: apply_tensor_parallel(_build("llama", num_key_value_heads=1), g))
+    results["err_vocab"] = value_error_message(lambda: apply_tensor_parallel(_build("llama", vocab_size=129), g))
+    results["err_gpt2"] = value_error_message(lambda: apply_tensor_parallel(_build_gpt2(), g))
     # different weights on the ranks are refused by the checksum
     model = _build("llama")
     if rank == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-3
-    results["err_weights"] = _error(lambda: apply_tensor_parallel(model, g))
+    results["err_weights"] = value_error_message(lambda: apply_tensor_parallel(model, g))
     # sequence parallel with T not divisible by tp: clear error from the first layer's hook
     model = apply_tensor_parallel(_build("llama"), g, sequence_parallel=True)
-    results["err_seq"] = _error(lambda: model(input_ids=torch.ones(1, 7, dtype=torch.long)))
-    results["err_labels"] = _error(lambda: model(input_ids=torch.ones(1, 8, dtype=torch.long),
+    results["err_seq"] = value_error_message(lambda: model(input_ids=torch.ones(1, 7, dtype=torch.long)))
+    results["err_labels"] = value_error_message(lambda: model(input_ids=torch.ones(1, 8, dtype=torch.long),
                                                   labels=torch.ones(1, 8, dtype=torch.long)))
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
