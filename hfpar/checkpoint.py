@@ -1,7 +1,7 @@
 """Checkpoints (resumable training state) and the final export in Hugging Face format.
 
 Layout under --output_dir:
-    checkpoint-<step>/      accelerator.save_state() + trainer_state.json + COMPLETE marker
+    checkpoint-<step>/      accelerator.save_state() + trainer_state.json + config.json (+ tokenizer) + COMPLETE marker
     config.json, model*.safetensors, tokenizer files   (final export, from_pretrained-loadable)
 
 Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, then renamed
@@ -12,6 +12,7 @@ older COMPLETE checkpoints written by hfpar and never the newest.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -72,8 +73,24 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
+    """config.json (and the tokenizer, when given) next to the state, so `hfpar export` needs the checkpoint only."""
+    for model in accelerator._models[:1]:  # empty for TP / EP runs, which hfpar wraps itself
+        unwrapped = accelerator.unwrap_model(model)
+        if hasattr(unwrapped, "get_base_model"):  # PEFT: record the base model's class, not PEFT's wrapper
+            unwrapped = unwrapped.get_base_model()
+        if hasattr(unwrapped, "config"):
+            config = copy.deepcopy(unwrapped.config)
+            # what save_pretrained records; FSDP2 makes a subclass (FSDPLlamaForCausalLM): name the HF class
+            cls = next(c for c in type(unwrapped).__mro__ if c.__module__.startswith("transformers") or c is object)
+            config.architectures = [(cls if cls is not object else type(unwrapped)).__name__]
+            config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+
+
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, save_total_limit: int | None,
-                    extra=None) -> Path:
+                    extra=None, tokenizer=None) -> Path:
     """Collective: every rank must call it. `extra(tmp_dir)` writes state Accelerate does not know
     (per-TP-rank shards). Returns the final checkpoint path."""
     final = Path(output_dir) / f"checkpoint-{step}"
@@ -89,6 +106,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        _save_model_config(accelerator, tmp, tokenizer)
         _fsync_tree(tmp)
         if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
             shutil.rmtree(final)
@@ -110,9 +128,14 @@ def _apply_retention(output_dir: str, limit: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def read_trainer_state(path: Path) -> dict:
+    """trainer_state.json of a checkpoint (step, world size, dp/tp/ep, global batch): cheap, loads no tensors."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    return read_trainer_state(path)
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str, state_dict=None) -> None:

@@ -2,14 +2,123 @@
 
     hfpar sft [options]         same as python recipes/sft.py (and clm, classify)
     accelerate launch --config_file accelerate_configs/fsdp2.yaml -m hfpar.cli sft [options]
+    hfpar plan --model ID_OR_DIR --num_gpus 8 --gpu_memory_gb 80     memory per GPU of every strategy
+    hfpar plot RUN_DIR [RUN_DIR ...] -o runs.png                     loss / lr / tokens/s of runs overlaid
+    hfpar export CHECKPOINT_DIR OUT_DIR                              a checkpoint-<step> as an HF model
     hfpar --version
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from pathlib import Path
 
 RECIPES = ("sft", "clm", "classify")
+TOOLS = ("plan", "plot", "export")
+
+
+def fail(message: str) -> None:
+    print(f"hfpar: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        fail(f"{self.prog}: {message}")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return v
+    return parse
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hfpar plan", description="Memory per GPU of every strategy (DDP, FSDP2, ZeRO-1/2/3, offload, "
+                "TP, EP) for a model, from its config only, and the strategy to use with its launch command.")
+    p.add_argument("--model", required=True, help="hub id or local directory with config.json (no weights are read)")
+    p.add_argument("--num_gpus", required=True, type=_positive(int), help="GPUs per node")
+    p.add_argument("--num_nodes", type=_positive(int), default=1, help="nodes (default 1)")
+    p.add_argument("--gpu_memory_gb", required=True, type=_positive(float), help="memory of one GPU in GiB, e.g. 80")
+    p.add_argument("--seq_len", type=_positive(int), default=2048, help="tokens per sample (default 2048)")
+    p.add_argument("--batch_size", type=_positive(int), default=1, help="micro-batch per GPU (default 1)")
+    p.add_argument("--mixed_precision", choices=("bf16", "no"), default="bf16",
+                   help="bf16: 2+2+12 bytes/param; no (fp32): 4+4+8 (default bf16)")
+    p.add_argument("--lora", action="store_true", help="estimate a LoRA run (adapters on every linear layer)")
+    p.add_argument("--lora_rank", type=_positive(int), default=16, help="LoRA rank with --lora (default 16)")
+    p.add_argument("--tp_size", type=_positive(int), default=None, help="consider only this TP degree")
+    p.add_argument("--ep_size", type=_positive(int), default=None, help="consider only this EP degree (MoE)")
+    p.add_argument("--attn_implementation", choices=("sdpa", "eager"), default="sdpa",
+                   help="eager stores the s x s attention scores (default sdpa)")
+    return p
+
+
+def load_config(model: str):
+    """A transformers config from a local directory (offline) or a hub id; one-line error otherwise."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            fail(f"--model {model}: directory has no config.json")
+        return AutoConfig.from_pretrained(str(path))
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep in model.replace("/", ""):
+        fail(f"--model {model}: no such model directory (give a directory with config.json or a hub id)")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except Exception as e:  # network, unknown id, gated repo: one line with the cause
+        fail(f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+def plan_main(argv: list[str]) -> None:
+    from hfpar.plan import PlanError, plan
+
+    a = _plan_parser().parse_args(argv)
+    config = load_config(a.model)
+    try:
+        text, _ = plan(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb, num_nodes=a.num_nodes,
+                       seq_len=a.seq_len, batch_size=a.batch_size, mixed_precision=a.mixed_precision,
+                       lora_rank=a.lora_rank if a.lora else 0, tp_size=a.tp_size, ep_size=a.ep_size,
+                       attn_implementation=a.attn_implementation)
+    except PlanError as e:
+        fail(str(e))
+    print(text)
+
+
+def plot_main(argv: list[str]) -> None:
+    p = _Parser(prog="hfpar plot", description="Loss (train and eval), lr and tokens/s of one or more runs overlaid "
+                "in one PNG (2x2 plots), labelled by run directory and strategy.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--output_dir of a run (holds metrics.jsonl)")
+    p.add_argument("-o", "--output", default="runs.png", help="PNG to write (default runs.png)")
+    a = p.parse_args(argv)
+    from hfpar.plot import PlotError, plot_runs
+
+    try:
+        print(plot_runs(a.run_dirs, a.output))
+    except PlotError as e:
+        fail(str(e))
+
+
+def export_main(argv: list[str]) -> None:
+    p = _Parser(prog="hfpar export", description="Turn a training checkpoint (checkpoint-<step>/ of a DDP, FSDP2 or "
+                "ZeRO run) into a Hugging Face model directory that from_pretrained loads.")
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a checkpoint-<step> directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write config.json, model.safetensors, tokenizer")
+    a = p.parse_args(argv)
+    from hfpar.export import ExportError, export_checkpoint
+
+    try:
+        print(export_checkpoint(a.checkpoint_dir, a.out_dir))
+    except ExportError as e:
+        fail(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,10 +128,13 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"hfpar {__version__}")
         return
+    if argv[:1] and argv[0] in TOOLS:
+        {"plan": plan_main, "plot": plot_main, "export": export_main}[argv[0]](argv[1:])
+        return
     if not argv or argv[0] not in RECIPES:
         given = repr(argv[0]) if argv else "nothing"
-        print(f"hfpar: error: expected a recipe ({', '.join(RECIPES)}), got {given}\n"
-              f"usage: hfpar {{{','.join(RECIPES)}}} [options]   (hfpar sft --help lists the options)", file=sys.stderr)
+        print(f"hfpar: error: expected a recipe ({', '.join(RECIPES)}), got {given} (or a tool: {', '.join(TOOLS)})\n"
+              f"usage: hfpar {{{','.join(RECIPES + TOOLS)}}} [options]   (hfpar sft --help lists the options)", file=sys.stderr)
         sys.exit(2)
     from hfpar.recipe import main as run
 

@@ -70,6 +70,8 @@ class RecipeArgs:
     report_to: str = "none"  # trackers via Accelerate's log_with, comma separated
     run_name: str | None = None
     max_eval_samples: int | None = None
+    log_comm_bytes: bool = False  # count the bytes each rank sends per step, by collective type (metrics.jsonl "comm")
+    save_final_model: bool = True  # false: skip the final HF-format export (benchmarks, throwaway runs)
     # --- hfpar -----------------------------------------------------------------------------------
     tp_size: int = 1
     ep_size: int = 1
@@ -80,6 +82,13 @@ class RecipeArgs:
     moe_z_loss_coef: float = 0.0  # router z-loss coefficient (upcycled layers)
     on_nonfinite: str = "error"  # non-finite loss / grad norm: error | skip (the step, on all ranks)
     dist_timeout_s: int = 1800  # process-group timeout (hangs end with a clear message)
+    # --- LoRA via PEFT (TRL's names) -------------------------------------------------------------
+    use_peft: bool = False  # train LoRA adapters (pip install peft) instead of all weights
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scaling numerator (scale = lora_alpha / lora_r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input (0 for exact parity between strategies)
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear (every linear but the output head)
+    merge_adapter: bool = False  # final export: the merged full model instead of the adapter
 
     @property
     def tokenizer_path(self) -> str:
@@ -246,6 +255,16 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--upcycle_experts {a.upcycle_experts}: must be 0 (off) or >= 2 experts")
     if a.upcycle_experts and not 1 <= a.moe_top_k <= a.upcycle_experts:
         p.append(f"--moe_top_k {a.moe_top_k}: must be between 1 and --upcycle_experts {a.upcycle_experts}")
+    if a.lora_r <= 0:
+        p.append(f"--lora_r {a.lora_r}: must be a positive integer")
+    if a.lora_alpha <= 0:
+        p.append(f"--lora_alpha {a.lora_alpha}: must be a positive integer")
+    if not 0 <= a.lora_dropout < 1:
+        p.append(f"--lora_dropout {a.lora_dropout}: must be in [0, 1)")
+    if not a.lora_target_modules.strip(" ,"):
+        p.append(f"--lora_target_modules {a.lora_target_modules!r}: give module names (e.g. q_proj,v_proj) or all-linear")
+    if a.merge_adapter and not a.use_peft:
+        p.append("--merge_adapter needs --use_peft")
     if a.ep_size > 1 and a.tp_size > 1:
         p.append(f"--ep_size {a.ep_size} with --tp_size {a.tp_size}: EP together with TP is not supported yet")
     return p

@@ -120,10 +120,15 @@ def _load_raw(name: str) -> DatasetDict:
                 _check_json(Path(f))
             elif os.path.getsize(f) == 0:
                 raise DataError(f"dataset file {f} is empty")
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # reading a local file takes a moment: no "Generating train split" bars
     try:
         return _as_dict(datasets.load_dataset(builder, data_files=data_files), name)
     except Exception as exc:  # noqa: BLE001
         raise DataError(f"dataset {name}: could not be read as {builder}: {_one_line(exc)}") from None
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _looks_like_path(name: str) -> bool:

@@ -156,6 +156,66 @@ def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Acceler
     return accelerator, dims
 
 
+class DeepSpeedMPU:
+    """The "model parallel unit" DeepSpeed takes in `deepspeed.initialize(mpu=...)` (Megatron's interface):
+    with it ZeRO partitions and reduces over the dp group only, and its grad norm sums TP-sharded
+    params (marked `tensor_model_parallel`) over the TP group and counts replicated ones once."""
+
+    def __init__(self, tp_group, dp_group):
+        self.tp_group, self.dp_group = tp_group, dp_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.tp_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_process_group_ranks(self.tp_group)[0]
+
+
+@contextlib.contextmanager
+def deepspeed_with_mpu(mpu: DeepSpeedMPU):
+    """Pass `mpu` to the `deepspeed.initialize` that `accelerator.prepare` calls.
+
+    Why: Accelerate calls deepspeed.initialize without an mpu (it passes one only for its Ulysses
+    sequence parallelism), so ZeRO would reduce over the whole world and average different TP
+    shards together. Accelerate looks `deepspeed.initialize` up at call time; we wrap it for the
+    duration of prepare() only. Nothing installed is edited."""
+    import deepspeed
+
+    original = deepspeed.initialize
+
+    def initialize(*args, **kwargs):
+        kwargs.setdefault("mpu", mpu)
+        return original(*args, **kwargs)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
 def all_reduce_sum(value: float | int | torch.Tensor, device) -> torch.Tensor:
     """Sum a scalar over all ranks (float64, exact for token counts)."""
     t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()

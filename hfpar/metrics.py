@@ -1,7 +1,8 @@
 """Measurements of a run: per-rank bytes held, peak memory, metrics.jsonl, run_info.json.
 
 Bytes are counted from what each rank really holds: the local shard of an FSDP2 DTensor,
-the ZeRO-3 partition (`ds_tensor`), the optimizer state tensors behind any wrapper.
+the ZeRO-3 partition (`ds_tensor`), the optimizer state tensors behind any wrapper, the gradients
+the optimizer steps with (track_grad_bytes / grad_bytes: grads are freed between steps).
 """
 
 from __future__ import annotations
@@ -62,6 +63,45 @@ def optimizer_state_bytes(optimizer) -> int:
                 loc = _local(v)
                 total += loc.numel() * loc.element_size()
     return total
+
+
+_GRAD_BYTES: dict[int, dict[int, int]] = {}  # id(torch optimizer) -> {id(param): bytes of its grad at its last step}
+_grad_hook = None
+
+
+def _is_torch_optimizer(opt) -> bool:
+    return isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch.optim")
+
+
+def _record_grad_bytes(optimizer, args, kwargs) -> None:
+    if not _is_torch_optimizer(optimizer):  # wrappers (Accelerate's) step the torch optimizer, counted there
+        return
+    seen = _GRAD_BYTES.setdefault(id(optimizer), {})
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                g = _local(p.grad)
+                seen[id(p)] = g.numel() * g.element_size()
+
+
+def track_grad_bytes() -> None:
+    """From now on, record at every optimizer step of this process the bytes of the gradients it steps with:
+    the local shard under FSDP2, DeepSpeed ZeRO's gradient partitions (its inner torch optimizer is stepped
+    once per sub-group, each time with that sub-group's partition; counted per parameter, so all add up).
+    Idempotent; call before the first optimizer step."""
+    global _grad_hook
+    if _grad_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _grad_hook = register_optimizer_step_pre_hook(_record_grad_bytes)
+
+
+def grad_bytes(optimizer=None) -> int:
+    """Gradient bytes this rank's optimizer (any wrapper; None: every optimizer of the process) stepped with
+    at its last step; 0 if track_grad_bytes() was not active then."""
+    if optimizer is None:
+        return sum(sum(d.values()) for d in _GRAD_BYTES.values())
+    return sum(_GRAD_BYTES.get(id(_base_optimizer(optimizer)), {}).values())
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -38,6 +38,13 @@ def _fail(problems: str) -> None:
     sys.exit(2)
 
 
+def _is_collective_timeout(exc: BaseException) -> bool:
+    """gloo: RuntimeError '... Timed out waiting Nms for recv ...'; torch wraps backend failures in
+    DistBackendError (a RuntimeError). NCCL's watchdog aborts the process itself, with its own message."""
+    text = str(exc).lower()
+    return isinstance(exc, torch.distributed.DistBackendError) or "timed out" in text or "timeout" in text
+
+
 def check_output_dir(args: RecipeArgs) -> None:
     """Never write over someone's checkpoints without an explicit flag."""
     if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint and not args.overwrite_output_dir:
@@ -49,18 +56,32 @@ def check_output_dir(args: RecipeArgs) -> None:
 
 def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
     """Combinations that are not implemented yet end here, before the model is loaded."""
+    import importlib.util
+
     from hfpar.distributed import strategy_name
 
+    strategy = strategy_name(accelerator)
+    model_parallel = [f"--{k} {getattr(args, k)}" for k in ("tp_size", "ep_size") if getattr(args, k) > 1]
+    model_parallel += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
+    if args.use_peft and importlib.util.find_spec("peft") is None:
+        raise ConfigError("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
+    if args.use_peft and model_parallel:
+        raise ConfigError(f"--use_peft with {' and '.join(model_parallel)}: LoRA composes with the data-parallel "
+                          "strategies only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
     if args.tp_size > 1:
-        strategy = strategy_name(accelerator)
-        if strategy not in ("single", "ddp", "fsdp2"):
-            raise ConfigError(f"--tp_size {args.tp_size} with {strategy}: tensor parallelism currently composes with "
-                              "single.yaml, ddp.yaml and fsdp2.yaml (ZeRO over the dp group: not yet)")
-        if task != "lm":
-            raise ConfigError(f"--tp_size {args.tp_size}: tensor parallelism is available for causal-LM recipes (sft, clm)")
-    if args.ep_size > 1 and strategy_name(accelerator) not in ("single", "ddp"):
-        raise ConfigError(f"--ep_size {args.ep_size} with {strategy_name(accelerator)}: expert parallelism currently "
-                          "composes with ddp.yaml only (FSDP2 / ZeRO: not yet)")
+        if strategy not in ("single", "ddp", "fsdp2", "zero1", "zero2"):
+            raise ConfigError(f"--tp_size {args.tp_size} with {strategy}: tensor parallelism composes with single, ddp, "
+                              "fsdp2, zero1 and zero2 configs (ZeRO-3 would partition the TP shards again; use fsdp2.yaml "
+                              "for sharded data parallelism with TP)")
+        if task != "lm" and args.sequence_parallel:
+            raise ConfigError("--sequence_parallel: needs a causal-LM recipe (sft, clm), whose vocab-parallel LM head "
+                              "gathers the sequence back; classify supports --tp_size without it")
+    if args.on_nonfinite == "skip" and strategy.startswith("zero"):
+        raise ConfigError(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside "
+                          "backward, so a step cannot be skipped; use --on_nonfinite error (stops at the bad step)")
+    if args.ep_size > 1 and strategy not in ("single", "ddp", "fsdp2"):
+        raise ConfigError(f"--ep_size {args.ep_size} with {strategy}: expert parallelism composes "
+                          "with ddp.yaml and fsdp2.yaml (ZeRO: not yet; its optimizer would need expert param groups)")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         raise ConfigError("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
     if args.ep_size > 1 and args.gradient_checkpointing:
@@ -125,6 +146,20 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
     return model
 
 
+def fsdp2_wrap_classes(model) -> None:
+    """Accelerate's FSDP2 makes one unit per class in model._no_split_modules and then another for the input
+    embedding; when such a class contains the embedding (BERT's BertEmbeddings) the second `fully_shard` fails
+    on an already sharded weight ("value was None when it should not be"). Drop those classes: the embedding
+    still gets a unit of its own."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    names = getattr(model, "_no_split_modules", None)
+    if emb is None or not names:
+        return
+    holders = {type(m).__name__ for m in model.modules() if m is not emb and any(c is emb for c in m.modules())}
+    if holders & set(names):
+        model._no_split_modules = [n for n in names if n not in holders]
+
+
 def build_data(args: RecipeArgs, kind: str, tokenizer):
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels."""
     from hfpar import data
@@ -155,7 +190,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     from accelerate.utils import set_seed
 
     from hfpar import data
-    from hfpar.distributed import build_groups, setup_accelerator
+    from hfpar.distributed import build_groups, setup_accelerator, strategy_name
     from hfpar.trainer import Trainer
 
     task = TASK_OF[kind]
@@ -182,6 +217,16 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
 
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
     model = load_model(args, task, num_labels)
+    if strategy_name(accelerator) == "fsdp2":
+        fsdp2_wrap_classes(model)
+    if args.use_peft:  # before TP / MoE (refused with LoRA) and the data-parallel wrap
+        from hfpar.lora import apply_lora, trainable_summary
+
+        try:
+            model = apply_lora(model, args, task)
+        except ValueError as exc:  # target modules not in the model
+            _fail(str(exc))
+        info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     groups = build_groups(dims)
     if args.tp_size > 1:
         from hfpar.parallel.apply import apply_tensor_parallel
@@ -197,10 +242,22 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
             _fail(str(exc))
     trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task=task,
                       run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info}, groups=groups)
+    from hfpar.trainer import NonFiniteError
+
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint from an incompatible run: a user problem, said in one line
         _fail(str(exc))
+    except NonFiniteError as exc:  # the numerical guard: one line, no traceback, non-zero exit
+        _fail(f"{exc} (checkpoints written so far are intact; --on_nonfinite skip skips such steps instead)")
+    except RuntimeError as exc:
+        if not _is_collective_timeout(exc):
+            raise
+        # said by every rank that timed out (a hang is usually one rank's story: name who reports it)
+        print(f"hfpar: error: rank {accelerator.process_index}: a collective timed out after --dist_timeout_s "
+              f"{args.dist_timeout_s}: another rank is stuck or died (see its log); checkpoints written so far are "
+              "intact, relaunch with --resume_from_checkpoint latest", file=sys.stderr)
+        os._exit(3)  # the process group is broken: no clean shutdown is possible
     accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -116,7 +116,11 @@ class Trainer:
             set_aux_loss_grad_scale(dims.dp / args.gradient_accumulation_steps)
             attach_moe_token_mask(model)  # padding takes no part in routing statistics
         self.ep_split = self.ep is not None and self.ep["size"] > 1
-        self.custom = self.tp is not None or self.ep_split  # model-parallel: hfpar wraps, not Accelerate
+        self.strategy = strategy_name(accelerator)
+        self.zero = self.strategy.startswith("zero")
+        # model-parallel runs: hfpar wraps (DDP / FSDP2 over the dp group), not Accelerate; TP x ZeRO goes
+        # through Accelerate's DeepSpeed path with an mpu that names the dp and TP groups
+        self.custom = (self.tp is not None and not self.zero) or self.ep_split
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
 
@@ -132,7 +136,12 @@ class Trainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         self.n_params = M.param_count(model)
-        self.strategy = strategy_name(accelerator)
+        M.track_grad_bytes()  # grads are freed after each step: record their bytes as the optimizer steps
+        self.comm = None
+        if args.log_comm_bytes:  # installed before the backend: DeepSpeed keeps references to the functions
+            from hfpar.comm_stats import CommCounter
+
+            self.comm = CommCounter().install()
         if self.custom:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
             model = self._wrap_model_parallel(model)
         optimizer = build_optimizer(model, args)
@@ -140,10 +149,20 @@ class Trainer:
         # would step it num_processes times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.total_steps)
-        if not self.custom:
+        if self.tp is not None and self.zero:
+            from hfpar.distributed import DeepSpeedMPU, deepspeed_with_mpu
+            from hfpar.parallel.apply import sequence_parallel_grad_hooks
+
+            if self.tp["needs_grad_sync"]:  # ZeRO takes the grads in backward: reduce SP / q-k-norm grads there
+                sequence_parallel_grad_hooks(model)
+            with deepspeed_with_mpu(DeepSpeedMPU(self.tp_group, self.dp_group)):
+                self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        elif not self.custom:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         else:
             self.model, self.optimizer = model, optimizer
+        if self.comm is not None and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.comm.watch_ddp(self.model)
         accelerator.register_for_checkpointing(self.scheduler)
         self.start_step = 0
 
@@ -152,16 +171,17 @@ class Trainer:
         the whole world, averaging different TP shards together): DDP, or FSDP2 on a dp mesh.
         Shards differ per TP rank, so hfpar checkpoints model + optimizer per rank (_save_rank_state)."""
         model.to(self.acc.device)
+        # expert grads are reduced by hfpar over the ranks holding the same experts, not by the backend
+        experts = [(n, p) for n, p in model.named_parameters() if getattr(p, "_hfpar_ep", None) is not None]
         if self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import fully_shard_dp
 
-            return fully_shard_dp(model, self.dp_group)
+            return fully_shard_dp(model, self.dp_group, ignored_params={p for _, p in experts} or None)
         if self.dims.dp > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            if self.ep_split:  # expert grads are reduced by hfpar over the ranks holding the same experts
-                ignore = [n for n, p in model.named_parameters() if getattr(p, "_hfpar_ep", None) is not None]
-                DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
+            if experts:
+                DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
             dev = [self.acc.device.index] if self.acc.device.type == "cuda" else None
             return DDP(model, process_group=self.dp_group, device_ids=dev)
         return model
@@ -172,16 +192,25 @@ class Trainer:
         EP group, replicated params once."""
         ep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is not None and p.grad is not None]
         rep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is None and p.grad is not None]
+        from hfpar.parallel.fsdp_tp import _local
+
         edp = self.ep["edp_group"]
         for p in ep_params:
             if edp is not None and torch.distributed.get_world_size(edp) > 1:
                 torch.distributed.all_reduce(p.grad, group=edp)
             p.grad.div_(self.dims.dp)
-        sq = torch.stack([sum(p.grad.double().square().sum() for p in ps) if ps else torch.zeros((), dtype=torch.float64)
-                          for ps in (ep_params, rep_params)])
-        torch.distributed.all_reduce(sq[0:1], group=self.ep["group"])
-        total = float(sq.sum().sqrt())
-        torch.nn.utils.clip_grads_with_norm_(ep_params + rep_params, max_norm, torch.tensor(total))
+        dev = self.acc.device
+        sq = torch.stack([sum(_local(p.grad).double().square().sum() for p in ps) if ps
+                          else torch.zeros((), dtype=torch.float64, device=dev) for ps in (ep_params, rep_params)])
+        ep_sq, rep_sq = sq[0:1].clone(), sq[1:2].clone()
+        torch.distributed.all_reduce(ep_sq, group=self.ep["group"])
+        if self.strategy == "fsdp2":  # replicated params are FSDP shards over dp: sum their squares too
+            torch.distributed.all_reduce(rep_sq, group=self.dp_group)
+        total = float((ep_sq + rep_sq).sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in ep_params + rep_params:
+                _local(p.grad).mul_(coef)
         return total
 
     def _unwrapped(self):
@@ -195,7 +224,7 @@ class Trainer:
     def _save_rank_state(self, ckpt_dir) -> None:
         if not self.custom:
             return
-        if self.strategy == "fsdp2" and not self.ep_split:
+        if self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import local_state
 
             torch.save({"model": local_state(self.model.state_dict()),
@@ -232,7 +261,7 @@ class Trainer:
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         extra = {"use_cache": False} if self.task == "lm" else {}
-        with self.acc.autocast() if self.tp is not None else contextlib.nullcontext():  # prepare() adds it otherwise
+        with self.acc.autocast() if self.custom else contextlib.nullcontext():  # prepare() adds it otherwise
             logits = self.model(**inputs, **extra).logits
         loss_sum, n = self.loss_fn(logits, labels)
         return loss_sum, n, logits
@@ -241,12 +270,12 @@ class Trainer:
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         if self.ep_split:
             return self._reduce_expert_grads_and_clip(max_norm)
-        if self.tp is not None and self.strategy == "fsdp2":
+        if self.custom and self.tp is not None and self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import clip_grad_norm_2d_, sync_sp_grads_2d
 
             sync_sp_grads_2d(self.model, self.tp_group)
             return float(clip_grad_norm_2d_(self.model, max_norm, self.tp_group, self.dp_group))
-        if self.tp is not None:
+        if self.custom and self.tp is not None:
             from hfpar.parallel.apply import clip_tp_grad_norm_, sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self._unwrapped())
@@ -270,21 +299,33 @@ class Trainer:
             if self.args.resume_from_checkpoint:
                 self.acc.print(f"[hfpar] --resume_from_checkpoint {self.args.resume_from_checkpoint}: no checkpoint yet, starting fresh")
             return
-        state = ckpt.load_checkpoint(self.acc, path)
+        state = ckpt.read_trainer_state(path)  # checked before anything is loaded
         if (state.get("tp", 1), state.get("ep", 1)) != (self.dims.tp, self.dims.ep):
             raise ConfigError(f"checkpoint {path} was written with tp {state.get('tp', 1)} / ep {state.get('ep', 1)}; "
                               f"this run has tp {self.dims.tp} / ep {self.dims.ep}: resume with the same --tp_size/--ep_size")
-        self._load_rank_state(path)
         if state["global_batch"] != self.sampler.global_batch:
             raise ConfigError(
                 f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has "
                 f"{self.sampler.global_batch}; keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
+        if state["world_size"] != self.dims.world and (self.zero or self.custom):
+            # DDP states are full and FSDP2's are DCP (resharded on load); ZeRO partitions and hfpar's per-rank
+            # TP / EP files are tied to the world size that wrote them
+            how = ("relaunch with the same --num_processes" if self.custom else
+                   f"to go on with {self.dims.world}, export it (hfpar export {path} OUT) and start from "
+                   "--model_name_or_path OUT (optimizer state restarts)")
+            raise ConfigError(
+                f"checkpoint {path} was written by {state['world_size']} processes, this run has {self.dims.world}: "
+                f"{self.strategy}{' with TP/EP' if self.custom else ''} checkpoints resume on the same world size only; {how}")
+        ckpt.load_checkpoint(self.acc, path)
+        self._load_rank_state(path)
         self.start_step = state["global_step"]
         self.acc.print(f"[hfpar] resumed from {path} at step {self.start_step}")
 
-    def write_run_info(self) -> None:
-        local = torch.tensor([M.param_bytes(self.model), M.optimizer_state_bytes(self.optimizer)], dtype=torch.float64)
-        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 2).cpu()
+    def write_run_info(self, **final) -> None:
+        """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
+        local = torch.tensor([M.param_bytes(self.model), M.optimizer_state_bytes(self.optimizer),
+                              M.grad_bytes(self.optimizer), M.peak_memory_bytes(self.acc.device)], dtype=torch.float64)
+        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 4).cpu()
         info = {
             "strategy": self.strategy,
             "distributed_type": str(self.acc.distributed_type).split(".")[-1],
@@ -294,11 +335,14 @@ class Trainer:
             "num_parameters": self.n_params,
             "param_bytes_per_rank": [int(x) for x in gathered[:, 0]],
             "optimizer_state_bytes_per_rank": [int(x) for x in gathered[:, 1]],
+            "grad_bytes_per_rank": [int(x) for x in gathered[:, 2]],
+            "peak_mem_bytes_per_rank": [int(x) for x in gathered[:, 3]],
             "global_batch_size": self.sampler.global_batch,
             "total_steps": self.total_steps,
             "versions": M.library_versions(),
             "command": M.command_line(),
             **self.run_extra,
+            **final,
         }
         if self.acc.is_main_process:
             M.write_json(self.out / "run_info.json", info)
@@ -348,6 +392,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
         self.maybe_resume()
+        t_start = time.perf_counter()
         writer = M.MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process, append=self.start_step > 0)
         if self.start_step > 0 and acc.is_main_process:
             _truncate_metrics(self.out / "metrics.jsonl", self.start_step)
@@ -359,6 +404,8 @@ class Trainer:
         self.model.train()
         for step, epoch, micro in self.sampler.iterate(self.start_step, self.total_steps):
             t0 = time.perf_counter()
+            if self.comm is not None:
+                self.comm.reset()
             batches = [self._collate(ix) for ix in micro]
             local_targets = sum(count_targets(b, self.task) for b in batches)
             local_tokens = sum(count_input_tokens(b) for b in batches)
@@ -392,6 +439,9 @@ class Trainer:
                    "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
             if bad:
                 rec["skipped"] = True
+            if self.comm is not None:  # this rank's bytes for the step (rank 0's record is written)
+                rec["comm"] = self.comm.snapshot()
+                rec["comm_wire_bytes"] = self.comm.wire_total()
             writer.write(rec)
             if step == self.start_step:  # after the first step, so optimizer state exists and is counted
                 self.write_run_info()
@@ -408,18 +458,56 @@ class Trainer:
                 self._log_eval(writer, done)
             if args.save_steps and done % args.save_steps == 0 and done != self.total_steps:
                 ckpt.save_checkpoint(acc, args.output_dir, done, self._trainer_state(done), args.save_total_limit,
-                                     extra=self._save_rank_state)
+                                     extra=self._save_rank_state, tokenizer=self.tokenizer)
         bar.close()
         final = {}
         if eval_every != 0:
             final = self._log_eval(writer, self.total_steps)
         if args.save_steps:
             ckpt.save_checkpoint(acc, args.output_dir, self.total_steps, self._trainer_state(self.total_steps),
-                                 args.save_total_limit, extra=self._save_rank_state)
+                                 args.save_total_limit, extra=self._save_rank_state, tokenizer=self.tokenizer)
+        if args.save_final_model:
+            self._export()
+        self.write_run_info(wall_time_s=round(time.perf_counter() - t_start, 2))
+        if acc.is_main_process:
+            self._report()
+        # no rank tears its process groups down while another still uses them; before end_training, which
+        # (Accelerate >= 1.x) destroys the default process group when trackers are on
+        acc.wait_for_everyone()
+        if args.report_to != "none":
+            acc.end_training()
+        return {**last, **final}
+
+    def _report(self) -> None:
+        """report.png (loss, eval loss, lr, tokens/s) and a summary table at the end of the run."""
+        from hfpar import plot
+
+        try:
+            path = plot.write_report(self.out)
+            print(f"[hfpar] report: {path}")
+        except plot.PlotError as exc:  # matplotlib absent: the run itself is fine
+            print(f"[hfpar] no report.png: {exc}")
+        print(plot.summary_table(self.out))
+
+    def _export(self) -> None:
+        """The final model in HF format at output_dir's root, whatever the strategy (shards gathered)."""
+        acc, args = self.acc, self.args
+        if getattr(args, "use_peft", False):  # LoRA: the adapter, or with --merge_adapter the merged model
+            from hfpar.lora import export_lora
+
+            export_lora(acc, self.model, self.tokenizer, args.output_dir, merge=args.merge_adapter)
+            return
         if self.ep is not None and (self.ep_split or self.upcycled):
             from hfpar.parallel.moe_apply import gather_expert_state_dict, save_upcycled_pretrained
 
-            full = gather_expert_state_dict(self._unwrapped()) if self.ep_split else None
+            full = None
+            if self.ep_split:
+                if self.strategy == "fsdp2":  # non-expert params are DTensors over dp: full tensors first
+                    from hfpar.parallel.fsdp_tp import full_state_dict_2d
+
+                    full = gather_expert_state_dict(self._unwrapped(), full_state_dict_2d(self._unwrapped()))
+                else:
+                    full = gather_expert_state_dict(self._unwrapped())
             if full is None:
                 full = acc.get_state_dict(self.model)
             if self.upcycled:  # saved as the matching HF MoE architecture (e.g. Mixtral for Llama)
@@ -440,9 +528,6 @@ class Trainer:
             ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir, state_dict=full)
         else:
             ckpt.export_model(acc, self.model, self.tokenizer, args.output_dir)
-        if args.report_to != "none":
-            acc.end_training()
-        return {**last, **final}
 
     def _log_eval(self, writer, step: int) -> dict:
         ev = self.evaluate()

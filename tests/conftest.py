@@ -72,3 +72,16 @@ def export_eval_loss(out, n: int = 48) -> float:
             s, c = lm_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
             tot, cnt = tot + float(s), cnt + int(c)
     return tot / cnt
+
+
+def assert_resumed_like_uninterrupted(src, resumed, what: str, tol: float = 1e-6):
+    """The resumed run's final weights equal the uninterrupted run's (max abs diff <= tol); prints the measured
+    differences (pytest -s) for the record."""
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    w = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    ref, got = read_metrics(src)[0], read_metrics(resumed)[0]
+    steps = {r["step"]: r["loss"] for r in ref}
+    dl = max(abs(r["loss"] - steps[r["step"]]) for r in got)
+    print(f"RESUME {what}: max |loss diff| {dl:.3e}, max |weight diff| {w:.3e}")
+    assert w <= tol, f"{what}: max weight diff {w:.2e}"

@@ -15,15 +15,19 @@ def env() -> dict:
     e = dict(os.environ)
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
              TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", ACCELERATE_DISABLE_RICH="1")
-    e.pop("CUDA_VISIBLE_DEVICES", None)
+    # CUDA_VISIBLE_DEVICES is kept: on a one-GPU machine, "" keeps the multi-rank tests on CPU + gloo
     return e
+
+
+def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+            "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", "0",
+            *(extra_launch or []), str(ROOT / "recipes" / f"{recipe}.py"), *args]
 
 
 def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool = True, timeout: int = 600,
            extra_launch: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-           "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", "0",
-           *(extra_launch or []), str(ROOT / "recipes" / f"{recipe}.py"), *args]
+    cmd = launch_cmd(config, nproc, recipe, args, extra_launch)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

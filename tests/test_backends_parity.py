@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches, export_eval_loss
+from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.launch import launch, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_run_info_names_the_strategy_and_shows_sharding(runs, strategy):
         assert opt == [opt_full] * info["world_size"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero1", "zero2", "zero3"])
 def test_resume_reproduces_remaining_steps(runs, strategy, tmp_path, base_model):
     src = runs[strategy]
     out = tmp_path / "resumed"
@@ -102,3 +102,4 @@ def test_resume_reproduces_remaining_steps(runs, strategy, tmp_path, base_model)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{strategy} resumed")
     assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{strategy} resumed")
+    assert_resumed_like_uninterrupted(src, out, strategy)

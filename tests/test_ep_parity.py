@@ -1,7 +1,7 @@
 """Expert parallelism end to end (`--upcycle_experts 4 --ep_size 2` through the sft recipe).
 
 fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained
-with EP=2 on 2 and on 4 processes (DDP for the rest) must match the same upcycled model trained in one
+with EP=2 on 2 and on 4 processes (DDP for the rest) and with EP=2 under FSDP2 on 2 processes must match the same upcycled model trained in one
 process, per step (loss, grad_norm: the aux-loss gradient included) and in the exported weights,
 which are written as a Mixtral checkpoint that from_pretrained loads; resume with EP; refusals.
 """
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches
+from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
 from tests.launch import launch, read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
@@ -25,8 +25,8 @@ MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.0
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
-            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"])}
-    outs = {}
+            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"])}
+    outs = {"_configs": runs}
     for name, (config, nproc, bs, extra) in runs.items():
         out = root / name
         launch(config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
@@ -35,7 +35,7 @@ def ep_runs(base_model, tmp_path_factory):
     return outs
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4"])
+@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2"])
 def test_ep_matches_single_per_step(ep_runs, case):
     ref, _ = read_metrics(ep_runs["single"])
     got, _ = read_metrics(ep_runs[case])
@@ -44,7 +44,7 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4"])
+@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2"])
 def test_ep_export_is_mixtral_and_matches(ep_runs, case):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,25 +61,33 @@ def test_ep_ranks_hold_half_the_experts(ep_runs):
     one = read_run_info(ep_runs["ddp_ep1"])["param_bytes_per_rank"]
     two = read_run_info(ep_runs["ep2"])["param_bytes_per_rank"]
     assert all(b < 0.8 * one[0] for b in two), (one, two)  # experts dominate the upcycled model
+    # FSDP2 also shards the non-expert params over the 2 ranks: exactly half of the single-process model
+    full = read_run_info(ep_runs["single"])["param_bytes_per_rank"][0]
+    fsdp = read_run_info(ep_runs["ep2_fsdp2"])["param_bytes_per_rank"]
+    assert all(abs(b / full - 0.5) < 0.01 for b in fsdp), (full, fsdp)
 
 
-def test_ep_resume(ep_runs, base_model, tmp_path):
-    src = ep_runs["ep2"]
+@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2"])
+def test_ep_resume(ep_runs, base_model, tmp_path, case):
+    config, nproc, bs, extra = ep_runs["_configs"][case]
+    src = ep_runs[case]
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch("ddp", 2, "sft", [*COMMON, *MOE, "--ep_size", "2", "--model_name_or_path", base_model,
-                             "--output_dir", str(out), "--per_device_train_batch_size", "2",
-                             "--resume_from_checkpoint", "latest"])
+    launch(config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
+                                  "--output_dir", str(out), "--per_device_train_batch_size", bs,
+                                  "--resume_from_checkpoint", "latest"])
     ref, _ = read_metrics(src)
     got, _ = read_metrics(out)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert_close_series(ref[4:], got, "loss", 1e-6, "ep2 resumed")
+    assert_close_series(ref[4:], got, "loss", 1e-6, f"{case} resumed")
+    assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{case} resumed")
+    assert_resumed_like_uninterrupted(src, out, case)
 
 
 @pytest.mark.parametrize("config,flags,message", [
     ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
-    ("fsdp2", ["--ep_size", "2", *MOE], "composes with ddp.yaml only"),
+    ("zero2", ["--ep_size", "2", *MOE], "ZeRO: not yet"),
 ])
 def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False)

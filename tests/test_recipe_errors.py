@@ -50,3 +50,45 @@ def test_cli_rejects_unknown_recipe(capsys):
     with pytest.raises(SystemExit) as e:
         cli(["train"])
     assert e.value.code == 2 and "expected a recipe (sft, clm, classify), got 'train'" in capsys.readouterr().err
+
+
+def _bad_input_files(root):
+    import json
+
+    (root / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c",\n')
+    (root / "cols.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    (root / "long.jsonl").write_text("".join(json.dumps({"prompt": "p" * 50, "completion": "c" * 50}) + "\n" for _ in range(20)))
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (root / "msgs.jsonl").write_text((json.dumps(turn) + "\n") * 20)
+    from hfpar import data
+
+    tok = data.load_tokenizer(None)
+    tok.chat_template = None
+    tok.save_pretrained(root / "notemplate")
+
+
+BAD_INPUTS = {  # name: (argv, what the one line must say)
+    "missing dataset file": (["--dataset_name", "{d}/nope.jsonl"], "nope.jsonl: no such file or directory"),
+    "malformed JSONL": (["--dataset_name", "{d}/bad.jsonl"], "bad.jsonl: malformed JSON Lines at line 3"),
+    "wrong columns": (["--dataset_name", "{d}/cols.jsonl"],
+                      "found columns ['answer', 'question']; the sft recipe expects messages, or prompt + completion"),
+    "empty after filtering": (["--dataset_name", "{d}/long.jsonl", "--max_seq_length", "16", "--truncation", "drop"],
+                              "no SFT example left after tokenization with max_seq_length 16 and truncation 'drop'"),
+    "no chat template": (["--dataset_name", "{d}/msgs.jsonl", "--tokenizer_name_or_path", "{d}/notemplate"],
+                         "has no chat template, which the messages format needs"),
+    "non-positive batch": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be a positive integer"),
+    "non-positive steps": (["--max_steps", "-3"], "--max_steps -3: must be > 0, or -1 to use num_train_epochs"),
+    "tp not dividing world": (["--tp_size", "2"], "--tp_size 2 does not divide the world size 1"),
+    "ep not dividing dp": (["--ep_size", "2"], "--ep_size 2 does not divide the data-parallel size 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_one_line_before_any_model(name, tmp_path, capsys):
+    _bad_input_files(tmp_path)
+    argv, expected = BAD_INPUTS[name]
+    argv = [a.format(d=tmp_path) for a in argv]
+    err = _run([*argv, "--output_dir", str(tmp_path / "o")], capsys)
+    print(f"{name}: {err}")
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "o" / "model.safetensors").exists()

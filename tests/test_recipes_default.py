@@ -18,6 +18,7 @@ def _run(recipe, cwd):
                           capture_output=True, text=True, timeout=300)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "final eval loss" in proc.stdout and "median tokens/s" in proc.stdout   # the summary table
     out = cwd / "outputs" / recipe
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return elapsed, [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r], out
@@ -32,6 +33,11 @@ def test_lm_recipe_default_learns(recipe, tmp_path):
     assert evals[-1]["eval_loss"] < 0.75 * evals[0]["eval_loss"], evals
     assert evals[-1]["eval_loss"] < 0.6 * train[0]["loss"], (train[0], evals[-1])
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # the run report: a plot and a summary table at the end, measured bytes and memory in run_info
+    assert (out / "report.png").stat().st_size > 10_000
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["grad_bytes_per_rank"] == info["param_bytes_per_rank"]   # fp32 on one process: one grad per param
+    assert info["peak_mem_bytes_per_rank"][0] > 0 and info["wall_time_s"] > 0
 
 
 def test_classify_default_beats_majority_baseline(tmp_path):

@@ -102,8 +102,8 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
 
     apply_tensor_parallel(model, group, sequence_parallel=sp)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    res["checkpointing"] = model.is_activation_checkpointing
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # both transformers 5.17 and 5.23
+    res["checkpointing"] = model.is_gradient_checkpointing
     res["config_heads"] = (model.config.num_attention_heads, model.config.num_key_value_heads)
     res["tied_shared"] = model.lm_head.weight is model.model.embed_tokens.weight
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits            # (B, T, V/tp)
@@ -148,10 +148,70 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
     return res
 
 
+HEADS = ("llama", "bert")   # *ForSequenceClassification: the head stays replicated, logits full
+
+
+def _build_classifier(kind: str, seed: int = 0):
+    from transformers import AutoModelForSequenceClassification, BertConfig, LlamaConfig
+    if kind == "bert":   # an encoder (MiniLM-like); dropout off so both sides compute the same function
+        cfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    else:
+        cfg = LlamaConfig(**TINY, num_labels=3)
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(cfg, attn_implementation="sdpa").double().train()
+
+
+def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
+    from transformers import AutoModelForSequenceClassification
+
+    from hfpar.parallel.apply import apply_tensor_parallel, gather_full_state_dict, tp_grad_norm
+    group = dist.group.WORLD
+    model = _build_classifier(kind)
+    ref = copy.deepcopy(model)
+    ids, mask, _ = _batch()
+    labels = torch.tensor([0, 2])
+    ref_logits = ref(input_ids=ids, attention_mask=mask).logits                          # (B, C)
+    F.cross_entropy(ref_logits, labels).backward()
+    apply_tensor_parallel(model, group)
+    res = {"vocab_parallel_logits": model._hfpar_tp["vocab_parallel_logits"],
+           "sharded": sorted(n for n, p in model.named_parameters() if getattr(p, "_hfpar_tp", None) is not None)}
+    logits = model(input_ids=ids, attention_mask=mask).logits                            # (B, C), full
+    F.cross_entropy(logits, labels).backward()
+    res["logits_rel"] = _rel(logits.detach(), ref_logits.detach())
+    # BERT's key bias has a zero gradient in exact arithmetic (softmax is shift-invariant): ~1e-17 on both
+    # sides, so relative error is measured against max(|ref|, 1e-10)
+    got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters()}
+    res["grad_worst"] = max(((got[n] - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-10), n)
+                            for n in want)
+    rep = torch.cat([p.grad.reshape(-1) for p in model.parameters() if getattr(p, "_hfpar_tp", None) is None])
+    hi, lo = rep.clone(), -rep
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+    res["replicated_drift"] = (hi + lo).abs().max().item()
+    res["norm_rel"] = _rel(tp_grad_norm(model.parameters(), group),
+                           torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    sd = gather_full_state_dict(model)
+    if rank == 0:
+        path = f"{outdir}/cls-{kind}"
+        model.save_pretrained(path, state_dict=sd)
+        loaded = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float64).eval()
+        ref.eval()
+        with torch.no_grad():
+            res["export_logits_rel"] = _rel(loaded(input_ids=ids, attention_mask=mask).logits,
+                                            ref(input_ids=ids, attention_mask=mask).logits)
+    dist.barrier()
+    return res
+
+
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
     from hfpar.parallel.apply import apply_tensor_parallel
     torch.set_num_threads(1)
     results = {"parity": {_case_id(c): _parity_case(rank, c, outdir) for c in CASES}}
+    results["heads"] = {k: _task_head_case(rank, k, outdir) for k in HEADS}
+    results["err_sp_head"] = value_error_message(
+        lambda: apply_tensor_parallel(_build_classifier("llama"), dist.group.WORLD, sequence_parallel=True))
     g = dist.group.WORLD
     # invalid degrees for real (tp=2): every rank raises, before any collective (ranks stay in step)
     results["err_kv"] = value_error_message(lambda: apply_tensor_parallel(_build("llama", num_key_value_heads=1), g))
@@ -263,3 +323,23 @@ def test_user_plan_missing_a_projection_is_refused():
             mock.patch.object(dist, "get_world_size", return_value=2):
         with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.v_proj \(Linear\) is inside the TP region"):
             apply_tensor_parallel(_build("llama", "float32"), plan=plan)
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_task_heads_stay_replicated(ranks, kind):
+    """Sequence classification (decoder and encoder): body sharded, head replicated, logits and grads exact."""
+    for rank, res in enumerate(ranks):
+        r = res["heads"][kind]
+        assert r["vocab_parallel_logits"] is False
+        assert r["logits_rel"] < 1e-5 and r["norm_rel"] < 1e-5, r
+        assert r["grad_worst"][0] < 1e-5, (rank, r["grad_worst"])
+        assert r["replicated_drift"] == 0.0
+        assert not any("score" in n or "classifier" in n or "pooler" in n for n in r["sharded"]), r["sharded"]
+        body = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "word_embeddings"] \
+            if kind == "bert" else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+        assert all(any(b in n for n in r["sharded"]) for b in body), r["sharded"]
+    assert ranks[0]["heads"][kind]["export_logits_rel"] < 1e-5
+
+
+def test_sequence_parallel_needs_an_lm_head(ranks):
+    assert "sequence_parallel needs a vocab-parallel LM head" in ranks[0]["err_sp_head"]

@@ -1,8 +1,9 @@
 """Tensor parallelism end to end (`--tp_size` through the sft recipe) under the parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: TP=2 on 2 processes, TP=2 + sequence
-parallel, TP=2 x DDP=2 and TP=2 x FSDP2=2 on 4 processes; exported (gathered) weights, from_pretrained round trip,
-per-rank sharded bytes, resume with TP, and the refusals that are not implemented yet.
+parallel, TP=2 x DDP=2, TP=2 x FSDP2=2 and TP=2 x ZeRO-2=2 on 4 processes, TP=2 + sequence parallel under
+ZeRO-1 (DeepSpeed with hfpar's mpu; SP grads reduced in backward); exported (gathered) weights,
+from_pretrained round trip, per-rank sharded bytes, resume with TP, and the refusals.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches, export_eval_loss
+from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.launch import launch, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
@@ -21,6 +22,8 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "tp2_sp": ("ddp", 2, "4", ["--tp_size", "2", "--sequence_parallel"]),
     "tp2_ddp2": ("ddp", 4, "2", ["--tp_size", "2"]),
     "tp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"]),
+    "tp2_zero2": ("zero2", 4, "2", ["--tp_size", "2"]),
+    "tp2_sp_zero1": ("zero1", 2, "4", ["--tp_size", "2", "--sequence_parallel"]),
 }
 
 
@@ -62,7 +65,7 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
     assert all(share <= b / full < share * 1.02 for b in info["param_bytes_per_rank"]), info["param_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2"])
+@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1"])
 def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, case):
     config, nproc, bs, extra = CASES[case]
     src = tp_runs[case]
@@ -76,13 +79,33 @@ def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, cas
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{case} resumed")
     assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{case} resumed")
+    assert_resumed_like_uninterrupted(src, out, case)
 
 
 @pytest.mark.parametrize("config,flags,message", [
-    ("zero2", ["--tp_size", "2"], "ZeRO over the dp group: not yet"),
+    ("zero3", ["--tp_size", "2"], "ZeRO-3 would partition the TP shards again"),
     ("ddp", ["--tp_size", "3"], "--tp_size 3 does not divide the world size 2"),
 ])
 def test_tp_refusals_are_one_line(config, flags, message, tmp_path):
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False)
     assert proc.returncode != 0
     assert f"hfpar: error: " in proc.stderr and message in proc.stderr
+
+
+def test_tp_classify_matches_single(tmp_path):
+    """classify (LlamaForSequenceClassification): body sharded over tp=2, score head replicated, full logits."""
+    outs = {}
+    for name, config, nproc, extra in (("single", "single", 1, []), ("tp2", "ddp", 2, ["--tp_size", "2"])):
+        outs[name] = tmp_path / name
+        launch(config, nproc, "classify", [*COMMON, *extra, "--output_dir", str(outs[name]),
+                                           "--per_device_train_batch_size", "4"])
+    ref, ref_eval = read_metrics(outs["single"])
+    got, got_eval = read_metrics(outs["tp2"])
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, "classify tp2")
+    assert_close_series(ref, got, "grad_norm", TOL, "classify tp2")
+    assert ref_eval[-1]["eval_accuracy"] == got_eval[-1]["eval_accuracy"]
+    assert_export_matches(outs["single"], outs["tp2"], "classify tp2")
+    proc = launch("ddp", 2, "classify", ["--tp_size", "2", "--sequence_parallel", "--output_dir", str(tmp_path / "o")],
+                  check=False)
+    assert proc.returncode != 0 and "hfpar: error: --sequence_parallel: needs a causal-LM recipe" in proc.stderr

@@ -104,8 +104,10 @@ class _Problems:
         raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
 
 
-def _match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """{module name: (style, pattern)} for every module a pattern matches; every pattern must match."""
+def _match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
+    """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
+    except those whose style is in `optional` (built-in plans: the LM head, absent from task heads such
+    as *ForSequenceClassification, whose small head then stays replicated and its logits full)."""
     compiled = [(p, compile_pattern(p), s) for p, s in plan.items()]
     hits = {p: 0 for p in plan}
     out: dict[str, tuple[str, str]] = {}
@@ -116,7 +118,7 @@ def _match_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[st
         if found:
             hits[found[0][0]] += 1
             out[name] = (found[0][1], found[0][0])
-    missing = [p for p, n in hits.items() if n == 0]
+    missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
     if missing:
         raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
                          f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
@@ -274,13 +276,20 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                            "needs_grad_sync": False}
         return model
     config = getattr(model, "config", None)
+    optional: tuple[str, ...] = ()
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         plan = get_plan(config.model_type)
+        optional = ("colwise_lm_head",)
     validate_plan(plan)
-    matched = _match_plan(model, plan)
+    matched = _match_plan(model, plan, optional)
     assigned = {n: s for n, (s, _) in matched.items()}
+    lm_head = any(s == "colwise_lm_head" for s in assigned.values())
+    if sequence_parallel and not lm_head:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a vocab-parallel LM head to gather the "
+                         f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
+                         "--sequence_parallel")
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -332,7 +341,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         head.weight = emb.weight
     model.register_forward_pre_hook(partial(_guard_hook, sequence_parallel=sequence_parallel), with_kwargs=True)
     model._hfpar_tp = {"group": tp_group, "size": tp, "sequence_parallel": bool(sequence_parallel),
-                       "vocab_parallel_logits": True, "needs_grad_sync": sp_marked > 0}
+                       "vocab_parallel_logits": lm_head, "needs_grad_sync": sp_marked > 0}
     return model
 
 
@@ -380,6 +389,27 @@ def sync_sequence_parallel_grads(model: nn.Module) -> int:
             for g, f in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(f.view_as(g))
         n += len(grads)
+    return n
+
+
+def sequence_parallel_grad_hooks(model: nn.Module) -> int:
+    """The in-backward form of sync_sequence_parallel_grads, for backends that take grads inside backward
+    (DeepSpeed ZeRO reduces and partitions them there, so there is no "after backward" to sync in):
+    a tensor hook on each `_hfpar_sp` param all-reduces (SUM over its TP group) the incoming gradient
+    before it is accumulated. Every TP rank runs the same graph, so the hooks fire in the same order."""
+    n = 0
+    for p in _unique(model.parameters()):
+        meta = getattr(p, "_hfpar_sp", None)
+        if meta is None or group_size(meta["group"]) == 1:
+            continue
+
+        def hook(grad, group=meta["group"]):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+        p.register_hook(hook)
+        n += 1
     return n
 
 

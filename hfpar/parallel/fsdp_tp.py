@@ -24,7 +24,10 @@ from hfpar.parallel.tensor import gather_shards
 _MARKERS = ("_hfpar_tp", "_hfpar_sp")
 
 
-def fully_shard_dp(model: nn.Module, dp_group, *, reshard_after_forward: bool = True) -> nn.Module:
+def fully_shard_dp(model: nn.Module, dp_group, *, reshard_after_forward: bool = True,
+                   ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+    """ignored_params: left out of FSDP (expert-parallel experts: sharded by EP already, reduced by hfpar
+    over the ranks that hold the same experts)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -34,8 +37,8 @@ def fully_shard_dp(model: nn.Module, dp_group, *, reshard_after_forward: bool = 
     layer_types = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():  # one FSDP unit per decoder layer, as the fsdp2 config does
         if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     for n, p in model.named_parameters():
         for key, value in markers.get(n, {}).items():
             setattr(p, key, value)

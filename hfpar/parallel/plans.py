@@ -95,7 +95,21 @@ TP_PLANS: dict[str, dict[str, str]] = {
                "model.layers.*.pre_feedforward_layernorm": "replicated_sp",
                "model.layers.*.post_feedforward_layernorm": "replicated_sp"},
 }
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
+# Encoders (BERT and its relatives: MiniLM, ...): the region is the self-attention module, whose input feeds
+# only q/k/v (BertAttention's input also feeds the residual inside BertSelfOutput, which must not be summed
+# over the TP ranks); the MLP region is `intermediate` (dense + act), `output.dense` takes its shards.
+# Embeddings other than the word embeddings, LayerNorms, pooler and task heads stay replicated.
+_ENC = r"re:(?:bert\.)?encoder\.layer\.\d+"
+TP_PLANS["bert"] = {
+    r"re:(?:bert\.)?embeddings\.word_embeddings": "vocab_embedding",
+    _ENC + r"\.attention\.self": "attention",
+    _ENC + r"\.attention\.self\.(?:query|key|value)": "colwise",
+    _ENC + r"\.attention\.output\.dense": "rowwise",
+    _ENC + r"\.intermediate": "mlp",
+    _ENC + r"\.intermediate\.dense": "colwise",
+    _ENC + r"\.output\.dense": "rowwise",
+}
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert")
 
 
 def get_plan(model_type: str) -> dict[str, str]:

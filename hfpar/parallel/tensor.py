@@ -122,6 +122,8 @@ class TPShardInfo(dict):
 def _mark(param: nn.Parameter, dim: int, group, tp: int, packed_splits=None) -> nn.Parameter:
     param._hfpar_tp = TPShardInfo(dim=dim, group=group, size=tp,
                                   packed_splits=None if packed_splits is None else list(packed_splits))
+    # Megatron's / DeepSpeed's tag for the same fact: ZeRO's grad norm then sums this shard over the TP group
+    param.tensor_model_parallel = tp > 1
     return param
 
 

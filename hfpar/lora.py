@@ -1,0 +1,106 @@
+"""LoRA fine-tuning through PEFT: apply adapters before the data-parallel wrap, export after training.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/sft.py \
+        --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear [--merge_adapter]
+
+    from hfpar.lora import apply_lora
+    model = apply_lora(model, args, task="lm")     # PeftModel; only LoRA (and a classifier head) trainable
+
+Options carry TRL's names (--use_peft, --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules).
+The LoRA init is drawn right after `torch.manual_seed(args.seed)`, so it is the same on every rank and
+in a single-process run. The final export (`export_lora`) works under every data-parallel strategy:
+it gathers the full state dict (collective; FSDP2 / ZeRO-3 shards included) and, on the main process,
+writes either the adapter (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained`)
+or, with --merge_adapter, the merged model as a plain HF checkpoint (`from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+ADAPTER = "default"
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def target_modules(spec: str) -> str | list[str]:
+    """'all-linear' (PEFT's own value) or a comma-separated list of module names."""
+    spec = spec.strip()
+    return spec if spec == "all-linear" else [m.strip() for m in spec.split(",") if m.strip()]
+
+
+def lora_config(args, task: str):
+    """The LoraConfig of a recipe: CAUSAL_LM for sft / clm, SEQ_CLS for classify (head saved whole)."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=target_modules(args.lora_target_modules),
+                      task_type=TaskType.CAUSAL_LM if task == "lm" else TaskType.SEQ_CLS)
+
+
+def apply_lora(model: torch.nn.Module, args, task: str) -> torch.nn.Module:
+    """Wrap `model` with LoRA adapters; raises ValueError (one line) when no module matches the targets."""
+    from peft import get_peft_model
+
+    config = lora_config(args, task)
+    torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. target modules not found in the base model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
+
+
+def trainable_summary(model: torch.nn.Module) -> dict:
+    """{"trainable_parameters", "all_parameters"} (ZeRO-3 placeholders counted by their full shape)."""
+    def numel(p: torch.nn.Parameter) -> int:
+        return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+
+    params = list(model.parameters())
+    return {"trainable_parameters": sum(numel(p) for p in params if p.requires_grad),
+            "all_parameters": sum(numel(p) for p in params)}
+
+
+def _hf_class(model: torch.nn.Module) -> type:
+    """The transformers class of a base model (FSDP2 makes subclasses like FSDPLlamaForCausalLM)."""
+    return next(c for c in type(model).__mro__ if c.__module__.startswith("transformers"))
+
+
+def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of `peft_model` holding the tensors of `full` (its full state dict), merged:
+    W + B @ A * alpha / r in every LoRA layer, trained heads in place. Built on the meta device and
+    filled by assignment, so no extra copy of the weights is made (the tensors of `full` are merged in place)."""
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        shell = _hf_class(base)(copy.deepcopy(base.config))
+        shell = get_peft_model(shell, copy.deepcopy(peft_model.peft_config[ADAPTER]))
+    _, unexpected = shell.load_state_dict(full, strict=False, assign=True)
+    shell.get_base_model().tie_weights()  # tied embeddings: one tensor again, even if full named it once
+    still_meta = [n for n, t in shell.state_dict().items() if t.is_meta]
+    if unexpected or still_meta:
+        raise RuntimeError(f"merged export: state dict does not fit the model (unexpected {unexpected[:3]}, "
+                           f"missing {still_meta[:3]})")
+    with torch.no_grad():
+        return shell.merge_and_unload()
+
+
+def export_lora(accelerator, model: torch.nn.Module, tokenizer, output_dir: str, merge: bool) -> None:
+    """Collective. Write the adapter (or, merge=True, the merged model) at output_dir's root."""
+    full = accelerator.get_state_dict(model)  # collective: full tensors on the main process (FSDP2 / ZeRO-3 gathered)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        full = {k: v.detach().cpu().contiguous() for k, v in full.items()}
+        if merge:
+            merged = merged_state_model(unwrapped, full)
+            merged.save_pretrained(output_dir, safe_serialization=True)
+        else:
+            unwrapped.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()

@@ -1,0 +1,296 @@
+"""Memory planner: bytes per GPU of every strategy for a model, from its config alone (no weights).
+
+    hfpar plan --model meta-llama/Llama-2-7b-hf --num_gpus 8 --gpu_memory_gb 80 --seq_len 4096
+
+Model states (Adam): bf16 mixed precision uses the standard ZeRO accounting, 2 (bf16 params) + 2 (bf16
+grads) + 12 (fp32 master weights + 2 moments) = 16 bytes/param; fp32 training 4 + 4 + 8. (Accelerate's
+torch-native bf16 keeps fp32 params and grads instead, 4 + 4 + 8: the same 16 bytes, split otherwise.)
+Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", eq. 1-2 (bytes per layer for 16-bit activations). Parameter counts come from the model built
+on the meta device, so every architecture (GQA, tied embeddings, MoE experts) is counted exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+GiB = 1024**3
+RESERVE = 0.10  # of each GPU kept free: CUDA context, allocator fragmentation, NCCL buffers
+DATA_PARALLEL = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")
+SHARDED = ("fsdp2", "zero3", "zero3_offload")  # params all-gathered one decoder layer at a time
+
+
+class PlanError(ValueError):
+    """A bad planner input; the message is one line naming the value and what is valid."""
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    n_params: int  # unique parameters (tied embeddings once)
+    n_tp_replicated: int  # parameters tensor parallelism leaves whole: norms, biases, routers
+    n_expert: int  # parameters inside routed experts (split by expert parallelism)
+    largest_layer: int  # parameters of the biggest decoder layer (the unit FSDP2 / ZeRO-3 gathers)
+    lora_unit: int  # sum of (in + out) over the layers' linear weights: LoRA params = rank x this
+    n_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    num_experts: int  # 0 for dense models
+
+
+def _cfg(config, *names: str, default: int = 0) -> int:
+    for n in names:
+        v = getattr(config, n, None)
+        if v:
+            return int(v)
+    return default
+
+
+@functools.lru_cache(maxsize=8)
+def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = config_cls.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = replicated = expert = lora = 0
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():  # unique parameters: a tied lm_head is counted once
+        n = p.numel()
+        total += n
+        is_expert = ".experts." in name and "shared_expert" not in name
+        expert += n if is_expert else 0
+        if p.dim() < 2 or re.search(r"\.(gate|router)\.weight$", name):
+            replicated += n
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        if m:
+            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + n
+            if p.dim() >= 2:  # [out, in] or experts [E, a, b]
+                lora += (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
+    text = getattr(config, "text_config", None) or config
+    return ModelStats(
+        n_params=total, n_tp_replicated=replicated, n_expert=expert, largest_layer=max(per_layer.values(), default=total),
+        lora_unit=lora, n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
+        hidden=_cfg(text, "hidden_size", "n_embd", "d_model"), heads=_cfg(text, "num_attention_heads", "n_head"),
+        kv_heads=_cfg(text, "num_key_value_heads", "num_attention_heads", "n_head"),
+        intermediate=_cfg(text, "moe_intermediate_size", "intermediate_size", "ffn_dim", "n_inner"),
+        vocab=_cfg(text, "vocab_size"), num_experts=_cfg(text, "num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def model_stats(config) -> ModelStats:
+    """Parameter statistics of a transformers config (built on the meta device: no memory, no weights)."""
+    if isinstance(config, ModelStats):
+        return config
+    return _stats_from_json(type(config), config.to_json_string(use_diff=False))
+
+
+def state_bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes per parameter for Adam."""
+    if mixed_precision == "bf16":
+        return 2, 2, 12  # bf16 params + bf16 grads + (fp32 master, exp_avg, exp_avg_sq)
+    if mixed_precision == "no":
+        return 4, 4, 8  # fp32 params + fp32 grads + (exp_avg, exp_avg_sq)
+    raise PlanError(f"--mixed_precision {mixed_precision!r}: use bf16 or no")
+
+
+def valid_tp_sizes(stats: ModelStats, max_tp: int) -> list[int]:
+    """TP degrees up to max_tp dividing heads, kv heads, the MLP width and the vocabulary (dense models)."""
+    if stats.num_experts:
+        return [1]  # hfpar shards dense Llama-family layers; MoE models use expert parallelism
+    dims = (stats.heads, stats.kv_heads, stats.intermediate, stats.vocab)
+    return [t for t in range(1, max_tp + 1) if all(d and d % t == 0 for d in dims)]
+
+
+def check_tp(stats: ModelStats, tp: int) -> None:
+    for what, d in (("num_attention_heads", stats.heads), ("num_key_value_heads", stats.kv_heads),
+                    ("intermediate_size", stats.intermediate), ("vocab_size", stats.vocab)):
+        if tp < 1 or d % tp:
+            valid = ", ".join(map(str, valid_tp_sizes(stats, max(stats.heads, 1))))
+            raise PlanError(f"--tp_size {tp} does not divide {what} {d} (valid: {valid})")
+
+
+def check_ep(stats: ModelStats, ep: int) -> None:
+    if ep == 1:
+        return
+    if not stats.num_experts:
+        raise PlanError(f"--ep_size {ep}: the model has no experts (dense); expert parallelism needs an MoE config")
+    if stats.num_experts % ep:
+        valid = ", ".join(str(e) for e in range(1, stats.num_experts + 1) if stats.num_experts % e == 0)
+        raise PlanError(f"--ep_size {ep} does not divide the {stats.num_experts} experts (valid: {valid})")
+
+
+def activation_bytes(stats: ModelStats, seq_len: int, batch_size: int, *, tp: int = 1, checkpointing: bool = False,
+                     act_bytes: int = 2, attn_implementation: str = "sdpa") -> int:
+    """Activations kept for backward on one rank (Korthikanti et al. 2022, eq. 1-2, 16-bit units).
+
+    Per layer, no TP: s*b*h*(34 + 5*a*s/h); TP degree t without sequence parallelism: s*b*h*(10 + 24/t +
+    5*a*s/(h*t)). The 5*a*s/h term is the s x s attention scores: counted for eager attention only
+    (sdpa / flash attention never store them). Full recomputation keeps each layer's input, 2*s*b*h,
+    plus one layer's activations while it is recomputed. Output layer: 4*s*b*v/t (fp32 logits).
+    Scaled by act_bytes / 2 (fp32 activations take twice the bytes)."""
+    s, b, h, a = seq_len, batch_size, stats.hidden, stats.heads
+    scores = 5 * a * s / (h * tp) if attn_implementation == "eager" else 0.0
+    layer = s * b * h * ((34 if tp == 1 else 10 + 24 / tp) + scores)
+    body = stats.n_layers * 2 * s * b * h + layer if checkpointing else stats.n_layers * layer
+    logits = 4 * s * b * stats.vocab / tp
+    return int(body * act_bytes / 2 + logits)
+
+
+def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_size: int = 1, seq_len: int = 2048,
+             batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, checkpointing: bool = False,
+             attn_implementation: str = "sdpa") -> dict[str, int]:
+    """Bytes per rank by category: params, grads, optimizer (persistent, what a rank holds between steps),
+    buffers (transient: all-gathered layers, DDP gradient buckets), activations, total; cpu (bytes per
+    rank kept in host RAM by offload). `strategy` is a data-parallel one; tp_size composes with ddp and
+    fsdp2, ep_size with ddp (what hfpar runs). config: a transformers config or ModelStats."""
+    stats = model_stats(config)
+    if strategy not in DATA_PARALLEL:
+        raise PlanError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
+    if world_size < 1 or world_size % tp_size:
+        raise PlanError(f"world size {world_size} is not a multiple of --tp_size {tp_size}")
+    if (tp_size > 1 and strategy not in ("ddp", "fsdp2")) or (ep_size > 1 and strategy != "ddp"):
+        raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: hfpar composes TP with ddp or fsdp2, EP with ddp")
+    check_tp(stats, tp_size)
+    check_ep(stats, ep_size)
+    if ep_size > world_size:
+        raise PlanError(f"--ep_size {ep_size} is larger than the {world_size} GPUs")
+    bp, bg, bo = state_bytes_per_param(mixed_precision)
+    dp = world_size // tp_size
+    # parameters this rank's model replica holds after TP / EP splitting
+    local = stats.n_tp_replicated + (stats.n_params - stats.n_tp_replicated) / tp_size
+    local -= stats.n_expert * (1 - 1 / ep_size)
+    layer = stats.largest_layer / tp_size
+    trainable = lora_rank * stats.lora_unit / tp_size if lora_rank else local
+    shard_p, shard_g, shard_o = {"ddp": (1, 1, 1), "fsdp2": (dp, dp, dp), "zero1": (1, 1, dp), "zero2": (1, dp, dp),
+                                 "zero3": (dp, dp, dp), "zero3_offload": (dp, dp, dp)}[strategy]
+    out = {"params": local * bp / shard_p, "grads": trainable * bg / shard_g, "optimizer": trainable * bo / shard_o}
+    if strategy == "ddp":
+        buffers = trainable * bg  # DDP's bucket copy of the gradients (gradient_as_bucket_view off)
+    elif strategy in SHARDED:
+        buffers = 2 * layer * bp + layer * bg  # gathered layer + prefetched next + its unsharded grads
+    else:
+        buffers = min(trainable, stats.hidden**2) * bg  # ZeRO-1/2 reduce bucket (Accelerate: hidden^2)
+    cpu = 0.0
+    if strategy == "zero3_offload":
+        cpu = out["params"] + out["grads"] + out["optimizer"]
+        out["params"] = out["grads"] = out["optimizer"] = 0.0
+    act_bytes = 2 if mixed_precision == "bf16" else 4
+    out["buffers"] = buffers
+    out["activations"] = activation_bytes(stats, seq_len, batch_size, tp=tp_size, checkpointing=checkpointing,
+                                          act_bytes=act_bytes, attn_implementation=attn_implementation)
+    out = {k: int(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
+    out["cpu"] = int(cpu)
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # data-parallel strategy = accelerate config name
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def label(self) -> str:
+        extra = f" + TP{self.tp}" if self.tp > 1 else f" + EP{self.ep}" if self.ep > 1 else ""
+        return {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 offload",
+                "ddp": "DDP", "fsdp2": "FSDP2"}[self.strategy] + extra
+
+
+def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int | None = None,
+               ep_size: int | None = None) -> list[Candidate]:
+    """Every strategy the model allows, in the order of the recommendation rule."""
+    out = [Candidate(s) for s in ("ddp", "fsdp2", "zero1", "zero2", "zero3")]
+    tps = [tp_size] if tp_size else [t for t in valid_tp_sizes(stats, gpus_per_node) if world % t == 0]
+    for t in (t for t in tps if t > 1):  # TP inside a node
+        out += [Candidate("ddp", tp=t), Candidate("fsdp2", tp=t)]
+    if stats.num_experts:
+        eps = [ep_size] if ep_size else [e for e in range(2, min(world, stats.num_experts) + 1)
+                                         if stats.num_experts % e == 0 and world % e == 0]
+        out += [Candidate("ddp", ep=e) for e in eps if e > 1]
+    return out + [Candidate("zero3_offload")]
+
+
+def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float) -> tuple[Candidate, bool] | None:
+    """The rule: model states fit with DDP -> DDP; else FSDP2 (or ZeRO-3); still not -> TP / EP, then
+    ZeRO-3 offload. Activation checkpointing only when needed. rows: (candidate, no ckpt, ckpt)."""
+    order = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == 1]
+    order += [r for r in rows if r[0].strategy == "zero3"]
+    order += sorted((r for r in rows if r[0].tp > 1 or r[0].ep > 1), key=lambda r: (r[0].tp * r[0].ep, r[0].strategy))
+    order += [r for r in rows if r[0].strategy == "zero3_offload"]
+    for cand, plain, ckpt in order:
+        if plain["total"] <= budget:
+            return cand, False
+        if ckpt["total"] <= budget:
+            return cand, True
+    return None
+
+
+def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, seq_len: int, batch_size: int,
+                   checkpointing: bool, mixed_precision: str) -> str:
+    single = gpus_per_node * nodes == 1 and cand == Candidate("ddp")
+    cmd = (f"accelerate launch --config_file accelerate_configs/{'single' if single else cand.strategy}.yaml "
+           f"--num_processes {gpus_per_node * nodes}")
+    if nodes > 1:
+        cmd += f" --num_machines {nodes} --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR --main_process_port 29500"
+    if mixed_precision == "no":
+        cmd += " --mixed_precision no"
+    cmd += f" recipes/sft.py --model_name_or_path {model} --max_seq_length {seq_len} --per_device_train_batch_size {batch_size}"
+    cmd += f" --tp_size {cand.tp}" if cand.tp > 1 else ""
+    cmd += f" --ep_size {cand.ep}" if cand.ep > 1 else ""
+    return cmd + (" --gradient_checkpointing" if checkpointing else "")
+
+
+def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1, seq_len: int = 2048,
+         batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, tp_size: int | None = None,
+         ep_size: int | None = None, attn_implementation: str = "sdpa") -> tuple[str, Candidate | None]:
+    """The readable table, the recommendation and its launch command; returns (text, recommended)."""
+    stats = model_stats(config)
+    world = num_gpus * num_nodes
+    if tp_size:
+        check_tp(stats, tp_size)
+        if tp_size > num_gpus or world % tp_size:
+            raise PlanError(f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)")
+    if ep_size:
+        check_ep(stats, ep_size)
+        if world % ep_size:
+            raise PlanError(f"--ep_size {ep_size} does not divide the {world} GPUs")
+    budget = gpu_memory_gb * GiB * (1 - RESERVE)
+    kw = dict(seq_len=seq_len, batch_size=batch_size, mixed_precision=mixed_precision, lora_rank=lora_rank,
+              attn_implementation=attn_implementation)
+    rows = [(c, estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, **kw),
+             estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, checkpointing=True, **kw))
+            for c in candidates(stats, num_gpus, world, tp_size, ep_size)]
+    unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
+    g = lambda b: f"{b / scale:.2f}"  # noqa: E731
+    lines = [f"{model}: {stats.n_params / 1e9:.3f}B parameters ({stats.n_layers} layers, hidden {stats.hidden}, "
+             f"{stats.heads} heads / {stats.kv_heads} kv heads, vocab {stats.vocab}"
+             + (f", {stats.num_experts} experts" if stats.num_experts else "") + ")",
+             f"{num_nodes} node(s) x {num_gpus} GPU(s) of {gpu_memory_gb:g} GiB (budget {budget / GiB:.1f} GiB: "
+             f"{RESERVE:.0%} kept free); seq_len {seq_len}, batch {batch_size}/GPU, mixed precision {mixed_precision}, "
+             f"{f'LoRA rank {lora_rank}' if lora_rank else 'full fine-tuning'}, Adam",
+             "", f"{unit} per GPU    params   grads  optim  buffers  activ (ckpt)  total (ckpt)  fits"]
+    for c, plain, ck in rows:
+        fits = "yes" if plain["total"] <= budget else "ckpt" if ck["total"] <= budget else "no"
+        cpu = f"  + {g(plain['cpu'])} {unit} CPU RAM/GPU" if plain["cpu"] else ""
+        lines.append(f"{c.label:<16}{g(plain['params']):>6}  {g(plain['grads']):>6} {g(plain['optimizer']):>6}  "
+                     f"{g(plain['buffers']):>7}  {g(plain['activations']):>5} ({g(ck['activations'])})  "
+                     f"{g(plain['total']):>6} ({g(ck['total'])})  {fits}{cpu}")
+    lines.append("(ckpt) = with --gradient_checkpointing; activations: Korthikanti et al. 2022, "
+                 + ("eager attention (s x s scores stored)" if attn_implementation == "eager" else "sdpa/flash attention"))
+    best = recommend(rows, budget)
+    if best is None:
+        lines.append("\nnothing fits: lower --batch_size / --seq_len, use more GPUs, or LoRA")
+        return "\n".join(lines), None
+    cand, ckpt = best
+    lines += ["", f"recommended: {cand.label}" + (" with activation checkpointing" if ckpt else ""),
+              launch_command(cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision)]
+    if lora_rank:
+        lines.append("note: hfpar's recipes train every parameter; the LoRA estimate is for a PEFT LoRA run")
+    return "\n".join(lines), cand

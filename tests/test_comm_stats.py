@@ -1,0 +1,52 @@
+"""hfpar.comm_stats counts what each rank hands to collectives, exactly, on 2 gloo ranks.
+
+    python -m pytest tests/test_comm_stats.py -q
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from hfpar.comm_stats import CommCounter
+
+    c = CommCounter().install()
+    try:
+        t = torch.ones(1000)                                                 # 4000 bytes
+        dist.all_reduce(t)
+        out = torch.empty(2000)
+        dist.all_gather_into_tensor(out, torch.ones(1000))                  # gathered: 8000 bytes
+        dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))      # input: 4000 bytes
+        splits = [3, 1] if rank == 0 else [2, 2]                            # rows of 10 floats
+        recv = [3, 2] if rank == 0 else [1, 2]
+        dist.all_to_all_single(torch.empty(sum(recv), 10), torch.ones(sum(splits), 10), recv, splits)
+        first = c.snapshot()
+        # DDP: buckets go through the stock all-reduce hook and are counted once
+        c.reset()
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 10))
+        c.watch_ddp(model)
+        c.reset()   # DDP's constructor broadcasts the parameters
+        model(torch.ones(4, 10)).sum().backward()
+        ddp = c.snapshot()
+    finally:
+        c.uninstall()
+    dist.all_reduce(torch.ones(1))
+    return {"first": first, "ddp": ddp, "after_uninstall": c.snapshot()}
+
+
+def test_counts_match_the_tensors_handed_over():
+    res = run_distributed(_worker, 2, timeout=120)
+    for rank, r in enumerate(res):
+        f = r["first"]
+        assert f["all_reduce"] == {"calls": 1, "payload": 4000, "wire": 4000.0}              # 2 (N-1)/N
+        assert f["all_gather"] == {"calls": 1, "payload": 8000, "wire": 4000.0}              # (N-1)/N
+        assert f["reduce_scatter"] == {"calls": 1, "payload": 4000, "wire": 2000.0}
+        sent_to_other = (1 if rank == 0 else 2) * 10 * 4                                     # rows for the other rank
+        assert f["all_to_all"]["wire"] == sent_to_other, f["all_to_all"]
+        grads = (10 * 10 + 10) * 4
+        assert r["ddp"] == {"all_reduce": {"calls": 1, "payload": grads, "wire": float(grads)}}, r["ddp"]
+        assert r["after_uninstall"] == r["ddp"]   # uninstalled: the last all-reduce was not counted

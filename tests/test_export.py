@@ -1,0 +1,61 @@
+"""`hfpar export` inputs it refuses, one line each (exports of real DDP / FSDP2 / ZeRO-3 checkpoints are
+tested in tests/test_plan.py, which shares their launches).
+
+    python -m pytest -q tests/test_export.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfpar.cli import main as cli
+
+
+def export_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli(["export", *map(str, argv)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("hfpar: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_missing_checkpoint_dir(tmp_path, capsys):
+    assert "no such checkpoint directory" in export_error(capsys, tmp_path / "checkpoint-9", tmp_path / "out")
+
+
+def test_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "checkpoint-1").mkdir()
+    assert "no model state found" in export_error(capsys, tmp_path / "checkpoint-1", tmp_path / "out")
+
+
+def test_tensor_parallel_shards_are_refused_with_the_way_out(tmp_path, capsys):
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    torch.save({"model": {}}, ckpt / "tp_rank00_of02.pt")
+    err = export_error(capsys, ckpt, tmp_path / "out")
+    assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
+
+
+def test_checkpoint_without_config(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(ckpt / "model.safetensors"))
+    assert "no config.json" in export_error(capsys, ckpt, tmp_path / "out")
+
+
+def test_weights_not_matching_the_config(tmp_path, capsys):
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from hfpar import data
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    config = AutoConfig.from_pretrained(data.embedded_model_path())
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(ckpt)
+    save_file({"w": torch.zeros(2)}, str(ckpt / "model.safetensors"))
+    assert "weights do not match LlamaForCausalLM" in export_error(capsys, ckpt, tmp_path / "out")

@@ -1,0 +1,169 @@
+"""`hfpar plan`: the estimator against bytes measured in real 2-process runs, recommendations, errors;
+and `hfpar export` / `hfpar plot` on the checkpoints and metrics of the same runs (one launch per strategy).
+
+    python -m pytest -q tests/test_plan.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from hfpar import data
+from hfpar.cli import main as cli
+from hfpar.plan import estimate
+from tests.launch import launch, read_run_info
+
+STRATEGIES = ("ddp", "fsdp2", "zero3")
+TOL = 0.10  # estimator vs measured, per rank and category
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """One fp32 2-process run per strategy, 2 steps, a checkpoint at step 2 and the final export. The three
+    launches run side by side (half the wall time: much of a launch is process start-up and rendezvous)."""
+    out = {s: tmp_path_factory.mktemp("runs") / s for s in STRATEGIES}
+    args = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "0", "--per_device_train_batch_size", "2"]
+    with ThreadPoolExecutor(len(STRATEGIES)) as pool:
+        done = [pool.submit(launch, s, 2, "sft", [*args, "--output_dir", str(out[s])]) for s in STRATEGIES]
+        for f in done:
+            f.result()
+    return out
+
+
+def measured(run) -> dict[str, list[int]]:
+    info = read_run_info(run)
+    return {"params": info["param_bytes_per_rank"], "grads": info["grad_bytes_per_rank"], "optimizer": info["optimizer_state_bytes_per_rank"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_estimate_matches_measured_bytes(runs, strategy):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(data.embedded_model_path())
+    est = estimate(config, strategy, 2, mixed_precision="no")
+    got = measured(runs[strategy])
+    for cat in ("params", "grads", "optimizer"):
+        for rank, b in enumerate(got[cat]):
+            err = abs(est[cat] - b) / b
+            print(f"{strategy} {cat} rank {rank}: estimated {est[cat]:,} measured {b:,} error {err:.2%}")
+            assert err <= TOL, f"{strategy} {cat} rank {rank}: estimated {est[cat]:,} vs measured {b:,} ({err:.1%})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_export_checkpoint_gives_the_final_model(runs, strategy, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs[strategy] / "checkpoint-2"
+    assert (ckpt / "config.json").is_file(), "save_checkpoint writes the model config next to the state"
+    cli(["export", str(ckpt), str(tmp_path / "hf")])
+    x = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(runs[strategy], dtype=torch.float32).eval()(x).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(x).logits
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+    assert torch.allclose(got, ref, rtol=0, atol=1e-5), f"{strategy}: max diff {(got - ref).abs().max():.2e}"
+
+
+@pytest.mark.slow
+def test_plot_overlays_runs(runs, tmp_path, capsys):
+    cli(["plot", *(str(runs[s]) for s in STRATEGIES), "-o", str(tmp_path / "runs.png")])
+    png = tmp_path / "runs.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def llama_dir(tmp_path, name: str, hidden: int, layers: int, heads: int, intermediate: int):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": intermediate,
+        "vocab_size": 32000, "max_position_embeddings": 4096}))
+    return d
+
+
+def plan_output(capsys, argv: list[str]) -> str:
+    cli(["plan", *argv])
+    return capsys.readouterr().out
+
+
+def test_plan_recommends_ddp_for_125m(tmp_path, capsys):
+    model = llama_dir(tmp_path, "llama-125m", 768, 12, 12, 3072)
+    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "8", "--gpu_memory_gb", "80"])
+    assert "recommended: DDP\n" in out
+    assert (f"accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 8 recipes/sft.py "
+            f"--model_name_or_path {model}") in out
+
+
+def test_plan_recommends_sharding_for_7b(tmp_path, capsys):
+    model = llama_dir(tmp_path, "llama-7b", 4096, 32, 32, 11008)
+    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "8", "--gpu_memory_gb", "80"])
+    assert "recommended: FSDP2" in out or "recommended: ZeRO-3" in out
+    assert "accelerate_configs/fsdp2.yaml --num_processes 8" in out or "accelerate_configs/zero3.yaml" in out
+    ddp = next(line for line in out.splitlines() if line.startswith("DDP "))
+    assert ddp.endswith("no"), ddp  # 16 bytes x 6.7B params do not fit in 80 GB
+
+
+def test_plan_adds_tp_or_offload_when_sharding_is_not_enough(tmp_path, capsys):
+    model = llama_dir(tmp_path, "llama-7b", 4096, 32, 32, 11008)
+    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "2", "--gpu_memory_gb", "40", "--seq_len", "4096",
+                               "--num_nodes", "2"])
+    assert "recommended: FSDP2 + TP" in out or "recommended: ZeRO-3 offload" in out or "--gradient_checkpointing" in out
+    assert "--num_processes 4 --num_machines 2" in out
+
+
+def test_bytes_per_param_accounting(tmp_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(llama_dir(tmp_path, "m", 768, 12, 12, 3072))
+    n = sum(p.numel() for p in _meta_model(config).parameters())
+    bf16 = estimate(config, "ddp", 8)
+    assert (bf16["params"], bf16["grads"], bf16["optimizer"]) == (2 * n, 2 * n, 12 * n)
+    z3 = estimate(config, "zero3", 8, mixed_precision="no")
+    assert (z3["params"], z3["grads"], z3["optimizer"]) == (4 * n // 8, 4 * n // 8, 8 * n // 8)
+    z1, z2 = estimate(config, "zero1", 8), estimate(config, "zero2", 8)
+    assert z1["grads"] == 2 * n and z2["grads"] == 2 * n // 8 and z1["optimizer"] == z2["optimizer"] == 12 * n // 8
+    ckpt = estimate(config, "ddp", 8, checkpointing=True)
+    assert ckpt["activations"] < bf16["activations"]
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num_gpus", "0", "--gpu_memory_gb", "80"], "--num_gpus: 0 must be > 0"),
+    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--tp_size", "5"], "--tp_size 5 does not divide num_attention_heads 12"),
+])
+def test_plan_errors_are_one_line(tmp_path, capsys, argv, message):
+    model = llama_dir(tmp_path, "m", 768, 12, 12, 3072)
+    with pytest.raises(SystemExit) as e:
+        cli(["plan", "--model", str(model), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("hfpar: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_plan_missing_model_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["plan", "--model", str(tmp_path / "nope"), "--num_gpus", "8", "--gpu_memory_gb", "80"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"--model {tmp_path / 'nope'}: no such model directory" in err
+
+
+@pytest.mark.parametrize("tool", ["plan", "plot", "export"])
+def test_help(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli([tool, "--help"])
+    assert e.value.code == 0 and f"usage: hfpar {tool}" in capsys.readouterr().out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
