@@ -100,6 +100,48 @@ def _cpu_backend():
         PartialState._prepare_backend = original
 
 
+def restart_attempt() -> int:
+    """torchrun's restart counter (0 on the first attempt and outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+@contextlib.contextmanager
+def _store_per_restart_attempt(timeout: datetime.timedelta):
+    """Give a restarted attempt of an elastic job (`--max_restarts N`) keys of its own in the launcher's store.
+
+    Why by hand: torchrun's agent hosts one TCPStore for the whole job and every attempt's workers connect
+    to it unprefixed (env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE; torch 2.13's comment says a new
+    store is made per retry, but the static rendezvous keeps its first one). The default group then writes
+    its keys (`default_pg/...`) where the dead attempt wrote them, and a restarted worker can read a dead
+    peer's address: gloo fails with "Connection refused" to the previous attempt's port. On a restart we
+    therefore hand `init_process_group` (called by Accelerate or DeepSpeed, whichever backend they chose)
+    that store under a prefix unique to the attempt; `new_group` keys live under the default group's store,
+    so hfpar's TP/DP/EP groups are isolated too. First attempts and non-elastic launches are untouched.
+    """
+    attempt = restart_attempt()
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        yield
+        return
+    original = dist.init_process_group
+
+    def init_with_attempt_store(backend=None, init_method=None, timeout=timeout, world_size=-1, rank=-1,
+                                store=None, **kwargs):
+        if store is None and init_method in (None, "env://"):
+            world_size = world_size if world_size > 0 else int(os.environ["WORLD_SIZE"])
+            rank = rank if rank >= 0 else int(os.environ["RANK"])
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timeout)
+            store, init_method = dist.PrefixStore(f"hfpar/restart_attempt_{attempt}", agent), None
+        return original(backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,
+                        store=store, **kwargs)
+
+    dist.init_process_group = init_with_attempt_store
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+
+
 def strategy_name(accelerator: Accelerator) -> str:
     """The strategy actually in effect: single | ddp | fsdp2 | fsdp1 | zero1 | zero2 | zero3."""
     dt = accelerator.distributed_type
@@ -124,14 +166,15 @@ def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Acceler
     if ds_env:
         # DeepSpeed reads its own timeout at init_distributed; keep it equal to ours.
         os.environ.setdefault("DEEPSPEED_TIMEOUT", str(max(1, args.dist_timeout_s // 60)))
-    if needs_cpu_shim():
-        if "OMP_NUM_THREADS" not in os.environ:  # as Accelerate does for MULTI_CPU: no oversubscription
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        with _cpu_backend():
+    with _store_per_restart_attempt(datetime.timedelta(seconds=args.dist_timeout_s)):
+        if needs_cpu_shim():
+            if "OMP_NUM_THREADS" not in os.environ:  # as Accelerate does for MULTI_CPU: no oversubscription
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+            with _cpu_backend():
+                accelerator = Accelerator(**kwargs)
+        else:
             accelerator = Accelerator(**kwargs)
-    else:
-        accelerator = Accelerator(**kwargs)
 
     world = accelerator.num_processes
     problems = []

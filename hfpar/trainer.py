@@ -29,7 +29,7 @@ from transformers import get_scheduler
 from hfpar import checkpoint as ckpt
 from hfpar import metrics as M
 from hfpar.config import ConfigError
-from hfpar.distributed import all_reduce_sum, strategy_name
+from hfpar.distributed import all_reduce_sum, restart_attempt, strategy_name
 from hfpar.sampler import GlobalBatchSampler, eval_shard
 
 IGNORE = -100
@@ -140,8 +140,11 @@ class Trainer:
         self.comm = None
         if args.log_comm_bytes:  # installed before the backend: DeepSpeed keeps references to the functions
             from hfpar.comm_stats import CommCounter
+            from hfpar.parallel.moe import MoELayer
 
             self.comm = CommCounter().install()
+            # expert-parallel MoE layers count the token copies they route to / receive from other ranks
+            self.comm_moe = [m for m in model.modules() if isinstance(m, MoELayer) and m.ep_size > 1]
         if self.custom:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
             model = self._wrap_model_parallel(model)
         optimizer = build_optimizer(model, args)
@@ -192,7 +195,7 @@ class Trainer:
         EP group, replicated params once."""
         ep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is not None and p.grad is not None]
         rep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is None and p.grad is not None]
-        from hfpar.parallel.fsdp_tp import _local
+        from hfpar.parallel.fsdp_tp import local_tensor, scale_grads_to_norm_
 
         edp = self.ep["edp_group"]
         for p in ep_params:
@@ -200,17 +203,15 @@ class Trainer:
                 torch.distributed.all_reduce(p.grad, group=edp)
             p.grad.div_(self.dims.dp)
         dev = self.acc.device
-        sq = torch.stack([sum(_local(p.grad).double().square().sum() for p in ps) if ps
+        sq = torch.stack([sum(local_tensor(p.grad).double().square().sum() for p in ps) if ps
                           else torch.zeros((), dtype=torch.float64, device=dev) for ps in (ep_params, rep_params)])
         ep_sq, rep_sq = sq[0:1].clone(), sq[1:2].clone()
         torch.distributed.all_reduce(ep_sq, group=self.ep["group"])
         if self.strategy == "fsdp2":  # replicated params are FSDP shards over dp: sum their squares too
             torch.distributed.all_reduce(rep_sq, group=self.dp_group)
-        total = float((ep_sq + rep_sq).sqrt())
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in ep_params + rep_params:
-                _local(p.grad).mul_(coef)
+        total_t = (ep_sq + rep_sq).sqrt()[0]
+        scale_grads_to_norm_(ep_params + rep_params, total_t, max_norm)
+        total = float(total_t)
         return total
 
     def _unwrapped(self):
@@ -319,7 +320,9 @@ class Trainer:
         ckpt.load_checkpoint(self.acc, path)
         self._load_rank_state(path)
         self.start_step = state["global_step"]
-        self.acc.print(f"[hfpar] resumed from {path} at step {self.start_step}")
+        attempt = restart_attempt()
+        self.acc.print(f"[hfpar] resumed from {path} at step {self.start_step}"
+                       + (f" (torchrun restart attempt {attempt})" if attempt else ""))
 
     def write_run_info(self, **final) -> None:
         """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
@@ -406,6 +409,8 @@ class Trainer:
             t0 = time.perf_counter()
             if self.comm is not None:
                 self.comm.reset()
+                for m in self.comm_moe:
+                    m.routed_remote_rows = m.received_remote_rows = 0
             batches = [self._collate(ix) for ix in micro]
             local_targets = sum(count_targets(b, self.task) for b in batches)
             local_tokens = sum(count_input_tokens(b) for b in batches)
@@ -442,6 +447,9 @@ class Trainer:
             if self.comm is not None:  # this rank's bytes for the step (rank 0's record is written)
                 rec["comm"] = self.comm.snapshot()
                 rec["comm_wire_bytes"] = self.comm.wire_total()
+                if self.comm_moe:  # summed over this rank's MoE layers (forward calls of the step)
+                    rec["moe_routed_remote_rows"] = sum(m.routed_remote_rows for m in self.comm_moe)
+                    rec["moe_received_remote_rows"] = sum(m.received_remote_rows for m in self.comm_moe)
             writer.write(rec)
             if step == self.start_step:  # after the first step, so optimizer state exists and is counted
                 self.write_run_info()

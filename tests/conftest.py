@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -37,6 +39,25 @@ def single_run(base_model, tmp_path_factory):
     launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
                                 "--per_device_train_batch_size", "4"])
     return out
+
+
+BACKENDS = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+@pytest.fixture(scope="session")
+def backend_runs(base_model, single_run, tmp_path_factory) -> dict:
+    """{"single": ..., strategy: output_dir}: each data-parallel backend on 2 processes, batch 2 x dp 2 x
+    accumulation 2, checkpoints at steps 4 and 8. Shared by the parity, plan-estimate and reliability tests.
+    Two launches at a time: much of a launch is process start-up and rendezvous, which overlap well."""
+    root = tmp_path_factory.mktemp("backends")
+    outs = {"single": single_run, **{name: root / name for name in BACKENDS}}
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(launch, name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir",
+                                                      str(outs[name]), "--per_device_train_batch_size", "2"])
+                for name in BACKENDS]
+        for f in done:
+            f.result()
+    return outs
 
 
 def assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, what: str):

@@ -14,27 +14,18 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
+from tests.conftest import BACKENDS, COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.launch import launch, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
-STRATEGIES = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
+STRATEGIES = BACKENDS
 
 
 @pytest.fixture(scope="module")
-def runs(base_model, single_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    outs = {"single": single_run}
-    for name in STRATEGIES:
-        out = root / name
-        launch(name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                "--per_device_train_batch_size", "2"])
-        outs[name] = out
-    return outs
+def runs(backend_runs):
+    return backend_runs
 
 
 def test_single_reference_learns(runs):

@@ -96,6 +96,25 @@ def test_sigkill_then_relaunch_same_command(reference, base_model, tmp_path):
     _assert_same_training(reference, out, "SIGKILL + relaunch")
 
 
+def test_elastic_restart_after_a_rank_dies(reference, base_model, tmp_path):
+    """`accelerate launch --max_restarts 1`: rank 1 is SIGKILLed after checkpoint-4; torchrun restarts both
+    ranks, which resume from the latest checkpoint (a new store prefix per attempt: hfpar.distributed)."""
+    out = tmp_path / "elastic"
+    cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out), ["--max_restarts", "1", "--monitor_interval", "0.1"])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(out / "checkpoint-4" / "COMPLETE", proc)
+        os.kill(_worker_pids(out)[1], signal.SIGKILL)
+        log, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"the restarted job failed:\n{log[-6000:]}"
+    assert "(torchrun restart attempt 1)" in log, f"no restart happened:\n{log[-3000:]}"
+    _assert_same_training(reference, out, "elastic restart")
+
+
 SAVE_THEN_DIE = r"""
 import os, signal, sys, torch
 from accelerate import Accelerator
@@ -171,10 +190,13 @@ def test_resume_on_a_different_world_size(reference, base_model, tmp_path, confi
     assert_export_matches(src, out, what, tol=1e-5)
 
 
-def test_zero_refuses_a_different_world_size(base_model, tmp_path):
-    src = tmp_path / "z"
-    launch("zero2", 2, "sft", [*_args(base_model, src), "--max_steps", "2"])
-    proc = launch("zero2", 1, "sft", [*_args(base_model, src, per_device=4), "--max_steps", "4"], check=False)
+def test_zero_refuses_a_different_world_size(backend_runs, base_model, tmp_path):
+    import shutil
+
+    src = tmp_path / "z"   # the 2-process ZeRO-2 parity run's checkpoint, resumed by 1 process
+    src.mkdir()
+    shutil.copytree(backend_runs["zero2"] / "checkpoint-4", src / "checkpoint-4")
+    proc = launch("zero2", 1, "sft", [*_args(base_model, src, per_device=4), "--max_steps", "8"], check=False)
     assert proc.returncode != 0
     assert "hfpar: error: checkpoint" in proc.stderr and "resume on the same world size only" in proc.stderr
     assert "hfpar export" in proc.stderr

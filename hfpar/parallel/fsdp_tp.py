@@ -45,8 +45,22 @@ def fully_shard_dp(model: nn.Module, dp_group, *, reshard_after_forward: bool = 
     return model
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor (FSDP2), else the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+_local = local_tensor
+
+
+def scale_grads_to_norm_(params, total_norm: torch.Tensor, max_norm: float) -> None:
+    """Clip by a global norm computed elsewhere: grads *= max_norm / (norm + 1e-6) when that is < 1
+    (torch.nn.utils.clip_grad_norm_'s rule), on each rank's local shards."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if bool(coef < 1.0):
+        for p in params:
+            g = local_tensor(p.grad)
+            g.mul_(coef.to(g.dtype))
 
 
 def sync_sp_grads_2d(model: nn.Module, tp_group) -> None:
@@ -68,9 +82,7 @@ def clip_grad_norm_2d_(model: nn.Module, max_norm: float, tp_group, dp_group) ->
     tp_part = sq[0:1].clone()
     dist.all_reduce(tp_part, group=tp_group)
     total = (tp_part[0] + sq[1]).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        _local(p.grad).mul_(coef.to(_local(p.grad).dtype))
+    scale_grads_to_norm_(params, total, max_norm)
     return total
 
 

@@ -181,6 +181,14 @@ class MoELayer(nn.Module):
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.capacity_factor = capacity_factor
         self.last_dropped = torch.zeros((), dtype=torch.long)  # token copies dropped by capacity, this rank
+        # Routing volume counters (python ints, accumulated by every EP forward; whoever reads them resets
+        # them, e.g. the trainer once per step under --log_comm_bytes): token copies this rank sends to
+        # experts on OTHER EP ranks, and copies it receives from other ranks for its own experts. The
+        # dispatch all-to-all sends the first, the combine all-to-all sends back the second, and backward
+        # repeats both, so the minimum token traffic of this rank per forward+backward is
+        # 2 x (routed + received) x H x element size (the per-expert count exchange comes on top).
+        self.routed_remote_rows = 0
+        self.received_remote_rows = 0
 
     @property
     def router(self) -> TopKRouter:
@@ -254,6 +262,8 @@ class MoELayer(nn.Module):
         recv = all_to_all_single_autograd(counts, None, None, self.ep_group).view(ep, El)  # (ep, El)
         send_splits = counts.view(ep, El).sum(1).tolist()
         recv_splits = recv.sum(1).tolist()
+        self.routed_remote_rows += sum(send_splits) - send_splits[self.ep_rank]
+        self.received_remote_rows += sum(recv_splits) - recv_splits[self.ep_rank]
         # 2. tokens: blocks ordered (source rank, local expert) -> re-sort by (local expert, source rank).
         x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.ep_group)  # (R, H)
         local_expert = torch.repeat_interleave(
