@@ -9,7 +9,7 @@
 `payload` is the size of the collective's full tensor (all-reduce: the tensor; all-gather: the gathered
 output; reduce-scatter: the input; all-to-all: what this rank sends). `wire` is what this rank sends
 with the bandwidth-optimal (ring / pairwise) algorithm: all-reduce 2(N-1)/N x payload, all-gather and
-reduce-scatter (N-1)/N x payload, all-to-all the bytes addressed to other ranks, broadcast the payload
+reduce-scatter (N-1)/N x payload, reduce (reduce-scatter + gather to the root) (N-1)/N x payload, all-to-all the bytes addressed to other ranks, broadcast the payload
 on the source rank. That is the quantity the textbook formulas give (DDP 2 Phi (N-1)/N per step, ...).
 
 Why by hand: torch has no per-collective byte counter (the profiler records kernels, not bytes, and
@@ -40,9 +40,10 @@ _KIND = {  # torch.distributed function -> (collective type, how to size it)
     "all_to_all_single": ("all_to_all", "a2a"),
     "all_to_all": ("all_to_all", "list_a2a"),
     "broadcast": ("broadcast", "first"),
+    "reduce": ("reduce", "first"),
 }
 _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n}
+           "reduce_scatter": lambda n: (n - 1) / n, "reduce": lambda n: (n - 1) / n}
 
 
 def _nbytes(t) -> int:
@@ -89,6 +90,8 @@ class CommCounter:
         group = kwargs.get("group")
         if group is None and name in ("all_reduce", "broadcast") and len(args) > 2:
             group = args[2]
+        if group is None and name == "reduce" and len(args) > 3:  # reduce(tensor, dst, op, group)
+            group = args[3]
         n = _group_size(group)
         if n <= 1:
             return

@@ -50,3 +50,45 @@ def test_counts_match_the_tensors_handed_over():
         grads = (10 * 10 + 10) * 4
         assert r["ddp"] == {"all_reduce": {"calls": 1, "payload": grads, "wire": float(grads)}}, r["ddp"]
         assert r["after_uninstall"] == r["ddp"]   # uninstalled: the last all-reduce was not counted
+
+
+def _moe_worker(rank: int, world_size: int) -> dict:
+    """An expert-parallel MoELayer (4 experts over 2 ranks, top-2): its routed / received row counters
+    against the all-to-all bytes the counter saw, forward alone and forward + backward."""
+    from hfpar.comm_stats import CommCounter
+    from hfpar.parallel.moe import GroupedExperts, MoELayer, TopKRouter
+
+    H, E = 16, 4
+    torch.manual_seed(0)                                                 # same weights on both ranks
+    moe = MoELayer(TopKRouter(H, E, 2, aux_loss_coef=0.0), GroupedExperts(E, H, 24), ep_group=dist.group.WORLD)
+    torch.manual_seed(1 + rank)                                          # different tokens: uneven routing
+    x = torch.randn(3, 5 + 4 * rank, H, requires_grad=True)
+    c = CommCounter().install()
+    try:
+        y = moe(x)
+        fwd = c.snapshot()
+        y.square().sum().backward()
+        both = c.snapshot()
+    finally:
+        c.uninstall()
+    return {"fwd": fwd, "both": both, "routed": moe.routed_remote_rows, "received": moe.received_remote_rows}
+
+
+def test_moe_routed_rows_match_all_to_all_bytes():
+    H, E = 16, 4
+    res = run_distributed(_moe_worker, 2, timeout=120)
+    counts_wire = (E // 2) * 8                       # per-expert counts (int64) for the other rank's experts
+    for r in res:
+        assert isinstance(r["routed"], int) and isinstance(r["received"], int)
+        a2a = r["fwd"]["all_to_all"]
+        assert a2a["calls"] == 3, a2a                # counts, dispatch, combine
+        # dispatch sends the copies routed to the other rank's experts, combine sends back the received ones
+        assert a2a["wire"] - counts_wire == (r["routed"] + r["received"]) * H * 4, (a2a, r)
+        # backward sends both again (the counts exchange has no backward)
+        assert r["both"]["all_to_all"]["wire"] - counts_wire == 2 * (a2a["wire"] - counts_wire), r
+    # 2 ranks: what rank 0 routes away rank 1 receives and vice versa
+    assert res[0]["routed"] == res[1]["received"] and res[1]["routed"] == res[0]["received"]
+    assert res[0]["routed"] != res[1]["routed"]      # uneven token counts: the per-rank check is not trivial
+    # the brief's form: summed over ranks, routed rows = forward token wire bytes / (H * 4) / 2
+    token_wire = sum(r["fwd"]["all_to_all"]["wire"] - counts_wire for r in res)
+    assert sum(r["routed"] for r in res) == token_wire / (H * 4) / 2

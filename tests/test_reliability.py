@@ -96,11 +96,16 @@ def test_sigkill_then_relaunch_same_command(reference, base_model, tmp_path):
     _assert_same_training(reference, out, "SIGKILL + relaunch")
 
 
-def test_elastic_restart_after_a_rank_dies(reference, base_model, tmp_path):
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_elastic_restart_after_a_rank_dies(reference, base_model, tmp_path, rdzv):
     """`accelerate launch --max_restarts 1`: rank 1 is SIGKILLed after checkpoint-4; torchrun restarts both
-    ranks, which resume from the latest checkpoint (a new store prefix per attempt: hfpar.distributed)."""
+    ranks, which resume from the latest checkpoint (a new store prefix per attempt: hfpar.distributed).
+    static: accelerate's default single-node rendezvous; c10d: the one scripts/slurm uses across nodes."""
     out = tmp_path / "elastic"
-    cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out), ["--max_restarts", "1", "--monitor_interval", "0.1"])
+    extra = ["--max_restarts", "1", "--monitor_interval", "0.1"]
+    if rdzv == "c10d":
+        extra += ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
+    cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out), extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
