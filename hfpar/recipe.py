@@ -79,9 +79,10 @@ def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
     if args.on_nonfinite == "skip" and strategy.startswith("zero"):
         raise ConfigError(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside "
                           "backward, so a step cannot be skipped; use --on_nonfinite error (stops at the bad step)")
-    if args.ep_size > 1 and strategy not in ("single", "ddp", "fsdp2"):
-        raise ConfigError(f"--ep_size {args.ep_size} with {strategy}: expert parallelism composes "
-                          "with ddp.yaml and fsdp2.yaml (ZeRO: not yet; its optimizer would need expert param groups)")
+    if args.ep_size > 1 and strategy not in ("single", "ddp", "fsdp2", "zero1", "zero2"):
+        raise ConfigError(f"--ep_size {args.ep_size} with {strategy}: expert parallelism composes with ddp, fsdp2, "
+                          "zero1 and zero2 configs (ZeRO-3 would partition each rank's experts again over ranks "
+                          "holding different experts; use zero2.yaml or fsdp2.yaml)")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         raise ConfigError("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
     if args.ep_size > 1 and args.gradient_checkpointing:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from hfpar.schedules import get_scheduler
 
 from hfpar import checkpoint as ckpt
 from hfpar import metrics as M
@@ -74,11 +74,12 @@ def count_input_tokens(batch: dict) -> int:
     return int(batch["input_ids"].numel())
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and norm weights (HF Trainer's rule: 1-D parameters)."""
+def build_optimizer(model: torch.nn.Module | list, args, skip: frozenset = frozenset()) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norm weights (HF Trainer's rule: 1-D parameters). `model` may be a
+    list of parameters; parameters whose id() is in `skip` are left out."""
     decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
+    for p in (model.parameters() if isinstance(model, torch.nn.Module) else model):
+        if p.requires_grad and id(p) not in skip:
             ndim = len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()  # ZeRO-3 init leaves empty placeholders
             (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -120,7 +121,12 @@ class Trainer:
         self.zero = self.strategy.startswith("zero")
         # model-parallel runs: hfpar wraps (DDP / FSDP2 over the dp group), not Accelerate; TP x ZeRO goes
         # through Accelerate's DeepSpeed path with an mpu that names the dp and TP groups
-        self.custom = (self.tp is not None and not self.zero) or self.ep_split
+        # EP x ZeRO-1/2: DeepSpeed owns the dense params; hfpar owns the experts (self._setup_zero_experts)
+        self.ep_zero = self.ep_split and self.zero
+        self.custom = (self.tp is not None and not self.zero) or (self.ep_split and not self.zero)
+        if self.ep_zero and accelerator.mixed_precision == "fp16":
+            raise ConfigError(f"--ep_size {self.ep['size']} with {self.strategy} and fp16: the experts' optimizer "
+                              "does not unscale DeepSpeed's fp16 loss scale; use bf16 or fp32")
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
 
@@ -147,7 +153,8 @@ class Trainer:
             self.comm_moe = [m for m in model.modules() if isinstance(m, MoELayer) and m.ep_size > 1]
         if self.custom:  # wrap first: FSDP2 replaces the parameters the optimizer must hold
             model = self._wrap_model_parallel(model)
-        optimizer = build_optimizer(model, args)
+        experts = [p for p in model.parameters() if getattr(p, "_hfpar_ep", None) is not None] if self.ep_zero else []
+        optimizer = build_optimizer(model, args, skip=frozenset(id(p) for p in experts))
         # The scheduler is stepped by us once per optimizer step (not prepared: Accelerate's wrapper
         # would step it num_processes times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
@@ -160,6 +167,10 @@ class Trainer:
                 sequence_parallel_grad_hooks(model)
             with deepspeed_with_mpu(DeepSpeedMPU(self.tp_group, self.dp_group)):
                 self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        elif self.ep_zero:
+            saved = [p.detach().clone() for p in experts]
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+            self._setup_zero_experts(experts, saved, warmup)
         elif not self.custom:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         else:
@@ -189,30 +200,86 @@ class Trainer:
             return DDP(model, process_group=self.dp_group, device_ids=dev)
         return model
 
-    def _reduce_expert_grads_and_clip(self, max_norm: float) -> float:
+    def _reduce_expert_grads(self, ep_params: list) -> torch.Tensor:
         """EP: an expert's grad on its rank already sums its EP group's tokens; SUM over the ranks holding
-        the same experts and divide by dp gives the data-parallel mean. Norm: experts counted across the
-        EP group, replicated params once."""
-        ep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is not None and p.grad is not None]
-        rep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is None and p.grad is not None]
-        from hfpar.parallel.fsdp_tp import local_tensor, scale_grads_to_norm_
-
+        the same experts and divide by dp gives the data-parallel mean. Returns the experts' squared norm
+        summed over the EP group (float64, shape (1,))."""
         edp = self.ep["edp_group"]
         for p in ep_params:
             if edp is not None and torch.distributed.get_world_size(edp) > 1:
                 torch.distributed.all_reduce(p.grad, group=edp)
             p.grad.div_(self.dims.dp)
-        dev = self.acc.device
-        sq = torch.stack([sum(local_tensor(p.grad).double().square().sum() for p in ps) if ps
-                          else torch.zeros((), dtype=torch.float64, device=dev) for ps in (ep_params, rep_params)])
-        ep_sq, rep_sq = sq[0:1].clone(), sq[1:2].clone()
+        ep_sq = torch.zeros(1, dtype=torch.float64, device=self.acc.device)
+        for p in ep_params:
+            ep_sq += p.grad.double().square().sum()
         torch.distributed.all_reduce(ep_sq, group=self.ep["group"])
+        return ep_sq
+
+    def _reduce_expert_grads_and_clip(self, max_norm: float) -> float:
+        """EP under DDP / FSDP2: expert grads reduced as above; norm over experts (across the EP group) and
+        replicated params (once)."""
+        ep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is not None and p.grad is not None]
+        rep_params = [p for p in self.model.parameters() if getattr(p, "_hfpar_ep", None) is None and p.grad is not None]
+        from hfpar.parallel.fsdp_tp import local_tensor, scale_grads_to_norm_
+
+        ep_sq = self._reduce_expert_grads(ep_params)
+        rep_sq = torch.zeros(1, dtype=torch.float64, device=self.acc.device)
+        for p in rep_params:
+            rep_sq += local_tensor(p.grad).double().square().sum()
         if self.strategy == "fsdp2":  # replicated params are FSDP shards over dp: sum their squares too
             torch.distributed.all_reduce(rep_sq, group=self.dp_group)
         total_t = (ep_sq + rep_sq).sqrt()[0]
         scale_grads_to_norm_(ep_params + rep_params, total_t, max_norm)
-        total = float(total_t)
-        return total
+        return float(total_t)
+
+    def _setup_zero_experts(self, experts: list, saved: list, warmup: int) -> None:
+        """EP x ZeRO-1/2. Why by hand: DeepSpeed's own MoE support is tied to its `deepspeed.moe.layer.MoE`
+        module (it finds MoE layers by type, renames expert keys in its checkpoints and averages expert
+        grad norms per EP rank, which is not the one-process norm). So ZeRO partitions the dense params
+        only; hfpar keeps the experts (different on every EP rank) out of DeepSpeed's optimizer:
+          - DeepSpeed broadcasts every module parameter from rank 0 at initialize: the experts are put back;
+          - their grads are reduced over the expert-data-parallel group and their squared norm joins
+            DeepSpeed's dense norm inside its step (a wrapper on the ZeRO optimizer's `scaled_global_norm`),
+            so DeepSpeed clips the dense grads, and hfpar the experts, by the one global norm;
+          - an AdamW of their own (fp32 master copies when DeepSpeed cast the model to bf16), stepped and
+            scheduled with DeepSpeed's, saved per rank in the checkpoint.
+        """
+        with torch.no_grad():
+            for p, s in zip(experts, saved):
+                p.copy_(s)
+        self.expert_params = experts
+        self.expert_masters = [p if p.dtype == torch.float32 else
+                               torch.nn.Parameter(s.to(p.device, torch.float32)) for p, s in zip(experts, saved)]
+        self.expert_optimizer = build_optimizer(self.expert_masters, self.args)
+        self.expert_scheduler = get_scheduler(self.args.lr_scheduler_type, self.expert_optimizer,
+                                              num_warmup_steps=warmup, num_training_steps=self.total_steps)
+        zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2)
+        dense_norm = zopt.scaled_global_norm
+        if not getattr(zopt, "compute_grad_norm", True):
+            raise ConfigError("--ep_size with ZeRO needs DeepSpeed to compute the grad norm (compute_grad_norm)")
+
+        def norm_with_experts(*a, **kw):
+            dense = torch.as_tensor(dense_norm(*a, **kw), device=self.acc.device)
+            ep_sq = self._reduce_expert_grads([p for p in self.expert_params if p.grad is not None])
+            self._zero_total_norm = (dense.double().square() + ep_sq[0]).sqrt()
+            return self._zero_total_norm.to(dense.dtype)
+
+        zopt.scaled_global_norm = norm_with_experts
+
+    def _step_zero_experts(self, max_norm: float) -> None:
+        """After DeepSpeed's step (inside backward): clip the experts by the global norm, step them."""
+        from hfpar.parallel.fsdp_tp import scale_grads_to_norm_
+
+        live = [(p, m) for p, m in zip(self.expert_params, self.expert_masters) if p.grad is not None]
+        for p, m in live:
+            if m is not p:
+                m.grad = p.grad.float()
+        scale_grads_to_norm_([m for _, m in live], self._zero_total_norm, max_norm)
+        self.expert_optimizer.step()
+        with torch.no_grad():
+            for p, m in live:
+                if m is not p:
+                    p.copy_(m)
 
     def _unwrapped(self):
         return self.model.module if hasattr(self.model, "module") else self.model
@@ -223,6 +290,12 @@ class Trainer:
         return Path(ckpt_dir) / f"tp_rank{self.dims.tp_rank:02d}_of{self.dims.tp:02d}.pt"
 
     def _save_rank_state(self, ckpt_dir) -> None:
+        if self.ep_zero:  # DeepSpeed's checkpoint holds rank 0's experts only
+            torch.save({"experts": [p.detach() for p in self.expert_params],
+                        "masters": [m.detach() for m in self.expert_masters],
+                        "optimizer": self.expert_optimizer.state_dict(),
+                        "scheduler": self.expert_scheduler.state_dict()}, self._rank_state_file(ckpt_dir))
+            return
         if not self.custom:
             return
         if self.strategy == "fsdp2":
@@ -235,12 +308,21 @@ class Trainer:
                        self._rank_state_file(ckpt_dir))
 
     def _load_rank_state(self, ckpt_dir) -> None:
-        if not self.custom:
+        if not (self.custom or self.ep_zero):
             return
         f = self._rank_state_file(ckpt_dir)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
         state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        if self.ep_zero:  # after DeepSpeed's load, which put rank 0's experts everywhere
+            with torch.no_grad():
+                for p, t in zip(self.expert_params, state["experts"]):
+                    p.copy_(t)
+                for m, t in zip(self.expert_masters, state["masters"]):
+                    m.copy_(t)
+            self.expert_optimizer.load_state_dict(state["optimizer"])
+            self.expert_scheduler.load_state_dict(state["scheduler"])
+            return
         if self.strategy == "fsdp2":
             from hfpar.parallel.fsdp_tp import load_local_state, load_optimizer_2d
 
@@ -269,6 +351,9 @@ class Trainer:
 
     def _grad_norm_and_clip(self) -> float:
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        if self.ep_zero:  # DeepSpeed has stepped (inside backward) with the global norm: now the experts
+            self._step_zero_experts(max_norm)
+            return float(self._zero_total_norm)
         if self.ep_split:
             return self._reduce_expert_grads_and_clip(max_norm)
         if self.custom and self.tp is not None and self.strategy == "fsdp2":
@@ -326,7 +411,11 @@ class Trainer:
 
     def write_run_info(self, **final) -> None:
         """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
-        local = torch.tensor([M.param_bytes(self.model), M.optimizer_state_bytes(self.optimizer),
+        opt_bytes = M.optimizer_state_bytes(self.optimizer)
+        if self.ep_zero:  # the experts' AdamW (and fp32 masters when the model is bf16)
+            opt_bytes += M.optimizer_state_bytes(self.expert_optimizer) + sum(
+                m.numel() * m.element_size() for p, m in zip(self.expert_params, self.expert_masters) if m is not p)
+        local = torch.tensor([M.param_bytes(self.model), opt_bytes,
                               M.grad_bytes(self.optimizer), M.peak_memory_bytes(self.acc.device)], dtype=torch.float64)
         gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 4).cpu()
         info = {
@@ -437,6 +526,11 @@ class Trainer:
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ep_zero:
+                self.expert_scheduler.step()
+                self.expert_optimizer.zero_grad(set_to_none=True)
+                for p in self.expert_params:
+                    p.grad = None
             dt = time.perf_counter() - t0
             done = step + 1
             rec = {"step": done, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,15 @@ def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def launch_all(jobs: dict, workers: int = 2) -> None:
+    """{name: (config, nproc, recipe, args)} launched `workers` at a time (a launch is mostly process
+    start-up and rendezvous, which overlap well on 2 cores); raises the first failure."""
+    with ThreadPoolExecutor(workers) as pool:
+        done = [pool.submit(launch, *job) for job in jobs.values()]
+        for f in done:
+            f.result()
 
 
 def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:

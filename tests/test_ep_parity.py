@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
-from tests.launch import launch, read_metrics, read_run_info
+from tests.launch import launch, launch_all, read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,19 @@ MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.0
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
-            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"])}
-    outs = {"_configs": runs}
-    for name, (config, nproc, bs, extra) in runs.items():
-        out = root / name
-        launch(config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
-                                      "--output_dir", str(out), "--per_device_train_batch_size", bs])
-        outs[name] = out
+            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
+            "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"])}
+    outs = {"_configs": runs, **{name: root / name for name in runs}}
+    launch_all({name: (config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
+                                              "--output_dir", str(outs[name]), "--per_device_train_batch_size", bs])
+                for name, (config, nproc, bs, extra) in runs.items()})
     return outs
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2"])
+CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_ep_matches_single_per_step(ep_runs, case):
     ref, _ = read_metrics(ep_runs["single"])
     got, _ = read_metrics(ep_runs[case])
@@ -44,7 +46,7 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
-@pytest.mark.parametrize("case", ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2"])
+@pytest.mark.parametrize("case", CASES)
 def test_ep_export_is_mixtral_and_matches(ep_runs, case):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,9 +67,15 @@ def test_ep_ranks_hold_half_the_experts(ep_runs):
     full = read_run_info(ep_runs["single"])["param_bytes_per_rank"][0]
     fsdp = read_run_info(ep_runs["ep2_fsdp2"])["param_bytes_per_rank"]
     assert all(abs(b / full - 0.5) < 0.01 for b in fsdp), (full, fsdp)
+    # ZeRO: params like EP under DDP; optimizer state = experts' AdamW (half the experts) + 1/dp of the dense one
+    assert read_run_info(ep_runs["ep2_zero1"])["param_bytes_per_rank"] == two
+    ddp_opt = read_run_info(ep_runs["ep2"])["optimizer_state_bytes_per_rank"]
+    zero_opt = read_run_info(ep_runs["ep2_zero1"])["optimizer_state_bytes_per_rank"]
+    dense = 2 * (full - 4 * (full - two[0]) / 2)  # Adam moments of the non-expert params
+    assert all(abs(z - (o - dense / 2)) / o < 0.01 for z, o in zip(zero_opt, ddp_opt)), (ddp_opt, zero_opt, dense)
 
 
-@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2"])
+@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2", "ep2_zero1"])
 def test_ep_resume(ep_runs, base_model, tmp_path, case):
     config, nproc, bs, extra = ep_runs["_configs"][case]
     src = ep_runs[case]
@@ -87,7 +95,7 @@ def test_ep_resume(ep_runs, base_model, tmp_path, case):
 
 @pytest.mark.parametrize("config,flags,message", [
     ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
-    ("zero2", ["--ep_size", "2", *MOE], "ZeRO: not yet"),
+    ("zero3", ["--ep_size", "2", *MOE], "ZeRO-3 would partition each rank's experts again"),
 ])
 def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False)

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
-from tests.launch import launch, read_metrics, read_run_info, rel_close
+from tests.launch import launch, launch_all, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,10 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
 @pytest.fixture(scope="module")
 def tp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    outs = {}
-    for name, (config, nproc, bs, extra) in CASES.items():
-        out = root / name
-        launch(config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                     "--per_device_train_batch_size", bs])
-        outs[name] = out
+    outs = {name: root / name for name in CASES}
+    launch_all({name: (config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                              str(outs[name]), "--per_device_train_batch_size", bs])
+                for name, (config, nproc, bs, extra) in CASES.items()})
     return outs
 
 
