@@ -76,6 +76,18 @@ def needs_cpu_shim() -> bool:
 
 
 @contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """`owner.name = value` for the duration of the block, the original put back after (even on error).
+    How hfpar steers Accelerate / DeepSpeed / torch calls at one point without editing what is installed."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def _cpu_backend():
     """Make Accelerate's state build a gloo group of the launcher's size and keep FSDP/DeepSpeed.
 
@@ -86,18 +98,13 @@ def _cpu_backend():
     ACCELERATE_TORCH_DEVICE, and ACCELERATE_BYPASS_DEVICE_MAP makes DDP wrap with device_ids=None,
     which is what DDP requires for CPU modules.
     """
-    original = PartialState._prepare_backend
-
     def _gloo_backend(self, cpu=False, sagemaker_dp=False, backend=None):  # noqa: ARG001
         return "gloo", DistributedType.MULTI_GPU
 
-    PartialState._prepare_backend = _gloo_backend
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
     os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
-    try:
+    with swapped(PartialState, "_prepare_backend", _gloo_backend):
         yield
-    finally:
-        PartialState._prepare_backend = original
 
 
 def restart_attempt() -> int:
@@ -135,11 +142,8 @@ def _store_per_restart_attempt(timeout: datetime.timedelta):
         return original(backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,
                         store=store, **kwargs)
 
-    dist.init_process_group = init_with_attempt_store
-    try:
+    with swapped(dist, "init_process_group", init_with_attempt_store):
         yield
-    finally:
-        dist.init_process_group = original
 
 
 def strategy_name(accelerator: Accelerator) -> str:
@@ -252,11 +256,8 @@ def deepspeed_with_mpu(mpu: DeepSpeedMPU):
         kwargs.setdefault("mpu", mpu)
         return original(*args, **kwargs)
 
-    deepspeed.initialize = initialize
-    try:
+    with swapped(deepspeed, "initialize", initialize):
         yield
-    finally:
-        deepspeed.initialize = original
 
 
 def all_reduce_sum(value: float | int | torch.Tensor, device) -> torch.Tensor:

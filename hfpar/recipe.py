@@ -117,12 +117,10 @@ def _without_zero3_init():
     the same under every strategy; real checkpoints still load partitioned (zero3_init_flag) via from_pretrained."""
     from transformers.integrations import deepspeed as hf_ds
 
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds._hf_deepspeed_config_weak_ref = None
-    try:
+    from hfpar.distributed import swapped
+
+    with swapped(hf_ds, "_hf_deepspeed_config_weak_ref", None):
         yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):

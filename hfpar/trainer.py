@@ -205,12 +205,11 @@ class Trainer:
         the same experts and divide by dp gives the data-parallel mean. Returns the experts' squared norm
         summed over the EP group (float64, shape (1,))."""
         edp = self.ep["edp_group"]
+        ep_sq = torch.zeros(1, dtype=torch.float64, device=self.acc.device)
         for p in ep_params:
             if edp is not None and torch.distributed.get_world_size(edp) > 1:
                 torch.distributed.all_reduce(p.grad, group=edp)
             p.grad.div_(self.dims.dp)
-        ep_sq = torch.zeros(1, dtype=torch.float64, device=self.acc.device)
-        for p in ep_params:
             ep_sq += p.grad.double().square().sum()
         torch.distributed.all_reduce(ep_sq, group=self.ep["group"])
         return ep_sq

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import launch, read_metrics, rel_close
+from tests.launch import launch, launch_all, read_metrics, rel_close
 
 TOL = 1e-4  # the parity contract (DESIGN.md)
 # fp32, 8 optimizer steps, global batch 8 = per-device x dp x 2 accumulation steps
@@ -51,12 +49,8 @@ def backend_runs(base_model, single_run, tmp_path_factory) -> dict:
     Two launches at a time: much of a launch is process start-up and rendezvous, which overlap well."""
     root = tmp_path_factory.mktemp("backends")
     outs = {"single": single_run, **{name: root / name for name in BACKENDS}}
-    with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(launch, name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir",
-                                                      str(outs[name]), "--per_device_train_batch_size", "2"])
-                for name in BACKENDS]
-        for f in done:
-            f.result()
+    launch_all({name: (name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(outs[name]),
+                                        "--per_device_train_batch_size", "2"]) for name in BACKENDS})
     return outs
 
 

@@ -50,34 +50,31 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-_local = local_tensor
-
-
 def scale_grads_to_norm_(params, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Clip by a global norm computed elsewhere: grads *= max_norm / (norm + 1e-6) when that is < 1
-    (torch.nn.utils.clip_grad_norm_'s rule), on each rank's local shards."""
+    """Clip by a global norm computed elsewhere: grads *= min(1, max_norm / (norm + 1e-6)), the rule of
+    torch.nn.utils.clip_grads_with_norm_, applied to each rank's local shards (torch's version would mix
+    FSDP2's DTensor grads with the plain-tensor norm). No host sync: a factor of 1 leaves grads unchanged."""
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if bool(coef < 1.0):
-        for p in params:
-            g = local_tensor(p.grad)
-            g.mul_(coef.to(g.dtype))
+    for p in params:
+        g = local_tensor(p.grad)
+        g.mul_(coef.to(g.dtype))
 
 
 def sync_sp_grads_2d(model: nn.Module, tp_group) -> None:
     """Sum over the TP group the grads of SP-replicated params (norms); local dp shards line up."""
     for p in model.parameters():
         if getattr(p, "_hfpar_sp", None) is not None and p.grad is not None:
-            dist.all_reduce(_local(p.grad), group=tp_group)
+            dist.all_reduce(local_tensor(p.grad), group=tp_group)
 
 
 def clip_grad_norm_2d_(model: nn.Module, max_norm: float, tp_group, dp_group) -> torch.Tensor:
     """Global L2 norm: local shard squares summed over dp (FSDP shards), TP-sharded params also over tp,
     TP-replicated params counted once. Scales the grads in place when the norm exceeds max_norm."""
     params = [p for p in model.parameters() if p.grad is not None]
-    dev = _local(params[0].grad).device
+    dev = local_tensor(params[0].grad).device
     sq = torch.zeros(2, dtype=torch.float64, device=dev)  # [tp-sharded, tp-replicated]
     for p in params:
-        sq[0 if getattr(p, "_hfpar_tp", None) is not None else 1] += _local(p.grad).double().square().sum()
+        sq[0 if getattr(p, "_hfpar_tp", None) is not None else 1] += local_tensor(p.grad).double().square().sum()
     dist.all_reduce(sq, group=dp_group)
     tp_part = sq[0:1].clone()
     dist.all_reduce(tp_part, group=tp_group)
@@ -113,7 +110,7 @@ def local_state(obj) -> object:
 def load_local_state(live, saved):
     """Copy saved local shards into the live (possibly DTensor) tensors of a state dict, in place."""
     if isinstance(live, torch.Tensor):
-        _local(live).copy_(saved)
+        local_tensor(live).copy_(saved)
         return live
     if isinstance(live, dict):
         return {k: load_local_state(live[k], saved[k]) if k in live else saved[k] for k in saved}
