@@ -83,6 +83,9 @@ def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
         raise ConfigError(f"--ep_size {args.ep_size} with {strategy}: expert parallelism composes with ddp, fsdp2, "
                           "zero1 and zero2 configs (ZeRO-3 would partition each rank's experts again over ranks "
                           "holding different experts; use zero2.yaml or fsdp2.yaml)")
+    if args.ep_size > 1 and strategy in ("zero1", "zero2") and accelerator.mixed_precision == "fp16":
+        raise ConfigError(f"--ep_size {args.ep_size} with {strategy} and fp16: the experts' optimizer does not "
+                          "unscale DeepSpeed's fp16 loss scale; use bf16 or fp32")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         raise ConfigError("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
     if args.ep_size > 1 and args.gradient_checkpointing:

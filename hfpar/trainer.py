@@ -124,9 +124,6 @@ class Trainer:
         # EP x ZeRO-1/2: DeepSpeed owns the dense params; hfpar owns the experts (self._setup_zero_experts)
         self.ep_zero = self.ep_split and self.zero
         self.custom = (self.tp is not None and not self.zero) or (self.ep_split and not self.zero)
-        if self.ep_zero and accelerator.mixed_precision == "fp16":
-            raise ConfigError(f"--ep_size {self.ep['size']} with {self.strategy} and fp16: the experts' optimizer "
-                              "does not unscale DeepSpeed's fp16 loss scale; use bf16 or fp32")
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
 
