@@ -116,8 +116,8 @@ def moe_split(path: Path) -> dict[str, int]:
     """Phi_dense / Phi_expert (bytes) of the saved model upcycled as the recipe does it, one process."""
     from transformers import LlamaForCausalLM
 
-    from hfpar.parallel.moe import GroupedExperts
-    from hfpar.parallel.moe_apply import upcycle_to_moe
+    from hfpar.parallel.expert_parallel.moe import GroupedExperts
+    from hfpar.parallel.expert_parallel import upcycle_to_moe
 
     model = upcycle_to_moe(LlamaForCausalLM.from_pretrained(path), EXPERTS, TOP_K)
     expert = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}

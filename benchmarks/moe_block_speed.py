@@ -50,7 +50,7 @@ def main() -> None:
 
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from hfpar.parallel.moe_apply import apply_expert_parallel
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -79,7 +79,7 @@ def main() -> None:
         except Exception as exc:  # an implementation this torch/CPU does not offer
             res[f"transformers {impl}"] = f"unavailable: {str(exc).splitlines()[0][:80]}"
     ours = apply_expert_parallel(copy.deepcopy(base)).model.layers[0].mlp
-    from hfpar.parallel.moe import GroupedExperts
+    from hfpar.parallel.expert_parallel.moe import GroupedExperts
 
     for backend in ("loop", "grouped_mm", "auto"):
         ours.experts.backend = backend

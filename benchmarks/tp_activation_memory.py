@@ -55,7 +55,7 @@ def saved_bytes(model, ids) -> int:
 def _ranked(rank: int, world: int, sp: bool):
     import torch.distributed as dist
 
-    from hfpar.parallel.apply import apply_tensor_parallel
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
     model = _model()
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
@@ -70,7 +70,7 @@ def mlp_overhead() -> dict:
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from hfpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -3,26 +3,32 @@
     from hfpar import apply_tensor_parallel, ColumnParallelLinear, RowParallelLinear
     model = apply_tensor_parallel(model, tp_group)     # in your own Accelerate / torch loop
 
-Names are imported lazily so `import hfpar` stays cheap.
+Names are imported lazily so `import hfpar` stays cheap (torch + transformers: ~4 s per process).
 """
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "apply_tensor_parallel": "hfpar.parallel.apply",
-    "sync_sequence_parallel_grads": "hfpar.parallel.apply",
-    "clip_tp_grad_norm_": "hfpar.parallel.apply",
-    "tp_grad_norm": "hfpar.parallel.apply",
-    "gather_full_state_dict": "hfpar.parallel.apply",
-    "ColumnParallelLinear": "hfpar.parallel.tensor",
-    "RowParallelLinear": "hfpar.parallel.tensor",
-    "VocabParallelEmbedding": "hfpar.parallel.tensor",
-    "vocab_parallel_cross_entropy": "hfpar.parallel.tensor",
-    "TopKRouter": "hfpar.parallel.moe",
-    "GroupedExperts": "hfpar.parallel.moe",
-    "MoELayer": "hfpar.parallel.moe",
-    "apply_expert_parallel": "hfpar.parallel.moe_apply",
-    "upcycle_to_moe": "hfpar.parallel.moe_apply",
+    "apply_tensor_parallel": "hfpar.parallel.tensor_parallel",
+    "sync_sequence_parallel_grads": "hfpar.parallel.tensor_parallel",
+    "clip_tp_grad_norm_": "hfpar.parallel.tensor_parallel",
+    "tp_grad_norm": "hfpar.parallel.tensor_parallel",
+    "gather_full_state_dict": "hfpar.parallel.tensor_parallel",
+    "ColumnParallelLinear": "hfpar.parallel.tensor_parallel",
+    "RowParallelLinear": "hfpar.parallel.tensor_parallel",
+    "VocabParallelEmbedding": "hfpar.parallel.tensor_parallel",
+    "vocab_parallel_cross_entropy": "hfpar.parallel.tensor_parallel",
+    "TopKRouter": "hfpar.parallel.expert_parallel",
+    "GroupedExperts": "hfpar.parallel.expert_parallel",
+    "MoELayer": "hfpar.parallel.expert_parallel",
+    "apply_expert_parallel": "hfpar.parallel.expert_parallel",
+    "upcycle_to_moe": "hfpar.parallel.expert_parallel",
+    "expert_parallel_groups": "hfpar.parallel.expert_parallel",
+    "ShardSpec": "hfpar.parallel.sharding",
+    "shard_spec": "hfpar.parallel.sharding",
+    "clip_grads_": "hfpar.parallel.sharding",
+    "full_state_dict": "hfpar.parallel.sharding",
+    "ParallelContext": "hfpar.context",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,7 +1,13 @@
 """Checkpoints (resumable training state) and the final export in Hugging Face format.
 
-Layout under --output_dir:
-    checkpoint-<step>/      accelerator.save_state() + trainer_state.json + config.json (+ tokenizer) + COMPLETE marker
+Layout under --output_dir (this module is its one definition: save, resume and `hfpar export` use it):
+    checkpoint-<step>/      a resumable training state:
+        trainer_state.json              step, world size, dp/tp/ep/cp/pp, strategy, global batch (read before loading)
+        config.json (+ tokenizer)       so that `hfpar export` needs the checkpoint only
+        model.safetensors | pytorch_model_fsdp_0/ | DeepSpeed folder + `latest`    Accelerate's save_state
+        rank<r>_of<world>.pt            per-rank shards hfpar owns (FSDP2 x TP/EP, experts)
+        tp_rank<t>_of<tp>.pt            one file per TP rank (TP x DDP: dp replicas are identical)
+        COMPLETE                        marker, written last
     config.json, model*.safetensors, tokenizer files   (final export, from_pretrained-loadable)
 
 Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, then renamed
@@ -19,9 +25,13 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
 
 from hfpar.config import ConfigError
+from hfpar.lora import export_lora
+from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -59,6 +69,72 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
     if not (path / MARKER).is_file():
         raise ConfigError(f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one")
     return path
+
+
+def rank_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
+    return Path(ckpt_dir) / f"rank{ctx.rank:03d}_of{ctx.world:03d}.pt"
+
+
+def tp_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
+    return Path(ckpt_dir) / f"tp_rank{ctx.tp_rank:02d}_of{ctx.tp:02d}.pt"
+
+
+def has_rank_shards(ckpt_dir: str | os.PathLike) -> bool:
+    """Per-rank model-parallel shards (TP / EP), which only a run with the same sizes can read back."""
+    ckpt_dir = Path(ckpt_dir)
+    return any(ckpt_dir.glob("tp_rank*_of*.pt")) or any(ckpt_dir.glob("rank*_of*.pt"))
+
+
+def model_state_kind(ckpt_dir: str | os.PathLike) -> str | None:
+    """Which writer holds the model weights of a checkpoint: safetensors | bin | dcp | deepspeed | None."""
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / "model.safetensors").is_file():
+        return "safetensors"
+    if (ckpt_dir / "pytorch_model.bin").is_file():
+        return "bin"
+    if (ckpt_dir / "pytorch_model_fsdp_0" / ".metadata").is_file():
+        return "dcp"
+    if (ckpt_dir / "latest").is_file():
+        return "deepspeed"
+    return None
+
+
+def local_state(obj) -> object:
+    """A (nested) state dict with every DTensor replaced by its local shard (torch.save-able per rank)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().clone()
+    if isinstance(obj, dict):
+        return {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [local_state(v) for v in obj]
+    return obj
+
+
+def load_local_state(live, saved):
+    """Copy saved local shards into the live (possibly DTensor) tensors of a state dict, in place."""
+    if isinstance(live, torch.Tensor):
+        (live.to_local() if isinstance(live, DTensor) else live).copy_(saved)
+        return live
+    if isinstance(live, dict):
+        return {k: load_local_state(live[k], saved[k]) if k in live else saved[k] for k in saved}
+    if isinstance(live, list):
+        return [load_local_state(a, b) for a, b in zip(live, saved)]
+    return saved
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load per-rank local optimizer state: param-shaped tensors become DTensors like their params (FSDP2)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for idx, st in saved["state"].items():
+        p = params[int(idx)]
+        new = {}
+        for k, v in st.items():
+            if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() > 0 and v.shape == p.to_local().shape:
+                v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
+            new[k] = v
+        state[idx] = new
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def _fsync_tree(root: Path) -> None:
@@ -149,4 +225,23 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str, st
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+
+
+def export_final(accelerator: Accelerator, backend, tokenizer, args) -> None:
+    """Collective. The final model in HF format at output_dir's root, whatever the composition: the backend
+    gathers its shards (TP, EP, FSDP2 x TP) or leaves it to Accelerate (FSDP2 / ZeRO-3 gathered there);
+    LoRA writes the adapter (or the merged model); an upcycled model is written as its HF MoE architecture."""
+    if args.use_peft:
+        export_lora(accelerator, backend.model, tokenizer, args.output_dir, merge=args.merge_adapter)
+        return
+    full = backend.full_state_dict()
+    model = backend.unwrapped()
+    if not is_upcycled(model):
+        export_model(accelerator, backend.model, tokenizer, args.output_dir, state_dict=full)
+        return
+    full = accelerator.get_state_dict(backend.model) if full is None else full
+    save_upcycled_pretrained(model, args.output_dir, state_dict=full, is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process and tokenizer is not None:
+        tokenizer.save_pretrained(args.output_dir)
     accelerator.wait_for_everyone()

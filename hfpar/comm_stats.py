@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from hfpar.parallel.expert_parallel.moe import MoELayer
+
 _KIND = {  # torch.distributed function -> (collective type, how to size it)
     "all_reduce": ("all_reduce", "first"),
     "all_gather_into_tensor": ("all_gather", "out"),
@@ -165,3 +167,29 @@ class CommCounter:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         model.register_comm_hook(getattr(model, "process_group", None), allreduce_hook)
+
+
+class StepCommLog:
+    """--log_comm_bytes: this rank's bytes per optimizer step, by collective, plus the token copies expert-parallel
+    MoE layers route to / receive from other ranks. Installed before the backend wraps the model (DeepSpeed keeps
+    references to the collective functions)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.counter = CommCounter().install()
+        self.moe = [m for m in model.modules() if isinstance(m, MoELayer) and m.ep_size > 1]
+
+    def watch(self, wrapped: torch.nn.Module) -> None:
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            self.counter.watch_ddp(wrapped)
+
+    def reset(self) -> None:
+        self.counter.reset()
+        for m in self.moe:
+            m.routed_remote_rows = m.received_remote_rows = 0
+
+    def record(self) -> dict:
+        rec = {"comm": self.counter.snapshot(), "comm_wire_bytes": self.counter.wire_total()}
+        if self.moe:  # summed over this rank's MoE layers (forward calls of the step)
+            rec["moe_routed_remote_rows"] = sum(m.routed_remote_rows for m in self.moe)
+            rec["moe_received_remote_rows"] = sum(m.received_remote_rows for m in self.moe)
+        return rec

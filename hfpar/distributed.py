@@ -1,6 +1,6 @@
 """Process groups and the Accelerator, on GPUs and on a CPU-only machine alike.
 
-    accelerator, dims = setup_accelerator(args)   # inside a script started by `accelerate launch`
+    accelerator = setup_accelerator(args)   # inside a script started by `accelerate launch`
 
 Why this module exists: stock Accelerate, on a machine without an accelerator, turns
 `accelerate launch --config_file fsdp2.yaml` into a *single-process* run (it finds no CUDA, so
@@ -18,52 +18,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """world = dp x tp; ep ranks are drawn from the dp ranks."""
-
-    world: int
-    dp: int
-    tp: int = 1
-    ep: int = 1
-    rank: int = 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-
-def build_groups(dims: ParallelDims):
-    """(tp_group, dp_group) of this rank. TP ranks are contiguous (rank = dp_rank * tp + tp_rank), so a
-    TP group stays inside a node when tp <= GPUs per node; DP groups stride across them. Every rank
-    must create every group (torch requires it), in the same order."""
-    if dims.world == 1 or not dist.is_initialized():
-        return None, None
-    tp_group = dp_group = None
-    for d in range(dims.dp):
-        ranks = list(range(d * dims.tp, (d + 1) * dims.tp))
-        g = dist.new_group(ranks)
-        if dims.rank in ranks:
-            tp_group = g
-    for t in range(dims.tp):
-        ranks = list(range(t, dims.world, dims.tp))
-        g = dist.new_group(ranks)
-        if dims.rank in ranks:
-            dp_group = g
-    return tp_group, dp_group
 
 
 def _launched_by_torchrun() -> bool:
@@ -158,16 +118,15 @@ def strategy_name(accelerator: Accelerator) -> str:
     return "single"
 
 
-def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Accelerator, ParallelDims]:
-    """Build the Accelerator for the launched strategy (CPU-capable) and the parallel dims."""
+def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
+    """Build the Accelerator for the launched strategy (CPU-capable: see the module docstring)."""
     kwargs = dict(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=log_with,
         project_dir=project_dir,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=args.dist_timeout_s))],
     )
-    ds_env = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if ds_env:
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # DeepSpeed reads its own timeout at init_distributed; keep it equal to ours.
         os.environ.setdefault("DEEPSPEED_TIMEOUT", str(max(1, args.dist_timeout_s // 60)))
     with _store_per_restart_attempt(datetime.timedelta(seconds=args.dist_timeout_s)):
@@ -176,88 +135,19 @@ def setup_accelerator(args, *, log_with=None, project_dir=None) -> tuple[Acceler
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
             with _cpu_backend():
-                accelerator = Accelerator(**kwargs)
-        else:
-            accelerator = Accelerator(**kwargs)
-
-    world = accelerator.num_processes
-    problems = []
-    if world % args.tp_size:
-        problems.append(f"--tp_size {args.tp_size} does not divide the world size {world}")
-    dp = max(1, world // args.tp_size)
-    if dp % args.ep_size:
-        problems.append(f"--ep_size {args.ep_size} does not divide the data-parallel size {dp} (world {world} / tp {args.tp_size})")
-    if problems:
-        from hfpar.config import ConfigError
-
-        raise ConfigError("\n".join(problems))
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # hfpar's flags are the single source of truth for these DeepSpeed keys.
-        ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        ds_cfg["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        ds_cfg["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
-        ds_cfg["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
-    dims = ParallelDims(world=world, dp=dp, tp=args.tp_size, ep=args.ep_size, rank=accelerator.process_index)
-    return accelerator, dims
+                return Accelerator(**kwargs)
+        return Accelerator(**kwargs)
 
 
-class DeepSpeedMPU:
-    """The "model parallel unit" DeepSpeed takes in `deepspeed.initialize(mpu=...)` (Megatron's interface):
-    with it ZeRO partitions and reduces over the dp group only, and its grad norm sums TP-sharded
-    params (marked `tensor_model_parallel`) over the TP group and counts replicated ones once."""
-
-    def __init__(self, tp_group, dp_group):
-        self.tp_group, self.dp_group = tp_group, dp_group
-
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return dist.get_world_size(self.dp_group)
-
-    def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(self.dp_group)
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.dp_group)
-
-    def get_model_parallel_group(self):
-        return self.tp_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return dist.get_world_size(self.tp_group)
-
-    def get_model_parallel_rank(self) -> int:
-        return dist.get_rank(self.tp_group)
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return dist.get_process_group_ranks(self.tp_group)[0]
-
-
-@contextlib.contextmanager
-def deepspeed_with_mpu(mpu: DeepSpeedMPU):
-    """Pass `mpu` to the `deepspeed.initialize` that `accelerator.prepare` calls.
-
-    Why: Accelerate calls deepspeed.initialize without an mpu (it passes one only for its Ulysses
-    sequence parallelism), so ZeRO would reduce over the whole world and average different TP
-    shards together. Accelerate looks `deepspeed.initialize` up at call time; we wrap it for the
-    duration of prepare() only. Nothing installed is edited."""
-    import deepspeed
-
-    original = deepspeed.initialize
-
-    def initialize(*args, **kwargs):
-        kwargs.setdefault("mpu", mpu)
-        return original(*args, **kwargs)
-
-    with swapped(deepspeed, "initialize", initialize):
-        yield
+def configure_deepspeed(accelerator: Accelerator, args, dp: int) -> None:
+    """hfpar's flags are the single source of truth for these DeepSpeed keys (dp: the data-parallel size)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    ds_cfg["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    ds_cfg["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
+    ds_cfg["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
 
 
 def all_reduce_sum(value: float | int | torch.Tensor, device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""What every recipe does, in order: parse -> validate -> accelerator -> data -> model -> train -> export.
+"""What every recipe does, in order: parse -> accelerator -> preflight -> groups -> data -> model -> parallelize
+-> backend -> train -> export.
 
     from hfpar.recipe import main
     main("sft")        # or "clm", "classify"; reads sys.argv
@@ -15,8 +16,17 @@ import sys
 
 import torch
 
+from accelerate.utils import set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.integrations import deepspeed as hf_ds
+
+from hfpar import data
 from hfpar.checkpoint import has_any_checkpoint, resolve_resume
-from hfpar.config import ConfigError, RecipeArgs, parse_args
+from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
+from hfpar.distributed import configure_deepspeed, setup_accelerator, strategy_name, swapped
+from hfpar.parallelize import parallelize
+from hfpar.preflight import preflight
+from hfpar.trainer import NonFiniteError, Trainer
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
 
@@ -54,83 +64,15 @@ def check_output_dir(args: RecipeArgs) -> None:
     resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
 
 
-def check_parallel_support(args: RecipeArgs, accelerator, task: str) -> None:
-    """Combinations that are not implemented yet end here, before the model is loaded."""
-    import importlib.util
-
-    from hfpar.distributed import strategy_name
-
-    strategy = strategy_name(accelerator)
-    model_parallel = [f"--{k} {getattr(args, k)}" for k in ("tp_size", "ep_size") if getattr(args, k) > 1]
-    model_parallel += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
-    if args.use_peft and importlib.util.find_spec("peft") is None:
-        raise ConfigError("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
-    if args.use_peft and model_parallel:
-        raise ConfigError(f"--use_peft with {' and '.join(model_parallel)}: LoRA composes with the data-parallel "
-                          "strategies only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
-    if args.tp_size > 1:
-        if strategy not in ("single", "ddp", "fsdp2", "zero1", "zero2"):
-            raise ConfigError(f"--tp_size {args.tp_size} with {strategy}: tensor parallelism composes with single, ddp, "
-                              "fsdp2, zero1 and zero2 configs (ZeRO-3 would partition the TP shards again; use fsdp2.yaml "
-                              "for sharded data parallelism with TP)")
-        if task != "lm" and args.sequence_parallel:
-            raise ConfigError("--sequence_parallel: needs a causal-LM recipe (sft, clm), whose vocab-parallel LM head "
-                              "gathers the sequence back; classify supports --tp_size without it")
-    if args.on_nonfinite == "skip" and strategy.startswith("zero"):
-        raise ConfigError(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside "
-                          "backward, so a step cannot be skipped; use --on_nonfinite error (stops at the bad step)")
-    if args.ep_size > 1 and strategy not in ("single", "ddp", "fsdp2", "zero1", "zero2"):
-        raise ConfigError(f"--ep_size {args.ep_size} with {strategy}: expert parallelism composes with ddp, fsdp2, "
-                          "zero1 and zero2 configs (ZeRO-3 would partition each rank's experts again over ranks "
-                          "holding different experts; use zero2.yaml or fsdp2.yaml)")
-    if args.ep_size > 1 and strategy in ("zero1", "zero2") and accelerator.mixed_precision == "fp16":
-        raise ConfigError(f"--ep_size {args.ep_size} with {strategy} and fp16: the experts' optimizer does not "
-                          "unscale DeepSpeed's fp16 loss scale; use bf16 or fp32")
-    if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
-        raise ConfigError("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
-    if args.ep_size > 1 and args.gradient_checkpointing:
-        raise ConfigError(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks "
-                          "are published for the forward only)")
-
-
-def prepare_moe(args: RecipeArgs, model, dims) -> None:
-    """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over --ep_size ranks. Any MoE model
-    gets router statistics over all data-parallel ranks, so EP and DP do not change the aux loss."""
-    import torch.distributed as dist
-
-    from hfpar.parallel.moe_apply import apply_expert_parallel, expert_parallel_groups, upcycle_to_moe
-
-    if args.upcycle_experts:
-        upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
-                       z_loss_coef=args.moe_z_loss_coef, seed=args.seed)
-    is_moe = args.upcycle_experts or any(type(m).__name__.endswith("SparseMoeBlock") for m in model.modules())
-    if args.ep_size > 1 and not is_moe:
-        raise ValueError(f"--ep_size {args.ep_size}: {type(model).__name__} has no MoE layers; "
-                         "pass --upcycle_experts N to turn its MLPs into experts first")
-    if is_moe and dist.is_initialized():
-        ep_group, edp_group = expert_parallel_groups(args.ep_size)
-        apply_expert_parallel(model, ep_group, dp_group=dist.group.WORLD, edp_group=edp_group)
-    elif is_moe:  # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs
-        apply_expert_parallel(model)
-
-
 @contextlib.contextmanager
 def _without_zero3_init():
     """Build the embedded (tiny, random-init) model outside DeepSpeed's zero.Init, so its initial weights are
     the same under every strategy; real checkpoints still load partitioned (zero3_init_flag) via from_pretrained."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    from hfpar.distributed import swapped
-
     with swapped(hf_ds, "_hf_deepspeed_config_weak_ref", None):
         yield
 
 
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from hfpar import data
-
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
@@ -148,24 +90,8 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
     return model
 
 
-def fsdp2_wrap_classes(model) -> None:
-    """Accelerate's FSDP2 makes one unit per class in model._no_split_modules and then another for the input
-    embedding; when such a class contains the embedding (BERT's BertEmbeddings) the second `fully_shard` fails
-    on an already sharded weight ("value was None when it should not be"). Drop those classes: the embedding
-    still gets a unit of its own."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    names = getattr(model, "_no_split_modules", None)
-    if emb is None or not names:
-        return
-    holders = {type(m).__name__ for m in model.modules() if m is not emb and any(c is emb for c in m.modules())}
-    if holders & set(names):
-        model._no_split_modules = [n for n in names if n not in holders]
-
-
 def build_data(args: RecipeArgs, kind: str, tokenizer):
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels."""
-    from hfpar import data
-
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None
     out = {}
@@ -189,12 +115,6 @@ def build_data(args: RecipeArgs, kind: str, tokenizer):
 
 
 def main(kind: str, argv: list[str] | None = None) -> dict:
-    from accelerate.utils import set_seed
-
-    from hfpar import data
-    from hfpar.distributed import build_groups, setup_accelerator, strategy_name
-    from hfpar.trainer import Trainer
-
     task = TASK_OF[kind]
     try:
         args = parse_args(argv, recipe=kind, defaults=RECIPE_DEFAULTS[kind])
@@ -203,8 +123,10 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
     try:
-        accelerator, dims = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
-        check_parallel_support(args, accelerator, task)
+        accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
+        ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
+        configure_deepspeed(accelerator, args, ctx.dp)
+        ctx.build_groups()
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
         with accelerator.main_process_first():
@@ -215,40 +137,19 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         os.makedirs(args.output_dir, exist_ok=True)
     accelerator.wait_for_everyone()
     if log_with:
-        from hfpar.config import to_dict
-
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
+    strategy = strategy_name(accelerator)
     model = load_model(args, task, num_labels)
-    if strategy_name(accelerator) == "fsdp2":
-        fsdp2_wrap_classes(model)
-    if args.use_peft:  # before TP / MoE (refused with LoRA) and the data-parallel wrap
-        from hfpar.lora import apply_lora, trainable_summary
-
-        try:
-            model = apply_lora(model, args, task)
-        except ValueError as exc:  # target modules not in the model
-            _fail(str(exc))
-        info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
-    groups = build_groups(dims)
-    if args.tp_size > 1:
-        from hfpar.parallel.apply import apply_tensor_parallel
-
-        try:
-            apply_tensor_parallel(model, groups[0], sequence_parallel=args.sequence_parallel)
-        except ValueError as exc:  # degrees that do not divide the model's sizes, unknown architecture
-            _fail(str(exc))
-    if task == "lm":
-        try:
-            prepare_moe(args, model, dims)
-        except ValueError as exc:  # dense model with --ep_size, experts not divisible, unknown MoE family
-            _fail(str(exc))
-    trainer = Trainer(args, accelerator, dims, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info}, groups=groups)
-    from hfpar.trainer import NonFiniteError
-
+    try:
+        model, extra = parallelize(model, args, ctx, task, strategy)
+    except ValueError as exc:  # what only the loaded model reveals (LoRA targets, plan mismatches, MoE shapes)
+        _fail(str(exc))
+    backend = backend_cls(accelerator, ctx, strategy, args)
+    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
+                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info, **extra})
     try:
         result = trainer.train()
-    except ConfigError as exc:  # e.g. a checkpoint from an incompatible run: a user problem, said in one line
+    except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line
         _fail(str(exc))
     except NonFiniteError as exc:  # the numerical guard: one line, no traceback, non-zero exit
         _fail(f"{exc} (checkpoints written so far are intact; --on_nonfinite skip skips such steps instead)")

@@ -7,6 +7,8 @@ locally, with no collective involved.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -204,6 +206,38 @@ def test_no_process_group_is_noop():
         assert f(x) is x, f.__name__
     assert comm.all_to_all_single_autograd(x, [2], [2]) is x
     assert comm.group_size() == 1 and comm.group_rank() == 0
+
+
+def test_reduce_scatter_fallback_warns_once_naming_the_backend(monkeypatch, tmp_path):
+    """A backend that rejects reduce-scatter: one RuntimeWarning naming the backend and the all-reduce
+    fallback, then the fallback without another warning; other errors still raise. One in-process rank."""
+    def rejected(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+    monkeypatch.setattr(comm, "_reduce_scatter_base", rejected)
+    monkeypatch.setattr(comm, "_reduce_scatter_unsupported", False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).reshape(2, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [comm.reduce_scatter(x, 0), comm.reduce_scatter(x, 1)]
+        assert all(torch.equal(o, x) for o in outs)  # one rank: the sum is x, the chunk all of it
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1, msgs
+        assert "the gloo backend rejected reduce_scatter" in msgs[0] and "all_reduce + slice" in msgs[0], msgs[0]
+        assert comm._reduce_scatter_unsupported
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("Connection closed by peer")
+
+        monkeypatch.setattr(comm, "_reduce_scatter_base", broken)
+        monkeypatch.setattr(comm, "_reduce_scatter_unsupported", False)
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            comm.reduce_scatter(x, 0)
+        assert not comm._reduce_scatter_unsupported
+    finally:
+        dist.destroy_process_group()
 
 
 def _fails(rank, world_size):

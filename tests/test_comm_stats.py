@@ -56,7 +56,7 @@ def _moe_worker(rank: int, world_size: int) -> dict:
     """An expert-parallel MoELayer (4 experts over 2 ranks, top-2): its routed / received row counters
     against the all-to-all bytes the counter saw, forward alone and forward + backward."""
     from hfpar.comm_stats import CommCounter
-    from hfpar.parallel.moe import GroupedExperts, MoELayer, TopKRouter
+    from hfpar.parallel.expert_parallel.moe import GroupedExperts, MoELayer, TopKRouter
 
     H, E = 16, 4
     torch.manual_seed(0)                                                 # same weights on both ranks

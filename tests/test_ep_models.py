@@ -1,4 +1,4 @@
-"""hfpar.parallel.moe_apply: expert parallelism on tiny HF MoE models, and dense -> MoE upcycling.
+"""hfpar.parallel.expert_parallel: expert parallelism on tiny HF MoE models, and dense -> MoE upcycling.
 
     python -m pytest tests/test_ep_models.py -q
 
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hfpar.parallel.sharding import shard_spec
 from tests.dist_utils import run_distributed, value_error_message
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,7 +77,7 @@ def _rel(a, b) -> float:
 
 def _forward(model, ids, mask, explicit_mask: bool):
     """logits, embedding output (grad retained); with explicit_mask the MoE mask is set by hand."""
-    from hfpar.parallel.moe_apply import moe_token_mask
+    from hfpar.parallel.expert_parallel import moe_token_mask
     emb = model.get_input_embeddings()(ids)
     emb.retain_grad()
     if explicit_mask:
@@ -86,14 +87,14 @@ def _forward(model, ids, mask, explicit_mask: bool):
 
 
 def _routers(model):
-    from hfpar.parallel.moe import MoELayer
+    from hfpar.parallel.expert_parallel.moe import MoELayer
     return [m.gate for m in model.modules() if isinstance(m, MoELayer)]
 
 
 # ----------------------------------------------------------------------------- one parity case
 def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     from hfpar.parallel.comm import all_reduce
-    from hfpar.parallel.moe_apply import (apply_expert_parallel, attach_moe_token_mask, expert_parallel_groups,
+    from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, expert_parallel_groups,
                                           expert_parameters, gather_expert_state_dict, non_expert_parameters,
                                           save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config)
     name, mt, ep, dp_lists, dtype, export = case
@@ -154,7 +155,8 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     res["z_rel"] = max(abs(a.last_z_loss.item() - b.last_z_loss.item()) / b.last_z_loss.item()
                        for a, b in zip(_routers(model), _routers(ref)))
     res["n_moe"] = len(_routers(model))
-    res["ep_meta"] = (model._hfpar_ep["size"], model._hfpar_ep["dp_size"])
+    spec = shard_spec(model.model.layers[0].mlp.experts.gate_up_proj)
+    res["ep_meta"] = (model.model.layers[0].mlp.ep_size, spec.dp_size if spec is not None else dp)
     experts = {id(p) for p in expert_parameters(model)}
     res["n_expert_params"] = len(experts)
     res["partition_ok"] = len(experts) + sum(1 for _ in non_expert_parameters(model)) == \
@@ -164,12 +166,12 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     # ---- reduction: replicated grads SUM over dp, expert grads SUM over the expert-data-parallel group
     worst, reduced = (0.0, ""), {}
     for n, p in model.named_parameters():
-        meta = getattr(p, "_hfpar_ep", None)
-        if meta is None:
+        meta = shard_spec(p)
+        if meta is None or meta.kind != "ep":
             g, want = all_reduce(p.grad, dp_group), ref_grads[n]
         else:
-            g = all_reduce(p.grad, meta["edp_group"]) if dp // ep > 1 else p.grad.clone()
-            want = ref_grads[n][meta["start"]:meta["start"] + p.shape[0]]
+            g = all_reduce(p.grad, meta.dp_reduce_group) if dp // ep > 1 else p.grad.clone()
+            want = ref_grads[n][meta.extra["start"]:meta.extra["start"] + p.shape[0]]
         reduced[n] = g
         worst = max(worst, (_rel(g, want), n))
     res["grad_worst"] = worst
@@ -210,7 +212,7 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
 
 
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
-    from hfpar.parallel.moe_apply import apply_expert_parallel
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
     torch.set_num_threads(1)
     self_groups = [dist.new_group([r]) for r in range(world_size)]   # every rank creates every group
     results = {"parity": {c[0]: _parity_case(rank, c, self_groups[rank], outdir) for c in CASES}}
@@ -274,12 +276,12 @@ def _fake_world(n):
 
 
 def _refused(model, n, match):
-    from hfpar.parallel.moe_apply import apply_expert_parallel
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
     before = {k: type(m) for k, m in model.named_modules()}
     a, b = _fake_world(n)
     with a, b, pytest.raises(ValueError, match=match) as e:
         apply_expert_parallel(model)
-    assert {k: type(m) for k, m in model.named_modules()} == before and not hasattr(model, "_hfpar_ep")
+    assert {k: type(m) for k, m in model.named_modules()} == before and not any(shard_spec(p) is not None for p in model.parameters())
     return str(e.value)
 
 
@@ -298,7 +300,7 @@ def test_validation_before_any_collective():
 
 
 def test_upcycle_refusals():
-    from hfpar.parallel.moe_apply import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
+    from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama, mistral, qwen3\)"):
@@ -318,8 +320,8 @@ def test_upcycle_refusals():
 @pytest.mark.parametrize("mt", ["qwen3_moe", "olmoe"])
 def test_other_families_match_hf(mt):
     """Families in the table beyond the distributed cases: same logits and state-dict keys at ep=1."""
-    from hfpar.parallel.moe import MoELayer
-    from hfpar.parallel.moe_apply import apply_expert_parallel
+    from hfpar.parallel.expert_parallel.moe import MoELayer
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
     hf = _build(mt).eval()
     ids, mask = _batch(0)
     with torch.no_grad():
@@ -335,7 +337,7 @@ def test_other_families_match_hf(mt):
 @pytest.mark.parametrize("mt, target", [("mistral", "MixtralForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM")])
 def test_upcycle_export_single_process(tmp_path, mt, target):
     from transformers import AutoModelForCausalLM
-    from hfpar.parallel.moe_apply import save_upcycled_pretrained, upcycle_to_moe
+    from hfpar.parallel.expert_parallel import save_upcycled_pretrained, upcycle_to_moe
     dense = _build(mt).eval()
     ids, mask = _batch(1)
     with torch.no_grad():

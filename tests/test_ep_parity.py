@@ -46,11 +46,24 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
+@pytest.fixture(scope="module")
+def upcycled_weights(base_model) -> dict[str, torch.Tensor]:
+    """What the EP runs train from: the base model upcycled in process as the recipe does (MOE flags, seed
+    42); its state-dict keys are the exported Mixtral's."""
+    from transformers import AutoModelForCausalLM
+
+    from hfpar import upcycle_to_moe
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    upcycle_to_moe(model, 4, 2, aux_loss_coef=0.01, seed=42)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_ep_export_is_mixtral_and_matches(ep_runs, case):
+def test_ep_export_is_mixtral_and_matches(ep_runs, upcycled_weights, case):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    assert_export_matches(ep_runs["single"], ep_runs[case], case)
+    assert_export_matches(ep_runs["single"], ep_runs[case], case, initial=upcycled_weights)
     cfg = AutoConfig.from_pretrained(ep_runs[case])
     assert cfg.model_type == "mixtral" and cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 2
     model = AutoModelForCausalLM.from_pretrained(ep_runs[case], dtype=torch.float32)

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from hfpar.config import ConfigError, parse_args
 from tests.conftest import COMMON, TOL, assert_close_series
 from tests.launch import launch, read_metrics, read_run_info, rel_close
+from tests.results import record
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[peft]')")
 
@@ -37,6 +38,7 @@ STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
 MERGED = ["fsdp2_merged"]
+RECORD_CMD = "python -m pytest -q tests/test_lora.py"  # writes benchmarks/results/lora_parity_cpu.json (README)
 # name -> (accelerate config, processes, recipe, extra args)
 RUNS = {
     "single": ("single", 1, "sft", []),
@@ -152,6 +154,9 @@ def test_unknown_target_module_is_one_line(tmp_path, capsys):
 def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
+    rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-12)  # noqa: E731  (rel_close's measure)
+    record("lora_parity_cpu", f"{strategy} max relative diff per step", {
+        k: max(rel(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}, command=RECORD_CMD)
     assert len(ref) == len(got) == 8 and ref[-1]["loss"] < ref[0]["loss"]
     assert_close_series(ref, got, "loss", TOL, strategy)
     assert_close_series(ref, got, "grad_norm", TOL, strategy)
@@ -162,6 +167,8 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
 def test_exported_adapter_matches_single(runs, strategy):
     ref, got = _adapter(runs["single"]), _adapter(runs[strategy])
     assert ref.keys() == got.keys() and len(ref) == 2 * 7 * 4  # A and B of 7 linear layers x 4 blocks
+    record("lora_parity_cpu", f"{strategy} max relative diff adapter", max(
+        float((ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)) for k in ref), command=RECORD_CMD)
     for k in ref:
         diff = (ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)
         assert diff <= TOL, f"{strategy}: {k} relative diff {diff:.2e}"

@@ -10,7 +10,7 @@ bug class) does not.
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hfpar.trainer import IGNORE, lm_loss_sum
+from hfpar.losses import IGNORE, lm_loss_sum
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""TopKRouter, GroupedExperts and MoELayer (hfpar.parallel.moe / router), forward and backward.
+"""TopKRouter, GroupedExperts and MoELayer (hfpar.parallel.expert_parallel.moe / router), forward and backward.
 
 Single process: the router vs naive formulas and transformers' load_balancing_loss_func, the aux-loss
 gradient injection vs adding coef * aux to the loss, GroupedExperts vs a per-token loop, MoELayer vs
@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hfpar.parallel.comm import all_gather, all_reduce, comm_stats
-from hfpar.parallel.moe import (AuxLossBackprop, GroupedExperts, MoELayer, TopKRouter, moe_token_mask,
+from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.expert_parallel.moe import (AuxLossBackprop, GroupedExperts, MoELayer, TopKRouter, moe_token_mask,
                                 set_aux_loss_grad_scale)
 from tests.dist_utils import run_distributed
 
@@ -312,7 +313,7 @@ def _ep_checks(rank, world):
                 for layer in (ep, ref):
                     layer.gate.weight[0], layer.gate.weight[1] = 3.0, 2.7
         assert ep.experts.gate_up_proj.shape[0] == E // world
-        assert all(hasattr(p, "_hfpar_ep") for p in ep.experts.parameters())
+        assert all(shard_spec(p) is not None and shard_spec(p).kind == "ep" for p in ep.experts.parameters())
         torch.testing.assert_close(ep.experts.gate_up_proj, ref.experts.gate_up_proj[rank * E // world:(rank + 1) * E // world])
 
         xs, gs = _full_tokens(world, H, seed=10)
@@ -340,7 +341,7 @@ def _ep_checks(rank, world):
         # grads: experts gathered over EP, replicated params summed over ranks (each rank saw its tokens)
         ref_g = _grads(ref)
         for name, p in ep.named_parameters():
-            got = all_gather(p.grad, dim=0, group=group) if hasattr(p, "_hfpar_ep") else all_reduce(p.grad, group)
+            got = all_gather(p.grad, dim=0, group=group) if shard_spec(p) is not None else all_reduce(p.grad, group)
             torch.testing.assert_close(got, ref_g[name], **TOL, msg=f"{case}: {name}")
         full = ep.full_expert_state()
         torch.testing.assert_close(full["gate_up_proj"], ref.experts.gate_up_proj.detach())

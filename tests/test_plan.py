@@ -16,6 +16,7 @@ from hfpar import data
 from hfpar.cli import main as cli
 from hfpar.plan import estimate
 from tests.launch import read_run_info
+from tests.results import record
 
 STRATEGIES = ("ddp", "fsdp2", "zero3")
 TOL = 0.10  # estimator vs measured, per rank and category
@@ -39,6 +40,10 @@ def test_estimate_matches_measured_bytes(runs, strategy):
     config = AutoConfig.from_pretrained(data.embedded_model_path())
     est = estimate(config, strategy, 2, mixed_precision="no")
     got = measured(runs[strategy])
+    record("plan_estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
+                                                 "max_relative_error": max(abs(est[cat] - b) / b for b in got[cat])}
+                                           for cat in ("params", "grads", "optimizer")},
+           command="python -m pytest -q tests/test_plan.py -k estimate")
     for cat in ("params", "grads", "optimizer"):
         for rank, b in enumerate(got[cat]):
             err = abs(est[cat] - b) / b
@@ -101,12 +106,29 @@ def test_plan_recommends_sharding_for_7b(tmp_path, capsys):
     assert ddp.endswith("no"), ddp  # 16 bytes x 6.7B params do not fit in 80 GB
 
 
-def test_plan_adds_tp_or_offload_when_sharding_is_not_enough(tmp_path, capsys):
+@pytest.mark.parametrize("gpu_memory_gb, recommended, config, extra", [
+    # 40 GiB (budget 36.0): FSDP2 needs 43.72 GiB, 28.25 with checkpointing
+    (40, "FSDP2 with activation checkpointing", "fsdp2", " --gradient_checkpointing"),
+    # 31 GiB (budget 27.9): FSDP2 with checkpointing needs 28.25 GiB, FSDP2 + TP2 27.26
+    (31, "FSDP2 + TP2 with activation checkpointing", "fsdp2", " --tp_size 2 --gradient_checkpointing"),
+    # 24 GiB (budget 21.6): no GPU-resident strategy fits even with checkpointing; offload needs 18.62 GiB
+    (24, "ZeRO-3 offload", "zero3_offload", ""),
+    # 19 GiB (budget 17.1): offload fits only with checkpointing (3.15 GiB)
+    (19, "ZeRO-3 offload with activation checkpointing", "zero3_offload", " --gradient_checkpointing"),
+])
+def test_plan_recommendation_for_7b_on_two_nodes(tmp_path, capsys, gpu_memory_gb, recommended, config, extra):
+    """7B, seq 4096, 2 nodes x 2 GPUs: the first rung of the rule (DDP -> FSDP2/ZeRO-3 -> TP/EP -> offload,
+    checkpointing only when needed) that fits, and its exact multi-node launch command."""
     model = llama_dir(tmp_path, "llama-7b", 4096, 32, 32, 11008)
-    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "2", "--gpu_memory_gb", "40", "--seq_len", "4096",
-                               "--num_nodes", "2"])
-    assert "recommended: FSDP2 + TP" in out or "recommended: ZeRO-3 offload" in out or "--gradient_checkpointing" in out
-    assert "--num_processes 4 --num_machines 2" in out
+    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "2", "--gpu_memory_gb", str(gpu_memory_gb),
+                               "--seq_len", "4096", "--num_nodes", "2"])
+    lines = out.splitlines()
+    i = lines.index(f"recommended: {recommended}")
+    assert lines[i + 1] == (
+        f"accelerate launch --config_file accelerate_configs/{config}.yaml --num_processes 4 --num_machines 2 "
+        f"--machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 recipes/sft.py "
+        f"--model_name_or_path {model} --max_seq_length 4096 --per_device_train_batch_size 1{extra}"), lines[i + 1]
+    assert sum(line.startswith("recommended: ") for line in lines) == 1
 
 
 def test_bytes_per_param_accounting(tmp_path):

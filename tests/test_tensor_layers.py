@@ -1,4 +1,4 @@
-"""hfpar.parallel.tensor against single-process nn.Linear / nn.Embedding / F.cross_entropy.
+"""hfpar.parallel.tensor_parallel against single-process nn.Linear / nn.Embedding / F.cross_entropy.
 
 One start per world size (TP=2 and TP=4 gloo ranks on CPU) runs every check: outputs, input
 gradients and gathered weight gradients within 1e-5 (float64, plus one float32 cross-entropy),
@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hfpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards,
+from hfpar.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards,
                                    shard_tensor, tp_sharded_parameters,
                                    vocab_parallel_cross_entropy)
+from hfpar.parallel.sharding import shard_spec
 from tests.dist_utils import run_distributed
 
 B, T, H, OUT, V = 2, 8, 8, 16, 16   # T, OUT, V divisible by 4
@@ -210,16 +211,16 @@ def _check_construction(rank, tp, group):
     col_f = ColumnParallelLinear.from_linear(frozen, group)
     assert not col_f.weight.requires_grad and col_f.bias.requires_grad
     # TP tags: sharded params carry dim + group; the row bias is replicated (no tag)
-    assert col.weight._hfpar_tp["dim"] == 0 and col.bias._hfpar_tp["dim"] == 0
-    assert row.weight._hfpar_tp["dim"] == 1 and not hasattr(row.bias, "_hfpar_tp")
-    assert emb.weight._hfpar_tp["group"] is group and emb.weight._hfpar_tp["size"] == tp
+    assert shard_spec(col.weight).dim == 0 and shard_spec(col.bias).dim == 0
+    assert shard_spec(row.weight).dim == 1 and shard_spec(row.bias) is None
+    assert shard_spec(emb.weight).group is group and shard_spec(emb.weight).size == tp
     assert tuple(col.weight.shape) == (OUT // tp, H) and tuple(row.weight.shape) == (OUT, H // tp)
     model = nn.Sequential(emb, col, row)
-    found = {n: i["dim"] for n, _, i in tp_sharded_parameters(model)}
+    found = {n: i.dim for n, _, i in tp_sharded_parameters(model)}
     assert found == {"0.weight": 0, "1.weight": 0, "1.bias": 0, "2.weight": 1}, found
     buf = io.BytesIO()
     torch.save(col.weight, buf)                                    # the tag pickles (without the group)
-    assert torch.load(io.BytesIO(buf.getvalue()), weights_only=False)._hfpar_tp["dim"] == 0
+    assert shard_spec(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)).dim == 0
     # packed weights: each rank takes its slice of EACH part; export restores the original order
     fused = nn.Linear(H, OUT)
     qkv = ColumnParallelLinear.from_linear(fused, group, packed_splits=PACKED)

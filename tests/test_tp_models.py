@@ -1,4 +1,4 @@
-"""hfpar.parallel.apply: tensor / sequence parallelism on tiny HF causal LMs vs the unsharded model.
+"""hfpar.parallel.tensor_parallel: tensor / sequence parallelism on tiny HF causal LMs vs the unsharded model.
 
     python -m pytest tests/test_tp_models.py -q
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hfpar.parallel.sharding import shard_spec
 from tests.dist_utils import run_distributed, value_error_message
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -67,12 +68,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def _tp_sharded(p) -> bool:
+    spec = shard_spec(p)
+    return spec is not None and spec.kind == "tp" and spec.sharded
+
+
 def _full_grads(model) -> dict[str, torch.Tensor]:
-    from hfpar.parallel.tensor import gather_shards
+    from hfpar.parallel.tensor_parallel import gather_shards
     out = {}
     for n, p in model.named_parameters():
-        meta = getattr(p, "_hfpar_tp", None)
-        out[n] = p.grad if meta is None else gather_shards(p.grad, meta["dim"], meta["group"], meta["packed_splits"])
+        meta = shard_spec(p)
+        out[n] = p.grad if not _tp_sharded(p) else gather_shards(p.grad, meta.dim, meta.group, meta.packed_splits)
     return out
 
 
@@ -83,9 +89,9 @@ def _worst(got: dict, ref: dict) -> tuple[float, str]:
 def _parity_case(rank: int, case, outdir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from hfpar.parallel.apply import (apply_tensor_parallel, clip_tp_grad_norm_, gather_full_state_dict,
+    from hfpar.parallel.tensor_parallel import (apply_tensor_parallel, clip_tp_grad_norm_, gather_full_state_dict,
                                       sync_sequence_parallel_grads, tp_grad_norm)
-    from hfpar.parallel.tensor import vocab_parallel_cross_entropy
+    from hfpar.parallel.tensor_parallel import vocab_parallel_cross_entropy
     mt, sp, dtype, extra = case
     group = dist.group.WORLD
     extra = dict(extra)
@@ -117,7 +123,7 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
     res["grad_names_match"] = sorted(grads) == sorted(ref_grads)
     res["grad_worst"] = _worst(grads, ref_grads)
     # replicated grads must be bitwise identical on every TP rank (no drift)
-    rep = [p.grad.reshape(-1) for p in model.parameters() if getattr(p, "_hfpar_tp", None) is None]
+    rep = [p.grad.reshape(-1) for p in model.parameters() if not _tp_sharded(p)]
     flat = torch.cat(rep)
     hi, lo = flat.clone(), -flat
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -166,7 +172,7 @@ def _build_classifier(kind: str, seed: int = 0):
 def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
     from transformers import AutoModelForSequenceClassification
 
-    from hfpar.parallel.apply import apply_tensor_parallel, gather_full_state_dict, tp_grad_norm
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict, tp_grad_norm
     group = dist.group.WORLD
     model = _build_classifier(kind)
     ref = copy.deepcopy(model)
@@ -175,8 +181,9 @@ def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
     ref_logits = ref(input_ids=ids, attention_mask=mask).logits                          # (B, C)
     F.cross_entropy(ref_logits, labels).backward()
     apply_tensor_parallel(model, group)
-    res = {"vocab_parallel_logits": model._hfpar_tp["vocab_parallel_logits"],
-           "sharded": sorted(n for n, p in model.named_parameters() if getattr(p, "_hfpar_tp", None) is not None)}
+    head = model.get_output_embeddings()
+    res = {"vocab_parallel_logits": head is not None and _tp_sharded(head.weight),
+           "sharded": sorted(n for n, p in model.named_parameters() if _tp_sharded(p))}
     logits = model(input_ids=ids, attention_mask=mask).logits                            # (B, C), full
     F.cross_entropy(logits, labels).backward()
     res["logits_rel"] = _rel(logits.detach(), ref_logits.detach())
@@ -185,7 +192,7 @@ def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
     got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters()}
     res["grad_worst"] = max(((got[n] - want[n]).abs().max().item() / max(want[n].abs().max().item(), 1e-10), n)
                             for n in want)
-    rep = torch.cat([p.grad.reshape(-1) for p in model.parameters() if getattr(p, "_hfpar_tp", None) is None])
+    rep = torch.cat([p.grad.reshape(-1) for p in model.parameters() if not _tp_sharded(p)])
     hi, lo = rep.clone(), -rep
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MAX)
@@ -206,7 +213,7 @@ def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
 
 
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
-    from hfpar.parallel.apply import apply_tensor_parallel
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     torch.set_num_threads(1)
     results = {"parity": {_case_id(c): _parity_case(rank, c, outdir) for c in CASES}}
     results["heads"] = {k: _task_head_case(rank, k, outdir) for k in HEADS}
@@ -292,7 +299,7 @@ def test_errors_on_ranks(ranks):
 ])
 def test_invalid_degree_before_any_collective(overrides, expected):
     """No process group exists here: a collective would raise 'not initialized', not this message."""
-    from hfpar.parallel.apply import apply_tensor_parallel
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     model = _build("llama", "float32", **overrides)
     before = {n: type(m) for n, m in model.named_modules()}
     with mock.patch.object(dist, "is_initialized", return_value=True), \
@@ -303,11 +310,11 @@ def test_invalid_degree_before_any_collective(overrides, expected):
     if "vocab_size" in overrides:
         assert "lm_head: vocab_size 130 is not divisible by tp_size 4" in str(e.value)
     assert {n: type(m) for n, m in model.named_modules()} == before                    # untouched
-    assert not hasattr(model, "_hfpar_tp")
+    assert not any(shard_spec(p) is not None for p in model.parameters())
 
 
 def test_unknown_model_type_lists_supported():
-    from hfpar.parallel.apply import apply_tensor_parallel
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     with mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2):
         with pytest.raises(ValueError, match=r"'gpt2'.*supported: .*llama.*mistral.*qwen2"):
@@ -316,8 +323,8 @@ def test_unknown_model_type_lists_supported():
 
 def test_user_plan_missing_a_projection_is_refused():
     """A replicated Linear inside an attention region would get its input grad summed tp times."""
-    from hfpar.parallel.apply import apply_tensor_parallel
-    from hfpar.parallel.plans import get_plan
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+    from hfpar.parallel.tensor_parallel.plans import get_plan
     plan = {k: v for k, v in get_plan("llama").items() if not k.endswith("v_proj")}
     with mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2):

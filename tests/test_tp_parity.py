@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.launch import launch, launch_all, read_metrics, read_run_info, rel_close
@@ -47,8 +48,8 @@ def test_tp_matches_single_per_step(tp_runs, single_run, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp_export_is_a_full_hf_checkpoint(tp_runs, single_run, case):
-    assert_export_matches(single_run, tp_runs[case], case)
+def test_tp_export_is_a_full_hf_checkpoint(tp_runs, single_run, base_weights, case):
+    assert_export_matches(single_run, tp_runs[case], case, initial=base_weights)
     _, evals = read_metrics(tp_runs[case])
     assert rel_close(export_eval_loss(tp_runs[case]), evals[-1]["eval_loss"], 1e-4)
 
@@ -90,6 +91,19 @@ def test_tp_refusals_are_one_line(config, flags, message, tmp_path):
     assert f"hfpar: error: " in proc.stderr and message in proc.stderr
 
 
+def _classify_initial_weights(out) -> dict:
+    """What the classify recipe trains from without --model_name_or_path: the embedded tiny Llama with a
+    num_labels head, random-init after torch.manual_seed(seed 42) (hfpar.recipe.load_model)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from hfpar import data
+
+    config = AutoConfig.from_pretrained(data.embedded_model_path())
+    config.num_labels = AutoConfig.from_pretrained(out).num_labels
+    torch.manual_seed(42)
+    return AutoModelForSequenceClassification.from_config(config).state_dict()
+
+
 def test_tp_classify_matches_single(tmp_path):
     """classify (LlamaForSequenceClassification): body sharded over tp=2, score head replicated, full logits."""
     outs = {}
@@ -103,7 +117,7 @@ def test_tp_classify_matches_single(tmp_path):
     assert_close_series(ref, got, "loss", TOL, "classify tp2")
     assert_close_series(ref, got, "grad_norm", TOL, "classify tp2")
     assert ref_eval[-1]["eval_accuracy"] == got_eval[-1]["eval_accuracy"]
-    assert_export_matches(outs["single"], outs["tp2"], "classify tp2")
+    assert_export_matches(outs["single"], outs["tp2"], "classify tp2", initial=_classify_initial_weights(outs["single"]))
     proc = launch("ddp", 2, "classify", ["--tp_size", "2", "--sequence_parallel", "--output_dir", str(tmp_path / "o")],
                   check=False)
     assert proc.returncode != 0 and "hfpar: error: --sequence_parallel: needs a causal-LM recipe" in proc.stderr

@@ -1,7 +1,8 @@
-"""hfpar.parallel: tensor-parallel and expert-parallel layers, usable in any torch / Accelerate loop.
+"""hfpar.parallel: parallel layers usable in any torch / Accelerate loop, and the sharding record under them.
 
-    comm.py    autograd-aware collectives in conjugate pairs (explicit group, no-op at size 1)
-    tensor.py  ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
-    plans.py   per-architecture TP plans as data;  apply.py  apply_tensor_parallel & friends
-    router.py / moe.py  TopKRouter, GroupedExperts, MoELayer (expert-parallel all-to-all dispatch)
+    comm.py              autograd-aware collectives in conjugate pairs (explicit group, no-op at size 1)
+    groups.py            process groups from rank lists (the one place new_group is called)
+    sharding.py          ShardSpec per parameter; grad norm, replicated-grad sync, full state dict on top of it
+    tensor_parallel/     column / row / vocab-parallel layers, plans as data, apply_tensor_parallel
+    expert_parallel/     router, grouped experts, all-to-all MoE layer, apply_expert_parallel, upcycling
 """

@@ -17,9 +17,8 @@ Every function takes an explicit `group` (None = the default group), never modif
 works on any backend (gloo on CPU, NCCL on CUDA), and is an exact no-op (`out is x`) when the
 group has one rank or torch.distributed is not initialised. Split / gather dims must divide evenly.
 
-Usage (2 CPU processes):
+Usage (2 CPU processes; `torchrun --nproc_per_node 2 -m hfpar.parallel.comm` runs this example, checked):
 
-    # python -c "from tests.dist_utils import run_distributed; from hfpar.parallel.comm import _demo; run_distributed(_demo, 2)"
     x = torch.randn(4, 6, requires_grad=True)            # (B, H), same on every rank
     y = scatter_to_parallel_region(x)                    # (B, H/tp): this rank's columns
     z = gather_from_parallel_region(y * 2)               # (B, H)
@@ -34,6 +33,7 @@ rank sends for all-to-all. When disabled the cost is one attribute check per col
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import defaultdict
 from typing import Sequence
 
@@ -108,8 +108,8 @@ def group_rank(group=None) -> int:
 # names (same semantics); the GPU machine runs torch 2.11, which only has the old names.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# Flipped to True the first time a backend rejects reduce-scatter (old gloo builds had no
-# reduce_scatter_tensor on CPU; torch 2.13's gloo does). The rejection happens before any data is
+# Flipped to True (with one warning) the first time a backend rejects reduce-scatter (old gloo builds
+# had no reduce_scatter_tensor on CPU; torch 2.13's gloo does). The rejection happens before any data is
 # exchanged, so falling back to all-reduce + slice is safe (it moves ~2x the bytes).
 _reduce_scatter_unsupported = False
 
@@ -158,6 +158,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
             if "support" not in str(e).lower() and "implement" not in str(e).lower():
                 raise
             _reduce_scatter_unsupported = True
+            warnings.warn(f"hfpar: the {dist.get_backend(group)} backend rejected reduce_scatter ({e}); this "
+                          "process now uses all_reduce + slice instead for every reduce-scatter (same result, "
+                          "about 2x the bytes)", RuntimeWarning, stacklevel=2)
     full = all_reduce(x0, group)                              # fallback: (ws*n, ...) summed
     return full.narrow(0, group_rank(group) * n, n).movedim(0, dim).contiguous()
 
@@ -334,3 +337,11 @@ def _demo(rank: int, world_size: int) -> None:
     assert torch.allclose(z, 2 * x) and torch.equal(x.grad, torch.full_like(x, 2.0))
     if rank == 0:
         print("ok:", tuple(x.shape), "->", tuple(y.shape), "->", tuple(z.shape))
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node 2 -m hfpar.parallel.comm
+    dist.init_process_group("gloo")
+    try:
+        _demo(dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()

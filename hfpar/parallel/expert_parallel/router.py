@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import all_reduce, group_size
+from ..comm import all_reduce, group_size
 
 __all__ = ["TopKRouter", "AuxLossBackprop", "set_aux_loss_grad_scale", "moe_token_mask", "current_token_mask"]
 

@@ -1,13 +1,12 @@
-"""Expert parallelism for HF mixture-of-experts models, and dense -> MoE upcycling, in place.
+"""Expert parallelism for HF mixture-of-experts models, in place (upcycle.py: dense -> MoE).
 
-    # python -m pytest tests/test_ep_models.py -q
     ep_group, edp_group = expert_parallel_groups(ep_size=2)          # collective: every rank, same args
     model = AutoModelForCausalLM.from_pretrained(...)                # the SAME full weights on every rank
     apply_expert_parallel(model, ep_group, dp_group=None, edp_group=edp_group)   # None = default group
     with moe_token_mask(batch["attention_mask"]):                    # padding out of router statistics
         loss = model(**batch).loss
         loss.backward()                                              # (inside the `with` if checkpointing)
-    # reduce grads: expert_parameters(model) SUM over edp_group / dp; the others: mean over dp
+    # reduce grads: hfpar.parallel.sharding.reduce_dp_grads(expert_parameters(model)); the others: mean over dp
     model.save_pretrained(out, state_dict=gather_expert_state_dict(model))   # collective; a normal checkpoint
 
     dense = AutoModelForCausalLM.from_pretrained("a llama")          # llama / mistral / qwen3
@@ -17,7 +16,7 @@
 
 Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E experts, k per token):
 
-    mlp            MoELayer (hfpar.parallel.moe), same state-dict keys as the HF sparse block
+    mlp            MoELayer (hfpar.parallel.expert_parallel.moe), same state-dict keys as the HF sparse block
       gate         TopKRouter (E, H), replicated; statistics (aux / z / capacity) over dp_group
       experts      GroupedExperts holding experts [ep_rank * E/ep, (ep_rank+1) * E/ep): (E/ep, 2I, H), (E/ep, H, I)
       shared_expert / shared_expert_gate   the HF modules themselves, replicated (Qwen2-MoE)
@@ -29,9 +28,9 @@ routed scaling of DeepSeek-V2/V3, GLM-4-MoE; per-expert bias) is refused, not ap
 Gradient reduction (the trainer's job; nothing here reduces gradients):
     non_expert_parameters(model)  router, shared expert, attention, norms, embeddings: replicated over
                                   dp -> the usual data-parallel MEAN (sum over dp_group / dp).
-    expert_parameters(model)      this rank's experts (p._hfpar_ep): their grads already hold every
+    expert_parameters(model)      this rank's experts (ShardSpec kind "ep"): their grads already hold every
                                   token of the EP group; SUM over the expert-data-parallel group (ranks
-                                  with the same experts, size dp/ep; p._hfpar_ep["edp_group"]) and divide
+                                  with the same experts, size dp/ep; spec.dp_reduce_group) and divide
                                   by dp (NOT dp/ep). Exclude them from DDP's reduction and from its
                                   rank-0 broadcast at wrap time (ranks hold different experts).
     grad norm                     sum of squares: non-expert once + expert all-reduced over ep_group.
@@ -45,7 +44,6 @@ switched off here to avoid counting transformers' own aux loss twice.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -53,13 +51,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import all_gather, group_rank, group_size
+from ..comm import all_gather, group_rank, group_size
+from ..groups import expert_rank_lists, new_groups
+from ..sharding import full_state_dict, set_shard_spec, shard_spec
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask
 
 __all__ = ["MoEFamily", "UpcycleFamily", "MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel",
-           "gather_expert_state_dict", "upcycle_to_moe", "upcycled_hf_config", "save_upcycled_pretrained",
-           "expert_parallel_groups", "expert_parameters", "non_expert_parameters", "attach_moe_token_mask",
+           "gather_expert_state_dict", "expert_parallel_groups", "expert_parameters", "non_expert_parameters", "attach_moe_token_mask",
            "moe_token_mask"]
 
 
@@ -131,26 +130,19 @@ def _ranks(group) -> list[int] | None:
 
 
 def expert_parallel_groups(ep_size: int, dp_ranks: Sequence[Sequence[int]] | None = None):
-    """(ep_group, edp_group) of this rank. Collective: every rank calls it with the same arguments.
+    """(ep_group, edp_group) of this rank, for users' own code (hfpar's recipes get them from ParallelContext,
+    which uses the same layout). Collective: every rank calls it with the same arguments.
 
-    dp_ranks: the rank lists of ALL data-parallel groups (default: one group, the whole world; under
-    TP, `[range(t, world, tp) for t in range(tp)]`). Inside a dp group D (size dp), EP groups are runs
-    of ep_size consecutive entries D[i*ep:(i+1)*ep]; a rank's expert-data-parallel group is D[j::ep]
-    (the ranks holding the same experts, size dp/ep)."""
+    dp_ranks: the rank lists of ALL data-parallel groups (default: one group, the whole world). Inside a dp
+    group D (size dp), EP groups are runs of ep_size consecutive entries D[i*ep:(i+1)*ep]; a rank's
+    expert-data-parallel group is D[j::ep] (the ranks holding the same experts, size dp/ep)."""
     world = group_size(None)
     dp_ranks = [list(range(world))] if dp_ranks is None else [list(r) for r in dp_ranks]
     bad = [len(r) for r in dp_ranks if ep_size < 1 or len(r) % ep_size]
     if bad:
         raise ValueError(f"expert_parallel_groups: ep_size {ep_size} does not divide the data-parallel size {bad[0]}")
-    me, ep_group, edp_group = group_rank(None), None, None
-    for d in dp_ranks:
-        for i in range(0, len(d), ep_size):
-            g = dist.new_group(d[i:i + ep_size])
-            ep_group = g if me in d[i:i + ep_size] else ep_group
-        for j in range(ep_size):
-            g = dist.new_group(d[j::ep_size])
-            edp_group = g if me in d[j::ep_size] else edp_group
-    return ep_group, edp_group
+    ep_lists, edp_lists = expert_rank_lists(dp_ranks, ep_size)
+    return new_groups(ep_lists), new_groups(edp_lists)
 
 
 # ----------------------------------------------------------------------------- apply_expert_parallel
@@ -192,7 +184,7 @@ def _validate(blocks: list[_Block], ep: int, dp: int) -> list[str]:
     for b in blocks:
         where = f"{b.path}: "
         if b.fam is None:                                                # upcycled: shapes set by hfpar
-            if b.module.ep_size > 1:
+            if b.module.ep_size > 1 or b.module.parallelized:
                 problems.append(where + f"already expert-parallel (ep={b.module.ep_size})")
                 continue
         else:
@@ -285,10 +277,11 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     """Replace every sparse MoE block (MOE_FAMILIES, or MoELayers made by upcycle_to_moe) by an
     expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
 
-    ep_group / dp_group: None = the default group (no EP when torch.distributed is not initialised).
+    ep_group: a process group (None = the default group; no EP when torch.distributed is not initialised),
+    or a hfpar ParallelContext, whose ep / dp / expert-dp groups are then used.
     dp_group must contain ep_group; routers compute aux / z / capacity statistics over it.
-    edp_group: the ranks holding the same experts (expert_parallel_groups); only recorded, for the
-    trainer, in `model._hfpar_ep` and each expert param's `_hfpar_ep` dict (with "dp_size").
+    edp_group: the ranks holding the same experts (expert_parallel_groups); recorded in each expert
+    parameter's ShardSpec (dp_reduce_group, dp_size) for the data-parallel grad reduction.
     aux_loss_coef: None = the config's router_aux_loss_coef (upcycled: keep); z_loss_coef: None = keep
     (HF blocks: 0); capacity_factor: None = dropless. Every problem is collected and raised as one
     ValueError before any collective; then (check_replicated) one all-gather over dp_group checks that
@@ -296,11 +289,12 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     MoE forward (their statistics are all-reduced).
     """
     initialised = dist.is_available() and dist.is_initialized()
+    if hasattr(ep_group, "ep_group"):                                   # a ParallelContext
+        ctx = ep_group
+        ep_group, dp_group, edp_group = ctx.ep_group, ctx.dp_group, ctx.edp_group
     ep_group = ep_group if ep_group is not None else _default_group()
     dp_group = dp_group if dp_group is not None else _default_group()
     ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
-    if getattr(model, "_hfpar_ep", None) is not None:
-        raise ValueError("apply_expert_parallel: the model is already expert-parallel")
     blocks, problems = _find_blocks(model)
     problems += _validate(blocks, ep, dp)
     if not problems and initialised and ep > 1 and ep_group is not dp_group:
@@ -318,28 +312,32 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         layer = _convert(b, cfg, ep=ep, ep_rank=ep_rank, ep_group=ep_group if initialised else None,
                          dp_group=dp_group if initialised else None, aux_loss_coef=aux_loss_coef,
                          z_loss_coef=z_loss_coef, capacity_factor=capacity_factor)
+        layer.parallelized = True
         for p in layer.experts.parameters():
-            if getattr(p, "_hfpar_ep", None) is not None:
-                p._hfpar_ep.update(edp_group=edp_group, dp_size=dp)
+            if shard_spec(p) is not None:                               # ep > 1: sharded over the EP group
+                set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)
         parent, _, name = b.path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, layer)
     if cfg is not None and getattr(cfg, "output_router_logits", False):
         cfg.output_router_logits = False                                 # hfpar injects the aux loss itself
-    model._hfpar_ep = {"group": ep_group, "size": ep, "dp_group": dp_group, "dp_size": dp,
-                       "edp_group": edp_group, "num_moe_layers": len(blocks)}
     return model
 
 
 # ----------------------------------------------------------------------------- parameters, masks
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """Expert-parallel parameters (this rank's experts; empty when ep == 1). Reduce their grads as
-    SUM over the expert-data-parallel group (p._hfpar_ep["edp_group"], size dp/ep) / dp."""
-    return (p for p in model.parameters() if getattr(p, "_hfpar_ep", None) is not None)
+    SUM over the expert-data-parallel group (their ShardSpec's dp_reduce_group, size dp/ep) / dp."""
+    return (p for p in model.parameters() if _is_expert(p))
 
 
 def non_expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """Everything else, replicated over the data-parallel group: the usual dp mean."""
-    return (p for p in model.parameters() if getattr(p, "_hfpar_ep", None) is None)
+    return (p for p in model.parameters() if not _is_expert(p))
+
+
+def _is_expert(p: torch.Tensor) -> bool:
+    spec = shard_spec(p)
+    return spec is not None and spec.kind == "ep"
 
 
 class _MaskHandle:
@@ -383,106 +381,4 @@ def gather_expert_state_dict(model: nn.Module,
     state_dict: a full dict the backend already gathered (FSDP / ZeRO-3 full state dict, in which the
     expert entries are still this rank's (E/ep, ...) slice); default: the model's own (TP shards
     gathered with gather_full_state_dict when tensor parallelism was applied)."""
-    if state_dict is None:
-        if any(getattr(p, "_hfpar_tp", None) is not None for p in model.parameters()):
-            from .apply import gather_full_state_dict
-            state_dict = gather_full_state_dict(model)
-        else:
-            state_dict = {k: v.detach() for k, v in model.state_dict().items()}
-    out = dict(state_dict)
-    for path, m in model.named_modules():
-        if isinstance(m, MoELayer) and m.ep_size > 1:
-            for name in ("gate_up_proj", "down_proj"):
-                key = f"{path}.experts.{name}" if path else f"experts.{name}"
-                out[key] = all_gather(out[key].detach(), dim=0, group=m.ep_group)   # (E, ...)
-    return out
-
-
-# ----------------------------------------------------------------------------- upcycling
-@torch.no_grad()
-def upcycle_to_moe(model: nn.Module, num_experts: int, top_k: int = 2, *, aux_loss_coef: float = 0.01,
-                   z_loss_coef: float = 0.0, router_init_std: float = 0.02, seed: int = 0,
-                   dp_group=None) -> nn.Module:
-    """Turn every dense SwiGLU MLP (UPCYCLE_FAMILIES) into a MoELayer of `num_experts` copies of it with a
-    new router (normal(0, router_init_std), drawn from `seed` alone, so identical on every rank). The
-    top-k weights are renormalized to sum to 1, so at init the model computes the dense function.
-    dp_group: the routers' statistics group (None: this process; apply_expert_parallel sets it).
-    Returns `model`, changed in place; `model.config` stays the dense config (see upcycled_hf_config)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    fam = UPCYCLE_FAMILIES.get(model_type)
-    if fam is None:
-        raise ValueError(f"upcycle_to_moe: model_type {model_type!r} is not supported (supported: "
-                         f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
-    mlps = [(p, m) for p, m in model.named_modules() if type(m).__name__ == fam.mlp_class]
-    problems = []
-    if not mlps:
-        problems.append(f"no {fam.mlp_class} module found in this {model_type} model")
-    if not 1 <= top_k <= num_experts:
-        problems.append(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
-    for path, m in mlps:
-        if any(getattr(m, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-            problems.append(f"{path}: projections with bias are not supported (mlp_bias=True)")
-    if problems:
-        raise ValueError("upcycle_to_moe: " + "; ".join(problems))
-    gen = torch.Generator().manual_seed(seed)
-    act = model.config.hidden_act
-    for path, m in mlps:
-        w_gate, w_up, w_down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight   # (I, H), (I, H), (H, I)
-        I, H = w_gate.shape
-        w = torch.randn(num_experts, H, generator=gen, dtype=torch.float32) * router_init_std   # (E, H)
-        router = _new_router(w.to(device=w_gate.device, dtype=w_gate.dtype), num_experts, top_k,
-                             norm_topk_prob=True, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                             group=dp_group)
-        with torch.device("meta"):
-            experts = GroupedExperts(num_experts, H, I, act)
-        gate_up = torch.cat([w_gate, w_up], dim=0)                                      # (2I, H)
-        experts.gate_up_proj = nn.Parameter(gate_up[None].repeat(num_experts, 1, 1))    # (E, 2I, H)
-        experts.down_proj = nn.Parameter(w_down.detach()[None].repeat(num_experts, 1, 1))  # (E, H, I)
-        parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, name, MoELayer(router, experts))
-    model._hfpar_upcycled = {"source_model_type": model_type, "num_experts": num_experts, "top_k": top_k}
-    return model
-
-
-def upcycled_hf_config(model: nn.Module):
-    """The HF MoE config (MixtralConfig for llama / mistral, Qwen3MoeConfig for qwen3) an upcycled model
-    is exported as: the dense config's shared fields + num experts, top_k, router_aux_loss_coef."""
-    from transformers import AutoConfig
-    info = getattr(model, "_hfpar_upcycled", None)
-    if info is None:
-        raise ValueError("upcycled_hf_config: the model was not converted by upcycle_to_moe")
-    src, fam = model.config, UPCYCLE_FAMILIES[info["source_model_type"]]
-    problems = [f"{n}=True" for n in fam.not_exportable if getattr(src, n, False)]
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    n_layers = getattr(src, "num_hidden_layers", len(layers))
-    if len(layers) != n_layers:
-        problems.append(f"{len(layers)} MoE layers for {n_layers} decoder layers")
-    if problems:
-        raise ValueError(f"upcycled_hf_config: {fam.export_model_type} cannot represent this {src.model_type} model: "
-                         + ", ".join(problems))
-    router = layers[0].gate
-    target = type(AutoConfig.for_model(fam.export_model_type))
-    names = {f.name for f in dataclasses.fields(target)} - {"architectures", "transformers_version", "model_type"}
-    kw = {k: v for k, v in src.to_dict().items() if k in names}
-    kw.update({fam.export_num_experts: router.num_experts, "num_experts_per_tok": router.top_k,
-               "router_aux_loss_coef": router.aux_loss_coef, "output_router_logits": False})
-    kw.update({n: layers[0].experts.intermediate_size for n in fam.export_intermediate})
-    kw.update(fam.export_constants)
-    return AutoConfig.for_model(fam.export_model_type, **kw)
-
-
-def save_upcycled_pretrained(model: nn.Module, save_directory: str, state_dict: dict | None = None,
-                             is_main_process: bool | None = None, **kwargs) -> None:
-    """Write an upcycled model as a standard HF MoE checkpoint (upcycled_hf_config); its state-dict keys
-    already are the MoE architecture's (mlp.gate.weight, mlp.experts.gate_up_proj / down_proj).
-    Collective when `state_dict` is None (gather_expert_state_dict); rank 0 writes by default."""
-    from transformers import AutoModelForCausalLM
-    cfg = upcycled_hf_config(model)
-    sd = gather_expert_state_dict(model) if state_dict is None else state_dict
-    if is_main_process is None:
-        is_main_process = group_rank(None) == 0
-    if not is_main_process:
-        return
-    with torch.device("meta"):                                           # a shell that only writes config + sd
-        shell = AutoModelForCausalLM.from_config(cfg)
-    shell.save_pretrained(save_directory, state_dict=sd, **kwargs)
+    return full_state_dict(model, base=state_dict)

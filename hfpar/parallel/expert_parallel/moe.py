@@ -21,7 +21,7 @@ Forward of MoELayer, N = B*T tokens, k copies each:
 Only routed token copies travel; ep size 1 means no communication at all.
 
 Gradients of expert parameters: an EP rank's expert grads already sum the contributions of the
-tokens of every rank of its EP group. Expert params carry `p._hfpar_ep` (group, size, ...) so the
+tokens of every rank of its EP group. Expert params carry a ShardSpec (kind "ep", dim 0, the EP group; hfpar.parallel.sharding) so the
 data-parallel backend can reduce them over the expert-data-parallel group (the dp ranks holding the
 same experts, size dp/ep) instead of the whole dp group: with the trainer's dp-mean convention,
 grad = sum over that group / dp.
@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import all_gather, all_to_all_single_autograd, group_rank, group_size
+from ..comm import all_gather, all_to_all_single_autograd, group_rank, group_size
+from ..sharding import ShardSpec, set_shard_spec
 from .router import AuxLossBackprop, TopKRouter, current_token_mask, moe_token_mask, set_aux_loss_grad_scale
 
 __all__ = ["TopKRouter", "GroupedExperts", "MoELayer", "AuxLossBackprop", "set_aux_loss_grad_scale",
@@ -175,11 +176,12 @@ class MoELayer(nn.Module):
                              f"{self.num_local_experts} (this rank's, num_experts={E} / ep={ep})")
         if ep > 1:
             for p in experts.parameters():
-                p._hfpar_ep = {"group": ep_group, "size": ep, "rank": self.ep_rank, "dim": 0,
-                               "num_experts": E, "start": self.local_expert_start}
+                set_shard_spec(p, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
+                                            extra={"num_experts": E, "start": self.local_expert_start}))
         self.gate, self.experts = router, experts            # HF names: mlp.gate, mlp.experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.capacity_factor = capacity_factor
+        self.parallelized = False                            # set by apply_expert_parallel (applied once)
         self.last_dropped = torch.zeros((), dtype=torch.long)  # token copies dropped by capacity, this rank
         # Routing volume counters (python ints, accumulated by every EP forward; whoever reads them resets
         # them, e.g. the trainer once per step under --log_comm_bytes): token copies this rank sends to

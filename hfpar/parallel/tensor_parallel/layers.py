@@ -1,22 +1,21 @@
-"""Tensor-parallel layers (Megatron style) and a vocab-parallel cross-entropy.
+"""Tensor-parallel layers (Megatron style): column-, row- and vocab-parallel (loss.py: the matching cross-entropy).
 
     ColumnParallelLinear   W (out/tp, in)  shards the output features; bias sharded with them
     RowParallelLinear      W (out, in/tp)  shards the input features; output all-reduced (or
                            reduce-scattered along the sequence), bias added once after that
     VocabParallelEmbedding W (V/tp, H)     each rank looks up its vocab rows, then sum over ranks
-    vocab_parallel_cross_entropy           loss from (..., V/tp) logit shards, never the full vocab
 
 A Column -> Row pair (q/k/v -> o, gate/up -> down) needs one all-reduce forward and one backward.
 With sequence_parallel=True activations between TP regions are sharded along the sequence,
 (B, T/tp, H): Column all-gathers T in, Row reduce-scatters T out, the embedding reduce-scatters.
 
 Parameters are plain nn.Parameters (DDP / FSDP2 / DeepSpeed wrap them as usual). Sharded ones
-carry `param._hfpar_tp = {"dim": 0 | 1, "group": group, "size": tp, "packed_splits": ...}` so
-grad-norm clipping can sum their squares over the TP group; params without it are replicated.
+carry a ShardSpec (hfpar.parallel.sharding: kind "tp", group, dim 0 | 1, size, packed_splits), from
+which the grad norm, the replicated-grad sync and the gathered state dict are computed.
 
 Build from an existing layer (same seed => same math as the single-process model):
 
-    # python -c "from tests.dist_utils import run_distributed; from hfpar.parallel.tensor import _demo; run_distributed(_demo, 2)"
+    # torchrun --nproc_per_node 2 -m hfpar.parallel.tensor_parallel.layers     (runs this example, checked)
     torch.manual_seed(0)
     up, down = nn.Linear(16, 64), nn.Linear(64, 16)               # the same on every rank
     col = ColumnParallelLinear.from_linear(up, group)             # W (64/tp, 16)
@@ -38,56 +37,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_gather, all_reduce, copy_to_parallel_region, gather_from_parallel_region,
+from ..comm import (copy_to_parallel_region, gather_from_parallel_region,
                    gather_from_sequence_parallel_region, group_rank, group_size,
                    reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
                    scatter_to_parallel_region)
+from ..sharding import ShardSpec, gather_shards, set_shard_spec, shard_tensor, unpack_parts
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "gather_shards", "shard_tensor", "tp_sharded_parameters",
-           "TPShardInfo"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards", "shard_tensor",
+           "tp_sharded_parameters"]
 
 
 # ----------------------------------------------------------------------------- sharding helpers
 def _check_divisible(layer: str, what: str, n: int, tp: int) -> None:
     if n % tp:
         raise ValueError(f"{layer}: {what}={n} is not divisible by the tensor-parallel size {tp}")
-
-
-def _part_sizes(total: int, packed_splits: Sequence[int] | None) -> list[int]:
-    return [total] if packed_splits is None else [int(s) for s in packed_splits]
-
-
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, tp: int,
-                 packed_splits: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's shard along `dim`; with packed_splits, its slice of EACH part, concatenated.
-
-    E.g. fused qkv (q+k+v, H) with packed_splits=[q, k, v] -> (q/tp + k/tp + v/tp, H).
-    Returns a fresh tensor (does not keep `full` alive).
-    """
-    sizes = _part_sizes(full.shape[dim], packed_splits)
-    if full.is_meta:  # any op on meta tensors imports torch's meta kernels (~3 s): build it directly
-        shape = list(full.shape)
-        shape[dim] = sum(s // tp for s in sizes)
-        return torch.empty(shape, dtype=full.dtype, device="meta")
-    parts = full.split(sizes, dim)
-    return torch.cat([p.narrow(dim, rank * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts], dim)
-
-
-def _unpack(x: torch.Tensor, dim: int, tp: int, packed_splits: Sequence[int]) -> torch.Tensor:
-    """Rank-major [p0_r0 p1_r0 .. | p0_r1 p1_r1 ..] along dim -> part-major [p0 | p1 | ..]."""
-    local = [s // tp for s in packed_splits]
-    per_rank = [c.split(local, dim) for c in x.chunk(tp, dim)]
-    return torch.cat([per_rank[r][i] for i in range(len(local)) for r in range(tp)], dim)
-
-
-def gather_shards(shard: torch.Tensor, dim: int, group=None,
-                  packed_splits: Sequence[int] | None = None) -> torch.Tensor:
-    """Inverse of shard_tensor over `group` (a collective: every rank calls it, every rank gets
-    the full tensor). Not differentiable; use it for export and for checking weights / grads."""
-    tp = group_size(group)
-    full = shard.detach().clone() if tp == 1 else all_gather(shard.detach(), dim, group)
-    return full if packed_splits is None or tp == 1 else _unpack(full, dim, tp, packed_splits)
 
 
 def _is_meta(device) -> bool:
@@ -107,28 +70,13 @@ def _full_linear(in_features: int, out_features: int, bias: bool, device, dtype)
     return full.weight, full.bias
 
 
-class TPShardInfo(dict):
-    """The `param._hfpar_tp` tag: {"dim", "group", "size", "packed_splits"}.
-
-    Pickles without the process group (a ProcessGroup cannot be pickled; torch.save(param) would
-    fail), which then reads None. Note: Parameter deepcopy and FSDP2's fully_shard create new
-    Parameter objects WITHOUT the tag; tp_sharded_parameters() finds shards from the modules instead.
-    """
-
-    def __reduce__(self):
-        return (TPShardInfo, ({**self, "group": None},))
-
-
 def _mark(param: nn.Parameter, dim: int, group, tp: int, packed_splits=None) -> nn.Parameter:
-    param._hfpar_tp = TPShardInfo(dim=dim, group=group, size=tp,
-                                  packed_splits=None if packed_splits is None else list(packed_splits))
-    # Megatron's / DeepSpeed's tag for the same fact: ZeRO's grad norm then sums this shard over the TP group
-    param.tensor_model_parallel = tp > 1
-    return param
+    return set_shard_spec(param, ShardSpec(kind="tp", group=group, dim=dim, size=tp,
+                                           packed_splits=None if packed_splits is None else list(packed_splits)))
 
 
 def tp_sharded_parameters(model: nn.Module):
-    """Yield (qualified name, parameter, info) for every TP-sharded parameter of `model`.
+    """Yield (qualified name, parameter, ShardSpec) for every TP-sharded parameter of `model`.
 
     Found through the TP modules, so it also works after a wrapper (FSDP2) replaced the Parameter
     objects. Parameters not yielded are replicated across the TP group (row-parallel biases, norms).
@@ -143,8 +91,8 @@ def tp_sharded_parameters(model: nn.Module):
                 p = getattr(mod, n, None)
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    info = TPShardInfo(dim=dim, group=mod.group, size=mod.tp, packed_splits=packed)
-                    yield (f"{mod_name}.{n}" if mod_name else n), p, info
+                    spec = ShardSpec(kind="tp", group=mod.group, dim=dim, size=mod.tp, packed_splits=packed)
+                    yield (f"{mod_name}.{n}" if mod_name else n), p, spec
 
 
 def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -214,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output:
             y = gather_from_parallel_region(y, self.group)                              # (B, T, out)
             if self.packed_splits is not None and self.tp > 1:
-                y = _unpack(y, y.dim() - 1, self.tp, self.packed_splits)
+                y = unpack_parts(y, y.dim() - 1, self.tp, self.packed_splits)
         return y
 
     def full_weight(self) -> torch.Tensor:
@@ -383,93 +331,6 @@ class VocabParallelEmbedding(nn.Module):
                 f"rows=[{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}")
 
 
-# ----------------------------------------------------------------------------- cross-entropy
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Saves only the local softmax (N, V/tp) and reuses its memory for the gradient."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing, reduction):
-        tp, vl = group_size(group), logits.shape[-1]
-        start, vocab = group_rank(group) * vl, vl * tp
-        x = logits.reshape(-1, vl)                                                      # (N, V/tp)
-        t = target.reshape(-1)                                                          # (N,)
-        acc = torch.promote_types(logits.dtype, torch.float32)                          # fp32 (or fp64) math
-        m = x.max(dim=-1).values.to(acc)                                                # (N,) local max
-        if tp > 1:
-            m = all_reduce(m, group, op=dist.ReduceOp.MAX)                              # global max
-        z = x.to(acc, copy=True).sub_(m.unsqueeze(-1))                                  # (N, V/tp), one new tensor
-        valid = t != ignore_index
-        mine = valid & (t >= start) & (t < start + vl)                                  # target row is local
-        lt = (t - start).masked_fill(~mine, 0)
-        z_t = z.gather(1, lt.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)        # (N,) target logit or 0
-        sum_z = z.sum(-1) if label_smoothing > 0 else torch.zeros_like(z_t)             # (N,) for smoothing
-        z.exp_()
-        stats = torch.stack([z.sum(-1), z_t, sum_z])                                    # (3, N)
-        if tp > 1:
-            stats = all_reduce(stats, group)                                            # one sum over ranks
-        sum_exp, z_t, sum_z = stats.unbind(0)
-        lse = sum_exp.log()                                                             # log-sum-exp - m
-        loss = lse - z_t
-        if label_smoothing > 0:                                                         # -mean_v log p_v
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / vocab)
-        loss = loss.masked_fill(~valid, 0.0)
-        n_valid = valid.sum()
-        if reduction == "mean":
-            out = loss.sum() / n_valid
-        elif reduction == "sum":
-            out = loss.sum()
-        else:
-            out = loss.view(target.shape)
-        probs = z.div_(sum_exp.unsqueeze(-1))                                           # (N, V/tp) softmax shard
-        ctx.save_for_backward(probs, lt, mine, valid, n_valid)
-        ctx.meta = (label_smoothing, vocab, reduction, logits.dtype, logits.shape)
-        ctx.used = False
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.used:
-            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its saved softmax in place "
-                               "and can run only once (no retain_graph double backward)")
-        ctx.used = True
-        probs, lt, mine, valid, n_valid = ctx.saved_tensors
-        eps, vocab, reduction, dtype, shape = ctx.meta
-        grad = probs                                                                    # (N, V/tp), in place
-        if eps > 0:
-            grad.sub_(eps / vocab)
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, lt] -= (1.0 - eps) * mine.to(grad.dtype)                            # d/dz of -(1-eps) z_t
-        if reduction == "none":
-            scale = g.reshape(-1).to(grad.dtype) * valid
-        else:
-            scale = valid.to(grad.dtype) * (g.to(grad.dtype) / n_valid if reduction == "mean" else g.to(grad.dtype))
-        grad.mul_(scale.unsqueeze(-1))
-        return grad.to(dtype).view(shape), None, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, group=None,
-                                 ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over a vocab sharded like ColumnParallelLinear's output.
-
-    logits_shard: (..., V/tp), this rank's contiguous vocab slice [r*V/tp, (r+1)*V/tp), classes LAST.
-    target: (...,) full-vocab ids, the same on every rank. Equals
-    F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=..., label_smoothing=...,
-    reduction=...) ("none" keeps target's shape, 0 at ignored positions; "mean" divides by the
-    non-ignored count). Computed in fp32 (fp64 stays fp64); the loss is returned in that dtype and
-    is the same on every rank. Costs two all-reduces of O(N) numbers and keeps one (N, V/tp) tensor.
-    """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be mean|sum|none, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if logits_shard.shape[:-1] != target.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits_shard.shape)} (classes last) do not "
-                         f"match target {tuple(target.shape)}")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, float(label_smoothing),
-                                            reduction)
-
-
 def _demo(rank: int, world_size: int) -> None:
     """The module docstring's example, checked against the single-process layers."""
     group = dist.group.WORLD
@@ -485,3 +346,9 @@ def _demo(rank: int, world_size: int) -> None:
     assert torch.equal(qkv.to_linear().weight, fused.weight) and qkv.weight.shape[0] == 48 // world_size
     if rank == 0:
         print("ok:", tuple(x.shape), "->", tuple(col.weight.shape), tuple(row.weight.shape), "->", tuple(y.shape))
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    _demo(dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()

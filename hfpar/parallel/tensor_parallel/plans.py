@@ -1,6 +1,6 @@
 """Tensor-parallel plans as data: {model_type: {module-path pattern: style}}.
 
-    python -c "from hfpar.parallel.plans import get_plan; print(get_plan('llama'))"
+    python -c "from hfpar.parallel.tensor_parallel.plans import get_plan; print(get_plan('llama'))"
 
 A pattern matches a module's full path in the HF model (`model.layers.3.self_attn.q_proj`):
 `*` matches one path component (no dots); a pattern starting with `re:` is a full-match regex.

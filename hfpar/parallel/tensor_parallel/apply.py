@@ -1,6 +1,6 @@
 """Apply tensor parallelism (and sequence parallelism) to a loaded HF causal LM, in place.
 
-    # python -c "from tests.dist_utils import run_distributed; from hfpar.parallel.apply import _demo; run_distributed(_demo, 2)"
+    # torchrun --nproc_per_node 2 -m hfpar.parallel.tensor_parallel.apply     (runs this example, checked)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)          # the SAME full weights on every rank
     apply_tensor_parallel(model, tp_group, sequence_parallel=True)
@@ -8,7 +8,7 @@
     loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], group=tp_group)
     loss.backward()
     sync_sequence_parallel_grads(model)                    # replicated params that saw part of the data
-    clip_tp_grad_norm_(model.parameters(), 1.0, tp_group)  # counts every shard once
+    clip_tp_grad_norm_(model.parameters(), 1.0)            # counts every shard once (hfpar.parallel.sharding)
     model.save_pretrained(out, state_dict=gather_full_state_dict(model))   # collective; a normal checkpoint
 
 Layout of one decoder layer at tp ranks (per-architecture plans in plans.py):
@@ -41,15 +41,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
+from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
                    group_size, scatter_to_sequence_parallel_region)
-from .plans import compile_pattern, get_plan, packed_splits, validate_plan
-from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards
+from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
+                        sync_partial_grads)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy
+from .plans import get_plan, packed_splits, validate_plan
+from .validate import REGIONS as _REGIONS
+from .validate import match_plan, validate_degrees
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
 
-_REGIONS = ("attention", "mlp")
 
 
 class RegionColumnParallelLinear(ColumnParallelLinear):
@@ -84,109 +88,6 @@ class _LocalHeadsConfig:
 
     def __repr__(self) -> str:
         return f"_LocalHeadsConfig({self._overrides}, base={type(self._base).__name__})"
-
-
-# ----------------------------------------------------------------------------- validation
-class _Problems:
-    """Collects every problem (one line per issue and plan pattern, first module named), raises once."""
-
-    def __init__(self) -> None:
-        self.items: dict[tuple[str, str], list[str]] = {}
-
-    def add(self, where: str, what: str, pattern: str | None = None) -> None:
-        self.items.setdefault((pattern or where, what), []).append(where)
-
-    def raise_if_any(self, tp: int) -> None:
-        if not self.items:
-            return
-        lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
-                 for (pat, what), w in self.items.items()]
-        raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
-
-
-def _match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
-    """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
-    except those whose style is in `optional` (built-in plans: the LM head, absent from task heads such
-    as *ForSequenceClassification, whose small head then stays replicated and its logits full)."""
-    compiled = [(p, compile_pattern(p), s) for p, s in plan.items()]
-    hits = {p: 0 for p in plan}
-    out: dict[str, tuple[str, str]] = {}
-    for name, _ in model.named_modules():
-        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)]
-        if len(found) > 1:
-            raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
-        if found:
-            hits[found[0][0]] += 1
-            out[name] = (found[0][1], found[0][0])
-    missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
-    if missing:
-        raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
-                         f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
-                         f"unwrapped); pass plan= for other layouts")
-    return out
-
-
-def _validate(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
-              tied: bool) -> None:
-    """Every divisibility / type problem, before any collective."""
-    pr = _Problems()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if tp > world:
-        pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
-    assigned = {n: s for n, (s, _) in matched.items()}
-    for name, (style, pat) in matched.items():
-        mod, base = model.get_submodule(name), style.partition(":")[0]
-        add = partial(pr.add, name, pattern=pat)
-        if base in _REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
-            for sub, m in mod.named_modules(prefix=name):
-                if isinstance(m, (nn.Linear, nn.Embedding)) and sub not in matched:
-                    add(f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
-                        f"(its input gradient would be summed over the TP ranks)")
-        if base == "attention" and config is not None:
-            nh = getattr(config, "num_attention_heads")
-            nkv = getattr(config, "num_key_value_heads", None) or nh
-            for field, n in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):
-                if n % tp:
-                    add(f"{field} {n} is not divisible by tp_size {tp}")
-        elif base == "mlp":
-            n = getattr(mod, "intermediate_size", None) or getattr(config, "intermediate_size", None)
-            if n is not None and n % tp:
-                add(f"intermediate_size {n} is not divisible by tp_size {tp}")
-        elif base == "vocab_embedding":
-            if not isinstance(mod, nn.Embedding):
-                add(f"style {style!r} needs an nn.Embedding, found {type(mod).__name__}")
-            elif type(mod).forward is not nn.Embedding.forward and not hasattr(mod, "embed_scale"):
-                add(f"{type(mod).__name__} overrides nn.Embedding.forward; its extra computation would be lost")
-            elif mod.num_embeddings % tp:
-                add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
-        elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
-            if not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward:
-                add(f"style {style!r} needs a plain nn.Linear, found {type(mod).__name__}")
-                continue
-            if base == "rowwise":
-                if mod.in_features % tp:
-                    add(f"in_features {mod.in_features} is not divisible by tp_size {tp}")
-                continue
-            what = "vocab_size" if base == "colwise_lm_head" else "out_features"
-            if mod.out_features % tp:
-                add(f"{what} {mod.out_features} is not divisible by tp_size {tp}")
-            splits = packed_splits(style, config)
-            if splits is not None:
-                if sum(splits) != mod.out_features:
-                    add(f"packed splits {splits} ({style}) sum to {sum(splits)}, not out_features "
-                        f"{mod.out_features}")
-                elif any(s % tp for s in splits):
-                    add(f"packed splits {splits} ({style}) are not all divisible by tp_size {tp}")
-    styles = set(s.partition(":")[0] for s in assigned.values())
-    if sequence_parallel and "sequence_scatter" not in styles:
-        pr.add("plan", "sequence_parallel=True needs a 'sequence_scatter' entry (the first decoder layer)")
-    if tied:
-        emb = [n for n, s in assigned.items() if s == "vocab_embedding"]
-        head = [n for n, s in assigned.items() if s == "colwise_lm_head"]
-        if len(emb) != 1 or len(head) != 1:
-            pr.add("tie_word_embeddings", "tied input/output embeddings need exactly one 'vocab_embedding' and one "
-                                          f"'colwise_lm_head' entry in the plan (found {emb} and {head})")
-    pr.raise_if_any(tp)
 
 
 def _check_replicated(model: nn.Module, group) -> None:
@@ -243,7 +144,7 @@ def _guard_hook(module, args, kwargs, *, sequence_parallel: bool):
     if kwargs.get("labels") is not None:
         raise ValueError("tensor-parallel model: logits are vocab shards (B, T, V/tp), so the built-in HF loss "
                          "would be wrong; call the model without labels= and use "
-                         "hfpar.parallel.tensor.vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
+                         "hfpar.parallel.tensor_parallel.vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
     if sequence_parallel and kwargs.get("logits_to_keep", 0) not in (0, None):
         raise ValueError("sequence-parallel model: logits_to_keep must be 0 (each rank holds T/tp positions "
                          "before lm_head)")
@@ -258,22 +159,22 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel: bool = False,
                           plan: Mapping[str, str] | None = None, verify_weights: bool = True) -> nn.Module:
-    """Shard an HF causal LM over `tp_group` (None = the default group), in place; returns it.
+    """Shard an HF causal LM over `tp_group` (a process group, None = the default group, or a
+    hfpar ParallelContext: its tp group), in place; returns it.
 
     Every rank must hold the SAME full weights on entry (same checkpoint, or the same seed before
     from_config); each keeps only its shard. verify_weights checks that with two small all-reduces.
     All degrees are validated before the first collective. The model's logits become vocab shards
-    (B, T, V/tp) and `model._hfpar_tp` tells the trainer so (use vocab_parallel_cross_entropy).
+    (B, T, V/tp) (the LM head's weight has a "tp" ShardSpec; use vocab_parallel_cross_entropy).
     sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by
     tp; call `sync_sequence_parallel_grads(model)` after backward (before clipping).
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
+    tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
     tp = group_size(tp_group)
-    if getattr(model, "_hfpar_tp", None) is not None:
+    if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
     if tp == 1:   # nothing to shard; logits stay full
-        model._hfpar_tp = {"group": tp_group, "size": 1, "sequence_parallel": False, "vocab_parallel_logits": False,
-                           "needs_grad_sync": False}
         return model
     config = getattr(model, "config", None)
     optional: tuple[str, ...] = ()
@@ -283,7 +184,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         plan = get_plan(config.model_type)
         optional = ("colwise_lm_head",)
     validate_plan(plan)
-    matched = _match_plan(model, plan, optional)
+    matched = match_plan(model, plan, optional)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -293,13 +194,12 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
-    _validate(model, matched, config, tp, sequence_parallel, tied)
+    validate_degrees(model, matched, config, tp, sequence_parallel, tied)
     # ---- collectives from here on
     if verify_weights:
         _check_replicated(model, tp_group)
 
     regions = [n for n, s in assigned.items() if s in _REGIONS]
-    sp_marked = 0
     new_modules: dict[str, nn.Module] = {}
     for name, style in assigned.items():
         mod, base = model.get_submodule(name), style.partition(":")[0]
@@ -328,9 +228,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                 mod.register_forward_pre_hook(partial(_scatter_sequence_hook, group=tp_group, tp=tp, name=name),
                                               with_kwargs=True)
             elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
-                for p in mod.parameters():
-                    p._hfpar_sp = {"group": tp_group}
-                    sp_marked += 1
+                for p in mod.parameters():   # replicated; each rank's grad covers its tokens / heads only
+                    set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
             continue
         new.train(mod.training)
         new_modules[name] = new
@@ -340,8 +239,6 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
         head.weight = emb.weight
     model.register_forward_pre_hook(partial(_guard_hook, sequence_parallel=sequence_parallel), with_kwargs=True)
-    model._hfpar_tp = {"group": tp_group, "size": tp, "sequence_parallel": bool(sequence_parallel),
-                       "vocab_parallel_logits": lm_head, "needs_grad_sync": sp_marked > 0}
     return model
 
 
@@ -357,112 +254,41 @@ def _localize_heads(attn: nn.Module, config, tp: int) -> None:
         attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)
 
 
-# ----------------------------------------------------------------------------- gradients
-def _unique(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    seen: set[int] = set()
-    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-
-
+# ----------------------------------------------------------------------------- gradients, export
+# Thin names for users' own loops; the one implementation is hfpar.parallel.sharding (each parameter's
+# ShardSpec names its groups, so the `group` arguments below are accepted for compatibility and unused).
 def sync_sequence_parallel_grads(model: nn.Module) -> int:
-    """All-reduce (SUM) over the TP group the grads of params marked `_hfpar_sp`; returns how many.
-
-    Why: under sequence parallelism a replicated norm weight is applied on each rank to its own
-    T/tp tokens only, so each rank's grad holds the contribution of those tokens; the full grad is
-    the sum over the TP ranks. (Same for Qwen3 q/k norms, which each rank applies to its own heads,
-    with or without SP.) Call once per optimizer step after the last backward, before clipping.
-    A no-op (returns 0) when nothing is marked.
-    """
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    groups: dict[int, object] = {}
-    for p in _unique(model.parameters()):
-        meta = getattr(p, "_hfpar_sp", None)
-        if meta is None or p.grad is None:
-            continue
-        groups[id(meta["group"])] = meta["group"]
-        buckets.setdefault((id(meta["group"]), p.grad.dtype, p.grad.device), []).append(p.grad)
-    n = 0
-    for (gid, _, _), grads in buckets.items():
-        if group_size(groups[gid]) > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=groups[gid])
-            for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(f.view_as(g))
-        n += len(grads)
-    return n
+    """SUM over the TP group the grads of replicated params that saw part of the data (SP norms, q/k norms
+    applied to local heads). Once per optimizer step after the last backward, before clipping."""
+    return sync_partial_grads(model.parameters())
 
 
 def sequence_parallel_grad_hooks(model: nn.Module) -> int:
-    """The in-backward form of sync_sequence_parallel_grads, for backends that take grads inside backward
-    (DeepSpeed ZeRO reduces and partitions them there, so there is no "after backward" to sync in):
-    a tensor hook on each `_hfpar_sp` param all-reduces (SUM over its TP group) the incoming gradient
-    before it is accumulated. Every TP rank runs the same graph, so the hooks fire in the same order."""
-    n = 0
-    for p in _unique(model.parameters()):
-        meta = getattr(p, "_hfpar_sp", None)
-        if meta is None or group_size(meta["group"]) == 1:
-            continue
-
-        def hook(grad, group=meta["group"]):
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
-
-        p.register_hook(hook)
-        n += 1
-    return n
+    """In-backward form of sync_sequence_parallel_grads (for DeepSpeed ZeRO, which takes grads in backward)."""
+    return partial_grad_hooks(model.parameters())
 
 
-def tp_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, group=None) -> torch.Tensor:
-    """Global L2 norm of the grads: TP shards (params with `_hfpar_tp`) summed over `group` (the TP
-    group), replicated params counted once. Collective (every TP rank calls it). fp32 or wider."""
-    params = [p for p in _unique(parameters) if p.grad is not None]
-    dev = params[0].grad.device if params else torch.device("cpu")
-    acc = torch.promote_types(params[0].grad.dtype, torch.float32) if params else torch.float32
-
-    def sq(ps):   # sum of squares, ()
-        if not ps:
-            return torch.zeros((), dtype=acc, device=dev)
-        return torch.stack([torch.linalg.vector_norm(p.grad, dtype=acc).to(dev) for p in ps]).square().sum()
-
-    sharded = sq([p for p in params if getattr(p, "_hfpar_tp", None) is not None])
-    if group_size(group) > 1:
-        sharded = all_reduce(sharded, group)
-    return (sharded + sq([p for p in params if getattr(p, "_hfpar_tp", None) is None])).sqrt()
+def tp_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, group=None) -> torch.Tensor:  # noqa: ARG001
+    """Global L2 norm of the grads, every shard counted once (collective over the TP group)."""
+    return grad_norm(parameters)
 
 
-def clip_tp_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, group=None) -> torch.Tensor:
-    """Scale grads so their global norm (tp_grad_norm) is at most max_norm; returns the norm before."""
-    params = _unique(parameters)
-    total = tp_grad_norm(params, group)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+def clip_tp_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, group=None) -> torch.Tensor:  # noqa: ARG001
+    """Scale grads so their global norm is at most max_norm; returns the norm before."""
+    return clip_grads_(parameters, max_norm)
 
 
-# ----------------------------------------------------------------------------- export
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full tensors under the ORIGINAL HF names (collective: every TP rank calls it, every rank gets
-    the full dict). Packed projections come back in their original [q | k | v] / [gate | up] layout;
-    tied weights stay one tensor. `model.save_pretrained(d, state_dict=...)` on one rank then writes
-    a checkpoint any single process loads. Replicated entries share storage with the live params."""
-    out: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in done:
-            meta = getattr(t, "_hfpar_tp", None)
-            done[id(t)] = t.detach() if meta is None else gather_shards(t, meta["dim"], meta["group"],
-                                                                         meta["packed_splits"])
-        out[name] = done[id(t)]
-    return out
+    """Full tensors under the ORIGINAL HF names (collective; packed projections in their original order, tied
+    weights one tensor): `model.save_pretrained(d, state_dict=...)` on one rank writes a normal checkpoint."""
+    return full_state_dict(model)
 
 
 def _demo(rank: int, world_size: int) -> None:
     """The docstring's example on a tiny Llama, checked against the unsharded model."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .tensor import vocab_parallel_cross_entropy
+    from transformers import LlamaConfig, LlamaForCausalLM  # the demo only: the layer library needs no transformers
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=128)
     torch.manual_seed(0)
@@ -476,3 +302,9 @@ def _demo(rank: int, world_size: int) -> None:
     if rank == 0:
         print(f"ok: loss {loss.item():.6f} == {ref_loss.item():.6f}, rank {group_rank()} lm_head",
               tuple(model.lm_head.weight.shape))
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    _demo(dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()

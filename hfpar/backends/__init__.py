@@ -1,0 +1,79 @@
+"""Composition backends: how the model is wrapped, its grads reduced and clipped, its optimizer stepped and
+its per-rank state saved, for each (data-parallel strategy, model parallelism) pair.
+
+    backend_cls = select_backend("fsdp2", ("tp",))      # or raise ConfigError with the table's reason
+    backend = backend_cls(accelerator, ctx, "fsdp2", args)
+
+SUPPORT is the support matrix: a class where the pair works (tested by the parity suites), a one-line
+reason where it is refused. A new composition is one backend module plus its rows here.
+"""
+
+from __future__ import annotations
+
+from hfpar.config import ConfigError
+
+from .accelerate_dp import AccelerateBackend
+from .base import Backend, ModelParallelBackend
+from .mp_ddp import ModelParallelDDP
+from .mp_deepspeed import ModelParallelDeepSpeed
+from .mp_fsdp2 import ModelParallelFSDP2
+
+STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "fsdp1")
+PARALLELISMS = ("none", "tp", "ep", "tp+ep")
+
+_ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
+_ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
+             "or fsdp2.yaml")
+_FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
+_TP_EP = "EP together with TP is not supported yet"
+
+SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
+    **{(s, "none"): AccelerateBackend for s in STRATEGIES},
+    ("single", "tp"): ModelParallelDDP, ("ddp", "tp"): ModelParallelDDP, ("fsdp2", "tp"): ModelParallelFSDP2,
+    ("zero1", "tp"): ModelParallelDeepSpeed, ("zero2", "tp"): ModelParallelDeepSpeed,
+    ("zero3", "tp"): _ZERO3_TP, ("fsdp1", "tp"): _FSDP1,
+    ("single", "ep"): ModelParallelDDP, ("ddp", "ep"): ModelParallelDDP, ("fsdp2", "ep"): ModelParallelFSDP2,
+    ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
+    ("zero3", "ep"): _ZERO3_EP, ("fsdp1", "ep"): _FSDP1,
+    **{(s, "tp+ep"): _TP_EP for s in STRATEGIES},
+}
+
+_FLAG = {"tp": "--tp_size", "ep": "--ep_size"}
+_WHAT = {"tp": "tensor parallelism", "ep": "expert parallelism"}
+
+
+def parallelism_key(parallelisms: tuple[str, ...]) -> str:
+    return "+".join(parallelisms) or "none"
+
+
+def select_backend(strategy: str, parallelisms: tuple[str, ...], sizes: dict | None = None) -> type[Backend]:
+    """The backend class for the pair, or ConfigError with the table's one-line reason."""
+    key = parallelism_key(parallelisms)
+    entry = SUPPORT.get((strategy, key))
+    if isinstance(entry, type):
+        return entry
+    flags = " and ".join(f"{_FLAG[p]} {(sizes or {}).get(p, '')}".strip() for p in parallelisms)
+    ok = [s for s in STRATEGIES if isinstance(SUPPORT.get((s, key)), type)]
+    reason = entry or f"no backend for {strategy} with {key}"
+    if len(parallelisms) == 1:
+        ok_text = ", ".join(ok[:-1]) + f" and {ok[-1]}" if len(ok) > 1 else "".join(ok)
+        raise ConfigError(f"{flags} with {strategy}: {_WHAT[key]} composes with {ok_text} configs ({reason})")
+    raise ConfigError(f"{flags} with {strategy}: {reason}")
+
+
+def support_table_markdown() -> str:
+    """The support matrix as the README shows it (a test keeps the two equal)."""
+    cols = [s for s in STRATEGIES if s != "fsdp1"]
+    lines = ["| parallelism | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for key in PARALLELISMS:
+        cells = []
+        for s in cols:
+            entry = SUPPORT[(s, key)]
+            cells.append(f"yes ({entry.short})" if isinstance(entry, type) else "no")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
+           "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
+           "ModelParallelDeepSpeed"]

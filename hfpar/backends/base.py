@@ -1,0 +1,130 @@
+"""The interface every composition backend implements, and the model-parallel base they share.
+
+    backend = make_backend(accelerator, ctx, strategy, args)   # hfpar.backends: the support table picks the class
+    backend.prepare(model)                                     # wrap + optimizer (backend.model, backend.optimizer)
+    ... acc.backward(loss) ...; norm = backend.clip(max_norm); backend.step(lr); backend.zero_grad()
+    backend.save_rank_state(ckpt_dir) / backend.load_rank_state(ckpt_dir); backend.full_state_dict()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from hfpar import checkpoint as ckpt
+from hfpar.config import ConfigError
+from hfpar.optim import build_optimizer
+from hfpar.parallel.sharding import (clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads)
+
+
+class Backend:
+    """One composition of data parallelism with hfpar's model parallelism."""
+
+    name = "base"
+    steps_in_backward = False       # DeepSpeed: the optimizer steps inside the last micro-batch's backward
+
+    def __init__(self, accelerator, ctx, strategy: str, args):
+        self.acc, self.ctx, self.strategy, self.args = accelerator, ctx, strategy, args
+        self.model = self.optimizer = self.base_optimizer = None
+
+    @classmethod
+    def resume_needs_same_world(cls, strategy: str) -> bool:
+        """Its checkpoints resume on the world size that wrote them only."""
+        return False
+
+    @classmethod
+    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+        """Problems specific to this backend (before any model is loaded); one line each."""
+        return []
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def autocast(self):
+        return contextlib.nullcontext()  # Accelerate's prepare() already wraps forward in autocast
+
+    def clip(self, max_norm: float) -> float:
+        raise NotImplementedError
+
+    def step(self, lr: float) -> None:  # noqa: ARG002  (lr: for optimizers the scheduler does not drive)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def unwrapped(self) -> torch.nn.Module:
+        return self.model.module if hasattr(self.model, "module") else self.model
+
+    def save_rank_state(self, ckpt_dir: Path) -> None:
+        """State Accelerate's save_state does not hold (per-rank shards); collective-free."""
+
+    def load_rank_state(self, ckpt_dir: Path) -> None:
+        pass
+
+    def full_state_dict(self) -> dict | None:
+        """Collective: full tensors under HF names, or None to let Accelerate gather (get_state_dict)."""
+        return None
+
+    def extra_state_bytes(self) -> int:
+        """Optimizer-state bytes held outside self.optimizer (run_info.json)."""
+        return 0
+
+
+def hfpar_reduced(p: torch.Tensor) -> bool:
+    """Parameters whose data-parallel grad reduction hfpar does itself (experts: ranks hold different ones)."""
+    spec = shard_spec(p)
+    return spec is not None and (spec.dp_reduce_group is not None or spec.dp_size > 1)
+
+
+class ModelParallelBackend(Backend):
+    """Base of the backends where hfpar wraps the model (TP / EP over DDP or FSDP2): Accelerate's wrappers
+    would reduce over the whole world and average different shards together. Grads: the partial ones
+    summed over their group, experts reduced over the ranks holding them, then one global norm."""
+
+    @classmethod
+    def resume_needs_same_world(cls, strategy: str) -> bool:
+        return True  # per-rank shards
+
+    def autocast(self):
+        return self.acc.autocast()  # the model is not prepared by Accelerate
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        model.to(self.acc.device)
+        self.model = self.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
+        self.optimizer = self.base_optimizer = build_optimizer(self.model, self.args)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def clip(self, max_norm: float) -> float:
+        params = list(self.model.parameters())
+        sync_partial_grads(params)
+        reduce_dp_grads(params)
+        return float(clip_grads_(params, max_norm))
+
+    def full_state_dict(self) -> dict:
+        return full_state_dict(self.unwrapped())
+
+    def _rank_file(self, ckpt_dir: Path) -> Path:
+        """Per rank when ranks of a replica hold different shards (FSDP2, experts); else one file per TP rank,
+        written by dp rank 0 (the other dp ranks hold identical replicas)."""
+        if self.strategy == "fsdp2" or any(hfpar_reduced(p) for p in self.model.parameters()):
+            return ckpt.rank_state_file(ckpt_dir, self.ctx)
+        return ckpt.tp_state_file(ckpt_dir, self.ctx)
+
+    def save_rank_state(self, ckpt_dir: Path) -> None:
+        f = self._rank_file(ckpt_dir)
+        if f.name.startswith("rank") or self.ctx.dp_rank == 0:
+            torch.save({"model": ckpt.local_state(self.model.state_dict()),
+                        "optimizer": ckpt.local_state(self.optimizer.state_dict())}, f)
+
+    def load_rank_state(self, ckpt_dir: Path) -> None:
+        f = self._rank_file(ckpt_dir)
+        if not f.is_file():
+            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
+        state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        with torch.no_grad():
+            ckpt.load_local_state(self.model.state_dict(), state["model"])
+        ckpt.load_optimizer_state(self.optimizer, state["optimizer"])

@@ -1,0 +1,206 @@
+"""Model parallelism (TP, EP) over DeepSpeed ZeRO-1/2, through Accelerate's DeepSpeed path.
+
+    backend = ModelParallelDeepSpeed(accelerator, ctx, "zero2", args); backend.prepare(model)
+
+TP: DeepSpeed gets a "model parallel unit" (mpu, Megatron's interface) naming the dp and TP groups, so ZeRO
+partitions and reduces over dp only and its grad norm sums the TP shards (tagged tensor_model_parallel by
+their ShardSpec) over TP. Accelerate passes no mpu (only for its own Ulysses), so deepspeed.initialize is
+wrapped for the duration of prepare(). Partial grads (SP norms) are summed over TP by backward hooks:
+ZeRO takes grads inside backward.
+
+EP: DeepSpeed's own MoE support is tied to its `deepspeed.moe.layer.MoE` module (found by type, expert keys
+renamed in its checkpoints, expert grad norms averaged per EP rank, which is not the one-process norm).
+So ZeRO partitions the dense parameters only and hfpar keeps the experts (different on every EP rank):
+  - DeepSpeed broadcasts every module parameter from rank 0 at initialize: the experts are put back;
+  - their grads are reduced over the expert-data-parallel group and their squared norm joins DeepSpeed's
+    dense norm inside its step (a wrapper on the ZeRO optimizer's `scaled_global_norm`), so DeepSpeed
+    clips the dense grads, and hfpar the experts, by the one global norm;
+  - an AdamW of their own (fp32 master copies when DeepSpeed cast the model to bf16) at the scheduler's lr,
+    saved per rank in the checkpoint (DeepSpeed's holds rank 0's experts only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from hfpar import checkpoint as ckpt
+from hfpar.config import ConfigError
+from hfpar.distributed import swapped
+from hfpar.metrics import optimizer_state_bytes
+from hfpar.optim import build_optimizer
+from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
+                                     scale_grads_to_norm_)
+
+from .base import Backend, hfpar_reduced
+
+
+class DeepSpeedMPU:
+    """The mpu `deepspeed.initialize(mpu=...)` takes: ZeRO over the dp group, grad norm aware of TP shards."""
+
+    def __init__(self, tp_group, dp_group):
+        self.tp_group, self.dp_group = tp_group, dp_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.tp_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_process_group_ranks(self.tp_group)[0]
+
+
+@contextlib.contextmanager
+def deepspeed_with_mpu(mpu: DeepSpeedMPU | None):
+    """Pass `mpu` to the `deepspeed.initialize` that `accelerator.prepare` calls (looked up at call time)."""
+    if mpu is None:
+        yield
+        return
+    import deepspeed  # noqa: PLC0415  (an optional dependency, hfpar[deepspeed]; only ZeRO runs reach here)
+
+    original = deepspeed.initialize
+
+    def initialize(*args, **kwargs):
+        kwargs.setdefault("mpu", mpu)
+        return original(*args, **kwargs)
+
+    with swapped(deepspeed, "initialize", initialize):
+        yield
+
+
+class ModelParallelDeepSpeed(Backend):
+    name = "model-parallel over DeepSpeed ZeRO-1/2"
+    short = "hfpar + DeepSpeed"
+    steps_in_backward = True
+
+    @classmethod
+    def resume_needs_same_world(cls, strategy: str) -> bool:
+        return True
+
+    @classmethod
+    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+        p = []
+        if args.on_nonfinite == "skip":
+            p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "
+                     "cannot be skipped; use --on_nonfinite error (stops at the bad step)")
+        if ctx.ep > 1 and mixed_precision == "fp16":
+            p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
+                     "DeepSpeed's fp16 loss scale; use bf16 or fp32")
+        elif ctx.ep > 1 and strategy == "zero1" and mixed_precision == "bf16":
+            p.append(f"--ep_size {ctx.ep} with zero1 and bf16: DeepSpeed runs its BF16_Optimizer there, which has no "
+                     "global grad norm hfpar can join the experts to; use zero2.yaml (or fp32)")
+        return p
+
+    def prepare(self, model) -> None:
+        experts = [p for p in model.parameters() if hfpar_reduced(p)]
+        self.base_optimizer = build_optimizer(model, self.args, skip=frozenset(id(p) for p in experts))
+        partial_grad_hooks(model.parameters())  # a no-op without partial grads
+        saved = [p.detach().clone() for p in experts]
+        mpu = DeepSpeedMPU(self.ctx.tp_group, self.ctx.dp_group) if self.ctx.tp > 1 else None
+        with deepspeed_with_mpu(mpu):
+            self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
+        self.experts = experts
+        if experts:
+            self._setup_experts(saved)
+
+    def _setup_experts(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, s in zip(self.experts, saved):
+                p.copy_(s)
+        self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32))
+                        for p, s in zip(self.experts, saved)]
+        self.expert_optimizer = build_optimizer(self.masters, self.args)
+        zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2)
+        if not getattr(zopt, "compute_grad_norm", True) or not hasattr(zopt, "scaled_global_norm"):
+            raise ConfigError(f"--ep_size with {self.strategy}: DeepSpeed's {type(zopt).__name__} computes no "
+                              "global grad norm hfpar can join the experts to; use fp32 or bf16 with zero2")
+        dense_norm = zopt.scaled_global_norm
+
+        def norm_with_experts(*a, **kw):
+            dense = torch.as_tensor(dense_norm(*a, **kw), device=self.acc.device)
+            reduce_dp_grads(self.experts)
+            self._total_norm = (dense.double().square() + grad_sq_norm(self.experts, self.acc.device)).sqrt()
+            return self._total_norm.to(dense.dtype)
+
+        zopt.scaled_global_norm = norm_with_experts
+
+    def clip(self, max_norm: float) -> float:
+        """DeepSpeed has clipped and stepped (inside backward) with the global norm: clip the experts by it."""
+        if not self.experts:
+            return float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+        for p, m in zip(self.experts, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        scale_grads_to_norm_(self.masters, self._total_norm, max_norm)
+        return float(self._total_norm)
+
+    def step(self, lr: float) -> None:
+        self.optimizer.step()  # a no-op: DeepSpeed stepped in backward
+        if not self.experts:
+            return
+        for group in self.expert_optimizer.param_groups:  # the lr DeepSpeed's optimizer used for this step
+            group["lr"] = lr
+        self.expert_optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.experts, self.masters):
+                if m is not p:
+                    p.copy_(m)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in getattr(self, "experts", []):
+            p.grad = None
+        if self.experts:
+            self.expert_optimizer.zero_grad(set_to_none=True)
+
+    def extra_state_bytes(self) -> int:
+        if not self.experts:
+            return 0
+        return optimizer_state_bytes(self.expert_optimizer) + sum(
+            m.numel() * m.element_size() for p, m in zip(self.experts, self.masters) if m is not p)
+
+    def full_state_dict(self) -> dict | None:
+        if self.ctx.tp == 1 and not self.experts:
+            return None
+        return full_state_dict(self.unwrapped(), base=self.acc.get_state_dict(self.model))
+
+    def save_rank_state(self, ckpt_dir) -> None:
+        if self.experts:  # DeepSpeed's checkpoint holds rank 0's experts only
+            torch.save({"experts": [p.detach() for p in self.experts], "masters": [m.detach() for m in self.masters],
+                        "optimizer": self.expert_optimizer.state_dict()}, ckpt.rank_state_file(ckpt_dir, self.ctx))
+
+    def load_rank_state(self, ckpt_dir) -> None:
+        if not self.experts:
+            return
+        f = ckpt.rank_state_file(ckpt_dir, self.ctx)
+        if not f.is_file():
+            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --ep_size")
+        state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        with torch.no_grad():  # after DeepSpeed's load, which put rank 0's experts everywhere
+            for p, t in zip(self.experts, state["experts"]):
+                p.copy_(t)
+            for m, t in zip(self.masters, state["masters"]):
+                m.copy_(t)
+        self.expert_optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,196 @@
+"""ParallelContext: every parallel degree, validated once, and every process group, built once.
+
+    ctx = ParallelContext.plan(world=8, rank=r, tp=2, ep=2)    # validates; raises ContextError (all problems)
+    ctx.build_groups()                                         # collective: every rank, once
+    apply_tensor_parallel(model, ctx); apply_expert_parallel(model, ctx); backend = make_backend(..., ctx)
+
+Rank layout (tp innermost, so a TP group stays inside a node when tp <= GPUs per node):
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank        world = pp x dp x cp x tp
+
+EP ranks are drawn from the dp ranks: inside a dp group D, EP groups are runs of ep consecutive entries
+and the expert-data-parallel group (ranks holding the same experts) is D[j::ep]. cp and pp are carried
+(size 1 until context / pipeline parallelism land) so that the layout and the groups do not change then.
+Everything downstream receives this object; nothing reads degrees back from model attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from hfpar.parallel.groups import expert_rank_lists, new_groups
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+class ContextError(ValueError):
+    """Inconsistent parallel degrees; one line per problem."""
+
+
+@dataclass
+class ParallelContext:
+    world: int = 1
+    rank: int = 0
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    groups: dict = field(default_factory=dict, repr=False)     # name -> this rank's group (after build_groups)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def plan(cls, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
+             sequence_parallel: bool = False) -> "ParallelContext":
+        ctx = cls(world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
+        problems = ctx.problems()
+        if problems:
+            raise ContextError("\n".join(problems))
+        return ctx
+
+    @classmethod
+    def from_args(cls, args, world: int, rank: int = 0) -> "ParallelContext":
+        return cls.plan(world, rank, tp=args.tp_size, ep=args.ep_size, sequence_parallel=args.sequence_parallel)
+
+    def problems(self) -> list[str]:
+        """Every degree problem, one line each (no collective, no groups needed)."""
+        p = []
+        for name in ("tp", "ep", "cp", "pp"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name}_size {getattr(self, name)}: must be a positive integer")
+        if p:
+            return p
+        model = self.tp * self.cp * self.pp
+        if self.world % model:
+            what = f"--tp_size {self.tp}" + (f" x --cp_size {self.cp}" if self.cp > 1 else "") + (
+                f" x --pp_size {self.pp}" if self.pp > 1 else "")
+            p.append(f"{what}{f' = {model}' if model != self.tp else ''} does not divide the world size {self.world} "
+                     "(world = data-parallel size x model-parallel degrees; valid --tp_size: "
+                     + ", ".join(str(d) for d in range(1, self.world + 1) if self.world % d == 0) + ")")
+        elif self.dp % self.ep:
+            p.append(f"--ep_size {self.ep} does not divide the data-parallel size {self.dp} "
+                     f"(world {self.world} / tp {self.tp}{f' / cp {self.cp}' if self.cp > 1 else ''}"
+                     f"{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
+                     + ", ".join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0))
+        if self.sequence_parallel and self.tp == 1:
+            p.append("--sequence_parallel needs --tp_size > 1")
+        return p
+
+    # ------------------------------------------------------------------ degrees and coordinates
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // (self.tp * self.cp * self.pp))
+
+    def _coords(self) -> dict[str, int]:
+        r, out = self.rank, {}
+        for name, size in zip(reversed(AXES), (self.tp, self.cp, self.dp, self.pp)):
+            out[name] = r % size
+            r //= size
+        return out
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coords()["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coords()["dp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def model_parallel(self) -> bool:
+        """hfpar (not Accelerate) wraps and reduces: some parameter differs across the ranks of a dp replica."""
+        return self.tp > 1 or self.ep > 1 or self.cp > 1 or self.pp > 1
+
+    @property
+    def parallelisms(self) -> tuple[str, ...]:
+        """The model-parallel dimensions in use, e.g. ("tp",), ("ep",); () for plain data parallelism."""
+        return tuple(n for n in ("tp", "ep", "cp", "pp") if getattr(self, n) > 1)
+
+    @property
+    def data_replicas(self) -> int:
+        """Ranks that see the same rows and compute the same full per-token losses (TP ranks of a replica)."""
+        return self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return {"world_size": self.world, "dp_size": self.dp, "tp_size": self.tp, "ep_size": self.ep,
+                "cp_size": self.cp, "pp_size": self.pp}
+
+    # ------------------------------------------------------------------ groups
+    def rank_lists(self, axis: str) -> list[list[int]]:
+        """All groups along one axis of the (pp, dp, cp, tp) grid, each as its list of global ranks."""
+        grid = torch.arange(self.world).view(self.pp, self.dp, self.cp, self.tp)
+        dim = AXES.index(axis)
+        moved = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+        return [row.tolist() for row in moved]
+
+    def build_groups(self) -> "ParallelContext":
+        """Collective (every rank, same order): tp, dp, cp, pp, ep and expert-dp groups. A no-op without
+        torch.distributed (one process): every group is then None, which the layers read as size 1."""
+        if self.groups:
+            return self
+        for axis in ("tp", "dp", "cp", "pp"):
+            self.groups[axis] = new_groups(self.rank_lists(axis))
+        ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp"), self.ep)
+        self.groups["ep"] = new_groups(ep_lists)
+        self.groups["edp"] = new_groups(edp_lists)
+        return self
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tp")
+
+    @property
+    def dp_group(self):
+        return self.groups.get("dp")
+
+    @property
+    def ep_group(self):
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self):
+        return self.groups.get("edp")
+
+    @property
+    def cp_group(self):
+        return self.groups.get("cp")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
+
+    def dp_mesh(self, device_type: str):
+        """A 1-D DeviceMesh over this rank's dp group (FSDP2 over dp only, next to TP / EP)."""
+        return DeviceMesh.from_group(self.dp_group, device_type=device_type)
+
+
+def model_config_problems(ctx: ParallelContext, config) -> list[str]:
+    """Divisibility knowable from an HF config alone (no weights): heads and kv heads by tp, vocab and
+    intermediate size by tp, experts by ep. One line each, naming the field and the valid degrees."""
+    if config is None:
+        return []
+    cfg = getattr(config, "text_config", None) or config
+    p = []
+
+    def need(field_name: str, value, degree: int, opt: str) -> None:
+        if isinstance(value, int) and degree > 1 and value % degree:
+            valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+            p.append(f"{opt} {degree}: {cfg.model_type}'s {field_name} {value} is not divisible by it "
+                     f"(valid {opt}: {', '.join(map(str, valid[:12]))})")
+
+    heads = getattr(cfg, "num_attention_heads", None)
+    need("num_attention_heads", heads, ctx.tp, "--tp_size")
+    need("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads, ctx.tp, "--tp_size")
+    need("intermediate_size", getattr(cfg, "intermediate_size", None), ctx.tp, "--tp_size")
+    need("vocab_size", getattr(cfg, "vocab_size", None), ctx.tp, "--tp_size")
+    experts = next((getattr(cfg, f) for f in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(getattr(cfg, f, None), int)), None)
+    need("number of experts", experts, ctx.ep, "--ep_size")
+    return p

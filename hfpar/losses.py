@@ -1,0 +1,66 @@
+"""Per-batch loss SUMS and target counts, so the trainer can normalize by the real tokens of the global batch.
+
+    loss_fn = make_loss_fn("lm", model)          # vocab-parallel when the model's LM head is TP-sharded
+    loss_sum, n_targets = loss_fn(logits, labels)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
+
+IGNORE = -100
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Losses are computed in at least fp32 (bf16 logits lose too much in log-softmax)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over real targets. logits (B, T, V), labels (B, T) unshifted."""
+    logits = _upcast(logits[:, :-1, :])  # (B, T-1, V)
+    target = labels[:, 1:]  # (B, T-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
+def tp_lm_loss_sum(logits_shard: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """As lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp): the full vocab is never gathered."""
+    target = labels[:, 1:]
+    loss = vocab_parallel_cross_entropy(logits_shard[:, :-1, :], target, group=group, ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()
+
+
+def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, C), labels (B,) with IGNORE for padding slots."""
+    loss = F.cross_entropy(_upcast(logits), labels, ignore_index=IGNORE, reduction="sum")
+    return loss, (labels != IGNORE).sum()
+
+
+def make_loss_fn(task: str, model: torch.nn.Module):
+    """The loss for the task; for a causal LM whose output embedding is vocab-sharded (its ShardSpec), the
+    vocab-parallel one over that shard's group."""
+    if task != "lm":
+        return classify_loss_sum
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    spec = shard_spec(head.weight) if head is not None else None
+    if spec is not None and spec.kind == "tp" and spec.sharded:
+        return partial(tp_lm_loss_sum, group=spec.group)
+    return lm_loss_sum
+
+
+def count_targets(batch: dict, task: str) -> int:
+    labels = batch["labels"]
+    return int((labels[:, 1:] != IGNORE).sum()) if task == "lm" else int((labels != IGNORE).sum())
+
+
+def count_input_tokens(batch: dict) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())

@@ -1,0 +1,18 @@
+"""Mixture-of-experts and expert parallelism: router, grouped experts, all-to-all MoE layer, apply, upcycle.
+
+    router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), moe_token_mask
+    moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
+    apply.py     apply_expert_parallel on HF MoE families (architectures as data)
+    upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
+"""
+
+from .apply import (MOE_FAMILIES, UPCYCLE_FAMILIES, apply_expert_parallel, attach_moe_token_mask,
+                    expert_parallel_groups, expert_parameters, gather_expert_state_dict, non_expert_parameters)
+from .moe import GroupedExperts, MoELayer
+from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale
+from .upcycle import is_upcycled, save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config
+
+__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel", "attach_moe_token_mask",
+           "expert_parallel_groups", "expert_parameters", "gather_expert_state_dict", "non_expert_parameters",
+           "GroupedExperts", "MoELayer", "TopKRouter", "moe_token_mask", "set_aux_loss_grad_scale", "is_upcycled",
+           "save_upcycled_pretrained", "upcycle_to_moe", "upcycled_hf_config"]

@@ -1,0 +1,120 @@
+"""Validation of a TP plan against a model, before any collective: every problem collected, raised once.
+
+    matched = match_plan(model, get_plan("llama"))         # {module name: (style, pattern)}
+    validate_degrees(model, matched, model.config, tp=2, sequence_parallel=False, tied=False)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Mapping
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plans import compile_pattern, packed_splits
+
+REGIONS = ("attention", "mlp")
+
+
+# ----------------------------------------------------------------------------- validation
+class _Problems:
+    """Collects every problem (one line per issue and plan pattern, first module named), raises once."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str], list[str]] = {}
+
+    def add(self, where: str, what: str, pattern: str | None = None) -> None:
+        self.items.setdefault((pattern or where, what), []).append(where)
+
+    def raise_if_any(self, tp: int) -> None:
+        if not self.items:
+            return
+        lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
+                 for (pat, what), w in self.items.items()]
+        raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
+    """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
+    except those whose style is in `optional` (built-in plans: the LM head, absent from task heads such
+    as *ForSequenceClassification, whose small head then stays replicated and its logits full)."""
+    compiled = [(p, compile_pattern(p), s) for p, s in plan.items()]
+    hits = {p: 0 for p in plan}
+    out: dict[str, tuple[str, str]] = {}
+    for name, _ in model.named_modules():
+        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)]
+        if len(found) > 1:
+            raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
+        if found:
+            hits[found[0][0]] += 1
+            out[name] = (found[0][1], found[0][0])
+    missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
+    if missing:
+        raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
+                         f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
+                         f"unwrapped); pass plan= for other layouts")
+    return out
+
+
+def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
+              tied: bool) -> None:
+    """Every divisibility / type problem, before any collective."""
+    pr = _Problems()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp > world:
+        pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
+    assigned = {n: s for n, (s, _) in matched.items()}
+    for name, (style, pat) in matched.items():
+        mod, base = model.get_submodule(name), style.partition(":")[0]
+        add = partial(pr.add, name, pattern=pat)
+        if base in REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
+            for sub, m in mod.named_modules(prefix=name):
+                if isinstance(m, (nn.Linear, nn.Embedding)) and sub not in matched:
+                    add(f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
+                        f"(its input gradient would be summed over the TP ranks)")
+        if base == "attention" and config is not None:
+            nh = getattr(config, "num_attention_heads")
+            nkv = getattr(config, "num_key_value_heads", None) or nh
+            for field, n in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):
+                if n % tp:
+                    add(f"{field} {n} is not divisible by tp_size {tp}")
+        elif base == "mlp":
+            n = getattr(mod, "intermediate_size", None) or getattr(config, "intermediate_size", None)
+            if n is not None and n % tp:
+                add(f"intermediate_size {n} is not divisible by tp_size {tp}")
+        elif base == "vocab_embedding":
+            if not isinstance(mod, nn.Embedding):
+                add(f"style {style!r} needs an nn.Embedding, found {type(mod).__name__}")
+            elif type(mod).forward is not nn.Embedding.forward and not hasattr(mod, "embed_scale"):
+                add(f"{type(mod).__name__} overrides nn.Embedding.forward; its extra computation would be lost")
+            elif mod.num_embeddings % tp:
+                add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
+        elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
+            if not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward:
+                add(f"style {style!r} needs a plain nn.Linear, found {type(mod).__name__}")
+                continue
+            if base == "rowwise":
+                if mod.in_features % tp:
+                    add(f"in_features {mod.in_features} is not divisible by tp_size {tp}")
+                continue
+            what = "vocab_size" if base == "colwise_lm_head" else "out_features"
+            if mod.out_features % tp:
+                add(f"{what} {mod.out_features} is not divisible by tp_size {tp}")
+            splits = packed_splits(style, config)
+            if splits is not None:
+                if sum(splits) != mod.out_features:
+                    add(f"packed splits {splits} ({style}) sum to {sum(splits)}, not out_features "
+                        f"{mod.out_features}")
+                elif any(s % tp for s in splits):
+                    add(f"packed splits {splits} ({style}) are not all divisible by tp_size {tp}")
+    styles = set(s.partition(":")[0] for s in assigned.values())
+    if sequence_parallel and "sequence_scatter" not in styles:
+        pr.add("plan", "sequence_parallel=True needs a 'sequence_scatter' entry (the first decoder layer)")
+    if tied:
+        emb = [n for n, s in assigned.items() if s == "vocab_embedding"]
+        head = [n for n, s in assigned.items() if s == "colwise_lm_head"]
+        if len(emb) != 1 or len(head) != 1:
+            pr.add("tie_word_embeddings", "tied input/output embeddings need exactly one 'vocab_embedding' and one "
+                                          f"'colwise_lm_head' entry in the plan (found {emb} and {head})")
+    pr.raise_if_any(tp)

@@ -1,0 +1,75 @@
+"""Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
+
+    model, info = parallelize(model, args, ctx, task, strategy)
+        LoRA (PEFT adapters)  ->  tensor parallel  ->  MoE: upcycle + expert parallel  ->  activation checkpointing
+    backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
+
+Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
+(one line per problem) for what only the loaded model reveals.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from hfpar.lora import apply_lora, trainable_summary
+from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
+                                            upcycle_to_moe)
+from hfpar.parallel.expert_parallel.moe import MoELayer
+from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def fsdp2_wrap_classes(model) -> None:
+    """Accelerate's FSDP2 makes one unit per class in model._no_split_modules and then another for the input
+    embedding; when such a class contains the embedding (BERT's BertEmbeddings) the second `fully_shard` fails
+    on an already sharded weight ("value was None when it should not be"). Drop those classes: the embedding
+    still gets a unit of its own."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    names = getattr(model, "_no_split_modules", None)
+    if emb is None or not names:
+        return
+    holders = {type(m).__name__ for m in model.modules() if m is not emb and any(c is emb for c in m.modules())}
+    if holders & set(names):
+        model._no_split_modules = [n for n in names if n not in holders]
+
+
+def is_moe(model) -> bool:
+    return any(isinstance(m, MoELayer) or type(m).__name__.endswith("SparseMoeBlock") for m in model.modules())
+
+
+def apply_moe(model, args, ctx) -> None:
+    """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over ctx's EP groups. Any MoE model gets
+    router statistics over all data-parallel ranks, so EP and DP do not change the aux loss; padding takes no
+    part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization."""
+    if args.upcycle_experts:
+        upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
+                       z_loss_coef=args.moe_z_loss_coef, seed=args.seed)
+    if not is_moe(model):
+        if ctx.ep > 1:
+            raise ValueError(f"--ep_size {ctx.ep}: {type(model).__name__} has no MoE layers; "
+                             "pass --upcycle_experts N to turn its MLPs into experts first")
+        return
+    # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs
+    apply_expert_parallel(model, ctx) if dist.is_initialized() else apply_expert_parallel(model)
+    # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
+    # every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
+    set_aux_loss_grad_scale(ctx.dp / args.gradient_accumulation_steps)
+    attach_moe_token_mask(model)
+
+
+def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
+    """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras)."""
+    info = {}
+    if strategy == "fsdp2":
+        fsdp2_wrap_classes(model)
+    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight) and the data-parallel wrap
+        model = apply_lora(model, args, task)
+        info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
+    if ctx.tp > 1:
+        apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
+    if task == "lm":
+        apply_moe(model, args, ctx)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model, info

@@ -1,0 +1,138 @@
+"""One preflight before any model is loaded: every problem collected, printed once, exit 2.
+
+    ctx, backend_cls = preflight(args, accelerator, task="lm")     # raises ConfigError (one line per problem)
+
+What it checks, reading only options, the accelerate config in effect, the model's config.json and the
+resumed checkpoint's trainer_state.json (never a weight):
+  - parallel degrees (ParallelContext: world = dp x tp, ep divides dp, ...);
+  - the support matrix (hfpar.backends.SUPPORT) and the chosen backend's own constraints;
+  - features that do not combine (LoRA with model parallelism, SP / EP outside causal LMs, ...);
+  - divisibility known from the model config (heads, kv heads, intermediate, vocab by tp; experts by ep),
+    MoE-ness for --ep_size, architectures with a TP plan / an upcycling recipe;
+  - resume compatibility (world size, tp / ep, global batch, checkpoint layout).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from transformers import AutoConfig
+
+from hfpar import checkpoint as ckpt
+from hfpar import data
+from hfpar.backends import select_backend
+from hfpar.config import ConfigError
+from hfpar.context import ParallelContext, model_config_problems
+from hfpar.distributed import strategy_name
+from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
+from hfpar.parallel.tensor_parallel.plans import TP_PLANS
+
+# checkpoints written under one family load under another only through `hfpar export`
+_LAYOUT = {"single": "accelerate", "ddp": "accelerate", "fsdp2": "fsdp2", "fsdp1": "fsdp1",
+           "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+
+
+def preflight(args, accelerator, task: str):
+    """-> (ParallelContext without groups yet, backend class); ConfigError listing every problem."""
+    strategy = strategy_name(accelerator)
+    ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
+                          ep=args.ep_size, sequence_parallel=args.sequence_parallel)
+    problems = ctx.problems()
+    backend_cls = None
+    if not problems:
+        try:
+            backend_cls = select_backend(strategy, ctx.parallelisms, {"tp": args.tp_size, "ep": args.ep_size})
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if backend_cls is not None:
+        problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
+    problems += feature_problems(args, ctx, task)
+    problems += model_problems(args, ctx, task)
+    if not problems and backend_cls is not None:
+        problems += resume_problems(args, ctx, strategy, backend_cls)
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    return ctx, backend_cls
+
+
+def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
+    p = []
+    model_parallel = [f"--{k} {getattr(args, k)}" for k in ("tp_size", "ep_size") if getattr(args, k) > 1]
+    model_parallel += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
+    if args.use_peft and importlib.util.find_spec("peft") is None:
+        p.append("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
+    if args.use_peft and model_parallel:
+        p.append(f"--use_peft with {' and '.join(model_parallel)}: LoRA composes with the data-parallel strategies "
+                 "only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
+    if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
+        p.append("--sequence_parallel: needs a causal-LM recipe (sft, clm), whose vocab-parallel LM head gathers the "
+                 "sequence back; classify supports --tp_size without it")
+    if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
+        p.append("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
+    if args.ep_size > 1 and args.gradient_checkpointing:
+        p.append(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks are "
+                 "published for the forward only)")
+    return p
+
+
+def _model_config(args):
+    path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
+    try:
+        return AutoConfig.from_pretrained(path), None
+    except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"--model_name_or_path {args.model_name_or_path}: cannot read its config.json ({first})"
+
+
+def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
+    config, problem = _model_config(args)
+    if config is None:
+        return [problem]
+    p = model_config_problems(ctx, config)
+    model_type = getattr(config, "model_type", None)
+    if ctx.tp > 1 and model_type not in TP_PLANS:
+        p.append(f"--tp_size {ctx.tp}: no tensor-parallel plan for model_type {model_type!r} (supported: "
+                 f"{', '.join(sorted(TP_PLANS))})")
+    if task == "lm" and args.upcycle_experts:
+        if model_type not in UPCYCLE_FAMILIES:
+            p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
+                     f"(supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
+        elif args.upcycle_experts % ctx.ep:
+            p.append(f"--upcycle_experts {args.upcycle_experts} is not divisible by --ep_size {ctx.ep}")
+    if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and model_type not in MOE_FAMILIES:
+        name = (getattr(config, "architectures", None) or [model_type])[0]
+        p.append(f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
+                 f"experts first (MoE families: {', '.join(sorted(MOE_FAMILIES))})")
+    return p
+
+
+def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> list[str]:
+    """A checkpoint from an incompatible run, found from its trainer_state.json alone."""
+    path = ckpt.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if path is None:
+        return []
+    state = ckpt.read_trainer_state(path)
+    p = []
+    mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
+    theirs = {k: state.get(k, 1) for k in mine}
+    if theirs != mine:
+        differ = [k for k in mine if theirs[k] != mine[k]]
+        p.append(f"checkpoint {path} was written with " + " / ".join(f"{k} {theirs[k]}" for k in differ)
+                 + "; this run has " + " / ".join(f"{k} {mine[k]}" for k in differ)
+                 + ": resume with the same " + "/".join(f"--{k}_size" for k in differ))
+    global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
+    if state["global_batch"] != global_batch:
+        p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
+                 "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
+    theirs_layout, mine_layout = _LAYOUT.get(state.get("strategy"), None), _LAYOUT.get(strategy)
+    if theirs_layout is not None and theirs_layout != mine_layout:
+        p.append(f"checkpoint {path} was written by {state['strategy']}, this run is {strategy}: their training states "
+                 f"differ; export it (hfpar export {path} OUT) and start from --model_name_or_path OUT")
+    elif state["world_size"] != ctx.world and backend_cls.resume_needs_same_world(strategy):
+        model_parallel = bool(ctx.parallelisms)
+        how = ("relaunch with the same --num_processes" if model_parallel else
+               f"to go on with {ctx.world}, export it (hfpar export {path} OUT) and start from "
+               "--model_name_or_path OUT (optimizer state restarts)")
+        p.append(f"checkpoint {path} was written by {state['world_size']} processes, this run has {ctx.world}: "
+                 f"{strategy}{' with TP/EP' if model_parallel else ''} checkpoints resume on the same world size only; {how}")
+    return p
