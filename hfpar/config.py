@@ -214,7 +214,8 @@ def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: 
 
 
 def validate(a: RecipeArgs) -> list[str]:
-    """Return every problem with the values themselves (world-size checks happen in distributed.py)."""
+    """Return every problem with the values themselves (degrees against the world: hfpar.context; compositions:
+    hfpar.backends.SUPPORT; both checked by hfpar.preflight)."""
     p = []
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_seq_length", "tp_size", "ep_size", "logging_steps", "dist_timeout_s"):
@@ -265,8 +266,6 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--lora_target_modules {a.lora_target_modules!r}: give module names (e.g. q_proj,v_proj) or all-linear")
     if a.merge_adapter and not a.use_peft:
         p.append("--merge_adapter needs --use_peft")
-    if a.ep_size > 1 and a.tp_size > 1:
-        p.append(f"--ep_size {a.ep_size} with --tp_size {a.tp_size}: EP together with TP is not supported yet")
     return p
 
 

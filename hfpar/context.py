@@ -58,18 +58,21 @@ class ParallelContext:
     def problems(self) -> list[str]:
         """Every degree problem, one line each (no collective, no groups needed)."""
         p = []
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            p.append(f"rank {self.rank} of world size {self.world}: the launcher's world must be >= 1 and hold the rank")
         for name in ("tp", "ep", "cp", "pp"):
             if getattr(self, name) < 1:
                 p.append(f"--{name}_size {getattr(self, name)}: must be a positive integer")
-        if p:
-            return p
         model = self.tp * self.cp * self.pp
-        if self.world % model:
+        if p:
+            pass  # the degrees themselves are wrong: divisibility is not meaningful yet
+        elif self.world % model:
             what = f"--tp_size {self.tp}" + (f" x --cp_size {self.cp}" if self.cp > 1 else "") + (
                 f" x --pp_size {self.pp}" if self.pp > 1 else "")
             p.append(f"{what}{f' = {model}' if model != self.tp else ''} does not divide the world size {self.world} "
-                     "(world = data-parallel size x model-parallel degrees; valid --tp_size: "
-                     + ", ".join(str(d) for d in range(1, self.world + 1) if self.world % d == 0) + ")")
+                     "(world = data-parallel size x model-parallel degrees; valid --tp_size here: "
+                     + (", ".join(str(d) for d in range(1, self.world + 1) if self.world % (d * self.cp * self.pp) == 0)
+                        or "none") + ")")
         elif self.dp % self.ep:
             p.append(f"--ep_size {self.ep} does not divide the data-parallel size {self.dp} "
                      f"(world {self.world} / tp {self.tp}{f' / cp {self.cp}' if self.cp > 1 else ''}"

@@ -10,11 +10,16 @@ them there) or else from the run's output dir, the checkpoint's parent.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoTokenizer
+
+from hfpar import checkpoint as ckpt_mod
 
 
 class ExportError(ValueError):
@@ -22,8 +27,6 @@ class ExportError(ValueError):
 
 
 def _dcp_state_dict(path: Path) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(path), f"{tmp}/model.pt")
         state = torch.load(f"{tmp}/model.pt", map_location="cpu", weights_only=False)
@@ -32,7 +35,8 @@ def _dcp_state_dict(path: Path) -> dict:
 
 def _zero_state_dict(ckpt: Path) -> dict:
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        # an optional dependency (hfpar[deepspeed]), needed for ZeRO checkpoints only
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
     except ImportError:
         raise ExportError(f"{ckpt} is a DeepSpeed checkpoint: pip install hfpar[deepspeed] to export it") from None
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
@@ -43,19 +47,20 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
-    if (ckpt / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(ckpt / "model.safetensors"))
-    if (ckpt / "pytorch_model.bin").is_file():
-        return torch.load(ckpt / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file():
-        return _dcp_state_dict(ckpt / "pytorch_model_fsdp_0")
-    if (ckpt / "latest").is_file():
-        return _zero_state_dict(ckpt)
-    if any(ckpt.glob("tp_rank*_of*.pt")) or any(ckpt.glob("rank*_of*.pt")):
+    # per-rank shards first: a TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`, whose state holds
+    # rank 0's shards only
+    if ckpt_mod.has_rank_shards(ckpt):
         raise ExportError(f"{ckpt} holds per-rank tensor/expert-parallel shards, which export cannot gather offline yet: "
                           "use the final model at the run's --output_dir, or resume the run with the same sizes")
+    kind = ckpt_mod.model_state_kind(ckpt)
+    if kind == "safetensors":
+        return load_file(str(ckpt / "model.safetensors"))
+    if kind == "bin":
+        return torch.load(ckpt / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    if kind == "dcp":
+        return _dcp_state_dict(ckpt / "pytorch_model_fsdp_0")
+    if kind == "deepspeed":
+        return _zero_state_dict(ckpt)
     raise ExportError(f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/ or a "
                       "DeepSpeed 'latest' file); is it a checkpoint-<step> directory?")
 
@@ -69,9 +74,6 @@ def _find(ckpt: Path, name: str) -> Path | None:
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> str:
     """Write config.json, model.safetensors and tokenizer files to out_dir; returns a one-line summary."""
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
-
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     state = load_checkpoint_state_dict(ckpt)
     cfg_dir = _find(ckpt, "config.json")
@@ -98,7 +100,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> str:
     tok_dir = _find(ckpt, "tokenizer_config.json")
     if tok_dir is not None:
         AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
-    step = json.loads((ckpt / "trainer_state.json").read_text()).get("global_step") if (ckpt / "trainer_state.json").is_file() else "?"
+    step = ckpt_mod.read_trainer_state(ckpt).get("global_step") if (ckpt / ckpt_mod.STATE_FILE).is_file() else "?"
     n = sum(t.numel() for t in state.values())
     return (f"exported {ckpt} (step {step}, {n:,} parameters) to {out}"
             + ("" if tok_dir else "; no tokenizer files found, copy them yourself"))

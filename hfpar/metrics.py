@@ -13,7 +13,13 @@ import resource
 import sys
 from pathlib import Path
 
+import accelerate
+import datasets
 import torch
+import transformers
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import hfpar
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -91,8 +97,6 @@ def track_grad_bytes() -> None:
     Idempotent; call before the first optimizer step."""
     global _grad_hook
     if _grad_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         _grad_hook = register_optimizer_step_pre_hook(_record_grad_bytes)
 
 
@@ -112,10 +116,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def library_versions() -> dict:
-    import accelerate
-    import datasets
-    import transformers
-
     out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -124,14 +124,12 @@ def library_versions() -> dict:
         "datasets": datasets.__version__,
     }
     try:
-        import deepspeed
+        import deepspeed  # noqa: PLC0415  (an optional extra)
 
         out["deepspeed"] = deepspeed.__version__
     except Exception:  # deepspeed is an optional extra
         out["deepspeed"] = None
-    from hfpar import __version__
-
-    out["hfpar"] = __version__
+    out["hfpar"] = hfpar.__version__
     return out
 
 

@@ -17,6 +17,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from hfpar.context import ParallelContext
+
 GiB = 1024**3
 RESERVE = 0.10  # of each GPU kept free: CUDA context, allocator fragmentation, NCCL buffers
 DATA_PARALLEL = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")
@@ -152,14 +154,14 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     stats = model_stats(config)
     if strategy not in DATA_PARALLEL:
         raise PlanError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
-    if world_size < 1 or world_size % tp_size:
-        raise PlanError(f"world size {world_size} is not a multiple of --tp_size {tp_size}")
+    degrees = ParallelContext(world=world_size, tp=tp_size, ep=ep_size).problems()  # the runs' own check
+    if degrees:
+        raise PlanError("; ".join(degrees))
+    # what this estimator models (a subset of the support matrix, hfpar.backends.SUPPORT)
     if (tp_size > 1 and strategy not in ("ddp", "fsdp2")) or (ep_size > 1 and strategy != "ddp"):
-        raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: hfpar composes TP with ddp or fsdp2, EP with ddp")
+        raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: the planner models TP with ddp or fsdp2, EP with ddp")
     check_tp(stats, tp_size)
     check_ep(stats, ep_size)
-    if ep_size > world_size:
-        raise PlanError(f"--ep_size {ep_size} is larger than the {world_size} GPUs")
     bp, bg, bo = state_bytes_per_param(mixed_precision)
     dp = world_size // tp_size
     # parameters this rank's model replica holds after TP / EP splitting

@@ -47,7 +47,8 @@ def preflight(args, accelerator, task: str):
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
-    problems += model_problems(args, ctx, task)
+    if backend_cls is not None:  # degrees valid: what the model's config says about them
+        problems += model_problems(args, ctx, task)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, strategy, backend_cls)
     if problems:

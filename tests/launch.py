@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,14 @@ def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:
 
 def read_run_info(out: str | Path) -> dict:
     return json.loads(Path(out, "run_info.json").read_text())
+
+
+def model_with_unreadable_weights(src: str | Path, dst: str | Path) -> str:
+    """A copy of a saved model (config, tokenizer) whose weights file is not safetensors: any run that reads a
+    weight fails on it, so a clean one-line refusal proves the refusal came before the weights were read."""
+    shutil.copytree(src, dst)
+    Path(dst, "model.safetensors").write_bytes(b"these are not weights")
+    return str(dst)
 
 
 def rel_close(a: float, b: float, tol: float) -> bool:

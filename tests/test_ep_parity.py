@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
 from tests.launch import launch, launch_all, read_metrics, read_run_info
@@ -47,16 +48,21 @@ def test_ep_matches_single_per_step(ep_runs, case):
 
 
 @pytest.fixture(scope="module")
-def upcycled_weights(base_model) -> dict[str, torch.Tensor]:
-    """What the EP runs train from: the base model upcycled in process as the recipe does (MOE flags, seed
-    42); its state-dict keys are the exported Mixtral's."""
-    from transformers import AutoModelForCausalLM
+def upcycled_weights(base_model, ep_runs, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """What the EP runs train from, in the exported files' layout: the base model upcycled in process as the
+    recipe does (MOE flags, seed 42), its state dict loaded into a Mixtral of the exported config and saved
+    by transformers (which writes the per-expert w1/w2/w3 checkpoint keys the exports have)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar import upcycle_to_moe
 
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     upcycle_to_moe(model, 4, 2, aux_loss_coef=0.01, seed=42)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mixtral = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ep_runs["single"]), dtype=torch.float32)
+    mixtral.load_state_dict(model.state_dict(), strict=True)
+    out = tmp_path_factory.mktemp("upcycled")
+    mixtral.save_pretrained(out)
+    return load_file(str(out / "model.safetensors"))
 
 
 @pytest.mark.parametrize("case", CASES)

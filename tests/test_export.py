@@ -37,6 +37,16 @@ def test_tensor_parallel_shards_are_refused_with_the_way_out(tmp_path, capsys):
     assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
 
 
+def test_model_parallel_zero_shards_are_refused_before_deepspeed(tmp_path, capsys):
+    """TP / EP x ZeRO: DeepSpeed's `latest` is there too, but its state holds rank 0's shards only."""
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("global_step2")
+    torch.save({"experts": []}, ckpt / "rank000_of002.pt")
+    err = export_error(capsys, ckpt, tmp_path / "out")
+    assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
+
+
 def test_checkpoint_without_config(tmp_path, capsys):
     from safetensors.torch import save_file
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches, assert_resumed_like_uninterrupted
-from tests.launch import ROOT, env, launch, launch_cmd, read_metrics
+from tests.launch import ROOT, env, launch, launch_cmd, model_with_unreadable_weights, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -201,10 +201,15 @@ def test_zero_refuses_a_different_world_size(backend_runs, base_model, tmp_path)
     src = tmp_path / "z"   # the 2-process ZeRO-2 parity run's checkpoint, resumed by 1 process
     src.mkdir()
     shutil.copytree(backend_runs["zero2"] / "checkpoint-4", src / "checkpoint-4")
-    proc = launch("zero2", 1, "sft", [*_args(base_model, src, per_device=4), "--max_steps", "8"], check=False)
-    assert proc.returncode != 0
+    # refused by the preflight, before any weight is read: the model's weights file is not even readable
+    model = model_with_unreadable_weights(base_model, tmp_path / "model")
+    t0 = time.perf_counter()
+    proc = launch("zero2", 1, "sft", [*_args(model, src, per_device=4), "--max_steps", "8"], check=False)
+    print(f"PREFLIGHT zero2 2 -> 1 process refusal: {time.perf_counter() - t0:.1f} s including the launcher")
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert "hfpar: error: checkpoint" in proc.stderr and "resume on the same world size only" in proc.stderr
     assert "hfpar export" in proc.stderr
+    assert "Traceback" not in proc.stderr and "safetensors" not in proc.stderr.lower()
 
 
 NAN = ["--max_steps", "5", "--learning_rate", "1e30", "--warmup_steps", "0", "--lr_scheduler_type", "constant",

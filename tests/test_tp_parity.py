@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
-from tests.launch import launch, launch_all, read_metrics, read_run_info, rel_close
+from tests.launch import launch, launch_all, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
@@ -121,3 +121,18 @@ def test_tp_classify_matches_single(tmp_path):
     proc = launch("ddp", 2, "classify", ["--tp_size", "2", "--sequence_parallel", "--output_dir", str(tmp_path / "o")],
                   check=False)
     assert proc.returncode != 0 and "hfpar: error: --sequence_parallel: needs a causal-LM recipe" in proc.stderr
+
+
+def test_resume_with_another_tp_size_is_refused_before_any_weight_is_read(tp_runs, base_model, tmp_path):
+    """A tp 2 checkpoint resumed with tp 1: the preflight reads trainer_state.json and refuses in one line; the
+    model's weights file is unreadable, so reaching the weights would have failed differently."""
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(tp_runs["tp2"] / "checkpoint-4", out / "checkpoint-4")
+    model = model_with_unreadable_weights(base_model, tmp_path / "model")
+    proc = launch("ddp", 2, "sft", [*COMMON, "--model_name_or_path", model, "--output_dir", str(out),
+                                    "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"],
+                  check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "was written with tp 2; this run has tp 1: resume with the same --tp_size" in proc.stderr
+    assert "Traceback" not in proc.stderr and "safetensors" not in proc.stderr.lower()

@@ -38,8 +38,9 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "tp+ep"): _TP_EP for s in STRATEGIES},
 }
 
-_FLAG = {"tp": "--tp_size", "ep": "--ep_size"}
-_WHAT = {"tp": "tensor parallelism", "ep": "expert parallelism"}
+_FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
+_WHAT = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",
+         "pp": "pipeline parallelism"}
 
 
 def parallelism_key(parallelisms: tuple[str, ...]) -> str:
@@ -55,7 +56,7 @@ def select_backend(strategy: str, parallelisms: tuple[str, ...], sizes: dict | N
     flags = " and ".join(f"{_FLAG[p]} {(sizes or {}).get(p, '')}".strip() for p in parallelisms)
     ok = [s for s in STRATEGIES if isinstance(SUPPORT.get((s, key)), type)]
     reason = entry or f"no backend for {strategy} with {key}"
-    if len(parallelisms) == 1:
+    if len(parallelisms) == 1 and ok:
         ok_text = ", ".join(ok[:-1]) + f" and {ok[-1]}" if len(ok) > 1 else "".join(ok)
         raise ConfigError(f"{flags} with {strategy}: {_WHAT[key]} composes with {ok_text} configs ({reason})")
     raise ConfigError(f"{flags} with {strategy}: {reason}")
