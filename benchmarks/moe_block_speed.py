@@ -1,11 +1,11 @@
 """hfpar's MoE block (EP=1) vs transformers' Mixtral sparse block with each experts implementation.
 
     python benchmarks/moe_block_speed.py          # writes benchmarks/results/moe_block_speed.{md,json}
-    python benchmarks/moe_block_speed.py --device cuda --dtype bfloat16 --tokens 8192 --hidden 2048 \
-        --intermediate 1408 --experts 16 --name moe_block_speed_gpu     # on a GPU
+    python benchmarks/moe_block_speed.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 2048 \
+        --intermediate 1408 --experts 16 --iters 10 --name moe_block_speed_gpu     # on a GPU
 
-Same weights, same input (B=4, T=256, H=128, 8 experts of I=256, top-2, fp32, CPU); forward +
-backward of the block alone; median of 5 timed iterations after 2 warm-up ones.
+Same weights, same input (default: B=4, T=256, H=128, 8 experts of I=256, top-2, fp32, CPU); forward +
+backward of the block alone; median of 5 (--iters) timed iterations after 2 warm-up ones.
 """
 
 from __future__ import annotations

@@ -38,16 +38,16 @@ def preflight(args, accelerator, task: str):
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
                           ep=args.ep_size, sequence_parallel=args.sequence_parallel)
     problems = ctx.problems()
+    degrees_ok = not problems
     backend_cls = None
-    if not problems:
-        try:
-            backend_cls = select_backend(strategy, ctx.parallelisms, {"tp": args.tp_size, "ep": args.ep_size})
-        except ConfigError as exc:
-            problems.append(str(exc))
+    try:  # the composition is known from the flags even when a degree does not fit the world
+        backend_cls = select_backend(strategy, ctx.parallelisms, {"tp": args.tp_size, "ep": args.ep_size})
+    except ConfigError as exc:
+        problems.append(str(exc))
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
-    if backend_cls is not None:  # degrees valid: what the model's config says about them
+    if degrees_ok:  # what the model's config says about the degrees
         problems += model_problems(args, ctx, task)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, strategy, backend_cls)

@@ -10,8 +10,16 @@ from safetensors.torch import load_file
 
 from tests.launch import launch, launch_all, read_metrics, rel_close
 
-TOL = 1e-4  # the parity contract (README "Parity contract")
-UPDATE_TOL = 1e-3  # provisional
+TOL = 1e-4  # the parity contract (README, "Tests")
+# Exported weights vs the single run, relative to the training update: ||got - ref|| / ||ref - initial||.
+# Measured (e69bf7b core, `python -m pytest -q -s tests/test_backends_parity.py tests/test_tp_parity.py
+# tests/test_ep_parity.py -k "exported_weights or tp_export_is or ep_export_is or classify_matches"`, the
+# EXPORT lines), largest over tensors, always on a norm weight: ddp 2.5e-6, fsdp2 3.2e-6, zero1 2.9e-6,
+# zero2 2.9e-6, zero3 3.9e-6, zero3_offload 1.2e-5; tp2 4.2e-6, tp2_sp 3.9e-6, tp2_ddp2 3.1e-6, tp2_fsdp2
+# 3.2e-6, tp2_zero2 3.4e-6, tp2_sp_zero1 3.8e-6, classify tp2 5.0e-6; ddp_ep1 2.5e-6, ep2 2.6e-6, ep2_dp4
+# 2.9e-6, ep2_fsdp2 2.6e-6, ep2_zero1 2.9e-6, ep2_zero2_dp4 2.6e-6. 1e-3 leaves a margin of 80x; a norm
+# weight updated 1% wrong gives 1e-2 here but only ~4e-5 under TOL's magnitude-relative check.
+UPDATE_TOL = 1e-3
 # fp32, 8 optimizer steps, global batch 8 = per-device x dp x 2 accumulation steps
 COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
           "--warmup_steps", "2", "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_steps", "4",
@@ -74,13 +82,14 @@ def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, init
     """Exported weights equal the reference's: per tensor ||got - ref|| / ||ref|| <= tol; and, given the
     weights training started from (`initial`), relative to the training update: ||got - ref|| / ||ref -
     initial|| <= update_tol (UPDATE_TOL). The first alone would hide an update error on weights near 1.0
-    (norms): a whole step's change is ~1e-3 of their magnitude. Tensors training left unchanged (update 0)
-    get the first check only. Prints the largest of both ratios (pytest -s) for the record."""
+    (norms): the 8 steps of the parity runs move them by ~4e-3 of their magnitude. Tensors training left
+    unchanged (update 0) get the first check only. Prints the largest of both ratios (pytest -s) for the record."""
     ref = load_file(str(ref_dir / "model.safetensors"))
     got = load_file(str(got_dir / "model.safetensors"))
     assert ref.keys() == got.keys()
     if initial is not None:
-        assert ref.keys() <= initial.keys(), f"{what}: no initial weights for {sorted(ref.keys() - initial.keys())}"
+        missing = sorted(ref.keys() - initial.keys())
+        assert not missing, f"{what}: no initial weights for {len(missing)} tensors, e.g. {missing[:3]}"
     update_tol = UPDATE_TOL if update_tol is None else update_tol
     worst, worst_update = (0.0, ""), (0.0, "")
     for k in ref:
@@ -97,7 +106,7 @@ def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, init
         worst_update = max(worst_update, (ratio, k))
         assert ratio <= update_tol, f"{what}: {k} diff / training update {ratio:.2e} (relative diff {diff:.2e})"
     print(f"EXPORT {what}: max |got - ref| / |ref| {worst[0]:.2e} ({worst[1]})"
-          + (f", max |got - ref| / |ref - initial| {worst_update[0]:.2e} ({worst_update[1]})" if initial else ""))
+          + (f", max |got - ref| / |ref - initial| {worst_update[0]:.2e} ({worst_update[1]})" if initial is not None else ""))
 
 
 def export_eval_loss(out, n: int = 48) -> float:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.launch import ROOT, env
+from tests.results import record
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,9 @@ def _run(recipe, cwd):
 @pytest.mark.parametrize("recipe", ["sft", "clm"])
 def test_lm_recipe_default_learns(recipe, tmp_path):
     elapsed, train, evals, out = _run(recipe, tmp_path)
+    record("recipes_default_cpu", recipe, {"first_train_loss": train[0]["loss"],
+                                           "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
+           command="python -m pytest -q tests/test_recipes_default.py -k lm_recipe")
     assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
     assert len(evals) >= 2
     # eval loss falls clearly from the first evaluation to the last, and far below the untrained ~ln(V)

@@ -16,7 +16,7 @@ import torch
 from hfpar import checkpoint as ckpt
 from hfpar.config import ConfigError
 from hfpar.optim import build_optimizer
-from hfpar.parallel.sharding import (clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads)
+from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads
 
 
 class Backend:
@@ -107,21 +107,21 @@ class ModelParallelBackend(Backend):
     def full_state_dict(self) -> dict:
         return full_state_dict(self.unwrapped())
 
-    def _rank_file(self, ckpt_dir: Path) -> Path:
-        """Per rank when ranks of a replica hold different shards (FSDP2, experts); else one file per TP rank,
-        written by dp rank 0 (the other dp ranks hold identical replicas)."""
+    def _rank_file(self, ckpt_dir: Path) -> tuple[Path, bool]:
+        """(file, whether this rank writes it): per rank when ranks of a replica hold different shards (FSDP2,
+        experts); else one file per TP rank, written by dp rank 0 (the other dp ranks hold identical replicas)."""
         if self.strategy == "fsdp2" or any(hfpar_reduced(p) for p in self.model.parameters()):
-            return ckpt.rank_state_file(ckpt_dir, self.ctx)
-        return ckpt.tp_state_file(ckpt_dir, self.ctx)
+            return ckpt.rank_state_file(ckpt_dir, self.ctx), True
+        return ckpt.tp_state_file(ckpt_dir, self.ctx), self.ctx.dp_rank == 0
 
     def save_rank_state(self, ckpt_dir: Path) -> None:
-        f = self._rank_file(ckpt_dir)
-        if f.name.startswith("rank") or self.ctx.dp_rank == 0:
+        f, writes = self._rank_file(ckpt_dir)
+        if writes:
             torch.save({"model": ckpt.local_state(self.model.state_dict()),
                         "optimizer": ckpt.local_state(self.optimizer.state_dict())}, f)
 
     def load_rank_state(self, ckpt_dir: Path) -> None:
-        f = self._rank_file(ckpt_dir)
+        f, _ = self._rank_file(ckpt_dir)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
         state = torch.load(f, map_location=self.acc.device, weights_only=False)

@@ -1,0 +1,114 @@
+"""The preflight: every problem knowable without weights, collected and reported once, before the model loads.
+
+In process (the preflight's functions with a ParallelContext of any world size) and one subprocess that times
+a whole refusal the way a user meets it (`python recipes/sft.py ...`: exit 2 in under 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import GPT2Config, LlamaConfig
+
+from hfpar import checkpoint as ckpt
+from hfpar import preflight as pf
+from hfpar.backends import AccelerateBackend, ModelParallelDDP
+from hfpar.config import parse_args
+from hfpar.context import ParallelContext
+from tests.launch import ROOT, env
+
+
+def _model_dir(tmp_path, **overrides):
+    cfg = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+               num_key_value_heads=2, vocab_size=128)
+    cfg.update(overrides)
+    path = tmp_path / "model"
+    LlamaConfig(**cfg).save_pretrained(path)
+    return str(path)
+
+
+def _args(*argv):
+    return parse_args(list(argv), recipe="sft")
+
+
+def test_model_config_problems_are_all_reported(tmp_path):
+    model = _model_dir(tmp_path)
+    args = _args("--model_name_or_path", model, "--tp_size", "4", "--ep_size", "2")
+    lines = pf.model_problems(args, ParallelContext.plan(8, tp=4, ep=2), "lm")
+    text = "\n".join(lines)
+    assert "num_attention_heads 6 is not divisible" in text and "num_key_value_heads 2 is not divisible" in text
+    assert "--ep_size 2: LlamaForCausalLM has no MoE layers; pass --upcycle_experts" in text
+    assert len(lines) >= 3, lines
+
+
+def test_upcycling_and_plans_checked_from_the_config(tmp_path):
+    model = _model_dir(tmp_path, num_attention_heads=4, num_key_value_heads=2)
+    args = _args("--model_name_or_path", model, "--upcycle_experts", "3", "--ep_size", "2")
+    assert any("--upcycle_experts 3 is not divisible by --ep_size 2" in x
+               for x in pf.model_problems(args, ParallelContext.plan(2, ep=2), "lm"))
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64).save_pretrained(gpt2)
+    args = _args("--model_name_or_path", str(gpt2), "--tp_size", "2", "--upcycle_experts", "2")
+    text = "\n".join(pf.model_problems(args, ParallelContext.plan(2, tp=2), "lm"))
+    assert "no tensor-parallel plan for model_type 'gpt2'" in text and "'gpt2' cannot be upcycled" in text
+    args = _args("--model_name_or_path", str(tmp_path / "nowhere"))
+    assert "cannot read its config.json" in pf.model_problems(args, ParallelContext.plan(1), "lm")[0]
+
+
+def _checkpoint(out, **state):
+    d = out / "checkpoint-4"
+    d.mkdir(parents=True)
+    base = {"global_step": 4, "world_size": 2, "dp": 2, "tp": 1, "ep": 1, "strategy": "ddp", "seed": 42,
+            "global_batch": 8}
+    (d / ckpt.STATE_FILE).write_text(json.dumps({**base, **state}))
+    (d / ckpt.MARKER).write_text("4")
+    return d
+
+
+@pytest.mark.parametrize("state, ctx, strategy, backend, expected", [
+    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend,
+     "was written with tp 2; this run has tp 1: resume with the same --tp_size"),
+    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend,
+     "zero2 checkpoints resume on the same world size only"),
+    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend, "was written by zero2, this run is ddp"),
+    (dict(ep=2, world_size=4, dp=4), dict(world=2, ep=2), "ddp", ModelParallelDDP,
+     "with TP/EP checkpoints resume on the same world size only; relaunch with the same --num_processes"),
+    (dict(global_batch=16), dict(world=2), "ddp", AccelerateBackend, "trained with global batch 16, this run has 8"),
+])
+def test_incompatible_resumes_refused_from_trainer_state(tmp_path, state, ctx, strategy, backend, expected):
+    out = tmp_path / "out"
+    _checkpoint(out, **state)
+    c = ParallelContext.plan(ctx.pop("world"), **ctx)
+    per_device = 8 // (c.dp * 2)
+    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", str(per_device), *(["--ep_size", "2"] if c.ep > 1 else []))
+    lines = pf.resume_problems(args, c, strategy, backend)
+    assert any(expected in x for x in lines), lines
+
+
+def test_compatible_resume_is_accepted(tmp_path):
+    out = tmp_path / "out"
+    _checkpoint(out, world_size=2)
+    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", "1")
+    assert pf.resume_problems(args, ParallelContext.plan(4), "ddp", AccelerateBackend) == []  # DDP: other world ok
+
+
+def test_a_refusal_takes_under_10_seconds(tmp_path):
+    """Several problems at once (TP with EP is refused by the support matrix; tp 2 does not fit one process),
+    each on its own line, exit 2, the whole process under 10 s."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--tp_size", "2", "--ep_size", "2",
+                           "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    dt = time.perf_counter() - t0
+    print(f"PREFLIGHT refusal, whole process: {dt:.1f} s")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert any("--tp_size 2 does not divide the world size 1" in x for x in lines), lines
+    assert any("EP together with TP is not supported yet" in x for x in lines), lines
+    assert dt < 10, dt
