@@ -25,6 +25,7 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_wi
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "trackio")
 TRUNCATION = ("truncate", "drop")
 NONFINITE = ("error", "skip")
+CP_MODES = ("auto", "ring", "ulysses")
 
 
 class ConfigError(ValueError):
@@ -76,6 +77,8 @@ class RecipeArgs:
     tp_size: int = 1
     ep_size: int = 1
     sequence_parallel: bool = False
+    cp_size: int = 1  # context parallelism: shard every row's sequence over this many ranks (attention exact over the row)
+    cp_mode: str = "auto"  # ring | ulysses | auto (ulysses when heads and kv heads divide by cp_size, else ring)
     upcycle_experts: int = 0  # > 0: turn every dense MLP into an MoE of this many copies (then --ep_size works)
     moe_top_k: int = 2  # experts per token for upcycled MoE layers
     moe_aux_loss_coef: float = 0.01  # load-balancing loss coefficient (upcycled layers)
@@ -218,7 +221,7 @@ def validate(a: RecipeArgs) -> list[str]:
     hfpar.backends.SUPPORT; both checked by hfpar.preflight)."""
     p = []
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_seq_length", "tp_size", "ep_size", "logging_steps", "dist_timeout_s"):
+                 "max_seq_length", "tp_size", "ep_size", "cp_size", "logging_steps", "dist_timeout_s"):
         if getattr(a, name) <= 0:
             p.append(f"--{name} {getattr(a, name)}: must be a positive integer")
     if a.max_steps == 0 or a.max_steps < -1:
@@ -245,6 +248,8 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--lr_scheduler_type {a.lr_scheduler_type!r}: valid values are {', '.join(SCHEDULERS)}")
     if a.truncation not in TRUNCATION:
         p.append(f"--truncation {a.truncation!r}: valid values are {', '.join(TRUNCATION)}")
+    if a.cp_mode not in CP_MODES:
+        p.append(f"--cp_mode {a.cp_mode!r}: valid values are {', '.join(CP_MODES)}")
     if a.on_nonfinite not in NONFINITE:
         p.append(f"--on_nonfinite {a.on_nonfinite!r}: valid values are {', '.join(NONFINITE)}")
     for tracker in a.report_to.split(","):

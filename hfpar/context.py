@@ -39,6 +39,7 @@ class ParallelContext:
     cp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    cp_mode: str = "ring"                                       # ring | ulysses (auto resolved by the preflight)
     groups: dict = field(default_factory=dict, repr=False)     # name -> this rank's group (after build_groups)
 
     # ------------------------------------------------------------------ construction
@@ -53,7 +54,8 @@ class ParallelContext:
 
     @classmethod
     def from_args(cls, args, world: int, rank: int = 0) -> "ParallelContext":
-        return cls.plan(world, rank, tp=args.tp_size, ep=args.ep_size, sequence_parallel=args.sequence_parallel)
+        return cls.plan(world, rank, tp=args.tp_size, ep=args.ep_size, cp=args.cp_size,
+                        sequence_parallel=args.sequence_parallel)
 
     def problems(self) -> list[str]:
         """Every degree problem, one line each (no collective, no groups needed)."""
@@ -95,6 +97,10 @@ class ParallelContext:
         return out
 
     @property
+    def cp_rank(self) -> int:
+        return self._coords()["cp"]
+
+    @property
     def tp_rank(self) -> int:
         return self._coords()["tp"]
 
@@ -118,8 +124,20 @@ class ParallelContext:
 
     @property
     def data_replicas(self) -> int:
-        """Ranks that see the same rows and compute the same full per-token losses (TP ranks of a replica)."""
+        """Ranks that see the same rows and compute the same full per-token losses (TP ranks of a replica; the cp
+        ranks of a replica see the same rows but each computes the loss of its own part of the sequence)."""
         return self.tp
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks holding the same parameters whose grads the backend averages: dp x cp (each cp rank's grad is the
+        part of the sequence it holds, so the loss is scaled by dp x cp and the average restores the sum)."""
+        return self.dp * self.cp
+
+    @property
+    def seq_multiple(self) -> int:
+        """Rows are padded to a multiple of this: 2 cp chunks per cp group (load balance), x tp under SP."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
 
     def as_dict(self) -> dict[str, int]:
         return {"world_size": self.world, "dp_size": self.dp, "tp_size": self.tp, "ep_size": self.ep,
@@ -140,6 +158,9 @@ class ParallelContext:
             return self
         for axis in ("tp", "dp", "cp", "pp"):
             self.groups[axis] = new_groups(self.rank_lists(axis))
+        # the ranks over which replicated grads are averaged: dp x cp (= dp when cp is 1)
+        grid = torch.arange(self.world).view(self.pp, self.dp, self.cp, self.tp)
+        self.groups["replica"] = new_groups([row.tolist() for row in grid.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp)])
         ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp"), self.ep)
         self.groups["ep"] = new_groups(ep_lists)
         self.groups["edp"] = new_groups(edp_lists)
@@ -162,6 +183,11 @@ class ParallelContext:
         return self.groups.get("edp")
 
     @property
+    def replica_group(self):
+        """dp x cp: where the backends reduce (average) the grads of parameters every rank of it holds whole."""
+        return self.groups.get("replica")
+
+    @property
     def cp_group(self):
         return self.groups.get("cp")
 
@@ -170,8 +196,8 @@ class ParallelContext:
         return self.groups.get("pp")
 
     def dp_mesh(self, device_type: str):
-        """A 1-D DeviceMesh over this rank's dp group (FSDP2 over dp only, next to TP / EP)."""
-        return DeviceMesh.from_group(self.dp_group, device_type=device_type)
+        """A 1-D DeviceMesh over this rank's dp x cp group (FSDP2 over it only, next to TP / EP)."""
+        return DeviceMesh.from_group(self.replica_group, device_type=device_type)
 
 
 def model_config_problems(ctx: ParallelContext, config) -> list[str]:

@@ -1,7 +1,9 @@
 """Per-batch loss SUMS and target counts, so the trainer can normalize by the real tokens of the global batch.
 
     loss_fn = make_loss_fn("lm", model)          # vocab-parallel when the model's LM head is TP-sharded
-    loss_sum, n_targets = loss_fn(logits, labels)
+    loss_sum, n_targets = loss_fn(logits, shifted_labels)   # the trainer shifts causal-LM labels first (BatchPlan)
+
+lm_loss_sum / tp_lm_loss_sum take HF's unshifted labels (the shift inside), for users' own loops.
 """
 
 from __future__ import annotations
@@ -22,19 +24,27 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy summed over real targets. logits (B, T, V), labels (B, T) unshifted."""
-    logits = _upcast(logits[:, :-1, :])  # (B, T-1, V)
-    target = labels[:, 1:]  # (B, T-1)
+def shifted_lm_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over real targets; target[t] is the token after position t. logits (B, T, V)."""
+    logits = _upcast(logits)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum")
     return loss, (target != IGNORE).sum()
 
 
-def tp_lm_loss_sum(logits_shard: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """As lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp): the full vocab is never gathered."""
-    target = labels[:, 1:]
-    loss = vocab_parallel_cross_entropy(logits_shard[:, :-1, :], target, group=group, ignore_index=IGNORE, reduction="sum")
+def shifted_tp_lm_loss_sum(logits_shard: torch.Tensor, target: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """As shifted_lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp): the full vocab is never gathered."""
+    loss = vocab_parallel_cross_entropy(logits_shard, target, group=group, ignore_index=IGNORE, reduction="sum")
     return loss, (target != IGNORE).sum()
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over real targets. logits (B, T, V), labels (B, T) unshifted."""
+    return shifted_lm_loss_sum(logits[:, :-1, :], labels[:, 1:])
+
+
+def tp_lm_loss_sum(logits_shard: torch.Tensor, labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """As lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp)."""
+    return shifted_tp_lm_loss_sum(logits_shard[:, :-1, :], labels[:, 1:], group)
 
 
 def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,20 +54,20 @@ def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 
 
 def make_loss_fn(task: str, model: torch.nn.Module):
-    """The loss for the task; for a causal LM whose output embedding is vocab-sharded (its ShardSpec), the
-    vocab-parallel one over that shard's group."""
+    """The loss for the task (causal LM: on labels already shifted, see hfpar.batch_plan); for a causal LM whose
+    output embedding is vocab-sharded (its ShardSpec), the vocab-parallel one over that shard's group."""
     if task != "lm":
         return classify_loss_sum
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     spec = shard_spec(head.weight) if head is not None else None
     if spec is not None and spec.kind == "tp" and spec.sharded:
-        return partial(tp_lm_loss_sum, group=spec.group)
-    return lm_loss_sum
+        return partial(shifted_tp_lm_loss_sum, group=spec.group)
+    return shifted_lm_loss_sum
 
 
-def count_targets(batch: dict, task: str) -> int:
-    labels = batch["labels"]
-    return int((labels[:, 1:] != IGNORE).sum()) if task == "lm" else int((labels != IGNORE).sum())
+def count_targets(batch: dict) -> int:
+    """Real targets of a batch whose labels are aligned with their positions (shifted for causal LMs)."""
+    return int((batch["labels"] != IGNORE).sum())
 
 
 def count_input_tokens(batch: dict) -> int:

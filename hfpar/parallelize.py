@@ -1,7 +1,8 @@
 """Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
 
     model, info = parallelize(model, args, ctx, task, strategy)
-        LoRA (PEFT adapters)  ->  tensor parallel  ->  MoE: upcycle + expert parallel  ->  activation checkpointing
+        LoRA (PEFT adapters) -> tensor parallel -> context-parallel attention -> MoE: upcycle + expert parallel
+        -> activation checkpointing
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.lora import apply_lora, trainable_summary
+from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
 from hfpar.parallel.expert_parallel.moe import MoELayer
@@ -53,7 +55,7 @@ def apply_moe(model, args, ctx) -> None:
     apply_expert_parallel(model, ctx) if dist.is_initialized() else apply_expert_parallel(model)
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
     # every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
-    set_aux_loss_grad_scale(ctx.dp / args.gradient_accumulation_steps)
+    set_aux_loss_grad_scale(ctx.grad_replicas / args.gradient_accumulation_steps)
     attach_moe_token_mask(model)
 
 
@@ -67,6 +69,8 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
+    if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)
+        model.set_attn_implementation(register_cp_attention())
     if task == "lm":
         apply_moe(model, args, ctx)
     if args.gradient_checkpointing:

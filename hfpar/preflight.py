@@ -27,6 +27,8 @@ from hfpar.distributed import strategy_name
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
+CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # attention routed through attn_implementation, tested
+
 # checkpoints written under one family load under another only through `hfpar export`
 _LAYOUT = {"single": "accelerate", "ddp": "accelerate", "fsdp2": "fsdp2", "fsdp1": "fsdp1",
            "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
@@ -36,12 +38,13 @@ def preflight(args, accelerator, task: str):
     """-> (ParallelContext without groups yet, backend class); ConfigError listing every problem."""
     strategy = strategy_name(accelerator)
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
-                          ep=args.ep_size, sequence_parallel=args.sequence_parallel)
+                          ep=args.ep_size, cp=args.cp_size, sequence_parallel=args.sequence_parallel)
     problems = ctx.problems()
     degrees_ok = not problems
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
-        backend_cls = select_backend(strategy, ctx.parallelisms, {"tp": args.tp_size, "ep": args.ep_size})
+        backend_cls = select_backend(strategy, ctx.parallelisms,
+                                     {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size})
     except ConfigError as exc:
         problems.append(str(exc))
     if backend_cls is not None:
@@ -70,6 +73,11 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
                  "sequence back; classify supports --tp_size without it")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         p.append("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
+    if args.cp_size > 1 and task != "lm":
+        p.append(f"--cp_size {args.cp_size}: context parallelism is available for causal-LM recipes (sft, clm)")
+    if args.cp_size > 1 and args.attn_implementation not in (None, "sdpa", "eager"):
+        p.append(f"--cp_size {args.cp_size} with --attn_implementation {args.attn_implementation}: hfpar's context-"
+                 "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa")
     if args.ep_size > 1 and args.gradient_checkpointing:
         p.append(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks are "
                  "published for the forward only)")
@@ -94,6 +102,8 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     if ctx.tp > 1 and model_type not in TP_PLANS:
         p.append(f"--tp_size {ctx.tp}: no tensor-parallel plan for model_type {model_type!r} (supported: "
                  f"{', '.join(sorted(TP_PLANS))})")
+    if ctx.cp > 1:
+        p += cp_problems(args, ctx, config)
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
             p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
@@ -104,6 +114,30 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         name = (getattr(config, "architectures", None) or [model_type])[0]
         p.append(f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
                  f"experts first (MoE families: {', '.join(sorted(MOE_FAMILIES))})")
+    return p
+
+
+def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
+    """Model families and attention features hfpar's context-parallel attention covers; resolves --cp_mode auto
+    into ctx.cp_mode (ulysses when the per-TP-rank heads and kv heads divide by cp, else ring)."""
+    p = []
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CP_FAMILIES:
+        p.append(f"--cp_size {ctx.cp}: context parallelism supports model types {', '.join(CP_FAMILIES)}; "
+                 f"{model_type!r} is not among them")
+    window = getattr(config, "sliding_window", None)
+    if window and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)):
+        p.append(f"--cp_size {ctx.cp}: {model_type} uses sliding-window attention ({window} tokens), which hfpar's "
+                 "context-parallel attention does not implement")
+    heads = getattr(config, "num_attention_heads", 0) // ctx.tp
+    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)) // ctx.tp
+    mode = args.cp_mode
+    if mode == "auto":
+        mode = "ulysses" if heads % ctx.cp == 0 and kv % ctx.cp == 0 else "ring"
+    elif mode == "ulysses" and heads % ctx.cp:
+        p.append(f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
+                 f"by --cp_size {ctx.cp}; use --cp_mode ring (or auto)")
+    ctx.cp_mode = mode
     return p
 
 
@@ -130,7 +164,7 @@ def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> l
         p.append(f"checkpoint {path} was written by {state['strategy']}, this run is {strategy}: their training states "
                  f"differ; export it (hfpar export {path} OUT) and start from --model_name_or_path OUT")
     elif state["world_size"] != ctx.world and backend_cls.resume_needs_same_world(strategy):
-        model_parallel = bool(ctx.parallelisms)
+        model_parallel = any(x in ("tp", "ep") for x in ctx.parallelisms)
         how = ("relaunch with the same --num_processes" if model_parallel else
                f"to go on with {ctx.world}, export it (hfpar export {path} OUT) and start from "
                "--model_name_or_path OUT (optimizer state restarts)")

@@ -90,7 +90,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
     return model
 
 
-def build_data(args: RecipeArgs, kind: str, tokenizer):
+def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1):
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels."""
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None
@@ -108,9 +108,8 @@ def build_data(args: RecipeArgs, kind: str, tokenizer):
             ds, stats, num_labels = data.tokenize_classify(ds, tokenizer, args.max_seq_length, truncation=args.truncation)
         out[name] = ds
         info[f"{name}_data"] = {**stats, "rows": len(ds)}
-    # sequence parallelism splits T over the TP ranks: pad every batch to a multiple of tp
-    collator = data.DataCollator(tokenizer, task=TASK_OF[kind],
-                                 pad_to_multiple_of=args.tp_size if args.sequence_parallel else None)
+    # context / sequence parallelism cut T: pad every batch to a multiple of what they need (ParallelContext)
+    collator = data.DataCollator(tokenizer, task=TASK_OF[kind], pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None)
     return out["train"], out["eval"], collator, info, num_labels
 
 
@@ -125,12 +124,12 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     try:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
         ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
-        configure_deepspeed(accelerator, args, ctx.dp)
+        configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
         with accelerator.main_process_first():
-            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer)
+            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer, ctx.seq_multiple)
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:
@@ -146,7 +145,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     backend = backend_cls(accelerator, ctx, strategy, args)
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, **info, **extra})
+                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel,
+                                 **({"cp_mode": ctx.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line

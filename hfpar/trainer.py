@@ -27,6 +27,7 @@ from hfpar import metrics as M
 from hfpar import plot
 from hfpar.comm_stats import StepCommLog
 from hfpar.distributed import all_reduce_sum, restart_attempt
+from hfpar.batch_plan import BatchPlan
 from hfpar.losses import IGNORE, count_input_tokens, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
 from hfpar.sampler import GlobalBatchSampler, eval_shard
 from hfpar.schedules import get_scheduler
@@ -46,6 +47,7 @@ class Trainer:
         self.run_extra = run_extra or {}
         self.out = Path(args.output_dir)
         self.loss_fn = make_loss_fn(task, model)
+        self.batch_plan = BatchPlan(task, ctx, ctx.cp_mode)
         self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
                                           ctx.dp_rank, args.gradient_accumulation_steps, args.seed)
         if args.max_steps > 0:
@@ -149,8 +151,9 @@ class Trainer:
                     lab = f["labels"]
                     f["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
                 feats.append(f)
-            batch = self._to_device(self.collator(feats))
-            ls, cnt, logits = self._forward_loss(batch)
+            batch, scope = self.batch_plan(self._to_device(self.collator(feats)))
+            with scope:
+                ls, cnt, logits = self._forward_loss(batch)
             stats[0] += ls.double()
             stats[1] += cnt.double()
             if self.task == "classify":
@@ -179,17 +182,19 @@ class Trainer:
         t0 = time.perf_counter()
         if self.comm is not None:
             self.comm.reset()
-        batches = [self.collator([self.train_ds[i] for i in ix]) for ix in micro]
-        local = [sum(count_targets(b, self.task) for b in batches), sum(count_input_tokens(b) for b in batches)]
+        batches = [self.batch_plan(self._to_device(self.collator([self.train_ds[i] for i in ix]))) for ix in micro]
+        local = [sum(count_targets(b) for b, _ in batches), sum(count_input_tokens(b) for b, _ in batches)]
         totals = all_reduce_sum(torch.tensor(local), acc.device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
-        for batch in batches:
-            with acc.accumulate(self.model):
-                loss_sum, _, _ = self._forward_loss(self._to_device(batch))
-                acc.backward(loss_sum * (ctx.dp * args.gradient_accumulation_steps / n_global))
+        for batch, scope in batches:
+            with acc.accumulate(self.model), scope:
+                loss_sum, _, _ = self._forward_loss(batch)
+                # the backend averages grads over dp x cp ranks and Accelerate divides by accum: this scale leaves
+                # exactly d(global loss sum / N_global)
+                acc.backward(loss_sum * (ctx.grad_replicas * args.gradient_accumulation_steps / n_global))
             step_loss += loss_sum.detach().double()
         loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")

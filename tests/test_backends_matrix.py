@@ -22,12 +22,16 @@ from hfpar.config import ConfigError
 README = Path(__file__).resolve().parents[1] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
-# what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep)
+# what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep),
+# test_cp_parity (cp, tp+cp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
-             **{(s, "ep"): cls for s, cls in _MP.items()}}
-PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep")}
-SIZES = {"tp": 2, "ep": 4}
+             **{(s, "ep"): cls for s, cls in _MP.items()},
+             **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
+             **{(s, "tp+cp"): cls for s, cls in _MP.items()}}
+PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
+         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp")}
+SIZES = {"tp": 2, "ep": 4, "cp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
 REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
                              "ZeRO-3 would partition the TP shards again"],
@@ -37,7 +41,12 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
                              "ZeRO-3 would partition each rank's experts again"],
            ("fsdp1", "ep"): ["expert parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
                              "FSDP1 is not supported"],
-           **{(s, "tp+ep"): ["EP together with TP is not supported yet"] for s in STRATEGIES}}
+           ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
+           ("zero3", "tp+cp"): ["ZeRO-3 would partition the TP shards again"],
+           ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
+           **{(s, "tp+ep"): ["EP together with TP is not supported yet"] for s in STRATEGIES},
+           **{(s, "ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
+           **{(s, "tp+ep+cp"): ["EP together with TP is not supported yet"] for s in STRATEGIES}}
 
 
 def test_every_pair_has_an_entry():

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from transformers import GPT2Config, LlamaConfig
+from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from hfpar import checkpoint as ckpt
 from hfpar import preflight as pf
@@ -112,3 +112,24 @@ def test_a_refusal_takes_under_10_seconds(tmp_path):
     assert any("--tp_size 2 does not divide the world size 1" in x for x in lines), lines
     assert any("EP together with TP is not supported yet" in x for x in lines), lines
     assert dt < 10, dt
+
+
+def test_context_parallel_refusals_and_mode(tmp_path):
+    """Unsupported family, sliding windows, Ulysses with heads not divisible by cp; auto picks Ulysses only when
+    heads and kv heads divide by cp; classify and flash attention refused with --cp_size."""
+    ctx = ParallelContext.plan(4, cp=4)
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    assert "'gpt2' is not among them" in pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2)[0]
+    mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=4096)
+    assert any("mistral uses sliding-window attention (4096 tokens)" in x
+               for x in pf.cp_problems(_args("--cp_size", "4"), ctx, mistral))
+    llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    lines = pf.cp_problems(_args("--cp_size", "4", "--cp_mode", "ulysses"), ctx, llama6)
+    assert lines == ["--cp_mode ulysses: 6 attention heads are not divisible by --cp_size 4; use --cp_mode ring (or auto)"]
+    for heads, kv, mode in ((8, 4, "ulysses"), (8, 2, "ring"), (6, 6, "ring")):
+        c = ParallelContext.plan(4, cp=4)
+        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8)
+        assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and c.cp_mode == mode, (heads, kv, c.cp_mode)
+    lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
+    assert any("context parallelism is available for causal-LM recipes" in x for x in lines)
+    assert any("--attn_implementation flash_attention_2" in x for x in lines)

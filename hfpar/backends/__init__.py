@@ -19,13 +19,15 @@ from .mp_deepspeed import ModelParallelDeepSpeed
 from .mp_fsdp2 import ModelParallelFSDP2
 
 STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "fsdp1")
-PARALLELISMS = ("none", "tp", "ep", "tp+ep")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp")
 
 _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
 _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
              "or fsdp2.yaml")
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _TP_EP = "EP together with TP is not supported yet"
+_EP_CP = "context parallelism together with expert parallelism is not supported yet"
+_ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
@@ -36,6 +38,14 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
     ("zero3", "ep"): _ZERO3_EP, ("fsdp1", "ep"): _FSDP1,
     **{(s, "tp+ep"): _TP_EP for s in STRATEGIES},
+    # context parallelism alone: every rank of dp x cp holds the whole model, Accelerate wraps over the world
+    **{(s, "cp"): AccelerateBackend for s in ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")},
+    ("fsdp1", "cp"): _FSDP1,
+    ("single", "tp+cp"): ModelParallelDDP, ("ddp", "tp+cp"): ModelParallelDDP, ("fsdp2", "tp+cp"): ModelParallelFSDP2,
+    ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
+    ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
+    **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
+    **{(s, "tp+ep+cp"): _TP_EP for s in STRATEGIES},
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}

@@ -1,4 +1,4 @@
-"""Model parallelism (TP, EP) over DDP: DistributedDataParallel over the dp group only.
+"""Model parallelism (TP, EP) over DDP: DistributedDataParallel over the dp (x cp) group only.
 
     backend = ModelParallelDDP(accelerator, ctx, "ddp", args); backend.prepare(tp_model)
 
@@ -20,10 +20,10 @@ class ModelParallelDDP(ModelParallelBackend):
     short = "hfpar DDP"
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.ctx.dp == 1:
+        if self.ctx.grad_replicas == 1:
             return model
         ignored = [n for n, p in model.named_parameters() if hfpar_reduced(p)]
         if ignored:
             DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
         dev = [self.acc.device.index] if self.acc.device.type == "cuda" else None
-        return DDP(model, process_group=self.ctx.dp_group, device_ids=dev)
+        return DDP(model, process_group=self.ctx.replica_group, device_ids=dev)

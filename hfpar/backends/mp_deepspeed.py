@@ -118,7 +118,7 @@ class ModelParallelDeepSpeed(Backend):
         self.base_optimizer = build_optimizer(model, self.args, skip=frozenset(id(p) for p in experts))
         partial_grad_hooks(model.parameters())  # a no-op without partial grads
         saved = [p.detach().clone() for p in experts]
-        mpu = DeepSpeedMPU(self.ctx.tp_group, self.ctx.dp_group) if self.ctx.tp > 1 else None
+        mpu = DeepSpeedMPU(self.ctx.tp_group, self.ctx.replica_group) if self.ctx.tp > 1 else None
         with deepspeed_with_mpu(mpu):
             self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
         self.experts = experts

@@ -106,8 +106,13 @@ def group_rank(group=None) -> int:
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the *_single
 # names (same semantics); the GPU machine runs torch 2.11, which only has the old names.
-_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_base(out: torch.Tensor, x: torch.Tensor, group=None):
+    # looked up at call time, so that byte counters installed on torch.distributed (--log_comm_bytes) see it
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_base(out: torch.Tensor, x: torch.Tensor, group=None):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 # Flipped to True (with one warning) the first time a backend rejects reduce-scatter (old gloo builds
 # had no reduce_scatter_tensor on CPU; torch 2.13's gloo does). The rejection happens before any data is
 # exchanged, so falling back to all-reduce + slice is safe (it moves ~2x the bytes).

@@ -1,0 +1,150 @@
+"""Context parallelism: activation memory per rank against sequence length, the longest sequence within a memory
+budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
+
+    python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
+
+Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
+backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
+256, 4 layers, 8 heads, 4 kv heads, fp32), one row of T tokens cut over cp gloo ranks on CPU. Communication: the
+bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
+--log_comm_bytes counter), against the formula for each mechanism:
+    ring (all-gather form)  per layer 2 all-gathers (K, V) forward + 2 reduce-scatters backward of B x Hkv x T x D
+                            values: wire = 4 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
+    ulysses                 per layer 4 all-to-alls forward (q, k, v, out) + 4 backward of the local
+                            B x (H or Hkv) x T/cp x D values (kv heads repeated to H when not divisible by cp):
+                            wire = 2 x (2 H + 2 Hkv') x B x T/cp x D x 4 bytes x (cp - 1) / cp
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+from hfpar.comm_stats import CommCounter  # noqa: E402
+from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+
+LENGTHS = (1024, 2048, 4096, 8192)
+CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+           num_key_value_heads=4, max_position_embeddings=16384, use_cache=False)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CFG))
+    model.set_attn_implementation(register_cp_attention())
+    return model
+
+
+def _measure(rank: int, world: int, mode: str, seq_len: int) -> dict:
+    model = _model()
+    ids = torch.randint(0, 512, (1, seq_len), generator=torch.Generator().manual_seed(1))
+    batch = shift_labels({"input_ids": ids, "labels": ids.clone()})
+    local, rows = shard_batch(batch, rank, world)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            saved += t.untyped_storage().nbytes()
+        return t
+
+    counter = CommCounter().install() if world > 1 else None
+    t0 = time.perf_counter()
+    with cp_rows(rows, group, mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    with cp_rows(rows, group, mode):
+        logits.float().square().mean().backward()
+    dt = time.perf_counter() - t0
+    wire = counter.wire_total() if counter is not None else 0.0
+    if counter is not None:
+        counter.uninstall()
+    return {"saved_bytes": saved, "wire_bytes": wire, "seconds": dt, "tokens_per_s": seq_len / dt}
+
+
+def theory_wire(mode: str, cp: int, seq_len: int) -> float:
+    if cp == 1:
+        return 0.0
+    d = CFG["hidden_size"] // CFG["num_attention_heads"]
+    layers, h, hkv = CFG["num_hidden_layers"], CFG["num_attention_heads"], CFG["num_key_value_heads"]
+    if mode == "ring":
+        return layers * 4 * hkv * seq_len * d * 4 * (cp - 1) / cp
+    kv = hkv if hkv % cp == 0 else h                                     # kv heads repeated when fewer than cp
+    return layers * 2 * (2 * h + 2 * kv) * (seq_len // cp) * d * 4 * (cp - 1) / cp
+
+
+def main() -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seq_len in LENGTHS:
+        one = _measure(0, 1, "ring", seq_len)
+        rows.append({"seq_len": seq_len, "cp": 1, "mode": "-", **one, "theory_wire_bytes": 0.0})
+        for cp in (2, 4):
+            for mode in ("ring", "ulysses"):
+                r = run_distributed(_measure, cp, mode, seq_len, timeout=1800)[0]
+                rows.append({"seq_len": seq_len, "cp": cp, "mode": mode, **r,
+                             "theory_wire_bytes": theory_wire(mode, cp, seq_len)})
+                print(rows[-1], flush=True)
+    longest = rows[-1]["seq_len"]
+    base = {r["seq_len"]: r["saved_bytes"] for r in rows if r["cp"] == 1}
+    budget = base[LENGTHS[1]]  # the cp=1 activation bytes at 2k tokens
+    fits = {f"cp{cp}_{m}": max([r["seq_len"] for r in rows if r["cp"] == cp and r["mode"] == m
+                                and r["saved_bytes"] <= budget] or [0])
+            for cp, m in ((1, "-"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "ulysses"))}
+    (RESULTS / "context_parallel_cpu.json").write_text(json.dumps({"rows": rows, "budget_bytes": budget,
+                                                                     "longest_within_budget": fits}, indent=2))
+    md = ["# Context parallelism (CPU, gloo, fp32)", "",
+          "Command: `python benchmarks/context_parallel.py` (Llama hidden 256, 4 layers, 8 heads / 4 kv heads, one row "
+          "of T tokens; rank 0's numbers)", "",
+          "| T | cp | mode | activation MB | vs cp=1 | wire MB | theory MB | wire / theory | tokens/s |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["wire_bytes"] / r["theory_wire_bytes"] if r["theory_wire_bytes"] else float("nan")
+        md.append(f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['saved_bytes'] / 1e6:.1f} | "
+                  f"{r['saved_bytes'] / base[r['seq_len']]:.2f} | {r['wire_bytes'] / 1e6:.1f} | "
+                  f"{r['theory_wire_bytes'] / 1e6:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} |")
+    md += ["", f"Longest T (of {', '.join(map(str, LENGTHS))}) whose activations fit the cp=1 bytes at "
+           f"{LENGTHS[1]} tokens ({budget / 1e6:.1f} MB): " + ", ".join(f"{k} {v}" for k, v in fits.items()) + ".",
+           f"At T={longest}: activation bytes per rank cp=2 / cp=1 = "
+           + ", ".join(f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}" for r in rows
+                       if r["seq_len"] == longest and r["cp"] == 2)
+           + "; cp=4 / cp=1 = " + ", ".join(f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}" for r in rows
+                                            if r["seq_len"] == longest and r["cp"] == 4) + "."]
+    (RESULTS / "context_parallel_cpu.md").write_text("\n".join(md) + "\n")
+    import matplotlib  # noqa: PLC0415  (an optional extra, for the plot only)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for cp, m, style in ((1, "-", "k-o"), (2, "ring", "b-o"), (2, "ulysses", "b--s"), (4, "ring", "g-o"),
+                         (4, "ulysses", "g--s")):
+        pts = [(r["seq_len"], r["saved_bytes"] / 1e6) for r in rows if r["cp"] == cp and r["mode"] == m]
+        ax.plot(*zip(*pts), style, label=f"cp={cp}" + (f" {m}" if cp > 1 else ""))
+    ax.axhline(budget / 1e6, color="gray", lw=0.8, ls=":", label="budget (cp=1 at 2k)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("MB saved for backward, rank 0")
+    ax.set_title("context parallelism: activation memory per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "context_parallel_cpu.png", dpi=110)
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Context-parallel attention for HF models: each rank holds T / cp tokens of every row; attention is exact over
+the whole row, causal within each document of a packed row, whichever way the cut splits the documents.
+
+    register_cp_attention()                                   # once: "hfpar_cp" in transformers' registry
+    model.set_attn_implementation("hfpar_cp")
+    with cp_rows(rows, cp_group, mode="ring"):                # forward AND backward (checkpoint recompute)
+        loss = loss_fn(model(**local_batch).logits, ...)
+        loss.backward()
+
+Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's zigzag token order):
+  ring     the all-gather form of ring attention (as Llama 3's context parallelism): K and V of the whole row
+           are all-gathered over the cp group, each rank attends its own queries to them under the row's
+           document-causal mask with one softmax, so the result is exact without a log-sum-exp merge;
+           backward reduce-scatters dK / dV. Works for any head count; K / V of one layer held in full.
+  ulysses  all-to-all from sequence-sharded (B, H, T/cp, D) to head-sharded (B, H/cp, T, D), full-row attention
+           on the local heads, all-to-all back. Needs H divisible by cp; kv heads fewer than cp (or not
+           divisible by it) are repeated to the query heads first, not refused.
+Both use SDPA with an explicit boolean mask built from the row layout (layout.py), so they run on CPU and
+GPU alike; padding tokens attend to themselves only (no empty softmax row, no NaN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from ..comm import all_to_all_single_autograd, gather_from_sequence_parallel_region, group_size
+from .layout import RowLayout
+
+NAME = "hfpar_cp"
+MODES = ("ring", "ulysses")
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def cp_rows(rows: RowLayout, group, mode: str):
+    """Publish the current batch's row layout, cp group and mode to the attention function."""
+    if mode not in MODES:
+        raise ValueError(f"cp_mode {mode!r}: valid values are {', '.join(MODES)}")
+    previous = getattr(_state, "cur", None)
+    _state.cur = (rows, group, mode)
+    try:
+        yield
+    finally:
+        _state.cur = previous
+
+
+def _mask(doc: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """(B, 1, Tq, Tk) True where query position q_pos[i] may attend key position k_pos[j]: same document,
+    key not after the query; a padding query (doc -1) attends to itself only."""
+    dq, dk = doc[:, q_pos], doc[:, k_pos]                                      # (B, Tq), (B, Tk)
+    same = (dq[:, :, None] == dk[:, None, :]) & (dq[:, :, None] >= 0)         # (B, Tq, Tk)
+    causal = k_pos[None, None, :] <= q_pos[None, :, None]                       # (1, Tq, Tk)
+    self_pad = (dq[:, :, None] < 0) & (k_pos[None, None, :] == q_pos[None, :, None])
+    return ((same & causal) | self_pad)[:, None]
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
+
+
+def _sdpa(q, k, v, mask, scaling) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:                                               # GQA
+        k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+
+
+def ring_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tensor:
+    """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D)."""
+    k_all = gather_from_sequence_parallel_region(k, dim=2, group=group)       # (B, Hkv, T, D), gathered order
+    v_all = gather_from_sequence_parallel_region(v, dim=2, group=group)
+    order = rows.order if group_size(group) > 1 else rows.local
+    return _sdpa(q, k_all, v_all, _mask(rows.doc, rows.local, order), scaling)
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, Tl, D) -> (B, H/cp, cp*Tl, D): head block j to rank j, sequence blocks concatenated in rank order."""
+    cp = group_size(group)
+    b, h, t, d = x.shape
+    x = x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()   # (cp, B, H/cp, Tl, D)
+    x = all_to_all_single_autograd(x.reshape(cp, -1), None, None, group)     # row j <- rank j's block
+    return x.reshape(cp, b, h // cp, t, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of _seq_to_heads: (B, H/cp, cp*Tl, D) -> (B, H, Tl, D)."""
+    cp = group_size(group)
+    b, hl, t_all, d = x.shape
+    t = t_all // cp
+    x = x.reshape(b, hl, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()       # (cp, B, H/cp, Tl, D)
+    x = all_to_all_single_autograd(x.reshape(cp, -1), None, None, group)
+    return x.reshape(cp, b, hl, t, d).permute(1, 0, 2, 3, 4).reshape(b, cp * hl, t, d)
+
+
+def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tensor:
+    cp = group_size(group)
+    h, hkv = q.shape[1], k.shape[1]
+    if h % cp:
+        raise ValueError(f"ulysses attention: {h} attention heads (per TP rank) are not divisible by cp_size {cp}; "
+                         "use --cp_mode ring")
+    if hkv % cp:                                                               # too few kv heads: repeat them
+        k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
+    order = rows.order if cp > 1 else rows.local
+    qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))                  # (B, H/cp, T, D) gathered order
+    out = _sdpa(qh, kh, vh, _mask(rows.doc, order, order), scaling)
+    return _heads_to_seq(out, group)
+
+
+def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature; returns ((B, Tl, H, D), None) like sdpa_attention_forward."""
+    state = getattr(_state, "cur", None)
+    if state is None:
+        raise RuntimeError("hfpar_cp attention called outside `with cp_rows(...)`: the row layout of the batch is "
+                           "unknown (the trainer sets it; in your own loop, shard the batch with shard_batch)")
+    if dropout:
+        raise ValueError("context-parallel attention: attention dropout is not supported; set attention_dropout 0")
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        raise ValueError(f"context-parallel attention: {type(module).__name__} uses sliding-window attention, which "
+                         "hfpar's context parallelism does not implement")
+    rows, group, mode = state
+    fn = ring_attention if mode == "ring" else ulysses_attention
+    out = fn(query, key, value, rows, group, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_cp_attention() -> str:
+    AttentionInterface.register(NAME, cp_attention_forward)
+    return NAME
