@@ -35,4 +35,4 @@ def record(name: str, key: str, value, *, command: str) -> None:
     data.update(command=command, torch=torch.__version__, machine=platform.machine())
     data.setdefault("values", {})[key] = _round(value)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")

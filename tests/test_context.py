@@ -172,7 +172,7 @@ def _members(group) -> list[int]:
 
 def _groups_worker(rank: int, world_size: int) -> dict:
     out = {}
-    for name, deg in (("tp2-ep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2))):
+    for name, deg in (("tp2-ep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2)), ("tp2-cp2", dict(tp=2, cp=2))):
         ctx = ParallelContext.plan(world_size, rank, **deg).build_groups()
         groups = dict(ctx.groups)
         assert ctx.build_groups().groups == groups          # idempotent: no second set of groups
@@ -187,23 +187,28 @@ def test_build_groups_on_4_ranks():
     layouts = {"tp2-ep2": {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "ep": [[0, 2], [1, 3]],
                            "edp": [[0], [1], [2], [3]]},
                "ep2": {"tp": [[0], [1], [2], [3]], "dp": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]],
-                       "edp": [[0, 2], [1, 3]]}}
+                       "edp": [[0, 2], [1, 3]], "replica": [[0, 1, 2, 3]]},
+               # rank = cp_rank * tp + tp_rank (dp 1): grads averaged over dp x cp = the cp group here
+               "tp2-cp2": {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
+                           "replica": [[0, 2], [1, 3]]}}
     for rank, res in enumerate(results):
         for name, want in layouts.items():
-            ctx = ParallelContext.plan(4, rank, **({"tp": 2, "ep": 2} if name == "tp2-ep2" else {"ep": 2}))
+            ctx = ParallelContext.plan(4, rank, **{"tp2-ep2": {"tp": 2, "ep": 2}, "ep2": {"ep": 2},
+                                                   "tp2-cp2": {"tp": 2, "cp": 2}}[name])
             got = res[name]
             mine = {k: next(g for g in v if rank in g) for k, v in want.items()}
             for axis in AXES:
                 assert got[axis] == next(g for g in ctx.rank_lists(axis) if rank in g), (rank, name, axis)
             assert {k: got[k] for k in mine} == mine, (rank, name, got)
-            assert got["cp"] == got["pp"] == [rank]
+            assert got["pp"] == [rank] and (name == "tp2-cp2" or got["cp"] == [rank])
             assert got["props"] == [got[k] for k in ("tp", "dp", "cp", "pp", "ep", "edp")]
 
 
 def test_build_groups_without_torch_distributed():
     assert not dist.is_initialized()
     ctx = ParallelContext.plan(1).build_groups()
-    assert set(ctx.groups) == {"tp", "dp", "cp", "pp", "ep", "edp"}
+    assert set(ctx.groups) == {"tp", "dp", "cp", "pp", "ep", "edp", "replica"}
     assert all(g is None for g in ctx.groups.values())
-    assert (ctx.tp_group, ctx.dp_group, ctx.ep_group, ctx.edp_group, ctx.cp_group, ctx.pp_group) == (None,) * 6
+    assert (ctx.tp_group, ctx.dp_group, ctx.ep_group, ctx.edp_group, ctx.cp_group, ctx.pp_group,
+            ctx.replica_group) == (None,) * 7
     assert (ctx.tp_rank, ctx.dp_rank, ctx.ep_rank, ctx.parallelisms, ctx.model_parallel) == (0, 0, 0, (), False)
