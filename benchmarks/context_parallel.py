@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
+from benchmarks.activation_bytes import saved_tensor_bytes  # noqa: E402
 from hfpar.comm_stats import CommCounter  # noqa: E402
 from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -52,21 +53,11 @@ def _measure(rank: int, world: int, mode: str, seq_len: int) -> dict:
     batch = shift_labels({"input_ids": ids, "labels": ids.clone()})
     local, rows = shard_batch(batch, rank, world)
     group = dist.group.WORLD if dist.is_initialized() else None
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            saved += t.untyped_storage().nbytes()
-        return t
-
     counter = CommCounter().install() if world > 1 else None
     t0 = time.perf_counter()
-    with cp_rows(rows, group, mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    with cp_rows(rows, group, mode):
+        saved, logits = saved_tensor_bytes(
+            model, lambda: model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits)
     with cp_rows(rows, group, mode):
         logits.float().square().mean().backward()
     dt = time.perf_counter() - t0

@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
+from benchmarks.activation_bytes import saved_tensor_bytes  # noqa: E402
+
 
 def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -36,20 +38,7 @@ def _model():
 
 def saved_bytes(model, ids) -> int:
     """Bytes of activations autograd keeps for backward; parameters (also saved by matmuls) excluded."""
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, use_cache=False).logits.sum()
-    return total
+    return saved_tensor_bytes(model, lambda: model(input_ids=ids, use_cache=False).logits.sum())[0]
 
 
 def _ranked(rank: int, world: int, sp: bool):

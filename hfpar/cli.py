@@ -58,6 +58,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_rank", type=_positive(int), default=16, help="LoRA rank with --lora (default 16)")
     p.add_argument("--tp_size", type=_positive(int), default=None, help="consider only this TP degree")
     p.add_argument("--ep_size", type=_positive(int), default=None, help="consider only this EP degree (MoE)")
+    p.add_argument("--cp_size", type=_positive(int), default=None,
+                   help="consider only this context-parallel degree (long sequences)")
     p.add_argument("--attn_implementation", choices=("sdpa", "eager"), default="sdpa",
                    help="eager stores the s x s attention scores (default sdpa)")
     return p
@@ -89,7 +91,7 @@ def plan_main(argv: list[str]) -> None:
         text, _ = plan(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb, num_nodes=a.num_nodes,
                        seq_len=a.seq_len, batch_size=a.batch_size, mixed_precision=a.mixed_precision,
                        lora_rank=a.lora_rank if a.lora else 0, tp_size=a.tp_size, ep_size=a.ep_size,
-                       attn_implementation=a.attn_implementation)
+                       attn_implementation=a.attn_implementation, cp_size=a.cp_size)
     except PlanError as e:
         fail(str(e))
     print(text)

@@ -144,17 +144,20 @@ def activation_bytes(stats: ModelStats, seq_len: int, batch_size: int, *, tp: in
     return int(body * act_bytes / 2 + logits)
 
 
-def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_size: int = 1, seq_len: int = 2048,
+def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_size: int = 1, cp_size: int = 1,
+             seq_len: int = 2048,
              batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, checkpointing: bool = False,
              attn_implementation: str = "sdpa") -> dict[str, int]:
     """Bytes per rank by category: params, grads, optimizer (persistent, what a rank holds between steps),
     buffers (transient: all-gathered layers, DDP gradient buckets), activations, total; cpu (bytes per
     rank kept in host RAM by offload). `strategy` is a data-parallel one; tp_size composes with ddp and
-    fsdp2, ep_size with ddp (what hfpar runs). config: a transformers config or ModelStats."""
+    fsdp2, ep_size with ddp (what hfpar runs). cp_size: each rank holds seq_len / cp tokens of every row
+    (activations and logits / cp; the ring's gathered K / V of one layer are not counted); FSDP2 / ZeRO
+    shard over dp x cp. config: a transformers config or ModelStats."""
     stats = model_stats(config)
     if strategy not in DATA_PARALLEL:
         raise PlanError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
-    degrees = ParallelContext(world=world_size, tp=tp_size, ep=ep_size).problems()  # the runs' own check
+    degrees = ParallelContext(world=world_size, tp=tp_size, ep=ep_size, cp=cp_size).problems()  # the runs' own check
     if degrees:
         raise PlanError("; ".join(degrees))
     # what this estimator models (a subset of the support matrix, hfpar.backends.SUPPORT)
@@ -163,7 +166,7 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     check_tp(stats, tp_size)
     check_ep(stats, ep_size)
     bp, bg, bo = state_bytes_per_param(mixed_precision)
-    dp = world_size // tp_size
+    dp = world_size // (tp_size * cp_size) * cp_size  # the ranks states are sharded over: dp x cp
     # parameters this rank's model replica holds after TP / EP splitting
     local = stats.n_tp_replicated + (stats.n_params - stats.n_tp_replicated) / tp_size
     local -= stats.n_expert * (1 - 1 / ep_size)
@@ -184,7 +187,7 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
         out["params"] = out["grads"] = out["optimizer"] = 0.0
     act_bytes = 2 if mixed_precision == "bf16" else 4
     out["buffers"] = buffers
-    out["activations"] = activation_bytes(stats, seq_len, batch_size, tp=tp_size, checkpointing=checkpointing,
+    out["activations"] = activation_bytes(stats, seq_len // cp_size, batch_size, tp=tp_size, checkpointing=checkpointing,
                                           act_bytes=act_bytes, attn_implementation=attn_implementation)
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
@@ -197,16 +200,18 @@ class Candidate:
     strategy: str  # data-parallel strategy = accelerate config name
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def label(self) -> str:
         extra = f" + TP{self.tp}" if self.tp > 1 else f" + EP{self.ep}" if self.ep > 1 else ""
+        extra += f" + CP{self.cp}" if self.cp > 1 else ""
         return {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 offload",
                 "ddp": "DDP", "fsdp2": "FSDP2"}[self.strategy] + extra
 
 
 def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int | None = None,
-               ep_size: int | None = None) -> list[Candidate]:
+               ep_size: int | None = None, cp_size: int | None = None) -> list[Candidate]:
     """Every strategy the model allows, in the order of the recommendation rule."""
     out = [Candidate(s) for s in ("ddp", "fsdp2", "zero1", "zero2", "zero3")]
     tps = [tp_size] if tp_size else [t for t in valid_tp_sizes(stats, gpus_per_node) if world % t == 0]
@@ -216,15 +221,28 @@ def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int |
         eps = [ep_size] if ep_size else [e for e in range(2, min(world, stats.num_experts) + 1)
                                          if stats.num_experts % e == 0 and world % e == 0]
         out += [Candidate("ddp", ep=e) for e in eps if e > 1]
+    cps = [cp_size] if cp_size else [2, 4, 8]
+    out += [Candidate(s, cp=c) for c in cps if c > 1 and world % c == 0 for s in ("ddp", "fsdp2")]
     return out + [Candidate("zero3_offload")]
 
 
 def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float) -> tuple[Candidate, bool] | None:
     """The rule: model states fit with DDP -> DDP; else FSDP2 (or ZeRO-3); still not -> TP / EP, then
-    ZeRO-3 offload. Activation checkpointing only when needed. rows: (candidate, no ckpt, ckpt)."""
-    order = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == 1]
-    order += [r for r in rows if r[0].strategy == "zero3"]
-    order += sorted((r for r in rows if r[0].tp > 1 or r[0].ep > 1), key=lambda r: (r[0].tp * r[0].ep, r[0].strategy))
+    ZeRO-3 offload. Activation checkpointing only when needed. Context parallelism (CP) comes before TP / EP
+    when activations dominate (more than half of FSDP2's total at the requested seq_len), after them otherwise;
+    then a CP degree that fits without activation checkpointing is preferred to checkpointing.
+    rows: (candidate, no ckpt, ckpt)."""
+    plain = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == r[0].cp == 1]
+    order = plain + [r for r in rows if r[0].strategy == "zero3"]
+    fsdp2 = next((r[1] for r in plain if r[0].strategy == "fsdp2"), None)
+    cp_first = fsdp2 is not None and fsdp2["activations"] > fsdp2["total"] / 2
+    cps = sorted((r for r in rows if r[0].cp > 1), key=lambda r: (r[0].cp, r[0].strategy))
+    mps = sorted((r for r in rows if r[0].tp > 1 or r[0].ep > 1), key=lambda r: (r[0].tp * r[0].ep, r[0].strategy))
+    order += cps + mps if cp_first else mps + cps
+    if cp_first:  # activations dominate: cutting the sequence beats recomputing it, if that fits outright
+        for cand, plain_est, _ in plain + cps:
+            if plain_est["total"] <= budget:
+                return cand, False
     order += [r for r in rows if r[0].strategy == "zero3_offload"]
     for cand, plain, ckpt in order:
         if plain["total"] <= budget:
@@ -246,12 +264,14 @@ def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, 
     cmd += f" recipes/sft.py --model_name_or_path {model} --max_seq_length {seq_len} --per_device_train_batch_size {batch_size}"
     cmd += f" --tp_size {cand.tp}" if cand.tp > 1 else ""
     cmd += f" --ep_size {cand.ep}" if cand.ep > 1 else ""
+    cmd += f" --cp_size {cand.cp}" if cand.cp > 1 else ""
     return cmd + (" --gradient_checkpointing" if checkpointing else "")
 
 
 def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1, seq_len: int = 2048,
          batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, tp_size: int | None = None,
-         ep_size: int | None = None, attn_implementation: str = "sdpa") -> tuple[str, Candidate | None]:
+         ep_size: int | None = None, attn_implementation: str = "sdpa",
+         cp_size: int | None = None) -> tuple[str, Candidate | None]:
     """The readable table, the recommendation and its launch command; returns (text, recommended)."""
     stats = model_stats(config)
     world = num_gpus * num_nodes
@@ -266,9 +286,9 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
     budget = gpu_memory_gb * GiB * (1 - RESERVE)
     kw = dict(seq_len=seq_len, batch_size=batch_size, mixed_precision=mixed_precision, lora_rank=lora_rank,
               attn_implementation=attn_implementation)
-    rows = [(c, estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, **kw),
-             estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, checkpointing=True, **kw))
-            for c in candidates(stats, num_gpus, world, tp_size, ep_size)]
+    rows = [(c, estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, **kw),
+             estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, checkpointing=True, **kw))
+            for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size)]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
     lines = [f"{model}: {stats.n_params / 1e9:.3f}B parameters ({stats.n_layers} layers, hidden {stats.hidden}, "

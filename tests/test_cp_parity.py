@@ -1,7 +1,8 @@
 """Context parallelism end to end (`--cp_size 2 --cp_mode ring|ulysses` through the sft recipe), parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: cp=2 ring and ulysses under ddp.yaml, fsdp2.yaml and
-zero3.yaml (2 processes), cp=2 x dp=2 under fsdp2.yaml and cp=2 x tp=2 (4 processes): per-step loss and grad_norm
+zero3.yaml (2 processes), cp=2 with ZeRO-2 and activation checkpointing, cp=2 x dp=2 under fsdp2.yaml and cp=2 x
+tp=2 with and without sequence parallelism (4 processes): per-step loss and grad_norm
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
 """
@@ -26,6 +27,8 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "cp2_ulysses_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--cp_size", "2"]),
     "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
+    "cp2_tp2_sp": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
+    "cp2_zero2_checkpointing": ("zero2", 2, "4", ["--cp_size", "2", "--gradient_checkpointing"]),
 }
 PACKED = {  # the same packed rows at cp = 1, 2 (8 steps) and 4 (2 steps)
     "packed_cp1": ("single", 1, "4", ["--packing"]),
@@ -57,18 +60,18 @@ def test_cp_matches_single_per_step(cp_runs, single_run, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_cp_export_matches_single(cp_runs, single_run, base_model, case):
-    assert_export_matches(single_run, cp_runs[case], case)
+def test_cp_export_matches_single(cp_runs, single_run, base_weights, case):
+    assert_export_matches(single_run, cp_runs[case], case, initial=base_weights)
     info = read_run_info(cp_runs[case])
     assert info["cp_size"] == 2 and info["cp_mode"] in ("ring", "ulysses")
 
 
-def test_packed_rows_same_training_at_every_cp(cp_runs):
+def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):
     ref, _ = read_metrics(cp_runs["packed_cp1"])
     got, _ = read_metrics(cp_runs["packed_cp2"])
     assert_close_series(ref, got, "loss", TOL, "packed cp2")
     assert_close_series(ref, got, "grad_norm", TOL, "packed cp2")
-    assert_export_matches(cp_runs["packed_cp1"], cp_runs["packed_cp2"], "packed cp2")
+    assert_export_matches(cp_runs["packed_cp1"], cp_runs["packed_cp2"], "packed cp2", initial=base_weights)
     four, _ = read_metrics(cp_runs["packed_cp4"])
     assert_close_series(ref[:2], four, "loss", TOL, "packed cp4")
 

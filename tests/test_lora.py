@@ -48,6 +48,7 @@ RUNS = {
     "zero3": ("zero3", 2, "sft", []),
     "fsdp2_merged": ("fsdp2", 2, "sft", ["--merge_adapter"]),
     "classify": ("single", 1, "classify", ["--max_steps", "4"]),
+    "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
 }
 
 
@@ -160,6 +161,17 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     assert len(ref) == len(got) == 8 and ref[-1]["loss"] < ref[0]["loss"]
     assert_close_series(ref, got, "loss", TOL, strategy)
     assert_close_series(ref, got, "grad_norm", TOL, strategy)
+
+
+@slow
+def test_lora_with_context_parallelism_matches_single(runs):
+    """LoRA with --cp_size 2: the same training as one process, per step and in the exported adapter."""
+    ref, _ = read_metrics(runs["single"])
+    got, _ = read_metrics(runs["cp2"])
+    assert_close_series(ref, got, "loss", TOL, "lora cp2")
+    assert_close_series(ref, got, "grad_norm", TOL, "lora cp2")
+    a, b = _adapter(runs["single"]), _adapter(runs["cp2"])
+    assert a.keys() == b.keys() and all((a[k] - b[k]).norm() <= TOL * a[k].norm().clamp(min=1e-12) for k in a)
 
 
 @slow

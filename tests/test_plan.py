@@ -11,10 +11,11 @@ import sys
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from hfpar import data
 from hfpar.cli import main as cli
-from hfpar.plan import estimate
+from hfpar.plan import PlanError, estimate, plan
 from tests.launch import read_run_info
 from tests.results import record
 
@@ -181,3 +182,19 @@ def test_help(tool, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_plan_context_parallel_estimate_and_recommendation():
+    """cp cuts every row's tokens over the cp ranks: activations / cp, states sharded over dp x cp; the plan
+    recommends CP (without recomputation) when activations dominate at the requested seq_len, not otherwise."""
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=32000)
+    one = estimate(cfg, "fsdp2", 8, seq_len=65536)
+    two = estimate(cfg, "fsdp2", 8, seq_len=65536, cp_size=2)
+    assert abs(two["activations"] / one["activations"] - 0.5) < 1e-6 and two["params"] == one["params"]
+    with pytest.raises(PlanError, match="--tp_size 2 x --cp_size 3 = 6 does not divide the world size 8"):
+        estimate(cfg, "fsdp2", 8, tp_size=2, cp_size=3)
+    text, cand = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, seq_len=65536)
+    assert cand.cp > 1 and f"--cp_size {cand.cp}" in text and "--gradient_checkpointing" not in text.splitlines()[-1]
+    _, short = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, seq_len=2048)
+    assert short.cp == 1
