@@ -69,12 +69,14 @@ class ParallelContext:
         if p:
             pass  # the degrees themselves are wrong: divisibility is not meaningful yet
         elif self.world % model:
-            what = f"--tp_size {self.tp}" + (f" x --cp_size {self.cp}" if self.cp > 1 else "") + (
-                f" x --pp_size {self.pp}" if self.pp > 1 else "")
-            p.append(f"{what}{f' = {model}' if model != self.tp else ''} does not divide the world size {self.world} "
-                     "(world = data-parallel size x model-parallel degrees; valid --tp_size here: "
-                     + (", ".join(str(d) for d in range(1, self.world + 1) if self.world % (d * self.cp * self.pp) == 0)
-                        or "none") + ")")
+            degrees = {n: getattr(self, n) for n in ("tp", "cp", "pp") if getattr(self, n) > 1}
+            what = " x ".join(f"--{n}_size {d}" for n, d in degrees.items())
+            flag = next(reversed(degrees))                      # the valid values of the last degree, others kept
+            others = model // degrees[flag]
+            valid = [d for d in range(1, self.world + 1) if self.world % (d * others) == 0]
+            p.append(f"{what}{f' = {model}' if len(degrees) > 1 else ''} does not divide the world size {self.world} "
+                     f"(world = data-parallel size x model-parallel degrees; valid --{flag}_size here: "
+                     + (", ".join(map(str, valid)) or "none") + ")")
         elif self.dp % self.ep:
             p.append(f"--ep_size {self.ep} does not divide the data-parallel size {self.dp} "
                      f"(world {self.world} / tp {self.tp}{f' / cp {self.cp}' if self.cp > 1 else ''}"

@@ -25,6 +25,7 @@ AXES = ("tp", "dp", "cp", "pp")
     (dict(world=8, tp=3), ["--tp_size 3 does not divide the world size 8", "valid --tp_size here: 1, 2, 4, 8"]),
     (dict(world=6, tp=4), ["--tp_size 4 does not divide the world size 6", "valid --tp_size here: 1, 2, 3, 6"]),
     (dict(world=8, tp=3, cp=2), ["--tp_size 3 x --cp_size 2 = 6 does not divide the world size 8"]),
+    (dict(world=8, cp=3), ["--cp_size 3 does not divide the world size 8", "valid --cp_size here: 1, 2, 4, 8"]),
     (dict(world=8, tp=2, ep=3), ["--ep_size 3 does not divide the data-parallel size 4", "world 8 / tp 2",
                                  "valid --ep_size: 1, 2, 4"]),
     (dict(world=6, ep=4), ["--ep_size 4 does not divide the data-parallel size 6", "valid --ep_size: 1, 2, 3, 6"]),
@@ -32,7 +33,7 @@ AXES = ("tp", "dp", "cp", "pp")
     (dict(world=4, tp=0), ["--tp_size 0: must be a positive integer"]),
     (dict(world=4, ep=-2), ["--ep_size -2: must be a positive integer"]),
     (dict(world=4, pp=0), ["--pp_size 0: must be a positive integer"]),
-], ids=["tp-world", "tp-world-6", "tp-cp-world", "ep-dp", "ep-dp-6", "sp-tp1", "tp0", "ep-neg", "pp0"])
+], ids=["tp-world", "tp-world-6", "tp-cp-world", "cp-world", "ep-dp", "ep-dp-6", "sp-tp1", "tp0", "ep-neg", "pp0"])
 def test_single_refusal_names_value_and_valid_ones(kwargs, expected):
     world = kwargs.pop("world")
     with pytest.raises(ContextError) as e:

@@ -1,7 +1,7 @@
 """Context parallelism end to end (`--cp_size 2 --cp_mode ring|ulysses` through the sft recipe), parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: cp=2 ring and ulysses under ddp.yaml, fsdp2.yaml and
-zero3.yaml (2 processes), cp=2 with ZeRO-2 and activation checkpointing, cp=2 x dp=2 under fsdp2.yaml and cp=2 x
+zero3.yaml (2 processes), cp=2 under zero1.yaml, cp=2 with ZeRO-2 and activation checkpointing, cp=2 x dp=2 under fsdp2.yaml and cp=2 x
 tp=2 with and without sequence parallelism (4 processes): per-step loss and grad_norm
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
@@ -29,6 +29,7 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
     "cp2_tp2_sp": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
     "cp2_zero2_checkpointing": ("zero2", 2, "4", ["--cp_size", "2", "--gradient_checkpointing"]),
+    "cp2_zero1": ("zero1", 2, "4", ["--cp_size", "2"]),
 }
 PACKED = {  # the same packed rows at cp = 1, 2 (8 steps) and 4 (2 steps)
     "packed_cp1": ("single", 1, "4", ["--packing"]),

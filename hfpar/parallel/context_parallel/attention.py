@@ -16,7 +16,9 @@ Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's z
            on the local heads, all-to-all back. Needs H divisible by cp; kv heads fewer than cp (or not
            divisible by it) are repeated to the query heads first, not refused.
 Both use SDPA with an explicit boolean mask built from the row layout (layout.py), so they run on CPU and
-GPU alike; padding tokens attend to themselves only (no empty softmax row, no NaN).
+GPU alike; padding tokens attend to themselves only (no empty softmax row, no NaN). When every row is one
+document without padding, Ulysses puts the tokens back in position order and uses SDPA's own causal mask
+instead (a T x T mask would be kept for backward: 4 bytes per pair, the largest tensor of the step at long T).
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
 
 
-def _sdpa(q, k, v, mask, scaling) -> torch.Tensor:
+def _sdpa(q, k, v, mask, scaling, is_causal: bool = False) -> torch.Tensor:
     if k.shape[1] != q.shape[1]:                                               # GQA
         k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal)
 
 
 def ring_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tensor:
@@ -106,7 +108,12 @@ def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Te
         k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
     order = rows.order if cp > 1 else rows.local
     qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))                  # (B, H/cp, T, D) gathered order
-    out = _sdpa(qh, kh, vh, _mask(rows.doc, order, order), scaling)
+    if rows.causal:  # one document per row: reorder to positions and let SDPA mask causally (no T x T mask kept)
+        inv = torch.argsort(order)
+        qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))         # (B, H/cp, T, D) position order
+        out = _sdpa(qh, kh, vh, None, scaling, is_causal=True).index_select(2, order)
+    else:
+        out = _sdpa(qh, kh, vh, _mask(rows.doc, order, order), scaling)
     return _heads_to_seq(out, group)
 
 

@@ -27,6 +27,7 @@ class RowLayout:
     order: torch.Tensor        # (T,) global position of each token in cp-gathered order (rank 0's tokens first)
     local: torch.Tensor        # (T / cp,) global positions this rank holds, in its local order
     cp: int
+    causal: bool = False       # every row is one document without padding: plain causal attention suffices
 
 
 def zigzag_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -82,5 +83,7 @@ def shard_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, RowLayout]:
     out = {}
     for k, v in {**batch, "position_ids": pos}.items():
         out[k] = v[:, local] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == seq_len else v
-    rows = RowLayout(doc=document_ids(pos, mask), order=gathered_order(seq_len, cp).to(ids.device), local=local, cp=cp)
+    doc = document_ids(pos, mask)
+    rows = RowLayout(doc=doc, order=gathered_order(seq_len, cp).to(ids.device), local=local, cp=cp,
+                     causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()))
     return out, rows
