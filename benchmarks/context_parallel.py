@@ -5,7 +5,8 @@ budget, communication bytes against theory (ring and Ulysses), and tokens/s, at 
 
 Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
 backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
-256, 4 layers, 8 heads, 4 kv heads, fp32), one row of T tokens cut over cp gloo ranks on CPU. Communication: the
+256, 4 layers, 8 heads, 4 kv heads, fp32), one row of T tokens cut over cp gloo ranks on CPU; cp=1 is the stock
+model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the
 bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
 --log_comm_bytes counter), against the formula for each mechanism:
     ring (all-gather form)  per layer 2 all-gathers (K, V) forward + 2 reduce-scatters backward of B x Hkv x T x D
@@ -40,15 +41,18 @@ CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_la
            num_key_value_heads=4, max_position_embeddings=16384, use_cache=False)
 
 
-def _model():
+def _model(cp: bool):
+    """cp=False: the stock model (transformers' SDPA, causal, no mask kept): the baseline without CP."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CFG))
-    model.set_attn_implementation(register_cp_attention())
+    model.set_attn_implementation("sdpa")
+    if cp:
+        model.set_attn_implementation(register_cp_attention())
     return model
 
 
 def _measure(rank: int, world: int, mode: str, seq_len: int) -> dict:
-    model = _model()
+    model = _model(cp=world > 1)
     ids = torch.randint(0, 512, (1, seq_len), generator=torch.Generator().manual_seed(1))
     batch = shift_labels({"input_ids": ids, "labels": ids.clone()})
     local, rows = shard_batch(batch, rank, world)
