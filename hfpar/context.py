@@ -52,11 +52,6 @@ class ParallelContext:
             raise ContextError("\n".join(problems))
         return ctx
 
-    @classmethod
-    def from_args(cls, args, world: int, rank: int = 0) -> "ParallelContext":
-        return cls.plan(world, rank, tp=args.tp_size, ep=args.ep_size, cp=args.cp_size,
-                        sequence_parallel=args.sequence_parallel)
-
     def problems(self) -> list[str]:
         """Every degree problem, one line each (no collective, no groups needed)."""
         p = []
@@ -66,9 +61,7 @@ class ParallelContext:
             if getattr(self, name) < 1:
                 p.append(f"--{name}_size {getattr(self, name)}: must be a positive integer")
         model = self.tp * self.cp * self.pp
-        if p:
-            pass  # the degrees themselves are wrong: divisibility is not meaningful yet
-        elif self.world % model:
+        if not p and self.world % model:  # (divisibility is meaningless while a degree itself is wrong)
             degrees = {n: getattr(self, n) for n in ("tp", "cp", "pp") if getattr(self, n) > 1}
             what = " x ".join(f"--{n}_size {d}" for n, d in degrees.items())
             flag = next(reversed(degrees))                      # the valid values of the last degree, others kept
@@ -77,7 +70,7 @@ class ParallelContext:
             p.append(f"{what}{f' = {model}' if len(degrees) > 1 else ''} does not divide the world size {self.world} "
                      f"(world = data-parallel size x model-parallel degrees; valid --{flag}_size here: "
                      + (", ".join(map(str, valid)) or "none") + ")")
-        elif self.dp % self.ep:
+        elif not p and self.dp % self.ep:
             p.append(f"--ep_size {self.ep} does not divide the data-parallel size {self.dp} "
                      f"(world {self.world} / tp {self.tp}{f' / cp {self.cp}' if self.cp > 1 else ''}"
                      f"{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
@@ -117,7 +110,7 @@ class ParallelContext:
     @property
     def model_parallel(self) -> bool:
         """hfpar (not Accelerate) wraps and reduces: some parameter differs across the ranks of a dp replica."""
-        return self.tp > 1 or self.ep > 1 or self.cp > 1 or self.pp > 1
+        return bool(self.parallelisms)
 
     @property
     def parallelisms(self) -> tuple[str, ...]:
@@ -146,11 +139,15 @@ class ParallelContext:
                 "cp_size": self.cp, "pp_size": self.pp}
 
     # ------------------------------------------------------------------ groups
-    def rank_lists(self, axis: str) -> list[list[int]]:
-        """All groups along one axis of the (pp, dp, cp, tp) grid, each as its list of global ranks."""
+    def rank_lists(self, *axes: str) -> list[list[int]]:
+        """All groups spanning the given axes of the (pp, dp, cp, tp) grid (one axis, or several flattened in
+        grid order, e.g. ("dp", "cp")), each as its list of global ranks."""
         grid = torch.arange(self.world).view(self.pp, self.dp, self.cp, self.tp)
-        dim = AXES.index(axis)
-        moved = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+        dims = [AXES.index(a) for a in axes]
+        size = 1
+        for d in dims:
+            size *= grid.shape[d]
+        moved = grid.movedim(dims, list(range(grid.dim() - len(dims), grid.dim()))).reshape(-1, size)
         return [row.tolist() for row in moved]
 
     def build_groups(self) -> "ParallelContext":
@@ -161,8 +158,7 @@ class ParallelContext:
         for axis in ("tp", "dp", "cp", "pp"):
             self.groups[axis] = new_groups(self.rank_lists(axis))
         # the ranks over which replicated grads are averaged: dp x cp (= dp when cp is 1)
-        grid = torch.arange(self.world).view(self.pp, self.dp, self.cp, self.tp)
-        self.groups["replica"] = new_groups([row.tolist() for row in grid.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp)])
+        self.groups["replica"] = new_groups(self.rank_lists("dp", "cp"))
         ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp"), self.ep)
         self.groups["ep"] = new_groups(ep_lists)
         self.groups["edp"] = new_groups(edp_lists)

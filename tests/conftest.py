@@ -65,9 +65,16 @@ def backend_runs(base_model, single_run, tmp_path_factory) -> dict:
     accumulation 2, checkpoints at steps 4 and 8. Shared by the parity, plan-estimate and reliability tests.
     Two launches at a time: much of a launch is process start-up and rendezvous, which overlap well."""
     root = tmp_path_factory.mktemp("backends")
-    outs = {"single": single_run, **{name: root / name for name in BACKENDS}}
-    launch_all({name: (name, 2, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(outs[name]),
-                                        "--per_device_train_batch_size", "2"]) for name in BACKENDS})
+    return {"single": single_run, **launch_cases({name: (name, 2, "2", []) for name in BACKENDS}, base_model, root)}
+
+
+def launch_cases(cases: dict, base_model: str, root, common: list[str] = COMMON) -> dict:
+    """{name: (accelerate config, processes, per-device batch, extra flags)} -> {name: output dir}: each case is
+    the sft recipe on the saved base model with `common` then its extra flags, two launches at a time."""
+    outs = {name: root / name for name in cases}
+    launch_all({name: (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                              str(outs[name]), "--per_device_train_batch_size", bs])
+                for name, (config, nproc, bs, extra) in cases.items()})
     return outs
 
 

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_export_matches, assert_resumed_like_uninterrupted
-from tests.launch import launch, launch_all, read_metrics, read_run_info
+from tests.conftest import COMMON, TOL, launch_cases, assert_close_series, assert_export_matches, assert_resumed_like_uninterrupted
+from tests.launch import launch, read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,7 @@ PACKED = {  # the same packed rows at cp = 1, 2 (8 steps) and 4 (2 steps)
 @pytest.fixture(scope="module")
 def cp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    every = {**CASES, **PACKED}
-    outs = {name: root / name for name in every}
-    launch_all({name: (config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir",
-                                              str(outs[name]), "--per_device_train_batch_size", bs, *extra])
-                for name, (config, nproc, bs, extra) in every.items()})
-    return outs
+    return launch_cases({**CASES, **PACKED}, base_model, root)
 
 
 @pytest.mark.parametrize("case", list(CASES))

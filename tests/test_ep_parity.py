@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
-from tests.launch import launch, launch_all, read_metrics, read_run_info
+from tests.conftest import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
+from tests.launch import launch, read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,7 @@ def ep_runs(base_model, tmp_path_factory):
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
             "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
             "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"])}
-    outs = {"_configs": runs, **{name: root / name for name in runs}}
-    launch_all({name: (config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
-                                              "--output_dir", str(outs[name]), "--per_device_train_batch_size", bs])
-                for name, (config, nproc, bs, extra) in runs.items()})
-    return outs
+    return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE])}
 
 
 CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4"]

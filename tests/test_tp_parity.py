@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
-from tests.launch import launch, launch_all, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
+from tests.conftest import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
+from tests.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,7 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
 @pytest.fixture(scope="module")
 def tp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    outs = {name: root / name for name in CASES}
-    launch_all({name: (config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                              str(outs[name]), "--per_device_train_batch_size", bs])
-                for name, (config, nproc, bs, extra) in CASES.items()})
-    return outs
+    return launch_cases(CASES, base_model, root)
 
 
 @pytest.mark.parametrize("case", list(CASES))

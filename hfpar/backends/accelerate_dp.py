@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hfpar.optim import build_optimizer
 
-from .base import Backend
+from .base import Backend, accelerate_clip
 
 
 class AccelerateBackend(Backend):
@@ -38,10 +38,4 @@ class AccelerateBackend(Backend):
         self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
 
     def clip(self, max_norm: float) -> float:
-        """Accelerate's clip: DDP / FSDP2 (DTensor) norms, or DeepSpeed's own (which already clipped in its step)."""
-        norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        if norm is None:
-            return float("nan")
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        return accelerate_clip(self.acc, self.model, max_norm)

@@ -72,10 +72,18 @@ class Backend:
         return 0
 
 
+def accelerate_clip(accelerator, model, max_norm: float) -> float:
+    """Accelerate's clip: DDP / FSDP2 (DTensor) norms, or DeepSpeed's own (which already clipped in its step)."""
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    if norm is None:
+        return float("nan")
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def hfpar_reduced(p: torch.Tensor) -> bool:
     """Parameters whose data-parallel grad reduction hfpar does itself (experts: ranks hold different ones)."""
     spec = shard_spec(p)
-    return spec is not None and (spec.dp_reduce_group is not None or spec.dp_size > 1)
+    return spec is not None and spec.dp_by_hfpar
 
 
 class ModelParallelBackend(Backend):

@@ -34,7 +34,7 @@ from hfpar.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
 
-from .base import Backend, hfpar_reduced
+from .base import Backend, accelerate_clip, hfpar_reduced
 
 
 class DeepSpeedMPU:
@@ -149,7 +149,7 @@ class ModelParallelDeepSpeed(Backend):
     def clip(self, max_norm: float) -> float:
         """DeepSpeed has clipped and stepped (inside backward) with the global norm: clip the experts by it."""
         if not self.experts:
-            return float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+            return accelerate_clip(self.acc, self.model, max_norm)
         for p, m in zip(self.experts, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
@@ -170,7 +170,7 @@ class ModelParallelDeepSpeed(Backend):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for p in getattr(self, "experts", []):
+        for p in self.experts:
             p.grad = None
         if self.experts:
             self.expert_optimizer.zero_grad(set_to_none=True)

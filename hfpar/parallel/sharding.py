@@ -53,6 +53,11 @@ class ShardSpec:
     def sharded(self) -> bool:
         return self.size > 1
 
+    @property
+    def dp_by_hfpar(self) -> bool:
+        """hfpar, not the data-parallel backend, reduces this grad (the backend's ranks hold different ones)."""
+        return self.dp_reduce_group is not None or self.dp_size > 1
+
     def __reduce__(self):  # process groups do not pickle (torch.save(param)): they come back as None
         return (_rebuild, ({**self.__dict__, "group": None, "partial_grad_group": None, "dp_reduce_group": None},))
 
@@ -187,31 +192,35 @@ def clip_grads_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-def _bucketed_all_reduce(grads_by_group: dict) -> None:
-    for group, grads in grads_by_group.values():
-        if group_size(group) > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(f.view_as(g))
+def _sum_grads_over(params: list[torch.Tensor], group_of) -> None:
+    """SUM each parameter's local grad over group_of(spec) (skipped when None), one flat all-reduce per group,
+    dtype and device."""
+    buckets: dict[tuple, tuple] = {}
+    for p in params:
+        group = group_of(shard_spec(p))
+        if group is not None and group_size(group) > 1:
+            g = local_tensor(p.grad)
+            buckets.setdefault((id(group), g.dtype, g.device), (group, []))[1].append(g)
+    for group, grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+
+def _with_grad(parameters: Iterable[torch.Tensor], keep) -> list[torch.Tensor]:
+    """The unique parameters that have a grad and a ShardSpec for which keep(spec) holds."""
+    return [p for p in unique_params(parameters)
+            if p.grad is not None and shard_spec(p) is not None and keep(shard_spec(p))]
 
 
 def sync_partial_grads(parameters: Iterable[torch.Tensor]) -> int:
     """SUM the grads of parameters with a partial_grad_group over it (local shards line up under FSDP2:
     every rank of the group has the same dp layout). Once per optimizer step, after the last backward,
     before clipping. Returns how many grads were synchronised."""
-    buckets: dict[tuple, tuple] = {}
-    n = 0
-    for p in unique_params(parameters):
-        spec = shard_spec(p)
-        if spec is None or spec.partial_grad_group is None or p.grad is None:
-            continue
-        g = local_tensor(p.grad)
-        key = (id(spec.partial_grad_group), g.dtype, g.device)
-        buckets.setdefault(key, (spec.partial_grad_group, []))[1].append(g)
-        n += 1
-    _bucketed_all_reduce(buckets)
-    return n
+    params = _with_grad(parameters, lambda s: s.partial_grad_group is not None)
+    _sum_grads_over(params, lambda s: s.partial_grad_group)
+    return len(params)
 
 
 def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
@@ -221,7 +230,7 @@ def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
     n = 0
     for p in unique_params(parameters):
         spec = shard_spec(p)
-        if spec is None or group_size(spec.partial_grad_group) == 1 or spec.partial_grad_group is None:
+        if spec is None or spec.partial_grad_group is None or group_size(spec.partial_grad_group) == 1:
             continue
 
         def hook(grad, group=spec.partial_grad_group):
@@ -237,22 +246,11 @@ def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
 def reduce_dp_grads(parameters: Iterable[torch.Tensor]) -> int:
     """The data-parallel reduction of grads the backend leaves to hfpar (experts: SUM over the ranks holding
     the same experts, then / dp, which is the dp mean since each expert grad already sums its EP group)."""
-    buckets: dict[tuple, tuple] = {}
-    n = 0
-    for p in unique_params(parameters):
-        spec = shard_spec(p)
-        if spec is None or spec.dp_size == 1 and spec.dp_reduce_group is None or p.grad is None:
-            continue
-        g = local_tensor(p.grad)
-        if spec.dp_reduce_group is not None:
-            buckets.setdefault((id(spec.dp_reduce_group), g.dtype, g.device), (spec.dp_reduce_group, []))[1].append(g)
-        n += 1
-    _bucketed_all_reduce(buckets)
-    for p in unique_params(parameters):
-        spec = shard_spec(p)
-        if spec is not None and spec.dp_size > 1 and p.grad is not None:
-            local_tensor(p.grad).div_(spec.dp_size)
-    return n
+    params = _with_grad(parameters, lambda s: s.dp_by_hfpar)  # one list: `parameters` may be a generator
+    _sum_grads_over(params, lambda s: s.dp_reduce_group)
+    for p in params:
+        local_tensor(p.grad).div_(shard_spec(p).dp_size)
+    return len(params)
 
 
 # ----------------------------------------------------------------------------- state

@@ -75,8 +75,7 @@ def ring_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tenso
     """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D)."""
     k_all = gather_from_sequence_parallel_region(k, dim=2, group=group)       # (B, Hkv, T, D), gathered order
     v_all = gather_from_sequence_parallel_region(v, dim=2, group=group)
-    order = rows.order if group_size(group) > 1 else rows.local
-    return _sdpa(q, k_all, v_all, _mask(rows.doc, rows.local, order), scaling)
+    return _sdpa(q, k_all, v_all, _mask(rows.doc, rows.local, rows.order), scaling)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -106,7 +105,7 @@ def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Te
                          "use --cp_mode ring")
     if hkv % cp:                                                               # too few kv heads: repeat them
         k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
-    order = rows.order if cp > 1 else rows.local
+    order = rows.order                                                         # equals rows.local at cp 1
     qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))                  # (B, H/cp, T, D) gathered order
     if rows.causal:  # one document per row: reorder to positions and let SDPA mask causally (no T x T mask kept)
         inv = torch.argsort(order)
