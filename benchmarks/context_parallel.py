@@ -9,8 +9,9 @@ backward during one forward (saved_tensors_hooks; parameters excluded), on rank 
 model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the
 bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
 --log_comm_bytes counter), against the formula for each mechanism:
-    ring (all-gather form)  per layer 2 all-gathers (K, V) forward + 2 reduce-scatters backward of B x Hkv x T x D
-                            values: wire = 4 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
+    ring (all-gather form)  per layer 2 all-gathers (K, V) forward, 2 again in backward (K and V are not kept) and
+                            2 reduce-scatters (dK, dV) of B x Hkv x T x D values:
+                            wire = 6 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
     ulysses                 per layer 4 all-to-alls forward (q, k, v, out) + 4 backward of the local
                             B x (H or Hkv) x T/cp x D values (kv heads repeated to H when not divisible by cp):
                             wire = 2 x (2 H + 2 Hkv') x B x T/cp x D x 4 bytes x (cp - 1) / cp
@@ -77,7 +78,7 @@ def theory_wire(mode: str, cp: int, seq_len: int) -> float:
     d = CFG["hidden_size"] // CFG["num_attention_heads"]
     layers, h, hkv = CFG["num_hidden_layers"], CFG["num_attention_heads"], CFG["num_key_value_heads"]
     if mode == "ring":
-        return layers * 4 * hkv * seq_len * d * 4 * (cp - 1) / cp
+        return layers * 6 * hkv * seq_len * d * 4 * (cp - 1) / cp
     kv = hkv if hkv % cp == 0 else h                                     # kv heads repeated when fewer than cp
     return layers * 2 * (2 * h + 2 * kv) * (seq_len // cp) * d * 4 * (cp - 1) / cp
 

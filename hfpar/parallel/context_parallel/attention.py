@@ -8,17 +8,17 @@ the whole row, causal within each document of a packed row, whichever way the cu
         loss.backward()
 
 Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's zigzag token order):
-  ring     the all-gather form of ring attention (as Llama 3's context parallelism): K and V of the whole row
-           are all-gathered over the cp group, each rank attends its own queries to them under the row's
-           document-causal mask with one softmax, so the result is exact without a log-sum-exp merge;
-           backward reduce-scatters dK / dV. Works for any head count; K / V of one layer held in full.
+  ring     ring attention in its all-gather form (as Llama 3's context parallelism): each rank keeps its queries,
+           K and V of the whole row are all-gathered over the cp group block by block into an online-softmax
+           (log-sum-exp) merge, backward re-gathers them and reduce-scatters dK / dV (blockwise.py). Kept for
+           backward: the local q, k, v, output and log-sum-exp only. Works for any head count.
   ulysses  all-to-all from sequence-sharded (B, H, T/cp, D) to head-sharded (B, H/cp, T, D), full-row attention
            on the local heads, all-to-all back. Needs H divisible by cp; kv heads fewer than cp (or not
            divisible by it) are repeated to the query heads first, not refused.
-Both use SDPA with an explicit boolean mask built from the row layout (layout.py), so they run on CPU and
-GPU alike; padding tokens attend to themselves only (no empty softmax row, no NaN). When every row is one
-document without padding, Ulysses puts the tokens back in position order and uses SDPA's own causal mask
-instead (a T x T mask would be kept for backward: 4 bytes per pair, the largest tensor of the step at long T).
+Masks come from the row layout (layout.py), computed per block and never kept, so both run on CPU and GPU alike
+and packed documents never attend to each other; padding tokens attend to themselves only (no empty softmax row,
+no NaN). When every row is one document without padding, Ulysses puts the tokens back in position order and
+uses SDPA's own causal kernel (flash / memory-efficient where the device has one).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..comm import all_to_all_single_autograd, gather_from_sequence_parallel_region, group_size
+from ..comm import all_to_all_single_autograd, group_size
+from .blockwise import BLOCK, block_attention
 from .layout import RowLayout
 
 NAME = "hfpar_cp"
@@ -51,16 +52,6 @@ def cp_rows(rows: RowLayout, group, mode: str):
         _state.cur = previous
 
 
-def _mask(doc: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """(B, 1, Tq, Tk) True where query position q_pos[i] may attend key position k_pos[j]: same document,
-    key not after the query; a padding query (doc -1) attends to itself only."""
-    dq, dk = doc[:, q_pos], doc[:, k_pos]                                      # (B, Tq), (B, Tk)
-    same = (dq[:, :, None] == dk[:, None, :]) & (dq[:, :, None] >= 0)         # (B, Tq, Tk)
-    causal = k_pos[None, None, :] <= q_pos[None, :, None]                       # (1, Tq, Tk)
-    self_pad = (dq[:, :, None] < 0) & (k_pos[None, None, :] == q_pos[None, :, None])
-    return ((same & causal) | self_pad)[:, None]
-
-
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
 
@@ -71,11 +62,9 @@ def _sdpa(q, k, v, mask, scaling, is_causal: bool = False) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal)
 
 
-def ring_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tensor:
+def ring_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK) -> torch.Tensor:
     """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D)."""
-    k_all = gather_from_sequence_parallel_region(k, dim=2, group=group)       # (B, Hkv, T, D), gathered order
-    v_all = gather_from_sequence_parallel_region(v, dim=2, group=group)
-    return _sdpa(q, k_all, v_all, _mask(rows.doc, rows.local, rows.order), scaling)
+    return block_attention(q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -97,7 +86,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.reshape(cp, b, hl, t, d).permute(1, 0, 2, 3, 4).reshape(b, cp * hl, t, d)
 
 
-def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Tensor:
+def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK) -> torch.Tensor:
     cp = group_size(group)
     h, hkv = q.shape[1], k.shape[1]
     if h % cp:
@@ -112,7 +101,7 @@ def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None) -> torch.Te
         qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))         # (B, H/cp, T, D) position order
         out = _sdpa(qh, kh, vh, None, scaling, is_causal=True).index_select(2, order)
     else:
-        out = _sdpa(qh, kh, vh, _mask(rows.doc, order, order), scaling)
+        out = block_attention(qh, kh, vh, rows.doc, order, order, scaling, block=block)
     return _heads_to_seq(out, group)
 
 

@@ -1,0 +1,151 @@
+"""One pipeline stage of any HF decoder-only causal LM whose base model holds a `layers` ModuleList.
+
+    bounds = balanced_split(model, pp)                          # [0, 2, 4]: stage s runs layers bounds[s]:bounds[s+1]
+    stage = PipelineStage(model, stage_index=s, bounds=bounds)   # the model trimmed in place to its stage
+    out = stage(x, position_ids=pos, attention_mask=mask)        # x: input ids (first stage) or hidden states
+                                                                 # out: hidden states, or logits (last stage)
+
+Every stage runs the HF model's own forward, so its own semantics stay: rotary embeddings recomputed from the
+position ids on each stage, masks built by transformers on each stage (packed rows from the position ids, padding
+from attention_mask), the last stage's final norm, LM head and any logit soft-capping. Stages after the first
+hand the received hidden states to their first layer through a forward pre-hook, so what the base model does
+between embedding and first layer (Gemma's sqrt(hidden) scaling) happens once, on the first stage. Layers of
+other stages, the embedding (not first) and the norm / LM head (not last) are dropped from the stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+
+import torch
+import torch.nn as nn
+
+
+def _base(model: nn.Module) -> nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    return base if base is not None else getattr(model, "model", None)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a *ForCausalLM, or ValueError in one line naming the model."""
+    base = _base(model)
+    layers = getattr(base, "layers", None)
+    if getattr(model.config, "is_encoder_decoder", False) or not isinstance(layers, nn.ModuleList) \
+            or not hasattr(model, "lm_head"):
+        raise ValueError(f"pipeline parallelism: {type(model).__name__} is not a decoder-only causal LM whose base "
+                         "model holds a `layers` ModuleList (Llama, Mistral, Qwen2/3, Gemma, Phi-3 style)")
+    return layers
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def balanced_split(model: nn.Module, pp: int) -> list[int]:
+    """Stage boundaries [0, b1, .., L] minimizing the largest stage's parameter count, the embedding counted on
+    the first stage and the final norm + LM head on the last (contiguous layers, every stage non-empty)."""
+    layers = decoder_layers(model)
+    n = len(layers)
+    if pp > n:
+        raise ValueError(f"--pp_size {pp}: {type(model).__name__} has {n} decoder layers, fewer than the stages")
+    cost = [float(_numel(layer)) for layer in layers]
+    cost[0] += _numel(model.get_input_embeddings())
+    cost[-1] += _numel(model.lm_head) + _numel(getattr(_base(model), "norm", None))
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: the smallest max-stage cost splitting layers [0, j) into k stages; exact dynamic programme
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    bounds, j = [n], n
+    for k in range(pp, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def parse_split(text: str, num_layers: int, pp: int) -> list[int]:
+    """--pp_split "0,10,20": the first layer of each stage -> boundaries [0, 10, 20, L]; ValueError in one line."""
+    try:
+        starts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp_split {text!r}: expected {pp} comma-separated layer indices, e.g. "
+                         f"{','.join(str(i * num_layers // pp) for i in range(pp))}") from None
+    bounds = starts + [num_layers]
+    if len(starts) != pp or starts[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"--pp_split {text!r}: needs {pp} increasing first-layer indices starting at 0 and below "
+                         f"{num_layers} (every stage non-empty), e.g. {','.join(str(i * num_layers // pp) for i in range(pp))}")
+    return bounds
+
+
+class PipelineStage(nn.Module):
+    """The stage `stage_index` of `model` (trimmed in place; keep no other reference to the full model)."""
+
+    def __init__(self, model: nn.Module, stage_index: int, bounds: list[int]):
+        super().__init__()
+        layers = decoder_layers(model)
+        if len(bounds) > 2 and getattr(model.config, "tie_word_embeddings", False):
+            raise ValueError(f"pipeline parallelism: {type(model).__name__} ties its input and output embeddings, which "
+                             "would live on the first and the last stage; tied embeddings are not supported yet "
+                             "(untie them: config.tie_word_embeddings = False)")
+        self.stage_index, self.num_stages = stage_index, len(bounds) - 1
+        self.start, self.stop = bounds[stage_index], bounds[stage_index + 1]
+        self.num_layers = len(layers)
+        self.is_first, self.is_last = stage_index == 0, stage_index == self.num_stages - 1
+        self.full_config = model.config
+        base = _base(model)
+        base.layers = nn.ModuleList(list(layers)[self.start:self.stop])
+        # the base model loops over config.num_hidden_layers and may index per-layer config lists by position
+        cfg = copy.copy(base.config)
+        cfg.num_hidden_layers = self.stop - self.start
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[self.start:self.stop]
+        base.config = cfg
+        if not self.is_first:
+            base.embed_tokens = None
+            base.layers[0].register_forward_pre_hook(self._take_received, with_kwargs=True)
+        if not self.is_last:
+            base.norm = nn.Identity()
+            model.lm_head = None
+        self.lm = model
+        self._received = None
+
+    def _take_received(self, module, args, kwargs):
+        """First layer of a later stage: its hidden states are the ones received from the previous stage."""
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        kw = dict(position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        self._received = None if self.is_first else x
+        if self.is_last:
+            return self.lm(**inputs, **kw).logits
+        return _base(self.lm)(**inputs, **kw).last_hidden_state
+
+    @contextlib.contextmanager
+    def receiving(self, x: torch.Tensor | None):
+        """Around the backward of a micro-batch whose forward was not the last one: activation checkpointing
+        recomputes the first layer there, and its pre-hook must see that micro-batch's received states."""
+        previous, self._received = self._received, x
+        try:
+            yield
+        finally:
+            self._received = previous
+
+    def hf_name(self, name: str) -> str:
+        """A state-dict name of this stage -> the full model's name (layer indices made global)."""
+        name = name[len("lm."):] if name.startswith("lm.") else name
+        return re.sub(r"(^|\.)layers\.(\d+)\.", lambda m: f"{m.group(1)}layers.{int(m.group(2)) + self.start}.", name, count=1)
