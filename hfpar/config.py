@@ -26,6 +26,7 @@ REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim",
 TRUNCATION = ("truncate", "drop")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
+PP_SCHEDULES = ("gpipe", "1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,10 @@ class RecipeArgs:
     sequence_parallel: bool = False
     cp_size: int = 1  # context parallelism: shard every row's sequence over this many ranks (attention exact over the row)
     cp_mode: str = "auto"  # ring | ulysses | auto (ulysses when heads and kv heads divide by cp_size, else ring)
+    pp_size: int = 1  # pipeline parallelism: cut the decoder's layers into this many stages (one per rank)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b
+    pp_microbatches: int = 0  # micro-batches per accumulation step through the pipeline; 0 = 2 x pp_size (capped by the batch)
+    pp_split: str = ""  # first layer of each stage, e.g. 0,10,20 (default: balanced by parameter count)
     upcycle_experts: int = 0  # > 0: turn every dense MLP into an MoE of this many copies (then --ep_size works)
     moe_top_k: int = 2  # experts per token for upcycled MoE layers
     moe_aux_loss_coef: float = 0.01  # load-balancing loss coefficient (upcycled layers)
@@ -221,7 +226,7 @@ def validate(a: RecipeArgs) -> list[str]:
     hfpar.backends.SUPPORT; both checked by hfpar.preflight)."""
     p = []
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_seq_length", "tp_size", "ep_size", "cp_size", "logging_steps", "dist_timeout_s"):
+                 "max_seq_length", "tp_size", "ep_size", "cp_size", "pp_size", "logging_steps", "dist_timeout_s"):
         if getattr(a, name) <= 0:
             p.append(f"--{name} {getattr(a, name)}: must be a positive integer")
     if a.max_steps == 0 or a.max_steps < -1:
@@ -250,6 +255,10 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--truncation {a.truncation!r}: valid values are {', '.join(TRUNCATION)}")
     if a.cp_mode not in CP_MODES:
         p.append(f"--cp_mode {a.cp_mode!r}: valid values are {', '.join(CP_MODES)}")
+    if a.pp_schedule not in PP_SCHEDULES:
+        p.append(f"--pp_schedule {a.pp_schedule!r}: valid values are {', '.join(PP_SCHEDULES)}")
+    if a.pp_microbatches < 0:
+        p.append(f"--pp_microbatches {a.pp_microbatches}: must be >= 1, or 0 for 2 x --pp_size")
     if a.on_nonfinite not in NONFINITE:
         p.append(f"--on_nonfinite {a.on_nonfinite!r}: valid values are {', '.join(NONFINITE)}")
     for tracker in a.report_to.split(","):

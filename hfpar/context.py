@@ -104,6 +104,15 @@ class ParallelContext:
         return self._coords()["dp"]
 
     @property
+    def pp_rank(self) -> int:
+        return self._coords()["pp"]
+
+    @property
+    def pp_peers(self) -> list[int]:
+        """Global rank of every stage of this rank's pipeline (stage order)."""
+        return next(r for r in self.rank_lists("pp") if self.rank in r)
+
+    @property
     def ep_rank(self) -> int:
         return self.dp_rank % self.ep
 
@@ -119,9 +128,10 @@ class ParallelContext:
 
     @property
     def data_replicas(self) -> int:
-        """Ranks that see the same rows and compute the same full per-token losses (TP ranks of a replica; the cp
-        ranks of a replica see the same rows but each computes the loss of its own part of the sequence)."""
-        return self.tp
+        """Ranks that see the same rows and report the same full per-token losses (TP ranks of a replica; the stages
+        of a pipeline, which all get the last stage's loss; the cp ranks of a replica see the same rows but each
+        computes the loss of its own part of the sequence)."""
+        return self.tp * self.pp
 
     @property
     def grad_replicas(self) -> int:

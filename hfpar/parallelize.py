@@ -2,7 +2,7 @@
 
     model, info = parallelize(model, args, ctx, task, strategy)
         LoRA (PEFT adapters) -> tensor parallel -> context-parallel attention -> MoE: upcycle + expert parallel
-        -> activation checkpointing
+        -> activation checkpointing -> pipeline stage (this rank's layers)
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -18,6 +18,7 @@ from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
 from hfpar.parallel.expert_parallel.moe import MoELayer
+from hfpar.parallel.pipeline import PipelineStage, balanced_split, decoder_layers, microbatches, parse_split
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -76,4 +77,10 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
+        n_layers = len(decoder_layers(model))
+        bounds = parse_split(args.pp_split, n_layers, ctx.pp) if args.pp_split else balanced_split(model, ctx.pp)
+        model = PipelineStage(model, ctx.pp_rank, bounds)
+        info.update(pp_schedule=args.pp_schedule, pp_microbatches=microbatches(args),
+                    pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
     return model, info

@@ -25,6 +25,7 @@ from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.distributed import strategy_name
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
+from hfpar.parallel.pipeline import microbatches, parse_split
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # attention routed through attn_implementation, tested
@@ -38,13 +39,13 @@ def preflight(args, accelerator, task: str):
     """-> (ParallelContext without groups yet, backend class); ConfigError listing every problem."""
     strategy = strategy_name(accelerator)
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
-                          ep=args.ep_size, cp=args.cp_size, sequence_parallel=args.sequence_parallel)
+                          ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel)
     problems = ctx.problems()
     degrees_ok = not problems
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
         backend_cls = select_backend(strategy, ctx.parallelisms,
-                                     {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size})
+                                     {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size})
     except ConfigError as exc:
         problems.append(str(exc))
     if backend_cls is not None:
@@ -78,6 +79,8 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     if args.cp_size > 1 and args.attn_implementation not in (None, "sdpa", "eager"):
         p.append(f"--cp_size {args.cp_size} with --attn_implementation {args.attn_implementation}: hfpar's context-"
                  "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa")
+    if args.pp_size > 1:
+        p += pp_feature_problems(args, task)
     if args.ep_size > 1 and args.gradient_checkpointing:
         p.append(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks are "
                  "published for the forward only)")
@@ -104,6 +107,8 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
                  f"{', '.join(sorted(TP_PLANS))})")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
+    if ctx.pp > 1:
+        p += pp_model_problems(args, ctx, config)
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
             p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
@@ -138,6 +143,43 @@ def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
         p.append(f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
                  f"by --cp_size {ctx.cp}; use --cp_mode ring (or auto)")
     ctx.cp_mode = mode
+    return p
+
+
+def pp_feature_problems(args, task: str) -> list[str]:
+    p = []
+    if task != "lm":
+        p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes (sft, clm)")
+    if args.use_peft:
+        p.append(f"--pp_size {args.pp_size} with --use_peft: LoRA with pipeline parallelism is not supported yet")
+    m = microbatches(args)
+    if args.per_device_train_batch_size % m:
+        p.append(f"--pp_microbatches {m} does not divide --per_device_train_batch_size "
+                 f"{args.per_device_train_batch_size}; valid: "
+                 + ", ".join(str(d) for d in range(1, args.per_device_train_batch_size + 1)
+                             if args.per_device_train_batch_size % d == 0))
+    return p
+
+
+def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
+    """What the config says about cutting the model into ctx.pp stages (decoder-only, enough layers, the split)."""
+    archs = getattr(config, "architectures", None) or []
+    name = (archs or [getattr(config, "model_type", "model")])[0]
+    if getattr(config, "is_encoder_decoder", False) or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
+        return [f"--pp_size {ctx.pp}: {name} is not a decoder-only causal LM; pipeline parallelism cuts the decoder "
+                "layers of *ForCausalLM models"]
+    layers = getattr(config, "num_hidden_layers", 0)
+    if layers < ctx.pp:
+        return [f"--pp_size {ctx.pp}: {name} has {layers} decoder layers, fewer than the stages"]
+    p = []
+    if args.pp_split:
+        try:
+            parse_split(args.pp_split, layers, ctx.pp)
+        except ValueError as exc:
+            p.append(str(exc))
+    if getattr(config, "tie_word_embeddings", False):
+        p.append(f"--pp_size {ctx.pp}: {name} ties its input and output embeddings (first and last stage); tied "
+                 "embeddings are not supported with pipeline parallelism yet")
     return p
 
 

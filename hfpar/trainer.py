@@ -126,15 +126,6 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
 
-    def _forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        extra = {"use_cache": False} if self.task == "lm" else {}
-        with self.backend.autocast():
-            logits = self.model(**inputs, **extra).logits
-        loss_sum, n = self.loss_fn(logits, labels)
-        return loss_sum, n, logits
-
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -152,8 +143,7 @@ class Trainer:
                     f["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
                 feats.append(f)
             batch, scope = self.batch_plan(self._to_device(self.collator(feats)))
-            with scope:
-                ls, cnt, logits = self._forward_loss(batch)
+            ls, cnt, logits = self.backend.eval_loss(batch, scope, self.loss_fn, self.task)
             stats[0] += ls.double()
             stats[1] += cnt.double()
             if self.task == "classify":
@@ -190,12 +180,9 @@ class Trainer:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         for batch, scope in batches:
-            with acc.accumulate(self.model), scope:
-                loss_sum, _, _ = self._forward_loss(batch)
-                # the backend averages grads over dp x cp ranks and Accelerate divides by accum: this scale leaves
-                # exactly d(global loss sum / N_global)
-                acc.backward(loss_sum * (ctx.grad_replicas * args.gradient_accumulation_steps / n_global))
-            step_loss += loss_sum.detach().double()
+            # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
+            step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
+                                                  self.task).double()
         loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = self.backend.clip(max_norm)

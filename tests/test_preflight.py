@@ -133,3 +133,43 @@ def test_context_parallel_refusals_and_mode(tmp_path):
     lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
     assert any("context parallelism is available for causal-LM recipes" in x for x in lines)
     assert any("--attn_implementation flash_attention_2" in x for x in lines)
+
+
+def test_pipeline_refusals(tmp_path):
+    """pp not dividing the world, fewer layers than stages, a split leaving a stage empty, micro-batches not
+    dividing the batch, tied embeddings, an encoder model, classify / LoRA, and the compositions not supported."""
+    from hfpar.backends import select_backend
+    from hfpar.config import ConfigError
+    assert "--pp_size 3 does not divide the world size 4" in ParallelContext(world=4, pp=3).problems()[0]
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    ctx4 = ParallelContext.plan(4, pp=4)
+    assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, llama) == [
+        "--pp_size 4: llama has 2 decoder layers, fewer than the stages"]
+    llama8 = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    assert "every stage non-empty" in pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,2,6"), ctx4,
+                                                            llama8)[0]
+    assert pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,4,6"), ctx4, llama8) == []
+    tied = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=True)
+    assert "ties its input and output embeddings" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, tied)[0]
+    bert = AutoConfig.for_model("bert", architectures=["BertForMaskedLM"])
+    assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, bert)[0]
+    t5 = AutoConfig.for_model("t5")
+    assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, t5)[0]
+    lines = pf.feature_problems(_args("--pp_size", "2", "--per_device_train_batch_size", "6", "--pp_microbatches", "4",
+                                      "--use_peft"), ParallelContext.plan(2, pp=2), "classify")
+    assert any("--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x
+               for x in lines)
+    assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
+    assert any("LoRA with pipeline parallelism is not supported yet" in x for x in lines)
+    for strategy, parallelisms, text in (("fsdp2", ("pp",), "with FSDP2 is not supported yet"),
+                                         ("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
+                                         ("ddp", ("tp", "pp"), "together with tensor, expert or context")):
+        with pytest.raises(ConfigError, match=text):
+            select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
+    assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
+
+
+def test_pipeline_schedules_listed_once():
+    from hfpar.config import PP_SCHEDULES
+    from hfpar.parallel.pipeline import SCHEDULES
+    assert PP_SCHEDULES == SCHEDULES

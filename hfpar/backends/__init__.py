@@ -17,9 +17,10 @@ from .base import Backend, ModelParallelBackend
 from .mp_ddp import ModelParallelDDP
 from .mp_deepspeed import ModelParallelDeepSpeed
 from .mp_fsdp2 import ModelParallelFSDP2
+from .pipeline import PipelineDDP
 
 STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "fsdp1")
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp")
 
 _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
 _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
@@ -27,6 +28,10 @@ _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holdin
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _TP_EP = "EP together with TP is not supported yet"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
+_PP_FSDP2 = "pipeline parallelism with FSDP2 is not supported yet; use ddp.yaml"
+_PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO is not supported (DeepSpeed refuses ZeRO-2/3 with its own "
+            "pipeline; ZeRO-1 not yet); use ddp.yaml")
+_PP_WITH = "pipeline parallelism together with tensor, expert or context parallelism is not supported yet"
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
@@ -46,6 +51,10 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
     **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
     **{(s, "tp+ep+cp"): _TP_EP for s in STRATEGIES},
+    # pipeline parallelism: each rank one stage, hfpar reduces each stage's grads over its dp group
+    ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP,
+    ("fsdp2", "pp"): _PP_FSDP2, ("fsdp1", "pp"): _FSDP1,
+    **{(s, "pp"): _PP_ZERO for s in ("zero1", "zero2", "zero3")},
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
@@ -65,7 +74,7 @@ def select_backend(strategy: str, parallelisms: tuple[str, ...], sizes: dict | N
         return entry
     flags = " and ".join(f"{_FLAG[p]} {(sizes or {}).get(p, '')}".strip() for p in parallelisms)
     ok = [s for s in STRATEGIES if isinstance(SUPPORT.get((s, key)), type)]
-    reason = entry or f"no backend for {strategy} with {key}"
+    reason = entry or (_PP_WITH if "pp" in parallelisms else f"no backend for {strategy} with {key}")
     if len(parallelisms) == 1 and ok:
         ok_text = ", ".join(ok[:-1]) + f" and {ok[-1]}" if len(ok) > 1 else "".join(ok)
         raise ConfigError(f"{flags} with {strategy}: {_WHAT[key]} composes with {ok_text} configs ({reason})")
@@ -87,4 +96,4 @@ def support_table_markdown() -> str:
 
 __all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
            "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed"]
+           "ModelParallelDeepSpeed", "PipelineDDP"]

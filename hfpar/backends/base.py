@@ -45,6 +45,28 @@ class Backend:
     def autocast(self):
         return contextlib.nullcontext()  # Accelerate's prepare() already wraps forward in autocast
 
+    def forward_loss(self, batch: dict, loss_fn, task: str = "lm"):
+        """(loss sum, target count, logits) of one batch through the whole model."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        extra = {"use_cache": False} if task == "lm" else {}
+        with self.autocast():
+            logits = self.model(**inputs, **extra).logits
+        loss_sum, n = loss_fn(logits, batch["labels"])
+        return loss_sum, n, logits
+
+    def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
+        """Forward and backward of one accumulation step's rows; back-propagates loss_sum * scale (scale: dp x cp /
+        the global target count, which the dp average and Accelerate's 1/accum turn into d(global mean)). Returns
+        the detached loss sum."""
+        with self.acc.accumulate(self.model), scope:
+            loss_sum, _, _ = self.forward_loss(batch, loss_fn, task)
+            self.acc.backward(loss_sum * (scale * self.args.gradient_accumulation_steps))  # Accelerate divides by accum
+        return loss_sum.detach()
+
+    def eval_loss(self, batch: dict, scope, loss_fn, task: str = "lm"):
+        with scope:
+            return self.forward_loss(batch, loss_fn, task)
+
     def clip(self, max_norm: float) -> float:
         raise NotImplementedError
 

@@ -3,11 +3,11 @@
     stage.py     PipelineStage (the model trimmed to its layers, HF forward kept), balanced_split, parse_split
     schedule.py  PipelineRunner: micro-batches through the stages, activations and grads point to point
 
-Not yet wired into the recipes (`--pp_size`): use the layers in your own loop (tests/test_pp_stages.py shows how).
+The recipes run them with --pp_size (hfpar.backends.pipeline); tests/test_pp_stages.py shows them in a plain loop.
 """
 
-from .schedule import SCHEDULES, PipelineRunner, schedule_order, split_microbatches
+from .schedule import SCHEDULES, PipelineRunner, microbatches, schedule_order, split_microbatches
 from .stage import PipelineStage, balanced_split, decoder_layers, parse_split
 
-__all__ = ["SCHEDULES", "PipelineRunner", "schedule_order", "split_microbatches", "PipelineStage", "balanced_split",
+__all__ = ["SCHEDULES", "PipelineRunner", "microbatches", "schedule_order", "split_microbatches", "PipelineStage", "balanced_split",
            "decoder_layers", "parse_split"]

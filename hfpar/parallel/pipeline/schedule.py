@@ -40,6 +40,14 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
     return order + [("B", i) for i in range(m - warm, m)]
 
 
+def microbatches(args) -> int:
+    """--pp_microbatches, or its default: 2 x pp_size micro-batches, fewer when the per-device batch is smaller."""
+    if args.pp_microbatches:
+        return args.pp_microbatches
+    rows = args.per_device_train_batch_size
+    return max(d for d in range(1, min(2 * args.pp_size, rows) + 1) if rows % d == 0)
+
+
 def split_microbatches(batch: dict, m: int) -> list[dict]:
     rows = batch["input_ids"].shape[0]
     if rows % m:

@@ -145,6 +145,14 @@ class PipelineStage(nn.Module):
         finally:
             self._received = previous
 
+    def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
+        """Write the full model in HF format from the merged state dict of every stage: saved through a model of
+        the full config built on the meta device (no memory), so config, generation config and file layout are
+        exactly what `from_pretrained` expects."""
+        with torch.device("meta"):
+            full = type(self.lm)(self.full_config)
+        full.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+
     def hf_name(self, name: str) -> str:
         """A state-dict name of this stage -> the full model's name (layer indices made global)."""
         name = name[len("lm."):] if name.startswith("lm.") else name
