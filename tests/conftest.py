@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,22 @@ def export_eval_loss(out, n: int = 48) -> float:
             s, c = lm_loss_sum(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
             tot, cnt = tot + float(s), cnt + int(c)
     return tot / cnt
+
+
+def assert_resume_from_step_4(case: tuple, src: Path, base_model: str, tmp_path: Path, what: str) -> None:
+    """Relaunch `case` (config, processes, per-device batch, extra flags) from src's checkpoint-4 in a fresh
+    output dir: steps 5-8 reproduce src's per step within 1e-6, and so do the final weights."""
+    config, nproc, bs, extra = case
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
+    launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
+                                  "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
+    ref, got = read_metrics(src)[0], read_metrics(out)[0]
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    assert_close_series(ref[4:], got, "loss", 1e-6, f"{what} resumed")
+    assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{what} resumed")
+    assert_resumed_like_uninterrupted(src, out, what)
 
 
 def assert_resumed_like_uninterrupted(src, resumed, what: str, tol: float = 1e-6):

@@ -9,12 +9,10 @@ single-process packed run, and the first packed batch has the same loss at cp = 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.conftest import COMMON, TOL, launch_cases, assert_close_series, assert_export_matches, assert_resumed_like_uninterrupted
-from tests.launch import launch, read_metrics, read_run_info
+from tests.conftest import TOL, launch_cases, assert_close_series, assert_export_matches, assert_resume_from_step_4
+from tests.launch import read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
 
@@ -73,14 +71,4 @@ def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):
 
 
 def test_cp_resume_reproduces_remaining_steps(cp_runs, base_model, tmp_path):
-    config, nproc, bs, extra = CASES["cp2_ring_ddp"]
-    src, out = cp_runs["cp2_ring_ddp"], tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                  "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
-    ref, got = read_metrics(src)[0], read_metrics(out)[0]
-    assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert_close_series(ref[4:], got, "loss", 1e-6, "cp2 resumed")
-    assert_close_series(ref[4:], got, "grad_norm", 1e-6, "cp2 resumed")
-    assert_resumed_like_uninterrupted(src, out, "cp2")
+    assert_resume_from_step_4(CASES["cp2_ring_ddp"], cp_runs["cp2_ring_ddp"], base_model, tmp_path, "cp2")

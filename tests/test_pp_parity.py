@@ -8,13 +8,11 @@ reloads with from_pretrained and reproduces the final eval loss. Resume under pp
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.conftest import (COMMON, TOL, assert_close_series, assert_export_matches, assert_resumed_like_uninterrupted,
+from tests.conftest import (TOL, assert_close_series, assert_export_matches, assert_resume_from_step_4,
                             export_eval_loss, launch_cases)
-from tests.launch import launch, read_metrics, read_run_info, rel_close
+from tests.launch import read_metrics, read_run_info, rel_close
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +58,4 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
 
 
 def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path):
-    config, nproc, bs, extra = CASES["pp2_1f1b"]
-    src, out = pp_runs["pp2_1f1b"], tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                  "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
-    ref, got = read_metrics(src)[0], read_metrics(out)[0]
-    assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert_close_series(ref[4:], got, "loss", 1e-6, "pp2 resumed")
-    assert_close_series(ref[4:], got, "grad_norm", 1e-6, "pp2 resumed")
-    assert_resumed_like_uninterrupted(src, out, "pp2")
+    assert_resume_from_step_4(CASES["pp2_1f1b"], pp_runs["pp2_1f1b"], base_model, tmp_path, "pp2")

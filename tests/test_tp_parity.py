@@ -84,7 +84,7 @@ def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, cas
 def test_tp_refusals_are_one_line(config, flags, message, tmp_path):
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False)
     assert proc.returncode != 0
-    assert f"hfpar: error: " in proc.stderr and message in proc.stderr
+    assert "hfpar: error: " in proc.stderr and message in proc.stderr
 
 
 def _classify_initial_weights(out) -> dict:
