@@ -8,6 +8,10 @@
 Causal LM: labels are shifted next to their inputs first (labels[t] = token t+1), so that a cut of the sequence
 keeps every target with its input. Context parallelism: then this rank's part of every row (load-balanced
 zigzag chunks, position ids made explicit), and a scope publishing the rows' layout to the attention.
+The scope also publishes the real tokens to MoE routers (padding takes no part in routing statistics, also when
+activation checkpointing recomputes MoE layers in backward): the attention_mask of padded rows, or the token_mask
+of packed and padding-free rows (which have no attention_mask; token_mask is no model input and leaves the batch).
+Not under pipeline parallelism, whose schedule runs the rows in micro-batches of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from __future__ import annotations
 import contextlib
 
 from hfpar.parallel.context_parallel import cp_rows, shard_batch, shift_labels
+from hfpar.parallel.expert_parallel import moe_token_mask
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 class BatchPlan:
@@ -24,8 +35,13 @@ class BatchPlan:
     def __call__(self, batch: dict) -> tuple[dict, contextlib.AbstractContextManager]:
         if self.task != "lm":
             return batch, contextlib.nullcontext()
-        batch = shift_labels(batch)
-        if self.ctx.cp == 1:
-            return batch, contextlib.nullcontext()
-        local, rows = shard_batch(batch, self.ctx.cp_rank, self.ctx.cp)
-        return local, cp_rows(rows, self.ctx.cp_group, self.cp_mode)
+        batch = shift_labels(batch)  # a new dict
+        scope = contextlib.nullcontext()
+        if self.ctx.cp > 1:
+            batch, rows = shard_batch(batch, self.ctx.cp_rank, self.ctx.cp)
+            scope = cp_rows(rows, self.ctx.cp_group, self.cp_mode)
+        # real tokens, (B, T) or this rank's (B, T / cp): for MoE routers, in forward AND in the backward's recompute
+        token_mask = batch.pop("token_mask", batch.get("attention_mask"))
+        if token_mask is None or self.ctx.pp > 1:  # the pipeline cuts the rows into micro-batches of its own
+            return batch, scope
+        return batch, _both(scope, moe_token_mask(token_mask))

@@ -27,6 +27,7 @@ TRUNCATION = ("truncate", "drop")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.optim builds them
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,7 @@ class RecipeArgs:
     dataset_name: str | None = None  # hub id or local json/jsonl/csv/parquet/txt file or dir; None = embedded
     max_seq_length: int = 128
     packing: bool = False
+    padding_free: bool | None = None  # pack each batch's samples into rows (no compute on padding); unset = where it applies, false = padded
     completion_only_loss: bool = True  # SFT: loss on assistant/completion tokens only
     truncation: str = "truncate"  # what to do with samples longer than max_seq_length: truncate | drop
     eval_split_fraction: float = 0.05  # carved from train when the dataset has no eval split
@@ -52,6 +54,7 @@ class RecipeArgs:
     per_device_eval_batch_size: int = 16
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-3
+    optim: str = "adamw_torch_fused"  # adamw_torch_fused (fused kernel where the device has it, else foreach) | adamw_torch
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -251,6 +254,8 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append("--save_total_limit 0: must be >= 1 (or unset to keep every checkpoint)")
     if a.lr_scheduler_type not in SCHEDULERS:
         p.append(f"--lr_scheduler_type {a.lr_scheduler_type!r}: valid values are {', '.join(SCHEDULERS)}")
+    if a.optim not in OPTIMIZERS:
+        p.append(f"--optim {a.optim!r}: valid values are {', '.join(OPTIMIZERS)}")
     if a.truncation not in TRUNCATION:
         p.append(f"--truncation {a.truncation!r}: valid values are {', '.join(TRUNCATION)}")
     if a.cp_mode not in CP_MODES:

@@ -68,9 +68,3 @@ def make_loss_fn(task: str, model: torch.nn.Module):
 def count_targets(batch: dict) -> int:
     """Real targets of a batch whose labels are aligned with their positions (shifted for causal LMs)."""
     return int((batch["labels"] != IGNORE).sum())
-
-
-def count_input_tokens(batch: dict) -> int:
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel())

@@ -85,8 +85,21 @@ def write_report(output_dir: str | Path) -> Path:
     return _draw([(_label(output_dir, info), train, evals)], Path(output_dir) / "report.png", _label(output_dir, info))
 
 
-def _gib(b: float) -> str:
-    return f"{b / 1024**3:.2f} GiB"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: float) -> str:
+    """A byte count in the largest binary unit that keeps the value >= 1, three significant digits: 0 B, 812 B,
+    1.50 KiB, 18.3 MiB, 512 MiB, 1.00 GiB. A non-zero count never reads 0.00."""
+    value, unit = float(n), 0
+    while True:
+        for digits in ((2, 1, 0) if unit else (0,)):  # 9.996 KiB rounds to 10.00: say 10.0 KiB
+            text = f"{value:.{digits}f}"
+            if abs(float(text)) < 10 ** (3 - digits):
+                break
+        if abs(float(text)) < 1024 or unit == len(_UNITS) - 1:  # 1023.7 KiB rounds to 1024: say 1.00 MiB
+            return f"{text} {_UNITS[unit]}"
+        value, unit = value / 1024, unit + 1
 
 
 def summary_table(output_dir: str | Path) -> str:
@@ -98,13 +111,13 @@ def summary_table(output_dir: str | Path) -> str:
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     rows.append(("median tokens/s", f"{statistics.median(tps):,.0f}" if tps else "-"))
     if info.get("peak_mem_bytes_per_rank"):
-        rows.append(("peak memory/rank", ", ".join(_gib(b) for b in info["peak_mem_bytes_per_rank"])))
+        rows.append(("peak memory/rank", ", ".join(human_bytes(b) for b in info["peak_mem_bytes_per_rank"])))
     elif any("peak_mem_bytes" in r for r in train):
-        rows.append(("peak memory (rank 0)", _gib(max(r.get("peak_mem_bytes", 0) for r in train))))
+        rows.append(("peak memory (rank 0)", human_bytes(max(r.get("peak_mem_bytes", 0) for r in train))))
     for key, name in (("param_bytes_per_rank", "param bytes/rank"), ("grad_bytes_per_rank", "grad bytes/rank"),
                       ("optimizer_state_bytes_per_rank", "optimizer bytes/rank")):
         if info.get(key):
-            rows.append((name, ", ".join(_gib(b) for b in info[key])))
+            rows.append((name, ", ".join(human_bytes(b) for b in info[key])))
     wall = info.get("wall_time_s")
     if wall is None and train and all("step_time_s" in r for r in train):
         wall = sum(r["step_time_s"] for r in train)

@@ -9,7 +9,8 @@ resumed checkpoint's trainer_state.json (never a weight):
   - features that do not combine (LoRA with model parallelism, SP / EP outside causal LMs, ...);
   - divisibility known from the model config (heads, kv heads, intermediate, vocab by tp; experts by ep),
     MoE-ness for --ep_size, architectures with a TP plan / an upcycling recipe;
-  - resume compatibility (world size, tp / ep, global batch, checkpoint layout).
+  - resume compatibility (world size, tp / ep, global batch, checkpoint layout);
+  - --padding_free true where padding-free batches cannot apply (hfpar.data.padding_free).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         p += cp_problems(args, ctx, config)
     if ctx.pp > 1:
         p += pp_model_problems(args, ctx, config)
+    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing)
+    if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
+        p.append(f"--padding_free true: {why_not}; drop the option or pass false")
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
             p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
@@ -120,6 +124,12 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         p.append(f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
                  f"experts first (MoE families: {', '.join(sorted(MOE_FAMILIES))})")
     return p
+
+
+def padding_free_mode(args, task: str, packed: bool) -> tuple[bool, str | None]:
+    """(pack each micro-batch's samples into rows?, why not) for this run and model (hfpar.data.padding_free)."""
+    config, _ = _model_config(args)
+    return data.padding_free_mode(args, task, getattr(config, "model_type", None), packed=packed)
 
 
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:

@@ -25,7 +25,7 @@ from hfpar.checkpoint import has_any_checkpoint, resolve_resume
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, strategy_name, swapped
 from hfpar.parallelize import parallelize
-from hfpar.preflight import preflight
+from hfpar.preflight import padding_free_mode, preflight
 from hfpar.trainer import NonFiniteError, Trainer
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
@@ -90,8 +90,9 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
     return model
 
 
-def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1):
-    """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels."""
+def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False):
+    """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels. padding_free: the collator packs each
+    batch's samples into rows of at most --max_seq_length tokens."""
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None
     out = {}
@@ -109,7 +110,8 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1):
         out[name] = ds
         info[f"{name}_data"] = {**stats, "rows": len(ds)}
     # context / sequence parallelism cut T: pad every batch to a multiple of what they need (ParallelContext)
-    collator = data.DataCollator(tokenizer, task=TASK_OF[kind], pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None)
+    collator = data.DataCollator(tokenizer, task=TASK_OF[kind], pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
+                                 padding_free=padding_free, max_seq_length=args.max_seq_length)
     return out["train"], out["eval"], collator, info, num_labels
 
 
@@ -128,8 +130,12 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         ctx.build_groups()
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
+        padding_free, why_not = padding_free_mode(args, task, packed=args.packing or kind == "clm")
+        if why_not:
+            accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {why_not}")
         with accelerator.main_process_first():
-            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer, ctx.seq_multiple)
+            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer, ctx.seq_multiple,
+                                                                       padding_free)
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:
@@ -145,7 +151,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     backend = backend_cls(accelerator, ctx, strategy, args)
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel,
+                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,
                                  **({"cp_mode": ctx.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
     try:
         result = trainer.train()

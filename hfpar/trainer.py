@@ -28,7 +28,7 @@ from hfpar import plot
 from hfpar.comm_stats import StepCommLog
 from hfpar.distributed import all_reduce_sum, restart_attempt
 from hfpar.batch_plan import BatchPlan
-from hfpar.losses import IGNORE, count_input_tokens, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
+from hfpar.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
 from hfpar.sampler import GlobalBatchSampler, eval_shard
 from hfpar.schedules import get_scheduler
 
@@ -68,6 +68,8 @@ class Trainer:
             self.comm.watch(self.model)
         accelerator.register_for_checkpointing(self.scheduler)
         self.start_step = 0
+        # versions, command, optimizer implementation: gathered here, never inside the loop (no import stalls a step)
+        self.run_meta = M.run_metadata(self.optimizer)
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self, step: int) -> dict:
@@ -114,8 +116,7 @@ class Trainer:
             "peak_mem_bytes_per_rank": [int(x) for x in gathered[:, 3]],
             "global_batch_size": self.sampler.global_batch,
             "total_steps": self.total_steps,
-            "versions": M.library_versions(),
-            "command": M.command_line(),
+            **self.run_meta,
             **self.run_extra,
             **final,
         }
@@ -172,9 +173,11 @@ class Trainer:
         t0 = time.perf_counter()
         if self.comm is not None:
             self.comm.reset()
-        batches = [self.batch_plan(self._to_device(self.collator([self.train_ds[i] for i in ix]))) for ix in micro]
-        local = [sum(count_targets(b) for b, _ in batches), sum(count_input_tokens(b) for b, _ in batches)]
-        totals = all_reduce_sum(torch.tensor(local), acc.device) / ctx.data_replicas
+        feats = [[self.train_ds[i] for i in ix] for ix in micro]
+        batches = [self.batch_plan(self._to_device(self.collator(f))) for f in feats]
+        # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples
+        real = sum(len(x["input_ids"]) for f in feats for x in f) / ctx.cp
+        totals = all_reduce_sum([sum(count_targets(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")

@@ -6,6 +6,7 @@ fp32, sft recipe, tiny Llama, 8 optimizer steps, global batch 8:
 Each must match `single` per step (loss, grad_norm) and in the exported weights within 1e-4
 relative (and within UPDATE_TOL of the training update, ||got - ref|| / ||ref - base||); the export must load with from_pretrained and reproduce the trainer's eval loss;
 run_info.json must name the strategy really used and show the sharding in per-rank bytes;
+every run uses the default padding-free batches (tests/test_padding_free.py: the same as padded ones);
 resuming from checkpoint-4 must reproduce steps 5..8. Launches are shared between assertions.
 """
 
@@ -63,6 +64,7 @@ def test_run_info_names_the_strategy_and_shows_sharding(runs, strategy):
     info = read_run_info(runs[strategy])
     ref = read_run_info(runs["single"])
     assert info["strategy"] == strategy.replace("_offload", "")
+    assert info["padding_free"] is True  # the default batching: each micro-batch's samples packed into rows
     assert info["world_size"] == (1 if strategy == "single" else 2)
     full = ref["param_bytes_per_rank"][0]
     assert full == 4 * info["num_parameters"]  # fp32

@@ -5,6 +5,7 @@ zero3.yaml (2 processes), cp=2 under zero1.yaml, cp=2 with ZeRO-2 and activation
 tp=2 with and without sequence parallelism (4 processes): per-step loss and grad_norm
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
+Unpacked cases run the default padding-free batches (each micro-batch's samples packed into rows).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def test_cp_export_matches_single(cp_runs, single_run, base_weights, case):
     assert_export_matches(single_run, cp_runs[case], case, initial=base_weights)
     info = read_run_info(cp_runs[case])
     assert info["cp_size"] == 2 and info["cp_mode"] in ("ring", "ulysses")
+    assert info["padding_free"] is True  # the default: packed rows of each micro-batch, padded to 2 x cp
 
 
 def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):

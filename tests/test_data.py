@@ -253,7 +253,8 @@ def test_collator_padding(tok):
     assert b["input_ids"].shape == (2, 24)
     packed = data.pack(ds, 64)
     b = data.DataCollator(tok)([packed[0], packed[1]])
-    assert set(b) == {"input_ids", "labels", "position_ids"} and b["position_ids"][0, n0:].eq(0).all()
+    assert set(b) == {"input_ids", "labels", "position_ids", "token_mask"} and b["position_ids"][0, n0:].eq(0).all()
+    assert b["token_mask"].sum(1).tolist() == [len(packed[0]["input_ids"]), len(packed[1]["input_ids"])]
     assert b["labels"][0, n0:].eq(IGNORE).all() and b["position_ids"][1].tolist() == packed[1]["position_ids"]
     c = data.DataCollator(tok, task="classify")([{"input_ids": [1, 2, 3], "labels": 1}, {"input_ids": [1], "labels": IGNORE}])
     assert c["labels"].tolist() == [1, IGNORE] and c["labels"].shape == (2,) and c["labels"].dtype == torch.long

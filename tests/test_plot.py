@@ -10,7 +10,7 @@ import json
 import pytest
 
 from hfpar.cli import main as cli
-from hfpar.plot import PlotError, summary_table, write_report
+from hfpar.plot import PlotError, human_bytes, summary_table, write_report
 
 
 def fake_run(root, name: str = "run", strategy: str = "fsdp2", steps: int = 20):
@@ -44,8 +44,38 @@ def test_summary_table(tmp_path):
     assert table["final loss"] == "0.2000" and table["final eval loss"] == "0.2500"
     assert table["median tokens/s"] == "1,105"  # median of 1010..1200
     assert table["peak memory (rank 0)"] == "1.00 GiB"
-    assert table["param bytes/rank"] == "0.50 GiB, 0.50 GiB"
+    assert table["param bytes/rank"] == "512 MiB, 512 MiB"
     assert table["train step time (sum)"] == "10.0 s"
+
+
+def test_summary_units_fit_the_size(tmp_path):
+    """A tiny model's bytes read in KiB / MiB, never 0.00 GiB (the table once printed that below ~5 MB)."""
+    d = fake_run(tmp_path)
+    sizes = {"param_bytes_per_rank": [2_495_488, 1_247_744], "grad_bytes_per_rank": [1536, 812],
+             "optimizer_state_bytes_per_rank": [0, 5 * 2**30], "peak_mem_bytes_per_rank": [987_654_321]}
+    (d / "run_info.json").write_text(json.dumps({"strategy": "ddp", **sizes}))
+    table = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in summary_table(d).splitlines())}
+    assert table["param bytes/rank"] == "2.38 MiB, 1.19 MiB"
+    assert table["grad bytes/rank"] == "1.50 KiB, 812 B"
+    assert table["optimizer bytes/rank"] == "0 B, 5.00 GiB"
+    assert table["peak memory/rank"] == "942 MiB"
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (10239, "10.0 KiB"),
+                                     (102399, "100 KiB"), (2**20 - 1, "1.00 MiB"), (18.3 * 2**20, "18.3 MiB"),
+                                     (2**29, "512 MiB"), (2**30 + 20, "1.00 GiB"), (1.5 * 2**40, "1.50 TiB")])
+def test_human_bytes(n, text):
+    assert human_bytes(n) == text
+
+
+def test_human_bytes_three_digits_never_zero():
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
+    for n in sorted({int(1.37**k) for k in range(1, 125)}):  # 1 B .. ~1 PiB
+        value, unit = human_bytes(n).split()
+        assert 1 <= float(value) < 1024, (n, value, unit)  # never 0.00, never 1024 of a unit
+        if unit != "B":  # three significant digits (1000-1023 keep their four)
+            assert len(value.replace(".", "")) == 3 or ("." not in value and float(value) >= 1000), (n, value)
+        assert abs(float(value) * units[unit] - n) <= 0.005 * n, (n, value, unit)
 
 
 def test_summary_prefers_recorded_per_rank_peak_and_wall_time(tmp_path):

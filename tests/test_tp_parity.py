@@ -3,7 +3,8 @@
 fp32, 8 steps, global batch 8 vs the single-process run: TP=2 on 2 processes, TP=2 + sequence
 parallel, TP=2 x DDP=2, TP=2 x FSDP2=2 and TP=2 x ZeRO-2=2 on 4 processes, TP=2 + sequence parallel under
 ZeRO-1 (DeepSpeed with hfpar's mpu; SP grads reduced in backward); exported (gathered) weights,
-from_pretrained round trip, per-rank sharded bytes, resume with TP, and the refusals.
+from_pretrained round trip, per-rank sharded bytes, resume with TP, and the refusals. All in the default
+padding-free batches (each micro-batch's samples packed into rows; tests/test_padding_free.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
     info = read_run_info(tp_runs[case])
     full = read_run_info(single_run)["param_bytes_per_rank"][0]
     assert info["tp_size"] == 2 and info["dp_size"] == info["world_size"] // 2
+    assert info["padding_free"] is True  # the default batching: every TP rank packs the same rows
     # every weight matrix is split over tp (and over dp with FSDP2); only the norms stay replicated
     share = 0.25 if case.endswith("fsdp2") else 0.5
     assert all(share <= b / full < share * 1.02 for b in info["param_bytes_per_rank"]), info["param_bytes_per_rank"]

@@ -4,35 +4,40 @@
     tok = data.load_tokenizer(None)                              # the embedded char-level tokenizer
     splits = data.load_splits(None, "sft")                       # DatasetDict(train, eval), generated
     train, stats = data.tokenize_sft(splits["train"], tok, 128)  # input_ids, labels (-100 = no loss)
-    train = data.pack(train, 128)                                # + position_ids restarting per sample
-    batch = data.DataCollator(tok)([train[i] for i in range(8)])
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    collate = data.DataCollator(tok, padding_free=True, max_seq_length=128)  # each batch's samples packed into rows
+    batch = collate([train[i] for i in range(8)])                # (or data.DataCollator(tok): padded rows)
+    logits = model(**{k: v for k, v in batch.items() if k not in ("labels", "token_mask")}, use_cache=False).logits
+    train = data.pack(train, 128)                                # the whole dataset packed, + position_ids
 
     load.py      the tokenizer; DatasetDict(train, eval) from the embedded generator, local files or the hub
     chat.py      chat-template rendering and the character spans of the assistant replies
     tokenize.py  tokenize_sft / tokenize_clm / tokenize_classify
-    collate.py   pack, DataCollator;  errors.py  DataError
+    collate.py   pack, pack_batch, DataCollator;  errors.py  DataError
+    padding_free.py  padding_free_mode: whether padding-free batches apply to a run (task, model family, ...)
 
 Labels are NOT shifted: the target of position t is labels[t + 1] (the trainer shifts).
 
 Packed rows (from `pack` or `tokenize_clm`) carry `position_ids` that restart at 0 at every sample;
-the collator then returns position_ids and NO attention_mask. transformers 5 detects packing from
-the position ids only when attention_mask is None AND no KV cache is built, so call the model with
-`use_cache=False` (the embedded config also sets use_cache false). It then builds a block-diagonal
-causal mask (eager, sdpa) or uses varlen kernels (flash attention): tests/test_data.py checks that
-a packed row gives the same logits as its samples run one by one.
+the collator then returns position_ids, token_mask (real tokens; not a model input) and NO attention_mask.
+DataCollator(padding_free=True) packs the samples of each batch that way (same samples, same targets).
+transformers 5 detects packing from the position ids only when attention_mask is None AND no KV cache
+is built, so call the model with `use_cache=False` (the embedded config also sets use_cache false). It
+then builds a block-diagonal causal mask (eager, sdpa) or uses varlen kernels (flash attention):
+tests/test_data.py and tests/test_padding_free.py check that a packed row gives the same logits as its
+samples run one by one.
 
 Every user mistake raises `DataError` (a ValueError) with a one-line message naming the value.
 The embedded datasets live in hfpar/synthetic.py.
 """
 
 from .chat import _render_chat  # noqa: F401  (used by tests/test_data.py)
-from .collate import DataCollator, pack
+from .collate import DataCollator, pack, pack_batch
 from .errors import DataError
 from .load import (BUILDERS, EMBEDDED, EVAL_NAMES, FILE_LIKE, FORMATS, KINDS, embedded_model_path, label_names_of,
                    load_splits, load_tokenizer)
+from .padding_free import padding_free_mode
 from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
 __all__ = ["BUILDERS", "EMBEDDED", "EVAL_NAMES", "FILE_LIKE", "FORMATS", "IGNORE", "KINDS", "DataCollator",
-           "DataError", "embedded_model_path", "label_names_of", "load_splits", "load_tokenizer", "pack",
-           "tokenize_classify", "tokenize_clm", "tokenize_sft"]
+           "DataError", "embedded_model_path", "label_names_of", "load_splits", "load_tokenizer", "pack", "pack_batch",
+           "padding_free_mode", "tokenize_classify", "tokenize_clm", "tokenize_sft"]

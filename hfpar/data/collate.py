@@ -1,6 +1,11 @@
 """Pack tokenized samples into rows, and collate rows into padded tensor batches.
 
     batch = DataCollator(tokenizer)(pack(train, 128).select(range(8)).to_list())  # + position_ids
+    batch = DataCollator(tokenizer, padding_free=True, max_seq_length=128)([train[i] for i in range(8)])
+
+Padding-free collation packs the samples of ONE batch (first-fit decreasing) into as few rows of at most
+max_seq_length tokens as they fit in, the way `pack` packs a whole dataset: same samples, same targets,
+attention kept inside each sample by the position ids; only the rows' padding is gone.
 """
 
 from __future__ import annotations
@@ -13,33 +18,68 @@ from .tokenize import IGNORE, _check_args
 
 
 # ---------------------------------------------------------------------------------------- pack
+def greedy_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices in order, a new bin whenever the next length does not fit the current one."""
+    bins, used = [], capacity
+    for i, n in enumerate(lengths):
+        if bins and used + n <= capacity:
+            bins[-1].append(i)
+            used += n
+        else:
+            bins.append([i])
+            used = n
+    return bins
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into as few bins of total length <= capacity as first-fit decreasing finds: longest first,
+    each into the first bin with room (a length above capacity gets a bin of its own). Deterministic: equal
+    lengths keep their index order."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+        if b is None:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            bins[b].append(i)
+            room[b] -= lengths[i]
+    return bins
+
+
+def join_samples(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
+    """(input_ids, labels) samples -> one row. position_ids restart at 0 at every sample, which is how
+    transformers tells the samples apart (block-diagonal causal mask, or varlen flash attention), so attention
+    never crosses samples. The first label of every sample is -100: the target of a sample's last token would
+    otherwise be the next sample's first token. Unpacked, that first label is never a target either (nothing
+    precedes it), so packing does not change the loss."""
+    row = {"input_ids": [], "labels": [], "position_ids": []}
+    for ids, labels in samples:
+        row["input_ids"] += list(ids)
+        row["labels"] += [IGNORE] + list(labels[1:])
+        row["position_ids"] += range(len(ids))
+    return row
+
+
 def pack(ds: Dataset, max_seq_length: int) -> Dataset:
     """Greedily concatenate tokenized samples, in order, into rows of at most max_seq_length tokens.
 
-    Returns Dataset(input_ids, labels, position_ids). position_ids restart at 0 at every sample, which
-    is how transformers tells the samples apart (block-diagonal causal mask, or varlen flash
-    attention), so attention never crosses samples. The first label of every sample is -100: the
-    target of a sample's last token would otherwise be the next sample's first token. Unpacked, that
-    first label is never a target either, so packing does not change the loss.
+    Returns Dataset(input_ids, labels, position_ids), rows as `join_samples` builds them.
     """
     _check_args(max_seq_length)
     if len(ds) == 0:
         raise DataError("pack: the dataset is empty")
     all_labels = ds["labels"] if "labels" in ds.column_names else ds["input_ids"]
-    rows = {"input_ids": [], "labels": [], "position_ids": []}
-    cur = {k: [] for k in rows}
-    for ids, labels in zip(ds["input_ids"], all_labels):
-        ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > max_seq_length:
-            for k in rows:
-                rows[k].append(cur[k])
-            cur = {k: [] for k in rows}
-        cur["input_ids"] += ids
-        cur["labels"] += [IGNORE] + list(labels[1:])
-        cur["position_ids"] += range(len(ids))
-    for k in rows:
-        rows[k].append(cur[k])
-    return Dataset.from_dict(rows)
+    samples = [(ids[:max_seq_length], labels[:max_seq_length]) for ids, labels in zip(ds["input_ids"], all_labels)]
+    rows = [join_samples([samples[i] for i in b]) for b in greedy_bins([len(s[0]) for s in samples], max_seq_length)]
+    return Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "labels", "position_ids")})
+
+
+def pack_batch(features: list[dict], max_seq_length: int) -> list[dict]:
+    """One batch's samples -> the fewest rows of at most max_seq_length tokens first-fit decreasing finds."""
+    samples = [(list(f["input_ids"]), list(f.get("labels", f["input_ids"]))) for f in features]
+    return [join_samples([samples[i] for i in b])
+            for b in first_fit_decreasing([len(s[0]) for s in samples], max_seq_length)]
 
 
 # ------------------------------------------------------------------------------------- collate
@@ -53,38 +93,54 @@ def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
 class DataCollator:
     """List of feature dicts -> dict of tensors, right-padded to the longest row (or a multiple).
 
-    task "lm":        input_ids (B, T) padded with the pad id, labels (B, T) padded with -100, and
-                      either attention_mask (B, T) or, for packed rows (features with position_ids),
-                      position_ids (B, T) padded with 0 and NO attention_mask. Each 0-position pad
-                      token then forms its own one-token sequence in transformers' packed-sequence
+    task "lm":        input_ids (B, T) padded with the pad id, labels (B, T) padded with -100, and either
+                      attention_mask (B, T), or, for packed rows (features with position_ids, or any batch when
+                      padding_free), position_ids (B, T) padded with 0, token_mask (B, T) (1 = real token; not
+                      a model input: hfpar.batch_plan hands it to MoE routers) and NO attention_mask. Each
+                      0-position pad token then forms its own one-token sequence in transformers' packed-sequence
                       detection, so real tokens never attend to padding.
     task "classify":  input_ids (B, T), attention_mask (B, T), labels (B,) long.
+
+    padding_free: pack each batch's samples into rows of at most max_seq_length tokens (`pack_batch`) first;
+    rows that are already packed are left as they are.
     """
 
     def __init__(self, tokenizer=None, task: str = "lm", *, pad_token_id: int | None = None,
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, padding_free: bool = False, max_seq_length: int | None = None):
         if task not in ("lm", "classify"):
             raise DataError(f"collator task {task!r}: valid tasks are lm, classify")
+        if padding_free and task != "lm":
+            raise DataError(f"padding_free with task {task!r}: valid only for task lm (classification reads each "
+                            "row's last non-pad token)")
+        if padding_free and (not isinstance(max_seq_length, int) or max_seq_length < 2):
+            raise DataError(f"padding_free needs max_seq_length, the longest row to pack into: got {max_seq_length!r}, "
+                            "expected an integer >= 2")
         if pad_token_id is None and tokenizer is not None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_token_id is None:
             raise DataError("DataCollator needs a pad id: pass a tokenizer with a pad or eos token, or pad_token_id")
         self.task, self.pad_id, self.multiple = task, pad_token_id, pad_to_multiple_of
+        self.padding_free, self.max_seq_length = padding_free, max_seq_length
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        packed = all("position_ids" in f for f in features)
+        if self.padding_free and not packed:
+            features, packed = pack_batch(features, self.max_seq_length), True
         ids = [list(f["input_ids"]) for f in features]
         length = max(len(x) for x in ids)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
         batch = {"input_ids": _pad(ids, length, self.pad_id)}  # (B, T)
+        real = _pad([[1] * len(x) for x in ids], length, 0)  # (B, T) 1 = real token
         if self.task == "classify":
-            batch["attention_mask"] = _pad([[1] * len(x) for x in ids], length, 0)  # (B, T)
+            batch["attention_mask"] = real
             batch["labels"] = torch.tensor([int(f["labels"] if "labels" in f else f["label"]) for f in features],
                                            dtype=torch.long)  # (B,)
             return batch
         batch["labels"] = _pad([list(f.get("labels", f["input_ids"])) for f in features], length, IGNORE)  # (B, T)
-        if all("position_ids" in f for f in features):
+        if packed:
             batch["position_ids"] = _pad([list(f["position_ids"]) for f in features], length, 0)  # (B, T)
+            batch["token_mask"] = real
         else:
-            batch["attention_mask"] = _pad([[1] * len(x) for x in ids], length, 0)  # (B, T)
+            batch["attention_mask"] = real
         return batch

@@ -1,0 +1,47 @@
+"""Where padding-free batching applies: each micro-batch's samples packed into rows (DataCollator(padding_free=True)).
+
+    on, why_not = padding_free_mode(args, "lm", "llama", packed=args.packing)   # (True, None)
+
+Packed rows keep samples apart only through the position ids: transformers 5 detects packed sequences from
+them when there is no attention_mask (masking_utils.find_packed_sequence_indices) and then builds the
+block-diagonal causal mask for eager / sdpa / flex attention (sliding windows included: a window is a distance
+inside the sample, the same in both layouts) or uses varlen kernels for flash attention. That holds for the
+model families below, verified sample by sample against each sample run alone (tests/test_padding_free.py,
+eager and sdpa on CPU in float64; also run once on an H100 with torch 2.11 / transformers 5.17: eager, sdpa and
+flex_attention in fp32 and bf16, Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2); other families (encoders, encoder-decoders, models that build masks without the position ids or have
+recurrent / chunked-attention layers) keep padded batches.
+"""
+
+from __future__ import annotations
+
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+# model_type -> verified in tests/test_padding_free.py (a tiny random-init model of each: every sample's logits
+# in a padding-free batch equal its logits alone)
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+            "phi3", "olmo2", "starcoder2", "gpt2")
+# attention implementations whose masks transformers builds from the packed position ids
+ATTENTION = tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())
+
+
+def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) -> tuple[bool, str | None]:
+    """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
+
+    args: padding_free (None = wherever it applies, True, False), pp_size, attn_implementation.
+    packed: the rows are packed already (--packing, the clm recipe): nothing to do.
+    """
+    if args.padding_free is False or packed:
+        return False, None
+    if task != "lm":
+        return False, "sequence classification reads each row's last non-pad token, so classify keeps padded batches"
+    if args.pp_size > 1:
+        return False, (f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
+                       "of rows, and padding-free batches vary in their number of rows")
+    if model_type not in FAMILIES:
+        return False, (f"model_type {model_type!r} is not among the families verified to keep packed samples apart "
+                       f"({', '.join(FAMILIES)})")
+    attn = args.attn_implementation
+    if attn is not None and attn not in ATTENTION:
+        return False, (f"--attn_implementation {attn}: transformers builds no packed-sequence mask for it "
+                       f"(it does for {', '.join(ATTENTION)})")
+    return True, None
