@@ -54,6 +54,7 @@ class RecipeArgs:
     per_device_eval_batch_size: int = 16
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-3
+    loss_chunk_size: int | None = None  # tokens per chunk of the fused LM head + cross-entropy (full logits never exist); unset = auto where checked, 0 = off
     optim: str = "adamw_torch_fused"  # adamw_torch_fused (fused kernel where the device has it, else foreach) | adamw_torch
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -254,6 +255,8 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append("--save_total_limit 0: must be >= 1 (or unset to keep every checkpoint)")
     if a.lr_scheduler_type not in SCHEDULERS:
         p.append(f"--lr_scheduler_type {a.lr_scheduler_type!r}: valid values are {', '.join(SCHEDULERS)}")
+    if a.loss_chunk_size is not None and a.loss_chunk_size < 0:
+        p.append(f"--loss_chunk_size {a.loss_chunk_size}: must be >= 1 token, 0 (off) or unset (auto)")
     if a.optim not in OPTIMIZERS:
         p.append(f"--optim {a.optim!r}: valid values are {', '.join(OPTIMIZERS)}")
     if a.truncation not in TRUNCATION:

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from hfpar.chunked_loss import chunked_loss_state
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 
@@ -53,11 +54,26 @@ def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return loss, (labels != IGNORE).sum()
 
 
+class ChunkedLMLoss:
+    """The loss of a model whose LM head computes it chunk by chunk (hfpar.chunked_loss): forward runs inside
+    `scope(shifted_labels)`, and the "logits" it returns are the loss sum."""
+
+    def __init__(self, state):
+        self.scope = state.targets
+
+    def __call__(self, loss_sum: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_sum.reshape(()), (target != IGNORE).sum()
+
+
 def make_loss_fn(task: str, model: torch.nn.Module):
-    """The loss for the task (causal LM: on labels already shifted, see hfpar.batch_plan); for a causal LM whose
-    output embedding is vocab-sharded (its ShardSpec), the vocab-parallel one over that shard's group."""
+    """The loss for the task (causal LM: on labels already shifted, see hfpar.batch_plan): the head's chunked loss
+    where installed; for a causal LM whose output embedding is vocab-sharded (its ShardSpec), the vocab-parallel
+    one over that shard's group."""
     if task != "lm":
         return classify_loss_sum
+    state = chunked_loss_state(model)
+    if state is not None:
+        return ChunkedLMLoss(state)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     spec = shard_spec(head.weight) if head is not None else None
     if spec is not None and spec.kind == "tp" and spec.sharded:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from hfpar.chunked_loss import chunkable, install_chunked_loss
 from hfpar.lora import apply_lora, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
@@ -60,6 +61,20 @@ def apply_moe(model, args, ctx) -> None:
     attach_moe_token_mask(model)
 
 
+def chunk_loss(model, args, ctx):
+    """The chunked LM head + cross-entropy (hfpar.chunked_loss), after TP (its head may be vocab-parallel) and
+    before the data-parallel wrap; unset = where exact; returns the chunk (tokens, "auto") or 0 when off."""
+    if args.loss_chunk_size == 0 or ctx.pp > 1:  # the pipeline's last stage computes its loss from logits
+        return 0
+    why = chunkable(model)
+    if why is not None:
+        if args.loss_chunk_size:
+            raise ValueError(f"--loss_chunk_size {args.loss_chunk_size}: {why}; pass 0 or leave it unset")
+        return 0
+    install_chunked_loss(model, args.loss_chunk_size)
+    return args.loss_chunk_size or "auto"
+
+
 def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras)."""
     info = {}
@@ -74,6 +89,7 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         model.set_attn_implementation(register_cp_attention())
     if task == "lm":
         apply_moe(model, args, ctx)
+        info["loss_chunk_size"] = chunk_loss(model, args, ctx)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

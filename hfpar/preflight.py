@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from hfpar import checkpoint as ckpt
 from hfpar import data
 from hfpar.backends import select_backend
+from hfpar.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.distributed import strategy_name
@@ -82,9 +83,6 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
                  "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa")
     if args.pp_size > 1:
         p += pp_feature_problems(args, task)
-    if args.ep_size > 1 and args.gradient_checkpointing:
-        p.append(f"--ep_size {args.ep_size} with --gradient_checkpointing: not supported yet (MoE token masks are "
-                 "published for the forward only)")
     return p
 
 
@@ -110,6 +108,13 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         p += cp_problems(args, ctx, config)
     if ctx.pp > 1:
         p += pp_model_problems(args, ctx, config)
+    if args.loss_chunk_size and task == "lm":  # asked for explicitly (unset: where it is exact, silently)
+        if model_type not in CHUNK_FAMILIES:
+            p.append(f"--loss_chunk_size {args.loss_chunk_size}: model_type {model_type!r} is not among the families "
+                     f"checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset")
+        if ctx.pp > 1:
+            p.append(f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
+                     "computes its loss from the logits; pass 0 or leave it unset")
     _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")

@@ -49,7 +49,8 @@ class Backend:
         """(loss sum, target count, logits) of one batch through the whole model."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         extra = {"use_cache": False} if task == "lm" else {}
-        with self.autocast():
+        scope = getattr(loss_fn, "scope", None)  # a chunked LM loss: the head computes it in the forward
+        with self.autocast(), (scope(batch["labels"]) if scope else contextlib.nullcontext()):
             logits = self.model(**inputs, **extra).logits
         loss_sum, n = loss_fn(logits, batch["labels"])
         return loss_sum, n, logits
