@@ -33,6 +33,7 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12
 VARIANTS = {
     "single": ("single.yaml", [], []),
     "single_gc": ("single.yaml", [], ["--gradient_checkpointing"]),
+    "single_flex": ("single.yaml", [], ["--attn_implementation", "flex_attention"]),
     "fsdp2": ("fsdp2.yaml", [], []),
     "fsdp2_gc": ("fsdp2.yaml", [], ["--gradient_checkpointing"]),
     "single_compile": ("single.yaml", ["--dynamo_backend", "inductor"], []),

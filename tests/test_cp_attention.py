@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 from hfpar.parallel.comm import all_gather
 from hfpar.parallel.context_parallel.attention import ring_attention, ulysses_attention
-from hfpar.parallel.context_parallel.layout import document_ids, gathered_order, shard_batch, zigzag_indices
+from hfpar.parallel.context_parallel.layout import (
+    document_ids,
+    gathered_order,
+    shard_batch,
+    zigzag_indices,
+)
 from tests.dist_utils import run_distributed
 
 T, D = 32, 8
@@ -36,19 +41,17 @@ def _rows(case: str, b: int = 2):
 def _reference_mask(pos, mask):
     doc = document_ids(pos, mask)                                               # (B, T)
     same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    pad_self = (doc[:, :, None] < 0) & torch.eye(T, dtype=torch.bool)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    pad_self = (doc[:, :, None] < 0) & torch.eye(T, dtype=torch.bool, device=doc.device)
     return ((same & causal) | pad_self)[:, None]
 
 
-def _check(rank, world, case, mode, h, hkv, block=512):
+def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch.float64):
     group = torch.distributed.group.WORLD
     g = torch.Generator().manual_seed(0)
-    pos, mask = _rows(case)
-    q = torch.randn(2, h, T, D, generator=g, dtype=torch.float64)
-    k = torch.randn(2, hkv, T, D, generator=g, dtype=torch.float64)
-    v = torch.randn(2, hkv, T, D, generator=g, dtype=torch.float64)
-    w = torch.randn(2, h, T, D, generator=g, dtype=torch.float64)               # d loss / d out
+    pos, mask = (x.to(device) for x in _rows(case))
+    q, k, v, w = (torch.randn(2, n, T, D, generator=g, dtype=torch.float64).to(device, dtype)
+                  for n in (h, hkv, hkv, h))                                    # w: d loss / d out
     # reference: the whole row on one rank
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
     rep = h // hkv
@@ -56,9 +59,10 @@ def _check(rank, world, case, mode, h, hkv, block=512):
                                              attn_mask=_reference_mask(pos, mask))
     (out_ref * w).sum().backward()
     # this rank's shard
-    batch = {"input_ids": torch.zeros(2, T, dtype=torch.long), "position_ids": pos, "attention_mask": mask}
+    batch = {"input_ids": torch.zeros(2, T, dtype=torch.long, device=device), "position_ids": pos,
+             "attention_mask": mask}
     _, rows = shard_batch(batch, rank, world)
-    idx = zigzag_indices(T, rank, world)
+    idx = zigzag_indices(T, rank, world).to(device)
     ql, kl, vl = (x[:, :, idx].clone().requires_grad_() for x in (q, k, v))
     fn = ring_attention if mode == "ring" else ulysses_attention
     out = fn(ql, kl, vl, rows, group, block=block)
@@ -67,7 +71,7 @@ def _check(rank, world, case, mode, h, hkv, block=512):
     order = gathered_order(T, world)
     for name, got, ref in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
         full = all_gather(got.grad, dim=2, group=group)                         # gathered order
-        res[name] = (full - ref.grad[:, :, order]).abs().max().item()
+        res[name] = (full - ref.grad[:, :, order.to(device)]).abs().max().item()
     return res
 
 
@@ -77,9 +81,10 @@ CASES += [("packed", mode, 4, 1) for mode in ("ring", "ulysses")]              #
 CASES += [(case, mode, 4, 2, 3) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
 
 
-def _check_all(rank, world):
-    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds)."""
-    return {c: _check(rank, world, *c) for c in CASES}
+def _check_all(rank, world, device="cpu", dtype=torch.float64):
+    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/gpu_attention.py
+    runs it on CUDA (gloo carries the CUDA tensors)."""
+    return {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
 
 
 @pytest.mark.parametrize("world", [2, 4])

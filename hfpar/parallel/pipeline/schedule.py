@@ -18,6 +18,8 @@ receives blocking, which the two schedules' orders keep free of deadlock.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -65,7 +67,8 @@ class PipelineRunner:
         self.peers, self.group = peers, group
         self.schedule, self.m = schedule, microbatches
         self.order = schedule_order(schedule, stage.stage_index, stage.num_stages, microbatches)
-        self.sent_bytes = 0
+        self.sent_bytes = 0       # activation / gradient bytes this stage sent (headers aside), since creation
+        self.wait_s = 0.0         # seconds blocked in receives: this stage's idle time (the bubble), since creation
         self._pending: list = []
 
     # ------------------------------------------------------------------ point to point
@@ -84,7 +87,9 @@ class PipelineRunner:
     def _recv(self, stage: int) -> torch.Tensor:
         src = self.peers[stage]
         header = torch.empty(_HEADER, dtype=torch.int64, device=self._device())
+        t0 = time.perf_counter()
         dist.recv(header, src)
+        self.wait_s += time.perf_counter() - t0
         h = header.tolist()
         t = torch.empty(h[2:2 + h[1]], dtype=_DTYPES[h[0]], device=header.device)
         dist.recv(t, src)
