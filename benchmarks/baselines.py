@@ -10,7 +10,7 @@ tokens/s = real (non-padding) input tokens / time in the training steps, counted
 used (not from each tool's own counter).
   frameworks: `python recipes/sft.py`, transformers.Trainer with the same collator, a hand-written Accelerate loop
               (final loss = mean of the last 10 steps; all three: mean over the batch's target tokens)
-  packing:    padding tokens per batch with and without --packing, and hfpar's tokens/s in both modes
+  packing:    padding tokens per batch padded, padding-free (the default) and --packing, hfpar's tokens/s in each
   trl:        TRL's SFTTrainer (`pip install trl`, for this benchmark only; hfpar never depends on it) against
               hfpar, each in its default configuration and packed, in fresh processes, `--rounds` rounds whose
               order alternates (ABAB, then BABA) so that machine load falls on both alike. TRL gets the recipe's
@@ -168,14 +168,22 @@ def run_accelerate_loop(steps: int) -> dict:
     return {"tokens_per_s": tokens / (time.perf_counter() - t0), "final_loss": statistics.mean(losses[-10:])}
 
 
-def padding_fraction(packing: bool) -> float:
-    """Padding tokens / all tokens over the first 50 batches, rows padded to the batch's longest (the collator)."""
-    ds, _, _ = dataset(packing)
+def padding_fraction(mode: str) -> float:
+    """Padding tokens / all tokens over the first 50 batches in the collator's layout: `padded` rows padded to the
+    batch's longest sample, `padding_free` the batch's samples packed first-fit-decreasing into rows of at most
+    max_seq_length padded to the longest row (the default), `packing` the packed dataset's rows."""
+    from hfpar.data.collate import first_fit_decreasing
+
+    ds, _, _ = dataset(mode == "packing")
     real = total = 0
     for i in range(0, min(len(ds), BS * 50), BS):
         lengths = [len(ds[j]["input_ids"]) for j in range(i, min(i + BS, len(ds)))]
         real += sum(lengths)
-        total += len(lengths) * max(lengths)
+        if mode == "padding_free":
+            rows = [sum(lengths[k] for k in row) for row in first_fit_decreasing(lengths, SEQ)]
+            total += len(rows) * max(rows)
+        else:
+            total += len(lengths) * max(lengths)
     return 1 - real / total
 
 
@@ -324,8 +332,11 @@ def main() -> None:
         res["frameworks"] = {"hfpar sft recipe": run_hfpar([], steps), "transformers Trainer": run_trainer(steps),
                              "hand-written Accelerate loop": run_accelerate_loop(steps)}
     if "packing" in sections:
-        res["packing"] = {"no packing": {"padding_fraction": padding_fraction(False), **run_hfpar([], steps)},
-                          "--packing": {"padding_fraction": padding_fraction(True), **run_hfpar(["--packing"], steps)}}
+        res["packing"] = {
+            "padded (--padding_free false)": {"padding_fraction": padding_fraction("padded"),
+                                              **run_hfpar(["--padding_free", "false"], steps)},
+            "padding-free (default)": {"padding_fraction": padding_fraction("padding_free"), **run_hfpar([], steps)},
+            "--packing": {"padding_fraction": padding_fraction("packing"), **run_hfpar(["--packing"], steps)}}
     if "trl" in sections:
         import trl
 
