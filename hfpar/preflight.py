@@ -192,9 +192,6 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
             parse_split(args.pp_split, layers, ctx.pp)
         except ValueError as exc:
             p.append(str(exc))
-    if getattr(config, "tie_word_embeddings", False):
-        p.append(f"--pp_size {ctx.pp}: {name} ties its input and output embeddings (first and last stage); tied "
-                 "embeddings are not supported with pipeline parallelism yet")
     return p
 
 

@@ -3,7 +3,8 @@
 fp32, 8 steps, global batch 8 vs the single-process run: pp=2 with GPipe and with 1F1B (2 processes), pp=2 with
 activation checkpointing and an uneven manual split (--pp_split 0,1), pp=2 x dp=2 and pp=4 (4 processes): per-step
 loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
-reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 reproduces steps 5-8.
+reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 reproduces steps 5-8. Tied input /
+output embeddings (first and last stage each hold the weight) at pp=2 against their own single-process run.
 """
 
 from __future__ import annotations
@@ -59,3 +60,33 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
 
 def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path):
     assert_resume_from_step_4(CASES["pp2_1f1b"], pp_runs["pp2_1f1b"], base_model, tmp_path, "pp2")
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """The embedded tiny Llama with tied input / output embeddings: one process and pp=2 (the weight on the first
+    and the last stage, its grads summed over the two)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpar import data
+
+    path = tmp_path_factory.mktemp("tied_base")
+    cfg = AutoConfig.from_pretrained(data.embedded_model_path())
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    cases = {"tied_single": ("single", 1, "4", []), "tied_pp2": ("ddp", 2, "4", ["--pp_size", "2"])}
+    return launch_cases(cases, str(path), tmp_path_factory.mktemp("tied"))
+
+
+def test_pp_tied_embeddings_match_single(tied_runs):
+    ref, ref_eval = read_metrics(tied_runs["tied_single"])
+    got, got_eval = read_metrics(tied_runs["tied_pp2"])
+    assert len(got) == 8
+    for key in ("loss", "grad_norm"):
+        assert_close_series(ref, got, key, TOL, "tied pp2")
+    assert_close_series(ref_eval, got_eval, "eval_loss", TOL, "tied pp2")
+    assert_export_matches(tied_runs["tied_single"], tied_runs["tied_pp2"], "tied pp2")
+    assert rel_close(export_eval_loss(tied_runs["tied_pp2"]), got_eval[-1]["eval_loss"], 1e-4)

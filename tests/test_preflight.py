@@ -137,7 +137,7 @@ def test_context_parallel_refusals_and_mode(tmp_path):
 
 def test_pipeline_refusals(tmp_path):
     """pp not dividing the world, fewer layers than stages, a split leaving a stage empty, micro-batches not
-    dividing the batch, tied embeddings, an encoder model, classify / LoRA, and the compositions not supported."""
+    dividing the batch, an encoder model, classify / LoRA, and the compositions not supported."""
     from hfpar.backends import select_backend
     from hfpar.config import ConfigError
     assert "--pp_size 3 does not divide the world size 4" in ParallelContext(world=4, pp=3).problems()[0]
@@ -150,7 +150,7 @@ def test_pipeline_refusals(tmp_path):
                                                             llama8)[0]
     assert pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,4,6"), ctx4, llama8) == []
     tied = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=True)
-    assert "ties its input and output embeddings" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, tied)[0]
+    assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, tied) == []  # tied: first and last stage sum grads
     bert = AutoConfig.for_model("bert", architectures=["BertForMaskedLM"])
     assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, bert)[0]
     t5 = AutoConfig.for_model("t5")

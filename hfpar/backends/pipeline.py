@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hfpar import checkpoint as ckpt
-from hfpar.parallel.pipeline import PipelineRunner, microbatches
+from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, set_shard_spec,
                                      sync_partial_grads)
 
@@ -31,6 +31,8 @@ class PipelineDDP(ModelParallelBackend):
         if self.ctx.grad_replicas > 1:
             for p in model.parameters():
                 set_shard_spec(p, dp_reduce_group=self.ctx.replica_group, dp_size=self.ctx.grad_replicas)
+        # every rank joins the collective group creation; the first and last stage of each pipeline get theirs
+        self.tied_group = tied_embedding_group(self.ctx.rank_lists("pp")) if model.ties_embeddings else None
         self.runner = PipelineRunner(model, self.ctx.pp_peers, self.args.pp_schedule, microbatches(self.args),
                                      group=self.ctx.pp_group)
         return model
@@ -46,10 +48,14 @@ class PipelineDDP(ModelParallelBackend):
         return loss_sum, n, None
 
     def clip(self, max_norm: float) -> float:
+        stage = self.unwrapped()
         params = list(self.model.parameters())
         sync_partial_grads(params)
         reduce_dp_grads(params)
-        sq = grad_sq_norm(params)
+        if self.tied_group is not None:
+            stage.sync_tied_grads(self.tied_group)
+        # a tied embedding is one parameter of the model: its square counted on the first stage only
+        sq = grad_sq_norm([p for p in params if not (stage.is_last and p is stage.tied)])
         dist.all_reduce(sq, group=self.ctx.pp_group)   # stages hold disjoint parameters: the squares add up
         norm = sq.sqrt()
         scale_grads_to_norm_(params, norm, max_norm)
@@ -63,6 +69,10 @@ class PipelineDDP(ModelParallelBackend):
         rank (the main process writes them); other ranks get their own stage's."""
         stage = self.unwrapped()
         mine = {stage.hf_name(k): v.cpu() for k, v in full_state_dict(stage).items()}
+        if stage.tied is not None and stage.is_last:  # a tied LM head is saved once, as the first stage's embedding
+            for name, p in stage.named_parameters(remove_duplicate=False):
+                if p is stage.tied:
+                    mine.pop(stage.hf_name(name), None)
         peers = self.ctx.pp_peers
         parts = [None] * len(peers) if self.ctx.rank == peers[0] else None
         dist.gather_object(mine, parts, dst=peers[0], group=self.ctx.pp_group)

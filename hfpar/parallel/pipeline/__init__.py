@@ -7,7 +7,7 @@ The recipes run them with --pp_size (hfpar.backends.pipeline); tests/test_pp_sta
 """
 
 from .schedule import SCHEDULES, PipelineRunner, microbatches, schedule_order, split_microbatches
-from .stage import PipelineStage, balanced_split, decoder_layers, parse_split
+from .stage import PipelineStage, balanced_split, decoder_layers, parse_split, tied_embedding_group
 
 __all__ = ["SCHEDULES", "PipelineRunner", "microbatches", "schedule_order", "split_microbatches", "PipelineStage", "balanced_split",
-           "decoder_layers", "parse_split"]
+           "decoder_layers", "parse_split", "tied_embedding_group"]

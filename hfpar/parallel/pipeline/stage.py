@@ -20,7 +20,19 @@ import copy
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+
+def tied_embedding_group(pipelines: list[list[int]]):
+    """Collective (every rank, the same pipelines in the same order): one process group per pipeline joining its
+    first and last stage, for tied embeddings; returns this rank's group, or None."""
+    mine, rank = None, dist.get_rank()
+    for peers in pipelines:
+        group = dist.new_group([peers[0], peers[-1]])
+        if rank in (peers[0], peers[-1]):
+            mine = group
+    return mine
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -94,16 +106,18 @@ class PipelineStage(nn.Module):
     def __init__(self, model: nn.Module, stage_index: int, bounds: list[int]):
         super().__init__()
         layers = decoder_layers(model)
-        if len(bounds) > 2 and getattr(model.config, "tie_word_embeddings", False):
-            raise ValueError(f"pipeline parallelism: {type(model).__name__} ties its input and output embeddings, which "
-                             "would live on the first and the last stage; tied embeddings are not supported yet "
-                             "(untie them: config.tie_word_embeddings = False)")
         self.stage_index, self.num_stages = stage_index, len(bounds) - 1
         self.start, self.stop = bounds[stage_index], bounds[stage_index + 1]
         self.num_layers = len(layers)
         self.is_first, self.is_last = stage_index == 0, stage_index == self.num_stages - 1
         self.full_config = model.config
         base = _base(model)
+        # tied input / output embeddings: the first stage keeps the weight as its embedding, the last as its LM head
+        # (each a copy, equal at load); their grads are summed over the two (tied_embedding_group) before the step
+        self.ties_embeddings = self.num_stages > 1 and model.get_output_embeddings() is not None and \
+            model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        held = self.ties_embeddings and (self.is_first or self.is_last)
+        self._tied = [model.get_input_embeddings().weight] if held else []   # a list: not a second registration
         base.layers = nn.ModuleList(list(layers)[self.start:self.stop])
         # the base model loops over config.num_hidden_layers and may index per-layer config lists by position
         cfg = copy.copy(base.config)
@@ -144,6 +158,20 @@ class PipelineStage(nn.Module):
             yield
         finally:
             self._received = previous
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """The tied embedding weight this stage holds (first: embedding, last: LM head), or None."""
+        return self._tied[0] if self._tied else None
+
+    def sync_tied_grads(self, group) -> None:
+        """Collective over `group` (tied_embedding_group; first and last stage only): the tied embedding's grad
+        becomes the sum of its embedding and LM-head parts, as in the unsplit model."""
+        if self.tied is None:
+            return
+        if self.tied.grad is None:
+            self.tied.grad = torch.zeros_like(self.tied)
+        dist.all_reduce(self.tied.grad, group=group)
 
     def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
         """Write the full model in HF format from the merged state dict of every stage: saved through a model of
