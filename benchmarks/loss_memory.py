@@ -57,7 +57,7 @@ def one_case(mode: str, v: int, n: int) -> dict:
         else:
             loss = F.cross_entropy(F.linear(h, w), t, ignore_index=-100, reduction="sum")
         loss.backward()
-        return float(loss)
+        return loss.item()
 
     loss = step()
     times = []
