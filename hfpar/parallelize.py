@@ -53,8 +53,17 @@ def apply_moe(model, args, ctx) -> None:
             raise ValueError(f"--ep_size {ctx.ep}: {type(model).__name__} has no MoE layers; "
                              "pass --upcycle_experts N to turn its MLPs into experts first")
         return
+    # the HF model's objective: a native MoE model trains with its aux loss only when its config asks for it
+    # (output_router_logits), then through hfpar's injection (the trainer's loss comes from the logits); upcycled
+    # layers keep --moe_aux_loss_coef (None: keep)
+    cfg = model.config
+    coef = None if args.upcycle_experts else (
+        float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if getattr(cfg, "output_router_logits", False) else 0.0)
     # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs
-    apply_expert_parallel(model, ctx) if dist.is_initialized() else apply_expert_parallel(model)
+    if dist.is_initialized():
+        apply_expert_parallel(model, ctx, aux_loss_coef=coef)
+    else:
+        apply_expert_parallel(model, aux_loss_coef=coef)
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
     # every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
     set_aux_loss_grad_scale(ctx.grad_replicas / args.gradient_accumulation_steps)

@@ -28,6 +28,7 @@ from hfpar.context import ParallelContext, model_config_problems
 from hfpar.distributed import strategy_name
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
 from hfpar.parallel.pipeline import microbatches, parse_split
+from hfpar.parallel.tensor_parallel import derived_plan_problem
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # attention routed through attn_implementation, tested
@@ -101,9 +102,13 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         return [problem]
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
-    if ctx.tp > 1 and model_type not in TP_PLANS:
-        p.append(f"--tp_size {ctx.tp}: no tensor-parallel plan for model_type {model_type!r} (supported: "
-                 f"{', '.join(sorted(TP_PLANS))})")
+    if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
+        why = derived_plan_problem(config)
+        if why:
+            p.append(f"--tp_size {ctx.tp}: {why.removeprefix('apply_tensor_parallel: ').split('; pass plan=')[0]}")
+        elif args.sequence_parallel:
+            p.append(f"--sequence_parallel: model_type {model_type!r} has a tensor-parallel plan derived from its "
+                     "base_model_tp_plan, which has no sequence parallelism; drop --sequence_parallel")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
     if ctx.pp > 1:

@@ -295,7 +295,7 @@ def test_validation_before_any_collective():
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     msg = _refused(gpt2, 2, r"'gpt2' is not a supported MoE architecture "
-                            r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe\)")
+                            r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe, or any block with 3-D experts")
     assert "upcycle_to_moe" in msg
 
 

@@ -1,9 +1,11 @@
 """Expert parallelism end to end (`--upcycle_experts 4 --ep_size 2` through the sft recipe).
 
 fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained
-with EP=2 on 2 and on 4 processes (DDP for the rest) and with EP=2 under FSDP2 on 2 processes must match the same upcycled model trained in one
-process, per step (loss, grad_norm: the aux-loss gradient included) and in the exported weights,
-which are written as a Mixtral checkpoint that from_pretrained loads; resume with EP; refusals.
+with EP=2 on 2 and on 4 processes (DDP for the rest), with EP=2 under FSDP2 / ZeRO, and with EP=2 + activation
+checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gradient once) on 2 processes
+must match the same upcycled model trained in one process, per step (loss, grad_norm: the aux-loss gradient
+included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
+resume with EP; refusals.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
             "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
-            "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"])}
+            "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+            "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"])}
     return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE])}
 
 
-CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4"]
+CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_checkpointing"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -54,7 +54,21 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64).save_pretrained(gpt2)
     args = _args("--model_name_or_path", str(gpt2), "--tp_size", "2", "--upcycle_experts", "2")
     text = "\n".join(pf.model_problems(args, ParallelContext.plan(2, tp=2), "lm"))
-    assert "no tensor-parallel plan for model_type 'gpt2'" in text and "'gpt2' cannot be upcycled" in text
+    assert "tensor-parallel" not in text and "'gpt2' cannot be upcycled" in text   # gpt2: a written TP plan
+    for model_type, needle in [("opt", "model_type 'opt' has no hfpar plan and its config no base_model_tp_plan"),
+                               ("olmo2", "'colwise_gather_output' has no hfpar equivalent")]:
+        path = tmp_path / model_type
+        AutoConfig.for_model(model_type).save_pretrained(path)
+        lines = [x for x in pf.model_problems(_args("--model_name_or_path", str(path), "--tp_size", "2"),
+                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size 2")]
+        assert len(lines) == 1 and needle in lines[0] and "pass plan=" not in lines[0], lines
+    granite = tmp_path / "granite"
+    AutoConfig.for_model("granite").save_pretrained(granite)   # a plan derived from its base_model_tp_plan
+    args = _args("--model_name_or_path", str(granite), "--tp_size", "2", "--sequence_parallel")
+    lines = pf.model_problems(args, ParallelContext.plan(2, tp=2, sequence_parallel=True), "lm")
+    assert any("derived from its base_model_tp_plan" in x for x in lines), lines
+    assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
+                                             ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
     args = _args("--model_name_or_path", str(tmp_path / "nowhere"))
     assert "cannot read its config.json" in pf.model_problems(args, ParallelContext.plan(1), "lm")[0]
 

@@ -2,7 +2,9 @@
 
     router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), moe_token_mask
     moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
-    apply.py     apply_expert_parallel on HF MoE families (architectures as data)
+    families.py  which HF modules are MoE blocks: MOE_FAMILIES / UPCYCLE_FAMILIES (data), generic detection
+    apply.py     apply_expert_parallel (HF's aux-loss semantics, or hfpar's global aux loss on request)
+    hf_outputs.py  router logits for HF's output_router_logits / aux_loss after conversion
     upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
 """
 

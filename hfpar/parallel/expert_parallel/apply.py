@@ -21,9 +21,21 @@ Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E ex
       experts      GroupedExperts holding experts [ep_rank * E/ep, (ep_rank+1) * E/ep): (E/ep, 2I, H), (E/ep, H, I)
       shared_expert / shared_expert_gate   the HF modules themselves, replicated (Qwen2-MoE)
 
-Architectures are data (MOE_FAMILIES, UPCYCLE_FAMILIES): add a model_type by naming its sparse block
-class and the config fields to read. What TopKRouter cannot do (sigmoid / group-limited routing and
-routed scaling of DeepSeek-V2/V3, GLM-4-MoE; per-expert bias) is refused, not approximated.
+Architectures are data (families.py: MOE_FAMILIES, UPCYCLE_FAMILIES); other model types are detected
+generically (3-D experts + an (E, H) router, checked against the original block's output). What TopKRouter
+cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases) is
+refused, not approximated.
+
+Aux loss, the objective of the HF model (aux_loss_coef=None, the default):
+    output_router_logits False (config default, or call kwarg)   no aux loss, as HF
+    output_router_logits True                                    the output carries router_logits and
+        aux_loss, and loss includes router_aux_loss_coef * aux_loss, computed by the HF model itself from
+        this process's tokens (hf_outputs.py), as HF does (under DDP: each rank its own statistics).
+hfpar's global aux loss (aux_loss_coef=c, e.g. the recipes' --moe_aux_loss_coef; upcycled layers keep
+theirs): c * aux with statistics over dp_group (every rank's tokens; at one process = HF's), injected in
+backward (router.py, `set_aux_loss_grad_scale`), never in the returned loss; config.output_router_logits is
+switched off, and a call with output_router_logits=True returns router_logits / aux_loss as values only
+(no second gradient).
 
 Gradient reduction (the trainer's job; nothing here reduces gradients):
     non_expert_parameters(model)  router, shared expert, attention, norms, embeddings: replicated over
@@ -31,20 +43,16 @@ Gradient reduction (the trainer's job; nothing here reduces gradients):
     expert_parameters(model)      this rank's experts (ShardSpec kind "ep"): their grads already hold every
                                   token of the EP group; SUM over the expert-data-parallel group (ranks
                                   with the same experts, size dp/ep; spec.dp_reduce_group) and divide
-                                  by dp (NOT dp/ep). Exclude them from DDP's reduction and from its
-                                  rank-0 broadcast at wrap time (ranks hold different experts).
+                                  by dp (NOT dp/ep): hfpar.parallel.sharding.reduce_dp_grads. Exclude them
+                                  from DDP's reduction and from its rank-0 broadcast at wrap time.
     grad norm                     sum of squares: non-expert once + expert all-reduced over ep_group.
-Padding: HF decoder layers call `mlp(hidden_states)` without the mask; wrap forward (and backward when
-activation checkpointing recomputes MoE layers) in `moe_token_mask(attention_mask)`, or use
-`attach_moe_token_mask(model)` (forward only). Aux / z losses never appear in the returned loss: they
-are injected in backward (router.py, `set_aux_loss_grad_scale`), so `config.output_router_logits` is
-switched off here to avoid counting transformers' own aux loss twice.
+Padding: HF decoder layers call `mlp(hidden_states)` without the mask; `attach_moe_token_mask(model)` hands
+each forward's attention_mask to the MoE layers, which keep it for the backward's recomputation under
+activation checkpointing (reentrant or not); or wrap forward and backward in `moe_token_mask(mask)`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -54,68 +62,14 @@ import torch.nn as nn
 from ..comm import all_gather, group_rank, group_size
 from ..groups import expert_rank_lists, new_groups
 from ..sharding import full_state_dict, set_shard_spec, shard_spec
+from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
+from .hf_outputs import record_router_logits
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask
 
 __all__ = ["MoEFamily", "UpcycleFamily", "MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel",
-           "gather_expert_state_dict", "expert_parallel_groups", "expert_parameters", "non_expert_parameters", "attach_moe_token_mask",
-           "moe_token_mask"]
-
-
-# ----------------------------------------------------------------------------- architectures as data
-@dataclass(frozen=True)
-class MoEFamily:
-    """How to read one HF sparse MoE block. Config fields are attribute names of `model.config`;
-    `norm_topk_prob` may be a constant. The block must hold `router.weight` (E, H) and 3-D experts
-    `gate_up_proj` (E, 2I, H) [gate; up] / `down_proj` (E, H, I) with act = config.hidden_act."""
-
-    block: str                                  # class name of the sparse block
-    num_experts: str = "num_experts"
-    top_k: str = "num_experts_per_tok"
-    norm_topk_prob: str | bool = "norm_topk_prob"
-    aux_loss_coef: str = "router_aux_loss_coef"
-    jitter: str | None = None                   # HF jitters the block input, hfpar the router input only
-    router: str = "gate"                        # module attributes of the block
-    experts: str = "experts"
-    shared_expert: str | None = None            # an MLP module, kept as is (replicated)
-    shared_expert_gate: str | None = None       # Linear(H, 1): out += sigmoid(gate(x)) * shared(x)
-
-
-MOE_FAMILIES: dict[str, MoEFamily] = {
-    "mixtral": MoEFamily("MixtralSparseMoeBlock", num_experts="num_local_experts", norm_topk_prob=True,
-                         jitter="router_jitter_noise"),
-    "qwen2_moe": MoEFamily("Qwen2MoeSparseMoeBlock", shared_expert="shared_expert",
-                           shared_expert_gate="shared_expert_gate"),
-    "qwen3_moe": MoEFamily("Qwen3MoeSparseMoeBlock"),
-    "olmoe": MoEFamily("OlmoeSparseMoeBlock"),
-}
-
-
-@dataclass(frozen=True)
-class UpcycleFamily:
-    """A dense architecture whose SwiGLU MLPs (gate_proj / up_proj / down_proj, no bias) upcycle_to_moe
-    converts, and the HF MoE architecture the result is exported as (upcycled_hf_config)."""
-
-    mlp_class: str                              # class name of the dense MLP
-    export_model_type: str                      # HF MoE model_type of the export
-    export_num_experts: str = "num_local_experts"
-    export_intermediate: tuple[str, ...] = ("intermediate_size",)   # export fields = dense intermediate size
-    export_constants: dict = field(default_factory=dict)           # e.g. every layer sparse, renormalized top-k
-    not_exportable: tuple[str, ...] = ("attention_bias", "mlp_bias")  # truthy source fields the export lacks
-
-
-UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
-    "llama": UpcycleFamily("LlamaMLP", "mixtral"),
-    "mistral": UpcycleFamily("MistralMLP", "mixtral"),
-    "qwen3": UpcycleFamily("Qwen3MLP", "qwen3_moe", export_num_experts="num_experts",
-                           export_intermediate=("moe_intermediate_size",),
-                           export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-                           not_exportable=("attention_bias",)),
-}
-
-
-def _config_value(cfg, spec):
-    return spec if isinstance(spec, bool) else getattr(cfg, spec)
+           "gather_expert_state_dict", "expert_parallel_groups", "expert_parameters", "non_expert_parameters",
+           "attach_moe_token_mask", "moe_token_mask"]
 
 
 # ----------------------------------------------------------------------------- groups
@@ -146,38 +100,7 @@ def expert_parallel_groups(ep_size: int, dp_ranks: Sequence[Sequence[int]] | Non
 
 
 # ----------------------------------------------------------------------------- apply_expert_parallel
-@dataclass
-class _Block:
-    path: str
-    module: nn.Module
-    fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
-    E: int = 0
-    k: int = 0
-
-
-def _find_blocks(model: nn.Module) -> tuple[list[_Block], list[str]]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    fam = MOE_FAMILIES.get(model_type)
-    blocks, problems = [], []
-    for path, m in model.named_modules():
-        if isinstance(m, MoELayer):
-            blocks.append(_Block(path, m, None, m.num_experts, m.top_k))
-        elif fam is not None and type(m).__name__ == fam.block:
-            cfg = model.config
-            blocks.append(_Block(path, m, fam, int(getattr(cfg, fam.num_experts)), int(getattr(cfg, fam.top_k))))
-    if not blocks:
-        if fam is not None or model_type in UPCYCLE_FAMILIES:
-            problems.append(f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
-                            f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
-                            f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
-        else:
-            problems.append(f"model_type {model_type!r} is not a supported MoE architecture (supported: "
-                            f"{', '.join(sorted(MOE_FAMILIES))}); a dense model must first be converted with "
-                            f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
-    return blocks, problems
-
-
-def _validate(blocks: list[_Block], ep: int, dp: int) -> list[str]:
+def _validate(blocks: list[MoEBlock], ep: int, dp: int) -> list[str]:
     problems = []
     if dp % ep:
         problems.append(f"ep_size {ep} does not divide the data-parallel size {dp}")
@@ -205,7 +128,7 @@ def _validate(blocks: list[_Block], ep: int, dp: int) -> list[str]:
 
 
 @torch.no_grad()
-def _check_same_weights(blocks: list[_Block], group) -> None:
+def _check_same_weights(blocks: list[MoEBlock], group) -> None:
     """Routers and the FULL expert weights must be equal on every rank of `group` (one all-gather)."""
     if group is None or group_size(group) == 1:
         return
@@ -240,23 +163,25 @@ def _new_router(weight: torch.Tensor, num_experts: int, top_k: int, **kw) -> Top
     return router
 
 
-def _convert(b: _Block, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux_loss_coef, z_loss_coef,
-             capacity_factor) -> MoELayer:
+def _convert(b: MoEBlock, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux_loss_coef, z_loss_coef,
+             capacity_factor, share: bool = False) -> MoELayer:
+    """The MoELayer of block b holding experts [ep_rank * E/ep, ...). share (ep 1): reuse b's tensors (probe)."""
     El, start = b.E // ep, ep_rank * (b.E // ep)
+    take = (lambda t: t) if share else (lambda t: _param_like(t[start:start + El]))
     if b.fam is None:                                                    # upcycled MoELayer with all experts
         router, src = b.module.gate, b.module.experts
         shared, shared_gate = b.module.shared_expert, b.module.shared_expert_gate
         act = src.act_name
-    else:
-        fam = b.fam
+    else:                                                                # HF block: HF's objective, no aux
+        fam = b.fam                                                      # unless asked (aux_loss_coef)
         hf_router, src = getattr(b.module, fam.router), getattr(b.module, fam.experts)
-        router = _new_router(_param_like(hf_router.weight), b.E, b.k,
-                             norm_topk_prob=bool(_config_value(cfg, fam.norm_topk_prob)),
+        router = _new_router(hf_router.weight if share else _param_like(hf_router.weight), b.E, b.k,
+                             norm_topk_prob=bool(config_value(cfg, fam.norm_topk_prob)),
                              jitter_eps=float(getattr(cfg, fam.jitter, 0.0) or 0.0) if fam.jitter else 0.0,
-                             aux_loss_coef=float(getattr(cfg, fam.aux_loss_coef, 0.0) or 0.0))
+                             aux_loss_coef=0.0)
         shared = getattr(b.module, fam.shared_expert) if fam.shared_expert else None
         shared_gate = getattr(b.module, fam.shared_expert_gate) if fam.shared_expert_gate else None
-        act = cfg.hidden_act
+        act = getattr(cfg, "hidden_act", "silu")
     router.group = dp_group
     if aux_loss_coef is not None:
         router.aux_loss_coef = float(aux_loss_coef)
@@ -265,28 +190,50 @@ def _convert(b: _Block, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux_l
     H, I = src.gate_up_proj.shape[-1], src.down_proj.shape[-1]
     with torch.device("meta"):
         experts = GroupedExperts(El, H, I, act)
-    experts.gate_up_proj = _param_like(src.gate_up_proj[start:start + El])   # (E/ep, 2I, H)
-    experts.down_proj = _param_like(src.down_proj[start:start + El])         # (E/ep, H, I)
+    experts.gate_up_proj = take(src.gate_up_proj)                        # (E/ep, 2I, H)
+    experts.down_proj = take(src.down_proj)                              # (E/ep, H, I)
+    names = {} if b.fam is None else {"router_name": b.fam.router,
+                                      "shared_name": b.fam.shared_expert or "shared_expert"}
     return MoELayer(router, experts, ep_group=ep_group, shared_expert=shared, shared_expert_gate=shared_gate,
-                    capacity_factor=capacity_factor)
+                    capacity_factor=capacity_factor, **names)
+
+
+@torch.no_grad()
+def _probe(cfg, block: nn.Module, fam: MoEFamily, E: int, k: int) -> float:
+    """Relative difference between a generic HF block and its hfpar MoELayer (same tensors) on random tokens."""
+    layer = _convert(MoEBlock("", block, fam, E, k), cfg, ep=1, ep_rank=0, ep_group=None, dp_group=None,
+                     aux_loss_coef=None, z_loss_coef=None, capacity_factor=None, share=True)
+    w = layer.experts.gate_up_proj
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, layer.gate.hidden_size, generator=g).to(device=w.device, dtype=w.dtype)   # (B, T, H)
+    training = block.training
+    block.eval()
+    try:
+        want = block(x.clone())
+    finally:
+        block.train(training)
+    want = want[0] if isinstance(want, tuple) else want
+    got = layer.eval()(x.clone(), token_mask=torch.ones(x.shape[:2], device=x.device))
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp_group=None,
                           aux_loss_coef: float | None = None, z_loss_coef: float | None = None,
                           capacity_factor: float | None = None, check_replicated: bool = True) -> nn.Module:
-    """Replace every sparse MoE block (MOE_FAMILIES, or MoELayers made by upcycle_to_moe) by an
-    expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
+    """Replace every sparse MoE block (MOE_FAMILIES, generic blocks, or MoELayers made by upcycle_to_moe) by
+    an expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
 
     ep_group: a process group (None = the default group; no EP when torch.distributed is not initialised),
     or a hfpar ParallelContext, whose ep / dp / expert-dp groups are then used.
     dp_group must contain ep_group; routers compute aux / z / capacity statistics over it.
     edp_group: the ranks holding the same experts (expert_parallel_groups); recorded in each expert
     parameter's ShardSpec (dp_reduce_group, dp_size) for the data-parallel grad reduction.
-    aux_loss_coef: None = the config's router_aux_loss_coef (upcycled: keep); z_loss_coef: None = keep
-    (HF blocks: 0); capacity_factor: None = dropless. Every problem is collected and raised as one
-    ValueError before any collective; then (check_replicated) one all-gather over dp_group checks that
-    every rank loaded the same router / expert weights. Every rank of dp_group must then run every
-    MoE forward (their statistics are all-reduced).
+    aux_loss_coef: None = the HF model's objective (aux loss only with output_router_logits, computed by the
+    model; upcycled layers keep their coefficient); a number = hfpar's global aux loss with that coefficient,
+    injected in backward (module docstring). z_loss_coef: None = keep (HF blocks: 0); capacity_factor: None =
+    dropless. Every problem is collected and raised as one ValueError before any collective; then
+    (check_replicated) one all-gather over dp_group checks that every rank loaded the same router / expert
+    weights. Every rank of dp_group must then run every MoE forward (their statistics are all-reduced).
     """
     initialised = dist.is_available() and dist.is_initialized()
     if hasattr(ep_group, "ep_group"):                                   # a ParallelContext
@@ -295,7 +242,8 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     ep_group = ep_group if ep_group is not None else _default_group()
     dp_group = dp_group if dp_group is not None else _default_group()
     ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
-    blocks, problems = _find_blocks(model)
+    cfg = getattr(model, "config", None)
+    blocks, problems = find_moe_blocks(model, lambda *a: _probe(cfg, *a))
     problems += _validate(blocks, ep, dp)
     if not problems and initialised and ep > 1 and ep_group is not dp_group:
         ep_ranks, dp_ranks = _ranks(ep_group), _ranks(dp_group)
@@ -307,7 +255,6 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         _check_same_weights(blocks, dp_group)
 
     ep_rank = group_rank(ep_group) if ep > 1 else 0
-    cfg = getattr(model, "config", None)
     for b in blocks:
         layer = _convert(b, cfg, ep=ep, ep_rank=ep_rank, ep_group=ep_group if initialised else None,
                          dp_group=dp_group if initialised else None, aux_loss_coef=aux_loss_coef,
@@ -316,10 +263,12 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         for p in layer.experts.parameters():
             if shard_spec(p) is not None:                               # ep > 1: sharded over the EP group
                 set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)
+        # output_router_logits: the model's own aux loss; a value only where hfpar injects one
+        record_router_logits(layer, detach=layer.gate.aux_loss_coef != 0)
         parent, _, name = b.path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, layer)
-    if cfg is not None and getattr(cfg, "output_router_logits", False):
-        cfg.output_router_logits = False                                 # hfpar injects the aux loss itself
+    if aux_loss_coef is not None and getattr(cfg, "output_router_logits", False):
+        cfg.output_router_logits = False                                 # hfpar's global aux loss replaces HF's
     return model
 
 
@@ -341,34 +290,30 @@ def _is_expert(p: torch.Tensor) -> bool:
 
 
 class _MaskHandle:
-    def __init__(self, handles):
-        self.handles = handles
+    def __init__(self, model: nn.Module, handle):
+        self.model, self.handle = model, handle
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.handle.remove()
+        for layer in self.model.modules():
+            if isinstance(layer, MoELayer):
+                layer.attached_mask = None
 
 
 def attach_moe_token_mask(model: nn.Module) -> _MaskHandle:
-    """Make `model(..., attention_mask=m)` (2-D, 1 = real token) publish `m` to every MoE layer for the
-    duration of the forward, as `with moe_token_mask(m)` would. Forward only: under activation
-    checkpointing MoE layers are recomputed in backward, so wrap forward AND backward in
-    moe_token_mask instead. Returns a handle with .remove()."""
-    stack: list[contextlib.ExitStack] = []
+    """Make `model(..., attention_mask=m)` (2-D, 1 = real token) hand `m` to every MoE layer of the model; each
+    keeps the mask of the model's latest forward, so a backward that recomputes MoE layers (activation
+    checkpointing, reentrant or not) routes with the same mask. An enclosing `with moe_token_mask(...)` takes
+    precedence. Returns a handle with .remove()."""
 
     def pre(module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        es = contextlib.ExitStack()
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            es.enter_context(moe_token_mask(mask))
-        stack.append(es)
+        mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        for layer in module.modules():                  # the layers of now (apply / upcycle may come later)
+            if isinstance(layer, MoELayer):
+                layer.attached_mask = mask
 
-    def post(module, args, kwargs, output):
-        if stack:
-            stack.pop().close()
-
-    return _MaskHandle([model.register_forward_pre_hook(pre, with_kwargs=True),
-                        model.register_forward_hook(post, with_kwargs=True, always_call=True)])
+    return _MaskHandle(model, model.register_forward_pre_hook(pre, with_kwargs=True))
 
 
 # ----------------------------------------------------------------------------- export

@@ -7,7 +7,8 @@
 
 Parameter names and layouts are those of transformers 5 (Mixtral, Qwen2-MoE) so state dicts copy
 over unchanged: `gate.weight` (E, H); `experts.gate_up_proj` (E, 2I, H) with rows [gate; up];
-`experts.down_proj` (E, H, I); `shared_expert.*`, `shared_expert_gate.weight` (1, H).
+`experts.down_proj` (E, H, I); `shared_expert.*`, `shared_expert_gate.weight` (1, H). Blocks that name them
+otherwise (`router`, `shared_experts`) keep their names: MoELayer(..., router_name=, shared_name=).
     h = act(x @ gate_up_proj[e][:I].T) * (x @ gate_up_proj[e][I:].T);   y = h @ down_proj[e].T
 
 Forward of MoELayer, N = B*T tokens, k copies each:
@@ -149,7 +150,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, router: TopKRouter, experts: GroupedExperts, *, ep_group=None,
                  shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, router_name: str = "gate", shared_name: str = "shared_expert"):
         super().__init__()
         E = router.num_experts
         ep = group_size(ep_group) if ep_group is not None else 1       # None = no expert parallelism
@@ -178,10 +179,17 @@ class MoELayer(nn.Module):
             for p in experts.parameters():
                 set_shard_spec(p, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
                                             extra={"num_experts": E, "start": self.local_expert_start}))
-        self.gate, self.experts = router, experts            # HF names: mlp.gate, mlp.experts
-        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        # registered under the HF block's names (mlp.gate or mlp.router, mlp.experts, mlp.shared_expert(s)), so the
+        # state-dict keys stay HF's; self.gate / self.router and self.shared_expert reach them whatever the name
+        self.router_name, self.shared_name = router_name, shared_name
+        self._modules[router_name] = router
+        self.experts = experts
+        if shared_expert is not None:
+            self._modules[shared_name] = shared_expert
+        self.shared_expert_gate = shared_expert_gate
         self.capacity_factor = capacity_factor
         self.parallelized = False                            # set by apply_expert_parallel (applied once)
+        self.attached_mask: torch.Tensor | None = None       # (B, T) of the latest forward (attach_moe_token_mask)
         self.last_dropped = torch.zeros((), dtype=torch.long)  # token copies dropped by capacity, this rank
         # Routing volume counters (python ints, accumulated by every EP forward; whoever reads them resets
         # them, e.g. the trainer once per step under --log_comm_bytes): token copies this rank sends to
@@ -193,8 +201,14 @@ class MoELayer(nn.Module):
         self.received_remote_rows = 0
 
     @property
-    def router(self) -> TopKRouter:
-        return self.gate
+    def gate(self) -> TopKRouter:
+        return self._modules[self.router_name]
+
+    router = gate
+
+    @property
+    def shared_expert(self) -> nn.Module | None:
+        return self._modules.get(self.shared_name)
 
     def extra_repr(self) -> str:
         return (f"ep={self.ep_size}, local_experts=[{self.local_expert_start}, "
@@ -205,8 +219,9 @@ class MoELayer(nn.Module):
         B, T, H = x.shape
         x_flat = x.reshape(-1, H)                                        # (N, H)
         N, k, E = x_flat.shape[0], self.top_k, self.num_experts
-        if token_mask is None:
+        if token_mask is None:        # an enclosing moe_token_mask, else the model's latest forward's (attach_...)
             token_mask = current_token_mask()
+            token_mask = self.attached_mask if token_mask is None else token_mask
         if token_mask is not None:
             if token_mask.numel() != N:
                 raise ValueError(f"MoELayer: token mask of shape {tuple(token_mask.shape)} for input {(B, T, H)}")

@@ -1,13 +1,19 @@
 """Tensor parallelism: Megatron-style layers, per-architecture plans as data, and apply_tensor_parallel.
 
     layers.py    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    conv1d.py    ColumnParallelConv1D, RowParallelConv1D (transformers' Conv1D: GPT-2)
     loss.py      vocab_parallel_cross_entropy (from logit shards)
-    plans.py     plans per model_type;  validate.py  plan / degree checks before any collective
+    hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
+    plans.py     written plans per model_type;  derived.py  plans from HF's config.base_model_tp_plan
+    validate.py  plan / degree checks before any collective
     apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
 """
 
 from .apply import (apply_tensor_parallel, clip_tp_grad_norm_, gather_full_state_dict, sequence_parallel_grad_hooks,
                     sync_sequence_parallel_grads, tp_grad_norm)
+from .conv1d import ColumnParallelConv1D, RowParallelConv1D
+from .derived import derive_plan, derived_plan_problem
+from .hf_loss import VocabParallelCausalLMLoss, full_vocab_logits, gather_vocab_logits
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards, shard_tensor,
                      tp_sharded_parameters)
 from .loss import vocab_parallel_cross_entropy
@@ -15,5 +21,6 @@ from .plans import get_plan
 
 __all__ = ["apply_tensor_parallel", "clip_tp_grad_norm_", "gather_full_state_dict", "sequence_parallel_grad_hooks",
            "sync_sequence_parallel_grads", "tp_grad_norm", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "gather_shards", "shard_tensor", "tp_sharded_parameters", "vocab_parallel_cross_entropy",
-           "get_plan"]
+           "VocabParallelEmbedding", "ColumnParallelConv1D", "RowParallelConv1D", "gather_shards", "shard_tensor",
+           "tp_sharded_parameters", "vocab_parallel_cross_entropy", "VocabParallelCausalLMLoss", "gather_vocab_logits",
+           "full_vocab_logits", "get_plan", "derive_plan", "derived_plan_problem"]

@@ -4,8 +4,9 @@
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)          # the SAME full weights on every rank
     apply_tensor_parallel(model, tp_group, sequence_parallel=True)
-    logits = model(input_ids, attention_mask=mask).logits  # (B, T, V/tp): this rank's vocab slice
-    loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], group=tp_group)
+    out = model(input_ids, attention_mask=mask, labels=labels)   # HF's loss API (hf_loss.py), same math
+    out.logits                                             # (B, T, V/tp): this rank's vocab slice
+    loss = vocab_parallel_cross_entropy(out.logits[:, :-1], labels[:, 1:], group=tp_group)   # == out.loss
     loss.backward()
     sync_sequence_parallel_grads(model)                    # replicated params that saw part of the data
     clip_tp_grad_norm_(model.parameters(), 1.0)            # counts every shard once (hfpar.parallel.sharding)
@@ -19,7 +20,10 @@ Layout of one decoder layer at tp ranks (per-architecture plans in plans.py):
       q/k/v_proj  column         (B, T, heads/tp * head_dim)  local heads; attention on local heads
       o_proj      row            fwd all-reduce               [SP: fwd reduce-scatter T, bwd all-gather]
     mlp: the same with gate/up (column) and down (row)
-    final norm, lm_head column   logits (B, T, V/tp), never gathered [SP: lm_head all-gathers T]
+    final norm, lm_head column   logits (B, T, V/tp), gathered only by generate() [SP: lm_head all-gathers T]
+
+Plans: plans.py (written: Llama family, Phi-3, Gemma, BERT, GPT-2 with Conv1D layers), else derived from the
+config's base_model_tp_plan (derived.py; TP only).
 
 Why the attention / MLP modules enter the TP region themselves (and not each column layer):
 transformers' attention takes its head shapes from its input (`view(*hidden_states.shape[:-1], -1,
@@ -33,6 +37,7 @@ what attention needs after its all-gather.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Iterable, Mapping
 
@@ -45,9 +50,12 @@ from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_pa
                    group_size, scatter_to_sequence_parallel_region)
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
                         sync_partial_grads)
+from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from .derived import derive_plan
+from .hf_loss import install_hf_semantics
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
-from .plans import get_plan, packed_splits, validate_plan
+from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, validate_degrees
 
@@ -61,8 +69,7 @@ class RegionColumnParallelLinear(ColumnParallelLinear):
     already brought its input into the TP region (copy, or the sequence all-gather under SP), so
     this layer does no collective of its own. Same parameters and export as the parent class."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)                                      # (B, T, out/tp)
+    in_region = True
 
 
 class _LocalHeadsConfig:
@@ -128,6 +135,13 @@ def _scatter_sequence_hook(module, args, kwargs, *, group, tp: int, name: str):
     return _map_hidden(args, kwargs, split, name)
 
 
+def _gather_sequence_hook(module, args, kwargs, *, group, name: str):
+    # (B, T/tp, H) -> (B, T, H); what follows (norm, LM head with its own backward all-reduce) runs on every
+    # rank with full gradients, so the backward keeps this rank's chunk (no reduce-scatter)
+    return _map_hidden(args, kwargs, partial(gather_from_sequence_parallel_region, dim=1, group=group,
+                                             reduce_grad=False), name)
+
+
 def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, name: str):
     if sequence_parallel:   # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
         fn = partial(gather_from_sequence_parallel_region, dim=1, group=group)
@@ -138,17 +152,6 @@ def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, 
 
 def _embed_scale_hook(module, args, out):
     return out * module.embed_scale.to(module.weight.dtype)                             # (B, T, H)
-
-
-def _guard_hook(module, args, kwargs, *, sequence_parallel: bool):
-    if kwargs.get("labels") is not None:
-        raise ValueError("tensor-parallel model: logits are vocab shards (B, T, V/tp), so the built-in HF loss "
-                         "would be wrong; call the model without labels= and use "
-                         "hfpar.parallel.tensor_parallel.vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
-    if sequence_parallel and kwargs.get("logits_to_keep", 0) not in (0, None):
-        raise ValueError("sequence-parallel model: logits_to_keep must be 0 (each rank holds T/tp positions "
-                         "before lm_head)")
-    return None
 
 
 # ----------------------------------------------------------------------------- apply
@@ -165,12 +168,17 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     Every rank must hold the SAME full weights on entry (same checkpoint, or the same seed before
     from_config); each keeps only its shard. verify_weights checks that with two small all-reduces.
     All degrees are validated before the first collective. The model's logits become vocab shards
-    (B, T, V/tp) (the LM head's weight has a "tp" ShardSpec; use vocab_parallel_cross_entropy).
+    (B, T, V/tp) (the LM head's weight has a "tp" ShardSpec); `model(..., labels=).loss` is computed from them
+    by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
+    (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
+    from config.base_model_tp_plan (derived.py) or refused in one line.
     sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by
     tp; call `sync_sequence_parallel_grads(model)` after backward (before clipping).
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
     tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        tp_group = dist.group.WORLD   # named: ShardSpecs with group None are skipped by export and grad norm
     tp = group_size(tp_group)
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
         raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
@@ -181,7 +189,18 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
-        plan = get_plan(config.model_type)
+        if config.model_type in TP_PLANS:
+            plan = get_plan(config.model_type)
+        else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
+            plan = derive_plan(model)
+            if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
+                warnings.warn(f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
+                              "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
+                              "the unsharded model's once", stacklevel=2)
+            if sequence_parallel:
+                raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
+                                 f"{', '.join(sorted(TP_PLANS))}); model_type {config.model_type!r} uses a plan "
+                                 "derived from its base_model_tp_plan (tensor parallel only)")
         optional = ("colwise_lm_head",)
     validate_plan(plan)
     matched = match_plan(model, plan, optional)
@@ -200,6 +219,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         _check_replicated(model, tp_group)
 
     regions = [n for n, s in assigned.items() if s in _REGIONS]
+    gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
     for name, style in assigned.items():
         mod, base = model.get_submodule(name), style.partition(":")[0]
@@ -210,11 +230,19 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                 new.register_forward_hook(_embed_scale_hook)
         elif base in ("colwise", "colwise_packed"):
             in_region = any(name.startswith(r + ".") for r in regions)
-            cls = RegionColumnParallelLinear if in_region else ColumnParallelLinear
-            new = cls.from_linear(mod, tp_group, packed_splits=packed_splits(style, config),
-                                  sequence_parallel=sequence_parallel and not in_region, name=name)
-        elif base == "colwise_lm_head":
-            new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
+            kw = {"packed_splits": packed_splits(style, config), "name": name,
+                  "sequence_parallel": sequence_parallel and not in_region}
+            if is_conv1d(mod):   # GPT-2: keeps Conv1D's (in, out) layout
+                new = ColumnParallelConv1D.from_conv1d(mod, tp_group, **kw)
+                new.in_region = in_region
+            else:
+                cls = RegionColumnParallelLinear if in_region else ColumnParallelLinear
+                new = cls.from_linear(mod, tp_group, **kw)
+        elif base == "colwise_lm_head":   # under SP it gathers T itself, unless a sequence_gather did it before
+            new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel and not gathered,
+                                                   name=name)
+        elif base == "rowwise" and is_conv1d(mod):
+            new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
         elif base == "rowwise":
             new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True,
                                                 sequence_parallel=sequence_parallel, name=name)
@@ -224,6 +252,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
                 _localize_heads(mod, config, tp)
+            elif base == "sequence_gather" and sequence_parallel:
+                mod.register_forward_pre_hook(partial(_gather_sequence_hook, group=tp_group, name=name),
+                                              with_kwargs=True)
             elif base == "sequence_scatter" and sequence_parallel:
                 mod.register_forward_pre_hook(partial(_scatter_sequence_hook, group=tp_group, tp=tp, name=name),
                                               with_kwargs=True)
@@ -238,13 +269,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
         head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
         head.weight = emb.weight
-    model.register_forward_pre_hook(partial(_guard_hook, sequence_parallel=sequence_parallel), with_kwargs=True)
+    # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
+    install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
     return model
 
 
 def _localize_heads(attn: nn.Module, config, tp: int) -> None:
-    """Per-rank head counts on the attention module (never on the shared config)."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
+    """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
+    width of each of q, k, v in c_attn's output) with them."""
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size"):
         v = getattr(attn, attr, None)
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(attn, attr, v // tp)
@@ -299,6 +332,7 @@ def _demo(rank: int, world_size: int) -> None:
     loss = vocab_parallel_cross_entropy(model(ids).logits[:, :-1], ids[:, 1:])
     ref_loss = F.cross_entropy(ref(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert torch.allclose(loss, ref_loss, atol=1e-5), (loss, ref_loss)
+    assert torch.allclose(model(ids, labels=ids).loss, ref_loss, atol=1e-5)
     if rank == 0:
         print(f"ok: loss {loss.item():.6f} == {ref_loss.item():.6f}, rank {group_rank()} lm_head",
               tuple(model.lm_head.weight.shape))

@@ -84,13 +84,13 @@ def tp_sharded_parameters(model: nn.Module):
     seen: set[int] = set()                                       # a tied lm_head / embedding: once
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            dim = 1 if isinstance(mod, RowParallelLinear) else 0
             packed = getattr(mod, "packed_splits", None)
             names = ("weight", "bias") if isinstance(mod, ColumnParallelLinear) else ("weight",)
             for n in names:
                 p = getattr(mod, n, None)
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
+                    dim = mod.weight_shard_dim if n == "weight" else 0
                     spec = ShardSpec(kind="tp", group=mod.group, dim=dim, size=mod.tp, packed_splits=packed)
                     yield (f"{mod_name}.{n}" if mod_name else n), p, spec
 
@@ -111,7 +111,11 @@ class ColumnParallelLinear(nn.Module):
     Input (B, T, in) replicated, or (B, T/tp, in) with sequence_parallel. Output (B, T, out/tp),
     or (B, T, out) with gather_output. packed_splits: out_features is a concatenation of parts
     (fused qkv / gate_up); each rank holds its slice of every part, in part order.
+    in_region: the input already entered the TP region (a module-level hook did the copy / all-gather).
     """
+
+    weight_shard_dim = 0
+    in_region = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -153,12 +157,15 @@ class ColumnParallelLinear(nn.Module):
         layer._load_full(linear.weight, linear.bias, _grads(linear))
         return layer
 
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and not self.in_region:   # in a region: its hook did this once for q/k/v
             x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.group)  # (B, T/tp, in) -> (B, T, in)
-        else:
+        elif not self.in_region:
             x = copy_to_parallel_region(x, self.group)                                  # (B, T, in)
-        y = F.linear(x, self.weight, self.bias)                                         # (B, T, out/tp)
+        y = self._linear(x)                                                             # (B, T, out/tp)
         if self.gather_output:
             y = gather_from_parallel_region(y, self.group)                              # (B, T, out)
             if self.packed_splits is not None and self.tp > 1:
@@ -190,6 +197,8 @@ class RowParallelLinear(nn.Module):
     The bias is added once, after the reduction. Under sequence_parallel each rank adds it to its
     own tokens only, so its gradient is all-reduced over the group (stays replicated and exact).
     """
+
+    weight_shard_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -227,7 +236,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)                               # (B, T, in) -> (B, T, in/tp)
-        y = F.linear(x, self.weight)                                                    # (B, T, out) partial sums
+        y = self._linear(x)                                                             # (B, T, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, out)
             bias = None if self.bias is None else copy_to_parallel_region(self.bias, self.group)
@@ -235,6 +244,9 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_parallel_region(y, self.group)                              # (B, T, out)
             bias = self.bias
         return y if bias is None else y + bias
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
     def full_weight(self) -> torch.Tensor:
         """(out, in) on every rank. Collective."""
@@ -268,6 +280,8 @@ class VocabParallelEmbedding(nn.Module):
     sequence_parallel. Ids outside [0, V) are not checked (they embed to zeros).
     The row split matches ColumnParallelLinear's, so a tied lm_head can share `weight`.
     """
+
+    weight_shard_dim = 0
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
                  sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None,

@@ -12,6 +12,7 @@ Styles (`apply.py` turns them into layers and hooks):
                          its own ("qkv" -> [q, k, v] from the config, "gate_up" -> [I, I]) or lists
                          them ("colwise_packed:64,32,32")
     rowwise              nn.Linear -> RowParallelLinear, input features split (o_proj, down_proj)
+                         (colwise / colwise_packed / rowwise on transformers' Conv1D: the Conv1D versions)
     colwise_lm_head      lm_head -> ColumnParallelLinear without gather: logits are vocab shards (B, T, V/tp)
     attention            the module holding q/k/v/o. Its input enters the TP region once (backward: one
                          all-reduce, or under sequence parallelism one all-gather of T forward and one
@@ -21,6 +22,9 @@ Styles (`apply.py` turns them into layers and hooks):
                          A region's input may feed only the plan's column layers (every Linear inside
                          a region needs a plan entry; checked).
     sequence_scatter     the first decoder layer: under sequence parallelism its input is split along T
+    sequence_gather      the final norm, when the model reshapes its output to the input's (B, T) (GPT-2): under
+                         sequence parallelism its input is all-gathered along T (it and the LM head then run on
+                         the full sequence; default: the LM head gathers T itself)
     replicated_sp        replicated (norms); under sequence parallelism each rank sees T/tp tokens, so
                          the gradient is summed over the TP group (`sync_sequence_parallel_grads`)
     replicated_heads     replicated but applied to this rank's heads only (Qwen3 q_norm / k_norm on
@@ -35,11 +39,11 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "STYLES", "PACKED_SPLIT_RULES", "get_plan", "compile_pattern",
-           "packed_splits"]
+__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PACKED_SPLIT_RULES",
+           "get_plan", "compile_pattern", "packed_splits"]
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
-          "sequence_scatter", "replicated_sp", "replicated_heads")
+          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads")
 
 
 def _head_dim(cfg) -> int:
@@ -109,14 +113,35 @@ TP_PLANS["bert"] = {
     _ENC + r"\.intermediate\.dense": "colwise",
     _ENC + r"\.output\.dense": "rowwise",
 }
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert")
+# GPT-2: transformers' Conv1D layers (weight (in, out)) -> ColumnParallelConv1D / RowParallelConv1D (conv1d.py);
+# c_attn is q|k|v packed along its output features; wpe (positions) stays replicated; lm_head is tied to wte.
+_H = "transformer.h"
+TP_PLANS["gpt2"] = {
+    "transformer.wte": "vocab_embedding",
+    f"{_H}.0": "sequence_scatter",
+    f"{_H}.*.ln_1": "replicated_sp",
+    f"{_H}.*.attn": "attention",
+    f"{_H}.*.attn.c_attn": "colwise_packed:qkv",
+    f"{_H}.*.attn.c_proj": "rowwise",
+    f"{_H}.*.ln_2": "replicated_sp",
+    f"{_H}.*.mlp": "mlp",
+    f"{_H}.*.mlp.c_fc": "colwise",
+    f"{_H}.*.mlp.c_proj": "rowwise",
+    "transformer.ln_f": "sequence_gather",     # GPT2Model views its output to the input's (B, T): gather T first
+    "lm_head": "colwise_lm_head",
+}
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
+# Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
+# in tests/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
+TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi")
 
 
 def get_plan(model_type: str) -> dict[str, str]:
     """A copy of the built-in plan for `model_type`; ValueError naming it and the supported ones."""
     if model_type not in TP_PLANS:
-        raise ValueError(f"apply_tensor_parallel: no tensor-parallel plan for model_type {model_type!r}; "
-                         f"supported: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}). "
+        raise ValueError(f"apply_tensor_parallel: no written tensor-parallel plan for model_type {model_type!r}; "
+                         f"written: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}); "
+                         f"others are derived from the config's base_model_tp_plan (derived.py). "
                          f"Pass plan={{module pattern: style}} for other architectures.")
     return dict(TP_PLANS[model_type])
 

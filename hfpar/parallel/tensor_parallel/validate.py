@@ -12,6 +12,7 @@ from typing import Mapping
 import torch.distributed as dist
 import torch.nn as nn
 
+from .conv1d import is_conv1d
 from .plans import compile_pattern, packed_splits
 
 REGIONS = ("attention", "mlp")
@@ -70,7 +71,7 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
         add = partial(pr.add, name, pattern=pat)
         if base in REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
             for sub, m in mod.named_modules(prefix=name):
-                if isinstance(m, (nn.Linear, nn.Embedding)) and sub not in matched:
+                if (isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)) and sub not in matched:
                     add(f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
                         f"(its input gradient would be summed over the TP ranks)")
         if base == "attention" and config is not None:
@@ -91,21 +92,23 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
             elif mod.num_embeddings % tp:
                 add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
         elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
-            if not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward:
-                add(f"style {style!r} needs a plain nn.Linear, found {type(mod).__name__}")
+            conv = base != "colwise_lm_head" and is_conv1d(mod)
+            if not conv and (not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward):
+                add(f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
+                    f"found {type(mod).__name__}")
                 continue
+            n_in, n_out = (mod.nx, mod.nf) if conv else (mod.in_features, mod.out_features)
             if base == "rowwise":
-                if mod.in_features % tp:
-                    add(f"in_features {mod.in_features} is not divisible by tp_size {tp}")
+                if n_in % tp:
+                    add(f"in_features {n_in} is not divisible by tp_size {tp}")
                 continue
             what = "vocab_size" if base == "colwise_lm_head" else "out_features"
-            if mod.out_features % tp:
-                add(f"{what} {mod.out_features} is not divisible by tp_size {tp}")
+            if n_out % tp:
+                add(f"{what} {n_out} is not divisible by tp_size {tp}")
             splits = packed_splits(style, config)
             if splits is not None:
-                if sum(splits) != mod.out_features:
-                    add(f"packed splits {splits} ({style}) sum to {sum(splits)}, not out_features "
-                        f"{mod.out_features}")
+                if sum(splits) != n_out:
+                    add(f"packed splits {splits} ({style}) sum to {sum(splits)}, not out_features {n_out}")
                 elif any(s % tp for s in splits):
                     add(f"packed splits {splits} ({style}) are not all divisible by tp_size {tp}")
     styles = set(s.partition(":")[0] for s in assigned.values())

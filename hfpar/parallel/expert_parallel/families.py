@@ -1,0 +1,199 @@
+"""Which HF modules are MoE blocks hfpar can make expert-parallel: architectures as data, then generic detection.
+
+    blocks, problems = find_moe_blocks(model)        # [MoEBlock(path, module, fam, E, k)], one-line problems
+
+MOE_FAMILIES names the sparse block class of each known model_type and the config fields to read.
+Any other model_type is detected generically: a module holding
+    experts   a child with 3-D parameters gate_up_proj (E, 2I, H) [gate; up] and down_proj (E, H, I), nothing else
+    router    a child whose only state is `weight` (E, H) (named gate / router; top_k from it, the block or config)
+    [shared_expert(s)]   an MLP added to the routed output, [shared_expert_gate] Linear(H, 1): sigmoid gate
+and, because a generic module's forward is unknown, the first block of each class is PROBED: the original block
+and its hfpar equivalent (softmax top-k, renormalized or not, act = config.hidden_act) run on the same random
+tokens in eval mode and must agree (fp32 / fp64: 1e-4 relative; 16-bit: 5e-2). What does not fit (biases,
+bias-corrected / sigmoid / group-limited routing of DeepSeek-V3, GPT-OSS's transposed clamped experts, Phi-MoE's
+sparsemixer) is refused in one line naming the model type, the block and what is missing. Tested generically:
+flex_olmo; refused: deepseek_v3, gpt_oss (tests/test_ep_hf_semantics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks"]
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How to read one HF sparse MoE block. Config fields are attribute names of `model.config`;
+    `norm_topk_prob` may be a constant. The block must hold `router.weight` (E, H) and 3-D experts
+    `gate_up_proj` (E, 2I, H) [gate; up] / `down_proj` (E, H, I) with act = config.hidden_act."""
+
+    block: str                                  # class name of the sparse block
+    num_experts: str = "num_experts"
+    top_k: str = "num_experts_per_tok"
+    norm_topk_prob: str | bool = "norm_topk_prob"
+    jitter: str | None = None                   # HF jitters the block input, hfpar the router input only
+    router: str = "gate"                        # module attributes of the block
+    experts: str = "experts"
+    shared_expert: str | None = None            # an MLP module, kept as is (replicated)
+    shared_expert_gate: str | None = None       # Linear(H, 1): out += sigmoid(gate(x)) * shared(x)
+
+
+MOE_FAMILIES: dict[str, MoEFamily] = {
+    "mixtral": MoEFamily("MixtralSparseMoeBlock", num_experts="num_local_experts", norm_topk_prob=True,
+                         jitter="router_jitter_noise"),
+    "qwen2_moe": MoEFamily("Qwen2MoeSparseMoeBlock", shared_expert="shared_expert",
+                           shared_expert_gate="shared_expert_gate"),
+    "qwen3_moe": MoEFamily("Qwen3MoeSparseMoeBlock"),
+    "olmoe": MoEFamily("OlmoeSparseMoeBlock"),
+}
+
+
+@dataclass(frozen=True)
+class UpcycleFamily:
+    """A dense architecture whose SwiGLU MLPs (gate_proj / up_proj / down_proj, no bias) upcycle_to_moe
+    converts, and the HF MoE architecture the result is exported as (upcycled_hf_config)."""
+
+    mlp_class: str                              # class name of the dense MLP
+    export_model_type: str                      # HF MoE model_type of the export
+    export_num_experts: str = "num_local_experts"
+    export_intermediate: tuple[str, ...] = ("intermediate_size",)   # export fields = dense intermediate size
+    export_constants: dict = field(default_factory=dict)           # e.g. every layer sparse, renormalized top-k
+    not_exportable: tuple[str, ...] = ("attention_bias", "mlp_bias")  # truthy source fields the export lacks
+
+
+UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
+    "llama": UpcycleFamily("LlamaMLP", "mixtral"),
+    "mistral": UpcycleFamily("MistralMLP", "mixtral"),
+    "qwen3": UpcycleFamily("Qwen3MLP", "qwen3_moe", export_num_experts="num_experts",
+                           export_intermediate=("moe_intermediate_size",),
+                           export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+                           not_exportable=("attention_bias",)),
+}
+
+
+@dataclass
+class MoEBlock:
+    path: str
+    module: nn.Module
+    fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
+    E: int = 0
+    k: int = 0
+
+
+def config_value(cfg, spec):
+    return spec if isinstance(spec, bool) else getattr(cfg, spec)
+
+
+def find_moe_blocks(model: nn.Module, probe) -> tuple[list[MoEBlock], list[str]]:
+    """Every MoE block of `model` (hfpar MoELayers, the MOE_FAMILIES block of its model_type, else generic blocks)
+    and the problems found. probe(block, fam, E, k) -> relative difference of hfpar's equivalent (generic only)."""
+    from .moe import MoELayer
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    fam = MOE_FAMILIES.get(model_type)
+    blocks, problems = [], []
+    for path, m in model.named_modules():
+        if isinstance(m, MoELayer):
+            blocks.append(MoEBlock(path, m, None, m.num_experts, m.top_k))
+        elif fam is not None and type(m).__name__ == fam.block:
+            blocks.append(MoEBlock(path, m, fam, int(getattr(cfg, fam.num_experts)), int(getattr(cfg, fam.top_k))))
+    if not blocks and fam is None and model_type not in UPCYCLE_FAMILIES:
+        blocks, problems = _generic_blocks(model, cfg, model_type, probe)
+    if not blocks and not problems:
+        if fam is not None or model_type in UPCYCLE_FAMILIES:
+            problems.append(f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
+                            f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
+                            f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
+        else:
+            problems.append(f"model_type {model_type!r} is not a supported MoE architecture (supported: "
+                            f"{', '.join(sorted(MOE_FAMILIES))}, or any block with 3-D experts gate_up_proj / "
+                            f"down_proj and an (E, H) router); a dense model must first be converted with "
+                            f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
+    return blocks, problems
+
+
+# ----------------------------------------------------------------------------- generic detection
+def _state_names(m: nn.Module, keep: tuple[str, ...]) -> list[str]:
+    return [n for n, _ in [*m.named_parameters(), *m.named_buffers()] if n not in keep]
+
+
+def _describe(m: nn.Module, ex_name: str, ex: nn.Module, cfg) -> tuple[MoEFamily | None, int, int, list[str]]:
+    """(family, E, k, what does not fit) of a module whose child `ex_name` holds 3-D experts."""
+    gu, dn = ex.gate_up_proj, ex.down_proj
+    E, missing = gu.shape[0], []
+    routers = [(n, c) for n, c in m.named_children()
+               if c is not ex and isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
+               and c.weight.shape[0] == E]
+    if not routers:
+        return None, E, 0, [f"no router (a child with an ({E}, hidden) weight)"]
+    r_name, router = routers[0]
+    H = router.weight.shape[1]
+    I = dn.shape[-1]
+    if tuple(gu.shape) != (E, 2 * I, H) or tuple(dn.shape) != (E, H, I):
+        missing.append(f"experts gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not in the "
+                       f"(E, 2I, H) / (E, H, I) layout")
+    if extra := _state_names(ex, ("gate_up_proj", "down_proj")):
+        missing.append(f"expert {type(ex).__name__} has {', '.join(extra)} (biases are not supported)")
+    if extra := _state_names(router, ("weight",)):
+        missing.append(f"router {type(router).__name__} has {', '.join(extra)} (only softmax top-k routing without "
+                       f"bias or score correction is supported)")
+    shared = [n for n in ("shared_expert", "shared_experts") if isinstance(getattr(m, n, None), nn.Module)]
+    gate = getattr(m, "shared_expert_gate", None)
+    if gate is not None and not (isinstance(gate, nn.Linear) and gate.out_features == 1 and gate.bias is None):
+        missing.append("shared_expert_gate is not a Linear(hidden, 1) without bias")
+    if ex_name != "experts":
+        missing.append(f"its experts are named {ex_name!r}, not 'experts'")
+    known = {ex_name, r_name, *shared, "shared_expert_gate"}
+    if other := [n for n, c in m.named_children() if n not in known and any(True for _ in c.parameters())]:
+        missing.append(f"unknown submodules {', '.join(other)}")
+    k = getattr(router, "top_k", None) or getattr(m, "top_k", None) or getattr(cfg, "num_experts_per_tok", None)
+    if k is None:
+        missing.append("no top_k (router.top_k, block.top_k or config.num_experts_per_tok)")
+    norm = getattr(router, "norm_topk_prob", getattr(m, "norm_topk_prob", getattr(cfg, "norm_topk_prob", None)))
+    fam = MoEFamily(type(m).__name__, norm_topk_prob=bool(norm) if norm is not None else True, router=r_name,
+                    experts=ex_name, shared_expert=shared[0] if shared else None,
+                    shared_expert_gate="shared_expert_gate" if gate is not None else None,
+                    jitter="router_jitter_noise" if getattr(m, "jitter_noise", 0) else None)
+    return fam, E, int(k or 0), missing
+
+
+def _generic_blocks(model, cfg, model_type, probe) -> tuple[list[MoEBlock], list[str]]:
+    blocks, problems, probed = [], [], {}
+    for path, m in model.named_modules():
+        ex = [(n, c) for n, c in m.named_children()
+              if all(isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3
+                     for p in ("gate_up_proj", "down_proj"))]
+        if not ex:
+            continue
+        where = f"model_type {model_type!r}: {path} ({type(m).__name__})"
+        fam, E, k, missing = _describe(m, *ex[0], cfg)
+        if not missing and fam.block not in probed:
+            probed[fam.block] = _probe_norm(probe, m, fam, E, k, missing)
+        if missing:
+            problems.append(f"{where} is not an MoE block hfpar can convert: {'; '.join(missing)}")
+            break                                           # one line: the other layers repeat it
+        blocks.append(MoEBlock(path, m, probed[fam.block] or fam, E, k))
+    return blocks, problems
+
+
+def _probe_norm(probe, m, fam: MoEFamily, E: int, k: int, missing: list[str]) -> MoEFamily | None:
+    """The family (renormalized top-k or not) whose hfpar block reproduces m's output; else appends to missing."""
+    wide = getattr(m, fam.experts).gate_up_proj.dtype in (torch.float32, torch.float64)
+    tried, tol = [], 1e-4 if wide else 5e-2
+    for norm in (fam.norm_topk_prob, not fam.norm_topk_prob):
+        cand = MoEFamily(**{**fam.__dict__, "norm_topk_prob": norm})
+        try:
+            rel = probe(m, cand, E, k)
+        except Exception as exc:  # noqa: BLE001  (any failure of an unknown forward is a refusal, in one line)
+            missing.append(f"probing its forward failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            return None
+        if rel <= tol:
+            return cand
+        tried.append(f"{rel:.1e}")
+    missing.append(f"its output differs from softmax top-{k} routing over SwiGLU experts (relative difference "
+                   f"{' / '.join(tried)} with / without renormalized top-k)")
+    return None
