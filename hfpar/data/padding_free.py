@@ -14,14 +14,19 @@ recurrent / chunked-attention layers) keep padded batches.
 
 from __future__ import annotations
 
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
 # model_type -> verified in tests/test_padding_free.py (a tiny random-init model of each: every sample's logits
 # in a padding-free batch equal its logits alone)
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
             "phi3", "olmo2", "starcoder2", "gpt2")
-# attention implementations whose masks transformers builds from the packed position ids
-ATTENTION = tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())
+
+
+def _mask_attentions() -> tuple[str, ...]:
+    """Attention implementations whose masks transformers builds from the packed position ids. Imported on use:
+    transformers.masking_utils pulls in torch._dynamo (2.4 s measured with -X importtime), which a preflight
+    refusal must not pay (it answers in under 10 s)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: PLC0415
+
+    return tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())
 
 
 def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) -> tuple[bool, str | None]:
@@ -41,7 +46,7 @@ def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) 
         return False, (f"model_type {model_type!r} is not among the families verified to keep packed samples apart "
                        f"({', '.join(FAMILIES)})")
     attn = args.attn_implementation
-    if attn is not None and attn not in ATTENTION:
+    if attn is not None and attn not in _mask_attentions():
         return False, (f"--attn_implementation {attn}: transformers builds no packed-sequence mask for it "
-                       f"(it does for {', '.join(ATTENTION)})")
+                       f"(it does for {', '.join(_mask_attentions())})")
     return True, None
