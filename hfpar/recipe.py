@@ -24,9 +24,7 @@ from hfpar import data
 from hfpar.checkpoint import has_any_checkpoint, resolve_resume
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, strategy_name, swapped
-from hfpar.parallelize import parallelize
 from hfpar.preflight import padding_free_mode, preflight
-from hfpar.trainer import NonFiniteError, Trainer
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
 
@@ -126,6 +124,10 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     try:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
         ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
+        # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
+        # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
+        from hfpar.parallelize import parallelize  # noqa: PLC0415
+        from hfpar.trainer import NonFiniteError, Trainer  # noqa: PLC0415
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)
