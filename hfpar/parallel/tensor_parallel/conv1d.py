@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..sharding import gather_shards, shard_tensor
-from .layers import ColumnParallelLinear, RowParallelLinear, _copy, _mark, _param
+from ..sharding import gather_shards
+from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D", "is_conv1d"]
 
@@ -38,16 +38,6 @@ class ColumnParallelConv1D(ColumnParallelLinear):
     from_conv1d (the constructor's own initialisation is the parent's and only a placeholder)."""
 
     weight_shard_dim = 1
-
-    def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        """weight: Conv1D layout (in, out)."""
-        w = shard_tensor(weight.detach(), 1, self.rank, self.tp, self.packed_splits)       # (in, out/tp)
-        self.weight = _mark(_param(w, requires_grad[0]), 1, self.group, self.tp, self.packed_splits)
-        if bias is None:
-            self.register_parameter("bias", None)
-        else:
-            b = shard_tensor(bias.detach(), 0, self.rank, self.tp, self.packed_splits)      # (out/tp,)
-            self.bias = _mark(_param(b, requires_grad[1]), 0, self.group, self.tp, self.packed_splits)
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, group=None, *, packed_splits: Sequence[int] | None = None,
@@ -74,14 +64,6 @@ class RowParallelConv1D(RowParallelLinear):
     from_conv1d."""
 
     weight_shard_dim = 0
-
-    def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)                        # (in/tp, out)
-        self.weight = _mark(_param(w, requires_grad[0]), 0, self.group, self.tp)
-        if bias is None:
-            self.register_parameter("bias", None)
-        else:                                                                           # (out,) replicated
-            self.bias = _param(_copy(bias), requires_grad[1])
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, group=None, *, sequence_parallel: bool = False,

@@ -138,8 +138,9 @@ class ColumnParallelLinear(nn.Module):
         self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
 
     def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        w = shard_tensor(weight.detach(), 0, self.rank, self.tp, self.packed_splits)      # (out/tp, in)
-        self.weight = _mark(_param(w, requires_grad[0]), 0, self.group, self.tp, self.packed_splits)
+        d = self.weight_shard_dim                                                       # 0: (out/tp, in)
+        w = shard_tensor(weight.detach(), d, self.rank, self.tp, self.packed_splits)
+        self.weight = _mark(_param(w, requires_grad[0]), d, self.group, self.tp, self.packed_splits)
         if bias is None:
             self.register_parameter("bias", None)
         else:
@@ -215,8 +216,9 @@ class RowParallelLinear(nn.Module):
         self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
 
     def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        w = shard_tensor(weight.detach(), 1, self.rank, self.tp)                        # (out, in/tp)
-        self.weight = _mark(_param(w, requires_grad[0]), 1, self.group, self.tp)
+        d = self.weight_shard_dim                                                       # 1: (out, in/tp)
+        w = shard_tensor(weight.detach(), d, self.rank, self.tp)
+        self.weight = _mark(_param(w, requires_grad[0]), d, self.group, self.tp)
         if bias is None:
             self.register_parameter("bias", None)
         else:                                                                           # (out,) replicated
