@@ -1,8 +1,8 @@
 """Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
 
     model, info = parallelize(model, args, ctx, task, strategy)
-        LoRA (PEFT adapters) -> tensor parallel -> context-parallel attention -> MoE: upcycle + expert parallel
-        -> activation checkpointing -> pipeline stage (this rank's layers)
+        LoRA (PEFT adapters) -> MoE: upcycle + expert parallel -> tensor parallel (MoE blocks left whole)
+        -> context-parallel attention -> chunked loss -> activation checkpointing -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -92,12 +92,13 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight) and the data-parallel wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
+    if task == "lm":  # before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
+        apply_moe(model, args, ctx)
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)
         model.set_attn_implementation(register_cp_attention())
     if task == "lm":
-        apply_moe(model, args, ctx)
         info["loss_chunk_size"] = chunk_loss(model, args, ctx)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

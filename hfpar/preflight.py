@@ -75,6 +75,9 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
         p.append("--sequence_parallel: needs a causal-LM recipe (sft, clm), whose vocab-parallel LM head gathers the "
                  "sequence back; classify supports --tp_size without it")
+    if args.sequence_parallel and args.upcycle_experts:
+        p.append(f"--sequence_parallel with --upcycle_experts {args.upcycle_experts}: the MoE blocks stay whole on every "
+                 "TP rank and route the full sequence; drop --sequence_parallel")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         p.append("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
     if args.cp_size > 1 and task != "lm":

@@ -23,13 +23,14 @@ from hfpar.config import ConfigError
 README = Path(__file__).resolve().parents[1] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
-# what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep),
+# what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
 # test_cp_parity (cp, tp+cp), test_pp_parity (pp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
              **{(s, "ep"): cls for s, cls in _MP.items()},
              **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
+             **{(s, "tp+ep"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
          "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",)}
@@ -46,9 +47,10 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
            ("zero3", "tp+cp"): ["ZeRO-3 would partition the TP shards again"],
            ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
-           **{(s, "tp+ep"): ["EP together with TP is not supported yet"] for s in STRATEGIES},
+           ("zero3", "tp+ep"): ["ZeRO-3 would partition the TP shards and each rank's experts again"],
+           ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
            **{(s, "ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
-           **{(s, "tp+ep+cp"): ["EP together with TP is not supported yet"] for s in STRATEGIES},
+           **{(s, "tp+ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
            ("fsdp2", "pp"): ["pipeline parallelism composes with single and ddp configs", "FSDP2 is not supported yet"],
            ("fsdp1", "pp"): ["FSDP1 is not supported"],
            **{(s, "pp"): ["DeepSpeed refuses ZeRO-2/3 with its own pipeline"] for s in ("zero1", "zero2", "zero3")}}

@@ -69,6 +69,12 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     assert any("derived from its base_model_tp_plan" in x for x in lines), lines
     assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
+    args = _args("--tp_size", "2", "--sequence_parallel", "--upcycle_experts", "4", "--ep_size", "2")
+    ctx = ParallelContext.plan(4, tp=2, ep=2, sequence_parallel=True)
+    assert any("--sequence_parallel with --upcycle_experts 4: the MoE blocks stay whole" in x
+               for x in pf.feature_problems(args, ctx, "lm"))
+    assert not pf.feature_problems(_args("--tp_size", "2", "--upcycle_experts", "4", "--ep_size", "2"),
+                                   ParallelContext.plan(4, tp=2, ep=2), "lm")          # EP x TP itself is fine
     args = _args("--model_name_or_path", str(tmp_path / "nowhere"))
     assert "cannot read its config.json" in pf.model_problems(args, ParallelContext.plan(1), "lm")[0]
 
@@ -113,18 +119,18 @@ def test_compatible_resume_is_accepted(tmp_path):
 
 
 def test_a_refusal_takes_under_10_seconds(tmp_path):
-    """Several problems at once (TP with EP is refused by the support matrix; tp 2 does not fit one process),
+    """Several problems at once (sequence parallelism with MoE blocks; tp 2 does not fit one process),
     each on its own line, exit 2, the whole process under 10 s."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--tp_size", "2", "--ep_size", "2",
-                           "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--tp_size", "2", "--sequence_parallel",
+                           "--upcycle_experts", "4", "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=120)
     dt = time.perf_counter() - t0
     print(f"PREFLIGHT refusal, whole process: {dt:.1f} s")
     lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert any("--tp_size 2 does not divide the world size 1" in x for x in lines), lines
-    assert any("EP together with TP is not supported yet" in x for x in lines), lines
+    assert any("--sequence_parallel with --upcycle_experts 4" in x for x in lines), lines
     assert dt < 10, dt
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hfpar.parallel.sharding import shard_spec
 from tests.dist_utils import run_distributed
-from tests.test_tp_hf_loss import DERIVED, batch, build, rel
+from tests.test_tp_hf_loss import DERIVED, MOE_TINY, batch, build, rel
 
 CASES = [(mt, False) for mt in DERIVED] + [("gpt2", False), ("gpt2", True)]
 TOL = 1e-10   # float64
@@ -65,12 +65,14 @@ def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
     assert not any(shard_spec(p) is not None for p in model.parameters())
 
 
-def test_moe_entry_and_missing_plan_are_refused():
+def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     from transformers import AutoConfig
 
     from hfpar.parallel.tensor_parallel import derived_plan_problem
-    msg = derived_plan_problem(AutoConfig.for_model("mixtral"))
-    assert "'mixtral'" in msg and "experts" in msg, msg
+    assert derived_plan_problem(AutoConfig.for_model("mixtral")) is None       # attention only: experts left to EP
+    plan = _derive("mixtral")
+    assert plan["model.layers.*.self_attn"] == "attention" and not any("experts" in k for k in plan), plan
+    assert "model.layers.*.mlp" not in plan
     msg = derived_plan_problem(AutoConfig.for_model("bitnet"))
     assert "'bitnet' has no hfpar plan and its config no base_model_tp_plan" in msg, msg
     assert derived_plan_problem(AutoConfig.for_model("granite")) is None
@@ -129,7 +131,8 @@ def _case(rank: int, case, outdir: str) -> dict:
     if rank == 0 and not sp:
         path = f"{outdir}/{mt}"
         model.save_pretrained(path, state_dict=sd)
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        kw = {"experts_implementation": "eager"} if mt in MOE_TINY else {}            # HF's grouped_mm has no fp64
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **kw).eval()
         with torch.no_grad():
             res["export_rel"] = rel(loaded(input_ids=ids, attention_mask=mask).logits,
                                     ref.eval()(input_ids=ids, attention_mask=mask).logits)
@@ -157,8 +160,13 @@ def test_gradients_and_export_match_unsharded(ranks, case):
         assert r["heads"] == [2], r["heads"]                                            # 4 heads / tp 2
         proj = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "wte"),
                 "phi": ("self_attn.dense", "fc2"),
-                "starcoder2": ("mlp.c_fc", "mlp.c_proj")}.get(case[0], ("o_proj", "down_proj"))
+                "starcoder2": ("mlp.c_fc", "mlp.c_proj"),
+                "mixtral": ("o_proj",), "qwen3_moe": ("o_proj",),
+                "qwen2_moe": ("o_proj", "layers.1.mlp.down_proj")}.get(case[0], ("o_proj", "down_proj"))
         assert all(any(p in n for n in r["sharded"]) for p in proj), r["sharded"]
+        # MoE blocks (router, experts, shared expert) stay whole on every TP rank: expert parallelism splits them
+        moe_layers = {"mixtral": (0, 1), "qwen3_moe": (0, 1), "qwen2_moe": (0,)}.get(case[0], ())
+        assert not [n for n in r["sharded"] for i in moe_layers if f"layers.{i}.mlp." in n], r["sharded"]
         assert r["head_vocab_parallel"]
     if not case[1]:
         assert ranks[0][case]["export_rel"] < 1e-10, ranks[0][case]["export_rel"]

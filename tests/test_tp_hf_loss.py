@@ -32,7 +32,12 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0,
         "bos_token_id": 1, "eos_token_id": 2}
 WRITTEN = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"]
-DERIVED = list(TESTED_DERIVED_MODEL_TYPES)   # granite, starcoder2, smollm3, olmo, cohere, phi
+DERIVED = list(TESTED_DERIVED_MODEL_TYPES)   # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
+# MoE families: 4 small experts; Qwen MoE with a dense MLP in layer 1 (TP-sharded next to whole MoE blocks)
+MOE_TINY = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+            "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}
 CASES = [(mt, False) for mt in WRITTEN + DERIVED] + [("llama", True), ("qwen3", True), ("gpt2", True)]   # (type, SP)
 ATTN = {"gemma2": "eager"}
 TOL = 1e-4
@@ -50,9 +55,10 @@ def build(model_type: str, seed: int = 0, **overrides):
     if model_type == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, **overrides)
     else:
-        cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+        cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE_TINY.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation=ATTN.get(model_type, "sdpa"))
+    kw = {"experts_implementation": "eager"} if model_type in MOE_TINY else {}     # HF's grouped_mm has no fp64
+    model = AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation=ATTN.get(model_type, "sdpa"), **kw)
     return model.float().train()
 
 

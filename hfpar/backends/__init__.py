@@ -26,7 +26,7 @@ _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for shar
 _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
              "or fsdp2.yaml")
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
-_TP_EP = "EP together with TP is not supported yet"
+_ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
 _PP_FSDP2 = "pipeline parallelism with FSDP2 is not supported yet; use ddp.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO is not supported (DeepSpeed refuses ZeRO-2/3 with its own "
@@ -42,7 +42,10 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("single", "ep"): ModelParallelDDP, ("ddp", "ep"): ModelParallelDDP, ("fsdp2", "ep"): ModelParallelFSDP2,
     ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
     ("zero3", "ep"): _ZERO3_EP, ("fsdp1", "ep"): _FSDP1,
-    **{(s, "tp+ep"): _TP_EP for s in STRATEGIES},
+    # TP x EP: attention (and dense MLPs) tensor-parallel, MoE blocks whole on the TP ranks, experts split over EP
+    ("single", "tp+ep"): ModelParallelDDP, ("ddp", "tp+ep"): ModelParallelDDP, ("fsdp2", "tp+ep"): ModelParallelFSDP2,
+    ("zero1", "tp+ep"): ModelParallelDeepSpeed, ("zero2", "tp+ep"): ModelParallelDeepSpeed,
+    ("zero3", "tp+ep"): _ZERO3_TP_EP, ("fsdp1", "tp+ep"): _FSDP1,
     # context parallelism alone: every rank of dp x cp holds the whole model, Accelerate wraps over the world
     **{(s, "cp"): AccelerateBackend for s in ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")},
     ("fsdp1", "cp"): _FSDP1,
@@ -50,7 +53,7 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
     ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
     **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
-    **{(s, "tp+ep+cp"): _TP_EP for s in STRATEGIES},
+    **{(s, "tp+ep+cp"): _EP_CP for s in STRATEGIES},
     # pipeline parallelism: each rank one stage, hfpar reduces each stage's grads over its dp group
     ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP,
     ("fsdp2", "pp"): _PP_FSDP2, ("fsdp1", "pp"): _FSDP1,

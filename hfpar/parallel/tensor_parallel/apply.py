@@ -57,7 +57,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 from .loss import vocab_parallel_cross_entropy
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .validate import REGIONS as _REGIONS
-from .validate import match_plan, validate_degrees
+from .validate import match_plan, moe_block_names, validate_degrees
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
@@ -203,7 +203,12 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                                  "derived from its base_model_tp_plan (tensor parallel only)")
         optional = ("colwise_lm_head",)
     validate_plan(plan)
-    matched = match_plan(model, plan, optional)
+    moe = moe_block_names(model)
+    if moe and sequence_parallel:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
+    # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
+    matched = match_plan(model, plan, optional, allow_unmatched=bool(moe))
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:

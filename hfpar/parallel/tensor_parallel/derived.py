@@ -14,9 +14,11 @@ HF style (transformers 5 configs)   hfpar style
     embedding_rowwise               vocab_embedding
     and always: the input embedding -> vocab_embedding, the output embedding -> colwise_lm_head (vocab shards,
     loss by vocab_parallel_cross_entropy through model.loss_function; optional, task heads stay replicated)
+Routed experts (HF's `*.experts*` entries, moe_tp_experts) are left out: MoE blocks stay whole on every TP rank,
+split by expert parallelism instead (apply_expert_parallel / --ep_size); their attention is tensor-parallel.
 Refused, in one line naming the family and the entry: colwise_gather_output / rowwise_split_input (HF gathers
-the heads because a norm spans all of them, e.g. olmo2's q_norm; hfpar keeps activations head-sharded), the
-MoE expert styles (apply_expert_parallel), MLA, local_* and every other style. Derived plans are TP only:
+the heads because a norm spans all of them, e.g. olmo2's q_norm; hfpar keeps activations head-sharded), MLA,
+local_* and every other style. Derived plans are TP only:
 sequence parallelism needs the hand-written plans (their norms and first-layer split are named explicitly).
 """
 
@@ -49,15 +51,21 @@ def _packed_rule(key: str) -> str | None:
     return "gate_up" if "gate_up" in leaf else "qkv" if "qkv" in leaf else None
 
 
+def _dense(hf: Mapping[str, str]) -> dict[str, str]:
+    """HF's entries without the routed experts (`...experts` and below): hfpar's TP leaves MoE blocks whole on
+    every TP rank and expert parallelism splits them (their routers and shared experts stay replicated too)."""
+    return {k: s for k, s in hf.items() if "experts" not in k.split(".") and not s.startswith("moe_")}
+
+
 def _problem(model_type, hf: Mapping[str, str]) -> str | None:
     if not hf:
         return (f"apply_tensor_parallel: model_type {model_type!r} has no hfpar plan and its config no "
                 f"base_model_tp_plan (written plans: {', '.join(sorted(TP_PLANS))}; others derived from "
                 f"base_model_tp_plan); pass plan={{module pattern: style}}")
-    for key, style in hf.items():
+    for key, style in _dense(hf).items():
         if style not in HF_STYLES:
             return str(_refuse(model_type, key, style, _WHY.get(style, "unknown to hfpar")))
-        if style == "packed_colwise" and (".experts" in key or _packed_rule(key) is None):
+        if style == "packed_colwise" and _packed_rule(key) is None:
             return str(_refuse(model_type, key, style, "packed parts of an unknown layout"))
     return None
 
@@ -85,7 +93,7 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     prefix = _prefix(model)
     plan: dict[str, str] = {}
     parents: dict[str, list[str]] = {}
-    for key, style in hf.items():
+    for key, style in _dense(hf).items():
         path, ours = prefix + key, HF_STYLES[style]
         if ours == "colwise_packed":
             ours = f"colwise_packed:{_packed_rule(key)}"

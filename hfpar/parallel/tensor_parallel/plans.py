@@ -133,7 +133,9 @@ TP_PLANS["gpt2"] = {
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
 # in tests/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
-TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi")
+# MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
+TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
+                              "qwen3_moe")
 
 
 def get_plan(model_type: str) -> dict[str, str]:

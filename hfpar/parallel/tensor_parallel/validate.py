@@ -36,11 +36,28 @@ class _Problems:
         raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
 
 
-def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
+def moe_block_names(model: nn.Module) -> list[str]:
+    """Modules holding routed experts: an `experts` child with 3-D weights (E, ., .) (hfpar's MoELayer, the HF
+    sparse blocks of transformers 5). Tensor parallelism leaves them whole on every TP rank (their input is the
+    replicated residual stream); expert parallelism (--ep_size) is what splits them."""
+    names = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if isinstance(experts, nn.Module) and any(p.dim() == 3 for p in experts.parameters(recurse=False)):
+            names.append(name)
+    return names
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = (),
+               allow_unmatched: bool = False) -> dict[str, tuple[str, str]]:
     """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
     except those whose style is in `optional` (built-in plans: the LM head, absent from task heads such
-    as *ForSequenceClassification, whose small head then stays replicated and its logits full)."""
+    as *ForSequenceClassification, whose small head then stays replicated and its logits full) and, with
+    allow_unmatched, any (a plan derived from HF's names every layer kind of a family, e.g. the dense MLPs of
+    a model whose MLPs are all MoE). Modules inside MoE blocks (moe_block_names) count as matched but are
+    left out: they stay replicated over TP."""
     compiled = [(p, compile_pattern(p), s) for p, s in plan.items()]
+    moe = tuple(moe_block_names(model))
     hits = {p: 0 for p in plan}
     out: dict[str, tuple[str, str]] = {}
     for name, _ in model.named_modules():
@@ -49,9 +66,10 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
             raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
         if found:
             hits[found[0][0]] += 1
-            out[name] = (found[0][1], found[0][0])
+            if not any(name == b or name.startswith(b + ".") for b in moe):
+                out[name] = (found[0][1], found[0][0])
     missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
-    if missing:
+    if missing and not allow_unmatched:
         raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
                          f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
                          f"unwrapped); pass plan= for other layouts")
