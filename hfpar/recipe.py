@@ -97,14 +97,15 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, pa
     for name in ("train", "eval"):
         ds = splits[name]
         if kind == "sft":
-            ds, stats = data.tokenize_sft(ds, tokenizer, args.max_seq_length,
-                                          completion_only_loss=args.completion_only_loss, truncation=args.truncation)
+            ds, stats = data.cached(data.tokenize_sft, ds, tokenizer, args.max_seq_length,
+                                    completion_only_loss=args.completion_only_loss, truncation=args.truncation)
             if args.packing:
                 ds = data.pack(ds, args.max_seq_length)
         elif kind == "clm":
-            ds, stats = data.tokenize_clm(ds, tokenizer, args.max_seq_length)
+            ds, stats = data.cached(data.tokenize_clm, ds, tokenizer, args.max_seq_length)
         else:
-            ds, stats, num_labels = data.tokenize_classify(ds, tokenizer, args.max_seq_length, truncation=args.truncation)
+            ds, stats, num_labels = data.cached(data.tokenize_classify, ds, tokenizer, args.max_seq_length,
+                                                truncation=args.truncation)
         out[name] = ds
         info[f"{name}_data"] = {**stats, "rows": len(ds)}
     # context / sequence parallelism cut T: pad every batch to a multiple of what they need (ParallelContext)

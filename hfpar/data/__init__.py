@@ -12,6 +12,7 @@
     load.py      the tokenizer; DatasetDict(train, eval) from the embedded generator, local files or the hub
     chat.py      chat-template rendering and the character spans of the assistant replies
     tokenize.py  tokenize_sft / tokenize_clm / tokenize_classify
+    cache.py     cached(tokenize_*, ds, tok, ...): tokenized splits kept on disk, keyed like datasets' own cache
     collate.py   pack, pack_batch, DataCollator;  errors.py  DataError
     padding_free.py  padding_free_mode: whether padding-free batches apply to a run (task, model family, ...)
 
@@ -30,6 +31,7 @@ Every user mistake raises `DataError` (a ValueError) with a one-line message nam
 The embedded datasets live in hfpar/synthetic.py.
 """
 
+from .cache import cached
 from .chat import _render_chat  # noqa: F401  (used by tests/test_data.py)
 from .collate import DataCollator, pack, pack_batch
 from .errors import DataError
@@ -39,5 +41,5 @@ from .padding_free import padding_free_mode
 from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
 __all__ = ["BUILDERS", "EMBEDDED", "EVAL_NAMES", "FILE_LIKE", "FORMATS", "IGNORE", "KINDS", "DataCollator",
-           "DataError", "embedded_model_path", "label_names_of", "load_splits", "load_tokenizer", "pack", "pack_batch",
+           "DataError", "cached", "embedded_model_path", "label_names_of", "load_splits", "load_tokenizer", "pack", "pack_batch",
            "padding_free_mode", "tokenize_classify", "tokenize_clm", "tokenize_sft"]
