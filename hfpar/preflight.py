@@ -228,6 +228,10 @@ def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> l
         p.append(f"checkpoint {path} was written with " + " / ".join(f"{k} {theirs[k]}" for k in differ)
                  + "; this run has " + " / ".join(f"{k} {mine[k]}" for k in differ)
                  + ": resume with the same " + "/".join(f"--{k}_size" for k in differ))
+    chunks = pipeline_stages(args, ctx.pp) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
+    if ctx.pp > 1 and theirs["pp"] == ctx.pp and state.get("pp_virtual_stages", 1) != chunks:
+        p.append(f"checkpoint {path} was written with {state.get('pp_virtual_stages', 1)} chunk(s) of layers per pipeline "
+                 f"rank, this run has {chunks}: resume with the same --pp_schedule and --pp_virtual_stages")
     global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
     if state["global_batch"] != global_batch:
         p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "

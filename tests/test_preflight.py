@@ -224,3 +224,16 @@ def test_interleaved_pipeline_refusals():
     assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
                    "valid: a batch that is a multiple of 2"]
     assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
+
+
+def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
+    """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) do not resume as 1 (1f1b)."""
+    out = tmp_path / "out"
+    _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
+    ctx = ParallelContext.plan(2, pp=2)
+    common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
+              "--per_device_train_batch_size", "4", "--pp_size", "2")
+    lines = pf.resume_problems(_args(*common), ctx, "ddp", ModelParallelDDP)
+    assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
+               "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
+    assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, "ddp", ModelParallelDDP) == []
