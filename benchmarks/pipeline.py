@@ -1,5 +1,5 @@
-"""Pipeline parallelism: measured bubble against theory, peak activation memory GPipe vs 1F1B, point-to-point bytes
-against theory, and tokens/s against DDP on the same processes.
+"""Pipeline parallelism: measured bubble against theory, peak activation memory GPipe vs 1F1B vs interleaved 1F1B,
+point-to-point bytes against theory, and tokens/s against DDP on the same processes.
 
     python benchmarks/pipeline.py          # writes benchmarks/results/pipeline_cpu.{json,md,png}
 
@@ -7,11 +7,12 @@ Setup: a Llama-style model (hidden 256, 8 layers, 8 heads / 4 kv heads, fp32) cu
 stages on p gloo ranks (CPU), one optimizer step's forward + backward of m micro-batches of 1 row x 256 tokens, for
 m = p, 2p, 4p; the second of two steps is measured (the first warms up).
   bubble      each stage's seconds blocked in receives over the step's seconds (PipelineRunner.wait_s), against
-              (p - 1) / (m + p - 1), the idle fraction of both schedules when stages cost the same
+              (p - 1) / (m + p - 1), the idle fraction of both schedules when stages cost the same, and
+              (p - 1) / (V (m + p - 1)) for interleaved 1F1B (V = 2 chunks of 8 / 2p layers per rank)
   memory      the peak bytes of saved-for-backward tensors alive at once on each stage (LiveSavedBytes): GPipe keeps
               all m micro-batches' activations, 1F1B at most p - s on stage s
   p2p         bytes each stage sends (activations forward, their gradients backward) against m x rows x T x H x 4 per
-              boundary and direction
+              boundary and direction (interleaved: every chunk's boundaries, V times 1F1B's)
   tokens/s    the step's tokens over the slowest stage's time, against DDP of the whole model over the same p
               processes with the same m rows split between them
 The machine has 2 cores: with p = 4 processes share them, which inflates every stage's waits; read p = 2 first.
@@ -35,12 +36,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 from benchmarks.activation_bytes import LiveSavedBytes  # noqa: E402
 from hfpar.losses import shifted_lm_loss_sum  # noqa: E402
 from hfpar.parallel.context_parallel import shift_labels  # noqa: E402
-from hfpar.parallel.pipeline import PipelineRunner, PipelineStage, balanced_split  # noqa: E402
+from hfpar.parallel.pipeline import PipelineChunks, PipelineRunner, PipelineStage, balanced_split  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
            num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
 T = 256
+V = 2  # chunks per rank of the interleaved schedule
 
 
 def _model():
@@ -56,7 +58,10 @@ def _batch(rows: int) -> dict:
 def _pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
     torch.set_num_threads(1)
     model = _model()
-    stage = PipelineStage(model, rank, balanced_split(model, world))
+    if schedule == "interleaved_1f1b":
+        stage = PipelineChunks(model, rank, world, balanced_split(model, V * world))
+    else:
+        stage = PipelineStage(model, rank, balanced_split(model, world))
     runner = PipelineRunner(stage, list(range(world)), schedule, m)
     batch = _batch(m)
     runner.train(batch, shifted_lm_loss_sum, 1.0)                       # warm-up step
@@ -94,12 +99,14 @@ def main() -> None:
         for mult in (1, 2, 4):
             m = mult * p
             ddp_s = max(r["seconds"] for r in run_distributed(_ddp, p, m, timeout=1800))
-            for schedule in ("gpipe", "1f1b"):
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
                 stages = run_distributed(_pipeline, p, schedule, m, timeout=1800)
                 step_s = max(s["seconds"] for s in stages)
+                v = V if schedule == "interleaved_1f1b" else 1
                 for s in stages:
-                    boundaries = (s["stage"] > 0) + (s["stage"] < p - 1)
-                    rows.append({"pp": p, "m": m, "schedule": schedule, **s, "theory_idle": (p - 1) / (m + p - 1),
+                    virtual = range(s["stage"], v * p, p)   # the rank's (virtual) stages
+                    boundaries = sum((u > 0) + (u < v * p - 1) for u in virtual)
+                    rows.append({"pp": p, "m": m, "schedule": schedule, **s, "theory_idle": (p - 1) / (v * (m + p - 1)),
                                  "theory_sent_bytes": boundaries * m * act, "tokens_per_s": m * T / step_s,
                                  "ddp_tokens_per_s": m * T / ddp_s})
                 print(rows[-len(stages):], flush=True)
@@ -116,7 +123,13 @@ def main() -> None:
     first = {(r["pp"], r["m"], r["schedule"]): r for r in rows if r["stage"] == 0}
     md += ["", "Stage 0 at m = 4p, peak activations 1F1B / GPipe: " + ", ".join(
         f"p={p} {first[(p, 4 * p, '1f1b')]['peak_bytes'] / first[(p, 4 * p, 'gpipe')]['peak_bytes']:.2f}"
+        for p in (2, 4)) + "; interleaved 1F1B / 1F1B: " + ", ".join(
+        f"p={p} {first[(p, 4 * p, 'interleaved_1f1b')]['peak_bytes'] / first[(p, 4 * p, '1f1b')]['peak_bytes']:.2f}"
         for p in (2, 4)) + "."]
+    mean_idle = {k: sum(r["idle"] for r in rows if (r["pp"], r["m"], r["schedule"]) == k) / k[0] for k in first}
+    md += ["", "Mean idle over stages at m = 4p, measured (theory): " + "; ".join(
+        f"p={p} {s} {mean_idle[(p, 4 * p, s)]:.3f} ({first[(p, 4 * p, s)]['theory_idle']:.3f})"
+        for p in (2, 4) for s in ("1f1b", "interleaved_1f1b")) + "."]
     (RESULTS / "pipeline_cpu.md").write_text("\n".join(md) + "\n")
     import matplotlib  # noqa: PLC0415  (an optional extra, for the plot only)
 
@@ -125,15 +138,16 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for p, color in ((2, "b"), (4, "g")):
-        for schedule, style in (("gpipe", "o--"), ("1f1b", "s-")):
+        for schedule, style in (("gpipe", "o--"), ("1f1b", "s-"), ("interleaved_1f1b", "^-.")):
             pts = [(r["m"], sum(x["idle"] for x in rows if (x["pp"], x["m"], x["schedule"]) == (p, r["m"], schedule)) / p)
                    for r in rows if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0]
             axes[0].plot(*zip(*pts), color + style, label=f"p={p} {schedule} (mean over stages)")
             mem = [(r["m"], r["peak_bytes"] / 1e6) for r in rows
                    if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0]
             axes[1].plot(*zip(*mem), color + style, label=f"p={p} {schedule}, stage 0")
-        theory = sorted({(r["m"], r["theory_idle"]) for r in rows if r["pp"] == p})
-        axes[0].plot(*zip(*theory), color + ":", label=f"p={p} theory (p-1)/(m+p-1)")
+        for v, schedule, mark in ((1, "1f1b", ":"), (V, "interleaved_1f1b", "x:")):
+            theory = sorted({(r["m"], r["theory_idle"]) for r in rows if r["pp"] == p and r["schedule"] == schedule})
+            axes[0].plot(*zip(*theory), color + mark, label=f"p={p} theory (p-1)/({v if v > 1 else ''}(m+p-1))")
     axes[0].set_xlabel("micro-batches m")
     axes[0].set_ylabel("idle fraction")
     axes[0].set_title("pipeline bubble")

@@ -45,7 +45,7 @@ def _positive(kind):
 
 def _plan_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hfpar plan", description="Memory per GPU of every strategy (DDP, FSDP2, ZeRO-1/2/3, offload, "
-                "TP, EP) for a model, from its config only, and the strategy to use with its launch command.")
+                "TP, EP, CP, PP) for a model, from its config only, and the strategy to use with its launch command.")
     p.add_argument("--model", required=True, help="hub id or local directory with config.json (no weights are read)")
     p.add_argument("--num_gpus", required=True, type=_positive(int), help="GPUs per node")
     p.add_argument("--num_nodes", type=_positive(int), default=1, help="nodes (default 1)")

@@ -26,7 +26,7 @@ REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim",
 TRUNCATION = ("truncate", "drop")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
-PP_SCHEDULES = ("gpipe", "1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.optim builds them
 
 
@@ -85,7 +85,8 @@ class RecipeArgs:
     cp_size: int = 1  # context parallelism: shard every row's sequence over this many ranks (attention exact over the row)
     cp_mode: str = "auto"  # ring | ulysses | auto (ulysses when heads and kv heads divide by cp_size, else ring)
     pp_size: int = 1  # pipeline parallelism: cut the decoder's layers into this many stages (one per rank)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (each rank holds --pp_virtual_stages chunks of layers)
+    pp_virtual_stages: int = 2  # interleaved_1f1b: chunks of layers per rank (virtual stages r, r + pp_size, ..)
     pp_microbatches: int = 0  # micro-batches per accumulation step through the pipeline; 0 = 2 x pp_size (capped by the batch)
     pp_split: str = ""  # first layer of each stage, e.g. 0,10,20 (default: balanced by parameter count)
     upcycle_experts: int = 0  # > 0: turn every dense MLP into an MoE of this many copies (then --ep_size works)
@@ -265,6 +266,9 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--cp_mode {a.cp_mode!r}: valid values are {', '.join(CP_MODES)}")
     if a.pp_schedule not in PP_SCHEDULES:
         p.append(f"--pp_schedule {a.pp_schedule!r}: valid values are {', '.join(PP_SCHEDULES)}")
+    if a.pp_schedule == "interleaved_1f1b" and a.pp_virtual_stages < 2:
+        p.append(f"--pp_virtual_stages {a.pp_virtual_stages}: interleaved_1f1b needs >= 2 chunks per rank "
+                 "(one is --pp_schedule 1f1b)")
     if a.pp_microbatches < 0:
         p.append(f"--pp_microbatches {a.pp_microbatches}: must be >= 1, or 0 for 2 x --pp_size")
     if a.on_nonfinite not in NONFINITE:

@@ -19,7 +19,8 @@ from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
 from hfpar.parallel.expert_parallel.moe import MoELayer
-from hfpar.parallel.pipeline import PipelineStage, balanced_split, decoder_layers, microbatches, parse_split
+from hfpar.parallel.pipeline import (PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, microbatches,
+                                    parse_split, pipeline_stages)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -104,9 +105,13 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
-        n_layers = len(decoder_layers(model))
-        bounds = parse_split(args.pp_split, n_layers, ctx.pp) if args.pp_split else balanced_split(model, ctx.pp)
-        model = PipelineStage(model, ctx.pp_rank, bounds)
+        n_layers, stages = len(decoder_layers(model)), pipeline_stages(args, ctx.pp)
+        bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(model, stages)
         info.update(pp_schedule=args.pp_schedule, pp_microbatches=microbatches(args),
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
+        if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
+            model = PipelineChunks(model, ctx.pp_rank, ctx.pp, bounds)
+            info.update(pp_virtual_stages=stages // ctx.pp, pp_stage_layers=chunk_layers(bounds, ctx.pp))
+        else:
+            model = PipelineStage(model, ctx.pp_rank, bounds)
     return model, info

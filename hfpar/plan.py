@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from hfpar.context import ParallelContext
+from hfpar.plan_pipeline import pipeline_estimate, pipeline_section
 
 GiB = 1024**3
 RESERVE = 0.10  # of each GPU kept free: CUDA context, allocator fragmentation, NCCL buffers
@@ -43,6 +44,10 @@ class ModelStats:
     intermediate: int
     vocab: int
     num_experts: int  # 0 for dense models
+    n_layer_params: int = 0  # parameters of all decoder layers (pipeline stages: hfpar.plan_pipeline)
+    n_embed: int = 0  # input embedding
+    n_head: int = 0  # output head, also when tied (a pipeline's last stage holds its own copy)
+    n_head_untied: int = 0  # n_head when not tied to the embedding, else 0 (then not in n_params)
 
 
 def _cfg(config, *names: str, default: int = 0) -> int:
@@ -76,7 +81,12 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
             if p.dim() >= 2:  # [out, in] or experts [E, a, b]
                 lora += (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
     text = getattr(config, "text_config", None) or config
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    n_head = head.weight.numel() if head is not None else 0
+    tied = head is not None and head.weight is embed.weight
     return ModelStats(
+        n_layer_params=sum(per_layer.values()), n_embed=embed.weight.numel(), n_head=n_head,
+        n_head_untied=0 if tied else n_head,
         n_params=total, n_tp_replicated=replicated, n_expert=expert, largest_layer=max(per_layer.values(), default=total),
         lora_unit=lora, n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
         hidden=_cfg(text, "hidden_size", "n_embd", "d_model"), heads=_cfg(text, "num_attention_heads", "n_head"),
@@ -201,17 +211,19 @@ class Candidate:
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    pp: int = 1  # pipeline stages (1F1B), each over DDP
 
     @property
     def label(self) -> str:
         extra = f" + TP{self.tp}" if self.tp > 1 else f" + EP{self.ep}" if self.ep > 1 else ""
         extra += f" + CP{self.cp}" if self.cp > 1 else ""
+        extra += f" + PP{self.pp}" if self.pp > 1 else ""
         return {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 offload",
                 "ddp": "DDP", "fsdp2": "FSDP2"}[self.strategy] + extra
 
 
 def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int | None = None,
-               ep_size: int | None = None, cp_size: int | None = None) -> list[Candidate]:
+               ep_size: int | None = None, cp_size: int | None = None, nodes: int = 1) -> list[Candidate]:
     """Every strategy the model allows, in the order of the recommendation rule."""
     out = [Candidate(s) for s in ("ddp", "fsdp2", "zero1", "zero2", "zero3")]
     tps = [tp_size] if tp_size else [t for t in valid_tp_sizes(stats, gpus_per_node) if world % t == 0]
@@ -223,27 +235,34 @@ def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int |
         out += [Candidate("ddp", ep=e) for e in eps if e > 1]
     cps = [cp_size] if cp_size else [2, 4, 8]
     out += [Candidate(s, cp=c) for c in cps if c > 1 and world % c == 0 for s in ("ddp", "fsdp2")]
+    if stats.n_layer_params:  # pipeline (over DDP): one stage per node, and powers of two up to the layers
+        pps = sorted({nodes, 2, 4, 8})
+        out += [Candidate("ddp", pp=k) for k in pps if 1 < k <= min(world, stats.n_layers) and world % k == 0]
     return out + [Candidate("zero3_offload")]
 
 
-def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float) -> tuple[Candidate, bool] | None:
-    """The rule: model states fit with DDP -> DDP; else FSDP2 (or ZeRO-3); still not -> TP / EP, then
-    ZeRO-3 offload. Activation checkpointing only when needed. Context parallelism (CP) comes before TP / EP
+def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: int = 1) -> tuple[Candidate, bool] | None:
+    """The rule: model states fit with DDP -> DDP; else, on several nodes, a pipeline with one stage per node
+    (DDP inside each node: only stage-boundary activations cross the slow inter-node links, where FSDP2 / ZeRO-3
+    would all-gather every layer's parameters over them each step); else FSDP2 (or ZeRO-3); still not -> TP / EP,
+    then a pipeline of more stages (a model too deep for TP inside a node alone), then ZeRO-3 offload. Activation checkpointing only when needed. Context parallelism (CP) comes before TP / EP
     when activations dominate (more than half of FSDP2's total at the requested seq_len), after them otherwise;
     then a CP degree that fits without activation checkpointing is preferred to checkpointing.
     rows: (candidate, no ckpt, ckpt)."""
-    plain = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == r[0].cp == 1]
-    order = plain + [r for r in rows if r[0].strategy == "zero3"]
+    plain = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == r[0].cp == r[0].pp == 1]
+    pps = [r for r in rows if r[0].pp > 1]
+    per_node = [r for r in pps if nodes > 1 and r[0].pp == nodes]
+    order = plain[:1] + per_node + plain[1:] + [r for r in rows if r[0].strategy == "zero3"]
     fsdp2 = next((r[1] for r in plain if r[0].strategy == "fsdp2"), None)
     cp_first = fsdp2 is not None and fsdp2["activations"] > fsdp2["total"] / 2
     cps = sorted((r for r in rows if r[0].cp > 1), key=lambda r: (r[0].cp, r[0].strategy))
     mps = sorted((r for r in rows if r[0].tp > 1 or r[0].ep > 1), key=lambda r: (r[0].tp * r[0].ep, r[0].strategy))
     order += cps + mps if cp_first else mps + cps
     if cp_first:  # activations dominate: cutting the sequence beats recomputing it, if that fits outright
-        for cand, plain_est, _ in plain + cps:
+        for cand, plain_est, _ in plain[:1] + per_node + plain[1:] + cps:
             if plain_est["total"] <= budget:
                 return cand, False
-    order += [r for r in rows if r[0].strategy == "zero3_offload"]
+    order += [r for r in pps if r not in per_node] + [r for r in rows if r[0].strategy == "zero3_offload"]
     for cand, plain, ckpt in order:
         if plain["total"] <= budget:
             return cand, False
@@ -265,7 +284,15 @@ def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, 
     cmd += f" --tp_size {cand.tp}" if cand.tp > 1 else ""
     cmd += f" --ep_size {cand.ep}" if cand.ep > 1 else ""
     cmd += f" --cp_size {cand.cp}" if cand.cp > 1 else ""
+    cmd += f" --pp_size {cand.pp}" if cand.pp > 1 else ""
     return cmd + (" --gradient_checkpointing" if checkpointing else "")
+
+
+def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
+    """The pipeline's most loaded stage (1F1B), by total bytes, as a row of the table."""
+    rows, _ = pipeline_estimate(stats, pp, world, schedule="1f1b", **kw)
+    worst = max(rows, key=lambda r: r["total"])
+    return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0}
 
 
 def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1, seq_len: int = 2048,
@@ -286,9 +313,12 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
     budget = gpu_memory_gb * GiB * (1 - RESERVE)
     kw = dict(seq_len=seq_len, batch_size=batch_size, mixed_precision=mixed_precision, lora_rank=lora_rank,
               attn_implementation=attn_implementation)
-    rows = [(c, estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, **kw),
-             estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, checkpointing=True, **kw))
-            for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size)]
+    kw.pop("lora_rank")   # hfpar's pipeline trains every parameter (LoRA with PP is refused)
+    rows = [(c, *(_pp_worst(stats, c.pp, world, checkpointing=ck, **kw) if c.pp > 1 else
+                  estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, checkpointing=ck,
+                           lora_rank=lora_rank, **kw) for ck in (False, True)))
+            for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
+            if not (c.pp > 1 and lora_rank)]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
     lines = [f"{model}: {stats.n_params / 1e9:.3f}B parameters ({stats.n_layers} layers, hidden {stats.hidden}, "
@@ -306,7 +336,12 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
                      f"{g(plain['total']):>6} ({g(ck['total'])})  {fits}{cpu}")
     lines.append("(ckpt) = with --gradient_checkpointing; activations: Korthikanti et al. 2022, "
                  + ("eager attention (s x s scores stored)" if attn_implementation == "eager" else "sdpa/flash attention"))
-    best = recommend(rows, budget)
+    pp_rows = [c for c, _, _ in rows if c.pp > 1]
+    if pp_rows:
+        shown = next((c for c, p, _ in rows if c.pp > 1 and p["total"] <= budget), pp_rows[-1])
+        lines += pipeline_section(stats, shown.pp, world, budget, seq_len=seq_len, batch_size=batch_size,
+                                  mixed_precision=mixed_precision, attn_implementation=attn_implementation)
+    best = recommend(rows, budget, num_nodes)
     if best is None:
         lines.append("\nnothing fits: lower --batch_size / --seq_len, use more GPUs, or LoRA")
         return "\n".join(lines), None

@@ -27,7 +27,7 @@ from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.distributed import strategy_name
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
-from hfpar.parallel.pipeline import microbatches, parse_split
+from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_problem
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
@@ -176,11 +176,17 @@ def pp_feature_problems(args, task: str) -> list[str]:
     if args.use_peft:
         p.append(f"--pp_size {args.pp_size} with --use_peft: LoRA with pipeline parallelism is not supported yet")
     m = microbatches(args)
-    if args.per_device_train_batch_size % m:
+    if m == 0:  # interleaved_1f1b's default: no multiple of pp_size divides the batch
+        p.append(f"--pp_schedule interleaved_1f1b: no multiple of --pp_size {args.pp_size} divides "
+                 f"--per_device_train_batch_size {args.per_device_train_batch_size}; valid: a batch that is a multiple of {args.pp_size}")
+    elif args.per_device_train_batch_size % m:
         p.append(f"--pp_microbatches {m} does not divide --per_device_train_batch_size "
                  f"{args.per_device_train_batch_size}; valid: "
                  + ", ".join(str(d) for d in range(1, args.per_device_train_batch_size + 1)
                              if args.per_device_train_batch_size % d == 0))
+    elif args.pp_schedule == "interleaved_1f1b" and m % args.pp_size:
+        p.append(f"--pp_microbatches {m}: interleaved_1f1b needs a multiple of --pp_size {args.pp_size} that divides "
+                 f"--per_device_train_batch_size {args.per_device_train_batch_size}")
     return p
 
 
@@ -194,10 +200,15 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     layers = getattr(config, "num_hidden_layers", 0)
     if layers < ctx.pp:
         return [f"--pp_size {ctx.pp}: {name} has {layers} decoder layers, fewer than the stages"]
+    stages = pipeline_stages(args, ctx.pp)
+    if layers < stages:
+        return [f"--pp_virtual_stages {args.pp_virtual_stages} x --pp_size {ctx.pp}: {name} has {layers} decoder layers, "
+                f"fewer than the {stages} virtual stages; valid: "
+                + (f"--pp_virtual_stages 2..{layers // ctx.pp}" if layers >= 2 * ctx.pp else "--pp_schedule 1f1b or gpipe")]
     p = []
     if args.pp_split:
         try:
-            parse_split(args.pp_split, layers, ctx.pp)
+            parse_split(args.pp_split, layers, stages)
         except ValueError as exc:
             p.append(str(exc))
     return p
@@ -217,6 +228,10 @@ def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> l
         p.append(f"checkpoint {path} was written with " + " / ".join(f"{k} {theirs[k]}" for k in differ)
                  + "; this run has " + " / ".join(f"{k} {mine[k]}" for k in differ)
                  + ": resume with the same " + "/".join(f"--{k}_size" for k in differ))
+    chunks = pipeline_stages(args, ctx.pp) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
+    if ctx.pp > 1 and theirs["pp"] == ctx.pp and state.get("pp_virtual_stages", 1) != chunks:
+        p.append(f"checkpoint {path} was written with {state.get('pp_virtual_stages', 1)} chunk(s) of layers per pipeline "
+                 f"rank, this run has {chunks}: resume with the same --pp_schedule and --pp_virtual_stages")
     global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
     if state["global_batch"] != global_batch:
         p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "

@@ -29,6 +29,7 @@ from hfpar.comm_stats import StepCommLog
 from hfpar.distributed import all_reduce_sum, restart_attempt
 from hfpar.batch_plan import BatchPlan
 from hfpar.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
+from hfpar.parallel.pipeline import pipeline_stages
 from hfpar.sampler import GlobalBatchSampler, eval_shard
 from hfpar.schedules import get_scheduler
 
@@ -75,7 +76,8 @@ class Trainer:
     def _trainer_state(self, step: int) -> dict:
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
-                "pp": c.pp, "strategy": self.backend.strategy, "seed": self.args.seed,
+                "pp": c.pp, "pp_virtual_stages": pipeline_stages(self.args, c.pp) // c.pp,  # chunks per pipeline rank
+                "strategy": self.backend.strategy, "seed": self.args.seed,
                 "global_batch": self.sampler.global_batch}
 
     def maybe_resume(self) -> None:

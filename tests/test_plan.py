@@ -198,3 +198,41 @@ def test_plan_context_parallel_estimate_and_recommendation():
     assert cand.cp > 1 and f"--cp_size {cand.cp}" in text and "--gradient_checkpointing" not in text.splitlines()[-1]
     _, short = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, seq_len=2048)
     assert short.cp == 1
+
+
+def test_plan_pipeline_stages_schedules_and_recommendation():
+    """pp: each stage's states (embedding on the first, head on the last, balanced like hfpar's split), the
+    micro-batches in flight of each schedule (GPipe m, 1F1B p - s, interleaved Megatron's warm-up + 1 chunk
+    micro-batches), the bubble (p - 1) / (m + p - 1), / V interleaved; recommended with one stage per node when
+    DDP does not fit on several nodes, not on one node where FSDP2 / CP fit."""
+    from hfpar.plan import model_stats, state_bytes_per_param
+    from hfpar.plan_pipeline import bubble_fraction, pipeline_estimate
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000)
+    stats = model_stats(cfg)
+    assert stats.n_embed == stats.n_head == stats.n_head_untied == 32000 * 4096
+    bp, bg, bo = state_bytes_per_param("bf16")
+    flight = {}
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        rows, bubble = pipeline_estimate(stats, 4, 8, schedule=schedule, seq_len=4096, batch_size=8)
+        assert sum(r["layers"] for r in rows) == 32 and sum(r["params"] for r in rows) == pytest.approx(stats.n_params * bp, rel=1e-6)
+        assert all(r["grads"] * bp == r["params"] * bg and r["optimizer"] * bp == pytest.approx(r["params"] * bo, rel=1e-9)
+                   for r in rows)
+        assert rows[0]["params"] > rows[1]["params"] and rows[-1]["params"] > rows[1]["params"]  # embedding / head
+        flight[schedule] = [r["in_flight"] for r in rows]
+        assert bubble == pytest.approx(3 / 11 / (2 if schedule == "interleaved_1f1b" else 1))
+    assert flight == {"gpipe": [8, 8, 8, 8], "1f1b": [4, 3, 2, 1], "interleaved_1f1b": [11, 9, 7, 5]}
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 22)
+    gpipe, _ = pipeline_estimate(stats, 4, 8, schedule="gpipe", seq_len=4096, batch_size=8)
+    onef, _ = pipeline_estimate(stats, 4, 8, schedule="1f1b", seq_len=4096, batch_size=8)
+    assert onef[1]["activations"] * 8 == pytest.approx(gpipe[1]["activations"] * 3, rel=1e-6)  # 3 of 8 in flight
+    with pytest.raises(PlanError, match="the model has 32 layers, fewer than the stages"):
+        pipeline_estimate(stats, 32, 32, schedule="interleaved_1f1b", batch_size=32)
+    with pytest.raises(PlanError, match="--pp_microbatches 6: must divide --batch_size 8"):
+        pipeline_estimate(stats, 2, 8, microbatches=6, batch_size=8)
+    text, cand = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, num_nodes=4, seq_len=4096, batch_size=8)
+    assert cand.pp == 4 and cand.label == "DDP + PP4" and text.splitlines()[-1].endswith(" --pp_size 4"), text
+    assert "  interleaved_1f1b " in text and "bubble 13.6%" in text and "bubble 27.3%" in text
+    _, one_node = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, seq_len=4096, batch_size=8)
+    assert one_node.pp == 1

@@ -1,7 +1,8 @@
 """Pipeline parallelism end to end (`--pp_size` through the sft recipe under ddp.yaml), parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: pp=2 with GPipe and with 1F1B (2 processes), pp=2 with
-activation checkpointing and an uneven manual split (--pp_split 0,1), pp=2 x dp=2 and pp=4 (4 processes): per-step
+activation checkpointing and an uneven manual split (--pp_split 0,1), interleaved 1F1B (2 chunks of 1 layer per
+rank: virtual stages r and r + 2), pp=2 x dp=2 and pp=4 (4 processes): per-step
 loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
 reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 reproduces steps 5-8. Tied input /
 output embeddings (first and last stage each hold the weight) at pp=2 against their own single-process run.
@@ -22,6 +23,7 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "pp2_1f1b": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "1f1b"]),
     "pp2_checkpointing_split": ("ddp", 2, "4", ["--pp_size", "2", "--gradient_checkpointing", "--pp_split", "0,1",
                                                 "--pp_microbatches", "2"]),
+    "pp2_interleaved": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "4"]),
     "pp2_dp2": ("ddp", 4, "2", ["--pp_size", "2"]),
     "pp4": ("ddp", 4, "4", ["--pp_size", "4", "--pp_microbatches", "4"]),
 }
@@ -50,8 +52,13 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
     assert rel_close(export_eval_loss(pp_runs[case]), evals[-1]["eval_loss"], 1e-4)
     info = read_run_info(pp_runs[case])
     pp = int(CASES[case][3][1])
-    assert info["pp_size"] == pp and info["pp_schedule"] in ("gpipe", "1f1b") and info["pp_microbatches"] >= 1
+    flags = CASES[case][3]
+    schedule = flags[flags.index("--pp_schedule") + 1] if "--pp_schedule" in flags else "1f1b"
+    assert info["pp_size"] == pp and info["pp_schedule"] == schedule and info["pp_microbatches"] >= 1
     stages = info["pp_stage_layers"]
+    if schedule == "interleaved_1f1b":  # per rank its chunks [start, stop]: rank r holds virtual stages r, r + pp
+        assert info["pp_virtual_stages"] == 2 and stages == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
+        return
     assert len(stages) == pp and stages[0][0] == 0 and stages[-1][1] == 4
     assert all(a < b and b == c for (a, b), (c, _) in zip(stages, stages[1:] + [(4, None)]))
     if case == "pp2_checkpointing_split":

@@ -193,3 +193,47 @@ def test_pipeline_schedules_listed_once():
     from hfpar.config import PP_SCHEDULES
     from hfpar.parallel.pipeline import SCHEDULES
     assert PP_SCHEDULES == SCHEDULES
+
+
+def test_interleaved_pipeline_refusals():
+    """interleaved_1f1b: at least 2 chunks per rank, V x pp layers at least, micro-batches a multiple of pp (given,
+    or by default), and --pp_split naming the first layer of each of the V x pp virtual stages."""
+    from hfpar.config import ConfigError
+    inter = ("--pp_schedule", "interleaved_1f1b")
+    err = str(pytest.raises(ConfigError, parse_args, [*inter, "--pp_virtual_stages", "1"], recipe="sft").value)
+    assert "--pp_virtual_stages 1: interleaved_1f1b needs >= 2 chunks per rank" in err
+    assert parse_args(["--pp_virtual_stages", "1"], recipe="sft").pp_virtual_stages == 1   # unused unless interleaved
+    ctx2, ctx4 = ParallelContext.plan(2, pp=2), ParallelContext.plan(4, pp=4)
+    llama6 = LlamaConfig(num_hidden_layers=6, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "4"), ctx2, llama6) == [
+        "--pp_virtual_stages 4 x --pp_size 2: llama has 6 decoder layers, fewer than the 8 virtual stages; "
+        "valid: --pp_virtual_stages 2..3"]
+    assert pf.pp_model_problems(_args("--pp_size", "4", *inter), ctx4, llama6) == [
+        "--pp_virtual_stages 2 x --pp_size 4: llama has 6 decoder layers, fewer than the 8 virtual stages; "
+        "valid: --pp_schedule 1f1b or gpipe"]
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "3"), ctx2, llama6) == []
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,2,4"), ctx2, llama6) == [
+        "--pp_split '0,2,4': needs 4 increasing first-layer indices starting at 0 and below 6 (every stage non-empty), "
+        "e.g. 0,1,3,4"]
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,1,3,4"), ctx2, llama6) == []
+    bad = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6",
+                                       "--pp_microbatches", "3"), "lm")
+    assert bad == ["--pp_microbatches 3: interleaved_1f1b needs a multiple of --pp_size 2 that divides "
+                   "--per_device_train_batch_size 6"]
+    odd = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "3"), "lm")
+    assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
+                   "valid: a batch that is a multiple of 2"]
+    assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
+
+
+def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
+    """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) do not resume as 1 (1f1b)."""
+    out = tmp_path / "out"
+    _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
+    ctx = ParallelContext.plan(2, pp=2)
+    common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
+              "--per_device_train_batch_size", "4", "--pp_size", "2")
+    lines = pf.resume_problems(_args(*common), ctx, "ddp", ModelParallelDDP)
+    assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
+               "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
+    assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, "ddp", ModelParallelDDP) == []

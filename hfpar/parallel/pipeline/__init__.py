@@ -1,13 +1,15 @@
-"""Pipeline parallelism: an HF decoder cut by layers into stages, run by GPipe / 1F1B schedules.
+"""Pipeline parallelism: an HF decoder cut by layers into stages, run by GPipe / 1F1B / interleaved 1F1B schedules.
 
     stage.py     PipelineStage (the model trimmed to its layers, HF forward kept), balanced_split, parse_split
+    chunks.py    PipelineChunks: the V chunks of one rank for the interleaved schedule (virtual stages r, r + p, ..)
     schedule.py  PipelineRunner: micro-batches through the stages, activations and grads point to point
 
 The recipes run them with --pp_size (hfpar.backends.pipeline); tests/test_pp_stages.py shows them in a plain loop.
 """
 
-from .schedule import SCHEDULES, PipelineRunner, microbatches, schedule_order, split_microbatches
+from .chunks import PipelineChunks, chunk_layers
+from .schedule import SCHEDULES, PipelineRunner, microbatches, pipeline_stages, schedule_order, split_microbatches
 from .stage import PipelineStage, balanced_split, decoder_layers, parse_split, tied_embedding_group
 
-__all__ = ["SCHEDULES", "PipelineRunner", "microbatches", "schedule_order", "split_microbatches", "PipelineStage", "balanced_split",
-           "decoder_layers", "parse_split", "tied_embedding_group"]
+__all__ = ["PipelineChunks", "chunk_layers", "SCHEDULES", "PipelineRunner", "microbatches", "pipeline_stages", "schedule_order",
+           "split_microbatches", "PipelineStage", "balanced_split", "decoder_layers", "parse_split", "tied_embedding_group"]

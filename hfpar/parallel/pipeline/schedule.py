@@ -1,4 +1,5 @@
-"""Pipeline schedules over the stages of one pipeline group: GPipe and 1F1B, for one accumulation step's rows.
+"""Pipeline schedules over the stages of one pipeline group: GPipe, 1F1B and interleaved 1F1B, for one accumulation
+step's rows.
 
     runner = PipelineRunner(stage, peers, schedule="1f1b", microbatches=4)   # peers: global rank of each stage
     loss_sum, n = runner.train(batch, loss_fn, scale)   # forward + backward; every stage gets the last one's sums
@@ -6,14 +7,19 @@
 
 The rows are cut into `microbatches` along the batch dim. GPipe: all forwards, then all backwards (m micro-batches
 in flight). 1F1B (PipeDream-Flush): stage s runs p - s - 1 warm-up forwards, then alternates one forward and one
-backward, so at most p - s micro-batches are in flight on it. The last stage computes the loss of each
-micro-batch (a SUM over its targets) and back-propagates loss_sum * scale.
+backward, so at most p - s micro-batches are in flight on it. Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021):
+each rank holds V chunks of layers (PipelineChunks: virtual stages r, r + p, ...); forwards walk the chunks in groups
+of p micro-batches, (p - r - 1) x 2 + (V - 1) x p of them as warm-up, then one forward / one backward, backwards
+walking the chunks in reverse; the bubble shrinks V-fold, (p - 1) / (V (m + p - 1)), for p2p traffic V times the
+1F1B's. The last (virtual) stage computes the loss of each micro-batch (a SUM over its targets) and back-propagates
+loss_sum * scale.
 
-Why by hand, not torch.distributed.pipelining's schedules: its stages infer the shapes of the tensors they
-exchange from the first step and pre-allocate the receive buffers, while HF batches are padded to the longest
-row of each batch, so T changes from step to step (padding every batch to --max_seq_length would spend compute
-on padding). Here each activation and gradient travels after a small shape header. Sends are non-blocking and
-receives blocking, which the two schedules' orders keep free of deadlock.
+Why by hand, not torch.distributed.pipelining's schedules (ScheduleInterleaved1F1B included): its stages infer the
+shapes of the tensors they exchange from the first step and pre-allocate the receive buffers, while HF batches are
+padded to the longest row of each batch, so T changes from step to step (padding every batch to --max_seq_length
+would spend compute on padding). Here each activation and gradient travels after a small shape header. Sends are
+non-blocking and receives blocking; every schedule's order is free of deadlock and keeps each pair of ranks' messages
+in the same order on both ends (tests/test_pp_stages.py replays the orders of p <= 8, V <= 4 to check both).
 """
 
 from __future__ import annotations
@@ -23,31 +29,62 @@ import time
 import torch
 import torch.distributed as dist
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # dtype, ndim, up to 6 dims
 
 
-def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """[("F", i) | ("B", i), ...] for this stage."""
+def schedule_order(schedule: str, stage: int, stages: int, microbatches: int,
+                   chunks: int = 1) -> list[tuple[str, int, int]]:
+    """[("F" | "B", micro-batch, chunk), ...] for pipeline rank `stage` of `stages`; chunk: the rank's local chunk
+    (virtual stage chunk x stages + stage), always 0 unless interleaved_1f1b with chunks (V) > 1."""
     m = microbatches
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if schedule == "interleaved_1f1b":
+        return _interleaved_order(stage, stages, m, chunks)
     if schedule != "1f1b":
         raise ValueError(f"--pp_schedule {schedule!r}: valid values are {', '.join(SCHEDULES)}")
     warm = min(stages - stage - 1, m)
-    order = [("F", i) for i in range(warm)]
+    order = [("F", i, 0) for i in range(warm)]
     for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warm, m)]
+        order += [("F", warm + i, 0), ("B", i, 0)]
+    return order + [("B", i, 0) for i in range(m - warm, m)]
+
+
+def _interleaved_order(r: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """Megatron-LM's interleaved order (forward_backward_pipelining_with_interleaving) on rank r. The k-th forward
+    runs chunk (k mod pV) // p on micro-batch (k // pV) x p + k mod p: p micro-batches through chunk 0, the same p
+    through chunk 1, ...; the k-th backward the same walk with the chunks reversed. Rank r runs (p - r - 1) x 2 +
+    (V - 1) x p forwards before its first backward (the last rank's first backward, of chunk V - 1, needs the
+    forward of micro-batch 0 through every chunk before it), then alternates."""
+    if m % p:
+        raise ValueError(f"--pp_microbatches {m}: the interleaved schedule needs a multiple of --pp_size {p}")
+    total = m * v
+    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+
+    def at(kind: str, k: int) -> tuple[str, int, int]:
+        c = (k % (p * v)) // p
+        return kind, (k // (p * v)) * p + k % p, c if kind == "F" else v - 1 - c
+
+    order = [at("F", k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [at("F", warm + k), at("B", k)]
+    return order + [at("B", k) for k in range(total - warm, total)]
 
 
 def microbatches(args) -> int:
-    """--pp_microbatches, or its default: 2 x pp_size micro-batches, fewer when the per-device batch is smaller."""
+    """--pp_microbatches, or its default: 2 x pp_size micro-batches, fewer when the per-device batch is smaller
+    (interleaved_1f1b: a multiple of pp_size; 0 when none divides the batch, which the preflight reports)."""
     if args.pp_microbatches:
         return args.pp_microbatches
-    rows = args.per_device_train_batch_size
-    return max(d for d in range(1, min(2 * args.pp_size, rows) + 1) if rows % d == 0)
+    rows, step = args.per_device_train_batch_size, args.pp_size if args.pp_schedule == "interleaved_1f1b" else 1
+    return max((d for d in range(step, min(2 * args.pp_size, rows) + 1, step) if rows % d == 0), default=0)
+
+
+def pipeline_stages(args, pp: int) -> int:
+    """Stages the layers are cut into: pp, or pp x --pp_virtual_stages for interleaved_1f1b."""
+    return pp * args.pp_virtual_stages if args.pp_schedule == "interleaved_1f1b" else pp
 
 
 def split_microbatches(batch: dict, m: int) -> list[dict]:
@@ -61,12 +98,18 @@ def split_microbatches(batch: dict, m: int) -> list[dict]:
 class PipelineRunner:
     def __init__(self, stage, peers: list[int], schedule: str = "1f1b", microbatches: int = 1, model=None,
                  group=None):
-        """stage: this rank's PipelineStage; model: what to call for the forward (the stage or a wrapper of it);
-        peers: global rank of every stage of this rank's pipeline; group: the pipeline process group."""
-        self.stage, self.model = stage, model if model is not None else stage
-        self.peers, self.group = peers, group
+        """stage: this rank's PipelineStage, or PipelineChunks (interleaved_1f1b); model: what to call for the
+        forward of a single stage (the stage or a wrapper of it); peers: global rank of every stage of this rank's
+        pipeline; group: the pipeline process group."""
+        self.stage, self.peers, self.group = stage, peers, group
+        self.chunks = list(getattr(stage, "chunks", [stage]))   # chunk c of rank r: virtual stage c x p + r
+        self.models = [model if model is not None else stage] if len(self.chunks) == 1 else self.chunks
+        if schedule == "interleaved_1f1b" and len(self.chunks) < 2:
+            raise ValueError("--pp_schedule interleaved_1f1b: the rank holds one stage; build PipelineChunks")
+        if schedule != "interleaved_1f1b" and len(self.chunks) > 1:
+            raise ValueError(f"--pp_schedule {schedule}: the rank holds {len(self.chunks)} chunks; use interleaved_1f1b")
         self.schedule, self.m = schedule, microbatches
-        self.order = schedule_order(schedule, stage.stage_index, stage.num_stages, microbatches)
+        self.order = schedule_order(schedule, stage.stage_index, stage.num_stages, microbatches, len(self.chunks))
         self.sent_bytes = 0       # activation / gradient bytes this stage sent (headers aside), since creation
         self.wait_s = 0.0         # seconds blocked in receives: this stage's idle time (the bubble), since creation
         self._pending: list = []
@@ -75,17 +118,20 @@ class PipelineRunner:
     def _device(self) -> torch.device:
         return next(self.stage.parameters()).device
 
-    def _send(self, t: torch.Tensor, stage: int) -> None:
+    def _rank_of(self, virtual: int) -> int:
+        return self.peers[virtual % len(self.peers)]
+
+    def _send(self, t: torch.Tensor, virtual: int) -> None:
         t = t.detach().contiguous()
         header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
         header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        dst = self.peers[stage]
+        dst = self._rank_of(virtual)
         self._pending += [(dist.isend(header, dst), header), (dist.isend(t, dst), t)]
         self.sent_bytes += t.numel() * t.element_size()
 
-    def _recv(self, stage: int) -> torch.Tensor:
-        src = self.peers[stage]
+    def _recv(self, virtual: int) -> torch.Tensor:
+        src = self._rank_of(virtual)
         header = torch.empty(_HEADER, dtype=torch.int64, device=self._device())
         t0 = time.perf_counter()
         dist.recv(header, src)
@@ -106,51 +152,55 @@ class PipelineRunner:
         return total
 
     # ------------------------------------------------------------------ one step
-    def _forward(self, mb: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"))
+    def _forward(self, c: int, mb: dict, x: torch.Tensor) -> torch.Tensor:
+        return self.models[c](x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"))
 
     def train(self, batch: dict, loss_fn, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        s, last = self.stage.stage_index, self.stage.is_last
         mbs = split_microbatches(batch, self.m)
         total = torch.zeros(2, dtype=torch.float64, device=self._device())
-        inputs, outputs = {}, {}
-        for kind, i in self.order:
-            mb = mbs[i]
+        inputs, outputs = {}, {}   # (chunk, micro-batch) -> what its backward needs
+        for kind, i, c in self.order:
+            mb, chunk = mbs[i], self.chunks[c]
+            v = chunk.stage_index   # virtual stage (the stage itself unless interleaved)
             if kind == "F":
-                x = mb["input_ids"] if self.stage.is_first else self._recv(s - 1).requires_grad_()
-                out = self._forward(mb, x)
-                if last:
+                x = mb["input_ids"] if chunk.is_first else self._recv(v - 1).requires_grad_()
+                out = self._forward(c, mb, x)   # (b, T, H) hidden states, or (b, T, vocab) logits on the last
+                if chunk.is_last:
                     loss_sum, n = loss_fn(out, mb["labels"])
                     total += torch.stack([loss_sum.detach().double(), n.double()])
                     out = loss_sum * scale
                 else:
-                    self._send(out, s + 1)
-                inputs[i], outputs[i] = x, out
+                    self._send(out, v + 1)
+                inputs[c, i], outputs[c, i] = x, out
                 continue
-            x, out = inputs.pop(i), outputs.pop(i)
-            with self.stage.receiving(None if self.stage.is_first else x):
-                if last:
+            x, out = inputs.pop((c, i)), outputs.pop((c, i))
+            with chunk.receiving(None if chunk.is_first else x):
+                if chunk.is_last:
                     out.backward()
                 else:
-                    torch.autograd.backward(out, self._recv(s + 1))
-            if not self.stage.is_first:
-                self._send(x.grad, s - 1)
+                    torch.autograd.backward(out, self._recv(v + 1))
+            if not chunk.is_first:
+                self._send(x.grad, v - 1)
         self._wait()
         total = self._broadcast_from_last(total)
         return total[0], total[1]
 
     @torch.no_grad()
     def evaluate(self, batch: dict, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.stage.stage_index
         total = torch.zeros(2, dtype=torch.float64, device=self._device())
-        for mb in split_microbatches(batch, self.m if batch["input_ids"].shape[0] % self.m == 0 else 1):
-            x = mb["input_ids"] if self.stage.is_first else self._recv(s - 1)
-            out = self._forward(mb, x)
-            if self.stage.is_last:
-                loss_sum, n = loss_fn(out, mb["labels"])
-                total += torch.stack([loss_sum.double(), n.double()])
-            else:
-                self._send(out, s + 1)
+        mbs = split_microbatches(batch, self.m if batch["input_ids"].shape[0] % self.m == 0 else 1)
+        # chunk by chunk, each over every micro-batch: a forward only waits on earlier forwards, and each pair of
+        # ranks sends and receives in the same (chunk, micro-batch) order
+        for c, chunk in enumerate(self.chunks):
+            v = chunk.stage_index
+            for mb in mbs:
+                x = mb["input_ids"] if chunk.is_first else self._recv(v - 1)
+                out = self._forward(c, mb, x)
+                if chunk.is_last:
+                    loss_sum, n = loss_fn(out, mb["labels"])
+                    total += torch.stack([loss_sum.double(), n.double()])
+                else:
+                    self._send(out, v + 1)
         self._wait()
         total = self._broadcast_from_last(total)
         return total[0], total[1]

@@ -65,6 +65,13 @@ def balanced_split(model: nn.Module, pp: int) -> list[int]:
     cost = [float(_numel(layer)) for layer in layers]
     cost[0] += _numel(model.get_input_embeddings())
     cost[-1] += _numel(model.lm_head) + _numel(getattr(_base(model), "norm", None))
+    return split_by_cost(cost, pp)
+
+
+def split_by_cost(cost: list[float], pp: int) -> list[int]:
+    """Boundaries [0, b1, .., n] of n = len(cost) items cut into pp contiguous non-empty parts, minimizing the
+    largest part's cost (also hfpar plan's, from parameter counts)."""
+    n = len(cost)
     prefix = [0.0]
     for c in cost:
         prefix.append(prefix[-1] + c)
