@@ -163,8 +163,10 @@ class _Files:
 def _read(files: _Files, key: str, box: list[tuple[int, int]] | None) -> torch.Tensor:
     """The box [(start, stop) per leading dim] of a checkpoint tensor (None: all of it); only those bytes read."""
     sl = files.slice(key)
-    out = sl[tuple(slice(a, b) for a, b in box)] if box else sl[:] if sl.get_shape() else files.open[
-        files.index[key]].get_tensor(key)
+    if box:
+        out = sl[tuple(slice(a, b) for a, b in box)]
+    else:                                              # all of it (a 0-d tensor cannot be sliced)
+        out = sl[:] if sl.get_shape() else files.open[files.index[key]].get_tensor(key)
     files.done(key)
     return out
 
@@ -194,6 +196,8 @@ def _converted(files: _Files, conv: WeightConverter, lists: dict, boxes, model) 
     keep = (lambda i: lo <= i < hi) if by_index else (lambda i: True)
     tensors = {p: [_read(files, k, None) for i, k in sorted(lists[p]) if keep(i)] for p in conv.source_patterns
                if p in lists}
+    for k in (k for lst in lists.values() for i, k in lst if not keep(i)):
+        files.done(k)                                   # other ranks' experts: never read here
     for op in conv.operations:
         tensors = op.convert(tensors, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
                              full_layer_name="", model=model, config=model.config, missing_keys=None)
@@ -209,7 +213,7 @@ def _cat_dim(boxes) -> int:
 
 def _load_tensor(files: _Files, sources: _Sources, names: list[str], t: torch.Tensor, model) -> torch.Tensor:
     name = next(n for n in names if sources.has(n))
-    if isinstance(t, DTensor) or not t.is_meta:       # real (initialised missing key, FSDP2): its full shape
+    if isinstance(t, DTensor):                        # FSDP2: a DTensor's shape is the full one
         shape = list(t.shape)
     else:
         spec = shard_spec(t)

@@ -96,6 +96,8 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
         model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+        if strategy == "zero3":  # DeepSpeed's zero.Init partitioned each parameter as it was loaded (ds_id set)
+            load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
             model = loading.build_skeleton(cls, path, index, config_updates=kw, **extra)

@@ -7,21 +7,19 @@ In-process gloo ranks (tests/dist_utils.py). Tiny models are built from configs 
 
 from __future__ import annotations
 
-import json
 import resource
-from types import SimpleNamespace
 
-import pytest
 import torch
-from safetensors import safe_open
 import torch.distributed as dist
-from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Phi3Config, Qwen3MoeConfig)
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Phi3Config, Qwen3MoeConfig
 
-from hfpar.loading import build_skeleton, checkpoint_index, fsdp2_loader, load_sharded
+from hfpar.loading import build_skeleton, checkpoint_index, load_sharded
 from hfpar.parallel.expert_parallel import apply_expert_parallel
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.dist_utils import run_distributed
+from tests.launch import read_run_info
 from tests.results import record
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -109,3 +107,66 @@ def test_sharded_load_equals_full_load_then_shard(tmp_path):
               f"({read / full:.2f})")
         assert all(r[name][0] == 0.0 for r in per_rank)
         assert all(r[name][1] < full for r in per_rank), name   # each rank read less than the whole model
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _load_growth(rank, world, path, sharded: bool):
+    """Peak RSS growth of this rank's process while it loads and TP-shards the model (bytes), and what it holds."""
+    before = _rss()
+    if sharded:
+        index = checkpoint_index(path)
+        model = load_sharded_tp(path, index)
+    else:
+        model = apply_tensor_parallel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    held = sum(p.numel() * 4 for p in model.parameters())
+    return peak - before, held
+
+
+def load_sharded_tp(path, index):
+    model = apply_tensor_parallel(build_skeleton(AutoModelForCausalLM, path, index))
+    load_sharded(model, index)
+    return model
+
+
+def test_tp2_rank_loads_about_half_the_memory(tmp_path):
+    """~150 MB fp32 Llama: each TP=2 rank's peak RSS growth while loading, sharded vs from_pretrained + shard."""
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    full = run_distributed(_load_growth, 2, str(tmp_path / "m"), False)   # fresh processes for each: own peaks
+    sharded = run_distributed(_load_growth, 2, str(tmp_path / "m"), True)
+    size = _checkpoint_bytes(checkpoint_index(str(tmp_path / "m")))
+    ratios = [s[0] / f[0] for s, f in zip(sharded, full)]
+    mb = lambda b: round(b / 2**20, 1)  # noqa: E731
+    print(f"LOADING memory: checkpoint {mb(size)} MB fp32; peak RSS growth per TP=2 rank: full load + shard "
+          f"{[mb(f[0]) for f in full]} MB, sharded {[mb(s[0]) for s in sharded]} MB, ratio "
+          f"{[round(r, 2) for r in ratios]} (each rank holds {[mb(s[1]) for s in sharded]} MB)")
+    record("sharded_loading", "tp2_llama_150MB", {
+        "checkpoint_mb": mb(size), "full_load_peak_rss_growth_mb_per_rank": [mb(f[0]) for f in full],
+        "sharded_peak_rss_growth_mb_per_rank": [mb(s[0]) for s in sharded], "ratio_per_rank": ratios,
+        "held_mb_per_rank": [mb(s[1]) for s in sharded]},
+        command="python -m pytest -q -s tests/test_loading.py -k half_the_memory")
+    assert all(s[1] == f[1] for s, f in zip(sharded, full))
+    assert all(r < 0.75 for r in ratios), ratios        # about half (measured ratio in the print line)
+
+
+def test_run_info_records_loading_and_host_rss(backend_runs):
+    """No launch of its own: the data-parallel runs of the parity suite (tests/conftest.py) load the saved base
+    model; plain FSDP2 reads each rank's shards, ZeRO-3 loads partitioned under zero.Init, and run_info.json has
+    every rank's host peak RSS (after loading and at the end)."""
+    for name in ("fsdp2", "zero3", "ddp"):
+        info = read_run_info(backend_runs[name])
+        for key in ("host_peak_rss_bytes_per_rank", "host_peak_rss_after_load_bytes_per_rank"):
+            assert len(info[key]) == 2 and all(isinstance(v, int) and v > 0 for v in info[key]), (name, key, info[key])
+        assert all(e >= a for e, a in zip(info["host_peak_rss_bytes_per_rank"],
+                                          info["host_peak_rss_after_load_bytes_per_rank"])), name
+    assert read_run_info(backend_runs["fsdp2"])["loading"]["mode"] == "fsdp2"
+    zero3 = read_run_info(backend_runs["zero3"])["loading"]
+    assert zero3["mode"] == "full" and zero3["partitioned_at_load"] is True, zero3
+    assert read_run_info(backend_runs["ddp"])["loading"]["mode"] == "full"

@@ -47,17 +47,20 @@ class AccelerateBackend(Backend):
     def _prepare_meta_fsdp2(self, model) -> None:
         """Accelerate's cpu_ram_efficient_loading path (fully_shard on meta, then a sharded state dict assigned,
         non-persistent buffers re-registered, weights re-tied), with its rank-0 load + broadcast replaced by
-        hfpar.loading's reader: every rank reads only its own dim-0 shards from the files. The optimizer is built
-        after the wrap: Accelerate maps optimizer params to FSDP2's by data_ptr, which is 0 for every meta tensor."""
+        hfpar.loading's reader: every rank reads only its own dim-0 shards from the files."""
         # here, not at the top: the backends are imported by the preflight, which a refusal must pass quickly
         from hfpar.loading import fsdp2_loader  # noqa: PLC0415
 
         plugin = self.acc.state.fsdp_plugin
+        # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which
+        # is 0 for every meta tensor: its groups are rebuilt from the wrapped model (same order: same module tree)
+        self.base_optimizer = build_optimizer(model, self.args)
         with swapped(plugin, "cpu_ram_efficient_loading", True), \
                 swapped(fsdp_utils, "fsdp2_load_full_state_dict", fsdp2_loader(self.checkpoint_index)):
-            self.model = self.acc.prepare(model)
-        self.base_optimizer = build_optimizer(self.model, self.args)
-        self.optimizer = self.acc.prepare(self.base_optimizer)
+            self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
+        real = build_optimizer(self.model, self.args)
+        self.base_optimizer.param_groups[:] = real.param_groups
+        self.base_optimizer.defaults = real.defaults
 
     def clip(self, max_norm: float) -> float:
         return accelerate_clip(self.acc, self.model, max_norm)
