@@ -110,11 +110,16 @@ def grad_bytes(optimizer=None) -> int:
     return sum(_GRAD_BYTES.get(id(_base_optimizer(optimizer)), {}).values())
 
 
+def host_peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (host memory, whatever the device; ru_maxrss is KiB on
+    Linux). Includes file pages mapped while reading safetensors (hfpar.loading closes each file when done)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    # CPU: peak resident set size of this process (ru_maxrss is KiB on Linux)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return host_peak_rss_bytes()  # CPU: the process's peak RSS
 
 
 def library_versions() -> dict:

@@ -60,9 +60,11 @@ def apply_moe(model, args, ctx) -> None:
     cfg = model.config
     coef = None if args.upcycle_experts else (
         float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if getattr(cfg, "output_router_logits", False) else 0.0)
-    # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs
+    # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs; a meta skeleton
+    # (hfpar.loading) has no weights to compare across ranks yet: each rank reads its own experts after this
     if dist.is_initialized():
-        apply_expert_parallel(model, ctx, aux_loss_coef=coef)
+        apply_expert_parallel(model, ctx, aux_loss_coef=coef,
+                              check_replicated=not any(p.is_meta for p in model.parameters()))
     else:
         apply_expert_parallel(model, aux_loss_coef=coef)
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like

@@ -70,7 +70,12 @@ def _without_zero3_init():
         yield
 
 
-def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
+def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, strategy: str = "single"):
+    """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
+    sharded / fsdp2 return a meta skeleton that hfpar.loading fills with this rank's slices (after TP / EP, or
+    during the FSDP2 wrap)."""
+    from hfpar import loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
+
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
@@ -79,13 +84,27 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None):
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
         with _without_zero3_init():
-            return cls.from_config(config, **extra)
+            return cls.from_config(config, **extra), {"mode": "embedded", "why": "tiny random-init default"}
     kw = {"num_labels": num_labels} if num_labels is not None else {}
-    # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
-    model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+    load = {"mode": "full", "why": "no context (one process)"}
+    if ctx is not None:
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        mode, why = loading.loading_mode(args, ctx, strategy, config)
+        path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
+        index = loading.checkpoint_index(path)
+        load = {"mode": mode if index else "full", "why": why if index or mode == "full" else "no *.safetensors weights"}
+    if load["mode"] == "full":
+        # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
+        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+        if strategy == "zero3":  # DeepSpeed's zero.Init partitioned each parameter as it was loaded (ds_id set)
+            load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
+    else:
+        with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
+            model = loading.build_skeleton(cls, path, index, config_updates=kw, **extra)
+        load["index"] = index
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    return model
+    return model, load
 
 
 def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False):
@@ -147,12 +166,19 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     if log_with:
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
     strategy = strategy_name(accelerator)
-    model = load_model(args, task, num_labels)
+    model, load = load_model(args, task, num_labels, ctx, strategy)
     try:
         model, extra = parallelize(model, args, ctx, task, strategy)
+        if load["mode"] == "sharded":  # TP / EP applied on the meta skeleton: read this rank's slices
+            from hfpar.loading import load_sharded  # noqa: PLC0415
+
+            load.update(load_sharded(model, load["index"]))
     except ValueError as exc:  # what only the loaded model reveals (LoRA targets, plan mismatches, MoE shapes)
         _fail(str(exc))
-    backend = backend_cls(accelerator, ctx, strategy, args)
+    accelerator.print(f"[hfpar] model loading: {load['mode']} ({load['why']})")
+    extra["loading"] = {k: v for k, v in load.items() if k != "index"}
+    backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == "fsdp2" else {}
+    backend = backend_cls(accelerator, ctx, strategy, args, **backend_kw)
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
                       run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,
                                  **({"cp_mode": ctx.cp_mode} if ctx.cp > 1 else {}), **info, **extra})

@@ -59,8 +59,9 @@ class Trainer:
         self.n_params = M.param_count(model)
         M.track_grad_bytes()  # grads are freed after each step: record their bytes as the optimizer steps
         self.comm = StepCommLog(model) if args.log_comm_bytes else None  # before the backend wraps
-        backend.prepare(model)
+        backend.prepare(model)  # plain FSDP2 from a checkpoint: each rank's shards are read here (hfpar.loading)
         self.model, self.optimizer = backend.model, backend.optimizer
+        self.rss_after_load = M.host_peak_rss_bytes()  # the model is loaded and wrapped on every path by now
         # Stepped by us once per optimizer step (not prepared: Accelerate's wrapper would step it num_processes
         # times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, backend.base_optimizer, num_warmup_steps=warmup,
@@ -101,9 +102,10 @@ class Trainer:
     def write_run_info(self, **final) -> None:
         """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
         opt_bytes = M.optimizer_state_bytes(self.optimizer) + self.backend.extra_state_bytes()
-        local = torch.tensor([M.param_bytes(self.model), opt_bytes,
-                              M.grad_bytes(self.optimizer), M.peak_memory_bytes(self.acc.device)], dtype=torch.float64)
-        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 4).cpu()
+        local = torch.tensor([M.param_bytes(self.model), opt_bytes, M.grad_bytes(self.optimizer),
+                              M.peak_memory_bytes(self.acc.device), self.rss_after_load, M.host_peak_rss_bytes()],
+                             dtype=torch.float64)
+        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 6).cpu()
         info = {
             "strategy": self.backend.strategy,
             "backend": self.backend.name,
@@ -116,6 +118,10 @@ class Trainer:
             "optimizer_state_bytes_per_rank": [int(x) for x in gathered[:, 1]],
             "grad_bytes_per_rank": [int(x) for x in gathered[:, 2]],
             "peak_mem_bytes_per_rank": [int(x) for x in gathered[:, 3]],
+            # host memory of each rank's process: peak RSS once the model was loaded and wrapped, and so far (the
+            # final write: the whole run)
+            "host_peak_rss_after_load_bytes_per_rank": [int(x) for x in gathered[:, 4]],
+            "host_peak_rss_bytes_per_rank": [int(x) for x in gathered[:, 5]],
             "global_batch_size": self.sampler.global_batch,
             "total_steps": self.total_steps,
             **self.run_meta,

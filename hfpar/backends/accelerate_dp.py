@@ -7,6 +7,9 @@ Accelerate wraps, reduces, shards, clips and saves (save_state); hfpar adds noth
 
 from __future__ import annotations
 
+from accelerate.utils import fsdp_utils
+
+from hfpar.distributed import swapped
 from hfpar.optim import build_optimizer
 
 from .base import Backend, accelerate_clip
@@ -16,8 +19,9 @@ class AccelerateBackend(Backend):
     name = "accelerate"
     short = "Accelerate"
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, checkpoint_index: dict | None = None, **kw):
         super().__init__(*a, **kw)
+        self.checkpoint_index = checkpoint_index  # plain FSDP2 from a checkpoint: a meta model comes to prepare
         self.steps_in_backward = self.strategy.startswith("zero")
 
     @classmethod
@@ -34,8 +38,29 @@ class AccelerateBackend(Backend):
         return []
 
     def prepare(self, model) -> None:
+        if self.checkpoint_index is not None and any(p.is_meta for p in model.parameters()):
+            self._prepare_meta_fsdp2(model)
+            return
         self.base_optimizer = build_optimizer(model, self.args)
         self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
+
+    def _prepare_meta_fsdp2(self, model) -> None:
+        """Accelerate's cpu_ram_efficient_loading path (fully_shard on meta, then a sharded state dict assigned,
+        non-persistent buffers re-registered, weights re-tied), with its rank-0 load + broadcast replaced by
+        hfpar.loading's reader: every rank reads only its own dim-0 shards from the files."""
+        # here, not at the top: the backends are imported by the preflight, which a refusal must pass quickly
+        from hfpar.loading import fsdp2_loader  # noqa: PLC0415
+
+        plugin = self.acc.state.fsdp_plugin
+        # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which
+        # is 0 for every meta tensor: its groups are rebuilt from the wrapped model (same order: same module tree)
+        self.base_optimizer = build_optimizer(model, self.args)
+        with swapped(plugin, "cpu_ram_efficient_loading", True), \
+                swapped(fsdp_utils, "fsdp2_load_full_state_dict", fsdp2_loader(self.checkpoint_index)):
+            self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
+        real = build_optimizer(self.model, self.args)
+        self.base_optimizer.param_groups[:] = real.param_groups
+        self.base_optimizer.defaults = real.defaults
 
     def clip(self, max_norm: float) -> float:
         return accelerate_clip(self.acc, self.model, max_norm)
