@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 
 from hfpar.config import ConfigError
+from hfpar.distributed import gathered_state_dict, unwrap
 from hfpar.lora import export_lora
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
 
@@ -152,7 +153,7 @@ def _fsync_tree(root: Path) -> None:
 def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
     """config.json (and the tokenizer, when given) next to the state, so `hfpar export` needs the checkpoint only."""
     for model in accelerator._models[:1]:  # empty for TP / EP runs, which hfpar wraps itself
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(model)
         if hasattr(unwrapped, "get_base_model"):  # PEFT: record the base model's class, not PEFT's wrapper
             unwrapped = unwrapped.get_base_model()
         if hasattr(unwrapped, "config"):
@@ -218,9 +219,9 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str, st
     """Gather FSDP2 / ZeRO-3 shards and write a standard HF checkpoint at the root of output_dir.
     `state_dict`: already-gathered full tensors (tensor-parallel models gather their own shards)."""
     if state_dict is None:
-        state_dict = accelerator.get_state_dict(model)  # collective: full tensors on the main process
+        state_dict = gathered_state_dict(accelerator, model)  # collective: full tensors on the main process
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(model)
         state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
         unwrapped.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
@@ -240,7 +241,7 @@ def export_final(accelerator: Accelerator, backend, tokenizer, args) -> None:
     if not is_upcycled(model):
         export_model(accelerator, backend.model, tokenizer, args.output_dir, state_dict=full)
         return
-    full = accelerator.get_state_dict(backend.model) if full is None else full
+    full = gathered_state_dict(accelerator, backend.model) if full is None else full
     save_upcycled_pretrained(model, args.output_dir, state_dict=full, is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process and tokenizer is not None:
         tokenizer.save_pretrained(args.output_dir)

@@ -20,6 +20,8 @@ import copy
 
 import torch
 
+from hfpar.distributed import gathered_state_dict, unwrap
+
 ADAPTER = "default"
 
 
@@ -93,9 +95,9 @@ def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor
 
 def export_lora(accelerator, model: torch.nn.Module, tokenizer, output_dir: str, merge: bool) -> None:
     """Collective. Write the adapter (or, merge=True, the merged model) at output_dir's root."""
-    full = accelerator.get_state_dict(model)  # collective: full tensors on the main process (FSDP2 / ZeRO-3 gathered)
+    full = gathered_state_dict(accelerator, model)  # collective: full tensors on the main process (FSDP2 / ZeRO-3)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(model)
         full = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         if merge:
             merged = merged_state_model(unwrapped, full)

@@ -2,9 +2,10 @@
 
     python -m pytest -q tests/test_trainer_meta.py
 
-The sft recipe runs 3 steps on one process with spies on hfpar.metrics.library_versions and
-Trainer._train_step; the loop (first step's start to last step's end) must import nothing new outside torch
-(importing deepspeed for its version once cost the first logged step ~0.5 s).
+The sft recipe runs 3 steps on one process, with a checkpoint after step 2, with spies on
+hfpar.metrics.library_versions and Trainer._train_step; the loop (first step's start to last step's end) must
+import nothing new outside torch (importing deepspeed for its version once cost the first logged step ~0.5 s, and
+Accelerate's unwrap_model imported it at the first checkpoint save).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ print("META " + json.dumps({"events": events, "imported_in_loop": new, "deepspee
 def test_run_metadata_is_gathered_before_the_first_step(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", DRIVER, "--output_dir", str(out), "--max_steps", "3",
-                           "--eval_steps", "0", "--save_final_model", "false", "--logging_steps", "1"],
+                           "--eval_steps", "0", "--save_final_model", "false", "--logging_steps", "1", "--save_steps", "2"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads(next(line[5:] for line in proc.stdout.splitlines() if line.startswith("META ")))
