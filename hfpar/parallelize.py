@@ -87,6 +87,16 @@ def chunk_loss(model, args, ctx):
     return args.loss_chunk_size or "auto"
 
 
+def enable_checkpointing(model) -> None:
+    """HF activation checkpointing of every decoder layer (non-reentrant: works with frozen inputs, LoRA, FSDP2).
+    transformers >= 5.24 names it activation_checkpointing_enable (gradient_checkpointing_enable warns there);
+    earlier 5.x releases (e.g. the GPU machine's) have the old name only."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras)."""
     info = {}
@@ -104,7 +114,7 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     if task == "lm":
         info["loss_chunk_size"] = chunk_loss(model, args, ctx)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.config.use_cache = False
     if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
         n_layers, stages = len(decoder_layers(model)), pipeline_stages(args, ctx.pp)
