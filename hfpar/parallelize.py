@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.chunked_loss import chunkable, install_chunked_loss
-from hfpar.lora import apply_lora, trainable_summary
+from hfpar.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
@@ -89,7 +89,7 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     info = {}
     if strategy == "fsdp2":
         fsdp2_wrap_classes(model)
-    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight) and the data-parallel wrap
+    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     if task == "lm":  # before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
@@ -104,9 +104,12 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
-        n_layers = len(decoder_layers(model))
-        bounds = parse_split(args.pp_split, n_layers, ctx.pp) if args.pp_split else balanced_split(model, ctx.pp)
-        model = PipelineStage(model, ctx.pp_rank, bounds)
+        # LoRA: the stage trims PEFT's base model (its layers hold the adapters); the PEFT model names the export
+        peft_model = model if is_peft_model(model) else None
+        hf = model.get_base_model() if peft_model is not None else model
+        n_layers = len(decoder_layers(hf))
+        bounds = parse_split(args.pp_split, n_layers, ctx.pp) if args.pp_split else balanced_split(hf, ctx.pp)
+        model = PipelineStage(hf, ctx.pp_rank, bounds, peft_model=peft_model)
         info.update(pp_schedule=args.pp_schedule, pp_microbatches=microbatches(args),
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
     return model, info

@@ -173,8 +173,6 @@ def pp_feature_problems(args, task: str) -> list[str]:
     p = []
     if task != "lm":
         p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes (sft, clm)")
-    if args.use_peft:
-        p.append(f"--pp_size {args.pp_size} with --use_peft: LoRA with pipeline parallelism is not supported yet")
     m = microbatches(args)
     if args.per_device_train_batch_size % m:
         p.append(f"--pp_microbatches {m} does not divide --per_device_train_batch_size "

@@ -180,10 +180,11 @@ def test_pipeline_refusals(tmp_path):
     assert any("--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x
                for x in lines)
     assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
-    assert any("LoRA with pipeline parallelism is not supported yet" in x for x in lines)
-    for strategy, parallelisms, text in (("fsdp2", ("pp",), "with FSDP2 is not supported yet"),
+    assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
+    for strategy, parallelisms, text in (("fsdp2", ("tp", "pp"), "pipeline x tensor parallelism with FSDP2"),
                                          ("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
-                                         ("ddp", ("tp", "pp"), "together with tensor, expert or context")):
+                                         ("ddp", ("ep", "pp"), "together with expert or context"),
+                                         ("ddp", ("cp", "pp"), "together with expert or context")):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
     assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)

@@ -107,7 +107,8 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ one step
     def _forward(self, mb: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"))
+        return self.model(x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"),
+                          seq_len=mb["input_ids"].shape[1])
 
     def train(self, batch: dict, loss_fn, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         s, last = self.stage.stage_index, self.stage.is_last
