@@ -31,7 +31,7 @@ _EP_CP = "context parallelism together with expert parallelism is not supported 
 _PP_TP_FSDP2 = ("pipeline x tensor parallelism with FSDP2 (pp x dp x tp, 8+ processes) is not supported yet; use "
                 "ddp.yaml, or fsdp2.yaml with --pp_size alone")
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO is not supported (DeepSpeed refuses ZeRO-2/3 with its own "
-            "pipeline; ZeRO-1 not yet); use ddp.yaml")
+            "pipeline; ZeRO-1 not yet); use ddp.yaml, or fsdp2.yaml for sharded stages without --tp_size")
 _PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
