@@ -32,7 +32,7 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
-             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP}
+             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
          "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp")}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
@@ -54,8 +54,8 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            **{(s, "tp+ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
            ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp and fsdp2 configs", "FSDP1 is not supported"],
            **{(s, "pp"): ["pipeline parallelism composes with single, ddp and fsdp2 configs",
-                          "DeepSpeed refuses ZeRO-2/3 with its own pipeline"] for s in ("zero1", "zero2", "zero3")},
-           ("fsdp2", "tp+pp"): ["pipeline x tensor parallelism with FSDP2", "use ddp.yaml"],
+                          "DeepSpeed refuses ZeRO-2/3 with its own pipeline", "or fsdp2.yaml for sharded stages"]
+              for s in ("zero1", "zero2", "zero3")},
            ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
            **{(s, "tp+pp"): ["DeepSpeed refuses ZeRO-2/3 with its own pipeline"] for s in ("zero1", "zero2", "zero3")}}
 

@@ -181,8 +181,9 @@ def test_pipeline_refusals(tmp_path):
                for x in lines)
     assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
     assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
-    for strategy, parallelisms, text in (("fsdp2", ("tp", "pp"), "pipeline x tensor parallelism with FSDP2"),
-                                         ("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
+    for strategy, parallelisms, text in (("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
+                                         ("zero1", ("tp", "pp"), "DeepSpeed refuses ZeRO-2/3"),
+                                         ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
                                          ("ddp", ("ep", "pp"), "together with expert or context"),
                                          ("ddp", ("cp", "pp"), "together with expert or context")):
         with pytest.raises(ConfigError, match=text):

@@ -28,10 +28,8 @@ _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holdin
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
-_PP_TP_FSDP2 = ("pipeline x tensor parallelism with FSDP2 (pp x dp x tp, 8+ processes) is not supported yet; use "
-                "ddp.yaml, or fsdp2.yaml with --pp_size alone")
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO is not supported (DeepSpeed refuses ZeRO-2/3 with its own "
-            "pipeline; ZeRO-1 not yet); use ddp.yaml, or fsdp2.yaml for sharded stages without --tp_size")
+            "pipeline; ZeRO-1 not yet); use ddp.yaml, or fsdp2.yaml for sharded stages")
 _PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
@@ -55,10 +53,10 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
     **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
     **{(s, "tp+ep+cp"): _EP_CP for s in STRATEGIES},
-    # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2; under TP
-    # each stage is tensor-parallel and activations travel between the ranks of the same tp coordinate
+    # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
+    # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
     ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,
-    ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): _PP_TP_FSDP2,
+    ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
     ("fsdp1", "tp+pp"): _FSDP1,
     **{(s, k): _PP_ZERO for s in ("zero1", "zero2", "zero3") for k in ("pp", "tp+pp")},
 }
