@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hfpar.backends import (PARALLELISMS, STRATEGIES, SUPPORT, AccelerateBackend, ModelParallelDDP,
-                            ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP, PipelineFSDP2, select_backend,
+                            ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP, PipelineFSDP2, PipelineZeRO1,
+                            select_backend,
                             support_table_markdown)
 from hfpar.config import ConfigError
 
@@ -32,6 +33,7 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
+             ("zero1", "pp"): PipelineZeRO1,
              ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
          "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp")}
@@ -52,12 +54,13 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
            **{(s, "ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
            **{(s, "tp+ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
-           ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp and fsdp2 configs", "FSDP1 is not supported"],
-           **{(s, "pp"): ["pipeline parallelism composes with single, ddp and fsdp2 configs",
-                          "DeepSpeed refuses ZeRO-2/3 with its own pipeline", "or fsdp2.yaml for sharded stages"]
-              for s in ("zero1", "zero2", "zero3")},
+           ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+                             "FSDP1 is not supported"],
+           **{(s, "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+                          "DeepSpeed refuses them with its own pipeline", "use zero1.yaml"] for s in ("zero2", "zero3")},
            ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
-           **{(s, "tp+pp"): ["DeepSpeed refuses ZeRO-2/3 with its own pipeline"] for s in ("zero1", "zero2", "zero3")}}
+           **{(s, "tp+pp"): ["pipeline x tensor parallelism with DeepSpeed ZeRO", "one model-parallel group"]
+              for s in ("zero1", "zero2", "zero3")}}
 
 
 def test_every_pair_has_an_entry():

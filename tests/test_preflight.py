@@ -181,14 +181,29 @@ def test_pipeline_refusals(tmp_path):
                for x in lines)
     assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
     assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
-    for strategy, parallelisms, text in (("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
-                                         ("zero1", ("tp", "pp"), "DeepSpeed refuses ZeRO-2/3"),
+    for strategy, parallelisms, text in (("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
+                                         ("zero1", ("tp", "pp"), "one model-parallel group"),
                                          ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
                                          ("ddp", ("ep", "pp"), "together with expert or context"),
                                          ("ddp", ("cp", "pp"), "together with expert or context")):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
     assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
+
+
+def test_pipeline_zero1_refuses_mixed_precision_and_skipping():
+    """PP x ZeRO-1 runs fp32 only (DeepSpeed's bf16 / fp16 optimizers take grads in its engine's backward, which the
+    schedule bypasses) and steps before the trainer sees the norm: one line each, naming the value and the way out."""
+    from hfpar.backends import PipelineZeRO1, select_backend
+
+    ctx = ParallelContext.plan(4, pp=2)
+    assert select_backend("zero1", ("pp",), {"pp": 2}) is PipelineZeRO1
+    assert PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", "no") == []
+    for mp in ("bf16", "fp16"):
+        (line,) = PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", mp)
+        assert line.startswith(f"--pp_size 2 with zero1 and {mp}: ") and "--mixed_precision no" in line
+    (line,) = PipelineZeRO1.check(_args("--pp_size", "2", "--on_nonfinite", "skip"), ctx, "zero1", "no")
+    assert line.startswith("--on_nonfinite skip with zero1: ") and "--on_nonfinite error" in line
 
 
 def test_pipeline_schedules_listed_once():
