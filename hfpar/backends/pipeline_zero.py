@@ -73,11 +73,8 @@ class PipelineZeRO1(PipelineDDP):
         self.model.optimizer.zero_grad(set_to_none=True)
         self.model.set_gradient_accumulation_boundary(False)
 
-    def _rank_file(self, ckpt_dir):
-        raise NotImplementedError  # DeepSpeed's checkpoint holds each stage's weights and optimizer partitions
-
     def save_rank_state(self, ckpt_dir) -> None:
-        pass
+        pass  # Accelerate's save_state writes DeepSpeed's checkpoint: each stage's weights and optimizer partitions
 
     def load_rank_state(self, ckpt_dir) -> None:
         pass
