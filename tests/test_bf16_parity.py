@@ -32,6 +32,8 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags,
     "tp2": ("ddp", 2, "4", ["--tp_size", "2"], "single"),
     "cp2": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"], "single"),
     "pp2": ("ddp", 2, "4", ["--pp_size", "2"], "single"),
+    # autocast around each micro-batch's forward only: FSDP2's re-gathered weights must not share one autocast cache
+    "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single"),
     "single_moe": ("single", 1, "4", MOE, None),
     "ep2": ("ddp", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
 }

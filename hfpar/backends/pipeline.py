@@ -43,16 +43,16 @@ class PipelineDDP(ModelParallelBackend):
         # every rank joins the collective group creation; the first and last stage of each pipeline get theirs
         self.tied_group = tied_embedding_group(self.ctx.rank_lists("pp")) if model.ties_embeddings else None
         self.runner = PipelineRunner(model, self.ctx.pp_peers, self.args.pp_schedule, microbatches(self.args),
-                                     group=self.ctx.pp_group)
+                                     group=self.ctx.pp_group, autocast=self.autocast)
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
-        with scope, self.autocast():
+        with scope:  # the runner autocasts each forward
             loss_sum, _ = self.runner.train(batch, loss_fn, scale)
         return loss_sum
 
     def eval_loss(self, batch: dict, scope, loss_fn, task: str = "lm"):
-        with scope, self.autocast():
+        with scope:
             loss_sum, n = self.runner.evaluate(batch, loss_fn)
         return loss_sum, n, None
 

@@ -18,6 +18,7 @@ receives blocking, which the two schedules' orders keep free of deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -60,10 +61,14 @@ def split_microbatches(batch: dict, m: int) -> list[dict]:
 
 class PipelineRunner:
     def __init__(self, stage, peers: list[int], schedule: str = "1f1b", microbatches: int = 1, model=None,
-                 group=None):
+                 group=None, autocast=None):
         """stage: this rank's PipelineStage; model: what to call for the forward (the stage or a wrapper of it);
-        peers: global rank of every stage of this rank's pipeline; group: the pipeline process group."""
+        peers: global rank of every stage of this rank's pipeline; group: the pipeline process group; autocast: a
+        context-manager factory around each forward and its loss only (mixed precision). Not around the whole
+        schedule: its backwards would run under autocast, whose weight-cast cache then outlives the micro-batches,
+        which FSDP2's unsharded parameters (re-gathered per forward and backward) must not share."""
         self.stage, self.model = stage, model if model is not None else stage
+        self.autocast = autocast or contextlib.nullcontext
         self.peers, self.group = peers, group
         self.schedule, self.m = schedule, microbatches
         self.order = schedule_order(schedule, stage.stage_index, stage.num_stages, microbatches)
@@ -119,9 +124,11 @@ class PipelineRunner:
             mb = mbs[i]
             if kind == "F":
                 x = mb["input_ids"] if self.stage.is_first else self._recv(s - 1).requires_grad_()
-                out = self._forward(mb, x)
+                with self.autocast():
+                    out = self._forward(mb, x)
+                    if last:
+                        loss_sum, n = loss_fn(out, mb["labels"])
                 if last:
-                    loss_sum, n = loss_fn(out, mb["labels"])
                     total += torch.stack([loss_sum.detach().double(), n.double()])
                     out = loss_sum * scale
                 else:
@@ -146,9 +153,11 @@ class PipelineRunner:
         total = torch.zeros(2, dtype=torch.float64, device=self._device())
         for mb in split_microbatches(batch, self.m if batch["input_ids"].shape[0] % self.m == 0 else 1):
             x = mb["input_ids"] if self.stage.is_first else self._recv(s - 1)
-            out = self._forward(mb, x)
+            with self.autocast():
+                out = self._forward(mb, x)
+                if self.stage.is_last:
+                    loss_sum, n = loss_fn(out, mb["labels"])
             if self.stage.is_last:
-                loss_sum, n = loss_fn(out, mb["labels"])
                 total += torch.stack([loss_sum.double(), n.double()])
             else:
                 self._send(out, s + 1)
