@@ -234,7 +234,8 @@ def export_final(accelerator: Accelerator, backend, tokenizer, args) -> None:
     gathers its shards (TP, EP, FSDP2 x TP) or leaves it to Accelerate (FSDP2 / ZeRO-3 gathered there);
     LoRA writes the adapter (or the merged model); an upcycled model is written as its HF MoE architecture."""
     if args.use_peft:
-        export_lora(accelerator, backend.model, tokenizer, args.output_dir, merge=args.merge_adapter)
+        export_lora(accelerator, backend.model, tokenizer, args.output_dir, merge=args.merge_adapter,
+                    state_dict=backend.full_state_dict(), peft_model=backend.hf_model())
         return
     full = backend.full_state_dict()
     model = backend.unwrapped()

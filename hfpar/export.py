@@ -47,8 +47,12 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
-    # per-rank shards first: a TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`, whose state holds
-    # rank 0's shards only
+    # pipeline stages and per-rank shards first: a PP / TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`,
+    # whose state holds one stage's / rank 0's parameters only
+    pp = ckpt_mod.read_trainer_state(ckpt).get("pp", 1) if (ckpt / ckpt_mod.STATE_FILE).is_file() else 1
+    if pp > 1:
+        raise ExportError(f"{ckpt} holds the {pp} stages of a pipeline-parallel run, which export cannot merge offline "
+                          "yet: use the final model at the run's --output_dir, or resume the run with the same sizes")
     if ckpt_mod.has_rank_shards(ckpt):
         raise ExportError(f"{ckpt} holds per-rank tensor/expert-parallel shards, which export cannot gather offline yet: "
                           "use the final model at the run's --output_dir, or resume the run with the same sizes")

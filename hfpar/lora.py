@@ -73,10 +73,10 @@ def _hf_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if c.__module__.startswith("transformers"))
 
 
-def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A CPU copy of `peft_model` holding the tensors of `full` (its full state dict), merged:
-    W + B @ A * alpha / r in every LoRA layer, trained heads in place. Built on the meta device and
-    filled by assignment, so no extra copy of the weights is made (the tensors of `full` are merged in place)."""
+def full_peft_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of `peft_model` holding the tensors of `full` (its full state dict, every layer: a pipeline
+    stage's PEFT model holds its own layers only). Built on the meta device and filled by assignment, so no
+    extra copy of the weights is made."""
     from peft import get_peft_model
 
     base = peft_model.get_base_model()
@@ -87,21 +87,32 @@ def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor
     shell.get_base_model().tie_weights()  # tied embeddings: one tensor again, even if full named it once
     still_meta = [n for n, t in shell.state_dict().items() if t.is_meta]
     if unexpected or still_meta:
-        raise RuntimeError(f"merged export: state dict does not fit the model (unexpected {unexpected[:3]}, "
+        raise RuntimeError(f"LoRA export: state dict does not fit the model (unexpected {unexpected[:3]}, "
                            f"missing {still_meta[:3]})")
+    return shell
+
+
+def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """full_peft_model, merged: W + B @ A * alpha / r in every LoRA layer, trained heads in place (the tensors
+    of `full` are merged in place)."""
     with torch.no_grad():
-        return shell.merge_and_unload()
+        return full_peft_model(peft_model, full).merge_and_unload()
 
 
-def export_lora(accelerator, model: torch.nn.Module, tokenizer, output_dir: str, merge: bool) -> None:
-    """Collective. Write the adapter (or, merge=True, the merged model) at output_dir's root."""
-    full = gathered_state_dict(accelerator, model)  # collective: full tensors on the main process (FSDP2 / ZeRO-3)
+def export_lora(accelerator, model: torch.nn.Module, tokenizer, output_dir: str, merge: bool,
+                state_dict: dict | None = None, peft_model: torch.nn.Module | None = None) -> None:
+    """Collective. Write the adapter (or, merge=True, the merged model) at output_dir's root. state_dict: full
+    tensors a backend already gathered (the pipeline's stages merged), under peft_model's names."""
+    # collective: full tensors on the main process (FSDP2 / ZeRO-3 gathered)
+    full = gathered_state_dict(accelerator, model) if state_dict is None else state_dict
     if accelerator.is_main_process:
-        unwrapped = unwrap(model)
+        unwrapped = unwrap(model) if peft_model is None else peft_model
         full = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         if merge:
             merged = merged_state_model(unwrapped, full)
             merged.save_pretrained(output_dir, safe_serialization=True)
+        elif peft_model is not None:  # PEFT picks the adapter's entries by walking the model: a complete one
+            full_peft_model(unwrapped, full).save_pretrained(output_dir, safe_serialization=True)
         else:
             unwrapped.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
         if tokenizer is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.chunked_loss import chunkable, install_chunked_loss
-from hfpar.lora import apply_lora, trainable_summary
+from hfpar.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
@@ -102,7 +102,7 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
     info = {}
     if strategy == "fsdp2":
         fsdp2_wrap_classes(model)
-    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight) and the data-parallel wrap
+    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     if task == "lm":  # before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
@@ -117,13 +117,16 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         enable_checkpointing(model)
         model.config.use_cache = False
     if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
-        n_layers, stages = len(decoder_layers(model)), pipeline_stages(args, ctx.pp)
-        bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(model, stages)
+        # LoRA: the stage trims PEFT's base model (its layers hold the adapters); the PEFT model names the export
+        peft_model = model if is_peft_model(model) else None
+        hf = model.get_base_model() if peft_model is not None else model
+        n_layers, stages = len(decoder_layers(hf)), pipeline_stages(args, ctx.pp)
+        bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(hf, stages)
         info.update(pp_schedule=args.pp_schedule, pp_microbatches=microbatches(args),
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
         if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
-            model = PipelineChunks(model, ctx.pp_rank, ctx.pp, bounds)
+            model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds)   # LoRA / TP / FSDP2 / ZeRO-1: refused (preflight)
             info.update(pp_virtual_stages=stages // ctx.pp, pp_stage_layers=chunk_layers(bounds, ctx.pp))
         else:
-            model = PipelineStage(model, ctx.pp_rank, bounds)
+            model = PipelineStage(hf, ctx.pp_rank, bounds, peft_model=peft_model)
     return model, info

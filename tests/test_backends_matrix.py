@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hfpar.backends import (PARALLELISMS, STRATEGIES, SUPPORT, AccelerateBackend, ModelParallelDDP,
-                            ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP, select_backend,
+                            ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP, PipelineFSDP2, PipelineZeRO1,
+                            select_backend,
                             support_table_markdown)
 from hfpar.config import ConfigError
 
@@ -24,16 +25,18 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
-# test_cp_parity (cp, tp+cp), test_pp_parity (pp)
+# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
              **{(s, "ep"): cls for s, cls in _MP.items()},
              **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
-             ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP}
+             ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
+             ("zero1", "pp"): PipelineZeRO1,
+             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
-         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",)}
+         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp")}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
 REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
@@ -51,9 +54,13 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
            **{(s, "ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
            **{(s, "tp+ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
-           ("fsdp2", "pp"): ["pipeline parallelism composes with single and ddp configs", "FSDP2 is not supported yet"],
-           ("fsdp1", "pp"): ["FSDP1 is not supported"],
-           **{(s, "pp"): ["DeepSpeed refuses ZeRO-2/3 with its own pipeline"] for s in ("zero1", "zero2", "zero3")}}
+           ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+                             "FSDP1 is not supported"],
+           **{(s, "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+                          "DeepSpeed refuses them with its own pipeline", "use zero1.yaml"] for s in ("zero2", "zero3")},
+           ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
+           **{(s, "tp+pp"): ["pipeline x tensor parallelism with DeepSpeed ZeRO", "one model-parallel group"]
+              for s in ("zero1", "zero2", "zero3")}}
 
 
 def test_every_pair_has_an_entry():

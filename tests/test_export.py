@@ -47,6 +47,18 @@ def test_model_parallel_zero_shards_are_refused_before_deepspeed(tmp_path, capsy
     assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
 
 
+def test_pipeline_stages_are_refused_before_deepspeed(tmp_path, capsys):
+    """PP x ZeRO-1: DeepSpeed's checkpoint holds one model-state file per stage, which zero_to_fp32 cannot merge."""
+    import json
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("pytorch_model")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2, "pp": 2, "strategy": "zero1"}))
+    err = export_error(capsys, ckpt, tmp_path / "out")
+    assert "the 2 stages of a pipeline-parallel run" in err and "final model" in err
+
+
 def test_checkpoint_without_config(tmp_path, capsys):
     from safetensors.torch import save_file
 

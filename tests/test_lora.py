@@ -9,7 +9,8 @@ all linear layers with --lora_dropout 0 (dropout masks depend on how the batch i
 Each matches single per step (loss, grad_norm) and in the exported adapter within 1e-4 relative; each
 adapter loads with `PeftModel.from_pretrained`. An fsdp2 run with --merge_adapter exports a plain HF model
 whose weights differ from the base by the single run's B @ A * alpha / r only (so only LoRA params were
-trained) and whose logits equal the single run's merged model. The ddp run also reports to
+trained) and whose logits equal the single run's merged model; so does a --pp_size 2 run (2 stages, dp 1),
+which also matches single per step. The ddp run also reports to
 tensorboard, and resuming it from checkpoint-4 reproduces steps 5..8. Launches share one fixture, two
 at a time.
 """
@@ -37,7 +38,7 @@ LORA = [*COMMON, "--use_peft", "--lora_dropout", "0"]
 STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
-MERGED = ["fsdp2_merged"]
+MERGED = ["fsdp2_merged", "pp2_merged"]
 RECORD_CMD = "python -m pytest -q tests/test_lora.py"  # writes benchmarks/results/lora_parity_cpu.json (README)
 # name -> (accelerate config, processes, recipe, extra args)
 RUNS = {
@@ -49,6 +50,8 @@ RUNS = {
     "fsdp2_merged": ("fsdp2", 2, "sft", ["--merge_adapter"]),
     "classify": ("single", 1, "classify", ["--max_steps", "4"]),
     "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
+    # two pipeline stages (dp 1: global batch 8), each holding its layers' adapters; the stages merged at export
+    "pp2_merged": ("ddp", 2, "sft", ["--pp_size", "2", "--per_device_train_batch_size", "4", "--merge_adapter"]),
 }
 
 

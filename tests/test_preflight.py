@@ -180,13 +180,30 @@ def test_pipeline_refusals(tmp_path):
     assert any("--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x
                for x in lines)
     assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
-    assert any("LoRA with pipeline parallelism is not supported yet" in x for x in lines)
-    for strategy, parallelisms, text in (("fsdp2", ("pp",), "with FSDP2 is not supported yet"),
-                                         ("zero1", ("pp",), "DeepSpeed refuses ZeRO-2/3"),
-                                         ("ddp", ("tp", "pp"), "together with tensor, expert or context")):
+    assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
+    for strategy, parallelisms, text in (("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
+                                         ("zero1", ("tp", "pp"), "one model-parallel group"),
+                                         ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
+                                         ("ddp", ("ep", "pp"), "together with expert or context"),
+                                         ("ddp", ("cp", "pp"), "together with expert or context")):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
     assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
+
+
+def test_pipeline_zero1_refuses_mixed_precision_and_skipping():
+    """PP x ZeRO-1 runs fp32 only (DeepSpeed's bf16 / fp16 optimizers take grads in its engine's backward, which the
+    schedule bypasses) and steps before the trainer sees the norm: one line each, naming the value and the way out."""
+    from hfpar.backends import PipelineZeRO1, select_backend
+
+    ctx = ParallelContext.plan(4, pp=2)
+    assert select_backend("zero1", ("pp",), {"pp": 2}) is PipelineZeRO1
+    assert PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", "no") == []
+    for mp in ("bf16", "fp16"):
+        (line,) = PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", mp)
+        assert line.startswith(f"--pp_size 2 with zero1 and {mp}: ") and "--mixed_precision no" in line
+    (line,) = PipelineZeRO1.check(_args("--pp_size", "2", "--on_nonfinite", "skip"), ctx, "zero1", "no")
+    assert line.startswith("--on_nonfinite skip with zero1: ") and "--on_nonfinite error" in line
 
 
 def test_pipeline_schedules_listed_once():
@@ -224,6 +241,17 @@ def test_interleaved_pipeline_refusals():
     assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
                    "valid: a batch that is a multiple of 2"]
     assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
+    # the chunks compose with single / ddp configs only for now: TP, LoRA, FSDP2 and ZeRO-1 refused in one line each
+    both = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--tp_size", "2", "--use_peft"), "lm")
+    assert both == ["--pp_schedule interleaved_1f1b with --tp_size and --use_peft: not supported yet; use --pp_schedule "
+                    "1f1b (which composes with them) or drop the option"]
+    from hfpar.backends import PipelineFSDP2, PipelineZeRO1, select_backend
+    assert select_backend("fsdp2", ("pp",), {"pp": 2}) is PipelineFSDP2
+    for cls, strategy in ((PipelineFSDP2, "fsdp2"), (PipelineZeRO1, "zero1")):
+        assert cls.check(_args("--pp_size", "2", *inter), ParallelContext.plan(4, pp=2), strategy, "no") == [
+            f"--pp_schedule interleaved_1f1b with {strategy}: not supported yet (its chunks run with single and ddp "
+            "configs); use --pp_schedule 1f1b, or ddp.yaml"]
+        assert cls.check(_args("--pp_size", "2"), ParallelContext.plan(4, pp=2), strategy, "no") == []
 
 
 def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):

@@ -17,10 +17,11 @@ from .base import Backend, ModelParallelBackend
 from .mp_ddp import ModelParallelDDP
 from .mp_deepspeed import ModelParallelDeepSpeed
 from .mp_fsdp2 import ModelParallelFSDP2
-from .pipeline import PipelineDDP
+from .pipeline import PipelineDDP, PipelineFSDP2
+from .pipeline_zero import PipelineZeRO1
 
 STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "fsdp1")
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp")
 
 _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
 _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
@@ -28,10 +29,12 @@ _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holdin
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
-_PP_FSDP2 = "pipeline parallelism with FSDP2 is not supported yet; use ddp.yaml"
-_PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO is not supported (DeepSpeed refuses ZeRO-2/3 with its own "
-            "pipeline; ZeRO-1 not yet); use ddp.yaml")
-_PP_WITH = "pipeline parallelism together with tensor, expert or context parallelism is not supported yet"
+_PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
+            "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
+_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
+               "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
+               "ddp.yaml or fsdp2.yaml")
+_PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
@@ -54,10 +57,13 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
     **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
     **{(s, "tp+ep+cp"): _EP_CP for s in STRATEGIES},
-    # pipeline parallelism: each rank one stage, hfpar reduces each stage's grads over its dp group
-    ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP,
-    ("fsdp2", "pp"): _PP_FSDP2, ("fsdp1", "pp"): _FSDP1,
-    **{(s, "pp"): _PP_ZERO for s in ("zero1", "zero2", "zero3")},
+    # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
+    # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
+    ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,
+    ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
+    ("fsdp1", "tp+pp"): _FSDP1,
+    ("zero1", "pp"): PipelineZeRO1, ("zero2", "pp"): _PP_ZERO, ("zero3", "pp"): _PP_ZERO,
+    **{(s, "tp+pp"): _PP_TP_ZERO for s in ("zero1", "zero2", "zero3")},
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
@@ -99,4 +105,5 @@ def support_table_markdown() -> str:
 
 __all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
            "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed", "PipelineDDP"]
+           "ModelParallelDeepSpeed", "PipelineDDP", "PipelineFSDP2",
+           "PipelineZeRO1"]

@@ -80,6 +80,10 @@ class Backend:
     def unwrapped(self) -> torch.nn.Module:
         return self.model.module if hasattr(self.model, "module") else self.model
 
+    def hf_model(self) -> torch.nn.Module | None:
+        """The model whose save_pretrained writes the export (None: Accelerate's unwrapped model)."""
+        return None
+
     def save_rank_state(self, ckpt_dir: Path) -> None:
         """State Accelerate's save_state does not hold (per-rank shards); collective-free."""
 

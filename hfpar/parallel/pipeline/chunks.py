@@ -59,6 +59,8 @@ class PipelineChunks(nn.Module):
         self.ties_embeddings = self.chunks[0].ties_embeddings
         self.full_config = model.config
 
+    peft_model = None   # LoRA with interleaved chunks is refused by the preflight
+
     def forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
         return self.chunks[chunk](x, **kwargs)
 

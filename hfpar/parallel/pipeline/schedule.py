@@ -24,6 +24,7 @@ in the same order on both ends (tests/test_pp_stages.py replays the orders of p 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -97,11 +98,15 @@ def split_microbatches(batch: dict, m: int) -> list[dict]:
 
 class PipelineRunner:
     def __init__(self, stage, peers: list[int], schedule: str = "1f1b", microbatches: int = 1, model=None,
-                 group=None):
+                 group=None, autocast=None):
         """stage: this rank's PipelineStage, or PipelineChunks (interleaved_1f1b); model: what to call for the
         forward of a single stage (the stage or a wrapper of it); peers: global rank of every stage of this rank's
-        pipeline; group: the pipeline process group."""
+        pipeline; group: the pipeline process group; autocast: a context-manager factory around each forward and
+        its loss only (mixed precision). Not around the whole schedule: its backwards would run under autocast,
+        whose weight-cast cache then outlives the micro-batches, which FSDP2's unsharded parameters (re-gathered
+        per forward and backward) must not share."""
         self.stage, self.peers, self.group = stage, peers, group
+        self.autocast = autocast or contextlib.nullcontext
         self.chunks = list(getattr(stage, "chunks", [stage]))   # chunk c of rank r: virtual stage c x p + r
         self.models = [model if model is not None else stage] if len(self.chunks) == 1 else self.chunks
         if schedule == "interleaved_1f1b" and len(self.chunks) < 2:
@@ -153,7 +158,8 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ one step
     def _forward(self, c: int, mb: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.models[c](x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"))
+        return self.models[c](x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"),
+                              seq_len=mb["input_ids"].shape[1])
 
     def train(self, batch: dict, loss_fn, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         mbs = split_microbatches(batch, self.m)
@@ -164,9 +170,11 @@ class PipelineRunner:
             v = chunk.stage_index   # virtual stage (the stage itself unless interleaved)
             if kind == "F":
                 x = mb["input_ids"] if chunk.is_first else self._recv(v - 1).requires_grad_()
-                out = self._forward(c, mb, x)   # (b, T, H) hidden states, or (b, T, vocab) logits on the last
+                with self.autocast():
+                    out = self._forward(c, mb, x)   # (b, T, H) hidden states, or (b, T, vocab) logits on the last
+                    if chunk.is_last:
+                        loss_sum, n = loss_fn(out, mb["labels"])
                 if chunk.is_last:
-                    loss_sum, n = loss_fn(out, mb["labels"])
                     total += torch.stack([loss_sum.detach().double(), n.double()])
                     out = loss_sum * scale
                 else:
@@ -195,9 +203,11 @@ class PipelineRunner:
             v = chunk.stage_index
             for mb in mbs:
                 x = mb["input_ids"] if chunk.is_first else self._recv(v - 1)
-                out = self._forward(c, mb, x)
+                with self.autocast():
+                    out = self._forward(c, mb, x)
+                    if chunk.is_last:
+                        loss_sum, n = loss_fn(out, mb["labels"])
                 if chunk.is_last:
-                    loss_sum, n = loss_fn(out, mb["labels"])
                     total += torch.stack([loss_sum.double(), n.double()])
                 else:
                     self._send(out, v + 1)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hfpar.parallel.sharding import local_tensor
+
 
 def tied_embedding_group(pipelines: list[list[int]]):
     """Collective (every rank, the same pipelines in the same order): one process group per pipeline joining its
@@ -110,7 +112,7 @@ def parse_split(text: str, num_layers: int, pp: int) -> list[int]:
 class PipelineStage(nn.Module):
     """The stage `stage_index` of `model` (trimmed in place; keep no other reference to the full model)."""
 
-    def __init__(self, model: nn.Module, stage_index: int, bounds: list[int]):
+    def __init__(self, model: nn.Module, stage_index: int, bounds: list[int], peft_model: nn.Module | None = None):
         super().__init__()
         layers = decoder_layers(model)
         self.stage_index, self.num_stages = stage_index, len(bounds) - 1
@@ -123,8 +125,7 @@ class PipelineStage(nn.Module):
         # (each a copy, equal at load); their grads are summed over the two (tied_embedding_group) before the step
         self.ties_embeddings = self.num_stages > 1 and model.get_output_embeddings() is not None and \
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        held = self.ties_embeddings and (self.is_first or self.is_last)
-        self._tied = [model.get_input_embeddings().weight] if held else []   # a list: not a second registration
+        self._holds_tied = self.ties_embeddings and (self.is_first or self.is_last)
         base.layers = nn.ModuleList(list(layers)[self.start:self.stop])
         # the base model loops over config.num_hidden_layers and may index per-layer config lists by position
         cfg = copy.copy(base.config)
@@ -134,12 +135,33 @@ class PipelineStage(nn.Module):
         base.config = cfg
         if not self.is_first:
             base.embed_tokens = None
-            base.layers[0].register_forward_pre_hook(self._take_received, with_kwargs=True)
         if not self.is_last:
             base.norm = nn.Identity()
             model.lm_head = None
         self.lm = model
         self._received = None
+        self._peft = [peft_model] if peft_model is not None else []   # a list: not a registered submodule
+        self._hook = None
+        if not self.is_first:
+            self.hook_first_layer()
+
+    @property
+    def peft_model(self):
+        """The PEFT model (LoRA) whose base model this stage trims, or None."""
+        return self._peft[0] if self._peft else None
+
+    def hook_first_layer(self) -> None:
+        """(Re)register the pre-hook feeding the received hidden states to the first layer, ahead of any other
+        pre-hook: a data-parallel wrapper (FSDP2) registered later must see those states, not the placeholder
+        inputs, to hang its backward hooks on them."""
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = _base(self.lm).layers[0].register_forward_pre_hook(self._take_received, with_kwargs=True,
+                                                                         prepend=True)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head (last stage; vocab-parallel under TP, which selects the loss), else None."""
+        return self.lm.get_output_embeddings() if self.is_last else None
 
     def _take_received(self, module, args, kwargs):
         """First layer of a later stage: its hidden states are the ones received from the previous stage."""
@@ -148,9 +170,14 @@ class PipelineStage(nn.Module):
         return args, {**kwargs, "hidden_states": self._received}
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """seq_len: the micro-batch's full length T. Under sequence parallelism the received states are this TP
+        rank's part of the sequence (B, T/tp, H); the base model then gets a stand-in of the full shape, so that
+        its masks and cache positions cover T (the first layer takes the received part through the pre-hook)."""
         kw = dict(position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        if not self.is_first and seq_len is not None and x.shape[1] != seq_len:
+            inputs["inputs_embeds"] = x.new_zeros(()).expand(x.shape[0], seq_len, *x.shape[2:])
         self._received = None if self.is_first else x
         if self.is_last:
             return self.lm(**inputs, **kw).logits
@@ -168,17 +195,21 @@ class PipelineStage(nn.Module):
 
     @property
     def tied(self) -> nn.Parameter | None:
-        """The tied embedding weight this stage holds (first: embedding, last: LM head), or None."""
-        return self._tied[0] if self._tied else None
+        """The tied embedding weight this stage holds (first: embedding, last: LM head), or None. Looked up each
+        time: a data-parallel wrapper (FSDP2) replaces the Parameter objects."""
+        if not self._holds_tied:
+            return None
+        return (self.lm.get_input_embeddings() if self.is_first else self.lm.lm_head).weight
 
     def sync_tied_grads(self, group) -> None:
         """Collective over `group` (tied_embedding_group; first and last stage only): the tied embedding's grad
         becomes the sum of its embedding and LM-head parts, as in the unsplit model."""
         if self.tied is None:
             return
-        if self.tied.grad is None:
-            self.tied.grad = torch.zeros_like(self.tied)
-        dist.all_reduce(self.tied.grad, group=group)
+        tied = self.tied
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
+        dist.all_reduce(local_tensor(tied.grad), group=group)   # FSDP2: both ends hold the same dp shard of it
 
     def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
         """Write the full model in HF format from the merged state dict of every stage: saved through a model of
@@ -191,4 +222,6 @@ class PipelineStage(nn.Module):
     def hf_name(self, name: str) -> str:
         """A state-dict name of this stage -> the full model's name (layer indices made global)."""
         name = name[len("lm."):] if name.startswith("lm.") else name
+        if self.peft_model is not None:  # the PEFT model's names: its LoRA model wraps the trimmed base model
+            name = "base_model.model." + name
         return re.sub(r"(^|\.)layers\.(\d+)\.", lambda m: f"{m.group(1)}layers.{int(m.group(2)) + self.start}.", name, count=1)
