@@ -111,7 +111,9 @@ class _Sources:
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         by_pattern = {p: c for c in converters for p in c.source_patterns}
-        names = dict.fromkeys(model.state_dict(keep_vars=True))
+        # name -> tensor: transformers adds / strips base_model_prefix (a BertModel checkpoint into a
+        # BertForSequenceClassification) only where the name maps to a tensor (a None value reads as absent)
+        names = model.state_dict(keep_vars=True)
         prefix = getattr(model, "base_model_prefix", None)
         self.direct: dict[str, str] = {}
         self.converted: dict[str, tuple] = {}

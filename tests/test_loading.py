@@ -170,3 +170,27 @@ def test_run_info_records_loading_and_host_rss(backend_runs):
     zero3 = read_run_info(backend_runs["zero3"])["loading"]
     assert zero3["mode"] == "full" and zero3["partitioned_at_load"] is True, zero3
     assert read_run_info(backend_runs["ddp"])["loading"]["mode"] == "full"
+
+
+def test_base_model_checkpoint_into_a_model_with_a_head(tmp_path):
+    """A checkpoint of the base model (BertModel / LlamaModel, e.g. a sentence-transformers encoder) loaded into
+    *ForSequenceClassification: transformers adds base_model_prefix to its keys; so must the sharded reader (it
+    left every encoder weight to random init once: MiniLM under fsdp2.yaml trained at chance). Only the new head is
+    missing, and every other tensor equals from_pretrained's."""
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, LlamaModel
+
+    bases = {"bert": BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, vocab_size=128)),
+             "llama": LlamaModel(LlamaConfig(**SMALL, intermediate_size=128))}
+    for name, base in bases.items():
+        path = tmp_path / name
+        base.save_pretrained(path)
+        got = build_skeleton(AutoModelForSequenceClassification, str(path), checkpoint_index(str(path)),
+                             config_updates={"num_labels": 4})
+        head = "classifier" if name == "bert" else "score"
+        assert got.hfpar_missing_keys == sorted(k for k in (f"{head}.weight", f"{head}.bias") if k in got.state_dict())
+        load_sharded(got, checkpoint_index(str(path)))
+        ref = AutoModelForSequenceClassification.from_pretrained(path, num_labels=4, dtype=torch.float32)
+        for key, value in ref.state_dict().items():
+            if not key.startswith(head):
+                assert torch.equal(got.state_dict()[key], value), f"{name}: {key}"
