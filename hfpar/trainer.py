@@ -196,8 +196,11 @@ class Trainer:
                                                   self.task).double()
         loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        loss_scale = self.backend.loss_scale()  # before step(): the scale this step's backward used
         grad_norm = self.backend.clip(max_norm)
-        bad = not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm))
+        # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
+        overflow = self.backend.overflowed(grad_norm)
+        bad = not overflow and (not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm)))
         if bad and args.on_nonfinite == "error":
             raise NonFiniteError(f"step {step + 1}: non-finite loss {loss} or grad_norm {grad_norm}; stopping before the optimizer step")
         lr = self.scheduler.get_last_lr()[0]
@@ -211,8 +214,10 @@ class Trainer:
         rec = {"step": step + 1, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
-        if bad:
+        if bad or overflow:
             rec["skipped"] = True
+        if loss_scale != 1.0:
+            rec["loss_scale"] = loss_scale
         if self.comm is not None:  # this rank's bytes for the step (rank 0's record is written)
             rec.update(self.comm.record())
         return rec

@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from hfpar import checkpoint as ckpt
+from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, set_shard_spec,
                                      sync_partial_grads)
 
 from .base import ModelParallelBackend
+from .loss_scale import unscale_
 
 
 class PipelineDDP(ModelParallelBackend):
@@ -38,8 +40,10 @@ class PipelineDDP(ModelParallelBackend):
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
+        # fp16: the schedule runs its own backwards, so the loss scale goes into the back-propagated factor
+        set_aux_loss_loss_scale(self.loss_scale())
         with scope, self.autocast():
-            loss_sum, _ = self.runner.train(batch, loss_fn, scale)
+            loss_sum, _ = self.runner.train(batch, loss_fn, scale * self.loss_scale())
         return loss_sum
 
     def eval_loss(self, batch: dict, scope, loss_fn, task: str = "lm"):
@@ -54,6 +58,7 @@ class PipelineDDP(ModelParallelBackend):
         reduce_dp_grads(params)
         if self.tied_group is not None:
             stage.sync_tied_grads(self.tied_group)
+        unscale_(self.scaler, self.optimizer)  # fp16: the true grads before the norm; found-inf over the world
         # a tied embedding is one parameter of the model: its square counted on the first stage only
         sq = grad_sq_norm([p for p in params if not (stage.is_last and p is stage.tied)])
         dist.all_reduce(sq, group=self.ctx.pp_group)   # stages hold disjoint parameters: the squares add up

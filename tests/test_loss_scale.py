@@ -1,0 +1,175 @@
+"""fp16 loss scaling of the model-parallel backends (hfpar/backends/loss_scale.py), in process on 2 gloo ranks.
+
+    python -m pytest -q -p no:cacheprovider tests/test_loss_scale.py
+
+Accelerate builds no GradScaler and no fp16 autocast on CPU (a launch with --mixed_precision fp16 is refused
+there), so the backends' clip / step are driven here with torch's CPU GradScaler standing in for the one
+Accelerate builds on a GPU: grads scaled as acc.backward leaves them, then backend.clip / overflowed / step as the
+trainer calls them. TP over DDP (a TP-sharded weight and a replicated bias) and FSDP2 (DTensor grads).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from accelerate.utils import DistributedType
+
+from hfpar import preflight as pf
+from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParallelFSDP2
+from hfpar.config import ConfigError, parse_args
+from hfpar.context import ParallelContext
+from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
+from hfpar.parallel.sharding import set_shard_spec
+from tests.dist_utils import run_distributed
+
+SCALE = 1024.0
+
+
+def _accelerator():
+    return SimpleNamespace(device=torch.device("cpu"), scaler=torch.amp.GradScaler("cpu", init_scale=SCALE))
+
+
+def _args():
+    return parse_args(["--optim", "adamw_torch", "--learning_rate", "0.01"], recipe="sft")
+
+
+def _g(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _tp_over_ddp(rank: int) -> dict:
+    """weight: this rank's TP shard (rows); bias: replicated. Step 2 overflows in rank 1's bias only: rank 0's
+    grads and even its grad norm stay finite (a replicated grad is counted locally), yet it must skip too."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.copy_(_g(10 + rank, 3, 4))
+    set_shard_spec(model.weight, kind="tp", group=dist.group.WORLD, dim=0, size=2)
+    ref = copy.deepcopy(model)
+    acc = _accelerator()
+    backend = ModelParallelDDP(acc, SimpleNamespace(grad_replicas=1), "ddp", _args())
+    backend.prepare(model)
+    assert isinstance(acc.scaler, ShardedGradScaler) and backend.scaler is acc.scaler  # acc.backward scales by it
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    g_w, g_b = _g(20 + rank, 3, 4), _g(30, 3)  # the unscaled grads; the bias's is the same on every rank
+    true_norm = math.sqrt(sum(_g(20 + r, 3, 4).double().square().sum().item() for r in range(2))
+                          + g_b.double().square().sum().item())
+    max_norm = 0.5 * true_norm  # clipping active
+    out = {"norms": [], "scales": [], "overflow": []}
+    for step, overflow_rank in enumerate((None, 1, None)):
+        loss = (model.weight * g_w).sum() + (model.bias * g_b).sum()  # d loss / d params = (g_w, g_b)
+        acc.scaler.scale(loss).backward()                             # as acc.backward(loss) does under fp16
+        if rank == overflow_rank:
+            model.bias.grad[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        norm = backend.clip(max_norm)
+        out["overflow"].append(backend.overflowed(norm))
+        backend.step(0.01)
+        backend.zero_grad()
+        out["scales"].append(backend.scaler.get_scale())
+        out["norms"].append(norm)
+        if overflow_rank is None:
+            assert abs(norm - true_norm) <= 1e-6 * true_norm, (step, norm, true_norm)  # the unscaled norm
+            coef = max_norm / (true_norm + 1e-6)
+            ref.weight.grad, ref.bias.grad = g_w * coef, g_b * coef
+            ref_opt.step()
+            for p, r in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+        else:
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())), "an overflowed step stepped"
+    return out
+
+
+def _fsdp2(rank: int) -> dict:
+    """Grads are DTensors (dp-sharded); step 2 puts an inf into rank 1's local shard of the first weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2,))
+    acc = _accelerator()
+    backend = ModelParallelFSDP2(acc, SimpleNamespace(dp_mesh=lambda _t: mesh), "fsdp2", _args())
+    backend.prepare(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    x = _g(40, 6, 4)  # the same rows on both ranks: FSDP2's dp mean is the one-process grad
+    out = {"norms": [], "scales": [], "overflow": []}
+    for step, overflow_rank in enumerate((None, 1, None)):
+        acc.scaler.scale(model(x).square().mean()).backward()
+        if rank == overflow_rank:
+            model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        norm = backend.clip(float("inf"))
+        out["overflow"].append(backend.overflowed(norm))
+        backend.step(0.01)
+        backend.zero_grad()
+        out["scales"].append(acc.scaler.get_scale())
+        out["norms"].append(norm)
+        if overflow_rank is None:
+            ref(x).square().mean().backward()
+            true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(norm - true_norm) <= 1e-5 * true_norm, (step, norm, true_norm)
+            for p, r in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6)
+        else:
+            assert all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {"tp_ddp": _tp_over_ddp(rank), "fsdp2": _fsdp2(rank)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_worker, 2, timeout=180)
+
+
+@pytest.mark.parametrize("case", ["tp_ddp", "fsdp2"])
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, case):
+    r0, r1 = (r[case] for r in ranks)
+    # step 2 overflowed on rank 1 only: both ranks report it and skip (asserted in the worker: params unchanged)
+    assert r0["overflow"] == r1["overflow"] == [False, True, False]
+    # the scale halves on every rank (backoff 0.5) and stays equal across ranks
+    assert r0["scales"] == r1["scales"] == [SCALE, SCALE / 2, SCALE / 2]
+    # clean steps log the unscaled norm (checked against the fp32 reference in the worker), equal on both ranks
+    for step in (0, 2):
+        assert r0["norms"][step] == pytest.approx(r1["norms"][step], rel=1e-12)
+    if case == "tp_ddp":  # the same grads at scale 1024 and at 512: the same logged norm
+        assert r0["norms"][2] == pytest.approx(r0["norms"][0], rel=1e-12)
+
+
+def test_aux_loss_gradient_scaled_with_the_loss():
+    """The MoE aux-loss gradient is injected in backward: under fp16 it must carry the loss scale too."""
+    w = torch.tensor(3.0, requires_grad=True)
+    x = torch.ones(2, requires_grad=True)
+    set_aux_loss_grad_scale(0.5)
+    set_aux_loss_loss_scale(SCALE)
+    try:
+        AuxLossBackprop.apply(x, w * w).sum().backward()
+    finally:
+        set_aux_loss_grad_scale(1.0)
+        set_aux_loss_loss_scale(1.0)
+    assert w.grad.item() == pytest.approx(2 * 3.0 * 0.5 * SCALE)
+
+
+def test_fp16_refusals_are_one_line():
+    args = parse_args([], recipe="sft")
+    cpu_acc = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, process_index=0,
+                              mixed_precision="fp16", device=torch.device("cpu"), is_fsdp2=False)
+    with pytest.raises(ConfigError) as err:
+        pf.preflight(args, cpu_acc, "lm")
+    assert str(err.value) == ("--mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling "
+                              "there (the run would silently be fp32); use --mixed_precision bf16 or no")
+    lines = ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "fp16")
+    assert lines == ["--tp_size 2 with zero2 and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
+                     "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"]
+    assert ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "bf16") == []
