@@ -1,6 +1,7 @@
-"""fp16 loss scaling of the model-parallel backends (hfpar/backends/loss_scale.py), in process on 2 gloo ranks.
+"""Mixed precision of the model-parallel backends, in process on 2 gloo ranks: fp16 loss scaling
+(hfpar/backends/loss_scale.py) and the accelerate config's FSDP2 settings in hfpar's FSDP2 wrap for TP / EP.
 
-    python -m pytest -q -p no:cacheprovider tests/test_loss_scale.py
+    python -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py
 
 Accelerate builds no GradScaler and no fp16 autocast on CPU (a launch with --mixed_precision fp16 is refused
 there), so the backends' clip / step are driven here with torch's CPU GradScaler standing in for the one
@@ -20,10 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.tensor import DTensor
 
 from hfpar import preflight as pf
 from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParallelFSDP2
+from hfpar.backends.mp_fsdp2 import fsdp2_settings
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
@@ -124,8 +127,53 @@ def _fsdp2(rank: int) -> dict:
     return out
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class Tiny(nn.Module):
+    _no_split_modules = ["Block"]  # one FSDP unit per Block, as for an HF decoder layer
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _fsdp2_settings(mixed_precision: str, reshard: bool) -> dict:
+    """hfpar's FSDP2 wrap under a plugin built as Accelerate builds it from an fsdp2 config: the dtype each layer
+    computes with (its gathered weight, seen by a forward pre-hook), whether it was resharded after forward."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=reshard)
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what AcceleratorState does with the launch's mixed_precision
+    acc = SimpleNamespace(device=torch.device("cpu"), scaler=None, state=SimpleNamespace(fsdp_plugin=plugin))
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = Tiny()
+    backend = ModelParallelFSDP2(acc, SimpleNamespace(dp_mesh=lambda _t: mesh), "fsdp2", _args())
+    backend.prepare(model)
+    seen = []
+    model.blocks[0].proj.register_forward_pre_hook(lambda m, _x: seen.append(m.weight.dtype))
+    loss = model(_g(50, 3, 4)).float().square().mean()
+    resharded = isinstance(model.blocks[0].proj.weight, DTensor)
+    loss.backward()
+    return {"gathered": seen, "resharded_after_forward": resharded,
+            "masters": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+
+
 def _worker(rank: int, world: int) -> dict:
-    return {"tp_ddp": _tp_over_ddp(rank), "fsdp2": _fsdp2(rank)}
+    return {"tp_ddp": _tp_over_ddp(rank), "fsdp2": _fsdp2(rank),
+            "bf16_reshard": _fsdp2_settings("bf16", True), "fp32_keep": _fsdp2_settings("no", False)}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +193,26 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, case):
         assert r0["norms"][step] == pytest.approx(r1["norms"][step], rel=1e-12)
     if case == "tp_ddp":  # the same grads at scale 1024 and at 512: the same logged norm
         assert r0["norms"][2] == pytest.approx(r0["norms"][0], rel=1e-12)
+
+
+def test_fsdp2_wrap_for_tp_ep_uses_the_configs_mixed_precision_and_reshard(ranks):
+    """bf16 config: the layers compute with bf16 gathered weights (all-gathered in bf16), the sharded masters and
+    their grads stay fp32; no mixed precision: fp32 gathers. reshard_after_forward: false keeps the gathered
+    weights after forward, true frees them (the layer's parameter is the sharded DTensor again)."""
+    for r in ranks:
+        bf16, fp32 = r["bf16_reshard"], r["fp32_keep"]
+        assert bf16["gathered"] == [torch.bfloat16] and fp32["gathered"] == [torch.float32]
+        for run in (bf16, fp32):
+            assert run["masters"] == run["grads"] == ["torch.float32"] and run["sharded"]
+        assert bf16["resharded_after_forward"] and not fp32["resharded_after_forward"]
+
+
+def test_fsdp2_settings_are_accelerates_objects():
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False, cpu_offload=True)
+    plugin.set_mixed_precision("bf16")
+    got = fsdp2_settings(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    assert got["mp_policy"] is plugin.mixed_precision_policy and got["offload_policy"] is plugin.cpu_offload
+    assert got["reshard_after_forward"] is False and got["mp_policy"].param_dtype == torch.bfloat16
 
 
 def test_aux_loss_gradient_scaled_with_the_loss():
@@ -173,3 +241,11 @@ def test_fp16_refusals_are_one_line():
     assert lines == ["--tp_size 2 with zero2 and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
                      "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"]
     assert ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "bf16") == []
+
+
+def test_fsdp2_offload_with_model_parallelism_refused(monkeypatch):
+    args = parse_args([], recipe="sft")
+    assert ModelParallelFSDP2.check(args, ParallelContext.plan(2, tp=2), "fsdp2", "bf16") == []
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")  # what accelerate launch sets for fsdp_offload_params: true
+    lines = ModelParallelFSDP2.check(args, ParallelContext.plan(4, tp=2, ep=2), "fsdp2", "bf16")
+    assert len(lines) == 1 and lines[0].startswith("fsdp_offload_params: true with --tp_size 2 and --ep_size 2: ")
