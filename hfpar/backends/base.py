@@ -20,7 +20,7 @@ from hfpar.optim import build_optimizer
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads
 
-from .loss_scale import found_inf, loss_scale, step_, unscale_, world_scaler
+from .loss_scale import found_inf, fp16_scaler, loss_scale, step_, unscale_
 
 
 class Backend:
@@ -135,7 +135,7 @@ class ModelParallelBackend(Backend):
     def resume_needs_same_world(cls, strategy: str) -> bool:
         return True  # per-rank shards
 
-    scaler = None  # fp16 on a GPU: a world-synchronised GradScaler (loss_scale.py), set by prepare()
+    scaler = None  # fp16 on a GPU: Accelerate's GradScaler, its overflow flag made the world's (loss_scale.py)
 
     def autocast(self):
         return self.acc.autocast()  # the model is not prepared by Accelerate
@@ -144,7 +144,7 @@ class ModelParallelBackend(Backend):
         model.to(self.acc.device)
         self.model = self.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
         self.optimizer = self.base_optimizer = build_optimizer(self.model, self.args)
-        self.scaler = world_scaler(self.acc)  # fp16: the optimizer is ours, so unscaling and skipping are too
+        self.scaler = fp16_scaler(self.acc)  # fp16: the optimizer is ours, so unscaling and skipping are too
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
