@@ -190,13 +190,13 @@ class Trainer:
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+        loss_scale = self.backend.loss_scale()  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
         for batch, scope in batches:
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
             step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
                                                   self.task).double()
         loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-        loss_scale = self.backend.loss_scale()  # before step(): the scale this step's backward used
         grad_norm = self.backend.clip(max_norm)
         # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
         overflow = self.backend.overflowed(grad_norm)
