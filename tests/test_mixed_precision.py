@@ -6,7 +6,8 @@
 Accelerate builds no GradScaler and no fp16 autocast on CPU (a launch with --mixed_precision fp16 is refused
 there), so the backends' clip / step are driven here with torch's CPU GradScaler standing in for the one
 Accelerate builds on a GPU: grads scaled as acc.backward leaves them, then backend.clip / overflowed / step as the
-trainer calls them. TP over DDP (a TP-sharded weight and a replicated bias) and FSDP2 (DTensor grads).
+trainer calls them. TP over DDP (a TP-sharded weight and a replicated bias), FSDP2 (DTensor grads) and PP=2
+(1F1B: the schedule's own backward). The trainer's side (an overflow is not a non-finite step) with a stub backend.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from transformers import AutoModelForCausalLM, LlamaConfig
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hfpar import preflight as pf
 from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP
@@ -32,9 +33,10 @@ from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from hfpar.losses import shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
-from hfpar.parallel.pipeline import PipelineStage, balanced_split
 from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
+from hfpar.parallel.pipeline import PipelineStage, balanced_split
 from hfpar.parallel.sharding import set_shard_spec
+from hfpar.trainer import Trainer
 from tests.dist_utils import run_distributed
 
 SCALE = 1024.0
@@ -300,3 +302,48 @@ def test_fsdp2_offload_with_model_parallelism_refused(monkeypatch):
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")  # what accelerate launch sets for fsdp_offload_params: true
     lines = ModelParallelFSDP2.check(args, ParallelContext.plan(4, tp=2, ep=2), "fsdp2", "bf16")
     assert len(lines) == 1 and lines[0].startswith("fsdp_offload_params: true with --tp_size 2 and --ep_size 2: ")
+
+
+class _OverflowingBackend:
+    """What the trainer sees of a model-parallel backend under fp16 when a step's grads overflow somewhere."""
+
+    steps_in_backward = False
+
+    def __init__(self, overflow: bool):
+        self.overflow, self.calls = overflow, []
+
+    def loss_scale(self) -> float:
+        return SCALE
+
+    def train_micro(self, batch, scope, loss_fn, scale, task):
+        return torch.tensor(2.0)
+
+    def clip(self, max_norm: float) -> float:
+        return float("inf") if self.overflow else 1.5
+
+    def overflowed(self, grad_norm: float) -> bool:
+        return self.overflow
+
+    def step(self, lr: float) -> None:  # the scaler's step: it skips the update itself, and lowers its scale
+        self.calls.append("step")
+
+    def zero_grad(self) -> None:
+        self.calls.append("zero_grad")
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
+    """An fp16 overflow is not a non-finite step (--on_nonfinite error would stop the run): the trainer still
+    calls the backend's step (whose scaler skips and backs off) and records the step as skipped, with its scale."""
+    rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(max_grad_norm=1.0, on_nonfinite="error"), acc=SimpleNamespace(device=torch.device("cpu")),
+        ctx=SimpleNamespace(cp=1, data_replicas=1, grad_replicas=1), comm=None, train_ds=rows, task="lm",
+        collator=lambda f: {"input_ids": torch.tensor([x["input_ids"] for x in f]),
+                            "labels": torch.tensor([x["input_ids"] for x in f])},
+        batch_plan=lambda b: (b, contextlib.nullcontext()), _to_device=lambda b: b, loss_fn=None,
+        backend=_OverflowingBackend(overflow), sampler=SimpleNamespace(steps_per_epoch=10),
+        scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None))
+    rec = Trainer._train_step(trainer, 0, [[0, 1]])
+    assert trainer.backend.calls == ["step", "zero_grad"]
+    assert rec.get("skipped", False) is overflow and rec["loss_scale"] == SCALE
