@@ -131,11 +131,11 @@ class ModelParallelBackend(Backend):
     would reduce over the whole world and average different shards together. Grads: the partial ones
     summed over their group, experts reduced over the ranks holding them, then one global norm."""
 
+    scaler = None  # fp16 on a GPU: Accelerate's GradScaler, its overflow flag made the world's (loss_scale.py)
+
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
         return True  # per-rank shards
-
-    scaler = None  # fp16 on a GPU: Accelerate's GradScaler, its overflow flag made the world's (loss_scale.py)
 
     def autocast(self):
         return self.acc.autocast()  # the model is not prepared by Accelerate
