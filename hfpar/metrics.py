@@ -144,8 +144,18 @@ def library_versions() -> dict:
 def run_metadata(optimizer) -> dict:
     """What run_info.json says of the run besides measurements: library versions, the command line and the
     optimizer implementation that steps the parameters (hfpar.optim). Gathered once, before the first step."""
-    return {"optimizer": implementation(_base_optimizer(optimizer)), "versions": library_versions(),
-            "command": command_line()}
+    return {"optimizer": implementation(_base_optimizer(optimizer)), "optimizer_wrappers": _wrappers(optimizer),
+            "versions": library_versions(), "command": command_line()}
+
+
+def _wrappers(opt) -> list[str]:
+    """Class names of the wrappers around torch's optimizer, outermost first (e.g. AcceleratedOptimizer,
+    BF16_Optimizer: DeepSpeed picks its optimizer class from the precision and stage, and hfpar joins its norm)."""
+    names, base = [], _base_optimizer(opt)
+    while opt is not None and opt is not base and type(opt).__name__ not in names:
+        names.append(type(opt).__name__)
+        opt = getattr(opt, "optimizer", None)
+    return names
 
 
 class MetricsWriter:

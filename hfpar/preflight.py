@@ -51,6 +51,10 @@ def preflight(args, accelerator, task: str):
                                      {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size})
     except ConfigError as exc:
         problems.append(str(exc))
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate builds neither its fp16 autocast nor its GradScaler on CPU (native_amp is off there)
+        problems.append("--mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling there "
+                        "(the run would silently be fp32); use --mixed_precision bf16 or no")
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)

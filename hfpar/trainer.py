@@ -190,6 +190,7 @@ class Trainer:
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+        loss_scale = self.backend.loss_scale()  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
         for batch, scope in batches:
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
             step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
@@ -197,7 +198,9 @@ class Trainer:
         loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = self.backend.clip(max_norm)
-        bad = not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm))
+        # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
+        overflow = self.backend.overflowed(grad_norm)
+        bad = not overflow and (not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm)))
         if bad and args.on_nonfinite == "error":
             raise NonFiniteError(f"step {step + 1}: non-finite loss {loss} or grad_norm {grad_norm}; stopping before the optimizer step")
         lr = self.scheduler.get_last_lr()[0]
@@ -211,8 +214,10 @@ class Trainer:
         rec = {"step": step + 1, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
-        if bad:
+        if bad or overflow:
             rec["skipped"] = True
+        if loss_scale != 1.0:
+            rec["loss_scale"] = loss_scale
         if self.comm is not None:  # this rank's bytes for the step (rank 0's record is written)
             rec.update(self.comm.record())
         return rec

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -16,7 +17,10 @@ import torch
 from hfpar import checkpoint as ckpt
 from hfpar.config import ConfigError
 from hfpar.optim import build_optimizer
+from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads
+
+from .loss_scale import found_inf, fp16_scaler, loss_scale, step_, unscale_
 
 
 class Backend:
@@ -55,10 +59,23 @@ class Backend:
         loss_sum, n = loss_fn(logits, batch["labels"])
         return loss_sum, n, logits
 
+    def loss_scale(self) -> float:
+        """fp16: the loss scale this step's backward multiplies by (Accelerate's GradScaler on a GPU); else 1."""
+        if self.steps_in_backward and self.model is not None:  # DeepSpeed scales inside its own backward
+            return float(getattr(getattr(self.model, "optimizer", None), "loss_scale", 1.0) or 1.0)
+        return loss_scale(getattr(self.acc, "scaler", None))
+
+    def overflowed(self, grad_norm: float) -> bool:
+        """fp16: the grads overflowed (the scaler skips this step and lowers its scale), not a bad step. The norm
+        is the global one here (grads reduced before it), so every rank answers the same."""
+        return getattr(self.acc, "scaler", None) is not None and not math.isfinite(grad_norm)
+
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
         """Forward and backward of one accumulation step's rows; back-propagates loss_sum * scale (scale: dp x cp /
         the global target count, which the dp average and Accelerate's 1/accum turn into d(global mean)). Returns
         the detached loss sum."""
+        # the MoE aux-loss gradient is injected in backward, past the fp16 loss scaling: scale it the same way
+        set_aux_loss_loss_scale(self.loss_scale())
         with self.acc.accumulate(self.model), scope:
             loss_sum, _, _ = self.forward_loss(batch, loss_fn, task)
             self.acc.backward(loss_sum * (scale * self.args.gradient_accumulation_steps))  # Accelerate divides by accum
@@ -118,6 +135,8 @@ class ModelParallelBackend(Backend):
     would reduce over the whole world and average different shards together. Grads: the partial ones
     summed over their group, experts reduced over the ranks holding them, then one global norm."""
 
+    scaler = None  # fp16 on a GPU: Accelerate's GradScaler, its overflow flag made the world's (loss_scale.py)
+
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
         return True  # per-rank shards
@@ -129,6 +148,7 @@ class ModelParallelBackend(Backend):
         model.to(self.acc.device)
         self.model = self.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
         self.optimizer = self.base_optimizer = build_optimizer(self.model, self.args)
+        self.scaler = fp16_scaler(self.acc)  # fp16: the optimizer is ours, so unscaling and skipping are too
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
@@ -137,7 +157,14 @@ class ModelParallelBackend(Backend):
         params = list(self.model.parameters())
         sync_partial_grads(params)
         reduce_dp_grads(params)
+        unscale_(self.scaler, self.optimizer)  # clip and log the true norm (sums and means commute with 1/scale)
         return float(clip_grads_(params, max_norm))
+
+    def overflowed(self, grad_norm: float) -> bool:  # noqa: ARG002
+        return found_inf(self.scaler, self.optimizer)  # the world's flag, which decides the skip on every rank
+
+    def step(self, lr: float) -> None:  # noqa: ARG002
+        step_(self.scaler, self.optimizer)
 
     def full_state_dict(self) -> dict:
         return full_state_dict(self.unwrapped())

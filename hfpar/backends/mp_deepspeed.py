@@ -13,7 +13,8 @@ renamed in its checkpoints, expert grad norms averaged per EP rank, which is not
 So ZeRO partitions the dense parameters only and hfpar keeps the experts (different on every EP rank):
   - DeepSpeed broadcasts every module parameter from rank 0 at initialize: the experts are put back;
   - their grads are reduced over the expert-data-parallel group and their squared norm joins DeepSpeed's
-    dense norm inside its step (a wrapper on the ZeRO optimizer's `scaled_global_norm`), so DeepSpeed
+    dense norm inside its step (a wrapper on the ZeRO optimizer's `scaled_global_norm`; bf16 + ZeRO-1 runs
+    DeepSpeed's BF16_Optimizer instead: one more tensor in its `get_grads_for_norm`), so DeepSpeed
     clips the dense grads, and hfpar the experts, by the one global norm;
   - an AdamW of their own (fp32 master copies when DeepSpeed cast the model to bf16) at the scheduler's lr,
     saved per rank in the checkpoint (DeepSpeed's holds rank 0's experts only).
@@ -108,9 +109,10 @@ class ModelParallelDeepSpeed(Backend):
         if ctx.ep > 1 and mixed_precision == "fp16":
             p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
                      "DeepSpeed's fp16 loss scale; use bf16 or fp32")
-        elif ctx.ep > 1 and strategy == "zero1" and mixed_precision == "bf16":
-            p.append(f"--ep_size {ctx.ep} with zero1 and bf16: DeepSpeed runs its BF16_Optimizer there, which has no "
-                     "global grad norm hfpar can join the experts to; use zero2.yaml (or fp32)")
+        elif mixed_precision == "fp16":  # TP / CP with TP: DeepSpeed's own loss scale, untestable on CPU
+            flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "cp") if getattr(ctx, k) > 1)
+            p.append(f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
+                     "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)")
         return p
 
     def prepare(self, model) -> None:
@@ -132,10 +134,17 @@ class ModelParallelDeepSpeed(Backend):
         self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32))
                         for p, s in zip(self.experts, saved)]
         self.expert_optimizer = build_optimizer(self.masters, self.args)
-        zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2)
-        if not getattr(zopt, "compute_grad_norm", True) or not hasattr(zopt, "scaled_global_norm"):
+        zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2), or BF16_Optimizer (bf16 + stage 1)
+        if getattr(zopt, "compute_grad_norm", True) and hasattr(zopt, "scaled_global_norm"):
+            self._join_zero_norm(zopt)
+        elif hasattr(zopt, "get_grads_for_norm"):
+            self._join_bf16_norm(zopt)
+        else:
             raise ConfigError(f"--ep_size with {self.strategy}: DeepSpeed's {type(zopt).__name__} computes no "
                               "global grad norm hfpar can join the experts to; use fp32 or bf16 with zero2")
+
+    def _join_zero_norm(self, zopt) -> None:
+        """DeepSpeedZeroOptimizer: its global norm (of the dense partitions, summed over dp) wrapped."""
         dense_norm = zopt.scaled_global_norm
 
         def norm_with_experts(*a, **kw):
@@ -146,15 +155,40 @@ class ModelParallelDeepSpeed(Backend):
 
         zopt.scaled_global_norm = norm_with_experts
 
+    def _join_bf16_norm(self, zopt) -> None:
+        """BF16_Optimizer (bf16 + ZeRO-1): it has no norm method to wrap; its step takes the norm of the tensors
+        get_grads_for_norm lists (every rank's full fp32 dense grads, summed over TP through the mpu). The experts
+        join as one more tensor holding their global norm, listed on TP rank 0 only (the mpu sum would count it
+        tp times); DeepSpeed then clips the dense grads by the joint norm, and records it for
+        engine.get_global_grad_norm(), by which clip() scales the experts."""
+        dense_grads = zopt.get_grads_for_norm
+
+        def grads_with_experts(for_clipping=False):
+            out = dense_grads(for_clipping=for_clipping)
+            if for_clipping:  # the tensors to scale: the dense ones (hfpar scales the experts)
+                return out
+            non_expert, expert = out
+            reduce_dp_grads(self.experts)
+            sq = grad_sq_norm(self.experts, self.acc.device)
+            if self.ctx.tp_rank == 0:
+                non_expert = [*non_expert, sq.sqrt().float().reshape(1)]
+            return non_expert, expert
+
+        zopt.get_grads_for_norm = grads_with_experts
+        self._total_norm = None  # read from the engine after its step
+
     def clip(self, max_norm: float) -> float:
         """DeepSpeed has clipped and stepped (inside backward) with the global norm: clip the experts by it."""
         if not self.experts:
             return accelerate_clip(self.acc, self.model, max_norm)
+        total = self._total_norm
+        if total is None:  # BF16_Optimizer: the joint norm its step computed
+            total = torch.tensor(float(self.model.get_global_grad_norm()), dtype=torch.float64, device=self.acc.device)
         for p, m in zip(self.experts, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
-        scale_grads_to_norm_(self.masters, self._total_norm, max_norm)
-        return float(self._total_norm)
+        scale_grads_to_norm_(self.masters, total, max_norm)
+        return float(total)
 
     def step(self, lr: float) -> None:
         self.optimizer.step()  # a no-op: DeepSpeed stepped in backward

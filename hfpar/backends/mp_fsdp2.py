@@ -6,12 +6,18 @@ Why by hand: Accelerate's FSDP2 path shards over one mesh of the whole world, wh
 TP shards; here parameters become DTensors sharded over dp only, and every TP rank of a replica shards
 its own TP shard of them. Experts are ignored by FSDP (sharded by EP already, reduced by hfpar).
 FSDP2 replaces the Parameter objects: their ShardSpecs are carried over by name.
+The accelerate config's FSDP2 settings apply as they do to plain FSDP2: Accelerate's own plugin objects (its
+MixedPrecisionPolicy, built from mixed_precision, so bf16 all-gathers and compute; reshard_after_forward; the
+CPUOffloadPolicy of fsdp_offload_params) are passed to fully_shard, as accelerate's fsdp2_prepare_model does.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
-from torch.distributed.fsdp import fully_shard
+from accelerate.utils import str_to_bool
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hfpar.parallel.sharding import carry_shard_specs, shard_spec
 
@@ -22,14 +28,35 @@ class ModelParallelFSDP2(ModelParallelBackend):
     name = "model-parallel over FSDP2"
     short = "hfpar FSDP2"
 
+    @classmethod
+    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+        # the launcher passes fsdp_offload_params as this variable; Accelerate's plugin reads the same one
+        if str_to_bool(os.environ.get("FSDP_OFFLOAD_PARAMS", "false"), to_bool=True):
+            flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "ep", "cp") if getattr(ctx, k) > 1)
+            return [f"fsdp_offload_params: true with {flags}: hfpar's TP / EP grad reductions and norm run on the "
+                    "device, not on CPU-offloaded grads; set fsdp_offload_params: false (or use zero3_offload.yaml "
+                    "without model parallelism)"]
+        return []
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         mesh = self.ctx.dp_mesh(self.acc.device.type)
         specs = {n: shard_spec(p) for n, p in model.named_parameters() if shard_spec(p) is not None}
         ignored = {p for p in model.parameters() if hfpar_reduced(p)} or None
         layer_types = set(getattr(model, "_no_split_modules", None) or [])
+        settings = fsdp2_settings(self.acc)
         for module in model.modules():  # one FSDP unit per decoder layer, as the fsdp2 config does
             if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=mesh, ignored_params=ignored)
-        fully_shard(model, mesh=mesh, ignored_params=ignored)
+                fully_shard(module, mesh=mesh, ignored_params=ignored, **settings)
+        fully_shard(model, mesh=mesh, ignored_params=ignored, **settings)
         carry_shard_specs(model, specs)
         return model
+
+
+def fsdp2_settings(accelerator) -> dict:
+    """fully_shard's keyword arguments from the accelerate config in effect: the FSDP plugin's own objects, as
+    accelerate's fsdp2_prepare_model passes them (it sets the policy from mixed_precision when the state is made)."""
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is None:  # no FSDP config (a backend built by hand): fully_shard's defaults
+        return {}
+    return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}

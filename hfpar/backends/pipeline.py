@@ -22,11 +22,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from hfpar import checkpoint as ckpt
+from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import (carry_shard_specs, full_state_dict, grad_sq_norm, reduce_dp_grads,
                                      scale_grads_to_norm_, set_shard_spec, shard_spec, sync_partial_grads)
 
 from .base import ModelParallelBackend
+from .loss_scale import unscale_
+from .mp_fsdp2 import ModelParallelFSDP2, fsdp2_settings
 
 
 def interleaved_refusal(strategy: str) -> str:
@@ -52,8 +55,10 @@ class PipelineDDP(ModelParallelBackend):
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
+        # fp16: the schedule runs its own backwards, so the loss scale goes into the back-propagated factor
+        set_aux_loss_loss_scale(self.loss_scale())
         with scope:  # the runner autocasts each forward
-            loss_sum, _ = self.runner.train(batch, loss_fn, scale)
+            loss_sum, _ = self.runner.train(batch, loss_fn, scale * self.loss_scale())
         return loss_sum
 
     def eval_loss(self, batch: dict, scope, loss_fn, task: str = "lm"):
@@ -68,6 +73,7 @@ class PipelineDDP(ModelParallelBackend):
         reduce_dp_grads(params)
         if self.tied_group is not None:
             stage.sync_tied_grads(self.tied_group)
+        unscale_(self.scaler, self.optimizer)  # fp16: the true grads before the norm; found-inf over the world
         # a tied embedding is one parameter of the model: its square counted on the first stage only
         sq = grad_sq_norm([p for p in params if not (stage.is_last and p is stage.tied)])
         dist.all_reduce(sq, group=self.ctx.pp_group)   # stages hold disjoint parameters: the squares add up
@@ -107,16 +113,18 @@ class PipelineFSDP2(PipelineDDP):
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        return [interleaved_refusal(strategy)] if args.pp_schedule == "interleaved_1f1b" else []
+        p = ModelParallelFSDP2.check(args, ctx, strategy, mixed_precision)   # the same FSDP2 settings apply
+        return p + ([interleaved_refusal(strategy)] if args.pp_schedule == "interleaved_1f1b" else [])
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         mesh = self.ctx.dp_mesh(self.acc.device.type)
         specs = {n: shard_spec(p) for n, p in model.named_parameters() if shard_spec(p) is not None}
         layer_types = set(getattr(model.lm, "_no_split_modules", None) or [])
+        settings = fsdp2_settings(self.acc)   # the config's mixed-precision policy, resharding (offload refused)
         for module in model.modules():  # one FSDP unit per decoder layer of the stage, as the fsdp2 config does
             if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(module, mesh=mesh, **settings)
+        fully_shard(model, mesh=mesh, **settings)
         carry_shard_specs(model, specs)
         if not model.is_first:   # FSDP2 prepended its own pre-hook to the first layer: ours must run before it
             model.hook_first_layer()

@@ -11,10 +11,11 @@
 from .apply import (MOE_FAMILIES, UPCYCLE_FAMILIES, apply_expert_parallel, attach_moe_token_mask,
                     expert_parallel_groups, expert_parameters, gather_expert_state_dict, non_expert_parameters)
 from .moe import GroupedExperts, MoELayer
-from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale
+from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale, set_aux_loss_loss_scale
 from .upcycle import is_upcycled, save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config
 
 __all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel", "attach_moe_token_mask",
            "expert_parallel_groups", "expert_parameters", "gather_expert_state_dict", "non_expert_parameters",
-           "GroupedExperts", "MoELayer", "TopKRouter", "moe_token_mask", "set_aux_loss_grad_scale", "is_upcycled",
+           "GroupedExperts", "MoELayer", "TopKRouter", "moe_token_mask", "set_aux_loss_grad_scale",
+           "set_aux_loss_loss_scale", "is_upcycled",
            "save_upcycled_pretrained", "upcycle_to_moe", "upcycled_hf_config"]

@@ -29,8 +29,9 @@ coef_aux * aux + coef_z * z, so each MoE layer adds grad_scale * d(coef * aux)/d
     hfpar's trainer: each rank back-propagates local_sum * dp * accum / N_global, the backend
         averages over dp and Accelerate divides by accum, i.e. the main objective is the global
         token mean. For objective = main + coef * mean over micro-steps of (global) aux, set
-        `set_aux_loss_grad_scale(dp / accum)` (times the fp16 loss scale, if any): the injected
-        gradient bypasses the loss scaling done by Accelerate / DeepSpeed but not the dp average.
+        `set_aux_loss_grad_scale(dp / accum)`: the injected gradient bypasses the loss scaling done by
+        Accelerate but not the dp average; under fp16 the backend sets `set_aux_loss_loss_scale(scale)`
+        each micro-step so the injected gradient is scaled (and later unscaled) like the main loss's.
 Every rank of `group` must run every router forward (the statistics are all-reduced there).
 
 Run the unit tests: python -m pytest tests/test_moe_layers.py -q
@@ -46,13 +47,15 @@ import torch.nn.functional as F
 
 from ..comm import all_reduce, group_size
 
-__all__ = ["TopKRouter", "AuxLossBackprop", "set_aux_loss_grad_scale", "moe_token_mask", "current_token_mask"]
+__all__ = ["TopKRouter", "AuxLossBackprop", "set_aux_loss_grad_scale", "set_aux_loss_loss_scale",
+           "moe_token_mask", "current_token_mask"]
 
 
 class AuxLossBackprop(torch.autograd.Function):
     """Identity on `x` forward; backward also sends `grad_scale` into `loss` (Megatron's MoEAuxLossAutoScaler)."""
 
     grad_scale: float = 1.0
+    loss_scale: float = 1.0     # fp16: the GradScaler's current scale (the backend sets it each micro-step)
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -62,12 +65,17 @@ class AuxLossBackprop(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):
         (loss,) = ctx.saved_tensors
-        return grad_x, torch.full_like(loss, AuxLossBackprop.grad_scale)
+        return grad_x, torch.full_like(loss, AuxLossBackprop.grad_scale * AuxLossBackprop.loss_scale)
 
 
 def set_aux_loss_grad_scale(scale: float) -> None:
     """Scale of the injected aux / z loss gradient for every router (see the module docstring)."""
     AuxLossBackprop.grad_scale = float(scale)
+
+
+def set_aux_loss_loss_scale(scale: float) -> None:
+    """The fp16 loss scale the main loss is multiplied by in this backward (1 without fp16)."""
+    AuxLossBackprop.loss_scale = float(scale)
 
 
 # ----------------------------------------------------------------------------- padding mask
