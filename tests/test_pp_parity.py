@@ -75,9 +75,10 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
         assert stages == [[0, 1], [1, 4]]
 
 
-@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_dp2_fsdp2"])
+@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_dp2_fsdp2", "pp2_interleaved"])
 def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, case):
-    """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards) and FSDP2's DTensor stages."""
+    """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor stages, and
+    interleaved chunks (each rank's two chunks in one state)."""
     assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case)
 
 
