@@ -54,6 +54,18 @@ def _g(seed: int, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _clip_and_step(backend, max_norm: float, out: dict) -> float:
+    """What the trainer does after the backwards: clip (unscaling first), ask whether the world overflowed, step
+    (skipped on overflow) and record the norm, the overflow flag and the scale after the step."""
+    norm = backend.clip(max_norm)
+    out["overflow"].append(backend.overflowed(norm))
+    backend.step(0.01)
+    backend.zero_grad()
+    out["scales"].append(backend.scaler.get_scale())
+    out["norms"].append(norm)
+    return norm
+
+
 def _tp_over_ddp(rank: int) -> dict:
     """weight: this rank's TP shard (rows); bias: replicated. Step 2 overflows in rank 1's bias only: rank 0's
     grads and even its grad norm stay finite (a replicated grad is counted locally), yet it must skip too."""
@@ -80,12 +92,7 @@ def _tp_over_ddp(rank: int) -> dict:
         if rank == overflow_rank:
             model.bias.grad[0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]
-        norm = backend.clip(max_norm)
-        out["overflow"].append(backend.overflowed(norm))
-        backend.step(0.01)
-        backend.zero_grad()
-        out["scales"].append(backend.scaler.get_scale())
-        out["norms"].append(norm)
+        norm = _clip_and_step(backend, max_norm, out)
         if overflow_rank is None:
             assert abs(norm - true_norm) <= 1e-6 * true_norm, (step, norm, true_norm)  # the unscaled norm
             coef = max_norm / (true_norm + 1e-6)
@@ -115,12 +122,7 @@ def _fsdp2(rank: int) -> dict:
         if rank == overflow_rank:
             model[0].weight.grad.to_local().view(-1)[0] = float("inf")
         before = [p.full_tensor().clone() for p in model.parameters()]
-        norm = backend.clip(float("inf"))
-        out["overflow"].append(backend.overflowed(norm))
-        backend.step(0.01)
-        backend.zero_grad()
-        out["scales"].append(acc.scaler.get_scale())
-        out["norms"].append(norm)
+        norm = _clip_and_step(backend, float("inf"), out)
         if overflow_rank is None:
             ref(x).square().mean().backward()
             true_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))

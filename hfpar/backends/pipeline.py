@@ -56,9 +56,10 @@ class PipelineDDP(ModelParallelBackend):
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
         # fp16: the schedule runs its own backwards, so the loss scale goes into the back-propagated factor
-        set_aux_loss_loss_scale(self.loss_scale())
+        loss_scale = self.loss_scale()   # one read (GradScaler.get_scale syncs with the device)
+        set_aux_loss_loss_scale(loss_scale)
         with scope:  # the runner autocasts each forward
-            loss_sum, _ = self.runner.train(batch, loss_fn, scale * self.loss_scale())
+            loss_sum, _ = self.runner.train(batch, loss_fn, scale * loss_scale)
         return loss_sum
 
     def eval_loss(self, batch: dict, scope, loss_fn, task: str = "lm"):
