@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.chunked_loss import chunkable, install_chunked_loss
+from hfpar.loading import is_meta
 from hfpar.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
@@ -64,7 +65,7 @@ def apply_moe(model, args, ctx) -> None:
     # (hfpar.loading) has no weights to compare across ranks yet: each rank reads its own experts after this
     if dist.is_initialized():
         apply_expert_parallel(model, ctx, aux_loss_coef=coef,
-                              check_replicated=not any(p.is_meta for p in model.parameters()))
+                              check_replicated=not is_meta(model))
     else:
         apply_expert_parallel(model, aux_loss_coef=coef)
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
