@@ -87,8 +87,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if grad_w is not None:
                     if dz.dtype == acc:
                         grad_w.addmm_(dz.t(), hc)
-                    else:
-                        grad_w += (dz.t() @ hc).to(acc)
+                    else:   # (V_l, H) product in cdt, then an acc copy: in row blocks no larger than the chunk's
+                        rows = max(1, dz.numel() // hc.shape[1])   # logits, or the two would be V_l x H x 6 bytes
+                        for r in range(0, grad_w.shape[0], rows):
+                            grad_w[r:r + rows] += (dz[:, r:r + rows].t() @ hc).to(acc)
                 if grad_b is not None:
                     grad_b += z.sum(0)
         ctx.grads = [grad_h, grad_w, grad_b]
