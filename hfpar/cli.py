@@ -62,6 +62,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="consider only this context-parallel degree (long sequences)")
     p.add_argument("--attn_implementation", choices=("sdpa", "eager"), default="sdpa",
                    help="eager stores the s x s attention scores (default sdpa)")
+    p.add_argument("--loss_chunk_size", type=int, default=None,
+                   help="the recipe's option: tokens per chunk of the fused LM head + cross-entropy; unset = auto "
+                        "where the recipe applies it, 0 = off (full fp32 logits)")
     return p
 
 
@@ -91,7 +94,8 @@ def plan_main(argv: list[str]) -> None:
         text, _ = plan(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb, num_nodes=a.num_nodes,
                        seq_len=a.seq_len, batch_size=a.batch_size, mixed_precision=a.mixed_precision,
                        lora_rank=a.lora_rank if a.lora else 0, tp_size=a.tp_size, ep_size=a.ep_size,
-                       attn_implementation=a.attn_implementation, cp_size=a.cp_size)
+                       attn_implementation=a.attn_implementation, cp_size=a.cp_size,
+                       loss_chunk_size=a.loss_chunk_size)
     except PlanError as e:
         fail(str(e))
     print(text)

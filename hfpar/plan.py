@@ -6,18 +6,20 @@ Model states (Adam): bf16 mixed precision uses the standard ZeRO accounting, 2 (
 grads) + 12 (fp32 master weights + 2 moments) = 16 bytes/param; fp32 training 4 + 4 + 8. (Accelerate's
 torch-native bf16 keeps fp32 params and grads instead, 4 + 4 + 8: the same 16 bytes, split otherwise.)
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", eq. 1-2 (bytes per layer for 16-bit activations). Parameter counts come from the model built
-on the meta device, so every architecture (GQA, tied embeddings, MoE experts) is counted exactly.
+Models", eq. 1-2 (bytes per layer for 16-bit activations), with the output layer as the recipes compute it
+(chunked LM loss by default); host RAM per rank as hfpar loads the model (hfpar.plan_memory). Parameter counts
+come from the model built on the meta device, so every architecture (GQA, tied embeddings, MoE experts) is
+counted exactly.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import re
 from dataclasses import dataclass
 
+from hfpar.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.context import ParallelContext
+from hfpar.plan_memory import (HOST_OVERHEAD, ModelStats, activation_bytes, chunk_tokens, host_ram_bytes,  # noqa: F401
+                               model_stats)  # activation_bytes: re-exported (hfpar.plan's API)
 from hfpar.plan_pipeline import pipeline_estimate, pipeline_section
 
 GiB = 1024**3
@@ -28,78 +30,6 @@ SHARDED = ("fsdp2", "zero3", "zero3_offload")  # params all-gathered one decoder
 
 class PlanError(ValueError):
     """A bad planner input; the message is one line naming the value and what is valid."""
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    n_params: int  # unique parameters (tied embeddings once)
-    n_tp_replicated: int  # parameters tensor parallelism leaves whole: norms, biases, routers
-    n_expert: int  # parameters inside routed experts (split by expert parallelism)
-    largest_layer: int  # parameters of the biggest decoder layer (the unit FSDP2 / ZeRO-3 gathers)
-    lora_unit: int  # sum of (in + out) over the layers' linear weights: LoRA params = rank x this
-    n_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    num_experts: int  # 0 for dense models
-    n_layer_params: int = 0  # parameters of all decoder layers (pipeline stages: hfpar.plan_pipeline)
-    n_embed: int = 0  # input embedding
-    n_head: int = 0  # output head, also when tied (a pipeline's last stage holds its own copy)
-    n_head_untied: int = 0  # n_head when not tied to the embedding, else 0 (then not in n_params)
-
-
-def _cfg(config, *names: str, default: int = 0) -> int:
-    for n in names:
-        v = getattr(config, n, None)
-        if v:
-            return int(v)
-    return default
-
-
-@functools.lru_cache(maxsize=8)
-def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = config_cls.from_dict(json.loads(config_json))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = replicated = expert = lora = 0
-    per_layer: dict[str, int] = {}
-    for name, p in model.named_parameters():  # unique parameters: a tied lm_head is counted once
-        n = p.numel()
-        total += n
-        is_expert = ".experts." in name and "shared_expert" not in name
-        expert += n if is_expert else 0
-        if p.dim() < 2 or re.search(r"\.(gate|router)\.weight$", name):
-            replicated += n
-        m = re.search(r"\.layers\.(\d+)\.", name)
-        if m:
-            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + n
-            if p.dim() >= 2:  # [out, in] or experts [E, a, b]
-                lora += (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
-    text = getattr(config, "text_config", None) or config
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    n_head = head.weight.numel() if head is not None else 0
-    tied = head is not None and head.weight is embed.weight
-    return ModelStats(
-        n_layer_params=sum(per_layer.values()), n_embed=embed.weight.numel(), n_head=n_head,
-        n_head_untied=0 if tied else n_head,
-        n_params=total, n_tp_replicated=replicated, n_expert=expert, largest_layer=max(per_layer.values(), default=total),
-        lora_unit=lora, n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
-        hidden=_cfg(text, "hidden_size", "n_embd", "d_model"), heads=_cfg(text, "num_attention_heads", "n_head"),
-        kv_heads=_cfg(text, "num_key_value_heads", "num_attention_heads", "n_head"),
-        intermediate=_cfg(text, "moe_intermediate_size", "intermediate_size", "ffn_dim", "n_inner"),
-        vocab=_cfg(text, "vocab_size"), num_experts=_cfg(text, "num_local_experts", "num_experts", "n_routed_experts"))
-
-
-def model_stats(config) -> ModelStats:
-    """Parameter statistics of a transformers config (built on the meta device: no memory, no weights)."""
-    if isinstance(config, ModelStats):
-        return config
-    return _stats_from_json(type(config), config.to_json_string(use_diff=False))
 
 
 def state_bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
@@ -137,30 +67,14 @@ def check_ep(stats: ModelStats, ep: int) -> None:
         raise PlanError(f"--ep_size {ep} does not divide the {stats.num_experts} experts (valid: {valid})")
 
 
-def activation_bytes(stats: ModelStats, seq_len: int, batch_size: int, *, tp: int = 1, checkpointing: bool = False,
-                     act_bytes: int = 2, attn_implementation: str = "sdpa") -> int:
-    """Activations kept for backward on one rank (Korthikanti et al. 2022, eq. 1-2, 16-bit units).
-
-    Per layer, no TP: s*b*h*(34 + 5*a*s/h); TP degree t without sequence parallelism: s*b*h*(10 + 24/t +
-    5*a*s/(h*t)). The 5*a*s/h term is the s x s attention scores: counted for eager attention only
-    (sdpa / flash attention never store them). Full recomputation keeps each layer's input, 2*s*b*h,
-    plus one layer's activations while it is recomputed. Output layer: 4*s*b*v/t (fp32 logits).
-    Scaled by act_bytes / 2 (fp32 activations take twice the bytes)."""
-    s, b, h, a = seq_len, batch_size, stats.hidden, stats.heads
-    scores = 5 * a * s / (h * tp) if attn_implementation == "eager" else 0.0
-    layer = s * b * h * ((34 if tp == 1 else 10 + 24 / tp) + scores)
-    body = stats.n_layers * 2 * s * b * h + layer if checkpointing else stats.n_layers * layer
-    logits = 4 * s * b * stats.vocab / tp
-    return int(body * act_bytes / 2 + logits)
-
-
 def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_size: int = 1, cp_size: int = 1,
              seq_len: int = 2048,
              batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, checkpointing: bool = False,
-             attn_implementation: str = "sdpa") -> dict[str, int]:
+             attn_implementation: str = "sdpa", loss_chunk_size: int | None = None) -> dict[str, int]:
     """Bytes per rank by category: params, grads, optimizer (persistent, what a rank holds between steps),
     buffers (transient: all-gathered layers, DDP gradient buckets), activations, total; cpu (bytes per
-    rank kept in host RAM by offload). `strategy` is a data-parallel one; tp_size composes with ddp and
+    rank kept in host RAM by offload), host (peak host RAM of the rank: hfpar.plan_memory.host_ram_bytes).
+    loss_chunk_size: the recipe's option (None: auto where the recipe applies it, 0: full logits). `strategy` is a data-parallel one; tp_size composes with ddp and
     fsdp2, ep_size with ddp (what hfpar runs). cp_size: each rank holds seq_len / cp tokens of every row
     (activations and logits / cp; the ring's gathered K / V of one layer are not counted); FSDP2 / ZeRO
     shard over dp x cp. config: a transformers config or ModelStats."""
@@ -175,6 +89,7 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
         raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: the planner models TP with ddp or fsdp2, EP with ddp")
     check_tp(stats, tp_size)
     check_ep(stats, ep_size)
+    check_loss_chunk(stats, loss_chunk_size)
     bp, bg, bo = state_bytes_per_param(mixed_precision)
     dp = world_size // (tp_size * cp_size) * cp_size  # the ranks states are sharded over: dp x cp
     # parameters this rank's model replica holds after TP / EP splitting
@@ -198,11 +113,23 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     act_bytes = 2 if mixed_precision == "bf16" else 4
     out["buffers"] = buffers
     out["activations"] = activation_bytes(stats, seq_len // cp_size, batch_size, tp=tp_size, checkpointing=checkpointing,
-                                          act_bytes=act_bytes, attn_implementation=attn_implementation)
+                                          act_bytes=act_bytes, attn_implementation=attn_implementation,
+                                          loss_chunk=chunk_tokens(stats, tp_size, loss_chunk_size))
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
     out["cpu"] = int(cpu)
+    out["host"] = host_ram_bytes(stats, strategy, dp=dp, tp=tp_size, ep=ep_size, lora=bool(lora_rank), local=local,
+                                 cpu=cpu)["peak"]
     return out
+
+
+def check_loss_chunk(stats: ModelStats, loss_chunk_size: int | None) -> None:
+    """The recipe's checks of --loss_chunk_size (hfpar.config, hfpar.preflight), as one-line PlanErrors."""
+    if loss_chunk_size is not None and loss_chunk_size < 0:
+        raise PlanError(f"--loss_chunk_size {loss_chunk_size}: must be >= 1 token, 0 (off) or unset (auto)")
+    if loss_chunk_size and stats.model_type not in CHUNK_FAMILIES:
+        raise PlanError(f"--loss_chunk_size {loss_chunk_size}: model_type {stats.model_type!r} is not among the "
+                        f"families checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset")
 
 
 @dataclass(frozen=True)
@@ -272,7 +199,7 @@ def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: in
 
 
 def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, seq_len: int, batch_size: int,
-                   checkpointing: bool, mixed_precision: str) -> str:
+                   checkpointing: bool, mixed_precision: str, loss_chunk_size: int | None = None) -> str:
     single = gpus_per_node * nodes == 1 and cand == Candidate("ddp")
     cmd = (f"accelerate launch --config_file accelerate_configs/{'single' if single else cand.strategy}.yaml "
            f"--num_processes {gpus_per_node * nodes}")
@@ -285,22 +212,28 @@ def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, 
     cmd += f" --ep_size {cand.ep}" if cand.ep > 1 else ""
     cmd += f" --cp_size {cand.cp}" if cand.cp > 1 else ""
     cmd += f" --pp_size {cand.pp}" if cand.pp > 1 else ""
+    cmd += f" --loss_chunk_size {loss_chunk_size}" if loss_chunk_size is not None else ""
     return cmd + (" --gradient_checkpointing" if checkpointing else "")
 
 
 def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
-    """The pipeline's most loaded stage (1F1B), by total bytes, as a row of the table."""
+    """The pipeline's most loaded stage (1F1B), by total bytes, as a row of the table (host RAM: every rank loads
+    the whole model, then keeps its stage)."""
     rows, _ = pipeline_estimate(stats, pp, world, schedule="1f1b", **kw)
     worst = max(rows, key=lambda r: r["total"])
-    return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0}
+    host = host_ram_bytes(stats, "ddp", dp=world // pp, pp=pp)["peak"]
+    return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0,
+                                                                                                    "host": host}
 
 
 def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1, seq_len: int = 2048,
          batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, tp_size: int | None = None,
          ep_size: int | None = None, attn_implementation: str = "sdpa",
-         cp_size: int | None = None) -> tuple[str, Candidate | None]:
-    """The readable table, the recommendation and its launch command; returns (text, recommended)."""
+         cp_size: int | None = None, loss_chunk_size: int | None = None) -> tuple[str, Candidate | None]:
+    """The readable table, the recommendation and its launch command; returns (text, recommended).
+    loss_chunk_size as the recipe's option; an explicit chunk drops pipeline rows (the recipe refuses them)."""
     stats = model_stats(config)
+    check_loss_chunk(stats, loss_chunk_size)
     world = num_gpus * num_nodes
     if tp_size:
         check_tp(stats, tp_size)
@@ -316,9 +249,9 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
     kw.pop("lora_rank")   # hfpar's pipeline trains every parameter (LoRA with PP is refused)
     rows = [(c, *(_pp_worst(stats, c.pp, world, checkpointing=ck, **kw) if c.pp > 1 else
                   estimate(stats, c.strategy, world, tp_size=c.tp, ep_size=c.ep, cp_size=c.cp, checkpointing=ck,
-                           lora_rank=lora_rank, **kw) for ck in (False, True)))
+                           lora_rank=lora_rank, loss_chunk_size=loss_chunk_size, **kw) for ck in (False, True)))
             for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
-            if not (c.pp > 1 and lora_rank)]
+            if not (c.pp > 1 and (lora_rank or loss_chunk_size))]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
     lines = [f"{model}: {stats.n_params / 1e9:.3f}B parameters ({stats.n_layers} layers, hidden {stats.hidden}, "
@@ -327,15 +260,21 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
              f"{num_nodes} node(s) x {num_gpus} GPU(s) of {gpu_memory_gb:g} GiB (budget {budget / GiB:.1f} GiB: "
              f"{RESERVE:.0%} kept free); seq_len {seq_len}, batch {batch_size}/GPU, mixed precision {mixed_precision}, "
              f"{f'LoRA rank {lora_rank}' if lora_rank else 'full fine-tuning'}, Adam",
-             "", f"{unit} per GPU    params   grads  optim  buffers  activ (ckpt)  total (ckpt)  fits"]
+             "", f"{unit} per GPU    params   grads  optim  buffers  activ (ckpt)  total (ckpt)   host  fits"]
     for c, plain, ck in rows:
         fits = "yes" if plain["total"] <= budget else "ckpt" if ck["total"] <= budget else "no"
         cpu = f"  + {g(plain['cpu'])} {unit} CPU RAM/GPU" if plain["cpu"] else ""
         lines.append(f"{c.label:<16}{g(plain['params']):>6}  {g(plain['grads']):>6} {g(plain['optimizer']):>6}  "
                      f"{g(plain['buffers']):>7}  {g(plain['activations']):>5} ({g(ck['activations'])})  "
-                     f"{g(plain['total']):>6} ({g(ck['total'])})  {fits}{cpu}")
+                     f"{g(plain['total']):>6} ({g(ck['total'])})  {g(plain['host']):>6}  {fits}{cpu}")
+    chunk = chunk_tokens(stats, 1, loss_chunk_size)
     lines.append("(ckpt) = with --gradient_checkpointing; activations: Korthikanti et al. 2022, "
-                 + ("eager attention (s x s scores stored)" if attn_implementation == "eager" else "sdpa/flash attention"))
+                 + ("eager attention (s x s scores stored)" if attn_implementation == "eager" else "sdpa/flash attention")
+                 + (f", chunked LM loss ({chunk} tokens/chunk at tp 1; pipelines: full logits)" if chunk else
+                    ", full fp32 logits (" + ("--loss_chunk_size 0)" if loss_chunk_size == 0 else
+                                              f"the recipe's chunked loss is off for model_type {stats.model_type!r})")))
+    lines.append(f"host = peak host RAM per rank: {HOST_OVERHEAD / GiB:.2f} GiB per process + loading (fp32; whole "
+                 "model: DDP, ZeRO-1/2, LoRA, PP; shards: FSDP2, ZeRO-3, TP / EP) or offload's CPU bytes")
     pp_rows = [c for c, _, _ in rows if c.pp > 1]
     if pp_rows:
         shown = next((c for c, p, _ in rows if c.pp > 1 and p["total"] <= budget), pp_rows[-1])
@@ -347,7 +286,8 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
         return "\n".join(lines), None
     cand, ckpt = best
     lines += ["", f"recommended: {cand.label}" + (" with activation checkpointing" if ckpt else ""),
-              launch_command(cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision)]
+              launch_command(cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision,
+                             loss_chunk_size)]
     if lora_rank:
         lines.append("note: hfpar's recipes train every parameter; the LoRA estimate is for a PEFT LoRA run")
     return "\n".join(lines), cand

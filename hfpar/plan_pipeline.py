@@ -7,17 +7,20 @@ What hfpar's pipeline (hfpar.parallel.pipeline, over DDP) holds on the ranks of 
                                embedding counted on the first stage, final norm + LM head on the last; a tied
                                embedding is held by both), x the bytes per parameter of plan.state_bytes_per_param
   activations                  each micro-batch (batch_size / m rows) keeps its layers' activations (Korthikanti et
-                               al. 2022, as plan.activation_bytes) from its forward to its backward; the schedule
+                               al. 2022, as plan_memory.activation_bytes) from its forward to its backward; the schedule
                                decides how many are in flight: GPipe all m, 1F1B p - s, interleaved 1F1B Megatron's
                                warm-up (p - s - 1) x 2 + (V - 1) x p + 1 chunk micro-batches (each 1/V of the
                                stage's layers). Counted by walking the runner's own order (schedule_order), the last
-                               stage's fp32 logits included.
+                               stage's fp32 logits included (the recipe's chunked LM loss is off with pp > 1:
+                               hfpar.parallelize.chunk_loss; the last stage's loss takes the full logits).
   bubble                       (p - 1) / (m + p - 1) for GPipe and 1F1B, divided by V for interleaved 1F1B
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+from hfpar.plan_memory import activation_bytes
 
 GiB = 1024**3
 
@@ -45,7 +48,7 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
     """([bytes per rank of stage s, by category, + "layers" and "in_flight"] for s in stages, bubble fraction);
     plan.PlanError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
     from hfpar.parallel.pipeline.schedule import SCHEDULES, schedule_order  # noqa: PLC0415
-    from hfpar.plan import PlanError, activation_bytes, state_bytes_per_param  # noqa: PLC0415  (plan imports us)
+    from hfpar.plan import PlanError, state_bytes_per_param  # noqa: PLC0415  (plan imports us)
 
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     if schedule not in SCHEDULES:

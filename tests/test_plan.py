@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import Gemma2Config, LlamaConfig
 
 from hfpar import data
 from hfpar.cli import main as cli
-from hfpar.plan import PlanError, estimate, plan
+from hfpar.chunked_loss import LOGITS_PER_CHUNK
+from hfpar.plan import PlanError, estimate, model_stats, plan
+from hfpar.plan_memory import HOST_OVERHEAD, activation_bytes
 from tests.launch import read_run_info
 from tests.results import record
 
@@ -108,13 +111,13 @@ def test_plan_recommends_sharding_for_7b(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("gpu_memory_gb, recommended, config, extra", [
-    # 40 GiB (budget 36.0): FSDP2 needs 43.72 GiB, 28.25 with checkpointing
+    # (chunked LM loss, the recipe's default) 40 GiB (budget 36.0): FSDP2 needs 44.40 GiB, 28.93 with checkpointing
     (40, "FSDP2 with activation checkpointing", "fsdp2", " --gradient_checkpointing"),
-    # 31 GiB (budget 27.9): FSDP2 with checkpointing needs 28.25 GiB, FSDP2 + TP2 27.26
+    # 31 GiB (budget 27.9): FSDP2 with checkpointing needs 28.93 GiB, FSDP2 + TP2 27.81
     (31, "FSDP2 + TP2 with activation checkpointing", "fsdp2", " --tp_size 2 --gradient_checkpointing"),
-    # 24 GiB (budget 21.6): no GPU-resident strategy fits even with checkpointing; offload needs 18.62 GiB
+    # 24 GiB (budget 21.6): no GPU-resident strategy fits even with checkpointing; offload needs 19.30 GiB
     (24, "ZeRO-3 offload", "zero3_offload", ""),
-    # 19 GiB (budget 17.1): offload fits only with checkpointing (3.15 GiB)
+    # 19 GiB (budget 17.1): offload fits only with checkpointing (3.83 GiB)
     (19, "ZeRO-3 offload with activation checkpointing", "zero3_offload", " --gradient_checkpointing"),
 ])
 def test_plan_recommendation_for_7b_on_two_nodes(tmp_path, capsys, gpu_memory_gb, recommended, config, extra):
@@ -157,6 +160,9 @@ def _meta_model(config):
 @pytest.mark.parametrize("argv, message", [
     (["--num_gpus", "0", "--gpu_memory_gb", "80"], "--num_gpus: 0 must be > 0"),
     (["--num_gpus", "8", "--gpu_memory_gb", "80", "--tp_size", "5"], "--tp_size 5 does not divide num_attention_heads 12"),
+    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "-3"],
+     "--loss_chunk_size -3: must be >= 1 token, 0 (off) or unset (auto)"),
+    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "two"], "--loss_chunk_size: invalid int value: 'two'"),
 ])
 def test_plan_errors_are_one_line(tmp_path, capsys, argv, message):
     model = llama_dir(tmp_path, "m", 768, 12, 12, 3072)
@@ -189,8 +195,8 @@ def test_plan_context_parallel_estimate_and_recommendation():
     recommends CP (without recomputation) when activations dominate at the requested seq_len, not otherwise."""
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=32000)
-    one = estimate(cfg, "fsdp2", 8, seq_len=65536)
-    two = estimate(cfg, "fsdp2", 8, seq_len=65536, cp_size=2)
+    one = estimate(cfg, "fsdp2", 8, seq_len=65536, loss_chunk_size=0)  # exact halving with the full logits (the
+    two = estimate(cfg, "fsdp2", 8, seq_len=65536, cp_size=2, loss_chunk_size=0)  # chunked loss has a fixed part)
     assert abs(two["activations"] / one["activations"] - 0.5) < 1e-6 and two["params"] == one["params"]
     with pytest.raises(PlanError, match="--tp_size 2 x --cp_size 3 = 6 does not divide the world size 8"):
         estimate(cfg, "fsdp2", 8, tp_size=2, cp_size=3)
@@ -236,3 +242,85 @@ def test_plan_pipeline_stages_schedules_and_recommendation():
     assert "  interleaved_1f1b " in text and "bubble 13.6%" in text and "bubble 27.3%" in text
     _, one_node = plan(cfg, "llama-7b", num_gpus=8, gpu_memory_gb=80, seq_len=4096, batch_size=8)
     assert one_node.pp == 1
+
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("mixed_precision, tp", [("bf16", 1), ("no", 1), ("bf16", 2)])
+def test_chunked_loss_activations_128k_vocab(mixed_precision, tp):
+    """The recipe's default chunked LM loss replaces the 4*N*V/t fp32 logits by the head input's gradient (N x H
+    fp32) and one chunk of LOGITS_PER_CHUNK // (V/t) tokens: C x V/t x (4 + 2) and the bf16 weight-gradient update
+    (V/t) x H x (2 + 4) in bf16, two chunks' fp32 logits in fp32; --loss_chunk_size 0 gives the full logits."""
+    stats = model_stats(LlamaConfig(**LLAMA3_8B))
+    s, b, h, v = 8192, 2, 4096, 128256 // tp
+    n = s * b
+    kw = dict(seq_len=s, batch_size=b, mixed_precision=mixed_precision, tp_size=tp)
+    full = estimate(stats, "fsdp2", 8, loss_chunk_size=0, **kw)["activations"]
+    chunked = estimate(stats, "fsdp2", 8, **kw)["activations"]
+    body = activation_bytes(replace(stats, vocab=0), s, b, tp=tp, act_bytes=2 if mixed_precision == "bf16" else 4)
+    assert full == body + 4 * n * v  # the unchunked figure, as before
+    c = LOGITS_PER_CHUNK // v
+    assert c == {1: 523, 2: 1046}[tp]
+    kept = 4 * n * h + (c * v * 6 + v * h * 6 if mixed_precision == "bf16" else 2 * c * v * 4)
+    assert chunked == body + kept, (chunked - body, kept)
+    assert full - chunked == 4 * n * v - kept and full - chunked > 2**30  # 4.27 / 7.08 / 1.82 GiB less at 16k tokens
+    explicit = estimate(stats, "fsdp2", 8, loss_chunk_size=2048, **kw)["activations"]
+    assert explicit - chunked == (2048 - c) * v * (6 if mixed_precision == "bf16" else 8)
+
+
+def test_chunked_loss_off_where_the_recipe_leaves_it_off():
+    """Gemma 2 soft-caps its logits after the head: not among chunked_loss.FAMILIES, so the recipe's auto mode
+    takes the full logits (the plan too), and an explicit chunk is refused like the recipe's preflight."""
+    cfg = Gemma2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=128256)
+    auto, off = (estimate(cfg, "ddp", 2, seq_len=4096, loss_chunk_size=c)["activations"] for c in (None, 0))
+    assert auto == off
+    with pytest.raises(PlanError, match="--loss_chunk_size 512: model_type 'gemma2' is not among the families"):
+        estimate(cfg, "ddp", 2, loss_chunk_size=512)
+    with pytest.raises(PlanError, match=r"^--loss_chunk_size -1: must be >= 1 token, 0 \(off\) or unset \(auto\)$"):
+        estimate(LlamaConfig(**LLAMA3_8B), "ddp", 2, loss_chunk_size=-1)
+
+
+def test_host_ram_per_strategy(tmp_path):
+    """Host RAM per rank, as hfpar loads: every rank reads the whole model in fp32 + maps the (bf16) checkpoint
+    under DDP / ZeRO-1/2 (6 bytes/param), FSDP2 its dim-0 shard (6/N), TP its slices, ZeRO-3 its fp32 partition
+    while rank 0 maps the whole checkpoint; LoRA loads whole even with FSDP2; offload keeps its CPU bytes."""
+    d = llama_dir(tmp_path, "m", 4096, 32, 32, 11008)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(d)
+    stats = model_stats(config)
+    n = stats.n_params
+    assert stats.checkpoint_bytes == 2 and model_stats(LlamaConfig(**LLAMA3_8B)).checkpoint_bytes == 4
+    host = {s: estimate(config, s, 8)["host"] - HOST_OVERHEAD for s in ("ddp", "zero1", "zero2", "fsdp2", "zero3")}
+    assert host["ddp"] == host["zero1"] == host["zero2"] == 6 * n
+    assert host["fsdp2"] == pytest.approx(6 * n / 8, abs=1) and host["zero3"] == pytest.approx(4 * n / 8 + 2 * n, abs=1)
+    assert host["ddp"] > host["zero3"] > host["fsdp2"]
+    tp2 = estimate(config, "ddp", 8, tp_size=2)["host"] - HOST_OVERHEAD
+    assert host["ddp"] / 2 < tp2 < host["ddp"] / 2 * 1.01  # half, plus the norms every TP rank holds whole
+    assert estimate(config, "fsdp2", 8, lora_rank=16)["host"] - HOST_OVERHEAD == 6 * n
+    off = estimate(config, "zero3_offload", 8)
+    assert off["host"] == HOST_OVERHEAD + max(host["zero3"], off["cpu"]) and off["cpu"] == 16 * n // 8
+
+
+def test_plan_prints_host_ram_and_loss_chunk(tmp_path, capsys):
+    model = llama_dir(tmp_path, "llama-7b", 4096, 32, 32, 11008)
+    argv = ["--model", str(model), "--num_gpus", "8", "--gpu_memory_gb", "80", "--seq_len", "4096"]
+    out = plan_output(capsys, argv)
+    lines = out.splitlines()
+    assert lines[3].split()[-2:] == ["host", "fits"] and "chunked LM loss (2097 tokens/chunk" in out
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    for label, strategy in (("DDP ", "ddp"), ("FSDP2 ", "fsdp2"), ("ZeRO-3 ", "zero3")):
+        row = next(line for line in lines if line.startswith(label))
+        assert row.split()[-2] == f"{estimate(config, strategy, 8, seq_len=4096)['host'] / 2**30:.2f}", row
+    assert "DDP + PP2" in out
+    chunk = plan_output(capsys, [*argv, "--loss_chunk_size", "1024"])
+    assert "DDP + PP" not in chunk and chunk.splitlines()[-1].endswith(" --loss_chunk_size 1024")  # refused with PP
+    off = plan_output(capsys, [*argv, "--loss_chunk_size", "0"])
+    assert "full fp32 logits (--loss_chunk_size 0)" in off and off.splitlines()[-1].endswith(" --loss_chunk_size 0")
