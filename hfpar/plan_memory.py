@@ -14,13 +14,15 @@ activations:
   grad_h          the precomputed gradient of the head's input, N x H fp32 (hfpar's fp32 master weights keep the
                   residual stream fp32 under autocast), N = s*b tokens of the rank (the full N under TP)
   one chunk       C x V/t fp32 logits, turned in place into their gradient; in bf16 plus its bf16 copy (dz), and
-                  the weight-gradient update of each chunk, (dz^T h) in bf16 and its fp32 copy: (V/t) x H x (2 + 4);
+                  the weight-gradient update of each chunk, (dz^T h) in bf16 and its fp32 copy, made in row blocks
+                  of at most C x V/t elements: min(C, H) x (V/t) x (2 + 4);
                   in fp32 the next chunk's logits are formed while the previous ones are alive: 2 chunks
 The head's weight gradient (fp32, allocated by forward here, by backward on the unchunked path at the same point
 of the step) and the bf16 copy of the weight are in both paths and counted in neither. Checked on CPU against
 the peak live tensor bytes of chunked_linear_cross_entropy (N 2048, H 512, V 32768, C 256, a dispatch mode
 counting every storage ops create): fp32 200 MiB = these terms 68 + grad_w 64 + views of the inputs 68; bf16
-autocast 248 MiB = 148 + grad_w 64 + the bf16 weight 32 + a view of h 4.
+autocast 200 MiB = 100 + grad_w 64 + the bf16 weight 32 + a view of h 4 (248 = 148 + ... before the
+weight-gradient update was split into row blocks).
 
 Host RAM per rank (peak = overhead + max(loading, steady state)), from hfpar.loading.loading_mode:
   full      from_pretrained in fp32 (the recipe's master weights): the whole model, 4 bytes/param, on every rank
@@ -150,7 +152,7 @@ def output_layer_bytes(stats, tokens: int, *, tp: int = 1, loss_chunk: int = 0, 
     c = min(loss_chunk, tokens)
     grad_h = 4 * tokens * stats.hidden
     if bf16:
-        return grad_h + c * v * (4 + 2) + v * stats.hidden * (2 + 4)
+        return grad_h + c * v * (4 + 2) + min(c, stats.hidden) * v * (2 + 4)
     return grad_h + (2 if tokens > c else 1) * c * v * 4
 
 
