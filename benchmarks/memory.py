@@ -3,13 +3,13 @@
     python benchmarks/memory.py                   # both sections; writes benchmarks/results/memory_cpu.{json,md,png}
     python benchmarks/memory.py --sections load   # one section (the other is kept from memory_cpu.json)
 
-Takes about 40 minutes on 2 CPU cores (load section ~25, loss section ~15; see `minutes` in memory_cpu.json).
+Takes about 20 minutes on 2 busy CPU cores (measured: load 13.8, loss 1.8 with 2 new cases; `minutes` in the JSON).
 
 load: a random-init Llama of 233M parameters (hidden 1024, 10 layers, intermediate 4096, vocab 32000, untied;
 932 MB fp32), built from a config and saved as safetensors by this script (nothing downloaded). The issue asked for
-~0.5B; one AdamW step of 0.47B at 4 processes peaks at ~17 GB of host memory (measured ~37 bytes per parameter
-across the ranks of a 106M run), more than this shared 24 GB machine can spare, hence the smaller model (the
-loading figures scale with it). The sft recipe, fp32, 1 optimizer step, batch 1 x 32 tokens, no eval, no
+~0.5B; one FSDP2 AdamW step of 0.47B at 2 or 4 processes would peak at ~18-19 GB of host memory (37 bytes per
+parameter across the ranks in tests/test_loading_recipe.py's 106M run, plus ~0.5 GB start-up per process), more
+than this shared 24 GB machine can spare, hence the smaller model (the loading figures scale with it). The sft recipe, fp32, 1 optimizer step, batch 1 x 32 tokens, no eval, no
 checkpoints, no export, one launch at a time, at 1 / 2 / 4 processes under
   fsdp2.yaml      sharded: each rank reads its FSDP2 dim-0 shards (and --sharded_loading false at 2)
   zero3.yaml      from_pretrained under DeepSpeed's zero.Init (partitioned as it loads)
@@ -21,9 +21,11 @@ over the run (`host_peak_rss`), each also minus the same launch with the tiny mo
 peak); tokens/s of the step. A watchdog stops a launch whose process tree passes --max_rss_gib (recorded).
 
 loss: benchmarks/loss_memory.py's measurement (each case in a fresh process) over vocab 32k / 128k / 152k and 4k
-to 32k tokens; the unchunked logits path only where it fits under UNCHUNKED_CAP (it needs ~3 x N x V x 4 bytes:
-32k vocab x 32k tokens and 152k x 8k would take 12-15 GiB), the chunked one everywhere (larger chunked cases
-are left out for time: ~500 tokens/s at 128k+ vocab on 2 cores).
+to 32k tokens: its committed rows (loss_memory_cpu.json: 32k x 4k / 8k, 128k x 4k / 8k, 152k x 4k) plus the cases
+it lacks (32k x 16k, 32k x 32k) measured here with its code; the unchunked logits path only where it fits under
+UNCHUNKED_CAP (~3 x N x V x 4 bytes; every case here does: 32k x 32k measured 11.8 GiB), the chunked one
+everywhere. More tokens at 128k+ vocab are not in the grid: the unchunked path would need 15-28 GiB (152k x 8k and
+up), more than this machine has, and the chunked one runs at ~500 tokens/s there on 2 cores (minutes per case).
 """
 
 from __future__ import annotations
@@ -59,11 +61,20 @@ LOAD_CASES = [("fsdp2", n, "fsdp2", [], True) for n in (1, 2, 4)] + \
              [("tp2", 2, "ddp", ["--tp_size", "2"], True), ("tp2", 4, "fsdp2", ["--tp_size", "2"], True)] + \
              [("fsdp2", 2, "fsdp2", [], False)] + [("tp2", 2, "ddp", ["--tp_size", "2"], False)]
 TOKENS = (4096, 8192, 16384, 32768)
-LOSS_CASES = [(32_000, n) for n in TOKENS] + [(128_256, n) for n in TOKENS[:2]] + [(151_936, n) for n in TOKENS[:2]]
+LOSS_CASES = [(32_000, n) for n in TOKENS] + [(128_256, n) for n in TOKENS[:2]] + [(151_936, 4096)]
 UNCHUNKED_CAP = 12 * 2**30   # bytes: the 128k x 8k case (11.8 GiB measured) is the largest that fits here
 
 
 def build(path: Path, config: dict) -> int:
+    """Save a random-init Llama of `config` (+ the repo's tokenizer) in a child process -> its parameter count. Not
+    here: a child's ru_maxrss starts at its parent's peak RSS (Linux keeps it across fork and exec), and the loss
+    cases run as children of this process."""
+    out = subprocess.run([sys.executable, __file__, "--build", str(path), json.dumps(config)], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _build_here(path: str, config: dict) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,8 +88,13 @@ def build(path: Path, config: dict) -> int:
 
 
 def _tree_rss(proc: psutil.Process) -> int:
+    """RSS of the launcher and its descendants (0 for any that exits while they are counted)."""
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
     total = 0
-    for p in [proc, *proc.children(recursive=True)]:
+    for p in procs:
         try:
             total += p.memory_info().rss
         except psutil.Error:
@@ -139,7 +155,7 @@ def load_section(max_rss: int) -> dict:
             if "error" not in got and "error" not in base:
                 row["load_minus_tiny"] = [a - b for a, b in zip(got["load"], base["load"])]
                 row["run_minus_tiny"] = [a - b for a, b in zip(got["run"], base["run"])]
-            tqdm.write(f"{name} x{n} {'sharded' if sharded else 'full'}: "
+            tqdm.write(f"{name} x{n} {got.get('mode', 'sharded' if sharded else 'full')}: "
                        + (got.get("error") or f"load {[human_bytes(b) for b in got['load']]}, "
                                                  f"run {[human_bytes(b) for b in got['run']]}"))
             rows.append(row)
@@ -148,13 +164,20 @@ def load_section(max_rss: int) -> dict:
 
 
 def loss_section() -> dict:
-    rows, capped = [], []
-    for v, n in tqdm(LOSS_CASES, desc="loss", unit="case"):
-        rows.append(loss_memory.run("chunked", v, n))
+    """loss_memory_cpu.json's rows (benchmarks/loss_memory.py, same measurement) plus the LOSS_CASES it lacks,
+    measured now with its code; each row says which run it comes from."""
+    prior = json.loads((RESULTS / "loss_memory_cpu.json").read_text())
+    assert prior["hidden"] == loss_memory.H, "rerun benchmarks/loss_memory.py first (hidden size changed)"
+    rows = [dict(r, source="loss_memory_cpu.json") for r in prior["rows"]]
+    have, capped = {(r["vocab"], r["tokens"]) for r in rows}, []
+    todo = [c for c in LOSS_CASES if c not in have]
+    for v, n in tqdm(todo, desc="loss", unit="case"):
+        rows.append(dict(loss_memory.run("chunked", v, n), source="memory.py"))
         if 3 * n * v * 4 <= UNCHUNKED_CAP:
-            rows.append(loss_memory.run("unchunked", v, n))
+            rows.append(dict(loss_memory.run("unchunked", v, n), source="memory.py"))
         else:
             capped.append([v, n])
+    rows.sort(key=lambda r: (r["vocab"], r["tokens"]))
     return {"hidden": loss_memory.H, "unchunked_cap_bytes": UNCHUNKED_CAP, "capped": capped, "rows": rows}
 
 
@@ -174,9 +197,10 @@ def report(res: dict) -> str:
                   "| strategy | processes | loading | load peak | load - tiny | x model | run peak | run - tiny |"
                   " tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in ld["rows"]:
-            head = f"| {r['strategy']} (`{r['config']}.yaml {' '.join(r['flags'])}`) | {r['processes']} |"
+            cmd = " ".join([f"{r['config']}.yaml", *r["flags"]])
+            head = f"| {r['strategy']} (`{cmd}`) | {r['processes']} |"
             if "error" in r:
-                lines.append(f"{head} {'sharded' if r['sharded'] else 'full'} | {r['error']} | | | | | |")
+                lines.append(f"{head} - | {r['error']} | | | | | |")
                 continue
             x = max(r["load_minus_tiny"]) / ld["model_fp32_bytes"]
             lines.append(f"{head} {r['mode']} | {_mb_list(r['load'])} | {_mb_list(r['load_minus_tiny'])} | {x:.2f} |"
@@ -189,16 +213,17 @@ def report(res: dict) -> str:
                   f"{ls['hidden']}, forward + backward of the summed loss, peak RSS above the inputs, median of 3. "
                   f"Unchunked only where ~3 x N x V x 4 bytes <= {human_bytes(ls['unchunked_cap_bytes'])}; capped "
                   f"(not run, would not fit this 24 GB shared machine): "
-                  + ", ".join(f"V={v} x N={n}" for v, n in ls["capped"]) + ".", "",
-                  "| vocab | tokens | unchunked peak | chunked peak | ratio | unchunked tok/s | chunked tok/s |",
-                  "|---|---|---|---|---|---|---|"]
+                  + (", ".join(f"V={v} x N={n}" for v, n in ls["capped"]) or "none of the cases here") + ".", "",
+                  "| vocab | tokens | unchunked peak | chunked peak | ratio | unchunked tok/s | chunked tok/s | run |",
+                  "|---|---|---|---|---|---|---|---|"]
         by = {(r["mode"], r["vocab"], r["tokens"]): r for r in ls["rows"]}
         for v, n in dict.fromkeys((r["vocab"], r["tokens"]) for r in ls["rows"]):
             c, u = by[("chunked", v, n)], by.get(("unchunked", v, n))
             lines.append(f"| {v} | {n} | {human_bytes(u['peak_bytes']) if u else 'capped'} | "
                          f"{human_bytes(c['peak_bytes'])} | {c['peak_bytes'] / u['peak_bytes']:.2f} | "
-                         f"{u['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} |" if u else
-                         f"| {v} | {n} | capped | {human_bytes(c['peak_bytes'])} | | | {c['tokens_per_s']:.0f} |")
+                         f"{u['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} | {c['source']} |" if u else
+                         f"| {v} | {n} | capped | {human_bytes(c['peak_bytes'])} | | | {c['tokens_per_s']:.0f} |"
+                         f" {c['source']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -236,7 +261,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default="load,loss", help="comma separated: load, loss")
     p.add_argument("--max_rss_gib", type=float, default=14.0, help="stop a launch whose process tree passes this")
+    p.add_argument("--build", nargs=2, metavar=("PATH", "CONFIG_JSON"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.build:
+        print(_build_here(a.build[0], json.loads(a.build[1])))
+        return
     path = RESULTS / "memory_cpu.json"
     res = json.loads(path.read_text()) if path.exists() else {}
     for section in a.sections.split(","):

@@ -21,7 +21,11 @@ reduce-scatter, the allocator's retained pages), not loading, sets that peak. So
 same figure; the full-load runs are asserted to exceed it (the measure sees a whole model held on a rank).
 Measured: FSDP2 0.005-0.007x sharded against 1.11x full; TP 0.25x sharded against 1.50-2.33x full. The
 baseline's own peak is set by start-up (imports, data: ~500 MiB), so the difference is the growth beyond that
-peak, which can be less than the bytes a rank holds (FSDP2: a 202 MiB shard grows the peak by ~3 MiB).
+peak, which can be less than the bytes a rank holds. And under FSDP2 the shard itself is not resident yet when
+that figure is taken: safetensors 0.8 returns a dim-0 slice as a view of its mmap of the file (a contiguous byte
+range; no copy), so the shard's pages come in on first use (checked by hand: half of each tensor of a 537 MB
+file, 256 MB, grew RSS by 9 MB when sliced and by 318 MB once summed): the FSDP2 figure (~3 MiB) says that no
+rank copied the whole model, not how big its shard is. TP's column slices are copies: its 0.25x includes them.
 
 The trained result: each sharded run's exported weights equal its full-load run's within 1e-6 (max abs; measured 0).
 """
