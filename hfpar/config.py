@@ -78,6 +78,7 @@ class RecipeArgs:
     max_eval_samples: int | None = None
     log_comm_bytes: bool = False  # count the bytes each rank sends per step, by collective type (metrics.jsonl "comm")
     save_final_model: bool = True  # false: skip the final HF-format export (benchmarks, throwaway runs)
+    sharded_loading: bool = True  # false: every rank loads the whole checkpoint with from_pretrained (the reference / a fallback)
     # --- hfpar -----------------------------------------------------------------------------------
     tp_size: int = 1
     ep_size: int = 1

@@ -49,6 +49,8 @@ _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
     """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices read on each rank before the wrap,
     ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why) from_pretrained."""
+    if not args.sharded_loading:
+        return "full", "--sharded_loading false"
     model_parallel = ctx.tp > 1 or ctx.ep > 1
     if args.use_peft:
         return "full", "LoRA adapters are built on the loaded base model (sharded loading not yet)"
