@@ -12,9 +12,10 @@ it will hold.
 
 Files and formats: hfpar.loading_files (mmap reads of a box of a tensor). Names: hfpar.loading_views (a pipeline
 stage's layers -> global names, PEFT's base layers, the last stage's tied LM head -> the embedding's key).
-Still loaded whole by from_pretrained (loading_mode says why): --upcycle_experts (experts built from the dense
-MLPs), generic MoE blocks under model / pipeline parallelism, ZeRO-3 (partitioned as it loads) and DDP / ZeRO-1/2
-without model parallelism (every rank holds the whole model).
+--upcycle_experts under TP / EP: each rank builds only its experts from the dense MLPs (hfpar.loading_upcycle).
+Still loaded whole by from_pretrained (loading_mode says why): --upcycle_experts without TP / EP, generic MoE
+blocks under model / pipeline parallelism, ZeRO-3 (partitioned as it loads) and DDP / ZeRO-1/2 without model
+parallelism (every rank holds the whole model).
 
 Why by hand (checked against transformers 5.24 / accelerate 1.15): transformers' own TP loading
 (`from_pretrained(tp_plan=...)`) shards into its DTensor layers, not hfpar's (whose ShardSpecs the backends, grad
@@ -43,6 +44,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
 
 from hfpar.loading_files import Files, checkpoint_index, read
+from hfpar.loading_upcycle import load_upcycled_experts
 from hfpar.loading_views import hf_view
 from hfpar.parallel.comm import group_rank
 from hfpar.parallel.sharding import set_shard_spec, shard_spec
@@ -55,18 +57,20 @@ _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
     """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices / the pipeline stage read on each
-    rank before the wrap, ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why) from_pretrained."""
+    rank before the wrap, ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why)
+    from_pretrained. LoRA follows the base model's mode (its adapters are drawn whole, as with from_pretrained)."""
     model_parallel = ctx.tp > 1 or ctx.ep > 1
-    if args.upcycle_experts:
-        return "full", "--upcycle_experts builds the experts from the dense MLP weights"
+    if args.upcycle_experts and not model_parallel:
+        return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
     if (model_parallel or ctx.pp > 1) and any(getattr(config, f, None) for f in _MOE_FIELDS):
         from hfpar.parallel.expert_parallel.families import MOE_FAMILIES  # noqa: PLC0415
         if config.model_type not in MOE_FAMILIES:   # generic MoE blocks are probed with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
-    if ctx.pp > 1:   # LoRA's adapters (like the skeleton's missing keys) are initialised whole, as with from_pretrained
+    if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
         return "sharded", f"each rank reads only its pipeline stage's tensors{' (its TP slices)' if ctx.tp > 1 else ''}"
     if model_parallel:
-        return "sharded", "each rank reads its TP / EP slices"
+        return "sharded", "each rank reads its TP / EP slices" + (
+            " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else "")
     if strategy == "fsdp2":
         return "fsdp2", "each rank reads its FSDP2 dim-0 shards"
     if strategy == "zero3":
@@ -257,6 +261,7 @@ def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
     """Materialise every meta tensor of `model` (after TP / EP / LoRA / the pipeline stage split, before the
     data-parallel wrap) with this rank's slice read from the checkpoint files; names through hf_view (a stage's
     layers, PEFT's base layers). Returns {"tensors": n, "bytes_read": b} (this rank's)."""
+    upcycled = load_upcycled_experts(model, index)   # --upcycle_experts: this rank's experts from the dense MLPs
     hf, hf_name = hf_view(model)
     tensors = _tensor_names(model)
     full = {n: hf_name(n) for t, names in tensors.values() for n in names}      # this model's name -> the HF model's
@@ -268,7 +273,7 @@ def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
                          f"{' ...' if len(lost) > 5 else ''} (parameters built after loading must be initialised)")
     todo = [(t, sorted(names, key=lambda n: not sources.has(full[n]))) for t, names in todo]   # sourced name first
     files = Files(index, _keys_needed(sources, [full[names[0]] for _, names in todo]))
-    done = 0
+    done = upcycled
     for t, names in todo:
         value = _load_tensor(files, sources, [full[n] for n in names], t, hf)
         done += value.numel() * value.element_size()

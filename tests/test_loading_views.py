@@ -1,6 +1,7 @@
-"""Sharded loading into pipeline stages, LoRA models and from *.bin checkpoints (hfpar.loading_views,
-hfpar.loading_files): each equals the full load (from_pretrained) followed by the same LoRA / TP / stage split /
-FSDP2 sharding, max abs diff 0, and reads less than the whole checkpoint.
+"""Sharded loading into pipeline stages, LoRA models, upcycled experts and from *.bin checkpoints
+(hfpar.loading_views, loading_upcycle, loading_files): each equals the full load (from_pretrained) followed by the
+same LoRA / upcycling / TP / EP / stage split / FSDP2 sharding, max abs diff 0, and reads less than the whole
+checkpoint.
 
     python -m pytest -q -s tests/test_loading_views.py
 
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, Phi3Config
 
 from hfpar.loading import build_skeleton, checkpoint_index, fsdp2_loader, load_sharded, loading_mode
+from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe
 from hfpar.parallel.pipeline import PipelineChunks, PipelineStage, balanced_split
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
@@ -218,6 +220,29 @@ def _save_bin_shards(state: dict, path: str) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
+def _upcycled(rank, world, path):
+    """--upcycle_experts 4 under EP 2 (each rank 2 experts) and under TP 2 (MoE blocks whole: 4 experts on each TP
+    rank, EP groups of one rank): equal to from_pretrained + upcycle + EP (+ TP), routers included."""
+    index = checkpoint_index(path)
+    singles = [dist.new_group([r]) for r in range(world)]          # every rank creates every group
+    for how, ep_group in (("ep2", None), ("tp2", singles[rank])):
+        def build(model, meta: bool):
+            upcycle_to_moe(model, 4, 2, seed=5)
+            apply_expert_parallel(model, ep_group, check_replicated=not meta)
+            return apply_tensor_parallel(model) if how == "tp2" else model
+        ref, got = build(_full(path), False), build(_skeleton(path), True)
+        info = load_sharded(got, index)
+        _assert_same(ref, got, f"upcycled {how}")
+        assert got.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (2 if how == "ep2" else 4), how
+        assert info["bytes_read"] <= _checkpoint_bytes(index), (how, info)
+        dist.barrier()
+
+
+def test_upcycled_experts_built_from_the_dense_mlp(tmp_path):
+    path = _save(tmp_path / "m", LlamaConfig(**LAYERS4, tie_word_embeddings=True))
+    run_distributed(_upcycled, 2, path)
+
+
 def test_loading_mode_of_compositions():
     """Which compositions load sharded (a pipeline stage, with TP / LoRA / any data-parallel strategy; LoRA under
     FSDP2) and which stay full, with the reason."""
@@ -230,4 +255,5 @@ def test_loading_mode_of_compositions():
     assert [mode(pp=2), mode("fsdp2", pp=2), mode("zero1", pp=2), mode(pp=2, tp=2), mode(pp=2, peft=True)] == \
         ["sharded"] * 5
     assert mode("fsdp2", peft=True) == "fsdp2" and mode("fsdp2") == "fsdp2" and mode(tp=2) == "sharded"
+    assert mode(ep=2, upcycle=4) == mode(tp=2, upcycle=4) == "sharded"
     assert [mode(peft=True), mode("zero3", peft=True), mode(upcycle=4), mode("fsdp2", upcycle=4)] == ["full"] * 4
