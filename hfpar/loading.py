@@ -1,12 +1,21 @@
-"""Sharded loading of a pretrained safetensors checkpoint: each rank reads only the slices it will hold.
+"""Sharded loading of a pretrained checkpoint (safetensors, or zip-format *.bin): each rank reads only the slices
+it will hold.
 
-    index = checkpoint_index(resolve_checkpoint("path/or/hub-id"))    # {tensor name: file}, None: not safetensors
+    index = checkpoint_index(resolve_checkpoint("path/or/hub-id"))    # {tensor name: file}, None: neither format
     model = build_skeleton(cls, path, index)    # parameters on meta (missing keys initialised), buffers computed
-    apply_tensor_parallel(model, ctx); apply_expert_parallel(model, ctx, check_replicated=False)   # on meta
-    load_sharded(model, index)                  # this rank's TP rows / columns (each packed part), its experts,
-                                                # everything else whole; equal to from_pretrained + shard
-    # plain FSDP2: Accelerate's fully_shard on the meta skeleton, then fsdp2_loader(index) reads each rank's
-    # dim-0 shard of every DTensor (hfpar.backends.accelerate_dp)
+    model, _ = parallelize(model, args, ctx, "lm", strategy)   # LoRA (adapters drawn on CPU as usual), TP / EP,
+                                                # pipeline stage split: all on meta
+    load_sharded(model, index)                  # this rank's TP rows / columns (each packed part), its experts, its
+                                                # stage's layers, everything else whole; = from_pretrained + same
+    # plain FSDP2 (LoRA too): Accelerate's fully_shard on the meta skeleton, then fsdp2_loader(index) reads each
+    # rank's dim-0 shard of every DTensor (hfpar.backends.accelerate_dp)
+
+Files and formats: hfpar.loading_files (mmap reads of a box of a tensor). Names: hfpar.loading_views (a pipeline
+stage's layers -> global names, PEFT's base layers, the last stage's tied LM head -> the embedding's key).
+--upcycle_experts under TP / EP: each rank builds only its experts from the dense MLPs (hfpar.loading_upcycle).
+Still loaded whole by from_pretrained (loading_mode says why): --upcycle_experts without TP / EP, generic MoE
+blocks under model / pipeline parallelism, ZeRO-3 (partitioned as it loads) and DDP / ZeRO-1/2 without model
+parallelism (every rank holds the whole model).
 
 Why by hand (checked against transformers 5.24 / accelerate 1.15): transformers' own TP loading
 (`from_pretrained(tp_plan=...)`) shards into its DTensor layers, not hfpar's (whose ShardSpecs the backends, grad
@@ -21,7 +30,6 @@ key is initialised whole and sharded like a loaded one; same distribution as fro
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import defaultdict
@@ -29,41 +37,42 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 from accelerate import init_empty_weights
-from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
 
+from hfpar.loading_files import Files, checkpoint_index, read
+from hfpar.loading_upcycle import load_upcycled_experts
+from hfpar.loading_views import hf_view
 from hfpar.parallel.comm import group_rank
 from hfpar.parallel.sharding import set_shard_spec, shard_spec
 
 __all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sharded", "fsdp2_loader", "is_meta",
            "loading_mode"]
 
-INDEX = "model.safetensors.index.json"
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
-    """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices read on each rank before the wrap,
-    ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why) from_pretrained."""
+    """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices / the pipeline stage read on each
+    rank before the wrap, ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why)
+    from_pretrained. LoRA follows the base model's mode (its adapters are drawn whole, as with from_pretrained)."""
     if not args.sharded_loading:
         return "full", "--sharded_loading false"
     model_parallel = ctx.tp > 1 or ctx.ep > 1
-    if args.use_peft:
-        return "full", "LoRA adapters are built on the loaded base model (sharded loading not yet)"
-    if args.upcycle_experts:
-        return "full", "--upcycle_experts builds the experts from the dense MLP weights"
-    if ctx.pp > 1:
-        return "full", "pipeline stages are split from the loaded model (sharded loading not yet)"
-    if model_parallel and any(getattr(config, f, None) for f in _MOE_FIELDS):
+    if args.upcycle_experts and not model_parallel:
+        return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
+    if (model_parallel or ctx.pp > 1) and any(getattr(config, f, None) for f in _MOE_FIELDS):
         from hfpar.parallel.expert_parallel.families import MOE_FAMILIES  # noqa: PLC0415
         if config.model_type not in MOE_FAMILIES:   # generic MoE blocks are probed with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
+    if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
+        return "sharded", f"each rank reads only its pipeline stage's tensors{' (its TP slices)' if ctx.tp > 1 else ''}"
     if model_parallel:
-        return "sharded", "each rank reads its TP / EP slices"
+        return "sharded", "each rank reads its TP / EP slices" + (
+            " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else "")
     if strategy == "fsdp2":
         return "fsdp2", "each rank reads its FSDP2 dim-0 shards"
     if strategy == "zero3":
@@ -73,30 +82,18 @@ def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
 
 def resolve_checkpoint(name_or_path: str) -> str | None:
     """A local directory holding the checkpoint: the path itself, or a hub id's snapshot in the HF cache (fetched
-    like from_pretrained would; only *.json / *.safetensors). None when that fails (from_pretrained decides)."""
+    like from_pretrained would: *.json / *.safetensors, or *.bin where the repo has no safetensors). None when
+    that fails (from_pretrained decides)."""
     if os.path.isdir(name_or_path):
         return name_or_path
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415  (hub ids only)
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
+        path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
+        if checkpoint_index(path) is None:
+            path = snapshot_download(name_or_path, allow_patterns=["*.json", "pytorch_model*.bin"])
+        return path
     except Exception:  # noqa: BLE001 - not a hub repo, offline, gated: the full from_pretrained path reports it
         return None
-
-
-def checkpoint_index(path: str | None) -> dict[str, str] | None:
-    """{tensor name: safetensors file} of a checkpoint directory (sharded index or *.safetensors); None if it
-    has no safetensors weights (e.g. only pytorch_model.bin: loaded whole by from_pretrained)."""
-    if path is None or not os.path.isdir(path):
-        return None
-    if os.path.isfile(os.path.join(path, INDEX)):
-        with open(os.path.join(path, INDEX)) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    index = {}
-    for name in files:
-        with safe_open(os.path.join(path, name), "pt") as f:
-            index.update({k: os.path.join(path, name) for k in f.keys()})
-    return index or None
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -108,14 +105,14 @@ class _Sources:
     """For each model state-dict name: the checkpoint key that holds it, or (converter, {pattern: [(index, key)]})
     when transformers' conversion mapping builds it from several keys (per-expert weights -> 3-D experts)."""
 
-    def __init__(self, model: nn.Module, index: dict[str, str]):
+    def __init__(self, model: nn.Module, index: dict[str, str], names: dict | None = None):
         mapping = get_model_conversion_mapping(model)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         # name -> tensor: transformers adds / strips base_model_prefix (a BertModel checkpoint into a
         # BertForSequenceClassification) only where the name maps to a tensor (a None value reads as absent)
-        names = model.state_dict(keep_vars=True)
+        names = model.state_dict(keep_vars=True) if names is None else names   # or a view's (hf_view)
         prefix = getattr(model, "base_model_prefix", None)
         self.direct: dict[str, str] = {}
         self.converted: dict[str, tuple] = {}
@@ -140,41 +137,6 @@ class _Sources:
         return name in self.direct or name in self.converted
 
 
-class _Files:
-    """safe_open handles, each closed once no tensor still to read needs it, so the pages of at most the files
-    in use are mapped (safetensors reads through mmap: touched pages count in the process's RSS)."""
-
-    def __init__(self, index: dict[str, str], keys_needed: list[str]):
-        self.index = index
-        self.left = defaultdict(int)
-        for k in keys_needed:
-            self.left[index[k]] += 1
-        self.open: dict[str, object] = {}
-
-    def slice(self, key: str):
-        path = self.index[key]
-        if path not in self.open:
-            self.open[path] = safe_open(path, "pt")
-        return self.open[path].get_slice(key)
-
-    def done(self, key: str) -> None:
-        path = self.index[key]
-        self.left[path] -= 1
-        if self.left[path] == 0 and path in self.open:
-            del self.open[path]
-
-
-def _read(files: _Files, key: str, box: list[tuple[int, int]] | None) -> torch.Tensor:
-    """The box [(start, stop) per leading dim] of a checkpoint tensor (None: all of it); only those bytes read."""
-    sl = files.slice(key)
-    if box:
-        out = sl[tuple(slice(a, b) for a, b in box)]
-    else:                                              # all of it (a 0-d tensor cannot be sliced)
-        out = sl[:] if sl.get_shape() else files.open[files.index[key]].get_tensor(key)
-    files.done(key)
-    return out
-
-
 def _boxes(t: torch.Tensor, shape: list[int]) -> list[list[tuple[int, int]]]:
     """What this rank holds of the full tensor `shape`, as boxes concatenated along one dim (in order):
     a TP / EP ShardSpec (each packed part's rows or columns), an FSDP2 DTensor's local shard, or all of it."""
@@ -192,13 +154,13 @@ def _boxes(t: torch.Tensor, shape: list[int]) -> list[list[tuple[int, int]]]:
     return boxes
 
 
-def _converted(files: _Files, conv: WeightConverter, lists: dict, boxes, model) -> torch.Tensor:
+def _converted(files: Files, conv: WeightConverter, lists: dict, boxes, model) -> torch.Tensor:
     """Run transformers' converter ops on the source tensors this rank needs: with a first MergeModulelist(dim=0)
     (per-expert keys stacked into the experts dim), only the experts inside the boxes' dim-0 range are read."""
     lo, hi = min(b[0][0] for b in boxes), max(b[0][1] for b in boxes)
     by_index = isinstance(conv.operations[0], MergeModulelist) and conv.operations[0].dim == 0
     keep = (lambda i: lo <= i < hi) if by_index else (lambda i: True)
-    tensors = {p: [_read(files, k, None) for i, k in sorted(lists[p]) if keep(i)] for p in conv.source_patterns
+    tensors = {p: [read(files, k, None) for i, k in sorted(lists[p]) if keep(i)] for p in conv.source_patterns
                if p in lists}
     for k in (k for lst in lists.values() for i, k in lst if not keep(i)):
         files.done(k)                                   # other ranks' experts: never read here
@@ -215,7 +177,7 @@ def _cat_dim(boxes) -> int:
     return len(boxes[0]) - 1 if len(boxes) > 1 else 0
 
 
-def _load_tensor(files: _Files, sources: _Sources, names: list[str], t: torch.Tensor, model) -> torch.Tensor:
+def _load_tensor(files: Files, sources: _Sources, names: list[str], t: torch.Tensor, model) -> torch.Tensor:
     name = next(n for n in names if sources.has(n))
     if isinstance(t, DTensor):                        # FSDP2: a DTensor's shape is the full one
         shape = list(t.shape)
@@ -227,8 +189,8 @@ def _load_tensor(files: _Files, sources: _Sources, names: list[str], t: torch.Te
     boxes = _boxes(t, shape)
     if name in sources.direct:
         key = sources.direct[name]
-        files.left[files.index[key]] += len(boxes) - 1
-        parts = [_read(files, key, box) for box in boxes]
+        files.expect(key, len(boxes) - 1)
+        parts = [read(files, key, box) for box in boxes]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=_cat_dim(boxes))
     else:
         out = _converted(files, *sources.converted[name], boxes, model)
@@ -298,22 +260,27 @@ def _assign(model: nn.Module, names: list[str], value: torch.Tensor, old: torch.
 # ----------------------------------------------------------------------------- load
 @torch.no_grad()
 def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
-    """Materialise every meta tensor of `model` (after TP / EP, before the data-parallel wrap) with this rank's
-    slice read from the checkpoint files. Returns {"tensors": n, "bytes_read": b} (this rank's)."""
-    sources = _Sources(model, index)
-    todo = [(t, names) for t, names in _tensor_names(model).values() if t.is_meta]
-    lost = [names[0] for t, names in todo if not any(sources.has(n) for n in names)]
+    """Materialise every meta tensor of `model` (after TP / EP / LoRA / the pipeline stage split, before the
+    data-parallel wrap) with this rank's slice read from the checkpoint files; names through hf_view (a stage's
+    layers, PEFT's base layers). Returns {"tensors": n, "bytes_read": b} (this rank's)."""
+    upcycled = load_upcycled_experts(model, index)   # --upcycle_experts: this rank's experts from the dense MLPs
+    hf, hf_name = hf_view(model)
+    tensors = _tensor_names(model)
+    full = {n: hf_name(n) for t, names in tensors.values() for n in names}      # this model's name -> the HF model's
+    sources = _Sources(hf, index, {full[n]: t for t, names in tensors.values() for n in names})
+    todo = [(t, names) for t, names in tensors.values() if t.is_meta]
+    lost = [full[names[0]] for t, names in todo if not any(sources.has(full[n]) for n in names)]
     if lost:
         raise ValueError(f"load_sharded: the checkpoint has no tensor for {', '.join(lost[:5])}"
                          f"{' ...' if len(lost) > 5 else ''} (parameters built after loading must be initialised)")
-    todo = [(t, sorted(names, key=lambda n: not sources.has(n))) for t, names in todo]   # a name with a source first
-    files = _Files(index, _keys_needed(sources, [names[0] for _, names in todo]))
-    read = 0
+    todo = [(t, sorted(names, key=lambda n: not sources.has(full[n]))) for t, names in todo]   # sourced name first
+    files = Files(index, _keys_needed(sources, [full[names[0]] for _, names in todo]))
+    done = upcycled
     for t, names in todo:
-        value = _load_tensor(files, sources, names, t, model)
-        read += value.numel() * value.element_size()
+        value = _load_tensor(files, sources, [full[n] for n in names], t, hf)
+        done += value.numel() * value.element_size()
         _assign(model, names, value, t)
-    return {"tensors": len(todo), "bytes_read": read}
+    return {"tensors": len(todo), "bytes_read": done}
 
 
 def fsdp2_loader(index: dict[str, str]):
@@ -324,9 +291,11 @@ def fsdp2_loader(index: dict[str, str]):
 
     @torch.no_grad()
     def load(accelerator, model, full_sd, cpu_offload=False):  # noqa: ARG001 - accelerate's signature
-        sources = _Sources(model, index)
+        hf, hf_name = hf_view(model)        # a PEFT model (LoRA): its base layers' names
         sharded = model.state_dict()
-        files = _Files(index, _keys_needed(sources, [n for n in sharded if sources.has(n)]))
+        names = {n: hf_name(n) for n in sharded}
+        sources = _Sources(hf, index, {names[n]: t for n, t in sharded.items()})
+        files = Files(index, _keys_needed(sources, [names[n] for n in sharded if sources.has(names[n])]))
         out = {}
         for name, t in sharded.items():
             full = full_sd.get(name)
@@ -334,7 +303,7 @@ def fsdp2_loader(index: dict[str, str]):
                 box = _boxes(t, list(t.shape))[0]
                 local = full[tuple(slice(a, b) for a, b in box)].to(t.dtype).contiguous()
             else:
-                local = _load_tensor(files, sources, [name], t, model)
+                local = _load_tensor(files, sources, [names[name]], t, hf)
             local = local.to(accelerator.device if not cpu_offload else "cpu")
             out[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                            stride=t.stride())

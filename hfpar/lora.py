@@ -8,7 +8,9 @@
 
 Options carry TRL's names (--use_peft, --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules).
 The LoRA init is drawn right after `torch.manual_seed(args.seed)`, so it is the same on every rank and
-in a single-process run. The final export (`export_lora`) works under every data-parallel strategy:
+in a single-process run; on a meta skeleton (hfpar.loading: base weights read later, this rank's part only) the
+adapters are drawn on CPU exactly as on a loaded model (PEFT's moves to the base layer's meta device are skipped).
+The final export (`export_lora`) works under every data-parallel strategy:
 it gathers the full state dict (collective; FSDP2 / ZeRO-3 shards included) and, on the main process,
 writes either the adapter (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained`)
 or, with --merge_adapter, the merged model as a plain HF checkpoint (`from_pretrained`).
@@ -16,11 +18,12 @@ or, with --merge_adapter, the merged model as a plain HF checkpoint (`from_pretr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 
-from hfpar.distributed import gathered_state_dict, unwrap
+from hfpar.distributed import gathered_state_dict, swapped, unwrap
 
 ADAPTER = "default"
 
@@ -51,11 +54,25 @@ def apply_lora(model: torch.nn.Module, args, task: str) -> torch.nn.Module:
 
     config = lora_config(args, task)
     torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
+    meta = any(p.is_meta for p in model.parameters())
     try:
-        return get_peft_model(model, config)
+        with swapped(torch.nn.Module, "to", _not_to_meta) if meta else contextlib.nullcontext():
+            return get_peft_model(model, config)
     except ValueError as exc:  # e.g. target modules not found in the base model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
+
+
+_module_to = torch.nn.Module.to
+
+
+def _not_to_meta(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
+    """nn.Module.to, with a move to the meta device dropped (its dtype kept): PEFT moves each new adapter to its
+    base layer's device, which on a meta skeleton would discard the adapter's initial values."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    if device is not None and device.type == "meta":
+        return _module_to(module, dtype=dtype) if dtype is not None else module
+    return _module_to(module, *args, **kwargs)
 
 
 def trainable_summary(model: torch.nn.Module) -> dict:

@@ -72,8 +72,8 @@ def _without_zero3_init():
 
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, strategy: str = "single"):
     """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
-    sharded / fsdp2 return a meta skeleton that hfpar.loading fills with this rank's slices (after TP / EP, or
-    during the FSDP2 wrap)."""
+    sharded / fsdp2 return a meta skeleton that hfpar.loading fills with this rank's slices (after LoRA, TP / EP
+    and the pipeline stage split, or during the FSDP2 wrap)."""
     from hfpar import loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
 
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
@@ -92,7 +92,8 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
         mode, why = loading.loading_mode(args, ctx, strategy, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
-        load = {"mode": mode if index else "full", "why": why if index or mode == "full" else "no *.safetensors weights"}
+        load = {"mode": mode if index else "full",
+                "why": why if index or mode == "full" else "no *.safetensors or zip-format *.bin weights"}
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
         model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
@@ -169,7 +170,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     model, load = load_model(args, task, num_labels, ctx, strategy)
     try:
         model, extra = parallelize(model, args, ctx, task, strategy)
-        if load["mode"] == "sharded":  # TP / EP applied on the meta skeleton: read this rank's slices
+        if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
             from hfpar.loading import load_sharded  # noqa: PLC0415
 
             load.update(load_sharded(model, load["index"]))

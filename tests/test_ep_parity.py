@@ -50,6 +50,16 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
+def test_upcycled_runs_build_only_their_experts(ep_runs):
+    """No launch of its own: with EP (and TP) every rank upcycles the meta skeleton and builds only its experts from
+    the dense MLP weights (loading "sharded"); without (ddp_ep1) the whole model loads, then upcycles."""
+    for case in CASES:
+        load = read_run_info(ep_runs[case])["loading"]
+        want = "full" if case == "ddp_ep1" else "sharded"
+        assert load["mode"] == want, (case, load)
+        assert want == "full" or "upcycled experts" in load["why"], (case, load)
+
+
 @pytest.fixture(scope="module")
 def upcycled_weights(base_model, ep_runs, tmp_path_factory) -> dict[str, torch.Tensor]:
     """What the EP runs train from, in the exported files' layout: the base model upcycled in process as the

@@ -19,13 +19,13 @@ TP 3.2x sharded, 3.9-4.0x full load: training (gathered root parameters, unshard
 reduce-scatter, the allocator's retained pages), not loading, sets that peak. So the 0.65x bound is asserted on the loading peak,
 `host_peak_rss_after_load_bytes_per_rank` (ru_maxrss once the model is loaded and wrapped), minus the baseline's
 same figure; the full-load runs are asserted to exceed it (the measure sees a whole model held on a rank).
-Measured: FSDP2 0.005-0.007x sharded against 1.11x full; TP 0.25x sharded against 1.50-2.33x full. The
-baseline's own peak is set by start-up (imports, data: ~500 MiB), so the difference is the growth beyond that
-peak, which can be less than the bytes a rank holds. And under FSDP2 the shard itself is not resident yet when
-that figure is taken: safetensors 0.8 returns a dim-0 slice as a view of its mmap of the file (a contiguous byte
-range; no copy), so the shard's pages come in on first use (checked by hand: half of each tensor of a 537 MB
-file, 256 MB, grew RSS by 9 MB when sliced and by 318 MB once summed): the FSDP2 figure (~3 MiB) says that no
-rank copied the whole model, not how big its shard is. TP's column slices are copies: its 0.25x includes them.
+Measured: FSDP2 0.62x sharded against 1.11x full; TP 0.62x sharded against 2.3-2.5x full (a rank's half, 0.5x,
+plus one tensor in flight and the allocator's slack). The baseline's own peak is set by start-up (imports, data:
+~500 MiB), so the difference is the growth beyond that peak. hfpar.loading_files copies each box it reads out of
+the file's mmap and closes the map per tensor: safetensors returns a contiguous range as a view of its mmap, and
+before the copy the FSDP2 shards were views paged in on first use (0.005x at this point, growing in training),
+the parameters tied to the checkpoint file staying unchanged; with the map held for the whole load, the pages
+read counted on top of the copies (1.1x).
 
 The trained result: each sharded run's exported weights equal its full-load run's within 1e-6 (max abs; measured 0).
 """

@@ -243,6 +243,16 @@ def test_only_lora_params_trainable_and_counted(runs):
 
 
 @slow
+def test_lora_base_model_loads_sharded(runs):
+    """No launch of its own: under fsdp2 each rank reads its dim-0 shards of the base model, under pp=2 its stage's
+    tensors (the adapters drawn as in the single run: the parity tests above hold the results to it)."""
+    assert read_run_info(runs["fsdp2"])["loading"]["mode"] == "fsdp2"
+    pp = read_run_info(runs["pp2_merged"])["loading"]
+    assert pp["mode"] == "sharded" and "pipeline stage" in pp["why"], pp
+    assert read_run_info(runs["ddp"])["loading"]["mode"] == "full"
+
+
+@slow
 def test_classify_lora_trains_the_head_via_modules_to_save(runs, base_model):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification

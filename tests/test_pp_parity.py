@@ -55,6 +55,16 @@ def test_pp_matches_single_per_step(pp_runs, single_run, case):
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
 
 
+def test_pp_ranks_read_only_their_stage(pp_runs, base_weights):
+    """No launch of its own: every pipeline run loaded sharded, rank 0 (first stage) reading under 3/4 of the
+    checkpoint (about half: its layers and the embedding; a quarter at pp=4 or with tp=2)."""
+    whole = sum(t.numel() * t.element_size() for t in base_weights.values())
+    for case in CASES:
+        load = read_run_info(pp_runs[case])["loading"]
+        assert load["mode"] == "sharded" and "pipeline stage" in load["why"], (case, load)
+        assert 0 < load["bytes_read"] < 0.75 * whole, (case, load["bytes_read"], whole)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights, case):
     assert_export_matches(single_run, pp_runs[case], case, initial=base_weights)
