@@ -71,16 +71,18 @@ TRACED = ("ovf_single", "ovf_ddp", "ovf_tp2")  # GradScaler runs (DeepSpeed's sc
 ZERO2_SCALE18 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
                  "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
                  "fp16": {"enabled": "auto", "initial_scale_power": 18, "hysteresis": 1}}
-ZERO2_YAML = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {json}\n  zero3_init_flag: false\n"
-              "num_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\nuse_cpu: false\n")
+ZERO2_YAML = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {json}\n"
+              "  zero3_init_flag: false\nnum_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n"
+              "use_cpu: false\n")
 # Measured (2026-11-25, this file with -s; largest relative difference over the 8 steps, loss / grad_norm):
 # ddp 8.1e-6 / 3.1e-5, fsdp2 2.4e-4 / 3.9e-4 (fp16 parameters and grad reduction: Accelerate's FSDP2 policy),
 # zero2 3.6e-5 / 2.4e-4, zero3 2.8e-5 / 2.4e-4 (DeepSpeed: fp16 weights), tp2 7.8e-6 / 3.1e-5, tp2_fsdp2 3.4e-4 /
 # 4.6e-4, cp2 8.1e-6 / 1.6e-4, pp2 5.2e-6 / 7.8e-5, ep2 1.0e-5 / 6.0e-5, lora_ddp 4.4e-6 / 9.0e-5; final eval loss
 # vs the fp32 single run <= 9.8e-5 (fsdp2, tp2_fsdp2), <= 2.2e-5 for the others; single fp16 vs fp32 loss 1.1e-5.
-# Overflow runs vs ovf_single: ovf_ddp 1.5e-5 / 7.5e-5, ovf_tp2 5.5e-5 / 6.7e-5.
-LOSS_TOL = {"fsdp2": 1e-3, "tp2_fsdp2": 1e-3}   # per case; others DEFAULT_LOSS_TOL
-NORM_TOL = {"fsdp2": 1.5e-3, "tp2_fsdp2": 1.5e-3}
+# Overflow runs vs ovf_single (grad_norm: steps 3-8): ovf_ddp 1.5e-5 / 7.5e-5, ovf_tp2 5.5e-5 / 6.7e-5, ovf_zero2
+# 7.7e-5 / 5.9e-4 (DeepSpeed's fp16 weights against autocast over fp32 ones).
+LOSS_TOL = {"fsdp2": 1e-3, "tp2_fsdp2": 1e-3, "ovf_zero2": 2.5e-4}   # per case; others DEFAULT_LOSS_TOL
+NORM_TOL = {"fsdp2": 1.5e-3, "tp2_fsdp2": 1.5e-3, "ovf_zero2": 2e-3}
 DEFAULT_LOSS_TOL, DEFAULT_NORM_TOL, EVAL_TOL, FP32_TOL = 1.5e-4, 7e-4, 3e-4, 3.5e-5
 
 
@@ -135,13 +137,13 @@ def test_fp16_matches_single_fp16(fp16_runs, single_run, case):
     loss = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, ref))
     norm = max(_rel(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
     assert [g["num_target_tokens"] for g in got] == [r["num_target_tokens"] for r in ref]
-    fp32_train, fp32_eval = read_metrics(single_run)
-    vs_fp32 = _rel(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else float("nan")
-    print(f"FP16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {_rel(got_eval[-1]['eval_loss'], ref_eval[-1]['eval_loss']):.2e}"
-          f" eval vs fp32 single {vs_fp32:.2e}")
+    fp32_eval = read_metrics(single_run)[1]
+    vs_ref = _rel(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"])
+    vs_fp32 = _rel(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else math.nan
+    print(f"FP16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {vs_ref:.2e} eval vs fp32 single {vs_fp32:.2e}")
     loss_tol, norm_tol = LOSS_TOL.get(case, DEFAULT_LOSS_TOL), NORM_TOL.get(case, DEFAULT_NORM_TOL)
     assert loss <= loss_tol and norm <= norm_tol, (loss, norm)
-    assert _rel(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"]) <= loss_tol
+    assert vs_ref <= loss_tol
     if CASES[case][4] == "single":
         assert vs_fp32 <= EVAL_TOL, vs_fp32
 
@@ -176,7 +178,7 @@ def test_overflowed_steps_skipped_on_every_rank(fp16_runs, case):
     loss = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, ref))
     norm = max(_rel(g["grad_norm"], r["grad_norm"]) for g, r in zip(got[2:], ref[2:]))
     print(f"FP16 overflow {case}: loss {loss:.2e} grad_norm (steps 3-8) {norm:.2e}")
-    assert loss <= DEFAULT_LOSS_TOL and norm <= DEFAULT_NORM_TOL, (loss, norm)
+    assert loss <= LOSS_TOL.get(case, DEFAULT_LOSS_TOL) and norm <= NORM_TOL.get(case, DEFAULT_NORM_TOL), (loss, norm)
     assert all(r["grad_norm"] < 100 for r in got[2:])
     if case in TRACED:
         ranks = _trace(fp16_runs[case])
@@ -198,5 +200,6 @@ def test_fp16_without_the_test_patch_is_refused_in_one_line(tmp_path):
     proc = launch("ddp", 2, "sft", ["--output_dir", str(tmp_path / "o")], check=False,
                   extra_launch=["--mixed_precision", "fp16"])
     assert proc.returncode != 0
-    assert "hfpar: error: --mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling" in proc.stderr
+    assert ("hfpar: error: --mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling"
+            in proc.stderr), proc.stderr[-2000:]
     assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]
