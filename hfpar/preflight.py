@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
 from hfpar import checkpoint as ckpt
@@ -51,10 +52,10 @@ def preflight(args, accelerator, task: str):
                                      {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size})
     except ConfigError as exc:
         problems.append(str(exc))
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        # Accelerate builds neither its fp16 autocast nor its GradScaler on CPU (native_amp is off there)
-        problems.append("--mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling there "
-                        "(the run would silently be fp32); use --mixed_precision bf16 or no")
+    if accelerator.mixed_precision == "fp16" and not fp16_loss_scaling(accelerator):
+        # Accelerate 1.15 builds neither its fp16 autocast nor its GradScaler on CPU (native_amp is off there)
+        problems.append(f"--mixed_precision fp16 on {accelerator.device.type.upper()}: Accelerate runs no fp16 autocast "
+                        "and no loss scaling there (the run would silently be fp32); use --mixed_precision bf16 or no")
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
@@ -65,6 +66,15 @@ def preflight(args, accelerator, task: str):
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     return ctx, backend_cls
+
+
+def fp16_loss_scaling(accelerator) -> bool:
+    """Whether an fp16 run would scale its loss: DeepSpeed with its own loss scaler, else Accelerate's GradScaler
+    (built on GPUs; none on CPU, where a run would be fp32 in disguise)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return True
+    scaler = getattr(accelerator, "scaler", None)
+    return scaler is not None and scaler.is_enabled()
 
 
 def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:

@@ -28,9 +28,10 @@ def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_laun
 
 
 def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool = True, timeout: int = 600,
-           extra_launch: list[str] | None = None) -> subprocess.CompletedProcess:
+           extra_launch: list[str] | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = launch_cmd(config, nproc, recipe, args, extra_launch)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc

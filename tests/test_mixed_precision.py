@@ -8,6 +8,7 @@ there), so the backends' clip / step are driven here with torch's CPU GradScaler
 Accelerate builds on a GPU: grads scaled as acc.backward leaves them, then backend.clip / overflowed / step as the
 trainer calls them. TP over DDP (a TP-sharded weight and a replicated bias), FSDP2 (DTensor grads) and PP=2
 (1F1B: the schedule's own backward). The trainer's side (an overflow is not a non-finite step) with a stub backend.
+Here an overflow on one rank only; real fp16 launches end to end: tests/test_fp16_parity.py.
 """
 
 from __future__ import annotations

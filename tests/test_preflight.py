@@ -10,8 +10,11 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
+from accelerate.utils import DistributedType
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from hfpar import checkpoint as ckpt
@@ -265,3 +268,15 @@ def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
     assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
                "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
     assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, "ddp", ModelParallelDDP) == []
+
+
+def test_fp16_refused_where_no_loss_scaling_would_happen():
+    """The condition is "no loss scaling would happen", not the device: DeepSpeed scales itself (its CPU accelerator
+    runs fp16), an enabled GradScaler scales (tests/fp16_cpu builds one on CPU); a disabled one (what a CUDA
+    GradScaler is without CUDA) or none (Accelerate on CPU) does not."""
+    multi = DistributedType.MULTI_CPU
+    assert pf.fp16_loss_scaling(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, scaler=None))
+    assert pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=torch.amp.GradScaler("cpu")))
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=off))
+    assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=None))

@@ -67,7 +67,11 @@ class Backend:
 
     def overflowed(self, grad_norm: float) -> bool:
         """fp16: the grads overflowed (the scaler skips this step and lowers its scale), not a bad step. The norm
-        is the global one here (grads reduced before it), so every rank answers the same."""
+        is the global one here (grads reduced before it), so every rank answers the same. DeepSpeed fp16: its
+        loss scaler already skipped the step inside backward (its overflow check is all-reduced over dp)."""
+        if self.steps_in_backward:
+            engine = self.model
+            return bool(engine.fp16_enabled()) and not engine.was_step_applied()
         return getattr(self.acc, "scaler", None) is not None and not math.isfinite(grad_norm)
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:

@@ -109,7 +109,7 @@ class ModelParallelDeepSpeed(Backend):
         if ctx.ep > 1 and mixed_precision == "fp16":
             p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
                      "DeepSpeed's fp16 loss scale; use bf16 or fp32")
-        elif mixed_precision == "fp16":  # TP / CP with TP: DeepSpeed's own loss scale, untestable on CPU
+        elif mixed_precision == "fp16":  # TP / CP with TP: DeepSpeed's own loss scale, with hfpar's mpu not verified
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "cp") if getattr(ctx, k) > 1)
             p.append(f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
                      "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)")
