@@ -3,7 +3,7 @@
     python benchmarks/memory.py                   # both sections; writes benchmarks/results/memory_cpu.{json,md,png}
     python benchmarks/memory.py --sections load   # one section (the other is kept from memory_cpu.json)
 
-Takes about 20 minutes on 2 busy CPU cores (measured: load 13.8, loss 1.8 with 2 new cases; `minutes` in the JSON).
+Takes about 7 minutes on 2 idle CPU cores (measured: load 4.6, loss 1.8; 13.8 for load on busy cores; `minutes` in the JSON).
 
 load: a random-init Llama of 233M parameters (hidden 1024, 10 layers, intermediate 4096, vocab 32000, untied;
 932 MB fp32), built from a config and saved as safetensors by this script (nothing downloaded). The issue asked for
