@@ -217,11 +217,12 @@ def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, 
 
 
 def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
-    """The pipeline's most loaded stage (1F1B), by total bytes, as a row of the table (host RAM: every rank loads
-    the whole model, then keeps its stage)."""
+    """The pipeline's most loaded stage (1F1B), by total bytes, as a row of the table (host RAM: each rank reads
+    only its stage's parameters)."""
     rows, _ = pipeline_estimate(stats, pp, world, schedule="1f1b", **kw)
     worst = max(rows, key=lambda r: r["total"])
-    host = host_ram_bytes(stats, "ddp", dp=world // pp, pp=pp)["peak"]
+    stage_params = worst["params"] / state_bytes_per_param(kw.get("mixed_precision", "bf16"))[0]
+    host = host_ram_bytes(stats, "ddp", dp=world // pp, pp=pp, local=stage_params)["peak"]
     return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0,
                                                                                                     "host": host}
 
@@ -274,7 +275,7 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
                     ", full fp32 logits (" + ("--loss_chunk_size 0)" if loss_chunk_size == 0 else
                                               f"the recipe's chunked loss is off for model_type {stats.model_type!r})")))
     lines.append(f"host = peak host RAM per rank: {HOST_OVERHEAD / GiB:.2f} GiB per process + loading (fp32; whole "
-                 "model: DDP, ZeRO-1/2, LoRA, PP; shards: FSDP2, ZeRO-3, TP / EP) or offload's CPU bytes")
+                 "model: DDP, ZeRO-1/2; shards: FSDP2, ZeRO-3, TP / EP, the PP stage; LoRA as its base) or offload's CPU bytes")
     pp_rows = [c for c, _, _ in rows if c.pp > 1]
     if pp_rows:
         shown = next((c for c, p, _ in rows if c.pp > 1 and p["total"] <= budget), pp_rows[-1])

@@ -26,10 +26,10 @@ weight-gradient update was split into row blocks).
 
 Host RAM per rank (peak = overhead + max(loading, steady state)), from hfpar.loading.loading_mode:
   full      from_pretrained in fp32 (the recipe's master weights): the whole model, 4 bytes/param, on every rank
-            (DDP, ZeRO-1/2, LoRA, upcycling, pipeline stages), + the checkpoint's pages it maps (its dtype)
+            (DDP, ZeRO-1/2, LoRA over them, upcycling without TP / EP), + the checkpoint's pages it maps (its dtype)
   zero3     under DeepSpeed's zero.Init: each rank's fp32 partition, 4/dp bytes/param; rank 0 maps the whole
             checkpoint (transformers reads it there, the other ranks use meta tensors)
-  sharded   TP / EP: this rank's slices, 4 bytes/param held + their checkpoint bytes read
+  sharded   TP / EP / PP: this rank's slices / its stage, 4 bytes/param held + their checkpoint bytes read
   fsdp2     each rank's dim-0 shard, 4/dp bytes/param + their checkpoint bytes (an upper bound on a GPU: each
             shard goes to the device as it is read)
   steady    what stays in host RAM while training: ZeRO-3 offload's CPU bytes (params, grads, optimizer)
@@ -175,7 +175,7 @@ def activation_bytes(stats, seq_len: int, batch_size: int, *, tp: int = 1, check
 
 def load_mode(stats, strategy: str, *, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False) -> str:
     """hfpar.loading.loading_mode for a planner row: sharded | fsdp2 | full (zero3_offload loads as zero3)."""
-    args = SimpleNamespace(use_peft=lora, upcycle_experts=False)
+    args = SimpleNamespace(use_peft=lora, upcycle_experts=False, sharded_loading=True)
     config = SimpleNamespace(model_type=stats.model_type, num_experts=stats.num_experts)
     strategy = "zero3" if strategy == "zero3_offload" else strategy
     return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp), strategy, config)[0]

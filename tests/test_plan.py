@@ -17,7 +17,7 @@ from transformers import Gemma2Config, LlamaConfig
 from hfpar import data
 from hfpar.cli import main as cli
 from hfpar.chunked_loss import LOGITS_PER_CHUNK
-from hfpar.plan import PlanError, estimate, model_stats, plan
+from hfpar.plan import PlanError, _pp_worst, estimate, model_stats, plan
 from hfpar.plan_memory import HOST_OVERHEAD, activation_bytes
 from tests.launch import read_run_info
 from tests.results import record
@@ -286,7 +286,7 @@ def test_chunked_loss_off_where_the_recipe_leaves_it_off():
 def test_host_ram_per_strategy(tmp_path):
     """Host RAM per rank, as hfpar loads: every rank reads the whole model in fp32 + maps the (bf16) checkpoint
     under DDP / ZeRO-1/2 (6 bytes/param), FSDP2 its dim-0 shard (6/N), TP its slices, ZeRO-3 its fp32 partition
-    while rank 0 maps the whole checkpoint; LoRA loads whole even with FSDP2; offload keeps its CPU bytes."""
+    while rank 0 maps the whole checkpoint; LoRA loads as its base model (FSDP2: shards); offload keeps its CPU bytes."""
     d = llama_dir(tmp_path, "m", 4096, 32, 32, 11008)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
@@ -302,7 +302,10 @@ def test_host_ram_per_strategy(tmp_path):
     assert host["ddp"] > host["zero3"] > host["fsdp2"]
     tp2 = estimate(config, "ddp", 8, tp_size=2)["host"] - HOST_OVERHEAD
     assert host["ddp"] / 2 < tp2 < host["ddp"] / 2 * 1.01  # half, plus the norms every TP rank holds whole
-    assert estimate(config, "fsdp2", 8, lora_rank=16)["host"] - HOST_OVERHEAD == 6 * n
+    assert estimate(config, "fsdp2", 8, lora_rank=16)["host"] - HOST_OVERHEAD == host["fsdp2"]
+    assert estimate(config, "ddp", 8, lora_rank=16)["host"] - HOST_OVERHEAD == 6 * n
+    pp2 = _pp_worst(stats, 2, 8, seq_len=2048, batch_size=1, mixed_precision="bf16", checkpointing=False)["host"]
+    assert host["ddp"] / 2 < pp2 - HOST_OVERHEAD < host["ddp"] * 0.6   # a PP rank reads its stage: about half
     off = estimate(config, "zero3_offload", 8)
     assert off["host"] == HOST_OVERHEAD + max(host["zero3"], off["cpu"]) and off["cpu"] == 16 * n // 8
 
