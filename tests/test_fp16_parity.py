@@ -66,9 +66,9 @@ EXTRA = {
     "cp2": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"], "single", None),
     "single_lora": ("single", 1, "4", LORA, None, None),
     "lora_ddp": ("ddp", 2, "2", LORA, "single_lora", None),
+    "zero1": ("zero1", 2, "2", [], "single", None),
+    "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single", LOW),
 }
-if os.environ.get("HFPAR_FP16_CASES") == "all":
-    CASES.update(EXTRA)
 OVERFLOW = {  # name: (accelerate config, processes, per-device batch, extra flags, initial loss scale)
     "ovf_single": ("single", 1, "4", [], 2.0 ** 20),
     "ovf_ddp": ("ddp", 2, "2", [], 2.0 ** 20),
@@ -76,6 +76,17 @@ OVERFLOW = {  # name: (accelerate config, processes, per-device batch, extra fla
     "ovf_zero2": ("zero2_fp16_scale18", 2, "2", [], 2.0 ** 18),  # set by the DeepSpeed config below
 }
 TRACED = ("ovf_single", "ovf_ddp", "ovf_tp2")  # GradScaler runs (DeepSpeed's scaler is its own)
+# HFPAR_FP16_CASES: "all" adds EXTRA to the default cases; names (e.g. zero1,pp2_fsdp2) run only those and their
+# references, without the overflow runs
+_NAMES = [n.strip() for n in os.environ.get("HFPAR_FP16_CASES", "").split(",") if n.strip()]
+if _NAMES == ["all"]:
+    CASES.update(EXTRA)
+elif _NAMES:
+    _EVERY = {**CASES, **EXTRA}
+    assert all(n in _EVERY for n in _NAMES), f"HFPAR_FP16_CASES {_NAMES}: known cases are all, {', '.join(_EVERY)}"
+    _KEEP = set(_NAMES) | {_EVERY[n][4] for n in _NAMES if _EVERY[n][4]}
+    CASES = {n: spec for n, spec in _EVERY.items() if n in _KEEP}
+    OVERFLOW = {}
 ZERO2_SCALE18 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
                  "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
                  "fp16": {"enabled": "auto", "initial_scale_power": 18, "hysteresis": 1}}
@@ -87,6 +98,9 @@ ZERO2_YAML = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_confi
 # zero2 3.6e-5 / 2.4e-4, zero3 2.8e-5 / 2.4e-4 (DeepSpeed: fp16 weights), tp2 7.8e-6 / 3.1e-5, tp2_fsdp2 3.4e-4 /
 # 4.6e-4, cp2 8.1e-6 / 1.6e-4, pp2 5.2e-6 / 7.8e-5, ep2 1.0e-5 / 6.0e-5, lora_ddp 4.4e-6 / 9.0e-5; final eval loss
 # vs the fp32 single run <= 9.8e-5 (fsdp2, tp2_fsdp2), <= 2.2e-5 for the others; single fp16 vs fp32 loss 1.1e-5.
+# EXTRA, measured with HFPAR_FP16_CASES=zero1 / pp2_fsdp2: zero1 (DeepSpeed's fp16) 2.3e-5 / 2.4e-4, pp2_fsdp2 (pp 2 x
+# dp 2, from scale 2**12) 1.1e-5 / 1.3e-4; eval vs fp32 single 1.3e-5 / 5.4e-6. EP x FSDP2 in fp16 is refused in one
+# line (the GradScaler's foreach unscale refuses the experts' plain grads beside FSDP2's DTensors: found here).
 # Overflow runs vs ovf_single (grad_norm: steps 3-8): ovf_ddp 1.5e-5 / 7.5e-5, ovf_tp2 5.5e-5 / 6.7e-5, ovf_zero2
 # 7.7e-5 / 5.9e-4 (DeepSpeed's fp16 weights against autocast over fp32 ones).
 LOSS_TOL = {"fsdp2": 1e-3, "tp2_fsdp2": 1e-3, "ovf_zero2": 2.5e-4}   # per case; others DEFAULT_LOSS_TOL
@@ -197,6 +211,7 @@ def test_overflowed_steps_skipped_on_every_rank(fp16_runs, case):
             assert [s["scale"] for s in steps] == scales[1:] + [scales[-1]]
 
 
+@pytest.mark.skipif("ovf_single" not in OVERFLOW, reason="HFPAR_FP16_CASES names cases: no overflow runs")
 def test_single_overflow_trace(fp16_runs):
     """The reference itself: Accelerate's GradScaler found the overflow and left the weights as they were."""
     (steps,) = _trace(fp16_runs["ovf_single"])

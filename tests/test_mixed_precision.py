@@ -297,6 +297,10 @@ def test_fp16_refusals_are_one_line():
     assert lines == ["--tp_size 2 with zero2 and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
                      "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"]
     assert ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "bf16") == []
+    assert ModelParallelFSDP2.check(args, ParallelContext.plan(2, ep=2), "fsdp2", "fp16") == [
+        "--ep_size 2 with fsdp2 and fp16: the GradScaler cannot unscale the experts' grads together with FSDP2's "
+        "sharded ones; use bf16 (or ddp.yaml with fp16)"]
+    assert ModelParallelFSDP2.check(args, ParallelContext.plan(2, ep=2), "fsdp2", "bf16") == []
 
 
 def test_fsdp2_offload_with_model_parallelism_refused(monkeypatch):

@@ -30,13 +30,19 @@ class ModelParallelFSDP2(ModelParallelBackend):
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+        p = []
         # the launcher passes fsdp_offload_params as this variable; Accelerate's plugin reads the same one
         if str_to_bool(os.environ.get("FSDP_OFFLOAD_PARAMS", "false"), to_bool=True):
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "ep", "cp") if getattr(ctx, k) > 1)
-            return [f"fsdp_offload_params: true with {flags}: hfpar's TP / EP grad reductions and norm run on the "
-                    "device, not on CPU-offloaded grads; set fsdp_offload_params: false (or use zero3_offload.yaml "
-                    "without model parallelism)"]
-        return []
+            p.append(f"fsdp_offload_params: true with {flags}: hfpar's TP / EP grad reductions and norm run on the "
+                     "device, not on CPU-offloaded grads; set fsdp_offload_params: false (or use zero3_offload.yaml "
+                     "without model parallelism)")
+        if ctx.ep > 1 and mixed_precision == "fp16":
+            # the experts stay outside FSDP2 (plain tensors) while the rest are DTensors: torch's GradScaler unscales
+            # one optimizer's grads in a single foreach call, which refuses the mix (measured in a CPU fp16 launch)
+            p.append(f"--ep_size {ctx.ep} with fsdp2 and fp16: the GradScaler cannot unscale the experts' grads "
+                     "together with FSDP2's sharded ones; use bf16 (or ddp.yaml with fp16)")
+        return p
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         mesh = self.ctx.dp_mesh(self.acc.device.type)
