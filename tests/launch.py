@@ -64,5 +64,10 @@ def model_with_unreadable_weights(src: str | Path, dst: str | Path) -> str:
     return str(dst)
 
 
+def rel_diff(a: float, b: float) -> float:
+    """|a - b| relative to the reference b (the parity files' per-step measure)."""
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
 def rel_close(a: float, b: float, tol: float) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)

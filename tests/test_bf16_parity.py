@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import COMMON
-from tests.launch import launch, read_metrics, read_run_info
+from tests.launch import launch, read_metrics, read_run_info, rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -152,25 +152,21 @@ def bf16_runs(base_model, tmp_path_factory) -> dict:
     return outs
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 @pytest.mark.parametrize("case", [c for c, spec in SELECTED.items() if spec[4]])
 def test_bf16_matches_single_bf16(bf16_runs, single_run, case):
     ref, ref_eval = read_metrics(bf16_runs[SELECTED[case][4]])
     got, got_eval = read_metrics(bf16_runs[case])
     assert len(got) == len(ref) == 8
-    loss = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, ref))
-    norm = max(_rel(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
+    loss = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, ref))
+    norm = max(rel_diff(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
     assert [g["num_target_tokens"] for g in got] == [r["num_target_tokens"] for r in ref]
     fp32_eval = read_metrics(single_run)[1][-1]["eval_loss"]
-    vs_fp32 = _rel(got_eval[-1]["eval_loss"], fp32_eval) if SELECTED[case][4] == "single" else float("nan")
-    print(f"BF16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {_rel(got_eval[-1]['eval_loss'], ref_eval[-1]['eval_loss']):.2e}"
+    vs_fp32 = rel_diff(got_eval[-1]["eval_loss"], fp32_eval) if SELECTED[case][4] == "single" else float("nan")
+    print(f"BF16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {rel_diff(got_eval[-1]['eval_loss'], ref_eval[-1]['eval_loss']):.2e}"
           f" eval vs fp32 single {vs_fp32:.2e}")
     loss_tol = LOSS_TOL.get(case, DEFAULT_LOSS_TOL)
     assert loss <= loss_tol and norm <= NORM_TOL, (loss, norm)
-    assert _rel(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"]) <= loss_tol
+    assert rel_diff(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"]) <= loss_tol
     if SELECTED[case][4] == "single":
         assert vs_fp32 <= EVAL_TOL, vs_fp32
 

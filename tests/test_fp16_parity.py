@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import COMMON
-from tests.launch import ROOT, launch, read_metrics, read_run_info
+from tests.launch import ROOT, launch, read_metrics, read_run_info, rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +143,6 @@ def fp16_runs(base_model, tmp_path_factory) -> dict:
     return outs
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 @pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec[4]])
 def test_fp16_matches_single_fp16(fp16_runs, single_run, case):
     ref, ref_eval = read_metrics(fp16_runs[CASES[case][4]])
@@ -156,12 +152,12 @@ def test_fp16_matches_single_fp16(fp16_runs, single_run, case):
     scale = CASES[case][5] or 2.0 ** 16
     assert [r.get("loss_scale") for r in got] == [scale] * 8  # loss scaling was on (fp16, not fp32 in disguise)
     assert read_run_info(fp16_runs[case])["mixed_precision"] == "fp16"
-    loss = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, ref))
-    norm = max(_rel(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
+    loss = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, ref))
+    norm = max(rel_diff(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
     assert [g["num_target_tokens"] for g in got] == [r["num_target_tokens"] for r in ref]
     fp32_eval = read_metrics(single_run)[1]
-    vs_ref = _rel(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"])
-    vs_fp32 = _rel(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else math.nan
+    vs_ref = rel_diff(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"])
+    vs_fp32 = rel_diff(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else math.nan
     print(f"FP16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {vs_ref:.2e} eval vs fp32 single {vs_fp32:.2e}")
     loss_tol, norm_tol = LOSS_TOL.get(case, DEFAULT_LOSS_TOL), NORM_TOL.get(case, DEFAULT_NORM_TOL)
     assert loss <= loss_tol and norm <= norm_tol, (loss, norm)
@@ -174,7 +170,7 @@ def test_single_fp16_computes_in_fp16(fp16_runs, single_run):
     """The fp16 single run is not the fp32 one: autocast rounds its matmuls (the losses differ from the fp32 run's,
     by little)."""
     got, fp32 = read_metrics(fp16_runs["single"])[0], read_metrics(single_run)[0]
-    diff = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, fp32))
+    diff = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, fp32))
     print(f"FP16 single vs fp32 single: loss {diff:.2e}")
     assert 1e-7 < diff <= FP32_TOL, diff
 
@@ -197,8 +193,8 @@ def test_overflowed_steps_skipped_on_every_rank(fp16_runs, case):
         assert not any(math.isfinite(r["grad_norm"]) for r in run[:2])
     # every step's loss, and the clean steps' grad norm (unscaled: a scaled one would be 2**18 times larger),
     # equal the single run's with the same start: the skipped steps left every rank's weights as they were
-    loss = max(_rel(g["loss"], r["loss"]) for g, r in zip(got, ref))
-    norm = max(_rel(g["grad_norm"], r["grad_norm"]) for g, r in zip(got[2:], ref[2:]))
+    loss = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, ref))
+    norm = max(rel_diff(g["grad_norm"], r["grad_norm"]) for g, r in zip(got[2:], ref[2:]))
     print(f"FP16 overflow {case}: loss {loss:.2e} grad_norm (steps 3-8) {norm:.2e}")
     assert loss <= LOSS_TOL.get(case, DEFAULT_LOSS_TOL) and norm <= NORM_TOL.get(case, DEFAULT_NORM_TOL), (loss, norm)
     assert all(r["grad_norm"] < 100 for r in got[2:])
