@@ -85,7 +85,7 @@ def recipe_rows(flags: list[str], steps: int) -> tuple:
     from hfpar import data
     from hfpar.config import parse_args
     from hfpar.recipe import RECIPE_DEFAULTS, build_data
-    from hfpar.sampler import GlobalBatchSampler
+    from hfpar.train.sampler import GlobalBatchSampler
 
     args = parse_args(flags, recipe="sft", defaults=RECIPE_DEFAULTS["sft"])
     train, *_ = build_data(args, "sft", data.load_tokenizer(args.tokenizer_path))

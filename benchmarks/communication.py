@@ -5,7 +5,7 @@
     python benchmarks/communication.py --render benchmarks/results/communication_cpu.json   # .md/.png only
 
 Each strategy runs `accelerate launch --config_file accelerate_configs/<config>.yaml recipes/sft.py
---log_comm_bytes` (hfpar.comm_stats counts what each rank hands to every collective; nothing is
+--log_comm_bytes` (hfpar.observe.comm_stats counts what each rank hands to every collective; nothing is
 estimated) on a Llama-style model big enough that DeepSpeed's ZeRO-3 partitions every matrix (its
 default persistence threshold keeps tensors under 1e5 elements whole). Gradient accumulation 1,
 packed sequences, fp32: Phi = parameter bytes. Theory per optimizer step, bytes each rank sends with

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 from benchmarks.activation_bytes import saved_tensor_bytes  # noqa: E402
-from hfpar.comm_stats import CommCounter  # noqa: E402
+from hfpar.observe.comm_stats import CommCounter  # noqa: E402
 from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist import run_distributed  # noqa: E402
 
 LENGTHS = (1024, 2048, 4096, 8192)
 CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

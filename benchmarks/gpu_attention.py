@@ -15,7 +15,7 @@
    whole K/V (what a ring rank computes after the all-gather) at cp = 1, 2, 4. One GPU: the communication is not
    measured here (benchmarks/context_parallel.py counts it).
 3. Exactness: fp32 packed rows with padding, hfpar's block attention against SDPA with the dense mask (output and input
-   gradients), and tests/test_cp_attention.py's ring / Ulysses cases on 2 gloo ranks sharing the GPU.
+   gradients), and tests/distributed/test_cp_attention.py's ring / Ulysses cases on 2 gloo ranks sharing the GPU.
 Writes OUT/gpu_attention.{md,json}.
 """
 
@@ -178,11 +178,11 @@ def exactness() -> list[dict]:
 
 
 def ring_on_cuda() -> list[dict]:
-    """tests/test_cp_attention.py's cases (ring and Ulysses, causal / packed / uneven rows, GQA) on 2 gloo ranks
+    """tests/distributed/test_cp_attention.py's cases (ring and Ulysses, causal / packed / uneven rows, GQA) on 2 gloo ranks
     sharing this GPU, fp32: the all-gather / reduce-scatter path, against full-row SDPA."""
     sys.path.insert(0, str(ROOT))
-    from tests.dist_utils import run_distributed
-    from tests.test_cp_attention import _check_all
+    from tests.helpers.dist import run_distributed
+    from tests.distributed.test_cp_attention import _check_all
 
     worst: dict = {}
     for per_rank in run_distributed(_check_all, 2, "cuda", torch.float32):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_sft import build_model
 
-from hfpar import trainer as T
+from hfpar.train import trainer as T
 from hfpar.backends import base as B
 from hfpar.recipe import main as recipe_main
 

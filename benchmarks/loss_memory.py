@@ -5,7 +5,7 @@
 For each vocabulary V and token count N: hidden states (N, H) and an LM head (V, H) in fp32, one forward +
 backward of the summed cross-entropy (5% of the targets ignored), either
   unchunked   F.linear -> F.cross_entropy (what transformers' loss and hfpar's --loss_chunk_size 0 do)
-  chunked     hfpar.chunked_loss.chunked_linear_cross_entropy with the default chunk (~64M logits)
+  chunked     hfpar.train.chunked_loss.chunked_linear_cross_entropy with the default chunk (~64M logits)
 each case in a fresh process: peak resident memory above the inputs (ru_maxrss after building them), and the
 median seconds of 3 timed repetitions after a warm-up; the modes alternate so that machine load falls on both.
 CPU has no allocator statistics, hence RSS; the inputs, the weight and its gradient are common to both modes.
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-from hfpar.chunked_loss import chunked_linear_cross_entropy  # noqa: E402
-from hfpar.plot import human_bytes  # noqa: E402
+from hfpar.train.chunked_loss import chunked_linear_cross_entropy  # noqa: E402
+from hfpar.observe.plot import human_bytes  # noqa: E402
 
 H = 128
 CASES = ((32_000, 4096), (32_000, 8192), (128_256, 4096), (128_256, 8192), (151_936, 4096))  # (V, N); the

@@ -8,7 +8,7 @@ Takes about 7 minutes on 2 idle CPU cores (measured: load 4.6, loss 1.8; 13.8 fo
 load: a random-init Llama of 233M parameters (hidden 1024, 10 layers, intermediate 4096, vocab 32000, untied;
 932 MB fp32), built from a config and saved as safetensors by this script (nothing downloaded). The issue asked for
 ~0.5B; one FSDP2 AdamW step of 0.47B at 2 or 4 processes would peak at ~18-19 GB of host memory (37 bytes per
-parameter across the ranks in tests/test_loading_recipe.py's 106M run, plus ~0.5 GB start-up per process), more
+parameter across the ranks in tests/launch/test_loading_recipe.py's 106M run, plus ~0.5 GB start-up per process), more
 than this shared 24 GB machine can spare, hence the smaller model (the loading figures scale with it). The sft recipe, fp32, 1 optimizer step, batch 1 x 32 tokens, no eval, no
 checkpoints, no export, one launch at a time, at 1 / 2 / 4 processes under
   fsdp2.yaml      sharded: each rank reads its FSDP2 dim-0 shards (and --sharded_loading false at 2)
@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import loss_memory  # noqa: E402
-from hfpar.plot import human_bytes  # noqa: E402
-from tests.launch import env, launch_cmd  # noqa: E402
+from hfpar.observe.plot import human_bytes  # noqa: E402
+from tests.helpers.launch import env, launch_cmd  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=10, num_attention_heads=16,

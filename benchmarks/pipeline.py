@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
 from benchmarks.activation_bytes import LiveSavedBytes  # noqa: E402
-from hfpar.losses import shifted_lm_loss_sum  # noqa: E402
+from hfpar.train.losses import shifted_lm_loss_sum  # noqa: E402
 from hfpar.parallel.context_parallel import shift_labels  # noqa: E402
 from hfpar.parallel.pipeline import PipelineChunks, PipelineRunner, PipelineStage, balanced_split  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist import run_distributed  # noqa: E402
 
 CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
            num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)

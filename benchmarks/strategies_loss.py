@@ -44,7 +44,7 @@ def main() -> None:
     a = p.parse_args()
     import torch
 
-    from hfpar.plot import plot_runs, read_run
+    from hfpar.observe.plot import plot_runs, read_run
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stem = RESULTS / f"strategies_loss_{device}_{a.nproc}p"

@@ -85,7 +85,7 @@ def mlp_overhead() -> dict:
 
 
 def main() -> None:
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist import run_distributed
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     ids = torch.randint(0, 512, (4, 512), generator=torch.Generator().manual_seed(1))

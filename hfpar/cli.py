@@ -86,7 +86,7 @@ def load_config(model: str):
 
 
 def plan_main(argv: list[str]) -> None:
-    from hfpar.plan import PlanError, plan  # noqa: PLC0415  (subcommands import on use: see main)
+    from hfpar.plan.planner import PlanError, plan  # noqa: PLC0415  (subcommands import on use: see main)
 
     a = _plan_parser().parse_args(argv)
     config = load_config(a.model)
@@ -107,7 +107,7 @@ def plot_main(argv: list[str]) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--output_dir of a run (holds metrics.jsonl)")
     p.add_argument("-o", "--output", default="runs.png", help="PNG to write (default runs.png)")
     a = p.parse_args(argv)
-    from hfpar.plot import PlotError, plot_runs  # noqa: PLC0415  (subcommands import on use: see main)
+    from hfpar.observe.plot import PlotError, plot_runs  # noqa: PLC0415  (subcommands import on use: see main)
 
     try:
         print(plot_runs(a.run_dirs, a.output))
@@ -121,7 +121,7 @@ def export_main(argv: list[str]) -> None:
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a checkpoint-<step> directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write config.json, model.safetensors, tokenizer")
     a = p.parse_args(argv)
-    from hfpar.export import ExportError, export_checkpoint  # noqa: PLC0415  (subcommands import on use: see main)
+    from hfpar.checkpoint.export import ExportError, export_checkpoint  # noqa: PLC0415  (subcommands import on use: see main)
 
     try:
         print(export_checkpoint(a.checkpoint_dir, a.out_dir))

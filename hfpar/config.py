@@ -27,7 +27,7 @@ TRUNCATION = ("truncate", "drop")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.optim builds them
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.train.optim builds them
 
 
 class ConfigError(ValueError):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hfpar.chunked_loss import chunkable, install_chunked_loss
-from hfpar.loading import is_meta
-from hfpar.lora import apply_lora, is_peft_model, trainable_summary
+from hfpar.train.chunked_loss import chunkable, install_chunked_loss
+from hfpar.loading.sharded import is_meta
+from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
                                             upcycle_to_moe)
@@ -62,7 +62,7 @@ def apply_moe(model, args, ctx) -> None:
     coef = None if args.upcycle_experts else (
         float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if getattr(cfg, "output_router_logits", False) else 0.0)
     # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs; a meta skeleton
-    # (hfpar.loading) has no weights to compare across ranks yet: each rank reads its own experts after this
+    # (hfpar.loading.sharded) has no weights to compare across ranks yet: each rank reads its own experts after this
     if dist.is_initialized():
         apply_expert_parallel(model, ctx, aux_loss_coef=coef,
                               check_replicated=not is_meta(model))
@@ -75,7 +75,7 @@ def apply_moe(model, args, ctx) -> None:
 
 
 def chunk_loss(model, args, ctx):
-    """The chunked LM head + cross-entropy (hfpar.chunked_loss), after TP (its head may be vocab-parallel) and
+    """The chunked LM head + cross-entropy (hfpar.train.chunked_loss), after TP (its head may be vocab-parallel) and
     before the data-parallel wrap; unset = where exact; returns the chunk (tokens, "auto") or 0 when off."""
     if args.loss_chunk_size == 0 or ctx.pp > 1:  # the pipeline's last stage computes its loss from logits
         return 0

@@ -20,10 +20,10 @@ import importlib.util
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
-from hfpar import checkpoint as ckpt
+from hfpar.checkpoint import checkpointer as ckpt
 from hfpar import data
 from hfpar.backends import select_backend
-from hfpar.chunked_loss import FAMILIES as CHUNK_FAMILIES
+from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.distributed import strategy_name

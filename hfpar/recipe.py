@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data
-from hfpar.checkpoint import has_any_checkpoint, resolve_resume
+from hfpar.checkpoint.checkpointer import has_any_checkpoint, resolve_resume
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, strategy_name, swapped
 from hfpar.preflight import padding_free_mode, preflight
@@ -72,9 +72,9 @@ def _without_zero3_init():
 
 def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, strategy: str = "single"):
     """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
-    sharded / fsdp2 return a meta skeleton that hfpar.loading fills with this rank's slices (after LoRA, TP / EP
+    sharded / fsdp2 return a meta skeleton that hfpar.loading.sharded fills with this rank's slices (after LoRA, TP / EP
     and the pipeline stage split, or during the FSDP2 wrap)."""
-    from hfpar import loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
+    from hfpar.loading import sharded as loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
 
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
@@ -148,7 +148,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
-        from hfpar.trainer import NonFiniteError, Trainer  # noqa: PLC0415
+        from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)
@@ -171,7 +171,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     try:
         model, extra = parallelize(model, args, ctx, task, strategy)
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
-            from hfpar.loading import load_sharded  # noqa: PLC0415
+            from hfpar.loading.sharded import load_sharded  # noqa: PLC0415
 
             load.update(load_sharded(model, load["index"]))
     except ValueError as exc:  # what only the loaded model reveals (LoRA targets, plan mismatches, MoE shapes)

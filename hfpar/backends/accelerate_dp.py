@@ -10,7 +10,7 @@ from __future__ import annotations
 from accelerate.utils import fsdp_utils
 
 from hfpar.distributed import swapped
-from hfpar.optim import build_optimizer
+from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip
 
@@ -47,9 +47,9 @@ class AccelerateBackend(Backend):
     def _prepare_meta_fsdp2(self, model) -> None:
         """Accelerate's cpu_ram_efficient_loading path (fully_shard on meta, then a sharded state dict assigned,
         non-persistent buffers re-registered, weights re-tied), with its rank-0 load + broadcast replaced by
-        hfpar.loading's reader: every rank reads only its own dim-0 shards from the files."""
+        hfpar.loading.sharded's reader: every rank reads only its own dim-0 shards from the files."""
         # here, not at the top: the backends are imported by the preflight, which a refusal must pass quickly
-        from hfpar.loading import fsdp2_loader  # noqa: PLC0415
+        from hfpar.loading.sharded import fsdp2_loader  # noqa: PLC0415
 
         plugin = self.acc.state.fsdp_plugin
         # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which

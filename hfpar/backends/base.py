@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from hfpar import checkpoint as ckpt
+from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.config import ConfigError
-from hfpar.optim import build_optimizer
+from hfpar.train.optim import build_optimizer
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads
 

@@ -27,11 +27,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hfpar import checkpoint as ckpt
+from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.config import ConfigError
 from hfpar.distributed import swapped
-from hfpar.metrics import optimizer_state_bytes
-from hfpar.optim import build_optimizer
+from hfpar.observe.metrics import optimizer_state_bytes
+from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hfpar import checkpoint as ckpt
+from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import (carry_shard_specs, full_state_dict, grad_sq_norm, reduce_dp_grads,

@@ -20,7 +20,7 @@ cannot both sum stages and count TP-replicated parameters once.
 
 from __future__ import annotations
 
-from hfpar.optim import build_optimizer
+from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import sync_partial_grads
 
 from .mp_deepspeed import DeepSpeedMPU, deepspeed_with_mpu

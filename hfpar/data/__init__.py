@@ -24,15 +24,15 @@ DataCollator(padding_free=True) packs the samples of each batch that way (same s
 transformers 5 detects packing from the position ids only when attention_mask is None AND no KV cache
 is built, so call the model with `use_cache=False` (the embedded config also sets use_cache false). It
 then builds a block-diagonal causal mask (eager, sdpa) or uses varlen kernels (flash attention):
-tests/test_data.py and tests/test_padding_free.py check that a packed row gives the same logits as its
+tests/unit/test_data.py and tests/launch/test_padding_free.py check that a packed row gives the same logits as its
 samples run one by one.
 
 Every user mistake raises `DataError` (a ValueError) with a one-line message naming the value.
-The embedded datasets live in hfpar/synthetic.py.
+The embedded datasets live in hfpar/data/synthetic.py.
 """
 
 from .cache import cached
-from .chat import _render_chat  # noqa: F401  (used by tests/test_data.py)
+from .chat import _render_chat  # noqa: F401  (used by tests/unit/test_data.py)
 from .collate import DataCollator, pack, pack_batch
 from .errors import DataError
 from .load import (BUILDERS, EMBEDDED, EVAL_NAMES, FILE_LIKE, FORMATS, KINDS, embedded_model_path, label_names_of,

@@ -96,7 +96,7 @@ class DataCollator:
     task "lm":        input_ids (B, T) padded with the pad id, labels (B, T) padded with -100, and either
                       attention_mask (B, T), or, for packed rows (features with position_ids, or any batch when
                       padding_free), position_ids (B, T) padded with 0, token_mask (B, T) (1 = real token; not
-                      a model input: hfpar.batch_plan hands it to MoE routers) and NO attention_mask. Each
+                      a model input: hfpar.train.batch_plan hands it to MoE routers) and NO attention_mask. Each
                       0-position pad token then forms its own one-token sequence in transformers' packed-sequence
                       detection, so real tokens never attend to padding.
     task "classify":  input_ids (B, T), attention_mask (B, T), labels (B,) long.

@@ -16,7 +16,7 @@ import datasets
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
-from hfpar.synthetic import embedded_splits
+from hfpar.data.synthetic import embedded_splits
 
 from .errors import DataError, _one_line
 

@@ -27,7 +27,7 @@ data-parallel backend can reduce them over the expert-data-parallel group (the d
 same experts, size dp/ep) instead of the whole dp group: with the trainer's dp-mean convention,
 grad = sum over that group / dp.
 
-Run the tests: python -m pytest tests/test_moe_layers.py -q
+Run the tests: python -m pytest tests/distributed/test_moe_layers.py -q
 """
 
 from __future__ import annotations

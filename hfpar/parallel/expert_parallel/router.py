@@ -34,7 +34,7 @@ coef_aux * aux + coef_z * z, so each MoE layer adds grad_scale * d(coef * aux)/d
         each micro-step so the injected gradient is scaled (and later unscaled) like the main loss's.
 Every rank of `group` must run every router forward (the statistics are all-reduced there).
 
-Run the unit tests: python -m pytest tests/test_moe_layers.py -q
+Run the unit tests: python -m pytest tests/distributed/test_moe_layers.py -q
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def upcycle_to_moe(model: nn.Module, num_experts: int, top_k: int = 2, *, aux_lo
         w_gate, w_up, w_down = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight   # (I, H), (I, H), (H, I)
         I, H = w_gate.shape
         w = torch.randn(num_experts, H, generator=gen, dtype=torch.float32) * router_init_std   # (E, H)
-        device = w_gate.device if not w_gate.is_meta else "cpu"    # a meta skeleton (hfpar.loading): a real router
+        device = w_gate.device if not w_gate.is_meta else "cpu"    # a meta skeleton (hfpar.loading.sharded): a real router
         router = _new_router(w.to(device=device, dtype=w_gate.dtype), num_experts, top_k,
                              norm_topk_prob=True, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                              group=dp_group)

@@ -4,7 +4,7 @@
     chunks.py    PipelineChunks: the V chunks of one rank for the interleaved schedule (virtual stages r, r + p, ..)
     schedule.py  PipelineRunner: micro-batches through the stages, activations and grads point to point
 
-The recipes run them with --pp_size (hfpar.backends.pipeline); tests/test_pp_stages.py shows them in a plain loop.
+The recipes run them with --pp_size (hfpar.backends.pipeline); tests/distributed/test_pp_stages.py shows them in a plain loop.
 """
 
 from .chunks import PipelineChunks, chunk_layers

@@ -19,7 +19,7 @@ shapes of the tensors they exchange from the first step and pre-allocate the rec
 padded to the longest row of each batch, so T changes from step to step (padding every batch to --max_seq_length
 would spend compute on padding). Here each activation and gradient travels after a small shape header. Sends are
 non-blocking and receives blocking; every schedule's order is free of deadlock and keeps each pair of ranks' messages
-in the same order on both ends (tests/test_pp_stages.py replays the orders of p <= 8, V <= 4 to check both).
+in the same order on both ends (tests/distributed/test_pp_stages.py replays the orders of p <= 8, V <= 4 to check both).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ TP_PLANS: dict[str, dict[str, str]] = {
     "llama": dict(_LLAMA),
     "mistral": dict(_LLAMA),
     "qwen2": dict(_LLAMA),                      # q/k/v biases are split with their rows
-    # Parity-tested on one tiny config each (tests/test_tp_models.py), beyond the llama/mistral/qwen2 contract:
+    # Parity-tested on one tiny config each (tests/distributed/test_tp_models.py), beyond the llama/mistral/qwen2 contract:
     "qwen3": {**_LLAMA,                         # per-head q/k RMSNorm over head_dim
               "model.layers.*.self_attn.q_norm": "replicated_heads",
               "model.layers.*.self_attn.k_norm": "replicated_heads"},
@@ -132,7 +132,7 @@ TP_PLANS["gpt2"] = {
 }
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
-# in tests/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
+# in tests/distributed/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
                               "qwen3_moe")

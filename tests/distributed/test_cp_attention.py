@@ -1,0 +1,103 @@
+"""Context-parallel attention (ring, Ulysses) against unsharded SDPA, forward and backward, float64, 2 and 4 gloo ranks.
+
+Rows: one causal document; packed documents whose boundaries straddle the shard cuts, with right padding; uneven
+document lengths; GQA with kv heads fewer than cp (Ulysses repeats them). Reference: SDPA over the full row with
+a document-causal mask built directly from the documents.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfpar.parallel.comm import all_gather
+from hfpar.parallel.context_parallel.attention import ring_attention, ulysses_attention
+from hfpar.parallel.context_parallel.layout import (
+    document_ids,
+    gathered_order,
+    shard_batch,
+    zigzag_indices,
+)
+from tests.helpers.dist import run_distributed
+
+T, D = 32, 8
+
+
+def _rows(case: str, b: int = 2):
+    """position_ids and attention_mask of `case` (B, T)."""
+    pos = torch.arange(T).repeat(b, 1)
+    mask = torch.ones(b, T, dtype=torch.long)
+    if case == "packed":        # documents of 5, 11, 9 tokens then 7 of padding; row 2: 13 + 19
+        pos[0] = torch.cat([torch.arange(5), torch.arange(11), torch.arange(9), torch.arange(7)])
+        mask[0, 25:] = 0
+        pos[1] = torch.cat([torch.arange(13), torch.arange(19)])
+    if case == "uneven":        # 1-token documents next to long ones
+        pos[0] = torch.cat([torch.arange(1), torch.arange(1), torch.arange(29), torch.arange(1)])
+        pos[1] = torch.cat([torch.arange(3), torch.arange(28), torch.arange(1)])
+    return pos, mask
+
+
+def _reference_mask(pos, mask):
+    doc = document_ids(pos, mask)                                               # (B, T)
+    same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    pad_self = (doc[:, :, None] < 0) & torch.eye(T, dtype=torch.bool, device=doc.device)
+    return ((same & causal) | pad_self)[:, None]
+
+
+def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch.float64):
+    group = torch.distributed.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    pos, mask = (x.to(device) for x in _rows(case))
+    q, k, v, w = (torch.randn(2, n, T, D, generator=g, dtype=torch.float64).to(device, dtype)
+                  for n in (h, hkv, hkv, h))                                    # w: d loss / d out
+    # reference: the whole row on one rank
+    qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    rep = h // hkv
+    out_ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
+                                             attn_mask=_reference_mask(pos, mask))
+    (out_ref * w).sum().backward()
+    # this rank's shard
+    batch = {"input_ids": torch.zeros(2, T, dtype=torch.long, device=device), "position_ids": pos,
+             "attention_mask": mask}
+    _, rows = shard_batch(batch, rank, world)
+    idx = zigzag_indices(T, rank, world).to(device)
+    ql, kl, vl = (x[:, :, idx].clone().requires_grad_() for x in (q, k, v))
+    fn = ring_attention if mode == "ring" else ulysses_attention
+    out = fn(ql, kl, vl, rows, group, block=block)
+    (out * w[:, :, idx]).sum().backward()
+    res = {"out": (out - out_ref[:, :, idx]).abs().max().item()}
+    order = gathered_order(T, world)
+    for name, got, ref in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
+        full = all_gather(got.grad, dim=2, group=group)                         # gathered order
+        res[name] = (full - ref.grad[:, :, order.to(device)]).abs().max().item()
+    return res
+
+
+CASES = [(case, mode, 4, 2) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
+CASES += [("packed", mode, 4, 1) for mode in ("ring", "ulysses")]              # one kv head (< cp)
+# blocks of 3 rows: many partial blocks merged by the log-sum-exp rule, cuts inside documents and chunks
+CASES += [(case, mode, 4, 2, 3) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
+
+
+def _check_all(rank, world, device="cpu", dtype=torch.float64):
+    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/gpu_attention.py
+    runs it on CUDA (gloo carries the CUDA tensors)."""
+    return {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_matches_sdpa(world):
+    """GQA 4 heads / 2 kv heads (fewer than cp at 4) and 1 kv head; forward and input gradients."""
+    for per_rank in run_distributed(_check_all, world):
+        for case, r in per_rank.items():
+            assert max(r.values()) < 1e-10, (case, r)
+
+
+def test_zigzag_layout_covers_each_position_once():
+    for cp in (1, 2, 4):
+        got = torch.cat([zigzag_indices(T, r, cp) for r in range(cp)])
+        assert torch.equal(got.sort().values, torch.arange(T)) and torch.equal(got, gathered_order(T, cp))
+    with pytest.raises(ValueError, match="not a multiple of 2 x cp_size = 8"):
+        zigzag_indices(36, 0, 4)

@@ -1,0 +1,38 @@
+"""Measured values the README quotes, written by the tests that measure (and assert on) them.
+
+    record("minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q tests/launch/test_minilm.py")
+
+merges `key: value` into benchmarks/results/<name>.json (floats rounded to 3 significant digits, so a
+rerun that measures the same thing leaves the file unchanged) next to the command that writes it.
+Tests record before they assert: a failing run leaves its numbers for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+
+import torch
+
+from tests.helpers.launch import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _round(v):
+    if isinstance(v, float):
+        return float(f"{v:.3g}")
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_round(x) for x in v]
+    return v
+
+
+def record(name: str, key: str, value, *, command: str) -> None:
+    path = RESULTS / f"{name}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(command=command, torch=torch.__version__, machine=platform.machine())
+    data.setdefault("values", {})[key] = _round(value)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")

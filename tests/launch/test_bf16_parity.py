@@ -1,0 +1,177 @@
+"""The parity contract in the shipped precision: bf16 autocast runs of the compositions against the single-process
+bf16 run, per step, under tolerances measured here (fp32 parity is exact to 1e-4: the other parity suites).
+
+    python -m pytest -q -s -p no:cacheprovider tests/launch/test_bf16_parity.py      # -s prints the measured differences
+
+8 steps, global batch 8 (the fp32 suites' settings), `--mixed_precision bf16` on the launcher: DDP, FSDP2, ZeRO-1/2/3,
+TP=2 (over DDP, hfpar's FSDP2 wrap, ZeRO-1 and ZeRO-2), CP=2 (ring and Ulysses), PP=2 (1F1B) on 2 processes and TP=2 x
+dp=2 (DDP, FSDP2) and PP=2 x FSDP2 dp=2 on 4 processes against single; EP=2 of an upcycled 4-expert model (over DDP,
+FSDP2, ZeRO-1, where DeepSpeed runs its BF16_Optimizer, and ZeRO-2) and EP=2 x TP=2 on 4 processes (DDP, FSDP2,
+ZeRO-1, ZeRO-2) against the same model in one process; LoRA over DDP, FSDP2, ZeRO-1/2/3 and PP=2 against single
+LoRA; TP=2 x CP=2 and PP=2 x TP=2 (SP) on 4 processes against single.
+bf16 rounds the matmuls differently when the work is split differently (TP halves the
+reduction dimension of row-parallel layers, CP and PP change the accumulation order, DDP / FSDP2 / ZeRO reduce
+bf16-autocast results computed on half the rows), so the runs drift apart step by step; LOSS_TOL and NORM_TOL bound
+that drift (relative, any step) at about 3x the largest difference measured on this machine (below).
+The final eval loss of each bf16 run is also within EVAL_TOL of the fp32 single-process run's (tests/helpers/parity.py).
+
+HFPAR_BF16_CASES=name,name (e.g. tp2_zero1,lora_fsdp2, or all: CASES and EXTRA) launches and tests only those cases and
+their references (added automatically); unset, the CASES run (EXTRA: more compositions, measured once, on demand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers.parity import COMMON
+from tests.helpers.launch import launch, read_metrics, read_run_info, rel_diff
+
+pytestmark = pytest.mark.slow
+
+MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
+LORA = ["--use_peft", "--lora_dropout", "0"]
+CASES = {  # name: (accelerate config, processes, per-device batch, extra flags, reference case)
+    "single": ("single", 1, "4", [], None),
+    "ddp": ("ddp", 2, "2", [], "single"),
+    "fsdp2": ("fsdp2", 2, "2", [], "single"),
+    "zero2": ("zero2", 2, "2", [], "single"),
+    "tp2": ("ddp", 2, "4", ["--tp_size", "2"], "single"),
+    "cp2": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"], "single"),
+    "pp2": ("ddp", 2, "4", ["--pp_size", "2"], "single"),
+    # autocast around each micro-batch's forward only: FSDP2's re-gathered weights must not share one autocast cache
+    "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single"),
+    "single_moe": ("single", 1, "4", MOE, None),
+    "ep2": ("ddp", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
+    "zero3": ("zero3", 2, "2", [], "single"),
+    "cp2_ulysses": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"], "single"),
+    # hfpar's own FSDP2 wrap (dp = 1 here: the config's bf16 policy still casts the gathered weights)
+    "tp2_fsdp2": ("fsdp2", 2, "4", ["--tp_size", "2"], "single"),
+    "ep2_fsdp2": ("fsdp2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
+    # bf16 + ZeRO-1 with fp32 grad accumulation: DeepSpeed's BF16_Optimizer (zero1.yaml runs its ZeRO optimizer)
+    "ep2_zero1": ("zero1_fp32_accum", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
+    "zero1": ("zero1", 2, "2", [], "single"),
+    # TP over DeepSpeed (hfpar's mpu; dp = 1 on 2 processes)
+    "tp2_zero2": ("zero2", 2, "4", ["--tp_size", "2"], "single"),
+    # LoRA (dropout 0: its masks depend on how a batch is split over ranks) against its own single bf16 run
+    "single_lora": ("single", 1, "4", LORA, None),
+    "lora_ddp": ("ddp", 2, "2", LORA, "single_lora"),
+    "tp2_zero1": ("zero1", 2, "4", ["--tp_size", "2"], "single"),
+    "ep2_zero2": ("zero2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
+    "lora_fsdp2": ("fsdp2", 2, "2", LORA, "single_lora"),
+    "lora_zero2": ("zero2", 2, "2", LORA, "single_lora"),
+    # 4 processes, dp = 2 beside tp = 2: hfpar's FSDP2 wrap really shards over two replicas
+    "tp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"], "single"),
+}
+# More compositions, measured once (below) and run on demand (HFPAR_BF16_CASES=all or by name), not by default:
+# each launch costs 40-90 s on 2 cores, and their backends are those of CASES above (their fp32 parity is in
+# the other suites).
+EXTRA = {
+    "lora_zero1": ("zero1", 2, "2", LORA, "single_lora"),
+    "lora_zero3": ("zero3", 2, "2", LORA, "single_lora"),
+    # 4 processes, dp = 2 beside tp = 2 over DDP
+    "tp2_dp2_ddp": ("ddp", 4, "2", ["--tp_size", "2"], "single"),
+    **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", [*MOE, "--ep_size", "2", "--tp_size", "2"], "single_moe")
+       for c in ("ddp", "fsdp2", "zero1", "zero2")},
+    # TP=2 x CP=2 ring and PP=2 x TP=2 (+SP) on 4 processes (dp = 1), LoRA in both stages of PP=2
+    "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"], "single"),
+    "pp2_tp2_sp": ("ddp", 4, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel"], "single"),
+    "lora_pp2": ("ddp", 2, "4", [*LORA, "--pp_size", "2"], "single_lora"),
+}
+# accelerate configs written by the fixture: {name: (accelerate yaml, deepspeed json)}, "{json}" the json's path
+GENERATED = {"zero1_fp32_accum": (
+    "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {json}\n  zero3_init_flag: false\n"
+    "num_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\nuse_cpu: false\n",
+    {"zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}, "data_types": {"grad_accum_dtype": "fp32"},
+     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+     "gradient_clipping": "auto"})}
+# Measured (2026-11-25, this file with -s; largest relative difference over the 8 steps, loss / grad_norm):
+# ddp 4.0e-5 / 1.7e-4, fsdp2 2.1e-3 / 3.1e-3 (FSDP2 all-gathers bf16 parameters: its mixed-precision policy, not
+# autocast of fp32 weights; norms and embeddings compute in bf16 too), zero2 3.7e-4 / 2.6e-3, zero3 3.8e-4 / 2.6e-3,
+# tp2 6.1e-5 / 5.0e-4, tp2_fsdp2 2.2e-3 / 3.4e-3 (hfpar's wrap now takes the config's policy: as fsdp2),
+# cp2 9.4e-5 / 3.7e-4, cp2_ulysses 1.3e-4 / 2.4e-4, pp2 5.3e-5 / 1.8e-3, ep2 1.2e-4 / 4.1e-4,
+# ep2_fsdp2 2.1e-3 / 3.5e-3, ep2_zero1 (BF16_Optimizer) 3.9e-4 / 2.7e-3; final eval loss vs the fp32 single run <= 2.1e-4 for all.
+# zero1 4.2e-4 / 2.6e-3, tp2_zero2 3.8e-4 / 3.0e-3, lora_ddp (vs single LoRA bf16) 2.7e-5 / 4.8e-4.
+# pp2_fsdp2 (pp 2 x dp 2, the config's bf16 policy, as fsdp2): 2.6e-4 / 1.7e-3 (1.1e-2 / 0.42 measured by hand before
+# the pipeline autocast its forwards only).
+# tp2_zero1 (TP over DeepSpeed ZeRO-1, dp = 1) 3.8e-4 / 3.0e-3, ep2_zero2 4.1e-4 / 2.8e-3; LoRA vs single LoRA bf16:
+# lora_fsdp2 2.4e-3 / 3.4e-3 (FSDP2's bf16 parameter policy: as fsdp2), lora_zero1 1.2e-4 / 3.7e-3, lora_zero2
+# 9.2e-5 / 3.4e-3, lora_zero3 9.7e-5 / 3.4e-3. On 4 processes (dp = 2): tp2_dp2_ddp 6.4e-5 / 4.4e-4, tp2_dp2_fsdp2
+# 2.1e-3 / 3.4e-3 (as fsdp2); EP=2 x TP=2 (dp = 2) vs single MoE bf16: ep2_tp2 (DDP) 1.5e-4 / 4.4e-4, ep2_tp2_fsdp2
+# 2.1e-3 / 3.4e-3 (as fsdp2), ep2_tp2_zero1 4.0e-4 / 2.6e-3, ep2_tp2_zero2 3.6e-4 / 2.7e-3; cp2_tp2 1.1e-4 / 3.2e-4,
+# pp2_tp2_sp 1.5e-4 / 1.9e-3, lora_pp2 (vs single LoRA bf16) 5.5e-5 / 1.7e-3; final eval loss vs the fp32 single run
+# <= 2.2e-4 (tp2_dp2_ddp 2.16e-4). Not run in bf16 (their fp32 parity is in the other suites; the backends are those
+# of cases above): TP x CP over FSDP2 / ZeRO-1/2, PP x TP over FSDP2. PP x ZeRO-1 in bf16 is refused in one line.
+
+
+def _selected() -> dict:
+    """CASES restricted to HFPAR_BF16_CASES (and the references those need), in CASES order; all when unset."""
+    names = [n.strip() for n in os.environ.get("HFPAR_BF16_CASES", "").split(",") if n.strip()]
+    if not names:
+        return dict(CASES)
+    every = {**CASES, **EXTRA}
+    if names == ["all"]:
+        return every
+    unknown = [n for n in names if n not in every]
+    assert not unknown, f"HFPAR_BF16_CASES: unknown cases {unknown}; known: all, {', '.join(every)}"
+    keep = set(names) | {every[n][4] for n in names if every[n][4]}
+    return {n: spec for n, spec in every.items() if n in keep}
+
+
+SELECTED = _selected()
+# per case, others DEFAULT_LOSS_TOL: FSDP2's bf16 parameter policy (fsdp2 above), also with TP, EP, TP x EP and LoRA
+LOSS_TOL = {name: 6e-3 for name in ("fsdp2", "tp2_fsdp2", "ep2_fsdp2", "lora_fsdp2", "tp2_dp2_fsdp2", "ep2_tp2_fsdp2")}
+DEFAULT_LOSS_TOL, NORM_TOL, EVAL_TOL = 1.5e-3, 1e-2, 1e-3   # loss: LOSS_TOL per case, else DEFAULT_LOSS_TOL
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(base_model, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("bf16")
+    outs = {name: root / name for name in SELECTED}
+
+    for name, (yaml_text, ds_json) in GENERATED.items():
+        (root / f"{name}.json").write_text(json.dumps(ds_json))
+        (root / f"{name}.yaml").write_text(yaml_text.format(json=root / f"{name}.json"))
+
+    def run(name):
+        config, nproc, bs, extra, _ = SELECTED[name]
+        config = str(root / config) if config in GENERATED else config  # absolute: replaces accelerate_configs/
+        start = time.perf_counter()
+        launch(config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                      str(outs[name]), "--per_device_train_batch_size", bs],
+               extra_launch=["--mixed_precision", "bf16"])
+        print(f"LAUNCH {name}: {nproc} processes, {time.perf_counter() - start:.1f} s")
+
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(run, name) for name in SELECTED]:
+            f.result()
+    return outs
+
+
+@pytest.mark.parametrize("case", [c for c, spec in SELECTED.items() if spec[4]])
+def test_bf16_matches_single_bf16(bf16_runs, single_run, case):
+    ref, ref_eval = read_metrics(bf16_runs[SELECTED[case][4]])
+    got, got_eval = read_metrics(bf16_runs[case])
+    assert len(got) == len(ref) == 8
+    loss = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, ref))
+    norm = max(rel_diff(g["grad_norm"], r["grad_norm"]) for g, r in zip(got, ref))
+    assert [g["num_target_tokens"] for g in got] == [r["num_target_tokens"] for r in ref]
+    fp32_eval = read_metrics(single_run)[1][-1]["eval_loss"]
+    vs_fp32 = rel_diff(got_eval[-1]["eval_loss"], fp32_eval) if SELECTED[case][4] == "single" else float("nan")
+    print(f"BF16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {rel_diff(got_eval[-1]['eval_loss'], ref_eval[-1]['eval_loss']):.2e}"
+          f" eval vs fp32 single {vs_fp32:.2e}")
+    loss_tol = LOSS_TOL.get(case, DEFAULT_LOSS_TOL)
+    assert loss <= loss_tol and norm <= NORM_TOL, (loss, norm)
+    assert rel_diff(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"]) <= loss_tol
+    if SELECTED[case][4] == "single":
+        assert vs_fp32 <= EVAL_TOL, vs_fp32
+
+
+@pytest.mark.skipif("ep2_zero1" not in SELECTED, reason="HFPAR_BF16_CASES leaves ep2_zero1 out")
+def test_ep_zero1_bf16_ran_deepspeeds_bf16_optimizer(bf16_runs):
+    """The ep2_zero1 case's parity above is that of BF16_Optimizer, whose norm hfpar joins the experts to."""
+    assert "BF16_Optimizer" in read_run_info(bf16_runs["ep2_zero1"])["optimizer_wrappers"]

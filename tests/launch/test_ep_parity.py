@@ -1,0 +1,138 @@
+"""Expert parallelism end to end (`--upcycle_experts 4 --ep_size 2` through the sft recipe).
+
+fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained
+with EP=2 on 2 and on 4 processes (DDP for the rest), with EP=2 under FSDP2 / ZeRO, and with EP=2 + activation
+checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gradient once) on 2 processes, and
+EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both TP ranks, experts split over EP)
+under DDP, FSDP2, ZeRO-1 and ZeRO-2 must match the same upcycled model trained in one process, per step (loss, grad_norm: the aux-loss gradient
+included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
+resume with EP; refusals.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.parity import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
+from tests.helpers.launch import launch, read_metrics, read_run_info
+
+pytestmark = pytest.mark.slow
+
+MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def ep_runs(base_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
+            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
+            "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+            "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
+            **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"])
+               for c in ("ddp", "fsdp2", "zero1", "zero2")}}
+    return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE])}
+
+
+CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_checkpointing", "ep2_tp2",
+         "ep2_tp2_fsdp2", "ep2_tp2_zero1", "ep2_tp2_zero2"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ep_matches_single_per_step(ep_runs, case):
+    ref, _ = read_metrics(ep_runs["single"])
+    got, _ = read_metrics(ep_runs[case])
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+
+
+def test_upcycled_runs_build_only_their_experts(ep_runs):
+    """No launch of its own: with EP (and TP) every rank upcycles the meta skeleton and builds only its experts from
+    the dense MLP weights (loading "sharded"); without (ddp_ep1) the whole model loads, then upcycles."""
+    for case in CASES:
+        load = read_run_info(ep_runs[case])["loading"]
+        want = "full" if case == "ddp_ep1" else "sharded"
+        assert load["mode"] == want, (case, load)
+        assert want == "full" or "upcycled experts" in load["why"], (case, load)
+
+
+@pytest.fixture(scope="module")
+def upcycled_weights(base_model, ep_runs, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """What the EP runs train from, in the exported files' layout: the base model upcycled in process as the
+    recipe does (MOE flags, seed 42), its state dict loaded into a Mixtral of the exported config and saved
+    by transformers (which writes the per-expert w1/w2/w3 checkpoint keys the exports have)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpar import upcycle_to_moe
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    upcycle_to_moe(model, 4, 2, aux_loss_coef=0.01, seed=42)
+    mixtral = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ep_runs["single"]), dtype=torch.float32)
+    mixtral.load_state_dict(model.state_dict(), strict=True)
+    out = tmp_path_factory.mktemp("upcycled")
+    mixtral.save_pretrained(out)
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ep_export_is_mixtral_and_matches(ep_runs, upcycled_weights, case):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert_export_matches(ep_runs["single"], ep_runs[case], case, initial=upcycled_weights)
+    cfg = AutoConfig.from_pretrained(ep_runs[case])
+    assert cfg.model_type == "mixtral" and cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 2
+    model = AutoModelForCausalLM.from_pretrained(ep_runs[case], dtype=torch.float32)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(ep_runs["single"], dtype=torch.float32)
+    assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_ep_ranks_hold_half_the_experts(ep_runs):
+    one = read_run_info(ep_runs["ddp_ep1"])["param_bytes_per_rank"]
+    two = read_run_info(ep_runs["ep2"])["param_bytes_per_rank"]
+    assert all(b < 0.8 * one[0] for b in two), (one, two)  # experts dominate the upcycled model
+    # FSDP2 also shards the non-expert params over the 2 ranks: exactly half of the single-process model
+    full = read_run_info(ep_runs["single"])["param_bytes_per_rank"][0]
+    fsdp = read_run_info(ep_runs["ep2_fsdp2"])["param_bytes_per_rank"]
+    assert all(abs(b / full - 0.5) < 0.01 for b in fsdp), (full, fsdp)
+    # ZeRO: params like EP under DDP; optimizer state = experts' AdamW (half the experts) + 1/dp of the dense one
+    assert read_run_info(ep_runs["ep2_zero1"])["param_bytes_per_rank"] == two
+    ddp_opt = read_run_info(ep_runs["ep2"])["optimizer_state_bytes_per_rank"]
+    zero_opt = read_run_info(ep_runs["ep2_zero1"])["optimizer_state_bytes_per_rank"]
+    dense = 2 * (full - 4 * (full - two[0]) / 2)  # Adam moments of the non-expert params
+    assert all(abs(z - (o - dense / 2)) / o < 0.01 for z, o in zip(zero_opt, ddp_opt)), (ddp_opt, zero_opt, dense)
+
+
+@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2", "ep2_zero1"])
+def test_ep_resume(ep_runs, base_model, tmp_path, case):
+    config, nproc, bs, extra = ep_runs["_configs"][case]
+    src = ep_runs[case]
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
+    launch(config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
+                                  "--output_dir", str(out), "--per_device_train_batch_size", bs,
+                                  "--resume_from_checkpoint", "latest"])
+    ref, _ = read_metrics(src)
+    got, _ = read_metrics(out)
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    assert_close_series(ref[4:], got, "loss", 1e-6, f"{case} resumed")
+    assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{case} resumed")
+    assert_resumed_like_uninterrupted(src, out, case)
+
+
+@pytest.mark.parametrize("config,flags,message", [
+    ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
+    ("zero3", ["--ep_size", "2", *MOE], "ZeRO-3 would partition each rank's experts again"),
+    ("zero2", ["--ep_size", "2", *MOE], "--ep_size 2 with zero2 and fp16: the experts' optimizer does not unscale"),
+])
+def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
+    precision = ["--mixed_precision", "fp16"] if "fp16" in message else None
+    proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False, extra_launch=precision)
+    assert proc.returncode != 0
+    assert "hfpar: error: " in proc.stderr and message in proc.stderr
+    assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]  # no rank traceback (the launcher prints its own)

@@ -1,0 +1,122 @@
+"""Pipeline parallelism end to end (`--pp_size` through the sft recipe under ddp / fsdp2 / zero1), parity contract.
+
+fp32, 8 steps, global batch 8 vs the single-process run: pp=2 with GPipe and with 1F1B (2 processes), pp=2 with
+activation checkpointing and an uneven manual split (--pp_split 0,1), interleaved 1F1B (2 chunks of 1 layer per
+rank: virtual stages r and r + 2), pp=2 x dp=2, pp=4, pp=2 x tp=2 with sequence parallelism (ddp.yaml), pp=2 x dp=2
+under fsdp2.yaml and under zero1.yaml (4 processes) and pp=2 x dp=2 x tp=2 under fsdp2.yaml (8 processes): per-step
+loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
+reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 x tp=2 and under pp=2 x FSDP2
+reproduces steps 5-8. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
+their own single-process run. LoRA with pp=2 is in tests/launch/test_lora.py (its single-process LoRA reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.parity import (TOL, assert_close_series, assert_export_matches, assert_resume_from_step_4,
+                            export_eval_loss, launch_cases)
+from tests.helpers.launch import read_metrics, read_run_info, rel_close
+
+pytestmark = pytest.mark.slow
+
+CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
+    "pp2_gpipe": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "gpipe"]),
+    "pp2_1f1b": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "1f1b"]),
+    "pp2_checkpointing_split": ("ddp", 2, "4", ["--pp_size", "2", "--gradient_checkpointing", "--pp_split", "0,1",
+                                                "--pp_microbatches", "2"]),
+    "pp2_interleaved": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "4"]),
+    "pp2_dp2": ("ddp", 4, "2", ["--pp_size", "2"]),
+    "pp4": ("ddp", 4, "4", ["--pp_size", "4", "--pp_microbatches", "4"]),
+    # each stage tensor-parallel (sequence-parallel: boundary activations are (B, T/tp, H) per TP rank), dp 1
+    "pp2_tp2_sp": ("ddp", 4, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
+    # each stage fully_shard-ed over its dp group of 2
+    "pp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"]),
+    # each stage's optimizer state partitioned by DeepSpeed ZeRO-1 over its dp group of 2 (fp32 only)
+    "pp2_dp2_zero1": ("zero1", 4, "2", ["--pp_size", "2"]),
+    # both: each stage tensor-parallel (no SP: the full-length boundary states), its TP shards fully_shard-ed over dp
+    "pp2_tp2_dp2_fsdp2": ("fsdp2", 8, "2", ["--pp_size", "2", "--tp_size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def pp_runs(base_model, tmp_path_factory):
+    return launch_cases(CASES, base_model, tmp_path_factory.mktemp("pp"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pp_matches_single_per_step(pp_runs, single_run, case):
+    ref, ref_eval = read_metrics(single_run)
+    got, got_eval = read_metrics(pp_runs[case])
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+    assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
+
+
+def test_pp_ranks_read_only_their_stage(pp_runs, base_weights):
+    """No launch of its own: every pipeline run loaded sharded, rank 0 (first stage) reading under 3/4 of the
+    checkpoint (about half: its layers and the embedding; a quarter at pp=4 or with tp=2)."""
+    whole = sum(t.numel() * t.element_size() for t in base_weights.values())
+    for case in CASES:
+        load = read_run_info(pp_runs[case])["loading"]
+        assert load["mode"] == "sharded" and "pipeline stage" in load["why"], (case, load)
+        assert 0 < load["bytes_read"] < 0.75 * whole, (case, load["bytes_read"], whole)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights, case):
+    assert_export_matches(single_run, pp_runs[case], case, initial=base_weights)
+    _, evals = read_metrics(pp_runs[case])
+    assert rel_close(export_eval_loss(pp_runs[case]), evals[-1]["eval_loss"], 1e-4)
+    info = read_run_info(pp_runs[case])
+    pp = int(CASES[case][3][1])
+    flags = CASES[case][3]
+    schedule = flags[flags.index("--pp_schedule") + 1] if "--pp_schedule" in flags else "1f1b"
+    assert info["pp_size"] == pp and info["pp_schedule"] == schedule and info["pp_microbatches"] >= 1
+    stages = info["pp_stage_layers"]
+    if schedule == "interleaved_1f1b":  # per rank its chunks [start, stop]: rank r holds virtual stages r, r + pp
+        assert info["pp_virtual_stages"] == 2 and stages == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
+        return
+    assert len(stages) == pp and stages[0][0] == 0 and stages[-1][1] == 4
+    assert all(a < b and b == c for (a, b), (c, _) in zip(stages, stages[1:] + [(4, None)]))
+    if case == "pp2_checkpointing_split":
+        assert stages == [[0, 1], [1, 4]]
+
+
+@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_dp2_fsdp2", "pp2_interleaved"])
+def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, case):
+    """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor stages, and
+    interleaved chunks (each rank's two chunks in one state)."""
+    assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case)
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """The embedded tiny Llama with tied input / output embeddings: one process and pp=2 (the weight on the first
+    and the last stage, its grads summed over the two)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpar import data
+
+    path = tmp_path_factory.mktemp("tied_base")
+    cfg = AutoConfig.from_pretrained(data.embedded_model_path())
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    cases = {"tied_single": ("single", 1, "4", []), "tied_pp2": ("ddp", 2, "4", ["--pp_size", "2"])}
+    return launch_cases(cases, str(path), tmp_path_factory.mktemp("tied"))
+
+
+def test_pp_tied_embeddings_match_single(tied_runs):
+    ref, ref_eval = read_metrics(tied_runs["tied_single"])
+    got, got_eval = read_metrics(tied_runs["tied_pp2"])
+    assert len(got) == 8
+    for key in ("loss", "grad_norm"):
+        assert_close_series(ref, got, key, TOL, "tied pp2")
+    assert_close_series(ref_eval, got_eval, "eval_loss", TOL, "tied pp2")
+    assert_export_matches(tied_runs["tied_single"], tied_runs["tied_pp2"], "tied pp2")
+    assert rel_close(export_eval_loss(tied_runs["tied_pp2"]), got_eval[-1]["eval_loss"], 1e-4)

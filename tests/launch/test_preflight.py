@@ -1,0 +1,282 @@
+"""The preflight: every problem knowable without weights, collected and reported once, before the model loads.
+
+In process (the preflight's functions with a ParallelContext of any world size) and one subprocess that times
+a whole refusal the way a user meets it (`python recipes/sft.py ...`: exit 2 in under 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+from transformers import AutoConfig, GPT2Config, LlamaConfig
+
+from hfpar.checkpoint import checkpointer as ckpt
+from hfpar import preflight as pf
+from hfpar.backends import AccelerateBackend, ModelParallelDDP
+from hfpar.config import parse_args
+from hfpar.context import ParallelContext
+from tests.helpers.launch import ROOT, env
+
+
+def _model_dir(tmp_path, **overrides):
+    cfg = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+               num_key_value_heads=2, vocab_size=128)
+    cfg.update(overrides)
+    path = tmp_path / "model"
+    LlamaConfig(**cfg).save_pretrained(path)
+    return str(path)
+
+
+def _args(*argv):
+    return parse_args(list(argv), recipe="sft")
+
+
+def test_model_config_problems_are_all_reported(tmp_path):
+    model = _model_dir(tmp_path)
+    args = _args("--model_name_or_path", model, "--tp_size", "4", "--ep_size", "2")
+    lines = pf.model_problems(args, ParallelContext.plan(8, tp=4, ep=2), "lm")
+    text = "\n".join(lines)
+    assert "num_attention_heads 6 is not divisible" in text and "num_key_value_heads 2 is not divisible" in text
+    assert "--ep_size 2: llama has no MoE layers; pass --upcycle_experts" in text  # config without architectures
+    assert len(lines) >= 3, lines
+
+
+def test_upcycling_and_plans_checked_from_the_config(tmp_path):
+    model = _model_dir(tmp_path, num_attention_heads=4, num_key_value_heads=2)
+    args = _args("--model_name_or_path", model, "--upcycle_experts", "3", "--ep_size", "2")
+    assert any("--upcycle_experts 3 is not divisible by --ep_size 2" in x
+               for x in pf.model_problems(args, ParallelContext.plan(2, ep=2), "lm"))
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64).save_pretrained(gpt2)
+    args = _args("--model_name_or_path", str(gpt2), "--tp_size", "2", "--upcycle_experts", "2")
+    text = "\n".join(pf.model_problems(args, ParallelContext.plan(2, tp=2), "lm"))
+    assert "tensor-parallel" not in text and "'gpt2' cannot be upcycled" in text   # gpt2: a written TP plan
+    for model_type, needle in [("opt", "model_type 'opt' has no hfpar plan and its config no base_model_tp_plan"),
+                               ("olmo2", "'colwise_gather_output' has no hfpar equivalent")]:
+        path = tmp_path / model_type
+        AutoConfig.for_model(model_type).save_pretrained(path)
+        lines = [x for x in pf.model_problems(_args("--model_name_or_path", str(path), "--tp_size", "2"),
+                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size 2")]
+        assert len(lines) == 1 and needle in lines[0] and "pass plan=" not in lines[0], lines
+    granite = tmp_path / "granite"
+    AutoConfig.for_model("granite").save_pretrained(granite)   # a plan derived from its base_model_tp_plan
+    args = _args("--model_name_or_path", str(granite), "--tp_size", "2", "--sequence_parallel")
+    lines = pf.model_problems(args, ParallelContext.plan(2, tp=2, sequence_parallel=True), "lm")
+    assert any("derived from its base_model_tp_plan" in x for x in lines), lines
+    assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
+                                             ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
+    args = _args("--tp_size", "2", "--sequence_parallel", "--upcycle_experts", "4", "--ep_size", "2")
+    ctx = ParallelContext.plan(4, tp=2, ep=2, sequence_parallel=True)
+    assert any("--sequence_parallel with --upcycle_experts 4: the MoE blocks stay whole" in x
+               for x in pf.feature_problems(args, ctx, "lm"))
+    assert not pf.feature_problems(_args("--tp_size", "2", "--upcycle_experts", "4", "--ep_size", "2"),
+                                   ParallelContext.plan(4, tp=2, ep=2), "lm")          # EP x TP itself is fine
+    args = _args("--model_name_or_path", str(tmp_path / "nowhere"))
+    assert "cannot read its config.json" in pf.model_problems(args, ParallelContext.plan(1), "lm")[0]
+
+
+def _checkpoint(out, **state):
+    d = out / "checkpoint-4"
+    d.mkdir(parents=True)
+    base = {"global_step": 4, "world_size": 2, "dp": 2, "tp": 1, "ep": 1, "strategy": "ddp", "seed": 42,
+            "global_batch": 8}
+    (d / ckpt.STATE_FILE).write_text(json.dumps({**base, **state}))
+    (d / ckpt.MARKER).write_text("4")
+    return d
+
+
+@pytest.mark.parametrize("state, ctx, strategy, backend, expected", [
+    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend,
+     "was written with tp 2; this run has tp 1: resume with the same --tp_size"),
+    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend,
+     "zero2 checkpoints resume on the same world size only"),
+    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend, "was written by zero2, this run is ddp"),
+    (dict(ep=2, world_size=4, dp=4), dict(world=2, ep=2), "ddp", ModelParallelDDP,
+     "with TP/EP checkpoints resume on the same world size only; relaunch with the same --num_processes"),
+    (dict(global_batch=16), dict(world=2), "ddp", AccelerateBackend, "trained with global batch 16, this run has 8"),
+])
+def test_incompatible_resumes_refused_from_trainer_state(tmp_path, state, ctx, strategy, backend, expected):
+    out = tmp_path / "out"
+    _checkpoint(out, **state)
+    c = ParallelContext.plan(ctx.pop("world"), **ctx)
+    per_device = 8 // (c.dp * 2)
+    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", str(per_device), *(["--ep_size", "2"] if c.ep > 1 else []))
+    lines = pf.resume_problems(args, c, strategy, backend)
+    assert any(expected in x for x in lines), lines
+
+
+def test_compatible_resume_is_accepted(tmp_path):
+    out = tmp_path / "out"
+    _checkpoint(out, world_size=2)
+    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", "1")
+    assert pf.resume_problems(args, ParallelContext.plan(4), "ddp", AccelerateBackend) == []  # DDP: other world ok
+
+
+def test_a_refusal_takes_under_10_seconds(tmp_path):
+    """Several problems at once (sequence parallelism with MoE blocks; tp 2 does not fit one process),
+    each on its own line, exit 2, the whole process under 10 s."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--tp_size", "2", "--sequence_parallel",
+                           "--upcycle_experts", "4", "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    dt = time.perf_counter() - t0
+    print(f"PREFLIGHT refusal, whole process: {dt:.1f} s")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert any("--tp_size 2 does not divide the world size 1" in x for x in lines), lines
+    assert any("--sequence_parallel with --upcycle_experts 4" in x for x in lines), lines
+    assert dt < 10, dt
+
+
+def test_context_parallel_refusals_and_mode(tmp_path):
+    """Unsupported family, sliding windows, Ulysses with heads not divisible by cp; auto picks Ulysses only when
+    heads and kv heads divide by cp; classify and flash attention refused with --cp_size."""
+    ctx = ParallelContext.plan(4, cp=4)
+    gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    assert "'gpt2' is not among them" in pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2)[0]
+    mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=4096)
+    assert any("mistral uses sliding-window attention (4096 tokens)" in x
+               for x in pf.cp_problems(_args("--cp_size", "4"), ctx, mistral))
+    llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    lines = pf.cp_problems(_args("--cp_size", "4", "--cp_mode", "ulysses"), ctx, llama6)
+    assert lines == ["--cp_mode ulysses: 6 attention heads are not divisible by --cp_size 4; use --cp_mode ring (or auto)"]
+    for heads, kv, mode in ((8, 4, "ulysses"), (8, 2, "ring"), (6, 6, "ring")):
+        c = ParallelContext.plan(4, cp=4)
+        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8)
+        assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and c.cp_mode == mode, (heads, kv, c.cp_mode)
+    lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
+    assert any("context parallelism is available for causal-LM recipes" in x for x in lines)
+    assert any("--attn_implementation flash_attention_2" in x for x in lines)
+
+
+def test_pipeline_refusals(tmp_path):
+    """pp not dividing the world, fewer layers than stages, a split leaving a stage empty, micro-batches not
+    dividing the batch, an encoder model, classify / LoRA, and the compositions not supported."""
+    from hfpar.backends import select_backend
+    from hfpar.config import ConfigError
+    assert "--pp_size 3 does not divide the world size 4" in ParallelContext(world=4, pp=3).problems()[0]
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    ctx4 = ParallelContext.plan(4, pp=4)
+    assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, llama) == [
+        "--pp_size 4: llama has 2 decoder layers, fewer than the stages"]
+    llama8 = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    assert "every stage non-empty" in pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,2,6"), ctx4,
+                                                            llama8)[0]
+    assert pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,4,6"), ctx4, llama8) == []
+    tied = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=True)
+    assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, tied) == []  # tied: first and last stage sum grads
+    bert = AutoConfig.for_model("bert", architectures=["BertForMaskedLM"])
+    assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, bert)[0]
+    t5 = AutoConfig.for_model("t5")
+    assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, t5)[0]
+    lines = pf.feature_problems(_args("--pp_size", "2", "--per_device_train_batch_size", "6", "--pp_microbatches", "4",
+                                      "--use_peft"), ParallelContext.plan(2, pp=2), "classify")
+    assert any("--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x
+               for x in lines)
+    assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
+    assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
+    for strategy, parallelisms, text in (("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
+                                         ("zero1", ("tp", "pp"), "one model-parallel group"),
+                                         ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
+                                         ("ddp", ("ep", "pp"), "together with expert or context"),
+                                         ("ddp", ("cp", "pp"), "together with expert or context")):
+        with pytest.raises(ConfigError, match=text):
+            select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
+    assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
+
+
+def test_pipeline_zero1_refuses_mixed_precision_and_skipping():
+    """PP x ZeRO-1 runs fp32 only (DeepSpeed's bf16 / fp16 optimizers take grads in its engine's backward, which the
+    schedule bypasses) and steps before the trainer sees the norm: one line each, naming the value and the way out."""
+    from hfpar.backends import PipelineZeRO1, select_backend
+
+    ctx = ParallelContext.plan(4, pp=2)
+    assert select_backend("zero1", ("pp",), {"pp": 2}) is PipelineZeRO1
+    assert PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", "no") == []
+    for mp in ("bf16", "fp16"):
+        (line,) = PipelineZeRO1.check(_args("--pp_size", "2"), ctx, "zero1", mp)
+        assert line.startswith(f"--pp_size 2 with zero1 and {mp}: ") and "--mixed_precision no" in line
+    (line,) = PipelineZeRO1.check(_args("--pp_size", "2", "--on_nonfinite", "skip"), ctx, "zero1", "no")
+    assert line.startswith("--on_nonfinite skip with zero1: ") and "--on_nonfinite error" in line
+
+
+def test_pipeline_schedules_listed_once():
+    from hfpar.config import PP_SCHEDULES
+    from hfpar.parallel.pipeline import SCHEDULES
+    assert PP_SCHEDULES == SCHEDULES
+
+
+def test_interleaved_pipeline_refusals():
+    """interleaved_1f1b: at least 2 chunks per rank, V x pp layers at least, micro-batches a multiple of pp (given,
+    or by default), and --pp_split naming the first layer of each of the V x pp virtual stages."""
+    from hfpar.config import ConfigError
+    inter = ("--pp_schedule", "interleaved_1f1b")
+    err = str(pytest.raises(ConfigError, parse_args, [*inter, "--pp_virtual_stages", "1"], recipe="sft").value)
+    assert "--pp_virtual_stages 1: interleaved_1f1b needs >= 2 chunks per rank" in err
+    assert parse_args(["--pp_virtual_stages", "1"], recipe="sft").pp_virtual_stages == 1   # unused unless interleaved
+    ctx2, ctx4 = ParallelContext.plan(2, pp=2), ParallelContext.plan(4, pp=4)
+    llama6 = LlamaConfig(num_hidden_layers=6, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "4"), ctx2, llama6) == [
+        "--pp_virtual_stages 4 x --pp_size 2: llama has 6 decoder layers, fewer than the 8 virtual stages; "
+        "valid: --pp_virtual_stages 2..3"]
+    assert pf.pp_model_problems(_args("--pp_size", "4", *inter), ctx4, llama6) == [
+        "--pp_virtual_stages 2 x --pp_size 4: llama has 6 decoder layers, fewer than the 8 virtual stages; "
+        "valid: --pp_schedule 1f1b or gpipe"]
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "3"), ctx2, llama6) == []
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,2,4"), ctx2, llama6) == [
+        "--pp_split '0,2,4': needs 4 increasing first-layer indices starting at 0 and below 6 (every stage non-empty), "
+        "e.g. 0,1,3,4"]
+    assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,1,3,4"), ctx2, llama6) == []
+    bad = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6",
+                                       "--pp_microbatches", "3"), "lm")
+    assert bad == ["--pp_microbatches 3: interleaved_1f1b needs a multiple of --pp_size 2 that divides "
+                   "--per_device_train_batch_size 6"]
+    odd = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "3"), "lm")
+    assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
+                   "valid: a batch that is a multiple of 2"]
+    assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
+    # the chunks compose with single / ddp configs only for now: TP, LoRA, FSDP2 and ZeRO-1 refused in one line each
+    both = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--tp_size", "2", "--use_peft"), "lm")
+    assert both == ["--pp_schedule interleaved_1f1b with --tp_size and --use_peft: not supported yet; use --pp_schedule "
+                    "1f1b (which composes with them) or drop the option"]
+    from hfpar.backends import PipelineFSDP2, PipelineZeRO1, select_backend
+    assert select_backend("fsdp2", ("pp",), {"pp": 2}) is PipelineFSDP2
+    for cls, strategy in ((PipelineFSDP2, "fsdp2"), (PipelineZeRO1, "zero1")):
+        assert cls.check(_args("--pp_size", "2", *inter), ParallelContext.plan(4, pp=2), strategy, "no") == [
+            f"--pp_schedule interleaved_1f1b with {strategy}: not supported yet (its chunks run with single and ddp "
+            "configs); use --pp_schedule 1f1b, or ddp.yaml"]
+        assert cls.check(_args("--pp_size", "2"), ParallelContext.plan(4, pp=2), strategy, "no") == []
+
+
+def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
+    """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) do not resume as 1 (1f1b)."""
+    out = tmp_path / "out"
+    _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
+    ctx = ParallelContext.plan(2, pp=2)
+    common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
+              "--per_device_train_batch_size", "4", "--pp_size", "2")
+    lines = pf.resume_problems(_args(*common), ctx, "ddp", ModelParallelDDP)
+    assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
+               "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
+    assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, "ddp", ModelParallelDDP) == []
+
+
+def test_fp16_refused_where_no_loss_scaling_would_happen():
+    """The condition is "no loss scaling would happen", not the device: DeepSpeed scales itself (its CPU accelerator
+    runs fp16), an enabled GradScaler scales (tests/helpers/fp16_cpu builds one on CPU); a disabled one (what a CUDA
+    GradScaler is without CUDA) or none (Accelerate on CPU) does not."""
+    multi = DistributedType.MULTI_CPU
+    assert pf.fp16_loss_scaling(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, scaler=None))
+    assert pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=torch.amp.GradScaler("cpu")))
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=off))
+    assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=None))

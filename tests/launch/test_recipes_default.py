@@ -1,0 +1,57 @@
+"""Each recipe with NO arguments trains the embedded default offline, in < 2 minutes, and learns."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.launch import ROOT, env
+from tests.helpers.results import record
+
+pytestmark = pytest.mark.slow
+
+
+def _run(recipe, cwd):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py")], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "final eval loss" in proc.stdout and "median tokens/s" in proc.stdout   # the summary table
+    out = cwd / "outputs" / recipe
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return elapsed, [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r], out
+
+
+@pytest.mark.parametrize("recipe", ["sft", "clm"])
+def test_lm_recipe_default_learns(recipe, tmp_path):
+    elapsed, train, evals, out = _run(recipe, tmp_path)
+    record("recipes_default_cpu", recipe, {"first_train_loss": train[0]["loss"],
+                                           "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
+           command="python -m pytest -q tests/launch/test_recipes_default.py -k lm_recipe")
+    assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
+    assert len(evals) >= 2
+    # eval loss falls clearly from the first evaluation to the last, and far below the untrained ~ln(V)
+    assert evals[-1]["eval_loss"] < 0.75 * evals[0]["eval_loss"], evals
+    assert evals[-1]["eval_loss"] < 0.6 * train[0]["loss"], (train[0], evals[-1])
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # the run report: a plot and a summary table at the end, measured bytes and memory in run_info
+    assert (out / "report.png").stat().st_size > 10_000
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["grad_bytes_per_rank"] == info["param_bytes_per_rank"]   # fp32 on one process: one grad per param
+    assert info["peak_mem_bytes_per_rank"][0] > 0 and info["wall_time_s"] > 0
+
+
+def test_classify_default_beats_majority_baseline(tmp_path):
+    from collections import Counter
+
+    from hfpar import data
+
+    elapsed, train, evals, out = _run("classify", tmp_path)
+    assert elapsed < 120, f"classify took {elapsed:.0f}s"
+    labels = data.load_splits(None, "classify")["eval"]["label"]
+    majority = Counter(labels).most_common(1)[0][1] / len(labels)
+    assert evals[-1]["eval_accuracy"] > majority + 0.2, (evals[-1], majority)
+    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
