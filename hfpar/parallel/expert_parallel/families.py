@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .moe import MoELayer
+
 __all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks"]
 
 
@@ -91,7 +93,6 @@ def config_value(cfg, spec):
 def find_moe_blocks(model: nn.Module, probe) -> tuple[list[MoEBlock], list[str]]:
     """Every MoE block of `model` (hfpar MoELayers, the MOE_FAMILIES block of its model_type, else generic blocks)
     and the problems found. probe(block, fam, E, k) -> relative difference of hfpar's equivalent (generic only)."""
-    from .moe import MoELayer
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     fam = MOE_FAMILIES.get(model_type)
