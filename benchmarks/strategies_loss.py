@@ -1,4 +1,4 @@
-"""Loss curves of the embedded sft recipe under DDP, FSDP2 and ZeRO-3: the README's docs/strategies_loss.png.
+"""Loss curves of the embedded sft recipe under DDP, FSDP2 and ZeRO-3: docs/strategies_loss.png (shown in docs/recipes.md).
 
     python benchmarks/strategies_loss.py      # writes docs/strategies_loss.png and
                                               # benchmarks/results/strategies_loss_cpu_2p.{md,json}

@@ -1,7 +1,13 @@
-"""hfpar: fine-tune Hugging Face transformers with DDP, FSDP2, DeepSpeed ZeRO, tensor and expert parallelism.
+"""hfpar: fine-tune Hugging Face transformers with DDP, FSDP2, DeepSpeed ZeRO, and tensor, expert, context and
+pipeline parallelism.
 
-    from hfpar import apply_tensor_parallel, ColumnParallelLinear, RowParallelLinear
+    from hfpar import apply_tensor_parallel, apply_expert_parallel, upcycle_to_moe, ColumnParallelLinear, RowParallelLinear
     model = apply_tensor_parallel(model, tp_group)     # in your own Accelerate / torch loop
+    apply_expert_parallel(model, ep_group=ep_group)    # MoE blocks: each rank keeps E / ep experts
+
+Context and pipeline parallelism are in hfpar.parallel.context_parallel (attention registered as "hfpar_cp",
+shard_batch, cp_rows) and hfpar.parallel.pipeline (PipelineStage, balanced_split, PipelineRunner); the recipes
+run all four with --tp_size / --ep_size / --cp_size / --pp_size (docs/own-code.md, docs/architecture.md).
 
 Names are imported lazily so `import hfpar` stays cheap (torch + transformers: ~4 s per process).
 """

@@ -2,15 +2,17 @@
 
     ctx = ParallelContext.plan(world=8, rank=r, tp=2, ep=2)    # validates; raises ContextError (all problems)
     ctx.build_groups()                                         # collective: every rank, once
-    apply_tensor_parallel(model, ctx); apply_expert_parallel(model, ctx); backend = make_backend(..., ctx)
+    apply_tensor_parallel(model, ctx); apply_expert_parallel(model, ctx)
+    backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends
 
 Rank layout (tp innermost, so a TP group stays inside a node when tp <= GPUs per node):
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank        world = pp x dp x cp x tp
 
 EP ranks are drawn from the dp ranks: inside a dp group D, EP groups are runs of ep consecutive entries
-and the expert-data-parallel group (ranks holding the same experts) is D[j::ep]. cp and pp are carried
-(size 1 until context / pipeline parallelism land) so that the layout and the groups do not change then.
+and the expert-data-parallel group (ranks holding the same experts) is D[j::ep]. The cp ranks of a replica share
+its rows (each holds its part of every sequence); each pp rank holds its pipeline stage (V chunks
+under the interleaved schedule).
 Everything downstream receives this object; nothing reads degrees back from model attributes.
 """
 

@@ -1,6 +1,6 @@
 """The interface every composition backend implements, and the model-parallel base they share.
 
-    backend = make_backend(accelerator, ctx, strategy, args)   # hfpar.backends: the support table picks the class
+    backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends: SUPPORT picks the class
     backend.prepare(model)                                     # wrap + optimizer (backend.model, backend.optimizer)
     ... acc.backward(loss) ...; norm = backend.clip(max_norm); backend.step(lr); backend.zero_grad()
     backend.save_rank_state(ckpt_dir) / backend.load_rank_state(ckpt_dir); backend.full_state_dict()

@@ -5,4 +5,6 @@
     sharding.py          ShardSpec per parameter; grad norm, replicated-grad sync, full state dict on top of it
     tensor_parallel/     column / row / vocab-parallel layers, plans as data, apply_tensor_parallel
     expert_parallel/     router, grouped experts, all-to-all MoE layer, apply_expert_parallel, upcycling
+    context_parallel/    load-balanced sequence cut, ring / Ulysses attention ("hfpar_cp"), blockwise attention
+    pipeline/            stages of HF decoders, interleaved chunks, GPipe / 1F1B / interleaved 1F1B runner
 """

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.launch import launch, launch_all, read_metrics, rel_close
 
-TOL = 1e-4  # the parity contract (README, "Tests")
+TOL = 1e-4  # the parity contract (docs/testing.md)
 # Exported weights vs the single run, relative to the training update: ||got - ref|| / ||ref - initial||.
 # Measured (e69bf7b core, `python -m pytest -q -s tests/launch/test_backends_parity.py tests/launch/test_tp_parity.py
 # tests/launch/test_ep_parity.py -k "exported_weights or tp_export_is or ep_export_is or classify_matches"`, the

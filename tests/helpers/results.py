@@ -1,4 +1,4 @@
-"""Measured values the README quotes, written by the tests that measure (and assert on) them.
+"""Measured values the README and docs/ quote, written by the tests that measure (and assert on) them.
 
     record("minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q tests/launch/test_minilm.py")
 

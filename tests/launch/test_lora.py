@@ -39,7 +39,7 @@ STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
 MERGED = ["fsdp2_merged", "pp2_merged"]
-RECORD_CMD = "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora_parity_cpu.json (README)
+RECORD_CMD = "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora_parity_cpu.json (docs/lora.md)
 # name -> (accelerate config, processes, recipe, extra args)
 RUNS = {
     "single": ("single", 1, "sft", []),

