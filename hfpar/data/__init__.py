@@ -24,7 +24,7 @@ DataCollator(padding_free=True) packs the samples of each batch that way (same s
 transformers 5 detects packing from the position ids only when attention_mask is None AND no KV cache
 is built, so call the model with `use_cache=False` (the embedded config also sets use_cache false). It
 then builds a block-diagonal causal mask (eager, sdpa) or uses varlen kernels (flash attention):
-tests/unit/test_data.py and tests/launch/test_padding_free.py check that a packed row gives the same logits as its
+tests/unit/test_data.py and tests/unit/test_padding_free.py check that a packed row gives the same logits as its
 samples run one by one.
 
 Every user mistake raises `DataError` (a ValueError) with a one-line message naming the value.

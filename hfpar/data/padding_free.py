@@ -6,7 +6,7 @@ Packed rows keep samples apart only through the position ids: transformers 5 det
 them when there is no attention_mask (masking_utils.find_packed_sequence_indices) and then builds the
 block-diagonal causal mask for eager / sdpa / flex attention (sliding windows included: a window is a distance
 inside the sample, the same in both layouts) or uses varlen kernels for flash attention. That holds for the
-model families below, verified sample by sample against each sample run alone (tests/launch/test_padding_free.py,
+model families below, verified sample by sample against each sample run alone (tests/unit/test_padding_free.py,
 eager and sdpa on CPU in float64; also run once on an H100 with torch 2.11 / transformers 5.17: eager, sdpa and
 flex_attention in fp32 and bf16, Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2); other families (encoders, encoder-decoders, models that build masks without the position ids or have
 recurrent / chunked-attention layers) keep padded batches.
@@ -14,7 +14,7 @@ recurrent / chunked-attention layers) keep padded batches.
 
 from __future__ import annotations
 
-# model_type -> verified in tests/launch/test_padding_free.py (a tiny random-init model of each: every sample's logits
+# model_type -> verified in tests/unit/test_padding_free.py (a tiny random-init model of each: every sample's logits
 # in a padding-free batch equal its logits alone)
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
             "phi3", "olmo2", "starcoder2", "gpt2")

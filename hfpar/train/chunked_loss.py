@@ -15,7 +15,7 @@ copy, their softmax and its gradient.
 
 The patched forward stays the original one whenever no targets are set (generation, users' own calls). Exact by
 construction only where the model returns lm_head(hidden) as its logits: FAMILIES lists the model types checked
-by tests/launch/test_chunked_loss.py; models that scale or soft-cap their logits after the head are not among them.
+by tests/distributed/test_chunked_loss.py; models that scale or soft-cap their logits after the head are not among them.
 """
 
 from __future__ import annotations

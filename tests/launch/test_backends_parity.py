@@ -6,7 +6,7 @@ fp32, sft recipe, tiny Llama, 8 optimizer steps, global batch 8:
 Each must match `single` per step (loss, grad_norm) and in the exported weights within 1e-4
 relative (and within UPDATE_TOL of the training update, ||got - ref|| / ||ref - base||); the export must load with from_pretrained and reproduce the trainer's eval loss;
 run_info.json must name the strategy really used and show the sharding in per-rank bytes;
-every run uses the default padding-free batches (tests/launch/test_padding_free.py: the same as padded ones);
+every run uses the default padding-free batches (tests/unit/test_padding_free.py: the same as padded ones);
 resuming from checkpoint-4 must reproduce steps 5..8. Launches are shared between assertions.
 """
 

@@ -4,7 +4,7 @@ fp32, 8 steps, global batch 8 vs the single-process run: TP=2 on 2 processes, TP
 parallel, TP=2 x DDP=2, TP=2 x FSDP2=2 and TP=2 x ZeRO-2=2 on 4 processes, TP=2 + sequence parallel under
 ZeRO-1 (DeepSpeed with hfpar's mpu; SP grads reduced in backward); exported (gathered) weights,
 from_pretrained round trip, per-rank sharded bytes, resume with TP, and the refusals. All in the default
-padding-free batches (each micro-batch's samples packed into rows; tests/launch/test_padding_free.py).
+padding-free batches (each micro-batch's samples packed into rows; tests/unit/test_padding_free.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ and its hfpar equivalent (softmax top-k, renormalized or not, act = config.hidde
 tokens in eval mode and must agree (fp32 / fp64: 1e-4 relative; 16-bit: 5e-2). What does not fit (biases,
 bias-corrected / sigmoid / group-limited routing of DeepSeek-V3, GPT-OSS's transposed clamped experts, Phi-MoE's
 sparsemixer) is refused in one line naming the model type, the block and what is missing. Tested generically:
-flex_olmo; refused: deepseek_v3, gpt_oss (tests/launch/test_ep_hf_semantics.py).
+flex_olmo; refused: deepseek_v3, gpt_oss (tests/distributed/test_ep_hf_semantics.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The chunked LM head + cross-entropy (hfpar.train.chunked_loss) against the model's own logits and F.cross_entropy.
 
-    python -m pytest -q -p no:cacheprovider tests/launch/test_chunked_loss.py
+    python -m pytest -q -p no:cacheprovider tests/distributed/test_chunked_loss.py
 
 - the function: loss and gradients (input, weight, bias) of chunked_linear_cross_entropy equal F.linear +
   F.cross_entropy(reduction="sum") in fp32 (1e-6 relative) for chunk sizes that do and do not divide the tokens,
@@ -36,10 +36,9 @@ from hfpar.context import ParallelContext
 from hfpar.train.losses import make_loss_fn, shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.preflight import model_problems
-from tests.helpers.parity import COMMON
 from tests.helpers.dist import run_distributed
-from tests.helpers.launch import launch, read_metrics, read_run_info, rel_close
-from tests.launch.test_padding_free import CONFIGS
+from tests.helpers.launch import rel_close
+from tests.unit.test_padding_free import CONFIGS
 
 IGNORE = -100
 
@@ -198,21 +197,6 @@ def _tp_worker(rank, world, sp):
 def test_vocab_parallel_head_equals_the_unsharded_model(sp):
     for r in run_distributed(_tp_worker, 2, sp):
         assert max(r.values()) < 1e-5, r
-
-
-# ------------------------------------------------------------------------------------------ the recipe
-@pytest.mark.slow
-def test_recipe_default_chunked_equals_unchunked(single_run, base_model, tmp_path):
-    out = tmp_path / "unchunked"
-    launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                "--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
-    assert read_run_info(single_run)["loss_chunk_size"] == "auto" and read_run_info(out)["loss_chunk_size"] == 0
-    chunked, chunked_eval = read_metrics(single_run)
-    plain, plain_eval = read_metrics(out)
-    assert len(chunked) == len(plain) == 8
-    for c, p in zip(chunked, plain):
-        assert rel_close(c["loss"], p["loss"], 1e-6) and rel_close(c["grad_norm"], p["grad_norm"], 1e-5), (c, p)
-    assert rel_close(chunked_eval[-1]["eval_loss"], plain_eval[-1]["eval_loss"], 1e-6)
 
 
 def test_explicit_chunking_is_refused_before_the_model_loads(tmp_path):

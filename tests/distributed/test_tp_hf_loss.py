@@ -1,6 +1,6 @@
 """HF semantics on tensor-parallel models: `model(..., labels=).loss`, one SGD step, generate(), the logit gather.
 
-    python -m pytest tests/launch/test_tp_hf_loss.py -q
+    python -m pytest tests/distributed/test_tp_hf_loss.py -q
 
 One spawn of 2 gloo ranks runs every case in fp32 against a deepcopy of the unsharded model taken before
 apply_tensor_parallel: the model's OWN loss from labels= (HF's ForCausalLMLoss on the reference, hfpar's
@@ -12,10 +12,6 @@ plan is derived from HF's base_model_tp_plan. The example script runs under torc
 from __future__ import annotations
 
 import copy
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -249,28 +245,3 @@ def test_generate_greedy_matches_unsharded(ranks, mt):
 
 def test_generate_refused_under_sequence_parallel(ranks):
     assert "sequence_parallel=True: generate()" in ranks[0]["generate"]["err_sp"], ranks[0]["generate"]["err_sp"]
-
-
-# ----------------------------------------------------------------------------- the example script
-def _losses(out: str) -> list[float]:
-    return [float(m) for m in re.findall(r"^step \d+ loss (\S+)", out, flags=re.MULTILINE)]
-
-
-def _run(cmd: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
-
-
-@pytest.mark.slow
-def test_example_loop_matches_one_process():
-    """tp 2, then dp 2 (rows split, num_items_in_batch = the global count, grads summed), vs 1 process."""
-    script = str(ROOT / "examples" / "tp_accelerate_loop.py")
-    ref = _losses(_run([sys.executable, script]))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for extra in ([], ["--tp_size", "1"]):
-        got = _losses(_run([*torchrun, script, *extra]))
-        assert len(ref) == len(got) == 6, (ref, got)
-        assert max(rel(a, b) for a, b in zip(got, ref, strict=True)) < TOL, (extra, got, ref)
-    assert ref[-2] < ref[0] - 0.3, ref                                                  # it learns

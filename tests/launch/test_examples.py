@@ -1,0 +1,70 @@
+"""The example loops in examples/ under torchrun match one process (the layers themselves inside HF models:
+tests/distributed/test_tp_hf_loss.py, tests/distributed/test_ep_hf_semantics.py).
+
+    python -m pytest -q -p no:cacheprovider tests/launch/test_examples.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.launch import ROOT, env
+
+TOL = 1e-4  # the parity contract
+
+
+def rel(a, b) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# ----------------------------------------------------------------------------- the example script
+def _losses(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"^step \d+ loss (\S+)", out, flags=re.MULTILINE)]
+
+
+def _run(cmd: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+@pytest.mark.slow
+def test_example_loop_matches_one_process():
+    """tp 2, then dp 2 (rows split, num_items_in_batch = the global count, grads summed), vs 1 process."""
+    script = str(ROOT / "examples" / "tp_accelerate_loop.py")
+    ref = _losses(_run([sys.executable, script]))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for extra in ([], ["--tp_size", "1"]):
+        got = _losses(_run([*torchrun, script, *extra]))
+        assert len(ref) == len(got) == 6, (ref, got)
+        assert max(rel(a, b) for a, b in zip(got, ref, strict=True)) < TOL, (extra, got, ref)
+    assert ref[-2] < ref[0] - 0.3, ref                                                  # it learns
+
+
+def _example(nproc: int) -> subprocess.Popen:
+    cmd = [sys.executable, "examples/ep_accelerate_loop.py"] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "examples/ep_accelerate_loop.py"]
+    e = env()
+    e["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_accelerate_example_matches_one_process():
+    procs = {n: _example(n) for n in (2, 1)}               # 3 processes at once
+    losses = {}
+    for n, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        losses[n] = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", out, re.MULTILINE)]
+    assert len(losses[2]) == len(losses[1]) == 5, losses
+    assert losses[1][-1] < losses[1][0] - 0.3, losses[1]   # it learns (the 2 batches are seen repeatedly)
+    for a, b in zip(losses[2], losses[1]):
+        assert abs(a - b) <= TOL * abs(b), losses
