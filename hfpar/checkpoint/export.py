@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoTokenizer
 
-from hfpar.checkpoint import checkpointer as ckpt_mod
+from hfpar.checkpoint import layout
 
 
 class ExportError(ValueError):
@@ -49,14 +49,14 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{ckpt}: no such checkpoint directory")
     # pipeline stages and per-rank shards first: a PP / TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`,
     # whose state holds one stage's / rank 0's parameters only
-    pp = ckpt_mod.read_trainer_state(ckpt).get("pp", 1) if (ckpt / ckpt_mod.STATE_FILE).is_file() else 1
+    pp = layout.read_trainer_state(ckpt).get("pp", 1) if (ckpt / layout.STATE_FILE).is_file() else 1
     if pp > 1:
         raise ExportError(f"{ckpt} holds the {pp} stages of a pipeline-parallel run, which export cannot merge offline "
                           "yet: use the final model at the run's --output_dir, or resume the run with the same sizes")
-    if ckpt_mod.has_rank_shards(ckpt):
+    if layout.has_rank_shards(ckpt):
         raise ExportError(f"{ckpt} holds per-rank tensor/expert-parallel shards, which export cannot gather offline yet: "
                           "use the final model at the run's --output_dir, or resume the run with the same sizes")
-    kind = ckpt_mod.model_state_kind(ckpt)
+    kind = layout.model_state_kind(ckpt)
     if kind == "safetensors":
         return load_file(str(ckpt / "model.safetensors"))
     if kind == "bin":
@@ -104,7 +104,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> str:
     tok_dir = _find(ckpt, "tokenizer_config.json")
     if tok_dir is not None:
         AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
-    step = ckpt_mod.read_trainer_state(ckpt).get("global_step") if (ckpt / ckpt_mod.STATE_FILE).is_file() else "?"
+    step = layout.read_trainer_state(ckpt).get("global_step") if (ckpt / layout.STATE_FILE).is_file() else "?"
     n = sum(t.numel() for t in state.values())
     return (f"exported {ckpt} (step {step}, {n:,} parameters) to {out}"
             + ("" if tok_dir else "; no tokenizer files found, copy them yourself"))

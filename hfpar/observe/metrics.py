@@ -21,7 +21,6 @@ import transformers
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import hfpar
-from hfpar.train.optim import implementation
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,9 +140,10 @@ def library_versions() -> dict:
     return out
 
 
-def run_metadata(optimizer) -> dict:
+def run_metadata(optimizer, implementation) -> dict:
     """What run_info.json says of the run besides measurements: library versions, the command line and the
-    optimizer implementation that steps the parameters (hfpar.train.optim). Gathered once, before the first step."""
+    optimizer implementation that steps the parameters (`implementation(torch_optimizer)`: hfpar.train.optim's,
+    handed in by the trainer so that observe imports nothing of train). Gathered once, before the first step."""
     return {"optimizer": implementation(_base_optimizer(optimizer)), "optimizer_wrappers": _wrappers(optimizer),
             "versions": library_versions(), "command": command_line()}
 

@@ -13,23 +13,22 @@ a mean of per-micro-batch means.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import warnings
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.checkpointer import Checkpointer
+from hfpar.distributed import all_reduce_sum
 from hfpar.observe import metrics as M
-from hfpar.observe import plot
 from hfpar.observe.comm_stats import StepCommLog
-from hfpar.distributed import all_reduce_sum, restart_attempt
+from hfpar.observe.recorder import RunRecorder
+from hfpar.parallel.pipeline import pipeline_stages
 from hfpar.train.batch_plan import BatchPlan
 from hfpar.train.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
-from hfpar.parallel.pipeline import pipeline_stages
+from hfpar.train.optim import implementation
 from hfpar.train.sampler import GlobalBatchSampler, eval_shard
 from hfpar.train.schedules import get_scheduler
 
@@ -45,8 +44,6 @@ class Trainer:
         self.args, self.acc, self.ctx, self.backend = args, accelerator, ctx, backend
         self.tokenizer, self.collator, self.task = tokenizer, collator, task
         self.train_ds, self.eval_ds = train_dataset, eval_dataset
-        self.run_extra = run_extra or {}
-        self.out = Path(args.output_dir)
         self.loss_fn = make_loss_fn(task, model)
         self.batch_plan = BatchPlan(task, ctx, ctx.cp_mode)
         self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
@@ -56,80 +53,28 @@ class Trainer:
         else:
             self.total_steps = max(1, math.ceil(args.num_train_epochs * self.sampler.steps_per_epoch))
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.total_steps)
-        self.n_params = M.param_count(model)
-        M.track_grad_bytes()  # grads are freed after each step: record their bytes as the optimizer steps
+        # metrics.jsonl, run_info.json, trackers, console, report.png; counts the parameters before any wrap
+        self.recorder = RunRecorder(accelerator, ctx, args.output_dir, model, total_steps=self.total_steps,
+                                    global_batch=self.sampler.global_batch, logging_steps=args.logging_steps,
+                                    report_to=args.report_to, run_extra=run_extra)
         self.comm = StepCommLog(model) if args.log_comm_bytes else None  # before the backend wraps
         backend.prepare(model)  # plain FSDP2 from a checkpoint: each rank's shards are read here (hfpar.loading.sharded)
         self.model, self.optimizer = backend.model, backend.optimizer
-        self.rss_after_load = M.host_peak_rss_bytes()  # the model is loaded and wrapped on every path by now
+        self.recorder.model_ready(backend, implementation)
         # Stepped by us once per optimizer step (not prepared: Accelerate's wrapper would step it num_processes
         # times per call) and saved with the checkpoint.
         self.scheduler = get_scheduler(args.lr_scheduler_type, backend.base_optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.total_steps)
         if self.comm is not None:
             self.comm.watch(self.model)
-        accelerator.register_for_checkpointing(self.scheduler)
+        # checkpoint-<step>/ layout, trainer state, cadence, retention, resume, the final export
+        self.checkpointer = Checkpointer(
+            accelerator, ctx, backend, args.output_dir, total_steps=self.total_steps, save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit, resume=args.resume_from_checkpoint, seed=args.seed,
+            global_batch=self.sampler.global_batch, pp_virtual_stages=pipeline_stages(args, ctx.pp) // ctx.pp,
+            tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter)
+        self.checkpointer.register(self.scheduler)
         self.start_step = 0
-        # versions, command, optimizer implementation: gathered here, never inside the loop (no import stalls a step)
-        self.run_meta = M.run_metadata(self.optimizer)
-
-    # ------------------------------------------------------------------ state
-    def _trainer_state(self, step: int) -> dict:
-        c = self.ctx
-        return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
-                "pp": c.pp, "pp_virtual_stages": pipeline_stages(self.args, c.pp) // c.pp,  # chunks per pipeline rank
-                "strategy": self.backend.strategy, "seed": self.args.seed,
-                "global_batch": self.sampler.global_batch}
-
-    def maybe_resume(self) -> None:
-        """Compatibility was checked by the preflight, before the model was loaded; here the state is loaded."""
-        path = ckpt.resolve_resume(self.args.resume_from_checkpoint, self.args.output_dir)
-        if path is None:
-            if self.args.resume_from_checkpoint:
-                self.acc.print(f"[hfpar] --resume_from_checkpoint {self.args.resume_from_checkpoint}: no checkpoint yet, starting fresh")
-            return
-        state = ckpt.load_checkpoint(self.acc, path)
-        self.backend.load_rank_state(path)
-        self.start_step = state["global_step"]
-        attempt = restart_attempt()
-        self.acc.print(f"[hfpar] resumed from {path} at step {self.start_step}"
-                       + (f" (torchrun restart attempt {attempt})" if attempt else ""))
-
-    def _save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.acc, self.args.output_dir, step, self._trainer_state(step), self.args.save_total_limit,
-                             extra=self.backend.save_rank_state, tokenizer=self.tokenizer)
-
-    def write_run_info(self, **final) -> None:
-        """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
-        opt_bytes = M.optimizer_state_bytes(self.optimizer) + self.backend.extra_state_bytes()
-        local = torch.tensor([M.param_bytes(self.model), opt_bytes, M.grad_bytes(self.optimizer),
-                              M.peak_memory_bytes(self.acc.device), self.rss_after_load, M.host_peak_rss_bytes()],
-                             dtype=torch.float64)
-        gathered = self.acc.gather(local.to(self.acc.device)).view(-1, 6).cpu()
-        info = {
-            "strategy": self.backend.strategy,
-            "backend": self.backend.name,
-            "distributed_type": str(self.acc.distributed_type).split(".")[-1],
-            "mixed_precision": self.acc.mixed_precision,
-            "device": str(self.acc.device),
-            **self.ctx.as_dict(),
-            "num_parameters": self.n_params,
-            "param_bytes_per_rank": [int(x) for x in gathered[:, 0]],
-            "optimizer_state_bytes_per_rank": [int(x) for x in gathered[:, 1]],
-            "grad_bytes_per_rank": [int(x) for x in gathered[:, 2]],
-            "peak_mem_bytes_per_rank": [int(x) for x in gathered[:, 3]],
-            # host memory of each rank's process: peak RSS once the model was loaded and wrapped, and so far (the
-            # final write: the whole run)
-            "host_peak_rss_after_load_bytes_per_rank": [int(x) for x in gathered[:, 4]],
-            "host_peak_rss_bytes_per_rank": [int(x) for x in gathered[:, 5]],
-            "global_batch_size": self.sampler.global_batch,
-            "total_steps": self.total_steps,
-            **self.run_meta,
-            **self.run_extra,
-            **final,
-        }
-        if self.acc.is_main_process:
-            M.write_json(self.out / "run_info.json", info)
 
     # ------------------------------------------------------------------ forward
     def _to_device(self, batch: dict) -> dict:
@@ -164,15 +109,6 @@ class Trainer:
         if self.task == "classify":
             out["eval_accuracy"] = float(stats[2] / stats[1].clamp(min=1))
         return out
-
-    def _log_eval(self, writer, step: int) -> dict:
-        ev = self.evaluate()
-        if ev:
-            writer.write({"step": step, **ev})
-            if self.args.report_to != "none":
-                self.acc.log(ev, step=step)
-            self.acc.print(f"[hfpar] step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-        return ev
 
     # ------------------------------------------------------------------ train
     def _train_step(self, step: int, micro: list) -> dict:
@@ -223,64 +159,32 @@ class Trainer:
         return rec
 
     def train(self) -> dict:
+        """The run, top-down: resume -> steps (eval, checkpoints on their cadence) -> final eval, checkpoint and
+        export -> run_info / report. The Checkpointer and the RunRecorder are called, never call back."""
         args, acc = self.args, self.acc
         if acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
-        self.maybe_resume()
-        t_start = time.perf_counter()
-        if self.start_step > 0 and acc.is_main_process:
-            _truncate_metrics(self.out / "metrics.jsonl", self.start_step)
-        writer = M.MetricsWriter(self.out / "metrics.jsonl", acc.is_main_process, append=self.start_step > 0)
-        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not acc.is_local_main_process,
-                   desc=f"hfpar {self.backend.strategy}", dynamic_ncols=True)
+        self.start_step = self.checkpointer.resume()
+        self.recorder.start(self.start_step)
         last = {}
         self.model.train()
         for step, _, micro in self.sampler.iterate(self.start_step, self.total_steps):
-            rec = last = self._train_step(step, micro)
-            done = rec["step"]
-            writer.write(rec)
-            if step == self.start_step:  # after the first step, so optimizer state exists and is counted
-                self.write_run_info()
-            if args.report_to != "none":
-                acc.log({k: v for k, v in rec.items() if k != "step"}, step=done)
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
-            if (done % args.logging_steps == 0 or done == self.total_steps) and acc.is_local_main_process:
-                bar.write(f"step {done}/{self.total_steps} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
-                          f"lr {rec['lr']:.3e} tok/s {rec['tokens_per_s']:.0f}")
-            if args.eval_steps and done % args.eval_steps == 0 and done != self.total_steps:
-                self._log_eval(writer, done)
-            if args.save_steps and done % args.save_steps == 0 and done != self.total_steps:
-                self._save(done)
-        bar.close()
-        final = self._log_eval(writer, self.total_steps) if args.eval_steps != 0 else {}
-        if args.save_steps:
-            self._save(self.total_steps)
+            last = self._train_step(step, micro)
+            self.recorder.step(last)
+            done = last["step"]
+            if done == self.total_steps:  # the last step's eval and checkpoint come after the loop
+                continue
+            if args.eval_steps and done % args.eval_steps == 0:
+                self.recorder.eval(done, self.evaluate())
+            if self.checkpointer.should_save(done):
+                self.checkpointer.save(done)
+        self.recorder.end_loop()
+        final = self.evaluate() if args.eval_steps != 0 else {}
+        self.recorder.eval(self.total_steps, final)
+        if self.checkpointer.should_save(self.total_steps):
+            self.checkpointer.save(self.total_steps)
         if args.save_final_model:
-            ckpt.export_final(acc, self.backend, self.tokenizer, args)
-        self.write_run_info(wall_time_s=round(time.perf_counter() - t_start, 2))
-        if acc.is_main_process:
-            self._report()
-        # no rank tears its process groups down while another still uses them; before end_training, which
-        # (Accelerate >= 1.x) destroys the default process group when trackers are on
-        acc.wait_for_everyone()
-        if args.report_to != "none":
-            acc.end_training()
+            self.checkpointer.export_final()
+        self.recorder.finish()
         return {**last, **final}
-
-    def _report(self) -> None:
-        """report.png (loss, eval loss, lr, tokens/s) and a summary table at the end of the run."""
-        try:
-            print(f"[hfpar] report: {plot.write_report(self.out)}")
-        except plot.PlotError as exc:  # matplotlib absent: the run itself is fine
-            print(f"[hfpar] no report.png: {exc}")
-        print(plot.summary_table(self.out))
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop records the interrupted run wrote after the checkpoint step."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,63 @@
+"""The final model in Hugging Face format at --output_dir's root, whatever the composition, in three steps:
+
+    export_final(accelerator, backend, tokenizer, output_dir, peft=False, merge_adapter=False)   # collective
+      1. gather      every rank: the full state dict (the backend gathers its TP / EP / pipeline shards, or
+                     Accelerate gathers FSDP2 / ZeRO-3), full tensors on the main process
+      2. write       the main process: the LoRA adapter (or the merged model), an upcycled model as its HF MoE
+                     architecture, or the model itself; save_pretrained, safetensors
+      3. tokenizer   the main process, next to the weights
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hfpar.distributed import gathered_state_dict, unwrap
+from hfpar.loading.lora import full_peft_model, merged_state_model
+from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
+
+
+def export_final(accelerator, backend, tokenizer, output_dir: str | Path, peft: bool = False,
+                 merge_adapter: bool = False) -> None:
+    """Collective: every rank calls it; the main process writes."""
+    output_dir = str(output_dir)
+    full = gather_full_state(accelerator, backend)
+    if accelerator.is_main_process:
+        write_model(backend, full, output_dir, peft, merge_adapter)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+
+
+def gather_full_state(accelerator, backend) -> dict[str, torch.Tensor]:
+    """Collective: full tensors under HF names on the main process (other ranks: whatever the gather leaves them)."""
+    full = backend.full_state_dict()  # TP / EP / pipeline backends gather their own shards
+    return gathered_state_dict(accelerator, backend.model) if full is None else full
+
+
+def write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: bool, merge_adapter: bool) -> None:
+    """Main process: save_pretrained of the module that describes the trained model, with `full` as its weights."""
+    if peft:
+        write_lora(backend, on_cpu(full), output_dir, merge_adapter)
+    elif is_upcycled(backend.unwrapped()):  # written as the HF MoE architecture it became
+        save_upcycled_pretrained(backend.unwrapped(), output_dir, state_dict=full, is_main_process=True)
+    else:
+        unwrap(backend.model).save_pretrained(output_dir, state_dict=on_cpu(full), safe_serialization=True)
+
+
+def write_lora(backend, full: dict[str, torch.Tensor], output_dir: str, merge_adapter: bool) -> None:
+    """The adapter (adapter_config.json + adapter_model.safetensors) or, merge_adapter, the merged model."""
+    peft_model = backend.hf_model()  # a pipeline stage's PEFT model; None: the model Accelerate wraps
+    model = unwrap(backend.model) if peft_model is None else peft_model
+    if merge_adapter:
+        merged_state_model(model, full).save_pretrained(output_dir, safe_serialization=True)
+    elif peft_model is not None:  # PEFT picks the adapter's entries by walking the model: a complete one
+        full_peft_model(model, full).save_pretrained(output_dir, safe_serialization=True)
+    else:
+        model.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
+
+
+def on_cpu(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in full.items()}

@@ -1,0 +1,105 @@
+"""The layout of a run's --output_dir, and what can be read of it without loading a tensor.
+
+    list_checkpoints(out)            complete checkpoint-<step>/ directories, oldest first
+    resolve_resume("latest", out)    the newest complete one (None: a fresh run), or a PATH checked to be complete
+    read_trainer_state(ckpt)         trainer_state.json: step, world size, dp/tp/ep/cp/pp, strategy, global batch
+
+Layout (hfpar.checkpoint.checkpointer writes it, the preflight, the backends and `hfpar export` read it):
+    checkpoint-<step>/      a resumable training state:
+        trainer_state.json              step, world size, dp/tp/ep/cp/pp, strategy, global batch (read before loading)
+        config.json (+ tokenizer)       so that `hfpar export` needs the checkpoint only
+        model.safetensors | pytorch_model_fsdp_0/ | DeepSpeed folder + `latest`    Accelerate's save_state
+        rank<r>_of<world>.pt            per-rank shards hfpar owns (FSDP2 x TP/EP, experts)
+        tp_rank<t>_of<tp>.pt            one file per TP rank (TP x DDP: dp replicas are identical)
+        COMPLETE                        marker, written last
+    .checkpoint-<step>.tmp/ a save in progress (renamed to checkpoint-<step>/ once flushed)
+    config.json, model*.safetensors, tokenizer files   (final export, from_pretrained-loadable)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from hfpar.config import ConfigError
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    """Where a save of `step` is written before it becomes checkpoint_dir(step)."""
+    return Path(output_dir) / f".checkpoint-{step}.tmp"
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _CKPT_RE.match(child.name)
+        if m and (child / MARKER).is_file():
+            found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
+    root = Path(output_dir)
+    return root.is_dir() and any(_CKPT_RE.match(c.name) for c in root.iterdir())
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
+    """`latest` -> newest complete checkpoint or None (fresh run); a path must be a complete checkpoint."""
+    if not resume:
+        return None
+    if resume == "latest":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"--resume_from_checkpoint {resume}: no such directory (use 'latest' or a checkpoint-<step> dir)")
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one")
+    return path
+
+
+def rank_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
+    return Path(ckpt_dir) / f"rank{ctx.rank:03d}_of{ctx.world:03d}.pt"
+
+
+def tp_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
+    return Path(ckpt_dir) / f"tp_rank{ctx.tp_rank:02d}_of{ctx.tp:02d}.pt"
+
+
+def has_rank_shards(ckpt_dir: str | os.PathLike) -> bool:
+    """Per-rank model-parallel shards (TP / EP), which only a run with the same sizes can read back."""
+    ckpt_dir = Path(ckpt_dir)
+    return any(ckpt_dir.glob("tp_rank*_of*.pt")) or any(ckpt_dir.glob("rank*_of*.pt"))
+
+
+def model_state_kind(ckpt_dir: str | os.PathLike) -> str | None:
+    """Which writer holds the model weights of a checkpoint: safetensors | bin | dcp | deepspeed | None."""
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / "model.safetensors").is_file():
+        return "safetensors"
+    if (ckpt_dir / "pytorch_model.bin").is_file():
+        return "bin"
+    if (ckpt_dir / "pytorch_model_fsdp_0" / ".metadata").is_file():
+        return "dcp"
+    if (ckpt_dir / "latest").is_file():
+        return "deepspeed"
+    return None
+
+
+def read_trainer_state(path: Path) -> dict:
+    """trainer_state.json of a checkpoint (step, world size, dp/tp/ep, global batch): cheap, loads no tensors."""
+    return json.loads((Path(path) / STATE_FILE).read_text())

@@ -1,0 +1,149 @@
+"""The Checkpointer and the RunRecorder's metrics.jsonl, on one process with stand-ins for the accelerator and backend.
+
+    python -m pytest -q tests/unit/test_checkpointer.py
+
+Cadence (should_save), retention (--save_total_limit), `latest` resolution (complete checkpoints only), the trainer
+state written, read back and returned by resume, and metrics.jsonl cut back to the resumed step. No launch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hfpar.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_trainer_state, resolve_resume
+from hfpar.config import ConfigError
+from hfpar.observe.metrics import MetricsWriter
+from hfpar.observe.recorder import truncate_metrics
+
+CTX = SimpleNamespace(world=4, dp=2, tp=2, ep=1, cp=1, pp=1, rank=0)
+
+
+class FakeAccelerator:
+    """One process: save_state / load_state write and read a file, so the layout and the calls can be checked."""
+
+    is_main_process = True
+    _models: list = []
+
+    def __init__(self):
+        self.calls, self.registered = [], []
+
+    def wait_for_everyone(self):
+        pass
+
+    def print(self, *args):
+        self.calls.append(("print", " ".join(map(str, args))))
+
+    def register_for_checkpointing(self, obj):
+        self.registered.append(obj)
+
+    def save_state(self, path):
+        self.calls.append(("save_state", path))
+        (Path(path) / "model.safetensors").write_text("weights")
+
+    def load_state(self, path):
+        self.calls.append(("load_state", path))
+
+
+class FakeBackend:
+    strategy = "ddp"
+
+    def __init__(self):
+        self.calls = []
+
+    def save_rank_state(self, ckpt_dir):
+        self.calls.append(("save_rank_state", ckpt_dir.name))
+        (ckpt_dir / "rank000_of004.pt").write_text("shard")
+
+    def load_rank_state(self, ckpt_dir):
+        self.calls.append(("load_rank_state", ckpt_dir.name))
+
+
+def checkpointer(tmp_path, acc=None, backend=None, **kw) -> Checkpointer:
+    opts = dict(total_steps=10, save_steps=4, save_total_limit=None, resume=None, seed=7, global_batch=16,
+                pp_virtual_stages=1)
+    opts.update(kw)
+    return Checkpointer(acc or FakeAccelerator(), CTX, backend or FakeBackend(), str(tmp_path), **opts)
+
+
+def fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    d = root / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "COMPLETE").write_text(str(step))
+    return d
+
+
+def test_cadence_every_save_steps_and_the_last_step(tmp_path):
+    ck = checkpointer(tmp_path, total_steps=10, save_steps=4)
+    assert [s for s in range(1, 11) if ck.should_save(s)] == [4, 8, 10]
+    assert not any(checkpointer(tmp_path, save_steps=0).should_save(s) for s in range(1, 11))
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    assert resolve_resume("latest", str(tmp_path)) is None  # fresh run
+    assert resolve_resume(None, str(tmp_path)) is None
+    for step in (2, 10, 4):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 12, complete=False)  # a killed save
+    (tmp_path / "checkpoint-x").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-10"]
+    assert resolve_resume("latest", str(tmp_path)).name == "checkpoint-10"
+    assert resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path)).name == "checkpoint-4"
+    with pytest.raises(ConfigError, match="incomplete"):
+        resolve_resume(str(tmp_path / "checkpoint-12"), str(tmp_path))
+    with pytest.raises(ConfigError, match="no such directory"):
+        resolve_resume(str(tmp_path / "checkpoint-99"), str(tmp_path))
+
+
+def test_save_writes_the_layout_and_retention_keeps_the_newest(tmp_path):
+    acc, backend = FakeAccelerator(), FakeBackend()
+    ck = checkpointer(tmp_path, acc, backend, save_total_limit=2)
+    for step in (4, 8, 10):
+        path = ck.save(step)
+    assert path == tmp_path / "checkpoint-10"
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "model.safetensors", "rank000_of004.pt",
+                                                       "trainer_state.json"]
+    assert (path / "COMPLETE").read_text() == "10"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-8", "checkpoint-10"]
+    assert not list(tmp_path.glob(".checkpoint-*"))  # no staging directory left behind
+    assert [c for c, _ in backend.calls] == ["save_rank_state"] * 3
+
+
+def test_trainer_state_round_trip_through_resume(tmp_path):
+    backend = FakeBackend()
+    ck = checkpointer(tmp_path, backend=backend, pp_virtual_stages=2)
+    ck.save(8)
+    state = read_trainer_state(tmp_path / "checkpoint-8")
+    assert state == {"global_step": 8, "world_size": 4, "dp": 2, "tp": 2, "ep": 1, "cp": 1, "pp": 1,
+                     "pp_virtual_stages": 2, "strategy": "ddp", "seed": 7, "global_batch": 16}
+    assert list(state) == list(ck.trainer_state(8))  # key order: the file's bytes
+    acc = FakeAccelerator()
+    resumed = checkpointer(tmp_path, acc, backend, resume="latest")
+    assert resumed.resume() == 8
+    assert ("load_state", str(tmp_path / "checkpoint-8")) in acc.calls
+    assert backend.calls[-1] == ("load_rank_state", "checkpoint-8")
+    assert checkpointer(tmp_path / "fresh", resume="latest").resume() == 0
+
+
+def test_register_hands_state_to_accelerate(tmp_path):
+    acc = FakeAccelerator()
+    sched = object()
+    checkpointer(tmp_path, acc).register(sched)
+    assert acc.registered == [sched]
+
+
+def test_metrics_cut_back_to_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path, enabled=True, append=False)
+    for step in range(1, 7):
+        writer.write({"step": step, "loss": 1.0 / step})
+    writer.write({"step": 4, "eval_loss": 0.5})
+    truncate_metrics(path, 4)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 4]
+    truncate_metrics(tmp_path / "absent.jsonl", 4)  # a fresh output dir: nothing to cut
+    assert not (tmp_path / "absent.jsonl").exists()
