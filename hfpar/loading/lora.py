@@ -10,9 +10,9 @@ Options carry TRL's names (--use_peft, --lora_r, --lora_alpha, --lora_dropout, -
 The LoRA init is drawn right after `torch.manual_seed(args.seed)`, so it is the same on every rank and
 in a single-process run; on a meta skeleton (hfpar.loading.sharded: base weights read later, this rank's part only) the
 adapters are drawn on CPU exactly as on a loaded model (PEFT's moves to the base layer's meta device are skipped).
-The final export (`export_lora`) works under every data-parallel strategy:
-it gathers the full state dict (collective; FSDP2 / ZeRO-3 shards included) and, on the main process,
-writes either the adapter (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained`)
+The final export (hfpar/checkpoint/final_model.py, with full_peft_model / merged_state_model from here) works
+under every data-parallel strategy: it gathers the full state dict (collective; FSDP2 / ZeRO-3 shards included)
+and, on the main process, writes either the adapter (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained`)
 or, with --merge_adapter, the merged model as a plain HF checkpoint (`from_pretrained`).
 """
 
@@ -23,7 +23,7 @@ import copy
 
 import torch
 
-from hfpar.distributed import gathered_state_dict, swapped, unwrap
+from hfpar.distributed import swapped
 
 ADAPTER = "default"
 
@@ -114,24 +114,3 @@ def merged_state_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor
     of `full` are merged in place)."""
     with torch.no_grad():
         return full_peft_model(peft_model, full).merge_and_unload()
-
-
-def export_lora(accelerator, model: torch.nn.Module, tokenizer, output_dir: str, merge: bool,
-                state_dict: dict | None = None, peft_model: torch.nn.Module | None = None) -> None:
-    """Collective. Write the adapter (or, merge=True, the merged model) at output_dir's root. state_dict: full
-    tensors a backend already gathered (the pipeline's stages merged), under peft_model's names."""
-    # collective: full tensors on the main process (FSDP2 / ZeRO-3 gathered)
-    full = gathered_state_dict(accelerator, model) if state_dict is None else state_dict
-    if accelerator.is_main_process:
-        unwrapped = unwrap(model) if peft_model is None else peft_model
-        full = {k: v.detach().cpu().contiguous() for k, v in full.items()}
-        if merge:
-            merged = merged_state_model(unwrapped, full)
-            merged.save_pretrained(output_dir, safe_serialization=True)
-        elif peft_model is not None:  # PEFT picks the adapter's entries by walking the model: a complete one
-            full_peft_model(unwrapped, full).save_pretrained(output_dir, safe_serialization=True)
-        else:
-            unwrapped.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(output_dir)
-    accelerator.wait_for_everyone()
