@@ -124,3 +124,15 @@ def test_parallel_is_standalone():
              for inf in (False, True) for t, line in _imports(m, p, modules, in_functions=inf)
              if not (t == "hfpar.parallel" or t.startswith("hfpar.parallel."))]
     assert not leaks, leaks
+
+
+def test_the_trainer_is_never_called_back():
+    """The trainer calls the Checkpointer and the RunRecorder; they (and everything under checkpoint/ and observe/)
+    never import the training loop, so one run reads top-down."""
+    modules = _modules()
+    back = [f"{p.relative_to(ROOT)}:{line} imports {t}" for m, p in modules.items()
+            if m.startswith(("hfpar.checkpoint", "hfpar.observe")) for inf in (False, True)
+            for t, line in _imports(m, p, modules, in_functions=inf) if t.startswith("hfpar.train")]
+    assert not back, back
+    trainer = (PKG / "train" / "trainer.py").read_text()
+    assert "Checkpointer(" in trainer and "RunRecorder(" in trainer
