@@ -85,7 +85,7 @@ def deepspeed_fp16_problem() -> str | None:
     loaded, with "Type fp16 is not supported on your device" when that accelerator reports no fp16; its CPU accelerator
     asks oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported(): x86 CPUs with AVX512-FP16 or AMX-FP16)."""
     # an optional dependency (hfpar[deepspeed]), imported here as in backends/mp_deepspeed.py: only ZeRO runs reach
-    # this, and Accelerate has already imported deepspeed for them
+    # this, and they import deepspeed a moment later anyway
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     accel = get_accelerator()
