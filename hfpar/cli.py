@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     # ~4.5 s (python -c "import hfpar.recipe"), which `hfpar plot` / `hfpar --version` do not need
     from hfpar.recipe import main as run  # noqa: PLC0415
 
+    gc.freeze()  # as recipes/sft.py: the imported stack is never garbage; the collector stops walking it
     run(argv[0], argv[1:])
 
 

@@ -18,6 +18,11 @@ step loss and grad_norm within LOSS_TOL / NORM_TOL (about 3x the largest differe
 loss scale recorded on every step, final eval loss within EVAL_TOL of the fp32 single-process run's. Not run here:
 TP / EP / CP-with-TP over ZeRO in fp16 (refused in one line by hfpar), PP over ZeRO-1 (fp32 only).
 
+ZeRO in fp16 needs DeepSpeed's accelerator to run fp16: on CPU that is oneDNN's fp16 (x86 CPUs with AVX512-FP16 or
+AMX-FP16; not an AVX2-only AMD EPYC, with the CPU or the CUDA torch build alike), else DeepSpeed stops at initialize
+("Type fp16 is not supported on your device"). There hfpar's preflight refuses the launch in one line before the model
+loads (tested below), and the ZeRO cases are skipped with that line as the reason; the others run.
+
 Overflow: the loss scale starts where steps 1 and 2 overflow and step 3 does not: 2**20 for the GradScaler
 (HFPAR_TEST_FP16_INIT_SCALE), 2**18 for DeepSpeed (initial_scale_power, hysteresis 1: halve on the first overflow as
 GradScaler does; its fp16 weights and grads overflow sooner: from 2**20 it skipped steps 1-4 and 6, measured).
@@ -37,8 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from hfpar.preflight import deepspeed_fp16_problem
 from tests.helpers.parity import COMMON
-from tests.helpers.launch import ROOT, launch, read_metrics, read_run_info, rel_diff
+from tests.helpers.launch import ROOT, launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +115,7 @@ DEFAULT_LOSS_TOL, DEFAULT_NORM_TOL, EVAL_TOL, FP32_TOL = 1.5e-4, 7e-4, 3e-4, 3.5
 
 
 def fp16_env(init_scale: float | None = None, trace_dir=None) -> dict:
-    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'fp16_cpu'}:{ROOT}", "HFPAR_TEST_FP16_CPU": "1"}
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'fp16_cpu'}:{ROOT}", "HFPAR_TEST_FP16_CPU": "1"}
     if init_scale is not None:
         env["HFPAR_TEST_FP16_INIT_SCALE"] = repr(init_scale)
     if trace_dir is not None:
@@ -118,13 +124,28 @@ def fp16_env(init_scale: float | None = None, trace_dir=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fp16_runs(base_model, tmp_path_factory) -> dict:
+def zero_fp16_problem() -> str | None:
+    """The line hfpar's preflight refuses a ZeRO fp16 launch with here (DeepSpeed's accelerator has no fp16), else
+    None. Asked in this process (importing deepspeed costs ~2.5 s, so not at collection)."""
+    return deepspeed_fp16_problem()
+
+
+def skip_refused(config: str, zero_fp16_problem: str | None) -> None:
+    """A ZeRO case where DeepSpeed cannot run fp16: skipped (not launched) with the preflight's reason."""
+    if config.startswith("zero") and zero_fp16_problem:
+        pytest.skip(f"not launched, hfpar refuses it here: {zero_fp16_problem}")
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(base_model, zero_fp16_problem, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fp16")
     (root / "zero2_fp16_scale18.json").write_text(json.dumps(ZERO2_SCALE18))
     (root / "zero2_fp16_scale18.yaml").write_text(ZERO2_YAML.format(json=root / "zero2_fp16_scale18.json"))
     jobs = {name: (config, nproc, bs, extra, scale) for name, (config, nproc, bs, extra, _, scale) in CASES.items()}
     jobs.update({name: (config, nproc, bs, extra, None if config.startswith("zero") else scale)
                  for name, (config, nproc, bs, extra, scale) in OVERFLOW.items()})
+    if zero_fp16_problem:  # DeepSpeed has no fp16 here: its cases are skipped (skip_refused), not launched
+        jobs = {name: job for name, job in jobs.items() if not job[0].startswith("zero")}
     outs = {name: root / name for name in jobs}
 
     def run(name):
@@ -140,11 +161,12 @@ def fp16_runs(base_model, tmp_path_factory) -> dict:
     with ThreadPoolExecutor(2) as pool:
         for f in [pool.submit(run, name) for name in jobs]:
             f.result()
-    return outs
+    return {name: outs[name] for name in jobs}
 
 
 @pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec[4]])
-def test_fp16_matches_single_fp16(fp16_runs, single_run, case):
+def test_fp16_matches_single_fp16(zero_fp16_problem, fp16_runs, single_run, case):
+    skip_refused(CASES[case][0], zero_fp16_problem)
     ref, ref_eval = read_metrics(fp16_runs[CASES[case][4]])
     got, got_eval = read_metrics(fp16_runs[case])
     assert len(got) == len(ref) == 8
@@ -181,7 +203,8 @@ def _trace(out) -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("case", [c for c in OVERFLOW if c != "ovf_single"])
-def test_overflowed_steps_skipped_on_every_rank(fp16_runs, case):
+def test_overflowed_steps_skipped_on_every_rank(zero_fp16_problem, fp16_runs, case):
+    skip_refused(OVERFLOW[case][0], zero_fp16_problem)
     ref = read_metrics(fp16_runs["ovf_single"])[0]
     got = read_metrics(fp16_runs[case])[0]
     start = OVERFLOW[case][4]
@@ -222,3 +245,16 @@ def test_fp16_without_the_test_patch_is_refused_in_one_line(tmp_path):
     assert ("hfpar: error: --mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling"
             in proc.stderr), proc.stderr[-2000:]
     assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_zero_fp16_refused_in_one_line_where_deepspeed_has_no_fp16(zero_fp16_problem, base_model, tmp_path):
+    """Where DeepSpeed's accelerator has no fp16, a ZeRO fp16 launch stops in hfpar's preflight with one line, before
+    any weight is read (the weights file is not safetensors), instead of in deepspeed.initialize after the load."""
+    if not zero_fp16_problem:
+        pytest.skip("DeepSpeed's accelerator runs fp16 on this machine: nothing to refuse (the ZeRO fp16 cases run)")
+    model = model_with_unreadable_weights(base_model, tmp_path / "model")
+    proc = launch("zero2", 2, "sft", ["--model_name_or_path", model, "--output_dir", str(tmp_path / "o")],
+                  check=False, extra_launch=["--mixed_precision", "fp16"])
+    assert proc.returncode != 0
+    assert f"hfpar: error: {zero_fp16_problem}\n" in proc.stderr, proc.stderr[-2000:]
+    assert "not supported on your device" not in proc.stderr, proc.stderr[-2000:]
