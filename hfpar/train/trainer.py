@@ -77,7 +77,7 @@ class Trainer:
     def _trainer_state(self, step: int) -> dict:
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
-                "pp": c.pp, "pp_virtual_stages": pipeline_stages(self.args, c.pp) // c.pp,  # chunks per pipeline rank
+                "pp": c.pp, "pp_virtual_stages": pipeline_stages(c.pp, self.args.pp_schedule, self.args.pp_virtual_stages) // c.pp,  # chunks per pipeline rank
                 "strategy": self.backend.strategy, "seed": self.args.seed,
                 "global_batch": self.sampler.global_batch}
 
