@@ -25,7 +25,6 @@ import torch
 
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.config import ConfigError
-from hfpar.observe.metrics import optimizer_state_bytes
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
@@ -153,6 +152,10 @@ class ModelParallelDeepSpeed(EngineSteps, Backend):
     def extra_state_bytes(self) -> int:
         if not self.experts:
             return 0
+        # here, not at the top: hfpar.observe.metrics imports `datasets` (0.6 s of `hfpar plan`'s start-up, measured
+        # with -X importtime; the planner reads the strategy table of this package and never reaches this line)
+        from hfpar.observe.metrics import optimizer_state_bytes  # noqa: PLC0415
+
         return optimizer_state_bytes(self.expert_optimizer) + sum(
             m.numel() * m.element_size() for p, m in zip(self.experts, self.masters) if m is not p)
 
