@@ -42,13 +42,16 @@ class ParallelContext:
     pp: int = 1
     sequence_parallel: bool = False
     cp_mode: str = "ring"                                       # ring | ulysses (auto resolved by the preflight)
+    strategy: object = None       # the data-parallel strategy in effect (hfpar.backends.Strategy), resolved once by
+                                  # the preflight; everything downstream reads its attributes from here
     groups: dict = field(default_factory=dict, repr=False)     # name -> this rank's group (after build_groups)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def plan(cls, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
-             sequence_parallel: bool = False) -> "ParallelContext":
-        ctx = cls(world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
+             sequence_parallel: bool = False, strategy=None) -> "ParallelContext":
+        ctx = cls(world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
+                  strategy=strategy)
         problems = ctx.problems()
         if problems:
             raise ContextError("\n".join(problems))

@@ -107,18 +107,6 @@ def _store_per_restart_attempt(timeout: datetime.timedelta):
         yield
 
 
-def strategy_name(accelerator: Accelerator) -> str:
-    """The strategy actually in effect: single | ddp | fsdp2 | fsdp1 | zero1 | zero2 | zero3."""
-    dt = accelerator.distributed_type
-    if dt == DistributedType.DEEPSPEED:
-        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
-    if dt == DistributedType.FSDP:
-        return "fsdp2" if accelerator.is_fsdp2 else "fsdp1"
-    if accelerator.num_processes > 1:
-        return "ddp"
-    return "single"
-
-
 def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
     """Build the Accelerator for the launched strategy (CPU-capable: see the module docstring)."""
     kwargs = dict(

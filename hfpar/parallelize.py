@@ -1,8 +1,8 @@
 """Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
 
-    model, info = parallelize(model, args, ctx, task, strategy)
-        LoRA (PEFT adapters) -> MoE: upcycle + expert parallel -> tensor parallel (MoE blocks left whole)
-        -> context-parallel attention -> chunked loss -> activation checkpointing -> pipeline stage
+    model, info = parallelize(model, args, ctx, task)
+        the strategy's adjustment (ctx.strategy.adjust_model) -> LoRA (PEFT adapters) -> MoE: upcycle + expert
+        parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation checkpointing -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -23,20 +23,6 @@ from hfpar.parallel.expert_parallel.moe import MoELayer
 from hfpar.parallel.pipeline import (PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, microbatches,
                                     parse_split, pipeline_stages)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
-
-
-def fsdp2_wrap_classes(model) -> None:
-    """Accelerate's FSDP2 makes one unit per class in model._no_split_modules and then another for the input
-    embedding; when such a class contains the embedding (BERT's BertEmbeddings) the second `fully_shard` fails
-    on an already sharded weight ("value was None when it should not be"). Drop those classes: the embedding
-    still gets a unit of its own."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    names = getattr(model, "_no_split_modules", None)
-    if emb is None or not names:
-        return
-    holders = {type(m).__name__ for m in model.modules() if m is not emb and any(c is emb for c in m.modules())}
-    if holders & set(names):
-        model._no_split_modules = [n for n in names if n not in holders]
 
 
 def is_moe(model) -> bool:
@@ -98,11 +84,11 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
+def parallelize(model, args, ctx, task: str) -> tuple:
     """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras)."""
     info = {}
-    if strategy == "fsdp2":
-        fsdp2_wrap_classes(model)
+    if ctx.strategy is not None:   # e.g. FSDP2's wrap classes (hfpar.backends.strategies)
+        ctx.strategy.adjust_model(model)
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
@@ -121,9 +107,10 @@ def parallelize(model, args, ctx, task: str, strategy: str) -> tuple:
         # LoRA: the stage trims PEFT's base model (its layers hold the adapters); the PEFT model names the export
         peft_model = model if is_peft_model(model) else None
         hf = model.get_base_model() if peft_model is not None else model
-        n_layers, stages = len(decoder_layers(hf)), pipeline_stages(args, ctx.pp)
+        n_layers, stages = len(decoder_layers(hf)), pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages)
         bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(hf, stages)
-        info.update(pp_schedule=args.pp_schedule, pp_microbatches=microbatches(args),
+        m = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches)
+        info.update(pp_schedule=args.pp_schedule, pp_microbatches=m,
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
         if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
             model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds)   # LoRA / TP / FSDP2 / ZeRO-1: refused (preflight)

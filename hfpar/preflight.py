@@ -22,11 +22,10 @@ from transformers import AutoConfig
 
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar import data
-from hfpar.backends import select_backend
+from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
-from hfpar.distributed import strategy_name
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_problem
@@ -34,21 +33,19 @@ from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # attention routed through attn_implementation, tested
 
-# checkpoints written under one family load under another only through `hfpar export`
-_LAYOUT = {"single": "accelerate", "ddp": "accelerate", "fsdp2": "fsdp2", "fsdp1": "fsdp1",
-           "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
-
 
 def preflight(args, accelerator, task: str):
-    """-> (ParallelContext without groups yet, backend class); ConfigError listing every problem."""
-    strategy = strategy_name(accelerator)
+    """-> (ParallelContext without groups yet, carrying the strategy in effect; backend class); ConfigError listing
+    every problem."""
+    strategy = resolve_strategy(accelerator)   # once per run: ctx.strategy from here on
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
-                          ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel)
+                          ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel,
+                          strategy=strategy)
     problems = ctx.problems()
     degrees_ok = not problems
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
-        backend_cls = select_backend(strategy, ctx.parallelisms,
+        backend_cls = select_backend(strategy.name, ctx.parallelisms,
                                      {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size})
     except ConfigError as exc:
         problems.append(str(exc))
@@ -59,12 +56,12 @@ def preflight(args, accelerator, task: str):
     if accelerator.mixed_precision == "fp16" and strategy.startswith("zero") and (p := deepspeed_fp16_problem()):
         problems.append(p)
     if backend_cls is not None:
-        problems += backend_cls.check(args, ctx, strategy, accelerator.mixed_precision)
+        problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
     if degrees_ok:  # what the model's config says about the degrees
         problems += model_problems(args, ctx, task)
     if not problems and backend_cls is not None:
-        problems += resume_problems(args, ctx, strategy, backend_cls)
+        problems += resume_problems(args, ctx, backend_cls)
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     return ctx, backend_cls
@@ -206,7 +203,7 @@ def pp_feature_problems(args, task: str) -> list[str]:
     p = []
     if task != "lm":
         p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes (sft, clm)")
-    m = microbatches(args)
+    m = microbatches(args.per_device_train_batch_size, args.pp_size, args.pp_schedule, args.pp_microbatches)
     if m == 0:  # interleaved_1f1b's default: no multiple of pp_size divides the batch
         p.append(f"--pp_schedule interleaved_1f1b: no multiple of --pp_size {args.pp_size} divides "
                  f"--per_device_train_batch_size {args.per_device_train_batch_size}; valid: a batch that is a multiple of {args.pp_size}")
@@ -236,7 +233,7 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     layers = getattr(config, "num_hidden_layers", 0)
     if layers < ctx.pp:
         return [f"--pp_size {ctx.pp}: {name} has {layers} decoder layers, fewer than the stages"]
-    stages = pipeline_stages(args, ctx.pp)
+    stages = pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages)
     if layers < stages:
         return [f"--pp_virtual_stages {args.pp_virtual_stages} x --pp_size {ctx.pp}: {name} has {layers} decoder layers, "
                 f"fewer than the {stages} virtual stages; valid: "
@@ -250,8 +247,9 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     return p
 
 
-def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> list[str]:
-    """A checkpoint from an incompatible run, found from its trainer_state.json alone."""
+def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
+    """A checkpoint from an incompatible run (this run's strategy: ctx.strategy), found from its trainer_state.json
+    alone."""
     path = ckpt.resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if path is None:
         return []
@@ -264,7 +262,7 @@ def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> l
         p.append(f"checkpoint {path} was written with " + " / ".join(f"{k} {theirs[k]}" for k in differ)
                  + "; this run has " + " / ".join(f"{k} {mine[k]}" for k in differ)
                  + ": resume with the same " + "/".join(f"--{k}_size" for k in differ))
-    chunks = pipeline_stages(args, ctx.pp) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
+    chunks = pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
     if ctx.pp > 1 and theirs["pp"] == ctx.pp and state.get("pp_virtual_stages", 1) != chunks:
         p.append(f"checkpoint {path} was written with {state.get('pp_virtual_stages', 1)} chunk(s) of layers per pipeline "
                  f"rank, this run has {chunks}: resume with the same --pp_schedule and --pp_virtual_stages")
@@ -272,11 +270,13 @@ def resume_problems(args, ctx: ParallelContext, strategy: str, backend_cls) -> l
     if state["global_batch"] != global_batch:
         p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
                  "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
-    theirs_layout, mine_layout = _LAYOUT.get(state.get("strategy"), None), _LAYOUT.get(strategy)
-    if theirs_layout is not None and theirs_layout != mine_layout:
+    strategy = ctx.strategy
+    # checkpoints written under one layout family load under another only through `hfpar export`
+    theirs_layout = checkpoint_layout(state.get("strategy"))
+    if theirs_layout is not None and theirs_layout != strategy.layout:
         p.append(f"checkpoint {path} was written by {state['strategy']}, this run is {strategy}: their training states "
                  f"differ; export it (hfpar export {path} OUT) and start from --model_name_or_path OUT")
-    elif state["world_size"] != ctx.world and backend_cls.resume_needs_same_world(strategy):
+    elif state["world_size"] != ctx.world and backend_cls.resume_needs_same_world(strategy.name):
         model_parallel = any(x in ("tp", "ep") for x in ctx.parallelisms)
         how = ("relaunch with the same --num_processes" if model_parallel else
                f"to go on with {ctx.world}, export it (hfpar export {path} OUT) and start from "

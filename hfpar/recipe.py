@@ -23,7 +23,7 @@ from transformers.integrations import deepspeed as hf_ds
 from hfpar import data
 from hfpar.checkpoint.checkpointer import has_any_checkpoint, resolve_resume
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
-from hfpar.distributed import configure_deepspeed, setup_accelerator, strategy_name, swapped
+from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.preflight import padding_free_mode, preflight
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
@@ -70,7 +70,7 @@ def _without_zero3_init():
         yield
 
 
-def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, strategy: str = "single"):
+def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None):
     """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
     sharded / fsdp2 return a meta skeleton that hfpar.loading.sharded fills with this rank's slices (after LoRA, TP / EP
     and the pipeline stage split, or during the FSDP2 wrap)."""
@@ -89,7 +89,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
         config = AutoConfig.from_pretrained(args.model_name_or_path)
-        mode, why = loading.loading_mode(args, ctx, strategy, config)
+        mode, why = loading.loading_mode(args, ctx, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
         load = {"mode": mode if index else "full",
@@ -97,7 +97,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
         model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
-        if strategy == "zero3":  # DeepSpeed's zero.Init partitioned each parameter as it was loaded (ds_id set)
+        if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
@@ -166,10 +166,10 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     accelerator.wait_for_everyone()
     if log_with:
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
-    strategy = strategy_name(accelerator)
-    model, load = load_model(args, task, num_labels, ctx, strategy)
+    strategy = ctx.strategy   # resolved once, by the preflight
+    model, load = load_model(args, task, num_labels, ctx)
     try:
-        model, extra = parallelize(model, args, ctx, task, strategy)
+        model, extra = parallelize(model, args, ctx, task)
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
             from hfpar.loading.sharded import load_sharded  # noqa: PLC0415
 
@@ -178,7 +178,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         _fail(str(exc))
     accelerator.print(f"[hfpar] model loading: {load['mode']} ({load['why']})")
     extra["loading"] = {k: v for k, v in load.items() if k != "index"}
-    backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == "fsdp2" else {}
+    backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
     backend = backend_cls(accelerator, ctx, strategy, args, **backend_kw)
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
                       run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,

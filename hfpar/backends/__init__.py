@@ -6,6 +6,10 @@ its per-rank state saved, for each (data-parallel strategy, model parallelism) p
 
 SUPPORT is the support matrix: a class where the pair works (tested by the parity suites), a one-line
 reason where it is refused. A new composition is one backend module plus its rows here.
+
+All strategy knowledge lives in this package: the strategy table (strategies.py: checkpoint layout, loading mode,
+what is sharded, wrap-class fix; resolved once per run into ctx.strategy), the data-parallel wrap components the
+model-parallel and pipeline backends hold (wraps.py), and what DeepSpeed backends share (zero.py).
 """
 
 from __future__ import annotations
@@ -13,14 +17,14 @@ from __future__ import annotations
 from hfpar.config import ConfigError
 
 from .accelerate_dp import AccelerateBackend
-from .base import Backend, ModelParallelBackend
-from .mp_ddp import ModelParallelDDP
+from .base import Backend
+from .model_parallel import ModelParallelBackend, ModelParallelDDP, ModelParallelFSDP2
 from .mp_deepspeed import ModelParallelDeepSpeed
-from .mp_fsdp2 import ModelParallelFSDP2
-from .pipeline import PipelineDDP, PipelineFSDP2
+from .pipeline import PipelineBackend, PipelineDDP, PipelineFSDP2
 from .pipeline_zero import PipelineZeRO1
+from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
 
-STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3", "fsdp1")
+STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
 PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp")
 
 _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
@@ -105,5 +109,5 @@ def support_table_markdown() -> str:
 
 __all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
            "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed", "PipelineDDP", "PipelineFSDP2",
-           "PipelineZeRO1"]
+           "ModelParallelDeepSpeed", "PipelineBackend", "PipelineDDP", "PipelineFSDP2", "PipelineZeRO1",
+           "STRATEGY", "Strategy", "checkpoint_layout", "resolve_strategy", "strategy_of"]

@@ -2,7 +2,8 @@
 
     backend = AccelerateBackend(accelerator, ctx, "zero3", args); backend.prepare(model)
 
-Accelerate wraps, reduces, shards, clips and saves (save_state); hfpar adds nothing per rank.
+Accelerate wraps, reduces, shards, clips and saves (save_state); hfpar adds nothing per rank. Under ZeRO the model
+is DeepSpeed's engine, whose loss scale and skipped steps are read as every DeepSpeed backend reads them (zero.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from hfpar.distributed import swapped
 from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip
+from .strategies import strategy_of
+from .zero import EngineSteps, skip_refusal
 
 
 class AccelerateBackend(Backend):
@@ -22,20 +25,25 @@ class AccelerateBackend(Backend):
     def __init__(self, *a, checkpoint_index: dict | None = None, **kw):
         super().__init__(*a, **kw)
         self.checkpoint_index = checkpoint_index  # plain FSDP2 from a checkpoint: a meta model comes to prepare
-        self.steps_in_backward = self.strategy.startswith("zero")
+        self.steps_in_backward = self.spec.deepspeed   # ZeRO: Accelerate's model is DeepSpeed's engine
 
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
         # ZeRO partitions are tied to the world size that wrote them; DDP states are full, FSDP2's are DCP
         # (resharded on load)
-        return strategy.startswith("zero")
+        return strategy_of(strategy).deepspeed
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        if args.on_nonfinite == "skip" and strategy.startswith("zero"):
-            return [f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "
-                    "cannot be skipped; use --on_nonfinite error (stops at the bad step)"]
+        if args.on_nonfinite == "skip" and strategy_of(strategy).deepspeed:
+            return [skip_refusal(strategy)]
         return []
+
+    def loss_scale(self) -> float:
+        return EngineSteps.loss_scale(self) if self.steps_in_backward else super().loss_scale()
+
+    def overflowed(self, grad_norm: float) -> bool:
+        return EngineSteps.overflowed(self, grad_norm) if self.steps_in_backward else super().overflowed(grad_norm)
 
     def prepare(self, model) -> None:
         if self.checkpoint_index is not None and any(p.is_meta for p in model.parameters()):

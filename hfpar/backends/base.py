@@ -1,4 +1,5 @@
-"""The interface every composition backend implements, and the model-parallel base they share.
+"""The interface every composition backend implements (no strategy's specifics: those are the subclasses', the
+strategy table's (strategies.py) and the data-parallel wrap components' (wraps.py)).
 
     backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends: SUPPORT picks the class
     backend.prepare(model)                                     # wrap + optimizer (backend.model, backend.optimizer)
@@ -14,23 +15,24 @@ from pathlib import Path
 
 import torch
 
-from hfpar.checkpoint import checkpointer as ckpt
-from hfpar.config import ConfigError
-from hfpar.train.optim import build_optimizer
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
-from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, shard_spec, sync_partial_grads
+from hfpar.parallel.sharding import shard_spec
 
-from .loss_scale import found_inf, fp16_scaler, loss_scale, step_, unscale_
+from .loss_scale import loss_scale
+from .strategies import STRATEGY
 
 
 class Backend:
     """One composition of data parallelism with hfpar's model parallelism."""
 
     name = "base"
-    steps_in_backward = False       # DeepSpeed: the optimizer steps inside the last micro-batch's backward
+    steps_in_backward = False       # the optimizer steps inside the last micro-batch's backward (zero.EngineSteps)
 
-    def __init__(self, accelerator, ctx, strategy: str, args):
-        self.acc, self.ctx, self.strategy, self.args = accelerator, ctx, strategy, args
+    def __init__(self, accelerator, ctx, strategy, args):
+        """strategy: a Strategy of the table (ctx.strategy) or its name."""
+        self.acc, self.ctx, self.args = accelerator, ctx, args
+        self.spec = STRATEGY.get(str(strategy))     # what the strategy is (strategies.py); None: not in the table
+        self.strategy = str(strategy)                # its name: run_info.json, trainer_state.json, messages
         self.model = self.optimizer = self.base_optimizer = None
 
     @classmethod
@@ -61,17 +63,11 @@ class Backend:
 
     def loss_scale(self) -> float:
         """fp16: the loss scale this step's backward multiplies by (Accelerate's GradScaler on a GPU); else 1."""
-        if self.steps_in_backward and self.model is not None:  # DeepSpeed scales inside its own backward
-            return float(getattr(getattr(self.model, "optimizer", None), "loss_scale", 1.0) or 1.0)
         return loss_scale(getattr(self.acc, "scaler", None))
 
     def overflowed(self, grad_norm: float) -> bool:
         """fp16: the grads overflowed (the scaler skips this step and lowers its scale), not a bad step. The norm
-        is the global one here (grads reduced before it), so every rank answers the same. DeepSpeed fp16: its
-        loss scaler already skipped the step inside backward (its overflow check is all-reduced over dp)."""
-        if self.steps_in_backward:
-            engine = self.model
-            return bool(engine.fp16_enabled()) and not engine.was_step_applied()
+        is the global one here (grads reduced before it), so every rank answers the same."""
         return getattr(self.acc, "scaler", None) is not None and not math.isfinite(grad_norm)
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
@@ -132,65 +128,3 @@ def hfpar_reduced(p: torch.Tensor) -> bool:
     """Parameters whose data-parallel grad reduction hfpar does itself (experts: ranks hold different ones)."""
     spec = shard_spec(p)
     return spec is not None and spec.dp_by_hfpar
-
-
-class ModelParallelBackend(Backend):
-    """Base of the backends where hfpar wraps the model (TP / EP over DDP or FSDP2): Accelerate's wrappers
-    would reduce over the whole world and average different shards together. Grads: the partial ones
-    summed over their group, experts reduced over the ranks holding them, then one global norm."""
-
-    scaler = None  # fp16 on a GPU: Accelerate's GradScaler, its overflow flag made the world's (loss_scale.py)
-
-    @classmethod
-    def resume_needs_same_world(cls, strategy: str) -> bool:
-        return True  # per-rank shards
-
-    def autocast(self):
-        return self.acc.autocast()  # the model is not prepared by Accelerate
-
-    def prepare(self, model: torch.nn.Module) -> None:
-        model.to(self.acc.device)
-        self.model = self.wrap(model)  # before the optimizer: FSDP2 replaces the parameters
-        self.optimizer = self.base_optimizer = build_optimizer(self.model, self.args)
-        self.scaler = fp16_scaler(self.acc)  # fp16: the optimizer is ours, so unscaling and skipping are too
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def clip(self, max_norm: float) -> float:
-        params = list(self.model.parameters())
-        sync_partial_grads(params)
-        reduce_dp_grads(params)
-        unscale_(self.scaler, self.optimizer)  # clip and log the true norm (sums and means commute with 1/scale)
-        return float(clip_grads_(params, max_norm))
-
-    def overflowed(self, grad_norm: float) -> bool:  # noqa: ARG002
-        return found_inf(self.scaler, self.optimizer)  # the world's flag, which decides the skip on every rank
-
-    def step(self, lr: float) -> None:  # noqa: ARG002
-        step_(self.scaler, self.optimizer)
-
-    def full_state_dict(self) -> dict:
-        return full_state_dict(self.unwrapped())
-
-    def _rank_file(self, ckpt_dir: Path) -> tuple[Path, bool]:
-        """(file, whether this rank writes it): per rank when ranks of a replica hold different shards (FSDP2,
-        experts); else one file per TP rank, written by dp rank 0 (the other dp ranks hold identical replicas)."""
-        if self.strategy == "fsdp2" or any(hfpar_reduced(p) for p in self.model.parameters()):
-            return ckpt.rank_state_file(ckpt_dir, self.ctx), True
-        return ckpt.tp_state_file(ckpt_dir, self.ctx), self.ctx.dp_rank == 0
-
-    def save_rank_state(self, ckpt_dir: Path) -> None:
-        f, writes = self._rank_file(ckpt_dir)
-        if writes:
-            torch.save({"model": ckpt.local_state(self.model.state_dict()),
-                        "optimizer": ckpt.local_state(self.optimizer.state_dict())}, f)
-
-    def load_rank_state(self, ckpt_dir: Path) -> None:
-        f, _ = self._rank_file(ckpt_dir)
-        if not f.is_file():
-            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
-        state = torch.load(f, map_location=self.acc.device, weights_only=False)
-        with torch.no_grad():
-            ckpt.load_local_state(self.model.state_dict(), state["model"])
-        ckpt.load_optimizer_state(self.optimizer, state["optimizer"])

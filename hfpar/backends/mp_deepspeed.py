@@ -2,10 +2,9 @@
 
     backend = ModelParallelDeepSpeed(accelerator, ctx, "zero2", args); backend.prepare(model)
 
-TP: DeepSpeed gets a "model parallel unit" (mpu, Megatron's interface) naming the dp and TP groups, so ZeRO
+TP: DeepSpeed gets a "model parallel unit" (hfpar.backends.zero.DeepSpeedMPU) naming the dp and TP groups, so ZeRO
 partitions and reduces over dp only and its grad norm sums the TP shards (tagged tensor_model_parallel by
-their ShardSpec) over TP. Accelerate passes no mpu (only for its own Ulysses), so deepspeed.initialize is
-wrapped for the duration of prepare(). Partial grads (SP norms) are summed over TP by backward hooks:
+their ShardSpec) over TP. Partial grads (SP norms) are summed over TP by backward hooks:
 ZeRO takes grads inside backward.
 
 EP: DeepSpeed's own MoE support is tied to its `deepspeed.moe.layer.MoE` module (found by type, expert keys
@@ -22,79 +21,21 @@ So ZeRO partitions the dense parameters only and hfpar keeps the experts (differ
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.config import ConfigError
-from hfpar.distributed import swapped
-from hfpar.observe.metrics import optimizer_state_bytes
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
 
 from .base import Backend, accelerate_clip, hfpar_reduced
+from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu, skip_refusal
 
 
-class DeepSpeedMPU:
-    """The mpu `deepspeed.initialize(mpu=...)` takes: ZeRO over the dp group, grad norm aware of TP shards."""
-
-    def __init__(self, tp_group, dp_group):
-        self.tp_group, self.dp_group = tp_group, dp_group
-
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return dist.get_world_size(self.dp_group)
-
-    def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(self.dp_group)
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.dp_group)
-
-    def get_model_parallel_group(self):
-        return self.tp_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return dist.get_world_size(self.tp_group)
-
-    def get_model_parallel_rank(self) -> int:
-        return dist.get_rank(self.tp_group)
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return dist.get_process_group_ranks(self.tp_group)[0]
-
-
-@contextlib.contextmanager
-def deepspeed_with_mpu(mpu: DeepSpeedMPU | None):
-    """Pass `mpu` to the `deepspeed.initialize` that `accelerator.prepare` calls (looked up at call time)."""
-    if mpu is None:
-        yield
-        return
-    import deepspeed  # noqa: PLC0415  (an optional dependency, hfpar[deepspeed]; only ZeRO runs reach here)
-
-    original = deepspeed.initialize
-
-    def initialize(*args, **kwargs):
-        kwargs.setdefault("mpu", mpu)
-        return original(*args, **kwargs)
-
-    with swapped(deepspeed, "initialize", initialize):
-        yield
-
-
-class ModelParallelDeepSpeed(Backend):
+class ModelParallelDeepSpeed(EngineSteps, Backend):
     name = "model-parallel over DeepSpeed ZeRO-1/2"
     short = "hfpar + DeepSpeed"
-    steps_in_backward = True
 
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
@@ -104,8 +45,7 @@ class ModelParallelDeepSpeed(Backend):
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
         if args.on_nonfinite == "skip":
-            p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "
-                     "cannot be skipped; use --on_nonfinite error (stops at the bad step)")
+            p.append(skip_refusal(strategy))
         if ctx.ep > 1 and mixed_precision == "fp16":
             p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
                      "DeepSpeed's fp16 loss scale; use bf16 or fp32")
@@ -212,6 +152,10 @@ class ModelParallelDeepSpeed(Backend):
     def extra_state_bytes(self) -> int:
         if not self.experts:
             return 0
+        # here, not at the top: hfpar.observe.metrics imports `datasets` (0.6 s of `hfpar plan`'s start-up, measured
+        # with -X importtime; the planner reads the strategy table of this package and never reaches this line)
+        from hfpar.observe.metrics import optimizer_state_bytes  # noqa: PLC0415
+
         return optimizer_state_bytes(self.expert_optimizer) + sum(
             m.numel() * m.element_size() for p, m in zip(self.experts, self.masters) if m is not p)
 

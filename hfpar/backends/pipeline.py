@@ -1,5 +1,6 @@
 """Pipeline parallelism over data parallelism: each rank holds one stage (tensor-parallel under --tp_size), its
-grads reduced over the ranks holding the same stage by hfpar (PipelineDDP) or by FSDP2 (PipelineFSDP2).
+grads reduced over the ranks holding the same stage by hfpar (PipelineDDP: the HfparAllReduce wrap component) or by
+FSDP2 (PipelineFSDP2: the FullyShard component, wraps.py); PipelineBackend runs the schedule for both.
 
     backend = PipelineDDP(accelerator, ctx, "ddp", args); backend.prepare(stage)   # stage: a PipelineStage
     loss_sum = backend.train_micro(batch, scope, loss_fn, scale)                     # the pipeline schedule
@@ -19,17 +20,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
-from hfpar.parallel.sharding import (carry_shard_specs, full_state_dict, grad_sq_norm, reduce_dp_grads,
-                                     scale_grads_to_norm_, set_shard_spec, shard_spec, sync_partial_grads)
+from hfpar.parallel.sharding import full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, sync_partial_grads
 
-from .base import ModelParallelBackend
 from .loss_scale import unscale_
-from .mp_fsdp2 import ModelParallelFSDP2, fsdp2_settings
+from .model_parallel import ModelParallelBackend
+from .wraps import FullyShard, HfparAllReduce
 
 
 def interleaved_refusal(strategy: str) -> str:
@@ -37,21 +36,25 @@ def interleaved_refusal(strategy: str) -> str:
             "configs); use --pp_schedule 1f1b, or ddp.yaml")
 
 
-class PipelineDDP(ModelParallelBackend):
-    name = "pipeline over data parallelism"
-    short = "hfpar pipeline"
+class PipelineBackend(ModelParallelBackend):
+    """The schedule's forward / backward, the grad norm over the stages, the export merged over the pipeline;
+    the data-parallel wrap of the stage is the `data_parallel` component's."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.ctx.grad_replicas > 1:
-            for p in model.parameters():
-                set_shard_spec(p, dp_reduce_group=self.ctx.replica_group, dp_size=self.ctx.grad_replicas)
+        model = self.dp_wrap.wrap(self.acc, self.ctx, model,
+                                  layer_types=set(getattr(getattr(model, "lm", None), "_no_split_modules", None) or []),
+                                  ignored=[])
+        if self.dp_wrap.prepends_hooks and not model.is_first:   # FSDP2 prepended its own pre-hook to the first
+            model.hook_first_layer()                               # layer: ours must run before it
         return self._pipeline(model)
 
     def _pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
         # every rank joins the collective group creation; the first and last stage of each pipeline get theirs
         self.tied_group = tied_embedding_group(self.ctx.rank_lists("pp")) if model.ties_embeddings else None
-        self.runner = PipelineRunner(model, self.ctx.pp_peers, self.args.pp_schedule, microbatches(self.args),
-                                     group=self.ctx.pp_group, autocast=self.autocast)
+        a = self.args
+        m = microbatches(a.per_device_train_batch_size, a.pp_size, a.pp_schedule, a.pp_microbatches)
+        self.runner = PipelineRunner(model, self.ctx.pp_peers, a.pp_schedule, m, group=self.ctx.pp_group,
+                                     autocast=self.autocast)
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
@@ -108,25 +111,18 @@ class PipelineDDP(ModelParallelBackend):
         return {k: v for part in parts for k, v in part.items()}
 
 
-class PipelineFSDP2(PipelineDDP):
+class PipelineDDP(PipelineBackend):
+    name = "pipeline over data parallelism"
+    short = "hfpar pipeline"
+    data_parallel = HfparAllReduce
+
+
+class PipelineFSDP2(PipelineBackend):
     name = "pipeline over FSDP2"
     short = "hfpar pipeline FSDP2"
+    data_parallel = FullyShard     # the config's mixed-precision policy, resharding (offload refused by its check)
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        p = ModelParallelFSDP2.check(args, ctx, strategy, mixed_precision)   # the same FSDP2 settings apply
+        p = super().check(args, ctx, strategy, mixed_precision)   # the same FSDP2 settings apply
         return p + ([interleaved_refusal(strategy)] if args.pp_schedule == "interleaved_1f1b" else [])
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        mesh = self.ctx.dp_mesh(self.acc.device.type)
-        specs = {n: shard_spec(p) for n, p in model.named_parameters() if shard_spec(p) is not None}
-        layer_types = set(getattr(model.lm, "_no_split_modules", None) or [])
-        settings = fsdp2_settings(self.acc)   # the config's mixed-precision policy, resharding (offload refused)
-        for module in model.modules():  # one FSDP unit per decoder layer of the stage, as the fsdp2 config does
-            if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=mesh, **settings)
-        fully_shard(model, mesh=mesh, **settings)
-        carry_shard_specs(model, specs)
-        if not model.is_first:   # FSDP2 prepended its own pre-hook to the first layer: ours must run before it
-            model.hook_first_layer()
-        return self._pipeline(model)

@@ -23,14 +23,16 @@ from __future__ import annotations
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import sync_partial_grads
 
-from .mp_deepspeed import DeepSpeedMPU, deepspeed_with_mpu
-from .pipeline import PipelineDDP, interleaved_refusal
+from .pipeline import PipelineBackend, interleaved_refusal
+from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
 
-class PipelineZeRO1(PipelineDDP):
+class PipelineZeRO1(EngineSteps, PipelineBackend):
+    """The pipeline's schedule, DeepSpeed's engine in place of a data-parallel wrap component (it steps inside
+    clip(): a non-finite step cannot be skipped)."""
+
     name = "pipeline over DeepSpeed ZeRO-1"
     short = "hfpar pipeline + DeepSpeed"
-    steps_in_backward = True        # DeepSpeed steps inside clip(): a non-finite step cannot be skipped
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:

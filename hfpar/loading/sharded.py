@@ -3,7 +3,7 @@ it will hold.
 
     index = checkpoint_index(resolve_checkpoint("path/or/hub-id"))    # {tensor name: file}, None: neither format
     model = build_skeleton(cls, path, index)    # parameters on meta (missing keys initialised), buffers computed
-    model, _ = parallelize(model, args, ctx, "lm", strategy)   # LoRA (adapters drawn on CPU as usual), TP / EP,
+    model, _ = parallelize(model, args, ctx, "lm")   # LoRA (adapters drawn on CPU as usual), TP / EP,
                                                 # pipeline stage split: all on meta
     load_sharded(model, index)                  # this rank's TP rows / columns (each packed part), its experts, its
                                                 # stage's layers, everything else whole; = from_pretrained + same
@@ -55,10 +55,11 @@ __all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sha
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
+def loading_mode(args, ctx, config) -> tuple[str, str]:
     """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices / the pipeline stage read on each
-    rank before the wrap, ("fsdp2", why) each rank's FSDP2 dim-0 shards read during the wrap, or ("full", why)
-    from_pretrained. LoRA follows the base model's mode (its adapters are drawn whole, as with from_pretrained)."""
+    rank before the wrap, (ctx.strategy.wrap_load, why) each rank's dim-0 shards read during the wrap ("fsdp2"),
+    or ("full", why) from_pretrained. LoRA follows the base model's mode (its adapters are drawn whole, as with
+    from_pretrained). The strategy's part comes from its attributes (hfpar.backends.strategies)."""
     if not args.sharded_loading:
         return "full", "--sharded_loading false"
     model_parallel = ctx.tp > 1 or ctx.ep > 1
@@ -73,9 +74,10 @@ def loading_mode(args, ctx, strategy: str, config) -> tuple[str, str]:
     if model_parallel:
         return "sharded", "each rank reads its TP / EP slices" + (
             " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else "")
-    if strategy == "fsdp2":
-        return "fsdp2", "each rank reads its FSDP2 dim-0 shards"
-    if strategy == "zero3":
+    strategy = ctx.strategy
+    if strategy.wrap_load:
+        return strategy.wrap_load, f"each rank reads its {strategy.label} dim-0 shards"
+    if strategy.partitions_at_load:
         return "full", "from_pretrained under DeepSpeed's zero.Init (partitioned as it loads)"
     return "full", f"{strategy}: every rank holds the whole model"
 

@@ -3,7 +3,7 @@ of each rank as hfpar loads the model.
 
     chunk = chunk_tokens(stats, tp=1, loss_chunk_size=None)       # the recipe's auto chunk (0: unchunked)
     activation_bytes(stats, 4096, 1, loss_chunk=chunk)            # bytes kept for backward on one rank
-    host_ram_bytes(stats, "fsdp2", dp=8)                          # {"mode", "load", "steady", "peak"} host bytes
+    host_ram_bytes(stats, STRATEGY["fsdp2"], dp=8)                # {"mode", "load", "steady", "peak"} host bytes
 
 ModelStats: a model's parameter statistics, from its config built on the meta device (model_stats).
 
@@ -186,25 +186,26 @@ def activation_bytes(stats, seq_len: int, batch_size: int, *, tp: int = 1, check
     return int(body * act_bytes / 2 + head)
 
 
-def load_mode(stats, strategy: str, *, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False) -> str:
-    """hfpar.loading.sharded.loading_mode for a planner row: sharded | fsdp2 | full (zero3_offload loads as zero3)."""
+def load_mode(stats, strategy, *, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False) -> str:
+    """hfpar.loading.sharded.loading_mode for a planner row (strategy: a hfpar.backends.Strategy): sharded | fsdp2 |
+    full (ZeRO-3 offload loads as ZeRO-3)."""
     args = SimpleNamespace(use_peft=lora, upcycle_experts=False, sharded_loading=True)
     config = SimpleNamespace(model_type=stats.model_type, num_experts=stats.num_experts)
-    strategy = "zero3" if strategy == "zero3_offload" else strategy
-    return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp), strategy, config)[0]
+    return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp, strategy=strategy), config)[0]
 
 
-def host_ram_bytes(stats, strategy: str, *, dp: int, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False,
+def host_ram_bytes(stats, strategy, *, dp: int, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False,
                    local: float | None = None, cpu: float = 0) -> dict:
     """Host RAM of the most loaded rank (module docstring): {"mode", "load", "steady", "peak"} in bytes, peak
-    with HOST_OVERHEAD. local: parameters the rank holds after TP / EP (default all); cpu: offloaded bytes."""
+    with HOST_OVERHEAD. strategy: a hfpar.backends.Strategy; local: parameters the rank holds after TP / EP
+    (default all); cpu: offloaded bytes."""
     n, c = stats.n_params, stats.checkpoint_bytes
     mode = load_mode(stats, strategy, tp=tp, ep=ep, pp=pp, lora=lora)
     if mode == "sharded":
         held = read = n if local is None else local
-    elif mode == "fsdp2":
+    elif mode == strategy.wrap_load:   # the wrap reads each rank's shard (FSDP2)
         held = read = n / dp
-    elif strategy in ("zero3", "zero3_offload"):
+    elif strategy.partitions_at_load:  # zero.Init: each rank's partition held, the whole checkpoint read
         held, read = n / dp, n
     else:
         held = read = n

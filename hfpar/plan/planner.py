@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hfpar.backends.strategies import PLANNED, STRATEGY
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.context import ParallelContext
 from hfpar.plan.memory import (HOST_OVERHEAD, ModelStats, PlanError, state_bytes_per_param, activation_bytes, chunk_tokens, host_ram_bytes,  # noqa: F401
@@ -24,8 +25,7 @@ from hfpar.plan.pipeline import pipeline_estimate, pipeline_section
 
 GiB = 1024**3
 RESERVE = 0.10  # of each GPU kept free: CUDA context, allocator fragmentation, NCCL buffers
-DATA_PARALLEL = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")
-SHARDED = ("fsdp2", "zero3", "zero3_offload")  # params all-gathered one decoder layer at a time
+DATA_PARALLEL = tuple(s.name for s in PLANNED)  # ddp fsdp2 zero1 zero2 zero3 zero3_offload (hfpar.backends.strategies)
 
 
 def valid_tp_sizes(stats: ModelStats, max_tp: int) -> list[int]:
@@ -68,11 +68,12 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     stats = model_stats(config)
     if strategy not in DATA_PARALLEL:
         raise PlanError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
+    s = STRATEGY[strategy]   # what it shards, its buffers, what the planner composes it with
     degrees = ParallelContext(world=world_size, tp=tp_size, ep=ep_size, cp=cp_size).problems()  # the runs' own check
     if degrees:
         raise PlanError("; ".join(degrees))
     # what this estimator models (a subset of the support matrix, hfpar.backends.SUPPORT)
-    if (tp_size > 1 and strategy not in ("ddp", "fsdp2")) or (ep_size > 1 and strategy != "ddp"):
+    if (tp_size > 1 and "tp" not in s.plans) or (ep_size > 1 and "ep" not in s.plans):
         raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: the planner models TP with ddp or fsdp2, EP with ddp")
     check_tp(stats, tp_size)
     check_ep(stats, ep_size)
@@ -84,17 +85,16 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     local -= stats.n_expert * (1 - 1 / ep_size)
     layer = stats.largest_layer / tp_size
     trainable = lora_rank * stats.lora_unit / tp_size if lora_rank else local
-    shard_p, shard_g, shard_o = {"ddp": (1, 1, 1), "fsdp2": (dp, dp, dp), "zero1": (1, 1, dp), "zero2": (1, dp, dp),
-                                 "zero3": (dp, dp, dp), "zero3_offload": (dp, dp, dp)}[strategy]
+    shard_p, shard_g, shard_o = (dp if sharded else 1 for sharded in s.shards)
     out = {"params": local * bp / shard_p, "grads": trainable * bg / shard_g, "optimizer": trainable * bo / shard_o}
-    if strategy == "ddp":
+    if s.buffers == "bucket":
         buffers = trainable * bg  # DDP's bucket copy of the gradients (gradient_as_bucket_view off)
-    elif strategy in SHARDED:
+    elif s.buffers == "gathered":
         buffers = 2 * layer * bp + layer * bg  # gathered layer + prefetched next + its unsharded grads
     else:
         buffers = min(trainable, stats.hidden**2) * bg  # ZeRO-1/2 reduce bucket (Accelerate: hidden^2)
     cpu = 0.0
-    if strategy == "zero3_offload":
+    if s.offload:
         cpu = out["params"] + out["grads"] + out["optimizer"]
         out["params"] = out["grads"] = out["optimizer"] = 0.0
     act_bytes = 2 if mixed_precision == "bf16" else 4
@@ -105,7 +105,7 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
     out["cpu"] = int(cpu)
-    out["host"] = host_ram_bytes(stats, strategy, dp=dp, tp=tp_size, ep=ep_size, lora=bool(lora_rank), local=local,
+    out["host"] = host_ram_bytes(stats, s, dp=dp, tp=tp_size, ep=ep_size, lora=bool(lora_rank), local=local,
                                  cpu=cpu)["peak"]
     return out
 
@@ -128,31 +128,39 @@ class Candidate:
     pp: int = 1  # pipeline stages (1F1B), each over DDP
 
     @property
+    def spec(self):
+        """The strategy's entry in hfpar.backends.strategies."""
+        return STRATEGY[self.strategy]
+
+    @property
     def label(self) -> str:
         extra = f" + TP{self.tp}" if self.tp > 1 else f" + EP{self.ep}" if self.ep > 1 else ""
         extra += f" + CP{self.cp}" if self.cp > 1 else ""
         extra += f" + PP{self.pp}" if self.pp > 1 else ""
-        return {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3_offload": "ZeRO-3 offload",
-                "ddp": "DDP", "fsdp2": "FSDP2"}[self.strategy] + extra
+        return self.spec.label + extra
 
 
 def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int | None = None,
                ep_size: int | None = None, cp_size: int | None = None, nodes: int = 1) -> list[Candidate]:
     """Every strategy the model allows, in the order of the recommendation rule."""
-    out = [Candidate(s) for s in ("ddp", "fsdp2", "zero1", "zero2", "zero3")]
+    def over(dim: str) -> list[str]:  # the strategies the planner composes with a parallel dimension
+        return [s.name for s in PLANNED if dim in s.plans]
+
+    out = [Candidate(s.name) for s in PLANNED if not s.offload]
     tps = [tp_size] if tp_size else [t for t in valid_tp_sizes(stats, gpus_per_node) if world % t == 0]
     for t in (t for t in tps if t > 1):  # TP inside a node
-        out += [Candidate("ddp", tp=t), Candidate("fsdp2", tp=t)]
+        out += [Candidate(s, tp=t) for s in over("tp")]
     if stats.num_experts:
         eps = [ep_size] if ep_size else [e for e in range(2, min(world, stats.num_experts) + 1)
                                          if stats.num_experts % e == 0 and world % e == 0]
-        out += [Candidate("ddp", ep=e) for e in eps if e > 1]
+        out += [Candidate(s, ep=e) for e in eps if e > 1 for s in over("ep")]
     cps = [cp_size] if cp_size else [2, 4, 8]
-    out += [Candidate(s, cp=c) for c in cps if c > 1 and world % c == 0 for s in ("ddp", "fsdp2")]
+    out += [Candidate(s, cp=c) for c in cps if c > 1 and world % c == 0 for s in over("cp")]
     if stats.n_layer_params:  # pipeline (over DDP): one stage per node, and powers of two up to the layers
         pps = sorted({nodes, 2, 4, 8})
-        out += [Candidate("ddp", pp=k) for k in pps if 1 < k <= min(world, stats.n_layers) and world % k == 0]
-    return out + [Candidate("zero3_offload")]
+        out += [Candidate(s, pp=k) for k in pps if 1 < k <= min(world, stats.n_layers) and world % k == 0
+                for s in over("pp")]
+    return out + [Candidate(s.name) for s in PLANNED if s.offload]
 
 
 def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: int = 1) -> tuple[Candidate, bool] | None:
@@ -163,11 +171,14 @@ def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: in
     when activations dominate (more than half of FSDP2's total at the requested seq_len), after them otherwise;
     then a CP degree that fits without activation checkpointing is preferred to checkpointing.
     rows: (candidate, no ckpt, ckpt)."""
-    plain = [r for r in rows if r[0].strategy in ("ddp", "fsdp2") and r[0].tp == r[0].ep == r[0].cp == r[0].pp == 1]
+    def tier(r) -> str | None:  # the strategy's place in the rule (hfpar.backends.strategies)
+        return r[0].spec.tier
+
+    plain = [r for r in rows if tier(r) == "first" and r[0].tp == r[0].ep == r[0].cp == r[0].pp == 1]
     pps = [r for r in rows if r[0].pp > 1]
     per_node = [r for r in pps if nodes > 1 and r[0].pp == nodes]
-    order = plain[:1] + per_node + plain[1:] + [r for r in rows if r[0].strategy == "zero3"]
-    fsdp2 = next((r[1] for r in plain if r[0].strategy == "fsdp2"), None)
+    order = plain[:1] + per_node + plain[1:] + [r for r in rows if tier(r) == "fallback"]
+    fsdp2 = next((r[1] for r in plain if r[0].spec.shards[0]), None)   # the plain sharded one (FSDP2)
     cp_first = fsdp2 is not None and fsdp2["activations"] > fsdp2["total"] / 2
     cps = sorted((r for r in rows if r[0].cp > 1), key=lambda r: (r[0].cp, r[0].strategy))
     mps = sorted((r for r in rows if r[0].tp > 1 or r[0].ep > 1), key=lambda r: (r[0].tp * r[0].ep, r[0].strategy))
@@ -176,7 +187,7 @@ def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: in
         for cand, plain_est, _ in plain[:1] + per_node + plain[1:] + cps:
             if plain_est["total"] <= budget:
                 return cand, False
-    order += [r for r in pps if r not in per_node] + [r for r in rows if r[0].strategy == "zero3_offload"]
+    order += [r for r in pps if r not in per_node] + [r for r in rows if tier(r) == "last"]
     for cand, plain, ckpt in order:
         if plain["total"] <= budget:
             return cand, False
@@ -209,7 +220,8 @@ def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
     rows, _ = pipeline_estimate(stats, pp, world, schedule="1f1b", **kw)
     worst = max(rows, key=lambda r: r["total"])
     stage_params = worst["params"] / state_bytes_per_param(kw.get("mixed_precision", "bf16"))[0]
-    host = host_ram_bytes(stats, "ddp", dp=world // pp, pp=pp, local=stage_params)["peak"]
+    over = next(s for s in PLANNED if "pp" in s.plans)   # the data parallelism the planner's pipeline runs over
+    host = host_ram_bytes(stats, over, dp=world // pp, pp=pp, local=stage_params)["peak"]
     return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0,
                                                                                                     "host": host}
 

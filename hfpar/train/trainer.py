@@ -71,7 +71,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             accelerator, ctx, backend, args.output_dir, total_steps=self.total_steps, save_steps=args.save_steps,
             save_total_limit=args.save_total_limit, resume=args.resume_from_checkpoint, seed=args.seed,
-            global_batch=self.sampler.global_batch, pp_virtual_stages=pipeline_stages(args, ctx.pp) // ctx.pp,
+            global_batch=self.sampler.global_batch, pp_virtual_stages=pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp,
             tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter)
         self.checkpointer.register(self.scheduler)
         self.start_step = 0

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, Phi3Config
 
+from hfpar.backends import STRATEGY
 from hfpar.loading.sharded import build_skeleton, checkpoint_index, fsdp2_loader, load_sharded, loading_mode
 from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe
 from hfpar.parallel.pipeline import PipelineChunks, PipelineStage, balanced_split
@@ -250,7 +251,7 @@ def test_loading_mode_of_compositions():
 
     def mode(strategy="ddp", tp=1, ep=1, pp=1, peft=False, upcycle=0, config=cfg):
         args = SimpleNamespace(use_peft=peft, upcycle_experts=upcycle, sharded_loading=True)
-        return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp), strategy, config)[0]
+        return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp, strategy=STRATEGY[strategy]), config)[0]
 
     assert [mode(pp=2), mode("fsdp2", pp=2), mode("zero1", pp=2), mode(pp=2, tp=2), mode(pp=2, peft=True)] == \
         ["sharded"] * 5

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hfpar import preflight as pf
 from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP
-from hfpar.backends.mp_fsdp2 import fsdp2_settings
+from hfpar.backends.wraps import fsdp2_settings
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from hfpar.train.losses import shifted_lm_loss_sum

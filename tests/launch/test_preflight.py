@@ -19,7 +19,7 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar import preflight as pf
-from hfpar.backends import AccelerateBackend, ModelParallelDDP
+from hfpar.backends import STRATEGY, AccelerateBackend, ModelParallelDDP
 from hfpar.config import parse_args
 from hfpar.context import ParallelContext
 from tests.helpers.launch import ROOT, env
@@ -105,11 +105,11 @@ def _checkpoint(out, **state):
 def test_incompatible_resumes_refused_from_trainer_state(tmp_path, state, ctx, strategy, backend, expected):
     out = tmp_path / "out"
     _checkpoint(out, **state)
-    c = ParallelContext.plan(ctx.pop("world"), **ctx)
+    c = ParallelContext.plan(ctx.pop("world"), strategy=STRATEGY[strategy], **ctx)
     per_device = 8 // (c.dp * 2)
     args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
                  "2", "--per_device_train_batch_size", str(per_device), *(["--ep_size", "2"] if c.ep > 1 else []))
-    lines = pf.resume_problems(args, c, strategy, backend)
+    lines = pf.resume_problems(args, c, backend)
     assert any(expected in x for x in lines), lines
 
 
@@ -118,7 +118,7 @@ def test_compatible_resume_is_accepted(tmp_path):
     _checkpoint(out, world_size=2)
     args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
                  "2", "--per_device_train_batch_size", "1")
-    assert pf.resume_problems(args, ParallelContext.plan(4), "ddp", AccelerateBackend) == []  # DDP: other world ok
+    assert pf.resume_problems(args, ParallelContext.plan(4, strategy=STRATEGY["ddp"]), AccelerateBackend) == []  # DDP: other world ok
 
 
 def test_a_refusal_takes_under_10_seconds(tmp_path):
@@ -261,13 +261,13 @@ def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
     """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) do not resume as 1 (1f1b)."""
     out = tmp_path / "out"
     _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
-    ctx = ParallelContext.plan(2, pp=2)
+    ctx = ParallelContext.plan(2, pp=2, strategy=STRATEGY["ddp"])
     common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
               "--per_device_train_batch_size", "4", "--pp_size", "2")
-    lines = pf.resume_problems(_args(*common), ctx, "ddp", ModelParallelDDP)
+    lines = pf.resume_problems(_args(*common), ctx, ModelParallelDDP)
     assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
                "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
-    assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, "ddp", ModelParallelDDP) == []
+    assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, ModelParallelDDP) == []
 
 
 def test_fp16_refused_where_no_loss_scaling_would_happen():

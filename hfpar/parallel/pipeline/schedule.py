@@ -74,18 +74,19 @@ def _interleaved_order(r: int, p: int, m: int, v: int) -> list[tuple[str, int, i
     return order + [at("B", k) for k in range(total - warm, total)]
 
 
-def microbatches(args) -> int:
-    """--pp_microbatches, or its default: 2 x pp_size micro-batches, fewer when the per-device batch is smaller
-    (interleaved_1f1b: a multiple of pp_size; 0 when none divides the batch, which the preflight reports)."""
-    if args.pp_microbatches:
-        return args.pp_microbatches
-    rows, step = args.per_device_train_batch_size, args.pp_size if args.pp_schedule == "interleaved_1f1b" else 1
-    return max((d for d in range(step, min(2 * args.pp_size, rows) + 1, step) if rows % d == 0), default=0)
+def microbatches(rows: int, pp: int, schedule: str, requested: int = 0) -> int:
+    """The micro-batches of a per-device batch of `rows`: `requested` (--pp_microbatches), or its default: 2 x pp
+    micro-batches, fewer when the batch is smaller (interleaved_1f1b: a multiple of pp; 0 when none divides the
+    batch, which the preflight reports)."""
+    if requested:
+        return requested
+    step = pp if schedule == "interleaved_1f1b" else 1
+    return max((d for d in range(step, min(2 * pp, rows) + 1, step) if rows % d == 0), default=0)
 
 
-def pipeline_stages(args, pp: int) -> int:
-    """Stages the layers are cut into: pp, or pp x --pp_virtual_stages for interleaved_1f1b."""
-    return pp * args.pp_virtual_stages if args.pp_schedule == "interleaved_1f1b" else pp
+def pipeline_stages(pp: int, schedule: str, virtual_stages: int = 1) -> int:
+    """Stages the layers are cut into: pp, or pp x virtual_stages (--pp_virtual_stages) for interleaved_1f1b."""
+    return pp * virtual_stages if schedule == "interleaved_1f1b" else pp
 
 
 def split_microbatches(batch: dict, m: int) -> list[dict]:

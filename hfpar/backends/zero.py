@@ -1,0 +1,97 @@
+"""What every DeepSpeed (ZeRO) backend shares: its engine steps inside backward and owns the fp16 loss scale,
+and hfpar's groups reach it as a "model parallel unit".
+
+    class MyZeRO(EngineSteps, Backend): ...                  # loss_scale / overflowed read from the engine
+    with deepspeed_with_mpu(DeepSpeedMPU(tp_group, dp_group)):
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+DeepSpeed gets a "model parallel unit" (mpu, Megatron's interface) naming the dp and model-parallel groups, so
+ZeRO partitions and reduces over dp only and its grad norm sums the model-parallel shards. Accelerate passes no
+mpu (only for its own Ulysses), so deepspeed.initialize is wrapped for the duration of prepare().
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+
+from hfpar.distributed import swapped
+
+
+def skip_refusal(strategy: str) -> str:
+    """--on_nonfinite skip under a DeepSpeed engine, which steps inside backward."""
+    return (f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "
+            "cannot be skipped; use --on_nonfinite error (stops at the bad step)")
+
+
+class EngineSteps:
+    """Mixin of the backends whose model is a DeepSpeed engine (self.model): the optimizer steps inside the last
+    micro-batch's backward, and the engine scales the fp16 loss itself."""
+
+    steps_in_backward = True
+
+    def loss_scale(self) -> float:
+        """fp16: the scale DeepSpeed's own backward multiplies by; 1 without fp16 (or before prepare)."""
+        if self.model is None:
+            return 1.0
+        return float(getattr(getattr(self.model, "optimizer", None), "loss_scale", 1.0) or 1.0)
+
+    def overflowed(self, grad_norm: float) -> bool:  # noqa: ARG002
+        """fp16: DeepSpeed's loss scaler already skipped the step inside backward (its overflow check is
+        all-reduced over dp), which the engine reports."""
+        engine = self.model
+        return bool(engine.fp16_enabled()) and not engine.was_step_applied()
+
+
+class DeepSpeedMPU:
+    """The mpu `deepspeed.initialize(mpu=...)` takes: ZeRO over the dp group, grad norm aware of TP shards."""
+
+    def __init__(self, tp_group, dp_group):
+        self.tp_group, self.dp_group = tp_group, dp_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.tp_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_process_group_ranks(self.tp_group)[0]
+
+
+@contextlib.contextmanager
+def deepspeed_with_mpu(mpu: DeepSpeedMPU | None):
+    """Pass `mpu` to the `deepspeed.initialize` that `accelerator.prepare` calls (looked up at call time)."""
+    if mpu is None:
+        yield
+        return
+    import deepspeed  # noqa: PLC0415  (an optional dependency, hfpar[deepspeed]; only ZeRO runs reach here)
+
+    original = deepspeed.initialize
+
+    def initialize(*args, **kwargs):
+        kwargs.setdefault("mpu", mpu)
+        return original(*args, **kwargs)
+
+    with swapped(deepspeed, "initialize", initialize):
+        yield
