@@ -26,6 +26,8 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+from hfpar.config import ConfigError
+
 
 def _launched_by_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -107,8 +109,25 @@ def _store_per_restart_attempt(timeout: datetime.timedelta):
         yield
 
 
+def gpus_per_node_problem() -> str | None:
+    """One line when a launch starts more processes on this node than it has CUDA devices: Accelerate would put
+    local rank i on cuda:i and the first collective fails with 'invalid device ordinal' (seen on a one-GPU H100
+    machine with 2 processes). None when every process has a device, or when no CUDA device is visible (CPU + gloo)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not _launched_by_torchrun() or not torch.cuda.is_available() or per_node <= torch.cuda.device_count():
+        return None
+    n = torch.cuda.device_count()
+    return (f"{per_node} processes per node but this machine shows {n} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch --num_processes {n} "
+            "per node, or set CUDA_VISIBLE_DEVICES='' to run every process on the CPU with gloo")
+
+
 def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
-    """Build the Accelerator for the launched strategy (CPU-capable: see the module docstring)."""
+    """Build the Accelerator for the launched strategy (CPU-capable: see the module docstring). ConfigError (one
+    line) before any process group exists when the node has fewer CUDA devices than processes."""
+    problem = gpus_per_node_problem()
+    if problem:
+        raise ConfigError(problem)
     kwargs = dict(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=log_with,

@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from hfpar.checkpoint import checkpointer as ckpt
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
+from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
@@ -53,7 +54,7 @@ def preflight(args, accelerator, task: str):
         # Accelerate 1.15 builds neither its fp16 autocast nor its GradScaler on CPU (native_amp is off there)
         problems.append(f"--mixed_precision fp16 on {accelerator.device.type.upper()}: Accelerate runs no fp16 autocast "
                         "and no loss scaling there (the run would silently be fp32); use --mixed_precision bf16 or no")
-    if accelerator.mixed_precision == "fp16" and strategy.startswith("zero") and (p := deepspeed_fp16_problem()):
+    if accelerator.mixed_precision == "fp16" and strategy.deepspeed and (p := deepspeed_fp16_problem()):
         problems.append(p)
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
@@ -74,23 +75,6 @@ def fp16_loss_scaling(accelerator) -> bool:
         return True
     scaler = getattr(accelerator, "scaler", None)
     return scaler is not None and scaler.is_enabled()
-
-
-def deepspeed_fp16_problem() -> str | None:
-    """Why DeepSpeed cannot run fp16 here, else None. DeepSpeed picks its accelerator itself (CUDA when a GPU is
-    visible, else its CPU one, whichever torch build is installed) and its engine stops at initialize, after the model
-    loaded, with "Type fp16 is not supported on your device" when that accelerator reports no fp16; its CPU accelerator
-    asks oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported(): x86 CPUs with AVX512-FP16 or AMX-FP16)."""
-    # an optional dependency (hfpar[deepspeed]), imported here as in backends/mp_deepspeed.py: only ZeRO runs reach
-    # this, and they import deepspeed a moment later anyway
-    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
-
-    accel = get_accelerator()
-    if accel.is_fp16_supported():
-        return None
-    return (f"--mixed_precision fp16 with DeepSpeed ZeRO: DeepSpeed's {accel.device_name()} accelerator has no fp16 on "
-            "this machine (DeepSpeed would refuse it at initialize, after the model loaded); use --mixed_precision "
-            "bf16 or no")
 
 
 def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:

@@ -11,6 +11,7 @@ one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the m
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -149,6 +150,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
         from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
+        gc.freeze()  # as recipes/sft.py: what these imports built is never garbage (Python's exit no longer walks it)
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)

@@ -19,6 +19,23 @@ import torch.distributed as dist
 from hfpar.distributed import swapped
 
 
+def deepspeed_fp16_problem() -> str | None:
+    """Why DeepSpeed cannot run fp16 here, else None. DeepSpeed picks its accelerator itself (CUDA when a GPU is
+    visible, else its CPU one, whichever torch build is installed) and its engine stops at initialize, after the model
+    loaded, with "Type fp16 is not supported on your device" when that accelerator reports no fp16; its CPU accelerator
+    asks oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported(): x86 CPUs with AVX512-FP16 or AMX-FP16)."""
+    # an optional dependency (hfpar[deepspeed]), imported on use as in mp_deepspeed.py: only ZeRO runs reach
+    # this, and they import deepspeed a moment later anyway
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+    accel = get_accelerator()
+    if accel.is_fp16_supported():
+        return None
+    return (f"--mixed_precision fp16 with DeepSpeed ZeRO: DeepSpeed's {accel.device_name()} accelerator has no fp16 on "
+            "this machine (DeepSpeed would refuse it at initialize, after the model loaded); use --mixed_precision "
+            "bf16 or no")
+
+
 def skip_refusal(strategy: str) -> str:
     """--on_nonfinite skip under a DeepSpeed engine, which steps inside backward."""
     return (f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "

@@ -47,6 +47,7 @@ from hfpar.loading.files import Files, checkpoint_index, read
 from hfpar.loading.upcycle import load_upcycled_experts
 from hfpar.loading.views import hf_view
 from hfpar.parallel.comm import group_rank
+from hfpar.parallel.expert_parallel.families import MOE_FAMILIES
 from hfpar.parallel.sharding import set_shard_spec, shard_spec
 
 __all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sharded", "fsdp2_loader", "is_meta",
@@ -66,7 +67,6 @@ def loading_mode(args, ctx, config) -> tuple[str, str]:
     if args.upcycle_experts and not model_parallel:
         return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
     if (model_parallel or ctx.pp > 1) and any(getattr(config, f, None) for f in _MOE_FIELDS):
-        from hfpar.parallel.expert_parallel.families import MOE_FAMILIES  # noqa: PLC0415
         if config.model_type not in MOE_FAMILIES:   # generic MoE blocks are probed with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
     if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)

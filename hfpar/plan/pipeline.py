@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hfpar.parallel.pipeline.schedule import SCHEDULES, schedule_order
+from hfpar.parallel.pipeline.stage import split_by_cost
 from hfpar.plan.memory import PlanError, activation_bytes, state_bytes_per_param
 
 GiB = 1024**3
@@ -38,7 +40,6 @@ def default_microbatches(pp: int, batch_size: int, schedule: str) -> int:
 
 
 def _split(costs: list[float], stages: int) -> list[int]:
-    from hfpar.parallel.pipeline.stage import split_by_cost  # noqa: PLC0415  (torch: on use, like plan's stats)
     return split_by_cost(costs, stages)
 
 
@@ -47,7 +48,6 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
                       checkpointing: bool = False, attn_implementation: str = "sdpa") -> tuple[list[dict], float]:
     """([bytes per rank of stage s, by category, + "layers" and "in_flight"] for s in stages, bubble fraction);
     plan.PlanError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
-    from hfpar.parallel.pipeline.schedule import SCHEDULES, schedule_order  # noqa: PLC0415
 
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     if schedule not in SCHEDULES:

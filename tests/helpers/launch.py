@@ -17,7 +17,11 @@ def env() -> dict:
     e = dict(os.environ)
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
              TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", ACCELERATE_DISABLE_RICH="1")
-    # CUDA_VISIBLE_DEVICES is kept: on a one-GPU machine, "" keeps the multi-rank tests on CPU + gloo
+    # The suite's launches compare CPU + gloo runs with each other (the parity contract): on a machine with a GPU
+    # they are kept on the CPU too, since a 2-process launch on a one-GPU machine is refused (one CUDA device per
+    # process) and a GPU reference would add device-numerics noise. HFPAR_TEST_CUDA=1 launches on the GPUs instead.
+    if os.environ.get("HFPAR_TEST_CUDA") != "1":
+        e["CUDA_VISIBLE_DEVICES"] = ""
     return e
 
 

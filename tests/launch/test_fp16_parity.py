@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hfpar.preflight import deepspeed_fp16_problem
+from hfpar.backends.zero import deepspeed_fp16_problem
 from tests.helpers.parity import COMMON
 from tests.helpers.launch import ROOT, launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_diff
 

@@ -1,7 +1,9 @@
 """User mistakes end with `hfpar: error: ...` lines and exit code 2, before any model is loaded."""
 
 import pytest
+import torch
 
+from hfpar.distributed import gpus_per_node_problem
 from hfpar.recipe import main
 
 
@@ -92,3 +94,21 @@ def test_bad_input_is_one_line_before_any_model(name, tmp_path, capsys):
     print(f"{name}: {err}")
     assert len(err) == 1 and expected in err[0], err
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_more_processes_than_gpus_is_refused_in_one_line(monkeypatch):
+    """2 processes on a one-GPU node: refused before the Accelerator (and any process group) is built, naming the
+    counts and the two ways out; nothing to say on CPU (no CUDA device visible) or when every process has a GPU."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    msg = gpus_per_node_problem()
+    assert msg and "\n" not in msg and "2 processes per node" in msg and "1 CUDA device" in msg
+    assert "--num_processes 1" in msg and "CUDA_VISIBLE_DEVICES=''" in msg
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert gpus_per_node_problem() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert gpus_per_node_problem() is None
