@@ -26,20 +26,20 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
     return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r], info
 
 
-def _pyplot():
+def _figure(**kw):
+    """A matplotlib Figure drawn by Agg without pyplot: pyplot's import and backend set-up cost every run's report
+    about 0.3 s more (python -X importtime: matplotlib.figure 0.60 s vs matplotlib.pyplot 0.88 s, cumulative)."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401  (the package itself first: a submodule already imported would not tell)
+        from matplotlib.figure import Figure
     except ImportError:
         raise PlotError("matplotlib is not installed: pip install hfpar[plot]") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kw)
 
 
 def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title: str) -> Path:
-    plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig = _figure(figsize=(11, 7.5))
+    axes = fig.subplots(2, 2)
     panels = [(axes[0, 0], "loss", "train loss"), (axes[0, 1], "eval_loss", "eval loss"),
               (axes[1, 0], "lr", "learning rate"), (axes[1, 1], "tokens_per_s", "tokens / s")]
     for i, (label, train, evals) in enumerate(runs):
@@ -61,7 +61,6 @@ def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 
