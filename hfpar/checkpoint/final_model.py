@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hfpar.distributed import gathered_state_dict, unwrap
+from hfpar.distributed import gathered_state_dict, unwrap, without_deepspeed_import
 from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
 
@@ -39,6 +39,11 @@ def gather_full_state(accelerator, backend) -> dict[str, torch.Tensor]:
 
 def write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: bool, merge_adapter: bool) -> None:
     """Main process: save_pretrained of the module that describes the trained model, with `full` as its weights."""
+    with without_deepspeed_import():
+        _write_model(backend, full, output_dir, peft, merge_adapter)
+
+
+def _write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: bool, merge_adapter: bool) -> None:
     if peft:
         write_lora(backend, on_cpu(full), output_dir, merge_adapter)
     elif is_upcycled(backend.unwrapped()):  # written as the HF MoE architecture it became
