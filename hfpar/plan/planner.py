@@ -198,7 +198,9 @@ def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: in
 
 def launch_command(cand: Candidate, model: str, gpus_per_node: int, nodes: int, seq_len: int, batch_size: int,
                    checkpointing: bool, mixed_precision: str, loss_chunk_size: int | None = None) -> str:
-    single = gpus_per_node * nodes == 1 and cand == Candidate("ddp")
+    # one GPU and a strategy that shards nothing, no model parallelism: the single-process config
+    single = (gpus_per_node * nodes == 1 and not any(cand.spec.shards)
+              and cand.tp == cand.ep == cand.cp == cand.pp == 1)
     cmd = (f"accelerate launch --config_file accelerate_configs/{'single' if single else cand.strategy}.yaml "
            f"--num_processes {gpus_per_node * nodes}")
     if nodes > 1:

@@ -17,7 +17,7 @@ from transformers import Gemma2Config, LlamaConfig
 from hfpar import data
 from hfpar.cli import main as cli
 from hfpar.train.chunked_loss import LOGITS_PER_CHUNK
-from hfpar.plan.planner import PlanError, _pp_worst, estimate, model_stats, plan
+from hfpar.plan.planner import Candidate, estimate, launch_command, model_stats, plan, PlanError, _pp_worst
 from hfpar.plan.memory import HOST_OVERHEAD, activation_bytes
 from tests.helpers.launch import read_run_info
 from tests.helpers.results import record
@@ -327,3 +327,11 @@ def test_plan_prints_host_ram_and_loss_chunk(tmp_path, capsys):
     assert "DDP + PP" not in chunk and chunk.splitlines()[-1].endswith(" --loss_chunk_size 1024")  # refused with PP
     off = plan_output(capsys, [*argv, "--loss_chunk_size", "0"])
     assert "full fp32 logits (--loss_chunk_size 0)" in off and off.splitlines()[-1].endswith(" --loss_chunk_size 0")
+
+
+def test_launch_command_on_one_gpu_picks_the_single_config_only_when_nothing_is_sharded():
+    """One GPU: DDP without model parallelism becomes single.yaml; a sharding strategy or TP keeps its own config."""
+    configs = {c: launch_command(c, "m", 1, 1, 128, 1, False, "bf16").split()[3]
+               for c in (Candidate("ddp"), Candidate("zero1"), Candidate("fsdp2"), Candidate("ddp", tp=2))}
+    assert list(configs.values()) == ["accelerate_configs/single.yaml", "accelerate_configs/zero1.yaml",
+                                      "accelerate_configs/fsdp2.yaml", "accelerate_configs/ddp.yaml"], configs
