@@ -11,7 +11,6 @@ import resource
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Phi3Config, Qwen3MoeConfig
 
 from hfpar.loading.sharded import build_skeleton, checkpoint_index, load_sharded
@@ -20,6 +19,7 @@ from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import read_run_info
+from tests.helpers.outputs import checkpoint_bytes
 from tests.helpers.results import record
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -76,17 +76,9 @@ def _same_as_full_load(rank, world, cases: dict):
         if got.config.tie_word_embeddings:
             assert got.lm_head.weight is got.model.embed_tokens.weight, name
         assert got.training == ref.training, name
-        out[name] = (worst, info["bytes_read"], _checkpoint_bytes(index))
+        out[name] = (worst, info["bytes_read"], checkpoint_bytes(index))
         dist.barrier()
     return out
-
-
-def _checkpoint_bytes(index: dict) -> int:
-    total = 0
-    for key, path in index.items():
-        with safe_open(path, "pt") as f:
-            total += torch.Size(f.get_slice(key).get_shape()).numel() * 4
-    return total
 
 
 def _save(tmp_path, name: str):
@@ -141,7 +133,7 @@ def test_tp2_rank_loads_about_half_the_memory(tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
     full = run_distributed(_load_growth, 2, str(tmp_path / "m"), False)   # fresh processes for each: own peaks
     sharded = run_distributed(_load_growth, 2, str(tmp_path / "m"), True)
-    size = _checkpoint_bytes(checkpoint_index(str(tmp_path / "m")))
+    size = checkpoint_bytes(checkpoint_index(str(tmp_path / "m")))
     ratios = [s[0] / f[0] for s, f in zip(sharded, full)]
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
     print(f"LOADING memory: checkpoint {mb(size)} MB fp32; peak RSS growth per TP=2 rank: full load + shard "

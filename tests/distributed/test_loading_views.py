@@ -30,7 +30,7 @@ from hfpar.parallel.pipeline import PipelineChunks, PipelineStage, balanced_spli
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.helpers.dist import run_distributed
-from tests.distributed.test_loading import _checkpoint_bytes
+from tests.helpers.outputs import checkpoint_bytes
 
 LAYERS4 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=128, pad_token_id=0)
@@ -85,7 +85,7 @@ def test_pipeline_stage_reads_only_its_tensors(tmp_path, tied):
     path = _save(tmp_path / "m", LlamaConfig(**LAYERS4, tie_word_embeddings=tied))
     index = checkpoint_index(path)
     assert ("lm_head.weight" in index) is not tied
-    whole = _checkpoint_bytes(index)
+    whole = checkpoint_bytes(index)
 
     def stage(pp: int, s: int, interleaved: bool = False, lora: bool = False):
         def split(model):
@@ -139,7 +139,7 @@ def _pp_tp(rank, world, path):
         got = PipelineStage(apply_tensor_parallel(_skeleton(path)), s, [0, 2, 4])
         info = load_sharded(got, index)
         _assert_same(ref, got, f"pp2 x tp2 stage {s}")
-        assert info["bytes_read"] < _checkpoint_bytes(index) * 0.4, info
+        assert info["bytes_read"] < checkpoint_bytes(index) * 0.4, info
         dist.barrier()
 
 
@@ -235,7 +235,7 @@ def _upcycled(rank, world, path):
         info = load_sharded(got, index)
         _assert_same(ref, got, f"upcycled {how}")
         assert got.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (2 if how == "ep2" else 4), how
-        assert info["bytes_read"] <= _checkpoint_bytes(index), (how, info)
+        assert info["bytes_read"] <= checkpoint_bytes(index), (how, info)
         dist.barrier()
 
 

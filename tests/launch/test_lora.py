@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from hfpar.config import ConfigError, parse_args
 from tests.helpers.parity import COMMON, TOL, assert_close_series
 from tests.helpers.launch import launch, read_metrics, read_run_info, rel_close
+from tests.helpers.outputs import tensorboard_scalars
 from tests.helpers.results import record
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[peft]')")
@@ -285,7 +286,6 @@ def test_resume_with_lora_reproduces_remaining_steps(runs):
 
 @slow
 def test_tensorboard_events_hold_the_logged_loss(runs):
-    from tests.unit.test_trackers import tensorboard_scalars
 
     out = runs["ddp"]
     train, _ = read_metrics(out)

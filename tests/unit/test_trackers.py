@@ -3,30 +3,15 @@
     python -m pytest -q tests/unit/test_trackers.py
 
 The end-to-end tensorboard check shares a launch with the LoRA tests (tests/launch/test_lora.py,
-test_tensorboard_events_hold_the_logged_loss), using `tensorboard_scalars` below.
+test_tensorboard_events_hold_the_logged_loss), using `tensorboard_scalars` (tests/helpers/outputs.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from hfpar.config import REPORT_TO, ConfigError, parse_args
-
-
-def tensorboard_scalars(output_dir: str | Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of a scalar from every tensorboard event file under output_dir (Accelerate's
-    TensorBoardTracker writes to <project_dir>/<run name>/ with project_dir = --output_dir)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    points = []
-    for f in sorted(Path(output_dir).rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            points += [(e.step, e.value) for e in acc.Scalars(tag)]
-    return sorted(points)
 
 
 def test_unknown_tracker_is_one_line_naming_it_and_the_valid_ones():
