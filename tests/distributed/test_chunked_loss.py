@@ -38,7 +38,7 @@ from hfpar.parallel.context_parallel import shift_labels
 from hfpar.preflight import model_problems
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import rel_close
-from tests.unit.test_padding_free import CONFIGS
+from tests.helpers.tiny_configs import CONFIGS
 
 IGNORE = -100
 
