@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed
-from tests.distributed.test_tp_hf_loss import DERIVED, MOE_TINY, batch, build, rel
+from tests.helpers.tp_models import DERIVED, MOE_TINY, batch, build, rel
 
 CASES = [(mt, False) for mt in DERIVED] + [("gpt2", False), ("gpt2", True)]
 TOL = 1e-10   # float64

@@ -20,58 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from hfpar.parallel.tensor_parallel.plans import TESTED_DERIVED_MODEL_TYPES
 from tests.helpers.dist import run_distributed, value_error_message
+from tests.helpers.tp_models import DERIVED, batch, build, rel
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 2}
 WRITTEN = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"]
-DERIVED = list(TESTED_DERIVED_MODEL_TYPES)   # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
-# MoE families: 4 small experts; Qwen MoE with a dense MLP in layer 1 (TP-sharded next to whole MoE blocks)
-MOE_TINY = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-            "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                          "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}
 CASES = [(mt, False) for mt in WRITTEN + DERIVED] + [("llama", True), ("qwen3", True), ("gpt2", True)]   # (type, SP)
-ATTN = {"gemma2": "eager"}
 TOL = 1e-4
-
-
-def _no_dropout(cfg):
-    for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k):
-            setattr(cfg, k, 0.0)
-    return cfg
-
-
-def build(model_type: str, seed: int = 0, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
-    if model_type == "gpt2":
-        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, **overrides)
-    else:
-        cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE_TINY.get(model_type, {}), **overrides})
-    torch.manual_seed(seed)
-    kw = {"experts_implementation": "eager"} if model_type in MOE_TINY else {}     # HF's grouped_mm has no fp64
-    model = AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation=ATTN.get(model_type, "sdpa"), **kw)
-    return model.float().train()
-
-
-def batch(vocab: int = 128, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0                                                                     # right padding
-    ids[1, 5:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[0, :3] = -100                                                                # a masked prompt
-    return ids, mask, labels
-
-
-def rel(a, b) -> float:
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _step(model, loss, lr=0.5):
