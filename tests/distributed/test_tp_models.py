@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed, value_error_message
+from tests.helpers.tp_models import batch
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -51,17 +52,6 @@ def _build(model_type: str, dtype: str = "float64", seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN.get(model_type, "sdpa"))
     model = model.to(getattr(torch, dtype))
     return model.train()
-
-
-def _batch(vocab: int = 128):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0                                                                     # right padding
-    ids[1, 5:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[0, :3] = -100                                                                # a masked prompt
-    return ids, mask, labels
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,7 +88,7 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
     checkpointing = extra.pop("gradient_checkpointing", False)
     model = _build(mt, dtype, **extra)
     ref = copy.deepcopy(model)
-    ids, mask, labels = _batch()
+    ids, mask, labels = batch()
     res: dict = {"n_norms": 2 * TINY["num_hidden_layers"] + 1}
 
     ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits          # (B, T, V)
@@ -179,7 +169,7 @@ def _task_head_case(rank: int, kind: str, outdir: str) -> dict:
     group = dist.group.WORLD
     model = _build_classifier(kind)
     ref = copy.deepcopy(model)
-    ids, mask, _ = _batch()
+    ids, mask, _ = batch()
     labels = torch.tensor([0, 2])
     ref_logits = ref(input_ids=ids, attention_mask=mask).logits                          # (B, C)
     F.cross_entropy(ref_logits, labels).backward()
