@@ -20,7 +20,7 @@ import importlib.util
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.layout import read_trainer_state, resolve_resume
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
 from hfpar.backends.zero import deepspeed_fp16_problem
@@ -234,10 +234,10 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
 def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     """A checkpoint from an incompatible run (this run's strategy: ctx.strategy), found from its trainer_state.json
     alone."""
-    path = ckpt.resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if path is None:
         return []
-    state = ckpt.read_trainer_state(path)
+    state = read_trainer_state(path)
     p = []
     mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
     theirs = {k: state.get(k, 1) for k in mine}

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data
-from hfpar.checkpoint.checkpointer import has_any_checkpoint, resolve_resume
+from hfpar.checkpoint.layout import has_any_checkpoint, resolve_resume
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.preflight import padding_free_mode, preflight

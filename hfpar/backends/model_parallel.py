@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.layout import rank_state_file, tp_state_file
+from hfpar.checkpoint.rank_state import load_local_state, load_optimizer_state, local_state
 from hfpar.config import ConfigError
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, sync_partial_grads
@@ -77,14 +78,14 @@ class ModelParallelBackend(Backend):
         """(file, whether this rank writes it): per rank when ranks of a replica hold different shards (FSDP2,
         experts); else one file per TP rank, written by dp rank 0 (the other dp ranks hold identical replicas)."""
         if self.dp_wrap.per_rank_shards or any(hfpar_reduced(p) for p in self.model.parameters()):
-            return ckpt.rank_state_file(ckpt_dir, self.ctx), True
-        return ckpt.tp_state_file(ckpt_dir, self.ctx), self.ctx.dp_rank == 0
+            return rank_state_file(ckpt_dir, self.ctx), True
+        return tp_state_file(ckpt_dir, self.ctx), self.ctx.dp_rank == 0
 
     def save_rank_state(self, ckpt_dir: Path) -> None:
         f, writes = self._rank_file(ckpt_dir)
         if writes:
-            torch.save({"model": ckpt.local_state(self.model.state_dict()),
-                        "optimizer": ckpt.local_state(self.optimizer.state_dict())}, f)
+            torch.save({"model": local_state(self.model.state_dict()),
+                        "optimizer": local_state(self.optimizer.state_dict())}, f)
 
     def load_rank_state(self, ckpt_dir: Path) -> None:
         f, _ = self._rank_file(ckpt_dir)
@@ -92,8 +93,8 @@ class ModelParallelBackend(Backend):
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
         state = torch.load(f, map_location=self.acc.device, weights_only=False)
         with torch.no_grad():
-            ckpt.load_local_state(self.model.state_dict(), state["model"])
-        ckpt.load_optimizer_state(self.optimizer, state["optimizer"])
+            load_local_state(self.model.state_dict(), state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
 
 class ModelParallelDDP(ModelParallelBackend):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.layout import rank_state_file
 from hfpar.config import ConfigError
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
@@ -167,12 +167,12 @@ class ModelParallelDeepSpeed(EngineSteps, Backend):
     def save_rank_state(self, ckpt_dir) -> None:
         if self.experts:  # DeepSpeed's checkpoint holds rank 0's experts only
             torch.save({"experts": [p.detach() for p in self.experts], "masters": [m.detach() for m in self.masters],
-                        "optimizer": self.expert_optimizer.state_dict()}, ckpt.rank_state_file(ckpt_dir, self.ctx))
+                        "optimizer": self.expert_optimizer.state_dict()}, rank_state_file(ckpt_dir, self.ctx))
 
     def load_rank_state(self, ckpt_dir) -> None:
         if not self.experts:
             return
-        f = ckpt.rank_state_file(ckpt_dir, self.ctx)
+        f = rank_state_file(ckpt_dir, self.ctx)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --ep_size")
         state = torch.load(f, map_location=self.acc.device, weights_only=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.layout import rank_state_file
 from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, sync_partial_grads
@@ -86,7 +86,7 @@ class PipelineBackend(ModelParallelBackend):
         return float(norm)
 
     def _rank_file(self, ckpt_dir):
-        return ckpt.rank_state_file(ckpt_dir, self.ctx), True
+        return rank_state_file(ckpt_dir, self.ctx), True
 
     def hf_model(self) -> torch.nn.Module:
         """What writes the export: the stage (a full-config model on the meta device), or the PEFT model."""

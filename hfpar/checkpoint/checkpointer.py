@@ -27,10 +27,8 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from hfpar.checkpoint import final_model
-from hfpar.checkpoint.layout import (  # noqa: F401  (re-exported: the preflight, backends, export and tests use them)
-    MARKER, STATE_FILE, checkpoint_dir, has_any_checkpoint, has_rank_shards, list_checkpoints, model_state_kind,
-    rank_state_file, read_trainer_state, resolve_resume, staging_dir, tp_state_file)
-from hfpar.checkpoint.rank_state import load_local_state, load_optimizer_state, local_state  # noqa: F401  (re-exported)
+from hfpar.checkpoint.layout import (MARKER, STATE_FILE, checkpoint_dir, list_checkpoints, read_trainer_state, resolve_resume,
+                                     staging_dir)
 from hfpar.distributed import restart_attempt, unwrap
 
 

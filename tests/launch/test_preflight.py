@@ -17,7 +17,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint.layout import MARKER, STATE_FILE
 from hfpar import preflight as pf
 from hfpar.backends import STRATEGY, AccelerateBackend, ModelParallelDDP
 from hfpar.config import parse_args
@@ -87,8 +87,8 @@ def _checkpoint(out, **state):
     d.mkdir(parents=True)
     base = {"global_step": 4, "world_size": 2, "dp": 2, "tp": 1, "ep": 1, "strategy": "ddp", "seed": 42,
             "global_batch": 8}
-    (d / ckpt.STATE_FILE).write_text(json.dumps({**base, **state}))
-    (d / ckpt.MARKER).write_text("4")
+    (d / STATE_FILE).write_text(json.dumps({**base, **state}))
+    (d / MARKER).write_text("4")
     return d
 
 

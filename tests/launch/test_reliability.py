@@ -147,7 +147,7 @@ ckpt.save_checkpoint(acc, out, 6, {"global_step": 6}, save_total_limit=1)
 
 @pytest.mark.parametrize("where", ["state", "fsync", "rename", "none"])
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
-    from hfpar.checkpoint.checkpointer import list_checkpoints, resolve_resume
+    from hfpar.checkpoint.layout import list_checkpoints, resolve_resume
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", SAVE_THEN_DIE, str(out), where], cwd=ROOT, env=env(),

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfpar.checkpoint.checkpointer import Checkpointer, list_checkpoints, read_trainer_state, resolve_resume
+from hfpar.checkpoint.checkpointer import Checkpointer
+from hfpar.checkpoint.layout import list_checkpoints, read_trainer_state, resolve_resume
 from hfpar.config import ConfigError
 from hfpar.observe.metrics import MetricsWriter
 from hfpar.observe.recorder import truncate_metrics
