@@ -2,7 +2,7 @@
 
     ckpt = Checkpointer(accelerator, ctx, backend, "out", total_steps=100, save_steps=20, save_total_limit=2,
                         resume="latest", seed=42, global_batch=32, pp_virtual_stages=1, tokenizer=tokenizer)
-    ckpt.register(scheduler)            # more state for Accelerate's save_state
+    ckpt.register(scheduler)            # saved with each checkpoint as scheduler.json
     start = ckpt.resume()               # 0 (fresh run) or the step of the checkpoint loaded
     if ckpt.should_save(step): ckpt.save(step)
     ckpt.export_final()                 # the HF-format model at the output dir's root (final_model.py)
@@ -10,10 +10,15 @@
 The layout of checkpoint-<step>/ is defined in layout.py. One place writes a checkpoint (save_checkpoint) and one
 reads it (Checkpointer.load); the backend's save_rank_state / load_rank_state hooks hold the per-rank files.
 
-Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, then renamed
-to `checkpoint-<step>/` and marked COMPLETE. `latest` only ever picks a COMPLETE checkpoint, so a
-kill during a save leaves the previous one usable. Retention (--save_total_limit) only deletes
-older COMPLETE checkpoints written by hfpar and never the newest.
+Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, its manifest (every file's
+size and hash, manifest.py) written after them, then renamed to `checkpoint-<step>/` and marked COMPLETE. `latest`
+only ever picks a COMPLETE checkpoint that verifies, so a kill during a save, or a file damaged later, leaves the
+previous one usable. Retention (--save_total_limit) only deletes older COMPLETE checkpoints written by hfpar and
+never the newest one that verifies.
+
+No code runs on load: every read happens inside safe_load.safe_loading() (torch.load with weights_only=True, DCP's
+metadata through a restricted unpickler), the scheduler is JSON and the RNG states safetensors (rank_state.py), and
+Accelerate's pickled random_states_<rank>.pkl is not kept.
 """
 
 from __future__ import annotations
@@ -28,8 +33,14 @@ from accelerate import Accelerator
 
 from hfpar.checkpoint import final_model
 from hfpar.checkpoint.layout import (MARKER, STATE_FILE, checkpoint_dir, list_checkpoints, read_trainer_state, resolve_resume,
-                                     staging_dir)
+                                     staging_dir, verified)
+from hfpar.checkpoint.manifest import write_manifest
+from hfpar.checkpoint.rank_state import load_rng, save_rng
+from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
 from hfpar.distributed import restart_attempt, unwrap
+
+
+SCHEDULER_FILE = "scheduler.json"
 
 
 class Checkpointer:
@@ -44,10 +55,12 @@ class Checkpointer:
         self.resume_from, self.seed, self.global_batch = resume, seed, global_batch
         self.pp_virtual_stages = pp_virtual_stages  # model chunks per pipeline rank
         self.tokenizer, self.peft, self.merge_adapter = tokenizer, peft, merge_adapter
+        self.scheduler = None
 
-    def register(self, obj) -> None:
-        """State saved and loaded with Accelerate's save_state / load_state (e.g. the LR scheduler)."""
-        self.acc.register_for_checkpointing(obj)
+    def register(self, scheduler) -> None:
+        """The LR scheduler, saved as scheduler.json (its state dict is numbers and lists). Not registered with
+        Accelerate, which would pickle it to custom_checkpoint_0.pkl and read that back with weights_only=False."""
+        self.scheduler = scheduler
 
     def trainer_state(self, step: int) -> dict:
         """trainer_state.json: what the preflight checks a resume against, before any weight is read."""
@@ -63,7 +76,14 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Collective: checkpoint-<step>/, then retention."""
         return save_checkpoint(self.acc, self.output_dir, step, self.trainer_state(step), self.save_total_limit,
-                               extra=self.backend.save_rank_state, tokenizer=self.tokenizer)
+                               extra=self._save_extra, tokenizer=self.tokenizer)
+
+    def _save_extra(self, tmp: Path) -> None:
+        """Every rank: the backend's per-rank files, this rank's RNG; the main process: scheduler.json."""
+        self.backend.save_rank_state(tmp)
+        save_rng(tmp, self.acc.process_index, int(getattr(self.acc, "step", 0)))
+        if self.acc.is_main_process and self.scheduler is not None:
+            (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
 
     def resume(self) -> int:
         """Collective. The step to start from: that of the checkpoint --resume_from_checkpoint names (latest|PATH),
@@ -82,8 +102,16 @@ class Checkpointer:
     def load(self, path: Path) -> dict:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
-        state = load_checkpoint(self.acc, path)
-        self.backend.load_rank_state(path)
+        with safe_loading():
+            state = load_checkpoint(self.acc, path)
+            self.backend.load_rank_state(path)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        try:
+            self.acc.step = load_rng(path, self.acc.process_index)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); "
+                                  "the resume would not be exact") from None
         return state
 
     def export_final(self) -> None:
@@ -108,9 +136,12 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
         extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for pkl in tmp.glob("random_states_*.pkl"):  # Accelerate's pickled RNG: hfpar keeps its own (rank_state.py)
+            pkl.unlink()
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
         _save_model_config(accelerator, tmp, tokenizer)
         _fsync_tree(tmp)
+        write_manifest(tmp)
         if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -130,12 +161,19 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
 
 
 def apply_retention(output_dir: str, limit: int | None) -> None:
-    """Keep the `limit` newest complete checkpoints (all when limit is 0 / None)."""
+    """Keep the `limit` newest complete checkpoints (all when limit is 0 / None), and always the newest one that
+    verifies (a damaged newer one never costs the last good state)."""
     if not limit:
         return
     ckpts = list_checkpoints(output_dir)
-    for old in ckpts[: max(0, len(ckpts) - limit)]:  # newest is always kept since limit >= 1
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(ckpts[-limit:])
+    for path in reversed(ckpts):
+        if verified(path) is None:
+            keep.add(path)
+            break
+    for old in ckpts:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_tree(root: Path) -> None:
