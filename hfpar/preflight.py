@@ -20,7 +20,7 @@ import importlib.util
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
-from hfpar.checkpoint.layout import read_trainer_state, resolve_resume
+from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
 from hfpar.backends.zero import deepspeed_fp16_problem
@@ -239,6 +239,8 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
         return []
     state = read_trainer_state(path)
     p = []
+    if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
+        return [why]  # another run's checkpoint: nothing else about it matters
     mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
     theirs = {k: state.get(k, 1) for k in mine}
     if theirs != mine:

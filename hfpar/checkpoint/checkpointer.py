@@ -5,6 +5,8 @@
     ckpt.register(scheduler)            # saved with each checkpoint as scheduler.json
     start = ckpt.resume()               # 0 (fresh run) or the step of the checkpoint loaded
     if ckpt.should_save(step): ckpt.save(step)
+    ckpt.watch_signals("TERM,USR1")     # preemption: a flag set by the handler ...
+    if ckpt.preempted(): ckpt.save(step); raise Preempted(step)   # ... agreed by every rank at a step boundary
     ckpt.export_final()                 # the HF-format model at the output dir's root (final_model.py)
 
 The layout of checkpoint-<step>/ is defined in layout.py. One place writes a checkpoint (save_checkpoint) and one
@@ -27,6 +29,8 @@ import copy
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -37,10 +41,20 @@ from hfpar.checkpoint.layout import (MARKER, STATE_FILE, checkpoint_dir, list_ch
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.rank_state import load_rng, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
-from hfpar.distributed import restart_attempt, unwrap
+from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
 
 
 SCHEDULER_FILE = "scheduler.json"
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint
+
+
+class Preempted(Exception):
+    """A preemption signal arrived: every rank saved checkpoint-<step> and the run stops (exit PREEMPTED_EXIT)."""
+
+    def __init__(self, step: int, signame: str):
+        super().__init__(f"{signame} received: saved checkpoint-{step}, exiting with code {PREEMPTED_EXIT}; relaunch "
+                         "with --resume_from_checkpoint latest to continue")
+        self.step = step
 
 
 class Checkpointer:
@@ -49,13 +63,16 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, ctx, backend, output_dir: str, *, total_steps: int, save_steps: int,
                  save_total_limit: int | None, resume: str | None, seed: int, global_batch: int,
-                 pp_virtual_stages: int, tokenizer=None, peft: bool = False, merge_adapter: bool = False):
+                 pp_virtual_stages: int, tokenizer=None, peft: bool = False, merge_adapter: bool = False,
+                 identity: dict | None = None):
         self.acc, self.ctx, self.backend, self.output_dir = accelerator, ctx, backend, output_dir
         self.total_steps, self.save_steps, self.save_total_limit = total_steps, save_steps, save_total_limit
         self.resume_from, self.seed, self.global_batch = resume, seed, global_batch
         self.pp_virtual_stages = pp_virtual_stages  # model chunks per pipeline rank
         self.tokenizer, self.peft, self.merge_adapter = tokenizer, peft, merge_adapter
         self.scheduler = None
+        self.identity = identity  # layout.run_identity: `latest` refuses another run's checkpoint
+        self.signal_received: str | None = None
 
     def register(self, scheduler) -> None:
         """The LR scheduler, saved as scheduler.json (its state dict is numbers and lists). Not registered with
@@ -67,7 +84,30 @@ class Checkpointer:
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
                 "pp": c.pp, "pp_virtual_stages": self.pp_virtual_stages, "strategy": self.backend.strategy,
-                "seed": self.seed, "global_batch": self.global_batch}
+                "seed": self.seed, "global_batch": self.global_batch,
+                **({"identity": self.identity} if self.identity is not None else {})}
+
+    def watch_signals(self, names: str) -> None:
+        """Preemption: on each signal named ("TERM,USR1"), only a flag is set; the trainer asks preempted() at
+        every step boundary. Signal handlers can only be installed from the main thread (else: left alone)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in filter(None, (x.strip().upper().removeprefix("SIG") for x in names.split(","))):
+            signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.signal_received = signal.Signals(signum).name
+
+    def preempted(self) -> bool:
+        """Collective, at a step boundary: whether any rank received a preemption signal (ranks get it at
+        different moments: a sum over the world makes them all stop at the same step)."""
+        return bool(all_reduce_sum(1 if self.signal_received else 0, self.acc.device) > 0)
+
+    def stop_for_preemption(self, step: int, saved: bool) -> None:
+        """Collective: checkpoint-<step> (unless this step's was just written), then Preempted."""
+        if not saved:
+            self.save(step)
+        raise Preempted(step, self.signal_received or "a preemption signal on another rank")
 
     def should_save(self, step: int) -> bool:
         """Every --save_steps optimizer steps, and at the last step (when saving at all)."""

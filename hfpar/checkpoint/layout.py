@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from hfpar.checkpoint.manifest import verify
@@ -125,6 +126,62 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
     if problem is not None:
         raise ConfigError(f"--resume_from_checkpoint {resume}: damaged: {problem}; pick an earlier checkpoint")
     return path
+
+
+def run_identity(args) -> dict:
+    """What makes two launches the same run (written into trainer_state.json; `latest` refuses a checkpoint of
+    another): the model, the data (its name, and the bytes of a local file or dir), the seed. The global batch is
+    checked on its own (preflight)."""
+    data = getattr(args, "dataset_name", None)
+    size = None
+    if data and Path(data).exists():
+        files = [Path(data)] if Path(data).is_file() else sorted(p for p in Path(data).rglob("*") if p.is_file())
+        size = sum(p.stat().st_size for p in files)
+    return {"model": str(args.model_name_or_path), "data": data or "embedded", "data_bytes": size, "seed": args.seed}
+
+
+def identity_problem(state: dict, args, path: Path) -> str | None:
+    """Why checkpoint `path` (its trainer state) is not this run's to resume by `latest`, or None."""
+    mine, theirs = run_identity(args), state.get("identity")
+    if theirs is not None:
+        differ = [k for k in mine if theirs.get(k) != mine[k]]
+        if differ:
+            return (f"checkpoint {path} belongs to another run ({', '.join(f'{k} {theirs.get(k)!r}' for k in differ)}; "
+                    f"this run: {', '.join(f'{k} {mine[k]!r}' for k in differ)}): pass its path to "
+                    "--resume_from_checkpoint to resume it anyway, or use another --output_dir")
+    max_steps = getattr(args, "max_steps", -1)
+    if max_steps > 0 and state.get("global_step", 0) > max_steps:
+        return (f"checkpoint {path} is at step {state['global_step']}, past this run's --max_steps {max_steps}: it "
+                "belongs to a longer run; pass its path to --resume_from_checkpoint to resume it anyway, or use "
+                "--overwrite_output_dir / another --output_dir")
+    return None
+
+
+PREVIOUS_RUN = ("metrics.jsonl", "run_info.json", "report.png", "config.json", "generation_config.json",
+                "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+                "pytorch_model.bin")
+
+
+def previous_run_files(output_dir: str | os.PathLike) -> list[Path]:
+    """What a finished (or started) run left at the output dir's root: its records and final model, checkpoints."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(c for c in root.iterdir() if c.name in PREVIOUS_RUN or _CKPT_RE.match(c.name)
+                  or re.match(r"^model-\d+-of-\d+\.safetensors$", c.name) or re.match(r"^\.checkpoint-\d+\.tmp$", c.name))
+
+
+def set_aside_previous_run(output_dir: str | os.PathLike) -> Path | None:
+    """--overwrite_output_dir: the previous run's checkpoints, records and final model moved into
+    <output_dir>/.replaced/<UTC time>/ (never read again by `latest`); returns that dir, or None if nothing was there."""
+    files = previous_run_files(output_dir)
+    if not files:
+        return None
+    dest = Path(output_dir) / ".replaced" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        os.replace(f, dest / f.name)
+    return dest
 
 
 def rank_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
