@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -235,6 +236,12 @@ def validate(a: RecipeArgs) -> list[str]:
     """Return every problem with the values themselves (degrees against the world: hfpar.context; compositions:
     hfpar.backends.SUPPORT; both checked by hfpar.preflight)."""
     p = []
+    for f in dataclasses.fields(a):  # nan / inf pass every comparison below as False: refused by name first
+        v = getattr(a, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            p.append(f"--{f.name} {v}: must be a finite number")
+    if p:
+        return p
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_seq_length", "tp_size", "ep_size", "cp_size", "pp_size", "logging_steps", "dist_timeout_s"):
         if getattr(a, name) <= 0:

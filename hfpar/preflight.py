@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
+from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
@@ -42,8 +43,8 @@ def preflight(args, accelerator, task: str):
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
                           ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel,
                           strategy=strategy)
-    problems = ctx.problems()
-    degrees_ok = not problems
+    problems = ctx.problems() + launch_config_problems()   # misspelt deepspeed_config / fsdp_config keys
+    degrees_ok = not ctx.problems()
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
         backend_cls = select_backend(strategy.name, ctx.parallelisms,
