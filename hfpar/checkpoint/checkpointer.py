@@ -25,7 +25,9 @@ Accelerate's pickled random_states_<rank>.pkl is not kept.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
@@ -171,17 +173,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
             shutil.rmtree(tmp)  # our own leftover from a killed save, never user data
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if extra is not None:
-        extra(tmp)
+    with _disk_full_reported(tmp, step, accelerator.is_main_process):
+        accelerator.save_state(str(tmp))
+        if extra is not None:
+            extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        for pkl in tmp.glob("random_states_*.pkl"):  # Accelerate's pickled RNG: hfpar keeps its own (rank_state.py)
-            pkl.unlink()
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-        _save_model_config(accelerator, tmp, tokenizer)
-        _fsync_tree(tmp)
-        write_manifest(tmp)
+        with _disk_full_reported(tmp, step, True):
+            _finish_staging(accelerator, tmp, trainer_state, tokenizer)
         if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -192,6 +191,16 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
         apply_retention(output_dir, save_total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+def _finish_staging(accelerator: Accelerator, tmp: Path, trainer_state: dict, tokenizer) -> None:
+    """Main process, once every rank wrote its files: hfpar's own records, everything fsynced, the manifest last."""
+    for pkl in tmp.glob("random_states_*.pkl"):  # Accelerate's pickled RNG: hfpar keeps its own (rank_state.py)
+        pkl.unlink()
+    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+    _save_model_config(accelerator, tmp, tokenizer)
+    _fsync_tree(tmp)
+    write_manifest(tmp)
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
@@ -214,6 +223,37 @@ def apply_retention(output_dir: str, limit: int | None) -> None:
     for old in ckpts:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class DiskFullError(CheckpointError):
+    """No space left while writing a checkpoint (its staging dir is removed; earlier checkpoints are intact)."""
+
+
+def _is_disk_full(exc: BaseException, where: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.save's C++ writer reports ENOSPC as "basic_ios::clear: iostream error" (a RuntimeError): ask the disk
+    text = str(exc).lower()
+    if isinstance(exc, RuntimeError) and ("iostream" in text or "no space" in text or "file write failed" in text):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(where.parent).free < 64 << 20
+    return False
+
+
+@contextlib.contextmanager
+def _disk_full_reported(tmp: Path, step: int, remove: bool):
+    """A full disk while saving: the staging dir removed (main process), one line saying so instead of a traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if not _is_disk_full(exc, tmp):
+            raise
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        raise DiskFullError(f"disk full while saving checkpoint-{step} to {tmp.parent} ({free:,} bytes free): the "
+                            "partial save was removed and earlier checkpoints are intact; free space (or lower "
+                            "--save_total_limit) and relaunch with --resume_from_checkpoint latest") from None
 
 
 def _fsync_tree(root: Path) -> None:

@@ -65,6 +65,7 @@ def files_read(ckpt: Path) -> list[Path]:
 
 def assert_no_planted_payload_runs(ckpt: Path, tmp_path: Path) -> int:
     """Plants a payload in each file of `ckpt` in turn (in a copy); returns how many files were tried."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     marker = tmp_path / "PAYLOAD_RAN"
     live = tmp_path / "live.pkl"   # the payload is live: plain pickle runs it
     plant(live, marker)

@@ -250,3 +250,26 @@ def test_metrics_cut_back_to_the_resumed_step(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 4]
     truncate_metrics(tmp_path / "absent.jsonl", 4)  # a fresh output dir: nothing to cut
     assert not (tmp_path / "absent.jsonl").exists()
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), "torch"])
+def test_a_full_disk_is_reported_as_such_and_leaves_no_staging_dir(tmp_path, monkeypatch, error):
+    """ENOSPC from a Python write, or torch.save's C++ 'basic_ios::clear: iostream error' on a disk that is full."""
+    from hfpar.checkpoint import checkpointer as ck_mod
+
+    class FullDiskAccelerator(FakeAccelerator):
+        def save_state(self, path):
+            (Path(path) / "model.safetensors").write_text("partial")
+            if error == "torch":
+                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0 "
+                                   "basic_ios::clear: iostream error")
+            raise error
+
+    if error == "torch":
+        monkeypatch.setattr(ck_mod.shutil, "disk_usage", lambda p: SimpleNamespace(free=1024, total=1, used=1))
+    ck = checkpointer(tmp_path)
+    ck.save(4)
+    ck.acc = FullDiskAccelerator()
+    with pytest.raises(ck_mod.DiskFullError, match=r"disk full while saving checkpoint-8 .*earlier checkpoints are intact"):
+        ck.save(8)
+    assert not list(tmp_path.glob(".checkpoint-*")) and [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4"]
