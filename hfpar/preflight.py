@@ -20,6 +20,7 @@ import importlib.util
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
+from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
@@ -64,6 +65,8 @@ def preflight(args, accelerator, task: str):
         problems += model_problems(args, ctx, task)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, backend_cls)
+    if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
+        problems += weights_problems(args.model_name_or_path) + data_file_problems(args.dataset_name)
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     return ctx, backend_cls
