@@ -170,9 +170,9 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
+        from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
         from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
-        from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (with the trainer, as above)
         gc.freeze()  # as recipes/sft.py: what these imports built is never garbage (Python's exit no longer walks it)
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()

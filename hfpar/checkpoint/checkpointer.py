@@ -38,13 +38,20 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from hfpar.checkpoint import final_model
-from hfpar.checkpoint.layout import (MARKER, STATE_FILE, checkpoint_dir, list_checkpoints, read_trainer_state, resolve_resume,
-                                     staging_dir, verified)
+from hfpar.checkpoint.layout import (
+    MARKER,
+    STATE_FILE,
+    checkpoint_dir,
+    list_checkpoints,
+    read_trainer_state,
+    resolve_resume,
+    staging_dir,
+    verified,
+)
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.rank_state import load_rng, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
 from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
-
 
 SCHEDULER_FILE = "scheduler.json"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint

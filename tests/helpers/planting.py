@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from hfpar.checkpoint.export import ExportError, export_checkpoint
 from hfpar.checkpoint.manifest import MANIFEST, write_manifest
 from hfpar.checkpoint.rank_state import load_rng
 from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
@@ -63,8 +64,12 @@ def files_read(ckpt: Path) -> list[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.suffix != ".py" and p.name not in ("COMPLETE", MANIFEST))
 
 
-def assert_no_planted_payload_runs(ckpt: Path, tmp_path: Path) -> int:
-    """Plants a payload in each file of `ckpt` in turn (in a copy); returns how many files were tried."""
+PICKLE_CAPABLE = (".pt", ".bin", ".pkl", ".distcp")
+
+
+def assert_no_planted_payload_runs(ckpt: Path, tmp_path: Path, export: bool = False) -> int:
+    """Plants a payload in each file of `ckpt` in turn (in a copy); returns how many files were tried. export: also
+    `hfpar export` of the copy for each file a pickle could hide in (refused in one line, the payload never run)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     marker = tmp_path / "PAYLOAD_RAN"
     live = tmp_path / "live.pkl"   # the payload is live: plain pickle runs it
@@ -83,8 +88,12 @@ def assert_no_planted_payload_runs(ckpt: Path, tmp_path: Path) -> int:
         write_manifest(copy)  # re-signed: the manifest alone is not the defence
         with safe_loading(), pytest.raises(Exception) as err:  # noqa: PT011  (each reader has its own error type)
             read_as_its_library_does(target)
-        if target.suffix in (".pt", ".bin", ".pkl", ".distcp") or target.name == ".metadata":
+        if target.suffix in PICKLE_CAPABLE or target.name == ".metadata":
             assert err.type is CheckpointError and str(target) in str(err.value), err.value
+            if export:
+                with pytest.raises(ExportError) as err:
+                    export_checkpoint(copy, tmp_path / "export")
+                assert "\n" not in str(err.value), err.value
         assert not marker.exists(), f"the payload planted in {f.name} ran"
     shutil.rmtree(copy, ignore_errors=True)
     return len(files)

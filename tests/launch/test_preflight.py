@@ -296,19 +296,19 @@ def test_damaged_files_and_misspelt_config_keys_refused_before_the_model_loads(t
     data = tmp_path / "train.jsonl"
     data.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--model_name_or_path", model,
-                           "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(),
+                           "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")], check=False, cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=120)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines == [f"hfpar: error: {model}/model.safetensors: truncated: {size - 64} bytes, its header says {size}",
-                     f"hfpar: error: {data}: not UTF-8 text at byte offset 50 (invalid continuation byte); re-encode "
-                     "it as UTF-8"], lines
+                     (f"hfpar: error: {data}: not UTF-8 text at byte offset 50 (invalid continuation byte); re-encode "
+                      "it as UTF-8")], lines
     cfg = tmp_path / "zero3.yaml"
     cfg.write_text((ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace("zero_stage: 3", "zero_stag: 3"))
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
                            "--num_processes", "1", "--mixed_precision", "no", str(ROOT / "recipes" / "sft.py"),
-                           "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=300)
+                           "--output_dir", str(tmp_path / "o")], check=False, cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300)
     lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
-    assert lines == [f"hfpar: error: accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate "
-                     "would ignore it); did you mean 'zero_stage'?"], proc.stderr[-3000:]
+    assert lines == [(f"hfpar: error: accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate "
+                      "would ignore it); did you mean 'zero_stage'?")], proc.stderr[-3000:]

@@ -61,10 +61,10 @@ def test_misspelt_accelerate_config_keys_get_a_did_you_mean(tmp_path):
     cfg.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stag: 3\n  offload_param_device: none\n"
                    "fsdp_config:\n  fsdp_versoin: 2\n  reshard_after_forward: true\n")
     assert config_problems(cfg) == [
-        f"accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate would ignore it); "
-        "did you mean 'zero_stage'?",
-        f"accelerate config {cfg}: fsdp_config: unknown key 'fsdp_versoin' (Accelerate would ignore it); "
-        "did you mean 'fsdp_version'?"]
+        (f"accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate would ignore it); "
+         "did you mean 'zero_stage'?"),
+        (f"accelerate config {cfg}: fsdp_config: unknown key 'fsdp_versoin' (Accelerate would ignore it); "
+         "did you mean 'fsdp_version'?")]
 
 
 def test_non_finite_numbers_are_refused_by_name():
