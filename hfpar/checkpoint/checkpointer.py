@@ -50,7 +50,7 @@ from hfpar.checkpoint.layout import (
 )
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.rank_state import load_rng, save_rng
-from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
+from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
 
 SCHEDULER_FILE = "scheduler.json"
@@ -151,7 +151,8 @@ class Checkpointer:
     def load(self, path: Path) -> dict:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
-        with safe_loading():
+        check_dcp_metadata(path)
+        with safe_loading(path):
             state = load_checkpoint(self.acc, path)
             self.backend.load_rank_state(path)
         if self.scheduler is not None:

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from hfpar.checkpoint import layout
 from hfpar.checkpoint.manifest import MANIFEST, verify
-from hfpar.checkpoint.safe_load import CheckpointError, safe_loading
+from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 
 
 class ExportError(ValueError):
@@ -60,7 +60,8 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{ckpt}: no such checkpoint directory")
     _verified(ckpt)
     try:
-        with safe_loading():  # every torch.load weights_only, DCP's metadata through a restricted unpickler
+        check_dcp_metadata(ckpt)
+        with safe_loading(ckpt):  # every torch.load weights_only, DCP's metadata through a restricted unpickler
             return _state_dict(ckpt)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None

@@ -1,5 +1,6 @@
 """Reading a checkpoint without running code from it: every unpickling a resume or an export reaches is restricted.
 
+    check_dcp_metadata(ckpt)             # FSDP2's DCP metadata, refused in one line before DCP reads it
     with safe_loading():                 # around accelerator.load_state, the backends' load_rank_state, export
         accelerator.load_state(ckpt)     # a planted pickle fails with CheckpointError naming the file, never runs
 
@@ -25,9 +26,11 @@ import io
 import pathlib
 import pickle
 import types
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from hfpar.config import ConfigError
@@ -78,30 +81,47 @@ def _load_metadata(fh) -> object:
         raise CheckpointError(f"{name}: refused to read it ({first_line(exc)})") from None
 
 
+def check_dcp_metadata(ckpt: Path) -> None:
+    """Every DCP `.metadata` of a checkpoint read once with MetadataUnpickler before DCP opens it: DCP would wrap
+    the refusal in a multi-rank CheckpointException with tracebacks; this says it in one line first."""
+    for meta in sorted(Path(ckpt).rglob(".metadata")):
+        with open(meta, "rb") as fh:
+            _load_metadata(fh)
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
+def _dcp_refusal(exc: CheckpointException, where) -> CheckpointError:
+    """DCP wraps each rank's failure (ours included) in a CheckpointException holding tracebacks: one line of it."""
+    text = str(exc)
+    ours = [x.split("CheckpointError: ", 1)[1] for x in text.splitlines() if "CheckpointError: " in x]
+    detail = ours[-1] if ours else first_line(exc)
+    return CheckpointError(f"{where}: a torch.distributed.checkpoint shard refused: {detail[:240]}")
+
+
 @contextlib.contextmanager
-def safe_loading():
+def safe_loading(where: str | Path = "checkpoint"):
     """Every torch.load with weights_only=True (allowlisting DeepSpeed's three classes) and DCP's metadata through
-    MetadataUnpickler, for the duration; a refused file raises CheckpointError naming it."""
+    MetadataUnpickler, for the duration; a refused file raises CheckpointError naming it (a DCP shard read from an
+    in-memory buffer: naming `where`)."""
     original_load = torch.load
 
     def load(f, *args, **kwargs):
         kwargs["weights_only"] = True  # whatever the library asked (Accelerate and DeepSpeed pass False)
-        where = f if isinstance(f, (str, pathlib.PurePath)) else getattr(f, "name", "a checkpoint file")
+        name = f if isinstance(f, (str, pathlib.PurePath)) else getattr(f, "name", "a file read from memory")
         try:
             with torch.serialization.safe_globals(_deepspeed_globals()):
                 return original_load(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{where}: refused to unpickle it: it holds more than tensors and plain values "
+            raise CheckpointError(f"{name}: refused to unpickle it: it holds more than tensors and plain values "
                                   f"({first_line(exc)[:160]})") from None
         except (RuntimeError, EOFError) as exc:
             if isinstance(f, io.IOBase):
                 raise
-            raise CheckpointError(f"{where}: unreadable ({first_line(exc)[:160]})") from None
+            raise CheckpointError(f"{name}: unreadable ({first_line(exc)[:160]})") from None
 
     shim = types.SimpleNamespace(**{k: getattr(pickle, k) for k in ("dump", "dumps", "HIGHEST_PROTOCOL")},
                                  load=_load_metadata)
@@ -109,5 +129,7 @@ def safe_loading():
     torch.load, dcp_filesystem.pickle = load, shim
     try:
         yield
+    except CheckpointException as exc:
+        raise _dcp_refusal(exc, where) from None
     finally:
         torch.load, dcp_filesystem.pickle = original_load, saved_pickle
