@@ -244,7 +244,7 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     state = read_trainer_state(path)
     p = []
     if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
-        return [why]  # another run's checkpoint: nothing else about it matters
+        p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
     mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
     theirs = {k: state.get(k, 1) for k in mine}
     if theirs != mine:

@@ -360,27 +360,17 @@ def test_a_damaged_newest_checkpoint_falls_back_and_a_planted_pickle_never_runs(
     assert assert_no_planted_payload_runs(reference / "checkpoint-14", tmp_path / "each") >= 8
 
 
-def test_a_finished_run_is_never_replaced_silently(reference, base_model, tmp_path):
-    """The issue's case: a finished 16-step run's dir (final model, metrics, checkpoints up to 16). Relaunching there
-    without a checkpoint to resume is refused; `latest` with --max_steps 8 refuses checkpoint-16 (past it) and one of
-    another seed; --overwrite_output_dir + `latest` sets the old run aside and trains the new one from step 0."""
+def test_overwrite_output_dir_with_latest_never_resumes_the_old_run(reference, base_model, tmp_path):
+    """The issue's case: a finished 16-step run's dir (final model, metrics, checkpoint-12). Relaunched with
+    --overwrite_output_dir --resume_from_checkpoint latest --max_steps 2: the old run is set aside (said in one line)
+    and the new run trains from step 0, never from the old checkpoint. (The refusals without the flag, of another
+    run's checkpoint and of one past --max_steps, are tested in process: test_preflight.py.)"""
     from hfpar.checkpoint.layout import list_checkpoints
 
     out = tmp_path / "finished"
-    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-[2-9]", "checkpoint-1[0-4]"))
-    short = ["--max_steps", "8"]
-    proc = launch("single", 1, "sft", [*_args(base_model, out), *short, "--per_device_train_batch_size", "4"], check=False)
-    assert proc.returncode != 0 and ("hfpar: error: checkpoint " + str(out / "checkpoint-16") + " is at step 16, "
-                                     "past this run's --max_steps 8") in proc.stderr, _tail(proc)
-    proc = launch("single", 1, "sft", [*_args(base_model, out), "--seed", "7", "--per_device_train_batch_size", "4"],
-                  check=False)
-    assert proc.returncode != 0 and "belongs to another run (seed 42; this run: seed 7)" in proc.stderr, _tail(proc)
-    shutil.rmtree(out / "checkpoint-16")
-    proc = launch("single", 1, "sft", [*_args(base_model, out), "--per_device_train_batch_size", "4"], check=False)
-    assert proc.returncode != 0 and "holds a previous run (config.json" in proc.stderr, _tail(proc)
-    old = out / "model.safetensors"
-    before = old.read_bytes()
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-*"))
     shutil.copytree(reference / "checkpoint-12", out / "checkpoint-12")
+    before = (out / "model.safetensors").read_bytes()
     proc = launch("ddp", 2, "sft", [*_args(base_model, out), "--max_steps", "2", "--save_steps", "0",
                                     "--overwrite_output_dir"])
     assert "previous run's checkpoints and records" in proc.stderr and "resumed from" not in proc.stdout, _tail(proc)
@@ -388,6 +378,7 @@ def test_a_finished_run_is_never_replaced_silently(reference, base_model, tmp_pa
     assert [x["step"] for x in got] == [1, 2] and not list_checkpoints(out)
     aside = next((out / ".replaced").iterdir())
     assert (aside / "checkpoint-12").is_dir() and (aside / "model.safetensors").read_bytes() == before
+    assert (out / "model.safetensors").read_bytes() != before
 
 
 SLURM_CONF = """ClusterName=hfpartest
