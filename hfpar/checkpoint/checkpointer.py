@@ -157,6 +157,10 @@ class Checkpointer:
             self.backend.load_rank_state(path)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        if state.get("world_size") != self.ctx.world:  # another world size (DDP / FSDP2): other RNG streams anyway
+            self.acc.print(f"[hfpar] {path} was written by {state.get('world_size')} processes, this run has "
+                           f"{self.ctx.world}: the random generators start from --seed, not from the checkpoint")
+            return state
         try:
             self.acc.step = load_rng(path, self.acc.process_index)
         except (OSError, ValueError, KeyError) as exc:
