@@ -7,11 +7,16 @@ the index absent, data files that are not UTF-8 (file and byte offset), misspelt
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from hfpar.backends.launch_config import config_problems
+from hfpar.backends.launch_config import config_problems, launcher_config_file
 from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.config import ConfigError, parse_args
 
@@ -65,6 +70,25 @@ def test_misspelt_accelerate_config_keys_get_a_did_you_mean(tmp_path):
          "did you mean 'zero_stage'?"),
         (f"accelerate config {cfg}: fsdp_config: unknown key 'fsdp_versoin' (Accelerate would ignore it); "
          "did you mean 'fsdp_version'?")]
+
+
+def test_the_launchers_config_file_is_found_on_its_command_line(tmp_path):
+    """Under `accelerate launch` every rank's parent is the launcher: its --config_file (relative to its working
+    dir) is the YAML checked; a process not started by accelerate has none."""
+    cfg = tmp_path / "z.yaml"
+    cfg.write_text("deepspeed_config:\n  zero_stag: 3\n")
+    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # accelerate launch stand-in",
+                             "--config_file", "z.yaml"], cwd=tmp_path)
+    try:
+        t0 = time.time()
+        while b"z.yaml" not in Path(f"/proc/{fake.pid}/cmdline").read_bytes() and time.time() - t0 < 10:
+            time.sleep(0.01)
+        assert launcher_config_file(fake.pid) == cfg
+        assert "did you mean 'zero_stage'?" in config_problems(launcher_config_file(fake.pid))[0]
+    finally:
+        fake.kill()
+        fake.wait()
+    assert launcher_config_file(os.getpid()) is None   # pytest itself: not a launcher
 
 
 def test_non_finite_numbers_are_refused_by_name():
