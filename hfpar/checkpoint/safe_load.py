@@ -21,6 +21,7 @@ the restricted Unpickler. A file outside those types is refused in one line nami
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import pathlib
@@ -53,7 +54,7 @@ def _deepspeed_globals() -> list:
 
 
 _DCP_CLASSES = {("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "Path"): pathlib.Path,
-                ("torch", "Size"): torch.Size, ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+                ("torch", "Size"): torch.Size, ("collections", "OrderedDict"): collections.OrderedDict,
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
                 ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
 
@@ -63,8 +64,9 @@ class MetadataUnpickler(pickle.Unpickler):
     is refused before it can be called."""
 
     def find_class(self, module: str, name: str):
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            return getattr(dcp_metadata, name)
+        obj = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__:  # its own classes, not what it imports
+            return obj
         if (module, name) in _DCP_CLASSES:
             return _DCP_CLASSES[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,

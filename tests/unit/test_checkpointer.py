@@ -273,3 +273,29 @@ def test_a_full_disk_is_reported_as_such_and_leaves_no_staging_dir(tmp_path, mon
     with pytest.raises(ck_mod.DiskFullError, match=r"disk full while saving checkpoint-8 .*earlier checkpoints are intact"):
         ck.save(8)
     assert not list(tmp_path.glob(".checkpoint-*")) and [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4"]
+
+
+def test_dcp_metadata_reader_resolves_dcp_classes_only(tmp_path):
+    """FSDP2's `.metadata` is a pickle DCP reads with pickle.load: hfpar's reader resolves DCP's own metadata classes
+    and torch values, and refuses anything else (here builtins.exec, and a class DCP's module merely imports)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from hfpar.checkpoint.safe_load import CheckpointError, MetadataUnpickler, check_dcp_metadata
+
+    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size([2, 3]),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))])})
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(meta))
+    check_dcp_metadata(tmp_path / "ok")
+    with open(tmp_path / "ok" / ".metadata", "rb") as fh:
+        assert MetadataUnpickler(fh).load().state_dict_metadata["w"].size == torch.Size([2, 3])
+    for bad in (b"cbuiltins\nexec\n(S'open(\"x\", \"w\")'\ntR.", b"ctorch.distributed.checkpoint.metadata\nEnum\n."):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / ".metadata").write_bytes(bad)
+        with pytest.raises(CheckpointError, match=r"\.metadata: refused to read it \(global .* is not allowed"):
+            check_dcp_metadata(tmp_path / "bad")
+    assert not (tmp_path / "x").exists() and not Path("x").exists()
