@@ -314,6 +314,7 @@ def test_fp16_refused_where_no_loss_scaling_would_happen():
     assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=None))
 
 
+@pytest.mark.slow   # a whole recipe process (the in-process checks: tests/unit/test_file_checks.py)
 def test_damaged_files_refused_before_the_model_loads(tmp_path):
     """Truncated weights and a data file that is not UTF-8 (`python recipes/sft.py`: one line each naming the file,
     the byte offset for the data). Misspelt accelerate-config keys: tests/unit/test_file_checks.py."""
