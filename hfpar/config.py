@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -24,6 +25,7 @@ import yaml
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "trackio")
 TRUNCATION = ("truncate", "drop")
+PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
@@ -96,6 +98,9 @@ class RecipeArgs:
     moe_z_loss_coef: float = 0.0  # router z-loss coefficient (upcycled layers)
     on_nonfinite: str = "error"  # non-finite loss / grad norm: error | skip (the step, on all ranks)
     dist_timeout_s: int = 1800  # process-group timeout (hangs end with a clear message)
+    # preemption: on these signals every rank saves a checkpoint at the next step boundary and exits with code 75
+    # (SLURM / Kubernetes send SIGTERM before the kill; scripts/slurm asks for SIGUSR1 ahead of the time limit)
+    preempt_signals: str = "TERM,USR1"  # comma-separated signal names without SIG; "" leaves the signals alone
     # --- LoRA via PEFT (TRL's names) -------------------------------------------------------------
     use_peft: bool = False  # train LoRA adapters (pip install peft) instead of all weights
     lora_r: int = 16  # LoRA rank
@@ -231,6 +236,12 @@ def validate(a: RecipeArgs) -> list[str]:
     """Return every problem with the values themselves (degrees against the world: hfpar.context; compositions:
     hfpar.backends.SUPPORT; both checked by hfpar.preflight)."""
     p = []
+    for f in dataclasses.fields(a):  # nan / inf pass every comparison below as False: refused by name first
+        v = getattr(a, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            p.append(f"--{f.name} {v}: must be a finite number")
+    if p:
+        return p
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_seq_length", "tp_size", "ep_size", "cp_size", "pp_size", "logging_steps", "dist_timeout_s"):
         if getattr(a, name) <= 0:
@@ -274,6 +285,9 @@ def validate(a: RecipeArgs) -> list[str]:
         p.append(f"--pp_microbatches {a.pp_microbatches}: must be >= 1, or 0 for 2 x --pp_size")
     if a.on_nonfinite not in NONFINITE:
         p.append(f"--on_nonfinite {a.on_nonfinite!r}: valid values are {', '.join(NONFINITE)}")
+    for sig in filter(None, (x.strip().upper().removeprefix("SIG") for x in a.preempt_signals.split(","))):
+        if sig not in PREEMPT_SIGNALS:
+            p.append(f"--preempt_signals {a.preempt_signals!r}: {sig!r} is not one of {', '.join(PREEMPT_SIGNALS)}")
     for tracker in a.report_to.split(","):
         if tracker.strip() not in REPORT_TO:
             p.append(f"--report_to {a.report_to!r}: {tracker.strip()!r} is not one of {', '.join(REPORT_TO)}")

@@ -20,9 +20,11 @@ import importlib.util
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
-from hfpar.checkpoint.layout import read_trainer_state, resolve_resume
+from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
+from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
 from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
+from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
@@ -42,8 +44,8 @@ def preflight(args, accelerator, task: str):
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
                           ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel,
                           strategy=strategy)
-    problems = ctx.problems()
-    degrees_ok = not problems
+    problems = ctx.problems() + launch_config_problems()   # misspelt deepspeed_config / fsdp_config keys
+    degrees_ok = not ctx.problems()
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
         backend_cls = select_backend(strategy.name, ctx.parallelisms,
@@ -63,6 +65,8 @@ def preflight(args, accelerator, task: str):
         problems += model_problems(args, ctx, task)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, backend_cls)
+    if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
+        problems += weights_problems(args.model_name_or_path) + data_file_problems(args.dataset_name)
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     return ctx, backend_cls
@@ -239,6 +243,8 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
         return []
     state = read_trainer_state(path)
     p = []
+    if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
+        p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
     mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
     theirs = {k: state.get(k, 1) for k in mine}
     if theirs != mine:

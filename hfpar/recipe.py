@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data
-from hfpar.checkpoint.layout import has_any_checkpoint, resolve_resume
+from hfpar.checkpoint.layout import has_any_checkpoint, previous_run_files, resolve_resume, set_aside_previous_run
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.preflight import padding_free_mode, preflight
@@ -55,12 +55,33 @@ def _is_collective_timeout(exc: BaseException) -> bool:
 
 
 def check_output_dir(args: RecipeArgs) -> None:
-    """Never write over someone's checkpoints without an explicit flag."""
-    if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint and not args.overwrite_output_dir:
+    """Never write over someone's run (checkpoints, or the final model and metrics of a finished one) without an
+    explicit flag. --overwrite_output_dir: the previous run is set aside (after the accelerator exists, by the main
+    process: overwrite_previous_run) and `latest` then means a fresh start, never the old run's checkpoints."""
+    if args.overwrite_output_dir:
+        if args.resume_from_checkpoint == "latest":
+            args.resume_from_checkpoint = None
+        return
+    if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint:
         raise ConfigError(
             f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to continue "
             "or --overwrite_output_dir to start over there (or pick another --output_dir)")
-    resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
+    path = resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
+    left = [f.name for f in previous_run_files(args.output_dir) if not f.name.startswith(("checkpoint-", ".checkpoint-"))]
+    if path is None and left:
+        raise ConfigError(f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "
+                          "to resume; pass --overwrite_output_dir to replace it (it is moved aside), or pick another "
+                          "--output_dir")
+
+
+def overwrite_previous_run(args: RecipeArgs, accelerator) -> None:
+    """--overwrite_output_dir: the main process moves the previous run aside, said in one line; every rank waits."""
+    if args.overwrite_output_dir and accelerator.is_main_process:
+        dest = set_aside_previous_run(args.output_dir)
+        if dest is not None:
+            print(f"hfpar: --overwrite_output_dir: the previous run's checkpoints and records in {args.output_dir} were "
+                  f"moved to {dest} (delete it to free the space)", file=sys.stderr)
+    accelerator.wait_for_everyone()
 
 
 @contextlib.contextmanager
@@ -145,9 +166,11 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
     try:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
+        overwrite_previous_run(args, accelerator)
         ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
+        from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
         from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
         gc.freeze()  # as recipes/sft.py: what these imports built is never garbage (Python's exit no longer walks it)
@@ -189,6 +212,13 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line
         _fail(str(exc))
+    except Preempted as exc:  # SIGTERM / SIGUSR1: a checkpoint was saved by every rank; a distinct exit code
+        if accelerator.is_main_process:
+            print(f"hfpar: preempted: {exc}", file=sys.stderr)
+        accelerator.wait_for_everyone()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(PREEMPTED_EXIT)
     except NonFiniteError as exc:  # the numerical guard: one line, no traceback, non-zero exit
         _fail(f"{exc} (checkpoints written so far are intact; --on_nonfinite skip skips such steps instead)")
     except RuntimeError as exc:

@@ -9,7 +9,8 @@ reason where it is refused. A new composition is one backend module plus its row
 
 All strategy knowledge lives in this package: the strategy table (strategies.py: checkpoint layout, loading mode,
 what is sharded, wrap-class fix; resolved once per run into ctx.strategy), the data-parallel wrap components the
-model-parallel and pipeline backends hold (wraps.py), and what DeepSpeed backends share (zero.py).
+model-parallel and pipeline backends hold (wraps.py), what DeepSpeed backends share (zero.py), and the accelerate
+YAML keys of the DeepSpeed / FSDP sections (launch_config.py: misspelt ones refused).
 """
 
 from __future__ import annotations

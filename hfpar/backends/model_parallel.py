@@ -91,7 +91,7 @@ class ModelParallelBackend(Backend):
         f, _ = self._rank_file(ckpt_dir)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
-        state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        state = torch.load(f, map_location=self.acc.device, weights_only=True)  # tensors and plain values only
         with torch.no_grad():
             load_local_state(self.model.state_dict(), state["model"])
         load_optimizer_state(self.optimizer, state["optimizer"])

@@ -175,7 +175,7 @@ class ModelParallelDeepSpeed(EngineSteps, Backend):
         f = rank_state_file(ckpt_dir, self.ctx)
         if not f.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --ep_size")
-        state = torch.load(f, map_location=self.acc.device, weights_only=False)
+        state = torch.load(f, map_location=self.acc.device, weights_only=True)  # tensors and plain values only
         with torch.no_grad():  # after DeepSpeed's load, which put rank 0's experts everywhere
             for p, t in zip(self.experts, state["experts"]):
                 p.copy_(t)

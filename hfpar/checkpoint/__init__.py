@@ -2,7 +2,10 @@
 
     checkpointer.py  Checkpointer (what the trainer calls): trainer state, cadence, save / retention, resume
     layout.py        the output dir's layout and what is read of it without a tensor (latest, trainer_state.json)
-    rank_state.py    per-rank tensors the backends' save_rank_state / load_rank_state write and read
+    rank_state.py    per-rank tensors the backends' save_rank_state / load_rank_state write and read; each rank's RNG
+    manifest.py      MANIFEST.json: every file's size and SHA-256, written last, verified before a resume / export
+    safe_load.py     safe_loading(): every torch.load weights_only, DCP metadata through a restricted unpickler
+    file_checks.py   model weights and data files a run is pointed at, checked before any work
     final_model.py   the final model in HF format at the output dir's root (gather, write, tokenizer)
     export.py        `hfpar export`: a checkpoint's per-rank states gathered into an HF model directory
 """

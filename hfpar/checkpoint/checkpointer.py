@@ -2,34 +2,68 @@
 
     ckpt = Checkpointer(accelerator, ctx, backend, "out", total_steps=100, save_steps=20, save_total_limit=2,
                         resume="latest", seed=42, global_batch=32, pp_virtual_stages=1, tokenizer=tokenizer)
-    ckpt.register(scheduler)            # more state for Accelerate's save_state
+    ckpt.register(scheduler)            # saved with each checkpoint as scheduler.json
     start = ckpt.resume()               # 0 (fresh run) or the step of the checkpoint loaded
     if ckpt.should_save(step): ckpt.save(step)
+    ckpt.watch_signals("TERM,USR1")     # preemption: a flag set by the handler ...
+    if ckpt.preempted(): ckpt.save(step); raise Preempted(step)   # ... agreed by every rank at a step boundary
     ckpt.export_final()                 # the HF-format model at the output dir's root (final_model.py)
 
 The layout of checkpoint-<step>/ is defined in layout.py. One place writes a checkpoint (save_checkpoint) and one
 reads it (Checkpointer.load); the backend's save_rank_state / load_rank_state hooks hold the per-rank files.
 
-Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, then renamed
-to `checkpoint-<step>/` and marked COMPLETE. `latest` only ever picks a COMPLETE checkpoint, so a
-kill during a save leaves the previous one usable. Retention (--save_total_limit) only deletes
-older COMPLETE checkpoints written by hfpar and never the newest.
+Crash safety: a checkpoint is written to `.checkpoint-<step>.tmp/`, its files fsynced, its manifest (every file's
+size and hash, manifest.py) written after them, then renamed to `checkpoint-<step>/` and marked COMPLETE. `latest`
+only ever picks a COMPLETE checkpoint that verifies, so a kill during a save, or a file damaged later, leaves the
+previous one usable. Retention (--save_total_limit) only deletes older COMPLETE checkpoints written by hfpar and
+never the newest one that verifies.
+
+No code runs on load: every read happens inside safe_load.safe_loading() (torch.load with weights_only=True, DCP's
+metadata through a restricted unpickler), the scheduler is JSON and the RNG states safetensors (rank_state.py), and
+Accelerate's pickled random_states_<rank>.pkl is not kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 from accelerate import Accelerator
 
 from hfpar.checkpoint import final_model
-from hfpar.checkpoint.layout import (MARKER, STATE_FILE, checkpoint_dir, list_checkpoints, read_trainer_state, resolve_resume,
-                                     staging_dir)
-from hfpar.distributed import restart_attempt, unwrap
+from hfpar.checkpoint.layout import (
+    MARKER,
+    STATE_FILE,
+    checkpoint_dir,
+    list_checkpoints,
+    read_trainer_state,
+    resolve_resume,
+    staging_dir,
+    verified,
+)
+from hfpar.checkpoint.manifest import write_manifest
+from hfpar.checkpoint.rank_state import load_rng, save_rng
+from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
+from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
+
+SCHEDULER_FILE = "scheduler.json"
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint
+
+
+class Preempted(Exception):
+    """A preemption signal arrived: every rank saved checkpoint-<step> and the run stops (exit PREEMPTED_EXIT)."""
+
+    def __init__(self, step: int, signame: str):
+        super().__init__(f"{signame} received: saved checkpoint-{step}, exiting with code {PREEMPTED_EXIT}; relaunch "
+                         "with --resume_from_checkpoint latest to continue")
+        self.step = step
 
 
 class Checkpointer:
@@ -38,23 +72,51 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, ctx, backend, output_dir: str, *, total_steps: int, save_steps: int,
                  save_total_limit: int | None, resume: str | None, seed: int, global_batch: int,
-                 pp_virtual_stages: int, tokenizer=None, peft: bool = False, merge_adapter: bool = False):
+                 pp_virtual_stages: int, tokenizer=None, peft: bool = False, merge_adapter: bool = False,
+                 identity: dict | None = None):
         self.acc, self.ctx, self.backend, self.output_dir = accelerator, ctx, backend, output_dir
         self.total_steps, self.save_steps, self.save_total_limit = total_steps, save_steps, save_total_limit
         self.resume_from, self.seed, self.global_batch = resume, seed, global_batch
         self.pp_virtual_stages = pp_virtual_stages  # model chunks per pipeline rank
         self.tokenizer, self.peft, self.merge_adapter = tokenizer, peft, merge_adapter
+        self.scheduler = None
+        self.identity = identity  # layout.run_identity: `latest` refuses another run's checkpoint
+        self.signal_received: str | None = None
 
-    def register(self, obj) -> None:
-        """State saved and loaded with Accelerate's save_state / load_state (e.g. the LR scheduler)."""
-        self.acc.register_for_checkpointing(obj)
+    def register(self, scheduler) -> None:
+        """The LR scheduler, saved as scheduler.json (its state dict is numbers and lists). Not registered with
+        Accelerate, which would pickle it to custom_checkpoint_0.pkl and read that back with weights_only=False."""
+        self.scheduler = scheduler
 
     def trainer_state(self, step: int) -> dict:
         """trainer_state.json: what the preflight checks a resume against, before any weight is read."""
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
                 "pp": c.pp, "pp_virtual_stages": self.pp_virtual_stages, "strategy": self.backend.strategy,
-                "seed": self.seed, "global_batch": self.global_batch}
+                "seed": self.seed, "global_batch": self.global_batch,
+                **({"identity": self.identity} if self.identity is not None else {})}
+
+    def watch_signals(self, names: str) -> None:
+        """Preemption: on each signal named ("TERM,USR1"), only a flag is set; the trainer asks preempted() at
+        every step boundary. Signal handlers can only be installed from the main thread (else: left alone)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in filter(None, (x.strip().upper().removeprefix("SIG") for x in names.split(","))):
+            signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.signal_received = signal.Signals(signum).name
+
+    def preempted(self) -> bool:
+        """Collective, at a step boundary: whether any rank received a preemption signal (ranks get it at
+        different moments: a sum over the world makes them all stop at the same step)."""
+        return bool(all_reduce_sum(1 if self.signal_received else 0, self.acc.device) > 0)
+
+    def stop_for_preemption(self, step: int, saved: bool) -> None:
+        """Collective: checkpoint-<step> (unless this step's was just written), then Preempted."""
+        if not saved:
+            self.save(step)
+        raise Preempted(step, self.signal_received or "a preemption signal on another rank")
 
     def should_save(self, step: int) -> bool:
         """Every --save_steps optimizer steps, and at the last step (when saving at all)."""
@@ -63,7 +125,14 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Collective: checkpoint-<step>/, then retention."""
         return save_checkpoint(self.acc, self.output_dir, step, self.trainer_state(step), self.save_total_limit,
-                               extra=self.backend.save_rank_state, tokenizer=self.tokenizer)
+                               extra=self._save_extra, tokenizer=self.tokenizer)
+
+    def _save_extra(self, tmp: Path) -> None:
+        """Every rank: the backend's per-rank files, this rank's RNG; the main process: scheduler.json."""
+        self.backend.save_rank_state(tmp)
+        save_rng(tmp, self.acc.process_index, int(getattr(self.acc, "step", 0)))
+        if self.acc.is_main_process and self.scheduler is not None:
+            (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
 
     def resume(self) -> int:
         """Collective. The step to start from: that of the checkpoint --resume_from_checkpoint names (latest|PATH),
@@ -82,8 +151,21 @@ class Checkpointer:
     def load(self, path: Path) -> dict:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
-        state = load_checkpoint(self.acc, path)
-        self.backend.load_rank_state(path)
+        check_dcp_metadata(path)
+        with safe_loading(path):
+            state = load_checkpoint(self.acc, path)
+            self.backend.load_rank_state(path)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        if state.get("world_size") != self.ctx.world:  # another world size (DDP / FSDP2): other RNG streams anyway
+            self.acc.print(f"[hfpar] {path} was written by {state.get('world_size')} processes, this run has "
+                           f"{self.ctx.world}: the random generators start from --seed, not from the checkpoint")
+            return state
+        try:
+            self.acc.step = load_rng(path, self.acc.process_index)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); "
+                                  "the resume would not be exact") from None
         return state
 
     def export_final(self) -> None:
@@ -103,14 +185,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
             shutil.rmtree(tmp)  # our own leftover from a killed save, never user data
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if extra is not None:
-        extra(tmp)
+    with _disk_full_reported(tmp, step, accelerator.is_main_process):
+        accelerator.save_state(str(tmp))
+        if extra is not None:
+            extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-        _save_model_config(accelerator, tmp, tokenizer)
-        _fsync_tree(tmp)
+        with _disk_full_reported(tmp, step, True):
+            _finish_staging(accelerator, tmp, trainer_state, tokenizer)
         if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -123,6 +205,16 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
     return final
 
 
+def _finish_staging(accelerator: Accelerator, tmp: Path, trainer_state: dict, tokenizer) -> None:
+    """Main process, once every rank wrote its files: hfpar's own records, everything fsynced, the manifest last."""
+    for pkl in tmp.glob("random_states_*.pkl"):  # Accelerate's pickled RNG: hfpar keeps its own (rank_state.py)
+        pkl.unlink()
+    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+    _save_model_config(accelerator, tmp, tokenizer)
+    _fsync_tree(tmp)
+    write_manifest(tmp)
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     """Collective: Accelerate's state of a checkpoint loaded into the prepared objects; returns its trainer state."""
     accelerator.load_state(str(path))
@@ -130,12 +222,50 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
 
 
 def apply_retention(output_dir: str, limit: int | None) -> None:
-    """Keep the `limit` newest complete checkpoints (all when limit is 0 / None)."""
+    """Keep the `limit` newest complete checkpoints (all when limit is 0 / None), and always the newest one that
+    verifies (a damaged newer one never costs the last good state)."""
     if not limit:
         return
     ckpts = list_checkpoints(output_dir)
-    for old in ckpts[: max(0, len(ckpts) - limit)]:  # newest is always kept since limit >= 1
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(ckpts[-limit:])
+    for path in reversed(ckpts):
+        if verified(path) is None:
+            keep.add(path)
+            break
+    for old in ckpts:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class DiskFullError(CheckpointError):
+    """No space left while writing a checkpoint (its staging dir is removed; earlier checkpoints are intact)."""
+
+
+def _is_disk_full(exc: BaseException, where: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.save's C++ writer reports ENOSPC as "basic_ios::clear: iostream error" (a RuntimeError): ask the disk
+    text = str(exc).lower()
+    if isinstance(exc, RuntimeError) and ("iostream" in text or "no space" in text or "file write failed" in text):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(where.parent).free < 64 << 20
+    return False
+
+
+@contextlib.contextmanager
+def _disk_full_reported(tmp: Path, step: int, remove: bool):
+    """A full disk while saving: the staging dir removed (main process), one line saying so instead of a traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if not _is_disk_full(exc, tmp):
+            raise
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        raise DiskFullError(f"disk full while saving checkpoint-{step} to {tmp.parent} ({free:,} bytes free): the "
+                            "partial save was removed and earlier checkpoints are intact; free space (or lower "
+                            "--save_total_limit) and relaunch with --resume_from_checkpoint latest") from None
 
 
 def _fsync_tree(root: Path) -> None:

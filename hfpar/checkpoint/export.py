@@ -2,6 +2,7 @@
 
     hfpar export out/run/checkpoint-500 out/run-step500     then AutoModelForCausalLM.from_pretrained("out/run-step500")
 
+Verified against the checkpoint's manifest first, read without running code from it (safe_load.py).
 Understands what Accelerate's save_state writes: model.safetensors (single / DDP / ZeRO-less runs),
 pytorch_model_fsdp_0/ (FSDP2 sharded, torch.distributed.checkpoint) and a DeepSpeed ZeRO-1/2/3 folder
 (its fp32 master weights are gathered). The config and tokenizer come from the checkpoint (hfpar saves
@@ -20,16 +21,26 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoTokenizer
 
 from hfpar.checkpoint import layout
+from hfpar.checkpoint.manifest import MANIFEST, verify
+from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 
 
 class ExportError(ValueError):
     """A checkpoint that cannot be exported; the message is one line."""
 
 
+def _verified(ckpt: Path) -> None:
+    """A checkpoint hfpar wrote (COMPLETE / MANIFEST.json) is exported only if every file matches its manifest."""
+    if (ckpt / MANIFEST).is_file() or (ckpt / layout.MARKER).is_file():
+        problem = verify(ckpt)
+        if problem is not None:
+            raise ExportError(f"{ckpt}: damaged: {problem}")
+
+
 def _dcp_state_dict(path: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(path), f"{tmp}/model.pt")
-        state = torch.load(f"{tmp}/model.pt", map_location="cpu", weights_only=False)
+        state = torch.load(f"{tmp}/model.pt", map_location="cpu", weights_only=True)
     return state.get("model", state)  # Accelerate saves {"model": model.state_dict()}
 
 
@@ -47,6 +58,16 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
+    _verified(ckpt)
+    try:
+        check_dcp_metadata(ckpt)
+        with safe_loading(ckpt):  # every torch.load weights_only, DCP's metadata through a restricted unpickler
+            return _state_dict(ckpt)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     # pipeline stages and per-rank shards first: a PP / TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`,
     # whose state holds one stage's / rank 0's parameters only
     pp = layout.read_trainer_state(ckpt).get("pp", 1) if (ckpt / layout.STATE_FILE).is_file() else 1

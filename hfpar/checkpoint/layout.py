@@ -1,7 +1,7 @@
 """The layout of a run's --output_dir, and what can be read of it without loading a tensor.
 
-    list_checkpoints(out)            complete checkpoint-<step>/ directories, oldest first
-    resolve_resume("latest", out)    the newest complete one (None: a fresh run), or a PATH checked to be complete
+    list_checkpoints(out)            complete checkpoint-<step>/ directories inside out, oldest first
+    resolve_resume("latest", out)    the newest complete one that verifies (None: a fresh run), or a PATH verified
     read_trainer_state(ckpt)         trainer_state.json: step, world size, dp/tp/ep/cp/pp, strategy, global batch
 
 Layout (hfpar.checkpoint.checkpointer writes it, the preflight, the backends and `hfpar export` read it):
@@ -11,6 +11,8 @@ Layout (hfpar.checkpoint.checkpointer writes it, the preflight, the backends and
         model.safetensors | pytorch_model_fsdp_0/ | DeepSpeed folder + `latest`    Accelerate's save_state
         rank<r>_of<world>.pt            per-rank shards hfpar owns (FSDP2 x TP/EP, experts)
         tp_rank<t>_of<tp>.pt            one file per TP rank (TP x DDP: dp replicas are identical)
+        rng_state_<rank>.safetensors    each rank's generators (Python, numpy, torch); scheduler.json: the LR schedule
+        MANIFEST.json                   every file's size and SHA-256 (manifest.py), written after them
         COMPLETE                        marker, written last
     .checkpoint-<step>.tmp/ a save in progress (renamed to checkpoint-<step>/ once flushed)
     config.json, model*.safetensors, tokenizer files   (final export, from_pretrained-loadable)
@@ -21,8 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import time
 from pathlib import Path
 
+from hfpar.checkpoint.manifest import verify
 from hfpar.config import ConfigError
 
 MARKER = "COMPLETE"
@@ -39,17 +44,33 @@ def staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f".checkpoint-{step}.tmp"
 
 
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints inside output_dir, oldest first (a checkpoint-<step> symlink out of it is not one)."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _CKPT_RE.match(child.name)
-        if m and (child / MARKER).is_file():
+        if m and (child / MARKER).is_file() and _inside(child, root):
             found.append((int(m.group(1)), child))
     return [p for _, p in sorted(found)]
+
+
+def escaping_links(output_dir: str | os.PathLike) -> list[Path]:
+    """checkpoint-<step> entries of output_dir that resolve outside it (never picked by `latest`)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(c for c in root.iterdir() if _CKPT_RE.match(c.name) and not _inside(c, root))
 
 
 def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
@@ -57,19 +78,110 @@ def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
     return root.is_dir() and any(_CKPT_RE.match(c.name) for c in root.iterdir())
 
 
+_VERIFIED: dict[tuple, str | None] = {}   # (path, its files' stats) -> verify()'s answer: each process hashes once
+
+
+def verified(path: Path) -> str | None:
+    """manifest.verify(path), remembered for this process (the recipe, the preflight and the Checkpointer ask)."""
+    stats = tuple((str(p), st.st_size, st.st_mtime_ns) for p in sorted(Path(path).rglob("*"))
+                  for st in [p.lstat()])  # a file changed since the last answer is hashed again
+    key = (str(Path(path).resolve()), stats)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = verify(path)
+    return _VERIFIED[key]
+
+
+def _warn(line: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"hfpar: warning: {line}", file=sys.stderr)
+
+
 def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
-    """`latest` -> newest complete checkpoint or None (fresh run); a path must be a complete checkpoint."""
+    """`latest` -> the newest complete checkpoint inside output_dir that verifies against its manifest (each newer
+    damaged one skipped with a one-line warning), or None on a fresh run; ConfigError when checkpoints exist and
+    none verifies. A PATH (passed explicitly: it may be anywhere) must be complete and verify."""
     if not resume:
         return None
     if resume == "latest":
+        for link in escaping_links(output_dir):
+            _warn(f"{link} points outside --output_dir {output_dir}: ignored by 'latest' (pass its path to use it)")
         ckpts = list_checkpoints(output_dir)
-        return ckpts[-1] if ckpts else None
+        problems = []
+        for path in reversed(ckpts):
+            problem = verified(path)
+            if problem is None:
+                return path
+            problems.append(problem)
+            _warn(f"skipping {path.name}: {problem}")
+        if ckpts:
+            raise ConfigError(f"--resume_from_checkpoint latest: none of the {len(ckpts)} checkpoint(s) in {output_dir} "
+                              f"verifies (newest: {problems[0]}); pass --overwrite_output_dir to start over")
+        return None
     path = Path(resume)
     if not path.is_dir():
         raise ConfigError(f"--resume_from_checkpoint {resume}: no such directory (use 'latest' or a checkpoint-<step> dir)")
     if not (path / MARKER).is_file():
         raise ConfigError(f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one")
+    problem = verified(path)
+    if problem is not None:
+        raise ConfigError(f"--resume_from_checkpoint {resume}: damaged: {problem}; pick an earlier checkpoint")
     return path
+
+
+def run_identity(args) -> dict:
+    """What makes two launches the same run (written into trainer_state.json; `latest` refuses a checkpoint of
+    another): the model, the data (its name, and the bytes of a local file or dir), the seed. The global batch is
+    checked on its own (preflight)."""
+    data = getattr(args, "dataset_name", None)
+    size = None
+    if data and Path(data).exists():
+        files = [Path(data)] if Path(data).is_file() else sorted(p for p in Path(data).rglob("*") if p.is_file())
+        size = sum(p.stat().st_size for p in files)
+    return {"model": str(args.model_name_or_path), "data": data or "embedded", "data_bytes": size, "seed": args.seed}
+
+
+def identity_problem(state: dict, args, path: Path) -> str | None:
+    """Why checkpoint `path` (its trainer state) is not this run's to resume by `latest`, or None."""
+    mine, theirs = run_identity(args), state.get("identity")
+    if theirs is not None:
+        differ = [k for k in mine if theirs.get(k) != mine[k]]
+        if differ:
+            return (f"checkpoint {path} belongs to another run ({', '.join(f'{k} {theirs.get(k)!r}' for k in differ)}; "
+                    f"this run: {', '.join(f'{k} {mine[k]!r}' for k in differ)}): pass its path to "
+                    "--resume_from_checkpoint to resume it anyway, or use another --output_dir")
+    max_steps = getattr(args, "max_steps", -1)
+    if max_steps > 0 and state.get("global_step", 0) > max_steps:
+        return (f"checkpoint {path} is at step {state['global_step']}, past this run's --max_steps {max_steps}: it "
+                "belongs to a longer run; pass its path to --resume_from_checkpoint to resume it anyway, or use "
+                "--overwrite_output_dir / another --output_dir")
+    return None
+
+
+PREVIOUS_RUN = ("metrics.jsonl", "run_info.json", "report.png", "config.json", "generation_config.json",
+                "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+                "pytorch_model.bin")
+
+
+def previous_run_files(output_dir: str | os.PathLike) -> list[Path]:
+    """What a finished (or started) run left at the output dir's root: its records and final model, checkpoints."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(c for c in root.iterdir() if c.name in PREVIOUS_RUN or _CKPT_RE.match(c.name)
+                  or re.match(r"^model-\d+-of-\d+\.safetensors$", c.name) or re.match(r"^\.checkpoint-\d+\.tmp$", c.name))
+
+
+def set_aside_previous_run(output_dir: str | os.PathLike) -> Path | None:
+    """--overwrite_output_dir: the previous run's checkpoints, records and final model moved into
+    <output_dir>/.replaced/<UTC time>/ (never read again by `latest`); returns that dir, or None if nothing was there."""
+    files = previous_run_files(output_dir)
+    if not files:
+        return None
+    dest = Path(output_dir) / ".replaced" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        os.replace(f, dest / f.name)
+    return dest
 
 
 def rank_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:

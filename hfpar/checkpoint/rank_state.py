@@ -1,12 +1,25 @@
-"""Per-rank tensors of a checkpoint (the backends' save_rank_state / load_rank_state hooks use these).
+"""Per-rank state of a checkpoint: the backends' tensors (save_rank_state / load_rank_state hooks) and each rank's RNG.
 
     torch.save({"model": local_state(model.state_dict())}, rank_state_file(ckpt_dir, ctx))
     load_local_state(model.state_dict(), saved["model"]); load_optimizer_state(optimizer, saved["optimizer"])
+    save_rng(ckpt_dir, rank, accelerate_step); accelerate_step = load_rng(ckpt_dir, rank)
+
+The per-rank .pt files hold tensors, numbers and strings only and are read with torch.load(weights_only=True)
+(inside checkpoint.safe_load.safe_loading). The RNG state replaces Accelerate's random_states_<rank>.pkl (a pickle of
+numpy objects, which weights_only refuses): a safetensors file of the generator states, with Python's and numpy's
+scalars as JSON in its metadata; a missing or unreadable one fails the resume (the manifest caught it first).
 """
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 
@@ -46,3 +59,36 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
             new[k] = v
         state[idx] = new
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def rng_file(ckpt_dir, rank: int) -> Path:
+    return Path(ckpt_dir) / f"rng_state_{rank}.safetensors"
+
+
+def save_rng(ckpt_dir, rank: int, accelerate_step: int) -> None:
+    """This rank's Python, numpy, torch (CPU and every CUDA device) generator states, exactly."""
+    version, py_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {"python": torch.tensor(py_state, dtype=torch.int64), "numpy": torch.from_numpy(np_keys.astype(np.int64)),
+               "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, st in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = st
+    meta = {"python_version": version, "python_gauss": gauss, "numpy_name": np_name, "numpy_pos": int(np_pos),
+            "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "accelerate_step": accelerate_step}
+    save_file(tensors, str(rng_file(ckpt_dir, rank)), metadata={"state": json.dumps(meta)})
+
+
+def load_rng(ckpt_dir, rank: int) -> int:
+    """Restores this rank's generators; returns Accelerate's micro-step counter saved with them."""
+    with safe_open(str(rng_file(ckpt_dir, rank)), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["state"])
+        t = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+    random.setstate((meta["python_version"], tuple(int(x) for x in t["python"].tolist()), meta["python_gauss"]))
+    np.random.set_state((meta["numpy_name"], t["numpy"].numpy().astype(np.uint32), meta["numpy_pos"],
+                         meta["numpy_has_gauss"], meta["numpy_gauss"]))
+    torch.set_rng_state(t["torch_cpu"])
+    cuda = [t[f"cuda_{i}"] for i in range(len(t)) if f"cuda_{i}" in t]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    return int(meta["accelerate_step"])

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hfpar.checkpoint.checkpointer import Checkpointer
+from hfpar.checkpoint.layout import run_identity
 from hfpar.distributed import all_reduce_sum
 from hfpar.observe import metrics as M
 from hfpar.observe.comm_stats import StepCommLog
@@ -72,7 +73,7 @@ class Trainer:
             accelerator, ctx, backend, args.output_dir, total_steps=self.total_steps, save_steps=args.save_steps,
             save_total_limit=args.save_total_limit, resume=args.resume_from_checkpoint, seed=args.seed,
             global_batch=self.sampler.global_batch, pp_virtual_stages=pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp,
-            tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter)
+            tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter, identity=run_identity(args))
         self.checkpointer.register(self.scheduler)
         self.start_step = 0
 
@@ -166,6 +167,7 @@ class Trainer:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
         self.start_step = self.checkpointer.resume()
+        self.checkpointer.watch_signals(args.preempt_signals)  # SIGTERM / SIGUSR1: checkpoint at the next step, exit
         self.recorder.start(self.start_step)
         last = {}
         self.model.train()
@@ -177,8 +179,12 @@ class Trainer:
                 continue
             if args.eval_steps and done % args.eval_steps == 0:
                 self.recorder.eval(done, self.evaluate())
-            if self.checkpointer.should_save(done):
+            saved = self.checkpointer.should_save(done)
+            if saved:
                 self.checkpointer.save(done)
+            if self.checkpointer.preempted():
+                self.recorder.end_loop()
+                self.checkpointer.stop_for_preemption(done, saved)
         self.recorder.end_loop()
         final = self.evaluate() if args.eval_steps != 0 else {}
         self.recorder.eval(self.total_steps, final)

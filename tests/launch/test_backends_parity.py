@@ -18,6 +18,7 @@ import pytest
 
 from tests.helpers.parity import BACKENDS, COMMON, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.helpers.launch import launch, read_metrics, read_run_info, rel_close
+from tests.helpers.planting import assert_no_planted_payload_runs
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +97,10 @@ def test_resume_reproduces_remaining_steps(runs, strategy, tmp_path, base_model)
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{strategy} resumed")
     assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{strategy} resumed")
     assert_resumed_like_uninterrupted(src, out, strategy)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero3"])
+def test_a_planted_pickle_never_runs(runs, strategy, tmp_path):
+    """Each file of an FSDP2 (DCP) / ZeRO checkpoint replaced by a pickle payload, manifest re-signed: every reader a
+    resume or an export uses refuses it in one line, no payload runs (tests/helpers/planting.py); export too."""
+    assert assert_no_planted_payload_runs(runs[strategy] / "checkpoint-4", tmp_path, export=True) >= 6

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.parity import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
 from tests.helpers.launch import launch, read_metrics, read_run_info
+from tests.helpers.planting import assert_no_planted_payload_runs
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +137,9 @@ def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
     assert proc.returncode != 0
     assert "hfpar: error: " in proc.stderr and message in proc.stderr
     assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]  # no rank traceback (the launcher prints its own)
+
+
+@pytest.mark.parametrize("case", ["ep2", "ep2_zero1"])
+def test_ep_planted_pickle_never_runs(ep_runs, case, tmp_path):
+    """Per-rank expert files (and DeepSpeed's under ZeRO) each replaced by a pickle payload: refused, never run."""
+    assert assert_no_planted_payload_runs(ep_runs[case] / "checkpoint-4", tmp_path) >= 6

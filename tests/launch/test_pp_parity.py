@@ -17,6 +17,7 @@ import pytest
 from tests.helpers.parity import (TOL, assert_close_series, assert_export_matches, assert_resume_from_step_4,
                             export_eval_loss, launch_cases)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
+from tests.helpers.planting import assert_no_planted_payload_runs
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +121,10 @@ def test_pp_tied_embeddings_match_single(tied_runs):
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, "tied pp2")
     assert_export_matches(tied_runs["tied_single"], tied_runs["tied_pp2"], "tied pp2")
     assert rel_close(export_eval_loss(tied_runs["tied_pp2"]), got_eval[-1]["eval_loss"], 1e-4)
+
+
+@pytest.mark.parametrize("case", ["pp2_dp2_fsdp2", "pp2_dp2_zero1"])
+def test_pp_planted_pickle_never_runs(pp_runs, case, tmp_path):
+    """Per-stage files (FSDP2) / DeepSpeed's stage files (ZeRO-1) each replaced by a pickle payload: refused, never
+    run."""
+    assert assert_no_planted_payload_runs(pp_runs[case] / "checkpoint-4", tmp_path) >= 6

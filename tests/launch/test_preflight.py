@@ -7,6 +7,7 @@ a whole refusal the way a user meets it (`python recipes/sft.py ...`: exit 2 in 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,10 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
-from hfpar.checkpoint.layout import MARKER, STATE_FILE
+from hfpar.checkpoint.layout import MARKER, STATE_FILE, run_identity
+from hfpar.checkpoint.manifest import write_manifest
+from hfpar.config import ConfigError
+from hfpar.recipe import check_output_dir
 from hfpar import preflight as pf
 from hfpar.backends import STRATEGY, AccelerateBackend, ModelParallelDDP
 from hfpar.config import parse_args
@@ -88,6 +92,7 @@ def _checkpoint(out, **state):
     base = {"global_step": 4, "world_size": 2, "dp": 2, "tp": 1, "ep": 1, "strategy": "ddp", "seed": 42,
             "global_batch": 8}
     (d / STATE_FILE).write_text(json.dumps({**base, **state}))
+    write_manifest(d)
     (d / MARKER).write_text("4")
     return d
 
@@ -119,6 +124,33 @@ def test_compatible_resume_is_accepted(tmp_path):
     args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
                  "2", "--per_device_train_batch_size", "1")
     assert pf.resume_problems(args, ParallelContext.plan(4, strategy=STRATEGY["ddp"]), AccelerateBackend) == []  # DDP: other world ok
+
+
+def test_another_runs_checkpoint_or_a_finished_run_is_refused(tmp_path):
+    """The issue's case, in process: a finished 16-step run's dir. `latest` with --max_steps 8 refuses its
+    checkpoint-16 (past it), one of another seed too (unless its path is passed); with no checkpoint left, its final
+    model and metrics are not replaced without --overwrite_output_dir (launched end to end: test_reliability)."""
+    out = tmp_path / "out"
+    run = ["--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
+           "--per_device_train_batch_size", "2"]
+    ckpt = _checkpoint(out, global_step=16, identity=run_identity(_args(*run)))
+    ctx = ParallelContext.plan(2, strategy=STRATEGY["ddp"])
+    assert pf.resume_problems(_args(*run), ctx, AccelerateBackend) == []
+    [line] = pf.resume_problems(_args(*run, "--max_steps", "8"), ctx, AccelerateBackend)
+    assert line.startswith(f"checkpoint {ckpt} is at step 16, past this run's --max_steps 8: it belongs to a longer run")
+    [line] = pf.resume_problems(_args(*run, "--seed", "7"), ctx, AccelerateBackend)
+    assert f"checkpoint {ckpt} belongs to another run (seed 42; this run: seed 7)" in line
+    explicit = [*run[:2], "--resume_from_checkpoint", str(ckpt), *run[4:], "--seed", "7", "--max_steps", "8"]
+    assert pf.resume_problems(_args(*explicit), ctx, AccelerateBackend) == []   # its path, passed explicitly
+    shutil.rmtree(ckpt)
+    for name in ("model.safetensors", "metrics.jsonl"):
+        (out / name).write_text("a finished run's")
+    with pytest.raises(ConfigError, match="holds a previous run .*metrics.jsonl, model.safetensors.* pass "
+                                          "--overwrite_output_dir to replace it"):
+        check_output_dir(_args(*run))
+    args = _args(*run, "--overwrite_output_dir")
+    check_output_dir(args)
+    assert args.resume_from_checkpoint is None   # `latest` after an overwrite: a fresh start, never the old run
 
 
 def test_a_refusal_takes_under_10_seconds(tmp_path):
@@ -280,3 +312,27 @@ def test_fp16_refused_where_no_loss_scaling_would_happen():
     off = torch.amp.GradScaler("cpu", enabled=False)
     assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=off))
     assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=None))
+
+
+@pytest.mark.slow   # a whole recipe process (the in-process checks: tests/unit/test_file_checks.py)
+def test_damaged_files_refused_before_the_model_loads(tmp_path):
+    """Truncated weights and a data file that is not UTF-8 (`python recipes/sft.py`: one line each naming the file,
+    the byte offset for the data). Misspelt accelerate-config keys: tests/unit/test_file_checks.py."""
+    from safetensors.torch import save_file
+
+    model = _model_dir(tmp_path)
+    save_file({"w": torch.ones(32, 32)}, f"{model}/model.safetensors")
+    size = (tmp_path / "model" / "model.safetensors").stat().st_size
+    with open(f"{model}/model.safetensors", "r+b") as fh:
+        fh.truncate(size - 64)
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--model_name_or_path", model,
+                           "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")], check=False, cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines == [f"hfpar: error: {model}/model.safetensors: truncated: {size - 64} bytes, its header says {size}",
+                     (f"hfpar: error: {data}: not UTF-8 text at byte offset 50 (invalid continuation byte); re-encode "
+                      "it as UTF-8")], lines
+

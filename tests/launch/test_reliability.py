@@ -9,13 +9,18 @@
   deletes the newest complete checkpoint.
 - Resume at another world size (DDP 2 -> 4 processes, FSDP2 4 -> 2, same global batch); ZeRO refuses.
 - The non-finite guard: stop with a one-line error naming the step, or skip the step on every rank.
+- Preemption: SIGTERM under ddp.yaml, and a real SLURM (slurm-wlm + munge started by the test) sending SIGUSR1
+  ahead of the time limit: a checkpoint, a requeue, the same training. A damaged newest checkpoint: fallback to the
+  previous one; a planted pickle: refused, never run. A finished run is never replaced silently.
 - Two "nodes" on one machine (two launchers, machine ranks 0 and 1, rendezvous on 127.0.0.1) match one process.
 All fp32 on CPU / gloo, 2-4 processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -289,3 +294,200 @@ def test_a_stuck_rank_ends_in_a_clear_timeout_message(tmp_path):
     assert 9 < waited < 60, waited
     assert ("hfpar: error: rank 0: a collective timed out after --dist_timeout_s 10: another rank is stuck or died"
             in err), err[-3000:]
+
+
+def _tail(proc) -> str:
+    return (proc.stdout or "")[-3000:] + (proc.stderr or "")[-3000:]
+
+
+def test_sigterm_saves_at_the_next_step_and_the_relaunch_resumes(reference, base_model, tmp_path):
+    """SIGTERM to the whole job (what SLURM and Kubernetes send): every rank saves a checkpoint at the next step
+    boundary and exits (75 from the workers); the same command relaunched resumes there and ends like the
+    uninterrupted run. Checkpoints every 100 steps: the one found can only be the preemption's."""
+    out = tmp_path / "preempted"
+    args = [*_args(base_model, out), "--save_steps", "100"]
+    proc = subprocess.Popen(launch_cmd("ddp", 2, "sft", args), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(out / "metrics.jsonl", proc)  # the first step is logged: training is under way
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher and both ranks, as SLURM signals a job step
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ckpts = sorted(out.glob("checkpoint-*"))
+    assert proc.returncode != 0 and len(ckpts) == 1, (proc.returncode, ckpts, err[-3000:])
+    step = int(ckpts[0].name.split("-")[1])
+    assert 1 <= step < 16 and f"hfpar: preempted: SIGTERM received: saved checkpoint-{step}" in err, err[-3000:]
+    assert [x["step"] for x in read_metrics(out)[0]][-1] == step
+    launch("ddp", 2, "sft", args)  # the same command again
+    _assert_same_training(reference, out, f"SIGTERM at step {step} + relaunch")
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_a_planted_pickle_never_runs(reference, base_model, tmp_path):
+    """checkpoint-14 of the uninterrupted run with its optimizer state truncated: `latest` warns in one line and
+    resumes checkpoint-12, ending like the uninterrupted run. Then a pickle payload planted in checkpoint-14's
+    optimizer.bin, its manifest re-signed (an attacker with write access): refused in one line, the payload never
+    runs. Then every file of the checkpoint planted in turn and read as its library reads it (no launch)."""
+    from hfpar.checkpoint.manifest import write_manifest
+    from tests.helpers.planting import assert_no_planted_payload_runs, plant
+
+    out = tmp_path / "damaged"
+    out.mkdir()
+    for step in (12, 14):
+        shutil.copytree(reference / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    opt = out / "checkpoint-14" / "optimizer.bin"
+    opt.write_bytes(opt.read_bytes()[:100])
+    proc = launch("ddp", 2, "sft", _args(base_model, out))
+    assert f"hfpar: warning: skipping checkpoint-14: {opt}: 100 bytes, the manifest says" in proc.stderr
+    assert "resumed from" in proc.stdout and "checkpoint-12 at step 12" in proc.stdout, _tail(proc)
+    r, g = read_metrics(reference)[0], read_metrics(out)[0]
+    assert [x["step"] for x in g] == list(range(13, 17))
+    assert_close_series(r[12:], g, "loss", 1e-6, "fallback to checkpoint-12")
+    assert_close_series(r[12:], g, "grad_norm", 1e-6, "fallback to checkpoint-12")
+    assert_resumed_like_uninterrupted(reference, out, "fallback to checkpoint-12")
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    shutil.copytree(reference / "checkpoint-14", planted / "checkpoint-14")
+    marker = tmp_path / "PAYLOAD_RAN"
+    plant(planted / "checkpoint-14" / "optimizer.bin", marker)
+    write_manifest(planted / "checkpoint-14")
+    proc = launch("ddp", 2, "sft", _args(base_model, planted), check=False)
+    assert proc.returncode != 0 and not marker.exists(), _tail(proc)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error:")]
+    assert len(lines) == 1 and "optimizer.bin: refused to unpickle it" in lines[0], _tail(proc)
+    assert assert_no_planted_payload_runs(reference / "checkpoint-14", tmp_path / "each") >= 8
+
+
+def test_overwrite_output_dir_with_latest_never_resumes_the_old_run(reference, base_model, tmp_path):
+    """The issue's case: a finished 16-step run's dir (final model, metrics, checkpoint-12). Relaunched with
+    --overwrite_output_dir --resume_from_checkpoint latest --max_steps 2: the old run is set aside (said in one line)
+    and the new run trains from step 0, never from the old checkpoint. (The refusals without the flag, of another
+    run's checkpoint and of one past --max_steps, are tested in process: test_preflight.py.)"""
+    from hfpar.checkpoint.layout import list_checkpoints
+
+    out = tmp_path / "finished"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-*"))
+    shutil.copytree(reference / "checkpoint-12", out / "checkpoint-12")
+    before = (out / "model.safetensors").read_bytes()
+    proc = launch("ddp", 2, "sft", [*_args(base_model, out), "--max_steps", "2", "--save_steps", "0",
+                                    "--overwrite_output_dir"])
+    assert "previous run's checkpoints and records" in proc.stderr and "resumed from" not in proc.stdout, _tail(proc)
+    got = read_metrics(out)[0]
+    assert [x["step"] for x in got] == [1, 2] and not list_checkpoints(out)
+    aside = next((out / ".replaced").iterdir())
+    assert (aside / "checkpoint-12").is_dir() and (aside / "model.safetensors").read_bytes() == before
+    assert (out / "model.safetensors").read_bytes() != before
+
+
+SLURM_CONF = """ClusterName=hfpartest
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.socket
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+KillWait=60
+NodeName={host} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real SLURM on this machine (Debian's slurm-wlm + munge): munged, slurmctld and one slurmd, started here
+    with their own config, sockets and ports, stopped after the module. Skipped where they are not installed."""
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"real-SLURM test: {', '.join(missing)} not installed (apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("real-SLURM test: the daemons run as root here (SlurmUser=root)")
+    root = tmp_path_factory.mktemp("slurm")
+    for d in ("state", "spool"):
+        (root / d).mkdir()
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    host = socket.gethostname()
+    conf = root / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, root=root, ctld_port=_free_port(), d_port=_free_port(),
+                                      cpus=os.cpu_count()))
+    e = {**env(), "SLURM_CONF": str(conf), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    subprocess.run(["munged", f"--key-file={key}", f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
+                    f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed", "-f"], check=True, env=e)
+    subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=e)
+    subprocess.run(["slurmd", "-f", str(conf)], check=True, env=e)
+    try:
+        t0 = time.time()
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], check=False, env=e, capture_output=True, text=True).stdout:
+            assert time.time() - t0 < 60, (root / "slurmctld.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield e
+    finally:
+        for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):  # the daemons this fixture started, by id
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int((root / pid_file).read_text()), signal.SIGTERM)
+
+
+def _job_state(job: str, e: dict) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], check=False, env=e, capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "GONE")
+
+
+def test_real_slurm_preemption_requeues_and_resumes(slurm, reference, base_model, tmp_path):
+    """scripts/slurm/hfpar.sbatch submitted with sbatch (one node, 2 CPU processes of ddp.yaml: its GPU request
+    removed), SIGUSR1 sent as SLURM does ahead of the time limit (`scancel --signal=USR1 --batch`): the script's trap
+    sends SIGTERM to the job step, every rank saves a checkpoint and exits, the job requeues itself and the requeued run
+    resumes; the losses and final weights equal the uninterrupted run's. SLURM delays a requeued job by 2 minutes:
+    the test starts it at once (scontrol update StartTime=now)."""
+    out = tmp_path / "slurm_run"
+    script = tmp_path / "hfpar.sbatch"
+    text = (ROOT / "scripts" / "slurm" / "hfpar.sbatch").read_text()
+    script.write_text("\n".join(x for x in text.splitlines() if "--gpus-per-node" not in x) + "\n")
+    e = {**slurm, "CONFIG": "accelerate_configs/ddp.yaml", "GPUS_PER_NODE": "2", "MAIN_PORT": str(_free_port()),
+         "EXTRA_LAUNCH_ARGS": "--mixed_precision no"}
+    log = tmp_path / "job.out"
+    args = [*_args(base_model, out), "--save_steps", "100"]
+    args.remove("--resume_from_checkpoint")
+    args.remove("latest")  # the script passes it
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={os.cpu_count()}",
+                          "--open-mode=append", f"--output={log}", f"--chdir={ROOT}", str(script), *args],
+                         env=e, check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        t0 = time.time()
+        while not (out / "metrics.jsonl").exists():
+            assert _job_state(job, e) in ("PENDING", "RUNNING") and time.time() - t0 < 300, log.read_text()[-3000:]
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=e, check=True)
+        while _job_state(job, e) != "PENDING":   # requeued (2 minutes' BeginTime)
+            assert time.time() - t0 < 400, log.read_text()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=e, check=True)
+        while _job_state(job, e) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
+            assert time.time() - t0 < 900, log.read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], check=False, env=e, capture_output=True)
+    text = log.read_text()
+    assert _job_state(job, e) in ("COMPLETED", "GONE"), text[-4000:]
+    assert "hfpar: SIGUSR1 (time limit near)" in text and "hfpar: preempted: SIGTERM received: saved checkpoint-" in text
+    assert "resumed from" in text, text[-4000:]
+    _assert_same_training(reference, out, "real SLURM: SIGUSR1, requeue, resume")

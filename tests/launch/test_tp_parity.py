@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers.parity import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.helpers.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
+from tests.helpers.planting import assert_no_planted_payload_runs
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +137,9 @@ def test_resume_with_another_tp_size_is_refused_before_any_weight_is_read(tp_run
     # one line from the recipe, nothing from a weight loader (torchrun adds its own ChildFailedError report)
     assert "safetensors" not in proc.stderr.lower() and "Error while deserializing" not in proc.stderr
     assert "Traceback" not in "\n".join(x for x in proc.stderr.splitlines() if "hfpar" in x)
+
+
+@pytest.mark.parametrize("case", ["tp2_ddp2", "tp2_zero2"])
+def test_tp_planted_pickle_never_runs(tp_runs, case, tmp_path):
+    """Per-TP-rank files (and DeepSpeed's under ZeRO) each replaced by a pickle payload: refused, never run."""
+    assert assert_no_planted_payload_runs(tp_runs[case] / "checkpoint-4", tmp_path) >= 6
