@@ -1,0 +1,22 @@
+"""hfpar's layers inside the training code people already have: transformers.Trainer, TRL's trainers, an Accelerate
+loop (docs/own-code.md).
+
+    ctx = parallelize(model, tp_size=2, ep_size=1)   # shard in place over the launched world; refuses without one
+    prepare_trainer(trainer)                         # Trainer / SFTTrainer / DPOTrainer: before trainer.train()
+    prepare_accelerator(accelerator, ctx)            # an Accelerate loop: before accelerator.prepare(model, ...)
+
+  model.py        parallelize, finish_grads, clip_grad_norm_, gathered_state_dict, save_pretrained, gathered_grads
+  accelerator.py  the Accelerator's wrap (DDP over the dp group), data sharding by dp rank, clipping, saving
+  trainer.py      prepare_accelerator for the trainer's Accelerator, collective save_model, TRL's fused LM head
+
+A model sharded by apply_tensor_parallel / apply_expert_parallel and handed to stock DDP, accelerator.prepare,
+Trainer or fully_shard without these calls is refused in one line (hfpar.parallel.guard).
+"""
+
+from .accelerator import prepare_accelerator
+from .model import (clip_grad_norm_, context_of, finish_grads, gathered_grads, gathered_state_dict, parallelize,
+                    save_pretrained)
+from .trainer import prepare_trainer
+
+__all__ = ["parallelize", "prepare_trainer", "prepare_accelerator", "finish_grads", "clip_grad_norm_",
+           "gathered_state_dict", "gathered_grads", "save_pretrained", "context_of"]
