@@ -23,12 +23,12 @@ import os
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY   # where fully_shard keeps its state
 
 __all__ = ["mark_parallel", "parallel_record", "release", "refuse_unlaunched", "SAFE_CALLS"]
 
 _RECORD = "_hfpar_parallel"
 _DDP_KEY = "_ddp_params_and_buffers_to_ignore"
-_STATE_KEY = "__composable_api_state_key"       # torch.distributed._composable.contract.STATE_KEY
 SAFE_CALLS = ("hfpar.integrations.prepare_trainer(trainer) before trainer.train() (Trainer, TRL), or "
               "hfpar.integrations.prepare_accelerator(accelerator) before accelerator.prepare(model) "
               "(docs/own-code.md)")

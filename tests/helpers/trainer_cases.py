@@ -70,8 +70,9 @@ def padded(r: dict, length: int = 16) -> dict:
 
 def config_kwargs(out: Path, per_device: int) -> dict:
     return dict(output_dir=str(out), per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUM,
-                max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", max_grad_norm=MAX_NORM,
-                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+                max_steps=STEPS, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=MAX_NORM,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                bf16=False)                                        # fp32 (TRL's configs default to bf16)
 
 
 def build_trainer(kind: str, model, ref_model, out: Path, per_device: int):
@@ -88,7 +89,8 @@ def build_trainer(kind: str, model, ref_model, out: Path, per_device: int):
                           train_dataset=data, processing_class=tok)
     from trl import DPOConfig, DPOTrainer  # noqa: PLC0415 (TRL cases only)
     rs = rows()
-    data = Dataset.from_list([{"prompt_ids": a["ids"][:4], "chosen_ids": a["ids"][4:], "rejected_ids": b["ids"][5:]}
+    text = lambda ids: tok.decode([i for i in ids if i >= 10])  # noqa: E731 (printable characters)
+    data = Dataset.from_list([{"prompt": text(a["ids"][:4]), "chosen": text(a["ids"][4:]), "rejected": text(b["ids"][5:])}
                               for a, b in zip(rs, rs[1:] + rs[:1])])
     return DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**config_kwargs(out, per_device), beta=0.5,
                       max_length=None), train_dataset=data, processing_class=tok)
