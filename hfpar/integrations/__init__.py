@@ -18,5 +18,5 @@ from .model import (clip_grad_norm_, context_of, finish_grads, gathered_grads, g
                     save_pretrained)
 from .trainer import prepare_trainer
 
-__all__ = ["parallelize", "prepare_trainer", "prepare_accelerator", "finish_grads", "clip_grad_norm_",
-           "gathered_state_dict", "gathered_grads", "save_pretrained", "context_of"]
+__all__ = ["clip_grad_norm_", "context_of", "finish_grads", "gathered_grads", "gathered_state_dict", "parallelize",
+           "prepare_accelerator", "prepare_trainer", "save_pretrained"]

@@ -111,10 +111,10 @@ def prepare_accelerator(accelerator, ctx) -> None:
         self._hfpar_finished = True
         return norm
 
-    def _get_state_dict(self, model, unwrap=True):  # noqa: ARG001
+    def _get_state_dict(self, model, unwrap=True):
         return gathered_state_dict(model)
 
-    def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):  # noqa: ARG001
+    def _save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         save_pretrained(model, save_directory, max_shard_size=max_shard_size)
 
     for name, fn in (("prepare_model", _prepare_model), ("prepare_data_loader", _prepare_data_loader),

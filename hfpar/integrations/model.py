@@ -20,8 +20,8 @@ from hfpar.parallel.sharding import (clip_grads_, full_state_dict, gather_shards
                                     sync_partial_grads, unique_params)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["parallelize", "context_of", "finish_grads", "clip_grad_norm_", "gathered_state_dict", "save_pretrained",
-           "gathered_grads"]
+__all__ = ["clip_grad_norm_", "context_of", "finish_grads", "gathered_grads", "gathered_state_dict", "parallelize",
+           "save_pretrained"]
 
 _CTX = "_hfpar_context"
 

@@ -68,7 +68,7 @@ def prepare_trainer(trainer) -> None:
     trainer.train = _train
 
 
-def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:  # noqa: ARG001
+def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
     """Trainer.save_model, collective: full weights gathered on every rank, written by rank 0."""
     output_dir = output_dir or self.args.output_dir
     os.makedirs(output_dir, exist_ok=True)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY   # where fully_shard keeps its state
 
-__all__ = ["mark_parallel", "parallel_record", "release", "refuse_unlaunched", "SAFE_CALLS"]
+__all__ = ["SAFE_CALLS", "mark_parallel", "parallel_record", "refuse_unlaunched", "release"]
 
 _RECORD = "_hfpar_parallel"
 _DDP_KEY = "_ddp_params_and_buffers_to_ignore"

@@ -24,8 +24,8 @@ from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hfpar.integrations import parallelize, prepare_trainer  # noqa: E402
-from tests.helpers.tp_models import TINY, _no_dropout  # noqa: E402
+from hfpar.integrations import parallelize, prepare_trainer
+from tests.helpers.tp_models import TINY, _no_dropout
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "hfpar" / "assets" / "tiny"
 MOE = {"qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -69,27 +69,27 @@ def padded(r: dict, length: int = 16) -> dict:
 
 
 def config_kwargs(out: Path, per_device: int) -> dict:
-    return dict(output_dir=str(out), per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUM,
-                max_steps=STEPS, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=MAX_NORM,
-                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                bf16=False)                                        # fp32 (TRL's configs default to bf16)
+    return {"output_dir": str(out), "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ACCUM,
+            "max_steps": STEPS, "optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant",
+            "max_grad_norm": MAX_NORM, "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True,
+            "seed": 0, "disable_tqdm": True, "bf16": False}  # fp32 (TRL's configs default to bf16)
 
 
 def build_trainer(kind: str, model, ref_model, out: Path, per_device: int):
     if kind == "trainer":
-        from transformers import default_data_collator  # noqa: PLC0415 (per kind: TRL imports are heavy)
+        from transformers import default_data_collator  # (per kind: TRL imports are heavy)
         return Trainer(model=model, args=TrainingArguments(**config_kwargs(out, per_device)),
                        train_dataset=[padded(r) for r in rows()], data_collator=default_data_collator)
-    from datasets import Dataset  # noqa: PLC0415 (TRL cases only)
+    from datasets import Dataset  # (TRL cases only)
     tok = PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
     if kind == "sft":
-        from trl import SFTConfig, SFTTrainer  # noqa: PLC0415 (TRL cases only)
+        from trl import SFTConfig, SFTTrainer  # (TRL cases only)
         data = Dataset.from_list([{"input_ids": r["ids"]} for r in rows()])
         return SFTTrainer(model=model, args=SFTConfig(**config_kwargs(out, per_device), max_length=None),
                           train_dataset=data, processing_class=tok)
-    from trl import DPOConfig, DPOTrainer  # noqa: PLC0415 (TRL cases only)
+    from trl import DPOConfig, DPOTrainer  # (TRL cases only)
     rs = rows()
-    text = lambda ids: tok.decode([i for i in ids if i >= 10])  # noqa: E731 (printable characters)
+    text = lambda ids: tok.decode([i for i in ids if i >= 10])  # (printable characters)
     data = Dataset.from_list([{"prompt": text(a["ids"][:4]), "chosen": text(a["ids"][4:]), "rejected": text(b["ids"][5:])}
                               for a, b in zip(rs, rs[1:] + rs[:1])])
     return DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**config_kwargs(out, per_device), beta=0.5,
@@ -118,11 +118,11 @@ def run_case(name: str, out: Path, reference_world: int) -> None:
 
 def refusals(out: Path) -> None:
     """Every unsafe entry point refused in one line (rank 0 writes them)."""
-    from accelerate import Accelerator  # noqa: PLC0415 (refusal checks only)
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+    from accelerate import Accelerator  # (refusal checks only)
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
-    from hfpar import apply_tensor_parallel  # noqa: PLC0415
+    from hfpar import apply_tensor_parallel
 
     errors = {}
 
