@@ -65,7 +65,7 @@ def finish_grads(parameters) -> None:
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """finish_grads, then clip by the one global norm (every TP / EP shard counted once, replicated parameters
-    once); returns the norm before clipping."""
+    once); returns the norm before clipping. Once per step INSTEAD of finish_grads (which sums partial grads)."""
     params = unique_params(parameters)
     finish_grads(params)
     return clip_grads_(params, max_norm)
@@ -97,7 +97,8 @@ def save_pretrained(model: torch.nn.Module, output_dir: str, tokenizer=None, **k
 
 @torch.no_grad()
 def gathered_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Debugging: every parameter's FULL gradient under its HF name (collective; call after finish_grads). TP / EP
+    """Debugging: every parameter's FULL gradient under its HF name (collective; after finish_grads or
+    clip_grad_norm_, which finish the grads of a step: call one of them once). TP / EP
     shards gathered the way the weights are; parameters without a grad are left out."""
     out = {}
     for name, p in _unwrapped(model).named_parameters():
