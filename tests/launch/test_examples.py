@@ -68,3 +68,24 @@ def test_accelerate_example_matches_one_process():
     assert losses[1][-1] < losses[1][0] - 0.3, losses[1]   # it learns (the 2 batches are seen repeatedly)
     for a, b in zip(losses[2], losses[1]):
         assert abs(a - b) <= TOL * abs(b), losses
+
+
+@pytest.mark.slow
+def test_cp_example_matches_one_process():
+    """examples/cp_loop.py: cp 2 ring and Ulysses (hfpar.integrations.cp_batch: the label shift done once, before
+    the cut) vs the 1-process run, loss and grad norm per step."""
+    cmd = [sys.executable, "examples/cp_loop.py"]
+    procs = {n: subprocess.Popen(cmd if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc_per_node", "2", *cmd[1:]],
+                                 cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (2, 1)}
+    got = {}
+    for n, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        got[n] = re.findall(r"^(\w+) step (\d+) loss (\S+) grad_norm (\S+)$", out, re.MULTILINE)
+    ref = {(m, s): (float(a), float(b)) for m, s, a, b in got[1]}
+    assert len(got[2]) == len(got[1]) == 12, got
+    for m, s, a, b in got[2]:
+        assert rel(float(a), ref[m, s][0]) < TOL and rel(float(b), ref[m, s][1]) < TOL, (m, s, a, b, ref[m, s])
+    assert ref["ring", "5"][0] < ref["ring", "1"][0] - 0.3, ref                          # it learns
