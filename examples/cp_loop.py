@@ -1,7 +1,7 @@
 """Context parallelism in your own plain torch loop: every row's sequence split over the processes, attention exact over
 the whole row (ring, then Ulysses), HF's `model(**batch).loss` with the label shift done once by hfpar.
 
-    torchrun --standalone --nproc_per_node 2 examples/cp_loop.py     # cp 2: ring, then ulysses
+    torchrun --standalone --nproc_per_node 2 examples/cp_loop.py     # cp 2: ring, ulysses, then both in Accelerate
     python examples/cp_loop.py                                        # 1 process: the reference (plain attention)
 
 CPU + gloo or CUDA + NCCL, unchanged. A tiny Llama is built from a config (same seed = same weights everywhere). Each
@@ -9,6 +9,12 @@ step: the global batch (uneven lengths), cut for this cp rank by hfpar.integrati
 the cut and passed as shift_labels, so HF's loss cannot shift them again), forward and backward inside cp_rows, the
 loss normalized by the real targets of the whole batch (num_items_in_batch), grads SUMMED over the cp ranks (each
 holds its tokens' part). Prints `<mode> step N loss X`, equal to the 1-process run's (fp32, within 1e-5).
+
+The Accelerate variant (`acc-ring`, `acc-ulysses`): accelerator.prepare(model, optimizer) wraps the (replicated) model
+in DDP over the world, which here is the cp group; DDP AVERAGES grads, so the loss is scaled by cp to make it the sum;
+accelerator.backward / clip_grad_norm_ as usual. The batch is NOT given to a prepared data loader: every cp rank
+must read the same rows (each keeps its part of the sequence). With data parallelism next to cp, shard the rows by
+dp rank yourself and scale by dp x cp.
 """
 
 import argparse
@@ -32,6 +38,11 @@ def global_batch(step: int, rows: int = 2, seq: int = 16, vocab: int = 256) -> d
 
 
 def train(mode: str, steps: int, device, cp: int, rank: int) -> None:
+    acc = None
+    if mode.startswith("acc-"):
+        from accelerate import Accelerator  # (the Accelerate variant only: it adopts the process group made here)
+
+        acc, mode = Accelerator(cpu=device.type == "cpu"), mode[4:]
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -39,10 +50,18 @@ def train(mode: str, steps: int, device, cp: int, rank: int) -> None:
     if cp > 1:
         model.set_attn_implementation(register_cp_attention())       # "hfpar_cp", from transformers' registry
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    if acc is not None:
+        model, opt = acc.prepare(model, opt)                           # DDP over the world (= the cp group)
     for step in range(1, steps + 1):
         batch = {k: v.to(device) for k, v in global_batch(step % 2).items()}   # two batches, in turn
         n_items = count_targets(batch)                                 # real targets of the whole batch
-        if cp > 1:
+        if cp > 1 and acc is not None:
+            local, rows = cp_batch(batch, rank, cp)
+            with cp_rows(rows, dist.group.WORLD, mode):
+                loss = model(**local, num_items_in_batch=n_items).loss
+                acc.backward(loss * cp)                                # DDP's mean over cp ranks -> their sum
+            loss = acc.reduce(loss.detach(), reduction="sum")
+        elif cp > 1:
             local, rows = cp_batch(batch, rank, cp)                    # (B, T / cp): this rank's zigzag part
             with cp_rows(rows, dist.group.WORLD, mode):                # cp group: the whole world here
                 loss = model(**local, num_items_in_batch=n_items).loss   # my targets' sum / global count
@@ -56,18 +75,19 @@ def train(mode: str, steps: int, device, cp: int, rank: int) -> None:
             dist.all_reduce(loss)                                      # the whole batch's loss
         else:
             loss = model(**batch, num_items_in_batch=n_items).loss
-            loss.backward()
-        norm = clip_grad_norm_(model.parameters(), 1.0)                # replicated params: the plain global norm
+            (loss.backward() if acc is None else acc.backward(loss))
+        norm = (clip_grad_norm_(model.parameters(), 1.0) if acc is None     # replicated params: the plain norm
+                else acc.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0:
-            print(f"{mode} step {step} loss {loss.item():.8f} grad_norm {float(norm):.8f}", flush=True)
+            print(f"{'acc-' if acc is not None else ''}{mode} step {step} loss {loss.item():.8f} grad_norm {float(norm):.8f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--modes", default="ring,ulysses")
+    parser.add_argument("--modes", default="ring,ulysses,acc-ring,acc-ulysses")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
