@@ -8,6 +8,8 @@ loop (docs/own-code.md).
   model.py        parallelize, finish_grads, clip_grad_norm_, gathered_state_dict, save_pretrained, gathered_grads
   accelerator.py  the Accelerator's wrap (DDP over the dp group), data sharding by dp rank, clipping, saving
   trainer.py      prepare_accelerator for the trainer's Accelerator, collective save_model, TRL's fused LM head
+  context_parallel.py  cp_batch: a batch cut for a cp rank with the label shift done once (examples/cp_loop.py)
+  pipeline.py     the loss_fn contract, tied grads + one norm over the stages, the merged HF checkpoint (pp_loop.py)
 
 A model sharded by apply_tensor_parallel / apply_expert_parallel and handed to stock DDP, accelerator.prepare,
 Trainer or fully_shard without these calls is refused in one line (hfpar.parallel.guard).
