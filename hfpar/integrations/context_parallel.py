@@ -19,7 +19,7 @@ import torch
 
 from hfpar.parallel.context_parallel import shard_batch, shift_labels
 
-__all__ = ["cp_batch", "count_targets"]
+__all__ = ["count_targets", "cp_batch"]
 
 
 def cp_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, object]:

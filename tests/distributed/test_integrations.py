@@ -16,7 +16,7 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.tp_models import batch, build, rel
 
 
-def _check(rank, world):  # noqa: ARG001
+def _check(rank, world):
     ids, mask, labels = batch()
     for model_type, tp, ep in (("qwen3", 2, 1), ("qwen2_moe", 1, 2)):
         ref, model = build(model_type), build(model_type)

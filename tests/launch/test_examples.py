@@ -107,7 +107,7 @@ def test_pp_example_matches_one_process(tmp_path):
     for n, p in procs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-        got[n] = [(float(a), float(b)) for a, b in re.findall(r"^step \d+ loss (\S+) grad_norm (\S+)$", out, re.M)]
+        got[n] = [(float(a), float(b)) for a, b in re.findall(r"^step \d+ loss (\S+) grad_norm (\S+)$", out, re.MULTILINE)]
     assert len(got[2]) == len(got[1]) == 6, got
     for (a, b), (ra, rb) in zip(got[2], got[1]):
         assert rel(a, ra) < TOL and rel(b, rb) < TOL, got
