@@ -35,9 +35,29 @@ _LAZY = {
     "clip_grads_": "hfpar.parallel.sharding",
     "full_state_dict": "hfpar.parallel.sharding",
     "ParallelContext": "hfpar.context",
+    "parallelize": "hfpar.integrations",
+    "prepare_trainer": "hfpar.integrations",
+    "prepare_accelerator": "hfpar.integrations",
+    "gathered_state_dict": "hfpar.integrations",
+    "gathered_grads": "hfpar.integrations",
+    "full_vocab_logits": "hfpar.parallel.tensor_parallel",
+    "gather_vocab_logits": "hfpar.parallel.tensor_parallel",
+    "expert_parameters": "hfpar.parallel.expert_parallel",
+    "non_expert_parameters": "hfpar.parallel.expert_parallel",
+    "register_cp_attention": "hfpar.parallel.context_parallel",
+    "shard_batch": "hfpar.parallel.context_parallel",
+    "cp_rows": "hfpar.parallel.context_parallel",
+    "PipelineStage": "hfpar.parallel.pipeline",
+    "PipelineRunner": "hfpar.parallel.pipeline",
+    "balanced_split": "hfpar.parallel.pipeline",
 }
 
 __all__ = sorted(_LAZY)
+
+
+def __dir__():
+    """The public API for dir(hfpar) / autocomplete (names are imported on first access)."""
+    return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name):

@@ -26,6 +26,7 @@ from accelerate.utils import str_to_bool
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import carry_shard_specs, set_shard_spec, shard_spec
 
 
@@ -48,6 +49,7 @@ class TorchDDP(DataParallelWrap):
     def wrap(self, accelerator, ctx, model, *, layer_types, ignored):  # noqa: ARG002
         if ctx.grad_replicas == 1:
             return model
+        release(model)  # the stock-DDP refusal apply_* armed (hfpar.parallel.guard): this wrap is the right one
         skip = {id(p) for p in ignored}
         names = [n for n, p in model.named_parameters() if id(p) in skip]
         if names:
@@ -86,6 +88,7 @@ class FullyShard(DataParallelWrap):
 
     def wrap(self, accelerator, ctx, model, *, layer_types, ignored):
         mesh = ctx.dp_mesh(accelerator.device.type)
+        release(model)  # the stock-fully_shard refusal apply_* armed (hfpar.parallel.guard)
         specs = {n: shard_spec(p) for n, p in model.named_parameters() if shard_spec(p) is not None}
         kw = {"ignored_params": set(ignored)} if ignored else {}
         settings = fsdp2_settings(accelerator)

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from ..comm import all_gather, group_rank, group_size
 from ..groups import expert_rank_lists, new_groups
+from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import full_state_dict, set_shard_spec, shard_spec
 from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
 from .hf_outputs import record_router_logits
@@ -235,6 +236,8 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     (check_replicated) one all-gather over dp_group checks that every rank loaded the same router / expert
     weights. Every rank of dp_group must then run every MoE forward (their statistics are all-reduced).
     """
+    if ep_group is None:
+        refuse_unlaunched("apply_expert_parallel")                      # torchrun without a process group
     initialised = dist.is_available() and dist.is_initialized()
     if hasattr(ep_group, "ep_group"):                                   # a ParallelContext
         ctx = ep_group
@@ -269,6 +272,8 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         setattr(model.get_submodule(parent) if parent else model, name, layer)
     if aux_loss_coef is not None and getattr(cfg, "output_router_logits", False):
         cfg.output_router_logits = False                                 # hfpar's global aux loss replaces HF's
+    if ep > 1:
+        mark_parallel(model, f"expert-parallel over {ep} ranks")         # stock DDP / fully_shard refuse it
     return model
 
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
                    group_size, scatter_to_sequence_parallel_region)
+from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
                         sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
@@ -177,6 +178,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
     tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
+    if tp_group is None:
+        refuse_unlaunched("apply_tensor_parallel")         # under torchrun without a process group: a world of one
     if tp_group is None and dist.is_available() and dist.is_initialized():
         tp_group = dist.group.WORLD   # named: ShardSpecs with group None are skipped by export and grad norm
     tp = group_size(tp_group)
@@ -276,6 +279,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         head.weight = emb.weight
     # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
     install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
+    mark_parallel(model, f"tensor-parallel over {tp} ranks")   # stock DDP / fully_shard refuse it (guard.py)
     return model
 
 

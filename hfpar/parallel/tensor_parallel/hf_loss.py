@@ -26,6 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ..comm import gather_from_parallel_region, group_size
 from .loss import vocab_parallel_cross_entropy
@@ -51,6 +52,8 @@ class VocabParallelCausalLMLoss:
                  num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
                  shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         self.calls += 1
+        if vocab_size is not None and self.tp > 1 and logits.shape[-1] == vocab_size:   # gathered: full_vocab_logits
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         if vocab_size is not None and logits.shape[-1] * self.tp != vocab_size:
             raise ValueError(f"tensor-parallel loss: logits {tuple(logits.shape)} x tp {self.tp} do not make "
                              f"vocab_size {vocab_size}")

@@ -1,0 +1,111 @@
+"""The sharding record apply_tensor_parallel / apply_expert_parallel leave on a model, and the refusals it arms.
+
+    mark_parallel(model, "tensor-parallel over 2 ranks")   # apply_*: every module holding a shard is guarded
+    parallel_record(model)                                 # ["tensor-parallel over 2 ranks", ...] or None
+    release(model)                                         # hfpar's own data-parallel wraps, before wrapping
+    refuse_unlaunched("apply_tensor_parallel")             # WORLD_SIZE > 1 but no process group: refuse
+
+Why: the ranks of a TP / EP model hold DIFFERENT tensors under the same names. A stock data-parallel wrap over the
+whole world (DistributedDataParallel, which `accelerator.prepare` and `transformers.Trainer` use; FSDP2's
+`fully_shard`) broadcasts rank 0's tensors or averages different shards together: wrong weights, no error. Nothing
+global is patched; the two entry points read an attribute of the module they wrap, which the guard sets:
+  DDP          DistributedDataParallel.__init__ reads `module._ddp_params_and_buffers_to_ignore` (and iterates it)
+               before any broadcast: the guard is an object whose iteration raises the one-line refusal.
+  fully_shard  torch's composable-API contract checks `func in module.__dict__[STATE_KEY]` before sharding: the
+               guard is a dict whose membership test raises the refusal for fully_shard / replicate.
+Every module holding a sharded parameter (its ancestors included) carries both, so wrapping a submodule (FSDP2's one
+unit per decoder layer) is refused too. hfpar's safe calls (hfpar.integrations, hfpar.backends.wraps) release them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY   # where fully_shard keeps its state
+
+__all__ = ["SAFE_CALLS", "mark_parallel", "parallel_record", "refuse_unlaunched", "release"]
+
+_RECORD = "_hfpar_parallel"
+_DDP_KEY = "_ddp_params_and_buffers_to_ignore"
+SAFE_CALLS = ("hfpar.integrations.prepare_trainer(trainer) before trainer.train() (Trainer, TRL), or "
+              "hfpar.integrations.prepare_accelerator(accelerator) before accelerator.prepare(model) "
+              "(docs/own-code.md)")
+
+
+def _message(what: str, record: list[str]) -> str:
+    return (f"hfpar: {what} of a model that is {' and '.join(record)} would wrap it over the whole world (rank 0's "
+            f"shards broadcast or different shards averaged: silently wrong); use {SAFE_CALLS}")
+
+
+class _RefuseDDP:
+    """Stands where DDP reads its ignored-parameter names; iterating it (DDP.__init__) refuses."""
+
+    def __init__(self, record: list[str]) -> None:
+        self.record = record
+
+    def __iter__(self):
+        raise RuntimeError(_message("torch.nn.parallel.DistributedDataParallel", self.record))
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _RefuseComposable(dict):
+    """torch's composable-API state dict; `fully_shard in it` (the contract's first check) refuses."""
+
+    def __init__(self, record: list[str]) -> None:
+        super().__init__()
+        self.record = record
+
+    def __contains__(self, func) -> bool:
+        name = getattr(func, "__name__", "")
+        if name in ("fully_shard", "replicate"):
+            raise RuntimeError(_message(f"torch.distributed.fsdp.{name}", self.record))
+        return super().__contains__(func)
+
+    def __deepcopy__(self, memo):
+        return _RefuseComposable(self.record)
+
+
+def mark_parallel(model: nn.Module, what: str) -> None:
+    """Record `what` (e.g. "tensor-parallel over 2 ranks") on the model and guard every module holding a shard."""
+    record = [*getattr(model, _RECORD, []), what]
+    model.__dict__[_RECORD] = record
+    holders = {""}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        spec = getattr(p, "_hfpar_shard", None)                    # hfpar.parallel.sharding's record
+        if spec is not None and spec.size > 1:
+            parts = name.split(".")[:-1]
+            holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    for name in holders:
+        module = model.get_submodule(name)
+        module.__dict__[_DDP_KEY] = _RefuseDDP(record)
+        state = module.__dict__.get(_STATE_KEY)
+        if state is None or isinstance(state, _RefuseComposable):
+            module.__dict__[_STATE_KEY] = _RefuseComposable(record)
+
+
+def parallel_record(model: nn.Module) -> list[str] | None:
+    """What apply_* recorded (None: the model holds no shard of a TP / EP layer)."""
+    return getattr(model, _RECORD, None)
+
+
+def release(model: nn.Module) -> None:
+    """Remove the guards (hfpar's own data-parallel wrap over the right group follows); the record stays."""
+    for module in model.modules():
+        if isinstance(module.__dict__.get(_DDP_KEY), _RefuseDDP):
+            del module.__dict__[_DDP_KEY]
+        if isinstance(module.__dict__.get(_STATE_KEY), _RefuseComposable):
+            del module.__dict__[_STATE_KEY]
+
+
+def refuse_unlaunched(what: str) -> None:
+    """Under a multi-process launcher (WORLD_SIZE > 1) without a process group, apply_* would shard over a world of
+    one and say nothing: refuse."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{what}: WORLD_SIZE={world} but torch.distributed is not initialized, so this would "
+                           "shard over a world of one; call dist.init_process_group(...) (or create the Accelerator "
+                           "/ TrainingArguments) first, or pass a process group")

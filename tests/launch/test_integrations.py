@@ -1,0 +1,73 @@
+"""Stock transformers.Trainer, TRL SFTTrainer and DPOTrainer train hfpar TP / EP / TP x EP models through
+hfpar.integrations and match the same trainer in one process; every unsafe entry point is refused in one line.
+
+    python -m pytest -q -p no:cacheprovider tests/launch/test_integrations.py
+
+One torchrun launch of 2 processes runs six trainer cases in turn (and the refusals first), one of 4 processes the
+TP x EP case; the one-process references run beside them (tests/helpers/trainer_cases.py). fp32, 8 optimizer steps,
+gradient accumulation 2, clipping active: per-step loss and grad norm within 1e-4, the saved checkpoints (reloaded
+with from_pretrained) within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.launch import ROOT, env
+from tests.helpers.trainer_cases import MAX_NORM, STEPS
+
+TOL = 1e-4
+SCRIPT = str(ROOT / "tests" / "helpers" / "trainer_cases.py")
+LAUNCHES = {2: ["trainer_qwen2_tp2", "trainer_olmoe_ep2", "sft_gemma2_tp2", "sft_qwen2_moe_ep2", "dpo_qwen3_tp2",
+                "dpo_olmoe_ep2"],
+            4: ["trainer_qwen2_moe_tp2_ep2"]}
+
+
+def _start(out, cases: list[str], nproc: int, *extra: str) -> subprocess.Popen:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc_per_node", str(nproc)]
+    return subprocess.Popen([*launcher, SCRIPT, str(out), "--cases", ",".join(cases), *extra], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(p: subprocess.Popen) -> None:
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-4000:]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.slow
+def test_trainers_match_one_process_and_unsafe_wraps_are_refused(tmp_path):
+    for nproc, cases in LAUNCHES.items():      # each launch with its one-process reference beside it
+        procs = [_start(tmp_path / "dist", cases, nproc, *(["--refusals"] if nproc == 2 else [])),
+                 _start(tmp_path / "ref", cases, 1, "--reference_world", str(nproc))]
+        for p in procs:
+            _wait(p)
+
+    refused = json.loads((tmp_path / "dist" / "refusals.json").read_text())
+    assert set(refused) == {"unlaunched", *(f"{k}_{e}" for k in ("tp", "ep")
+                                          for e in ("ddp", "accelerate", "trainer", "fully_shard"))}, refused
+    for what, msg in refused.items():
+        assert msg is not None and "\n" not in msg, (what, msg)
+        assert ("init_process_group" if what == "unlaunched" else "hfpar.integrations.prepare_trainer") in msg, msg
+
+    for case in [c for cases in LAUNCHES.values() for c in cases]:
+        got = json.loads((tmp_path / "dist" / case / "history.json").read_text())
+        ref = json.loads((tmp_path / "ref" / case / "history.json").read_text())
+        assert len(got) == len(ref) == STEPS, (case, got, ref)
+        assert min(n for _, n in ref) > MAX_NORM, (case, ref)                      # clipping active every step
+        worst = max(max(_rel(a[0], b[0]), _rel(a[1], b[1])) for a, b in zip(got, ref))
+        assert worst < TOL, (case, worst, got, ref)
+        mine = AutoModelForCausalLM.from_pretrained(tmp_path / "dist" / case / "model").state_dict()
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / case / "model").state_dict()
+        assert mine.keys() == base.keys(), case
+        for k, v in base.items():
+            assert ((mine[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item() < TOL, (case, k)
