@@ -2,6 +2,8 @@
 budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
 
     python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
+    python benchmarks/context_parallel.py attention [T ...]   # attention alone (benchmarks/cp_attention.py):
+                                                   # benchmarks/results/context_parallel_attention_cpu.{json,md,png}
 
 Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
 backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
@@ -142,5 +144,20 @@ def main() -> None:
     print("\n".join(md))
 
 
+def attention(lengths) -> None:
+    from benchmarks import cp_attention  # noqa: PLC0415  (its own run; the model benchmark does not need it)
+
+    res = cp_attention.measure(lengths)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "context_parallel_attention_cpu.json").write_text(json.dumps(res, indent=2))
+    md = cp_attention.report(res)
+    (RESULTS / "context_parallel_attention_cpu.md").write_text("\n".join(md) + "\n")
+    cp_attention.plot(res, RESULTS / "context_parallel_attention_cpu.png")
+    print("\n".join(md))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["attention"]:
+        attention([int(x) for x in sys.argv[2:]] or [4096, 8192, 16384])
+    else:
+        main()
