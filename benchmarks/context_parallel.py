@@ -145,7 +145,7 @@ def main() -> None:
 
 
 def attention(lengths) -> None:
-    from benchmarks import cp_attention  # noqa: PLC0415  (its own run; the model benchmark does not need it)
+    from benchmarks import cp_attention  # its own run; the model benchmark does not need it
 
     res = cp_attention.measure(lengths)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,9 @@ from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from tests.helpers.dist import run_distributed
 
 T = 24
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 64,
+        "sliding_window": None, "use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 WINDOW = 5   # shorter than a row (24) and than a shard (12): the window cuts blocks on every rank
 FAMILIES = {  # name: (model_type, config overrides, reference attention)
     "llama": ("llama", {}, "sdpa"), "mistral": ("mistral", {}, "sdpa"), "qwen2": ("qwen2", {}, "sdpa"),
@@ -37,10 +40,7 @@ FAMILIES = {  # name: (model_type, config overrides, reference attention)
 
 def _config(name: str):
     model_type, extra, _ = FAMILIES[name]
-    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, vocab_size=64, max_position_embeddings=64, sliding_window=None, use_cache=False,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return AutoConfig.for_model(model_type, **{**kw, **extra})
+    return AutoConfig.for_model(model_type, **{**TINY, **extra})
 
 
 def _model(name: str):

@@ -145,15 +145,15 @@ def test_context_parallel_refusals_and_mode(tmp_path):
     ctx = ParallelContext.plan(4, cp=4)
     gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == [
-        "--cp_size 4: GPT2Attention uses attention dropout 0.1 (set attention_dropout 0), which hfpar's "
-        "context-parallel attention does not implement"]
+        ("--cp_size 4: GPT2Attention uses attention dropout 0.1 (set attention_dropout 0), which hfpar's "
+         "context-parallel attention does not implement")]
     gpt2.attn_pdrop = 0.0
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == []              # not a list of names: GPT-2 routes
     xglm = AutoConfig.for_model("xglm", d_model=32, num_layers=1, attention_heads=2, vocab_size=64, dropout=0.0,
                                 attention_dropout=0.0)
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, xglm) == [
-        "--cp_size 4: XGLMAttention (model.layers.0.self_attn) computes attention itself instead of calling "
-        "transformers' attention registry (attn_implementation), which context parallelism replaces"]
+        ("--cp_size 4: XGLMAttention (model.layers.0.self_attn) computes attention itself instead of calling "
+         "transformers' attention registry (attn_implementation), which context parallelism replaces")]
     mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=4, sliding_window=4096,
                                    hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, mistral) == []

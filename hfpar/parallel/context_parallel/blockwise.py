@@ -1,4 +1,6 @@
-"""Exact document-causal attention computed block by block with the online-softmax (log-sum-exp) rule.
+"""Exact document-causal attention computed block by block with the online-softmax (log-sum-exp) rule, in plain
+torch ops: the reference the fused-kernel path (fused.py, ring.py) is tested against, the named fallback for
+logit soft-capping (no fused kernel applies it), and the ring's all-gather form (ring_attention(overlap=False)).
 
     out = block_attention(q, k, v, doc, q_pos, k_pos, scaling)            # k, v: the whole row (Ulysses)
     out = block_attention(q, k_local, v_local, doc, q_pos, k_pos, scaling, group=cp_group)   # ring

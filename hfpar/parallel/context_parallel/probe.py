@@ -40,17 +40,17 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=PROBE)
         if "position_ids" not in inspect.signature(model.forward).parameters:
-            return [f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
-                    "global position)"]
+            return [(f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
+                     "global position)")]
         model.train()
         ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
         pos = torch.arange(tokens, device="meta")[None]
         with torch.no_grad():
             model(input_ids=ids, position_ids=pos)
     except Exception as exc:  # noqa: BLE001 - any failure means the model could not be checked: refuse, say why
-        return [f"{name}: could not check how its attention is computed ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:160]}); context parallelism needs attention through transformers' "
-                "attention registry"]
+        return [(f"{name}: could not check how its attention is computed ({type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0][:160]}); context parallelism needs attention through transformers' "
+                 "attention registry")]
     called = {id(m) for m, _, _ in calls}
     problems = []
     for mod_name, mod in model.named_modules():

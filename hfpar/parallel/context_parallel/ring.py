@@ -20,6 +20,8 @@ of T / cp tokens.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ from .plan import segments
 
 def _bounds(n_tokens: int, pieces: int) -> list[tuple[int, int]]:
     cuts = [round(i * n_tokens / pieces) for i in range(pieces + 1)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in pairwise(cuts) if b > a]
 
 
 def _exchange(send: list[torch.Tensor], recv_like: list[torch.Tensor], peers) -> tuple[list, list]:
