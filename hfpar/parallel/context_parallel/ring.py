@@ -25,7 +25,7 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
-from ..comm import group_rank, group_size
+from ..comm import comm_stats, group_rank, group_size
 from .fused import add_blocks, blocks_backward, new_state, row_plans
 from .layout import RowLayout, zigzag_indices
 from .plan import segments
@@ -40,6 +40,8 @@ def _exchange(send: list[torch.Tensor], recv_like: list[torch.Tensor], peers) ->
     """Post sends of `send` to the next rank and receives shaped like `recv_like` from the previous one."""
     nxt, prv = peers
     bufs = [torch.empty_like(t) for t in recv_like]
+    if comm_stats.enabled and send:
+        comm_stats.record("send", sum(t.numel() * t.element_size() for t in send))
     ops = [dist.P2POp(dist.isend, t, nxt) for t in send] + [dist.P2POp(dist.irecv, t, prv) for t in bufs]
     return (dist.batch_isend_irecv(ops) if ops else []), bufs
 
