@@ -39,16 +39,18 @@ def _bounds(n_tokens: int, pieces: int) -> list[tuple[int, int]]:
 def _exchange(send: list[torch.Tensor], recv_like: list[torch.Tensor], peers) -> tuple[list, list]:
     """Post sends of `send` to the next rank and receives shaped like `recv_like` from the previous one."""
     nxt, prv = peers
-    bufs = [torch.empty_like(t) for t in recv_like]
+    send = [t.contiguous() for t in send]                  # gloo / NCCL send contiguous buffers
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
     if comm_stats.enabled and send:
         comm_stats.record("send", sum(t.numel() * t.element_size() for t in send))
     ops = [dist.P2POp(dist.isend, t, nxt) for t in send] + [dist.P2POp(dist.irecv, t, prv) for t in bufs]
-    return (dist.batch_isend_irecv(ops) if ops else []), bufs
+    return ((dist.batch_isend_irecv(ops) if ops else []), send), bufs   # the send buffers live until _wait
 
 
-def _wait(reqs) -> None:
-    for r in reqs:
-        r.wait()
+def _wait(handle) -> None:
+    works, _ = handle if isinstance(handle, tuple) else (handle, None)
+    for w in works:
+        w.wait()
 
 
 class _Ring(torch.autograd.Function):
@@ -61,7 +63,7 @@ class _Ring(torch.autograd.Function):
         seq_len = rows.doc.shape[1]
         src_pos = [zigzag_indices(seq_len, j, cp) for j in range(cp)]
         out, lse = new_state(q)
-        hold = [(k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()) for a, b in bounds]
+        hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]     # own pieces: contiguous copies when sent
         for s in range(cp):
             src = (r - s) % cp
             nxt = [None] * len(bounds)
@@ -92,7 +94,7 @@ class _Ring(torch.autograd.Function):
         src_pos = [zigzag_indices(seq_len, j, cp) for j in range(cp)]
         acc = lse.dtype
         dq = torch.zeros_like(q, dtype=acc)
-        hold = [(k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()) for a, b in bounds]
+        hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]
         done = [None] * len(bounds)                        # complete-so-far (dK, dV) of the last step's pieces
         for s in range(cp):
             src = (r - s) % cp
