@@ -2,6 +2,8 @@
 budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
 
     python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
+    python benchmarks/context_parallel.py attention [T ...]   # attention alone (benchmarks/cp_attention.py):
+                                                   # benchmarks/results/context_parallel_attention_cpu.{json,md,png}
 
 Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
 backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
@@ -9,6 +11,8 @@ backward during one forward (saved_tensors_hooks; parameters excluded), on rank 
 model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the
 bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
 --log_comm_bytes counter), against the formula for each mechanism:
+(measured with the ring in its all-gather form, before the overlapped ring of benchmarks/cp_attention.py, whose
+batched isend / irecv CommCounter does not see: hfpar.parallel.comm.comm_stats counts them as "send")
     ring (all-gather form)  per layer 2 all-gathers (K, V) forward, 2 again in backward (K and V are not kept) and
                             2 reduce-scatters (dK, dV) of B x Hkv x T x D values:
                             wire = 6 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
@@ -142,5 +146,20 @@ def main() -> None:
     print("\n".join(md))
 
 
+def attention(lengths) -> None:
+    from benchmarks import cp_attention  # its own run; the model benchmark does not need it
+
+    res = cp_attention.measure(lengths)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "context_parallel_attention_cpu.json").write_text(json.dumps(res, indent=2))
+    md = cp_attention.report(res)
+    (RESULTS / "context_parallel_attention_cpu.md").write_text("\n".join(md) + "\n")
+    cp_attention.plot(res, RESULTS / "context_parallel_attention_cpu.png")
+    print("\n".join(md))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["attention"]:
+        attention([int(x) for x in sys.argv[2:]] or [4096, 8192, 16384])
+    else:
+        main()

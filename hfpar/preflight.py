@@ -29,12 +29,12 @@ from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
+from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_problem
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
-CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # attention routed through attn_implementation, tested
 
 
 def preflight(args, accelerator, task: str):
@@ -164,17 +164,10 @@ def padding_free_mode(args, task: str, packed: bool) -> tuple[bool, str | None]:
 
 
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
-    """Model families and attention features hfpar's context-parallel attention covers; resolves --cp_mode auto
-    into ctx.cp_mode (ulysses when the per-TP-rank heads and kv heads divide by cp, else ring)."""
-    p = []
-    model_type = getattr(config, "model_type", None)
-    if model_type not in CP_FAMILIES:
-        p.append(f"--cp_size {ctx.cp}: context parallelism supports model types {', '.join(CP_FAMILIES)}; "
-                 f"{model_type!r} is not among them")
-    window = getattr(config, "sliding_window", None)
-    if window and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)):
-        p.append(f"--cp_size {ctx.cp}: {model_type} uses sliding-window attention ({window} tokens), which hfpar's "
-                 "context-parallel attention does not implement")
+    """Whether the model's attention goes through transformers' registry with nothing CP cannot honour (probed on
+    the meta device: hfpar.parallel.context_parallel.probe); resolves --cp_mode auto into ctx.cp_mode (ulysses
+    when the per-TP-rank heads and kv heads divide by cp, else ring)."""
+    p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
     heads = getattr(config, "num_attention_heads", 0) // ctx.tp
     kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)) // ctx.tp
     mode = args.cp_mode

@@ -1,8 +1,10 @@
 """Context-parallel attention (ring, Ulysses) against unsharded SDPA, forward and backward, float64, 2 and 4 gloo ranks.
 
 Rows: one causal document; packed documents whose boundaries straddle the shard cuts, with right padding; uneven
-document lengths; GQA with kv heads fewer than cp (Ulysses repeats them). Reference: SDPA over the full row with
-a document-causal mask built directly from the documents.
+document lengths; GQA with kv heads fewer than cp (Ulysses repeats them); sliding windows (fused kernel with band
+masks) and logit soft-capping (the blockwise fallback); the ring's all-gather form. Reference: SDPA over the full
+row with a document-causal (windowed) mask built directly from the documents; with soft-capping, the same in
+explicit float64 ops (cap * tanh(s / cap) before the mask, as Gemma 2's eager attention).
 """
 
 from __future__ import annotations
@@ -38,15 +40,25 @@ def _rows(case: str, b: int = 2):
     return pos, mask
 
 
-def _reference_mask(pos, mask):
+def _reference_mask(pos, mask, window=None):
     doc = document_ids(pos, mask)                                               # (B, T)
     same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    if window is not None:                                                      # transformers: q - w < k <= q
+        causal = causal & ~torch.ones(T, T, dtype=torch.bool, device=doc.device).tril(-window)
     pad_self = (doc[:, :, None] < 0) & torch.eye(T, dtype=torch.bool, device=doc.device)
     return ((same & causal) | pad_self)[:, None]
 
 
-def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch.float64):
+def _reference(q, k, v, mask, softcap):
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch.float64, **opts):
     group = torch.distributed.group.WORLD
     g = torch.Generator().manual_seed(0)
     pos, mask = (x.to(device) for x in _rows(case))
@@ -55,8 +67,8 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     # reference: the whole row on one rank
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
     rep = h // hkv
-    out_ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
-                                             attn_mask=_reference_mask(pos, mask))
+    out_ref = _reference(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
+                         _reference_mask(pos, mask, opts.get("window")), opts.get("softcap"))
     (out_ref * w).sum().backward()
     # this rank's shard
     batch = {"input_ids": torch.zeros(2, T, dtype=torch.long, device=device), "position_ids": pos,
@@ -65,7 +77,7 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     idx = zigzag_indices(T, rank, world).to(device)
     ql, kl, vl = (x[:, :, idx].clone().requires_grad_() for x in (q, k, v))
     fn = ring_attention if mode == "ring" else ulysses_attention
-    out = fn(ql, kl, vl, rows, group, block=block)
+    out = fn(ql, kl, vl, rows, group, block=block, **opts)
     (out * w[:, :, idx]).sum().backward()
     res = {"out": (out - out_ref[:, :, idx]).abs().max().item()}
     order = gathered_order(T, world)
@@ -79,12 +91,19 @@ CASES = [(case, mode, 4, 2) for case in ("causal", "packed", "uneven") for mode 
 CASES += [("packed", mode, 4, 1) for mode in ("ring", "ulysses")]              # one kv head (< cp)
 # blocks of 3 rows: many partial blocks merged by the log-sum-exp rule, cuts inside documents and chunks
 CASES += [(case, mode, 4, 2, 3) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
+# (case, mode, h, hkv, block, options): sliding windows shorter and longer than a shard, soft-capping (alone and
+# with a window), the ring's all-gather form and a one-piece overlapped ring
+OPTS = [(case, mode, 4, 2, 512, (("window", w),)) for case in ("causal", "packed", "uneven")
+        for mode in ("ring", "ulysses") for w in (3, 11)]
+OPTS += [("packed", mode, 4, 2, 5, (("softcap", 2.0),) + w) for mode in ("ring", "ulysses") for w in ((), (("window", 6),))]
+OPTS += [("packed", "ring", 4, 2, 512, (("overlap", False),)), ("uneven", "ring", 4, 1, 512, (("pieces", 1),))]
 
 
 def _check_all(rank, world, device="cpu", dtype=torch.float64):
     """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/gpu_attention.py
     runs it on CUDA (gloo carries the CUDA tensors)."""
-    return {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
+    res = {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
+    return res | {c: _check(rank, world, *c[:5], device=device, dtype=dtype, **dict(c[5])) for c in OPTS}
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -170,20 +170,31 @@ def test_a_refusal_takes_under_10_seconds(tmp_path):
 
 
 def test_context_parallel_refusals_and_mode(tmp_path):
-    """Unsupported family, sliding windows, Ulysses with heads not divisible by cp; auto picks Ulysses only when
-    heads and kv heads divide by cp; classify and flash attention refused with --cp_size."""
+    """Decided by what the model does (a meta-device probe): attention computed outside transformers' registry
+    (XGLM), attention dropout (GPT-2's default) refused naming the module; sliding windows accepted; Ulysses with
+    heads not divisible by cp; auto picks Ulysses only when heads and kv heads divide by cp; classify and flash
+    attention refused with --cp_size."""
     ctx = ParallelContext.plan(4, cp=4)
     gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
-    assert "'gpt2' is not among them" in pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2)[0]
-    mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=4096)
-    assert any("mistral uses sliding-window attention (4096 tokens)" in x
-               for x in pf.cp_problems(_args("--cp_size", "4"), ctx, mistral))
-    llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == [
+        ("--cp_size 4: GPT2Attention uses attention dropout 0.1 (set attention_dropout 0), which hfpar's "
+         "context-parallel attention does not implement")]
+    gpt2.attn_pdrop = 0.0
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == []              # not a list of names: GPT-2 routes
+    xglm = AutoConfig.for_model("xglm", d_model=32, num_layers=1, attention_heads=2, vocab_size=64, dropout=0.0,
+                                attention_dropout=0.0)
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, xglm) == [
+        ("--cp_size 4: XGLMAttention (model.layers.0.self_attn) computes attention itself instead of calling "
+         "transformers' attention registry (attn_implementation), which context parallelism replaces")]
+    mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=4, sliding_window=4096,
+                                   hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, mistral) == []
+    llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, num_hidden_layers=1)
     lines = pf.cp_problems(_args("--cp_size", "4", "--cp_mode", "ulysses"), ctx, llama6)
     assert lines == ["--cp_mode ulysses: 6 attention heads are not divisible by --cp_size 4; use --cp_mode ring (or auto)"]
     for heads, kv, mode in ((8, 4, "ulysses"), (8, 2, "ring"), (6, 6, "ring")):
         c = ParallelContext.plan(4, cp=4)
-        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8)
+        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8, num_hidden_layers=1)
         assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and c.cp_mode == mode, (heads, kv, c.cp_mode)
     lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
     assert any("context parallelism is available for causal-LM recipes" in x for x in lines)

@@ -8,17 +8,17 @@ the whole row, causal within each document of a packed row, whichever way the cu
         loss.backward()
 
 Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's zigzag token order):
-  ring     ring attention in its all-gather form (as Llama 3's context parallelism): each rank keeps its queries,
-           K and V of the whole row are all-gathered over the cp group block by block into an online-softmax
-           (log-sum-exp) merge, backward re-gathers them and reduce-scatters dK / dV (blockwise.py). Kept for
-           backward: the local q, k, v, output and log-sum-exp only. Works for any head count.
+  ring     each rank keeps its queries; K / V pieces travel the ring (batched isend / irecv) while the current
+           piece is computed (ring.py), so K / V memory per rank is O(T / cp). Works for any head count.
+           overlap=False: the all-gather form (K, V of the whole row gathered, blockwise.py), kept as an option.
   ulysses  all-to-all from sequence-sharded (B, H, T/cp, D) to head-sharded (B, H/cp, T, D), full-row attention
            on the local heads, all-to-all back. Needs H divisible by cp; kv heads fewer than cp (or not
            divisible by it) are repeated to the query heads first, not refused.
-Masks come from the row layout (layout.py), computed per block and never kept, so both run on CPU and GPU alike
-and packed documents never attend to each other; padding tokens attend to themselves only (no empty softmax row,
-no NaN). When every row is one document without padding, Ulysses puts the tokens back in position order and
-uses SDPA's own causal kernel (flash / memory-efficient where the device has one).
+Both compute every block with the device's fused kernel (fused.py / kernels.py: flash attention with its
+log-sum-exp on CPU and CUDA), one call per document part of a block, so packed documents never attend to each
+other; padding tokens attend to themselves only (no empty softmax row, no NaN). Sliding windows (the registry's
+`sliding_window=`, per layer) cut the block plans (plan.py). Logit soft-capping (`softcap=`, Gemma 2) has no
+fused kernel: those layers take the named fallback, blockwise.block_attention (ring: its all-gather form).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import contextlib
 import threading
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..comm import all_to_all_single_autograd, group_size
 from .blockwise import BLOCK, block_attention
+from .fused import fused_attention
 from .layout import RowLayout
+from .ring import overlapped_ring_attention
 
 NAME = "hfpar_cp"
 MODES = ("ring", "ulysses")
@@ -56,15 +57,16 @@ def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
 
 
-def _sdpa(q, k, v, mask, scaling, is_causal: bool = False) -> torch.Tensor:
-    if k.shape[1] != q.shape[1]:                                               # GQA
-        k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=is_causal)
-
-
-def ring_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK) -> torch.Tensor:
-    """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D)."""
-    return block_attention(q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block)
+def ring_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None, softcap=None,
+                   overlap: bool = True, pieces: int = 4) -> torch.Tensor:
+    """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D). overlap=False, or a softcap:
+    the all-gather form over blockwise attention (`block` rows per block)."""
+    if softcap or not overlap:
+        return block_attention(q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block,
+                               window=window, softcap=softcap)
+    if group_size(group) == 1:
+        return fused_attention(q, k, v, rows, rows.local, rows.local, scaling, window)
+    return overlapped_ring_attention(q, k, v, rows, group, scaling, window, pieces)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -86,7 +88,8 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.reshape(cp, b, hl, t, d).permute(1, 0, 2, 3, 4).reshape(b, cp * hl, t, d)
 
 
-def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK) -> torch.Tensor:
+def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None,
+                      softcap=None) -> torch.Tensor:
     cp = group_size(group)
     h, hkv = q.shape[1], k.shape[1]
     if h % cp:
@@ -96,12 +99,13 @@ def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int 
         k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
     order = rows.order                                                         # equals rows.local at cp 1
     qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))                  # (B, H/cp, T, D) gathered order
-    if rows.causal:  # one document per row: reorder to positions and let SDPA mask causally (no T x T mask kept)
+    if softcap:  # no fused kernel soft-caps: the blockwise fallback
+        out = block_attention(qh, kh, vh, rows.doc, order, order, scaling, block=block, window=window, softcap=softcap)
+    else:        # positions in order: one causal kernel call per document (and window band)
         inv = torch.argsort(order)
         qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))         # (B, H/cp, T, D) position order
-        out = _sdpa(qh, kh, vh, None, scaling, is_causal=True).index_select(2, order)
-    else:
-        out = block_attention(qh, kh, vh, rows.doc, order, order, scaling, block=block)
+        pos = torch.arange(inv.numel(), device=inv.device)
+        out = fused_attention(qh, kh, vh, rows, pos, pos, scaling, window).index_select(2, order)
     return _heads_to_seq(out, group)
 
 
@@ -113,12 +117,10 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
                            "unknown (the trainer sets it; in your own loop, shard the batch with shard_batch)")
     if dropout:
         raise ValueError("context-parallel attention: attention dropout is not supported; set attention_dropout 0")
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
-        raise ValueError(f"context-parallel attention: {type(module).__name__} uses sliding-window attention, which "
-                         "hfpar's context parallelism does not implement")
     rows, group, mode = state
     fn = ring_attention if mode == "ring" else ulysses_attention
-    out = fn(query, key, value, rows, group, scaling)
+    out = fn(query, key, value, rows, group, scaling, window=kwargs.get("sliding_window") or None,
+             softcap=kwargs.get("softcap") or None)
     return out.transpose(1, 2).contiguous(), None
 
 

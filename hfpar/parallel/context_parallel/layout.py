@@ -12,7 +12,7 @@ continue the previous one (0, or any jump). Padding (attention_mask 0) gets docu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,13 @@ class RowLayout:
     local: torch.Tensor        # (T / cp,) global positions this rank holds, in its local order
     cp: int
     causal: bool = False       # every row is one document without padding: plain causal attention suffices
+    plans: dict = field(default_factory=dict, repr=False, compare=False)   # kernel-call plans (fused.row_plans)
+
+    def doc_lists(self) -> list[list[int]]:
+        """rows.doc as Python lists (made once per batch, for the kernel-call plans)."""
+        if "docs" not in self.plans:
+            self.plans["docs"] = self.doc.tolist()
+        return self.plans["docs"]
 
 
 def zigzag_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""Document-causal attention through the device's fused kernel, block by block, merged with the log-sum-exp.
+
+    out = fused_attention(q, k, v, rows, q_pos, k_pos, scaling, window)   # k, v: the keys at k_pos (Ulysses)
+    ring.py runs the same per-block steps (add_blocks / blocks_backward) on K / V pieces passed around the ring.
+
+The kernel calls come from plan.py (one per document part of a block: no mask for blocks wholly in the causal
+past, is_causal on the diagonal, a mask only where a sliding window cuts); padding queries attend to themselves
+(out = v). Forward keeps q, k, v, the output and one log-sum-exp per query; backward calls the kernel's own
+backward per block with the merged output and log-sum-exp (kernels.py). Exactness: the same softmax as unsharded
+attention, in the kernel's accumulation order (float64 inputs stay float64 on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import attend, attend_backward
+from .layout import RowLayout
+from .plan import plan_pairs, segments
+
+
+def row_plans(rows: RowLayout, q_segs, k_segs, window) -> list[tuple[slice, list]]:
+    """[(batch slice, ops), ...] for q_segs x k_segs: one plan for all rows when their documents agree, else one
+    per row. Cached on the RowLayout, so every layer of a forward (and backward) reuses it."""
+    key = (tuple(q_segs), tuple(k_segs), window)
+    if key not in rows.plans:
+        docs = rows.doc_lists()
+        if all(d == docs[0] for d in docs):
+            rows.plans[key] = [(slice(None), plan_pairs(docs[0], q_segs, k_segs, window))]
+        else:
+            rows.plans[key] = [(slice(b, b + 1), plan_pairs(d, q_segs, k_segs, window)) for b, d in enumerate(docs)]
+    return rows.plans[key]
+
+
+def new_state(q: torch.Tensor):
+    """(out, lse) accumulators: out in float32 at least, lse -inf (no key seen yet)."""
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+
+
+def _self_block(q, k, v, scale):
+    n = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+    return v, (q.to(k.dtype) * k).sum(-1) * scale
+
+
+def add_blocks(out, lse, q, k, v, plans, scale) -> None:
+    """Merge the attention of q over the keys k, v (as the plans lay them out) into the running (out, lse)."""
+    for b, ops in plans:
+        for op in ops:
+            qs, ks, vs = q[b, :, op.qa:op.qb], k[b, :, op.ka:op.kb], v[b, :, op.ka:op.kb]
+            if op.kind == "self":
+                o, blk = _self_block(qs, ks, vs, scale)
+            else:
+                o, blk = attend(qs, ks, vs, op.kind, op.mask, scale)
+            cur = lse[b, :, op.qa:op.qb]
+            new = torch.logaddexp(cur, blk.to(cur.dtype))
+            o_cur = out[b, :, op.qa:op.qb]
+            out[b, :, op.qa:op.qb] = (o_cur * torch.exp(cur - new)[..., None]
+                                      + o.to(o_cur.dtype) * torch.exp(blk.to(new.dtype) - new)[..., None])
+            lse[b, :, op.qa:op.qb] = new
+
+
+def blocks_backward(dout, q, k, v, out, lse, plans, scale, dq, dk, dv) -> None:
+    """Add this key set's share of the gradients to dq (local queries) and dk, dv (these keys)."""
+    n = q.shape[1] // k.shape[1]
+    for b, ops in plans:
+        for op in ops:
+            qsl, ksl = (b, slice(None), slice(op.qa, op.qb)), (b, slice(None), slice(op.ka, op.kb))
+            if op.kind == "self":                          # out = v: only dv gets a gradient
+                g = dout[qsl].to(dv.dtype)
+                dv[ksl] += g if n == 1 else g.unflatten(1, (-1, n)).sum(2)
+                continue
+            gq, gk, gv = attend_backward(dout[qsl], q[qsl], k[ksl], v[ksl], out[qsl], lse[qsl], op.kind, op.mask,
+                                         scale)
+            dq[qsl] += gq
+            dk[ksl] += gk
+            dv[ksl] += gv
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plans, scale):
+        out, lse = new_state(q)
+        add_blocks(out, lse, q, k, v, plans, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (plans, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plans, scale = ctx.meta
+        dq, dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (q, k, v))
+        blocks_backward(dout.contiguous(), q, k, v, out, lse, plans, scale, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def fused_attention(q, k, v, rows: RowLayout, q_pos, k_pos, scaling=None, window: int | None = None):
+    """Attention of the queries at global positions q_pos over the keys at k_pos (both on this rank) ->
+    (B, H, Tq, D), document-causal per rows.doc, within `window` when given."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    plans = row_plans(rows, segments(q_pos), segments(k_pos), window)
+    return _FusedAttention.apply(q, k, v, plans, scale)
