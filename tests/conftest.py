@@ -13,6 +13,15 @@ from tests.helpers.launch import launch
 from tests.helpers.parity import BACKENDS, COMMON, launch_cases
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2`, `--dist loadgroup` from pyproject's addopts) a test module runs on one worker,
+    so its module fixtures are built once; the modules sharing the session's `backend_runs` (six launches) run on
+    one worker together, so those launches are not repeated per worker."""
+    for item in items:
+        group = "backend_runs" if "backend_runs" in getattr(item, "fixturenames", ()) else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory):
     """A saved random-init tiny Llama + tokenizer, so every strategy (ZeRO-3 zero.Init included) loads the same weights."""

@@ -9,7 +9,9 @@ Tests record before they assert: a failing run leaves its numbers for inspection
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import platform
 
 import torch
@@ -30,9 +32,15 @@ def _round(v):
 
 
 def record(name: str, key: str, value, *, command: str) -> None:
+    """Read, merge and replace under an exclusive lock (the suite runs on several pytest-xdist workers, which may
+    record into one file), the new file written aside and renamed over the old one."""
     path = RESULTS / f"{name}.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data.update(command=command, torch=torch.__version__, machine=platform.machine())
-    data.setdefault("values", {})[key] = _round(value)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    with open(RESULTS / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data.update(command=command, torch=torch.__version__, machine=platform.machine())
+        data.setdefault("values", {})[key] = _round(value)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)

@@ -153,6 +153,7 @@ def test_another_runs_checkpoint_or_a_finished_run_is_refused(tmp_path):
     assert args.resume_from_checkpoint is None   # `latest` after an overwrite: a fresh start, never the old run
 
 
+@pytest.mark.serial
 def test_a_refusal_takes_under_10_seconds(tmp_path):
     """Several problems at once (sequence parallelism with MoE blocks; tp 2 does not fit one process),
     each on its own line, exit 2, the whole process under 10 s."""

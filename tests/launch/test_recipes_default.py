@@ -10,7 +10,7 @@ import pytest
 from tests.helpers.launch import ROOT, env
 from tests.helpers.results import record
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # asserts each default run's wall time (< 2 min)
 
 
 def _run(recipe, cwd):
