@@ -261,3 +261,58 @@ def test_generic_refusals_are_one_line(mt, over, message):
     with pytest.raises(ValueError, match=message) as e:
         apply_expert_parallel(model)
     assert "\n" not in str(e.value)
+
+
+def test_global_aux_loss_is_the_sum_of_per_layer_losses():
+    """What apply_expert_parallel(aux_loss_coef=c) trains, as docs/own-code.md states it (one process, fp32, no
+    padding, 2 MoE layers): the gradient of CE + c * sum over layers of load_balancing_loss_func(that layer's
+    logits), not of HF's pooled loss (which differs by far more than the tolerance, so the test can tell them
+    apart); called with output_router_logits=True, the returned loss is CE + router_aux_loss_coef * HF's pooled
+    aux as a value, and the gradient is unchanged (taken once)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
+
+    c, E, k = 0.3, MOE["mixtral"]["num_local_experts"], MOE["mixtral"]["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def grads(model) -> dict:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    hf = _build("mixtral")
+    hf_ep = copy.deepcopy(hf)
+    ref = hf(**batch, output_router_logits=True)
+    per_layer = sum(load_balancing_loss_func((logits,), E, k) for logits in ref.router_logits)
+    pooled = load_balancing_loss_func(ref.router_logits, E, k)
+    ce = ref.loss - TINY["router_aux_loss_coef"] * ref.aux_loss
+    torch.autograd.backward(ce + c * per_layer, retain_graph=True)
+    want_sum = grads(hf)
+    hf.zero_grad()
+    torch.autograd.backward(ce + c * pooled)
+    want_pooled = grads(hf)
+
+    ours = apply_expert_parallel(hf_ep, aux_loss_coef=c)
+    got, loss = {}, {}
+    for orl in (False, True):
+        ours.zero_grad()
+        out = ours(**batch, output_router_logits=orl)
+        out.loss.backward()
+        got[orl], loss[orl] = grads(ours), out.loss.item()
+        if orl:
+            assert not out.aux_loss.requires_grad
+            assert abs(out.aux_loss.item() - pooled.item()) <= 1e-6 * pooled.item(), (out.aux_loss, pooled)
+    assert abs(loss[False] - ce.item()) <= 1e-6 * ce.item(), (loss[False], ce.item())
+    assert abs(loss[True] - (ce + TINY["router_aux_loss_coef"] * pooled).item()) <= 1e-6 * loss[True]
+
+    gate = [n for n in want_sum if ".gate." in n or n.endswith(".gate.weight")]
+    assert len(gate) == TINY["num_hidden_layers"], gate
+
+    def rel(a: dict, b: dict, names) -> float:
+        return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in names)
+
+    for orl in (False, True):
+        assert rel(got[orl], want_sum, gate) <= 1e-5, (orl, rel(got[orl], want_sum, gate))
+        assert rel(got[orl], want_sum, [n for n in want_sum if n not in gate and n in got[orl]]) <= 1e-5
+    assert rel(want_pooled, want_sum, gate) > 100 * 1e-5   # the pooled loss is a different objective

@@ -32,9 +32,12 @@ Aux loss, the objective of the HF model (aux_loss_coef=None, the default):
         aux_loss, and loss includes router_aux_loss_coef * aux_loss, computed by the HF model itself from
         this process's tokens (hf_outputs.py), as HF does (under DDP: each rank its own statistics).
 hfpar's global aux loss (aux_loss_coef=c, e.g. the recipes' --moe_aux_loss_coef; upcycled layers keep
-theirs): c * aux with statistics over dp_group (every rank's tokens; at one process = HF's), injected in
-backward (router.py, `set_aux_loss_grad_scale`), never in the returned loss; config.output_router_logits is
-switched off, and a call with output_router_logits=True returns router_logits / aux_loss as values only
+theirs): the gradient of c * sum over MoE layers of aux_l, aux_l = HF's load_balancing_loss_func of that layer's
+router logits alone, statistics over dp_group (every rank's tokens). The per-layer sum (Switch Transformer,
+Megatron-LM), not HF's pooled loss over all layers: equal for one MoE layer, different for more. Injected in
+backward (router.py, `set_aux_loss_grad_scale`), never differentiated through the returned loss;
+config.output_router_logits is switched off, and a call with output_router_logits=True returns router_logits /
+aux_loss as values only: HF then adds router_aux_loss_coef * aux_loss (pooled) to the returned loss as a value
 (no second gradient).
 
 Gradient reduction (the trainer's job; nothing here reduces gradients):
