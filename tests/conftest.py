@@ -17,9 +17,10 @@ def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`-n 2`, `--dist loadgroup` from pyproject's addopts) a test module runs on one worker,
     so its module fixtures are built once; the modules sharing the session's `backend_runs` (six launches) run on
     one worker together, so those launches are not repeated per worker."""
+    shared = {item.module.__name__ for item in items if "backend_runs" in getattr(item, "fixturenames", ())}
     for item in items:
-        group = "backend_runs" if "backend_runs" in getattr(item, "fixturenames", ()) else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("backend_runs" if module in shared else module))
 
 
 @pytest.fixture(scope="session")
