@@ -53,8 +53,10 @@ def _reset_accelerate() -> None:
 
 def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmoid", beta: float = 0.1,
             label_smoothing: float = 0.0, precompute: bool = False, steps: int = COMMON["steps"],
-            batch: int = COMMON["batch"], max_length: int = 128, timing: dict | None = None) -> list[dict]:
-    """TRL DPOTrainer's per-step records (loss, rewards/*, logps/*)."""
+            batch: int = COMMON["batch"], max_length: int = 128, timing: dict | None = None,
+            gradient_checkpointing: bool = False) -> list[dict]:
+    """TRL DPOTrainer's per-step records (loss, rewards/*, logps/*). gradient_checkpointing: TRL 1.16's default is
+    on (recomputation, the same numbers)."""
     from datasets import load_dataset
     from torch.utils.data import SequentialSampler
     from transformers import AutoTokenizer, TrainerCallback
@@ -79,7 +81,7 @@ def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmo
                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=COMMON["seed"],
                      beta=beta, loss_type=[loss_type], label_smoothing=label_smoothing, max_length=max_length,
                      precompute_ref_log_probs=precompute, dataloader_num_workers=0, disable_tqdm=True,
-                     optim="adamw_torch_fused")
+                     optim="adamw_torch_fused", gradient_checkpointing=gradient_checkpointing)
     trainer = Sequential(model=model_dir, args=args, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir),
                          callbacks=[Clock()])
     t0 = time.perf_counter()
