@@ -28,6 +28,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from hfpar.data.preference import IGNORE, decode_targets
 from hfpar.distributed import all_reduce_sum
@@ -198,9 +199,17 @@ class FrozenCopy:
     def __init__(self, model):
         self.params = [p for p in model.parameters()]
         self.frozen = [_local(p).detach().clone() for p in self.params]
+        # FSDP2 keeps the root's gathered parameters after a forward: resharded around the swap, so that the next
+        # forward gathers them again from the shards (the reference's, then the policy's)
+        self.sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def _reshard(self) -> None:
+        for m in self.sharded:
+            m.reshard()
 
     @contextlib.contextmanager
     def __call__(self):
+        self._reshard()
         stash = [_local(p).detach().clone() for p in self.params]
         with torch.no_grad():
             for p, f in zip(self.params, self.frozen):
@@ -208,6 +217,7 @@ class FrozenCopy:
         try:
             yield
         finally:
+            self._reshard()
             with torch.no_grad():
                 for p, s in zip(self.params, stash):
                     _local(p).copy_(s)
