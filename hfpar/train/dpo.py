@@ -181,7 +181,9 @@ class DPOObjective:
 @contextlib.contextmanager
 def adapters_disabled(model):
     """LoRA: the base model is the reference (PEFT's BaseTunerLayer.enable_adapters, found through any wrap)."""
-    layers = [m for m in model.modules() if hasattr(m, "enable_adapters") and hasattr(m, "disable_adapters")]
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415  (peft is optional: LoRA runs only)
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     for m in layers:
         m.enable_adapters(False)
     try:
