@@ -121,3 +121,17 @@ def test_bad_preference_data_refused_naming_the_example(tok):
     with pytest.raises(DataError, match="preference example 0: prompt \\+ completion has"):
         tokenize_preference(Dataset.from_list([{"prompt": "a", "chosen": "b" * 80, "rejected": "c"}]), tok, 64,
                             truncation="drop")
+
+
+def test_option_problems_are_one_line_each_before_loading():
+    from hfpar.backends.strategies import STRATEGY
+    from hfpar.config import parse_args
+    from hfpar.train.dpo_setup import dpo_problems
+
+    ctx = SimpleNamespace(strategy=STRATEGY["zero3"])
+    args = parse_args(["--loss_type", "kto", "--label_smoothing", "0.5"], recipe="dpo")
+    p = dpo_problems(args, ctx)
+    assert len(p) == 3 and p[0].startswith("--loss_type 'kto': valid values are sigmoid, hinge")
+    assert "--label_smoothing 0.5" in p[1] and "reference model with zero3" in p[2] and "--precompute_ref_log_probs" in p[2]
+    ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo")
+    assert dpo_problems(ok, ctx) == []
