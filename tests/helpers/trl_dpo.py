@@ -73,7 +73,7 @@ def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmo
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 1 and timing is not None:
-                timing["t1"] = time.perf_counter()
+                timing["t1"], timing["c1"] = time.perf_counter(), time.process_time()
 
     _reset_accelerate()
     args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=COMMON["lr"],
@@ -89,6 +89,7 @@ def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmo
     if timing is not None:
         timing["train_s"] = time.perf_counter() - t0
         timing["steady_s"] = time.perf_counter() - timing.get("t1", t0)
+        timing["steady_cpu_s"] = time.process_time() - timing.get("c1", 0.0)
     _reset_accelerate()
     return [r for r in trainer.state.log_history if "loss" in r and "step" in r]
 
