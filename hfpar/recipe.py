@@ -37,7 +37,7 @@ RECIPE_DEFAULTS = {
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
     "clm": dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
-    "dpo": dict(output_dir="outputs/dpo", max_steps=60, per_device_train_batch_size=16, learning_rate=1e-3,
+    "dpo": dict(output_dir="outputs/dpo", max_steps=120, per_device_train_batch_size=16, learning_rate=3e-4,
                 warmup_ratio=0.05, logging_steps=10, max_seq_length=128, beta=0.1, lora_dropout=0.0),
     "classify": dict(output_dir="outputs/classify", max_steps=150, per_device_train_batch_size=32,
                      learning_rate=2e-3, warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=64),
