@@ -18,7 +18,7 @@ from pathlib import Path
 
 import hfpar
 
-RECIPES = ("sft", "clm", "classify")
+RECIPES = ("sft", "clm", "classify", "dpo")
 TOOLS = ("plan", "plot", "export")
 
 

@@ -108,6 +108,16 @@ class RecipeArgs:
     lora_dropout: float = 0.05  # dropout on the LoRA input (0 for exact parity between strategies)
     lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear (every linear but the output head)
     merge_adapter: bool = False  # final export: the merged full model instead of the adapter
+    # --- preference tuning (the dpo recipe; TRL DPOConfig's names) -------------------------------
+    beta: float = 0.1  # deviation from the reference (ipo: its tau)
+    loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas)
+    label_smoothing: float = 0.0  # robust: probability that a preference label is flipped, in [0, 0.5)
+    reference_free: bool = False  # no reference model: its log-probs are 0
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once before training (no reference forward per step)
+    max_length: int | None = None  # prompt + completion tokens per sequence, cut by --truncation_mode; unset = --max_seq_length
+    truncation_mode: str = "keep_start"  # keep_start | keep_end (TRL's)
+    max_prompt_length: int | None = None  # prompt tokens kept (its end), before --max_length
+    max_completion_length: int | None = None  # completion tokens kept (its start), before --max_length
 
     @property
     def tokenizer_path(self) -> str:

@@ -2,7 +2,7 @@
 -> backend -> train -> export.
 
     from hfpar.recipe import main
-    main("sft")        # or "clm", "classify"; reads sys.argv
+    main("sft")        # or "clm", "classify", "dpo"; reads sys.argv
 
 User mistakes (bad options, bad data, an output_dir that holds someone's checkpoints) end with a
 one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the model is loaded.
@@ -25,9 +25,11 @@ from hfpar import data
 from hfpar.checkpoint.layout import has_any_checkpoint, previous_run_files, resolve_resume, set_aside_previous_run
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
+from hfpar.data import preference
 from hfpar.preflight import padding_free_mode, preflight
+from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight
 
-TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify"}
+TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
 
 # Embedded defaults: what `python recipes/<kind>.py` with no arguments runs (tiny model, generated data).
 RECIPE_DEFAULTS = {
@@ -35,6 +37,8 @@ RECIPE_DEFAULTS = {
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
     "clm": dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
                 warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
+    "dpo": dict(output_dir="outputs/dpo", max_steps=120, per_device_train_batch_size=16, learning_rate=3e-4,
+                warmup_ratio=0.05, logging_steps=10, max_seq_length=128, beta=0.1, lora_dropout=0.0),
     "classify": dict(output_dir="outputs/classify", max_steps=150, per_device_train_batch_size=32,
                      learning_rate=2e-3, warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=64),
 }
@@ -133,6 +137,9 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
 def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False):
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels. padding_free: the collator packs each
     batch's samples into rows of at most --max_seq_length tokens."""
+    if kind == "dpo":  # pairs, one row each (hfpar.data.preference); the recipe trains without eval for now
+        train, stats = preference.load_preference(args, tokenizer)
+        return train, None, preference.pair_collator(args, tokenizer, seq_multiple), {"train_data": stats}, None
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None
     out = {}
@@ -168,6 +175,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
         overwrite_previous_run(args, accelerator)
         ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
+        if kind == "dpo":
+            dpo_preflight(args, ctx)
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
         from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
@@ -178,7 +187,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         ctx.build_groups()
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
-        padding_free, why_not = padding_free_mode(args, task, packed=args.packing or kind == "clm")
+        padding_free, why_not = padding_free_mode(args, task, packed=args.packing or kind in ("clm", "dpo"))
         if why_not:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {why_not}")
         with accelerator.main_process_first():
@@ -205,9 +214,12 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     extra["loading"] = {k: v for k, v in load.items() if k != "index"}
     backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
     backend = backend_cls(accelerator, ctx, strategy, args, **backend_kw)
+    objective = dpo_objective(args, ctx, model) if kind == "dpo" else None
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,
+                      loss_fn=objective, run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,
                                  **({"cp_mode": ctx.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
+    if objective is not None:
+        attach_reference(objective, trainer, args)
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line

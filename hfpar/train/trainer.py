@@ -40,12 +40,17 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, args, accelerator, ctx, backend, model, tokenizer, train_dataset, eval_dataset, collator,
-                 task: str = "lm", run_extra: dict | None = None):
+                 task: str = "lm", run_extra: dict | None = None, loss_fn=None):
+        """loss_fn: the recipe's own objective (DPO: hfpar.train.dpo.DPOObjective), which may add hooks: count(batch)
+        (the units its loss is normalized by; default: target tokens), tokens(sample) (its real tokens), before_micro(backend, batch, replan) (before
+        each micro-batch's forward; replan() -> a fresh (batch, scope) of it) and step_metrics(device) (extra fields of the step's record)."""
         assert task in ("lm", "classify")
         self.args, self.acc, self.ctx, self.backend = args, accelerator, ctx, backend
         self.tokenizer, self.collator, self.task = tokenizer, collator, task
         self.train_ds, self.eval_ds = train_dataset, eval_dataset
-        self.loss_fn = make_loss_fn(task, model)
+        self.loss_fn = loss_fn if loss_fn is not None else make_loss_fn(task, model)
+        self.count = getattr(self.loss_fn, "count", count_targets)
+        self.tokens = getattr(self.loss_fn, "tokens", lambda sample: len(sample["input_ids"]))  # real tokens of a sample
         self.batch_plan = BatchPlan(task, ctx, ctx.cp_mode)
         self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
                                           ctx.dp_rank, args.gradient_accumulation_steps, args.seed)
@@ -119,16 +124,20 @@ class Trainer:
         if self.comm is not None:
             self.comm.reset()
         feats = [[self.train_ds[i] for i in ix] for ix in micro]
-        batches = [self.batch_plan(self._to_device(self.collator(f))) for f in feats]
+        raw = [self._to_device(self.collator(f)) for f in feats]
+        batches = [self.batch_plan(b) for b in raw]
         # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples
-        real = sum(len(x["input_ids"]) for f in feats for x in f) / ctx.cp
-        totals = all_reduce_sum([sum(count_targets(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
+        real = sum(self.tokens(x) for f in feats for x in f) / ctx.cp
+        totals = all_reduce_sum([sum(self.count(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         loss_scale = self.backend.loss_scale()  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
-        for batch, scope in batches:
+        before_micro = getattr(self.loss_fn, "before_micro", None)
+        for (batch, scope), r in zip(batches, raw):
+            if before_micro is not None:   # replan: a scope is entered once, and the hook may run a forward
+                before_micro(self.backend, batch, lambda r=r: self.batch_plan(r))
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
             step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
                                                   self.task).double()
@@ -151,6 +160,8 @@ class Trainer:
         rec = {"step": step + 1, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
+        if hasattr(self.loss_fn, "step_metrics"):
+            rec.update(self.loss_fn.step_metrics(acc.device))
         if bad or overflow:
             rec["skipped"] = True
         if loss_scale != 1.0:

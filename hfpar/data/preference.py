@@ -1,0 +1,298 @@
+"""Preference data (DPO): TRL's formats -> (prompt_ids, chosen_ids, rejected_ids) -> one row per pair.
+
+    splits = make_preference(seed=42)                           # the embedded set (conversational, explicit prompt)
+    train, stats = tokenize_preference(splits["train"], tok, max_length=128)
+    batch = PairCollator(tok)([train[i] for i in range(8)])      # input_ids, labels, position_ids, token_mask
+
+Formats (TRL's): columns prompt / chosen / rejected, standard (strings) or conversational (lists of
+{"role", "content"} messages), or chosen / rejected only (implicit prompt: their longest common prefix, as
+trl.data_utils.extract_prompt). Tokenized as TRL 1.16's DPOTrainer._prepare_dataset does: standard text gets
+the eos appended to each completion; the completion starts where the tokenized prompt and prompt + completion
+first differ. Truncation: --max_prompt_length keeps the prompt's end and --max_completion_length the
+completion's start (TRL <= 0.x's per-part limits); then --max_length cuts prompt + completion (TRL 1.16's
+DataCollatorForPreference: keep_start, or keep_end). A prompt that fills max_length alone (keep_start) is
+refused (TRL drops it silently).
+
+Row layout: each pair is ONE row, its two sequences packed as documents (position ids restart at 0 at the
+rejected one): the chosen and rejected sequences of a pair always travel together, through context-parallel
+shards and pipeline micro-batches alike. Labels carry the pair with each target (encode_targets):
+row index in the batch, side (chosen / rejected) and token, IGNORE outside completions; so every cut of a batch
+keeps each target next to its pair. Why by hand: trl pulls its trainers in at import (seconds per process),
+and its data helpers are ten lines each.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from datasets import Dataset, DatasetDict
+
+from hfpar.data.synthetic import LETTERS, _sft_sample
+from .errors import DataError
+from .load import _load_raw
+
+N_TRAIN, N_EVAL = 2000, 100
+COLUMNS = ("prompt", "chosen", "rejected")
+IGNORE = -100
+_STRIDE = 1 << 32     # token ids below it (any vocabulary); (2 * row + side + 1) * _STRIDE above
+
+
+def encode_targets(token, row, side):
+    """A completion label carrying its pair: token + (2 * row + side + 1) * 2^32 (side 0 chosen, 1 rejected); works on
+    ints and tensors alike."""
+    return token + (2 * row + side + 1) * _STRIDE
+
+
+def decode_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """labels (..., ) -> (token, sequence, valid): sequence = 2 * row + side of the batch, token IGNORE-free
+    (0 where not valid)."""
+    valid = labels >= _STRIDE
+    seq = torch.where(valid, labels // _STRIDE - 1, 0)
+    token = torch.where(valid, labels % _STRIDE, 0)
+    return token, seq, valid
+
+
+# ------------------------------------------------------------------------------------ embedded set
+def _wrong_answer(user: str, rng: random.Random) -> str:
+    """A plausible wrong answer to the synthetic sft task: off by one at an end, a skipped number, or the wrong
+    letter / count."""
+    words = user.split()
+    if words[0] == "count":
+        a, b = int(words[1]), int(words[3])
+        nums = list(range(a, b + 1))
+        choice = rng.randrange(3)
+        if choice == 0 or len(nums) < 3:
+            nums = nums + [b + 1] if rng.random() < 0.5 or len(nums) == 1 else nums[:-1]
+        elif choice == 1:
+            del nums[rng.randrange(1, len(nums) - 1)]
+        else:
+            nums = [a + 1] + nums[1:] if rng.random() < 0.5 else nums[:1] + [n + 1 for n in nums[1:]]
+        return " ".join(str(n) for n in nums)
+    ch, n = words[1], int(words[2])
+    if rng.random() < 0.5:
+        return ch * (n + 1 if n == 1 or rng.random() < 0.5 else n - 1)
+    return rng.choice([c for c in LETTERS if c != ch]) * n
+
+
+def _pair(rng: random.Random) -> dict:
+    messages = _sft_sample(rng)
+    right = messages[-1]["content"]
+    wrong = _wrong_answer(messages[-2]["content"], rng)
+    return {"prompt": messages[:-1], "chosen": [{"role": "assistant", "content": right}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
+
+
+def make_preference(seed: int = 42, n_train: int = N_TRAIN, n_eval: int = N_EVAL) -> DatasetDict:
+    """Pairs from the sft generator's tasks: chosen = the right answer, rejected = a plausible wrong one. Eval prompts
+    do not occur in train."""
+    rng = random.Random(f"dpo-{seed}")
+    ev, seen = [], set()
+    while len(ev) < n_eval:
+        p = _pair(rng)
+        key = p["prompt"][-1]["content"]
+        if key not in seen:
+            seen.add(key)
+            ev.append(p)
+    tr = []
+    while len(tr) < n_train:
+        p = _pair(rng)
+        if p["prompt"][-1]["content"] not in seen:
+            tr.append(p)
+    return DatasetDict(train=Dataset.from_list(tr), eval=Dataset.from_list(ev))
+
+
+# ------------------------------------------------------------------------------------ formats
+def is_conversational(example: dict) -> bool:
+    """As trl.data_utils.is_conversational for prompt / chosen / rejected."""
+    v = next((example[k] for k in COLUMNS if k in example), None)
+    return isinstance(v, list) and len(v) > 0 and isinstance(v[0], dict) and "role" in v[0]
+
+
+def extract_prompt(example: dict) -> dict:
+    """As trl.data_utils.extract_prompt: the longest common prefix of chosen and rejected (whole messages for
+    conversational data; for text, cut at the last whitespace before they differ)."""
+    c, r = example["chosen"], example["rejected"]
+    n = 0
+    for n in range(min(len(c), len(r))):
+        if c[n] != r[n]:
+            break
+    else:
+        n = min(len(c), len(r))
+    if isinstance(c, str) and n > 0:   # TRL: back off to the last space so no word is split
+        while n > 0 and c[n - 1] != " ":
+            n -= 1
+        n = max(n - 1, 0) if n > 0 else 0
+    return {"prompt": c[:n], "chosen": c[n:], "rejected": r[n:]}
+
+
+def check_columns(ds: Dataset, name: str) -> None:
+    cols = set(ds.column_names)
+    missing = [c for c in ("chosen", "rejected") if c not in cols]
+    if missing:
+        raise DataError(f"preference dataset {name}: no {' / '.join(missing)} column (have {', '.join(sorted(cols))}); "
+                        "expected prompt / chosen / rejected (standard or conversational) or chosen / rejected")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _ids(tok, x) -> list[int]:
+    if isinstance(x, list):
+        return list(tok.apply_chat_template(x, tokenize=True, return_dict=True)["input_ids"])
+    return list(tok(text=x)["input_ids"])
+
+
+def tokenize_pair(example: dict, tok, index: int) -> dict:
+    """One example -> prompt_ids, chosen_ids, rejected_ids (TRL 1.16's tokenize_fn)."""
+    for k in ("chosen", "rejected"):
+        v = example.get(k)
+        if v is None or (isinstance(v, (str, list)) and len(v) == 0):
+            raise DataError(f"preference example {index}: empty or missing {k!r}")
+    if "prompt" not in example or example["prompt"] is None:
+        example = extract_prompt(example)
+        if not example["chosen"] or not example["rejected"]:
+            raise DataError(f"preference example {index}: chosen and rejected are identical after the common prompt")
+    conv = is_conversational(example)
+    if conv:
+        prompt = list(tok.apply_chat_template(example["prompt"], tokenize=True, return_dict=True,
+                                              add_generation_prompt=True)["input_ids"])
+        pc = _ids(tok, example["prompt"] + example["chosen"])
+        pr = _ids(tok, example["prompt"] + example["rejected"])
+    else:
+        eos = tok.eos_token or ""
+        c, r = example["chosen"], example["rejected"]
+        c, r = c if c.endswith(eos) else c + eos, r if r.endswith(eos) else r + eos
+        prompt, pc, pr = _ids(tok, example["prompt"]), _ids(tok, example["prompt"] + c), _ids(tok, example["prompt"] + r)
+    n = min(_common_prefix(prompt, pc), _common_prefix(prompt, pr))
+    out = {"prompt_ids": prompt[:n], "chosen_ids": pc[n:], "rejected_ids": pr[n:]}
+    for k in ("chosen_ids", "rejected_ids"):
+        if not out[k]:
+            raise DataError(f"preference example {index}: the {k[:-4]} completion has no tokens")
+    return out
+
+
+def truncate_pair(p: dict, *, max_length: int | None, truncation_mode: str = "keep_start",
+                  max_prompt_length: int | None = None, max_completion_length: int | None = None) -> dict:
+    """-> {"chosen": (ids, completion_mask), "rejected": (...)}: each sequence prompt + completion, truncated."""
+    prompt = p["prompt_ids"][-max_prompt_length:] if max_prompt_length else p["prompt_ids"]
+    out = {}
+    for side in ("chosen", "rejected"):
+        comp = p[f"{side}_ids"][:max_completion_length] if max_completion_length else p[f"{side}_ids"]
+        ids, mask = prompt + comp, [0] * len(prompt) + [1] * len(comp)
+        if max_length is not None:
+            sl = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[sl], mask[sl]
+        out[side] = (ids, mask)
+    return out
+
+
+def tokenize_preference(ds: Dataset, tok, max_length: int | None, *, truncation_mode: str = "keep_start",
+                        max_prompt_length: int | None = None, max_completion_length: int | None = None,
+                        truncation: str = "truncate", name: str = "train") -> tuple[Dataset, dict]:
+    """Tokenized pairs (prompt_ids, chosen_ids, rejected_ids and, when present, ref_chosen_logps /
+    ref_rejected_logps); truncation "drop": a pair longer than the limits is refused, naming the example."""
+    check_columns(ds, name)
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise DataError(f"--truncation_mode {truncation_mode!r}: valid values are keep_start, keep_end")
+    rows, cut = [], 0
+    for i, ex in enumerate(ds):
+        p = tokenize_pair(dict(ex), tok, i)
+        if max_length is not None and truncation_mode == "keep_start" and len(p["prompt_ids"]) >= max_length:
+            raise DataError(f"preference example {i}: its prompt alone has {len(p['prompt_ids'])} tokens, "
+                            f"--max_length {max_length} leaves no completion token (raise --max_length)")
+        if not p["prompt_ids"] and min(len(p["chosen_ids"]), len(p["rejected_ids"])) < 2:
+            raise DataError(f"preference example {i}: no prompt and a one-token completion: nothing precedes its "
+                            "token, so it has no target")
+        lens = [len(p["prompt_ids"]) + len(p[k]) for k in ("chosen_ids", "rejected_ids")]
+        long = max_length is not None and max(lens) > max_length
+        if long and truncation == "drop":
+            raise DataError(f"preference example {i}: prompt + completion has {max(lens)} tokens, over --max_length "
+                            f"{max_length} (--truncation truncate cuts it as TRL does)")
+        cut += long
+        for k in ("ref_chosen_logps", "ref_rejected_logps"):
+            if k in ex:
+                p[k] = float(ex[k])
+        rows.append(p)
+    if not rows:
+        raise DataError(f"preference dataset {name}: no examples")
+    return Dataset.from_list(rows), {"pairs": len(rows), "truncated": cut}
+
+
+# ------------------------------------------------------------------------------------ collate
+class PairCollator:
+    """Pairs -> one row each: [prompt + chosen | prompt + rejected], position ids restarting at the second, right-
+    padded (to a multiple of pad_to_multiple_of: context parallelism). labels carry (row, side, token) on the
+    completion targets (encode_targets), unshifted as every hfpar label; ref_logps (B, 2) when the pairs carry them.
+    Truncation as `truncate_pair`."""
+
+    def __init__(self, tokenizer, *, max_length: int | None = None, truncation_mode: str = "keep_start",
+                 max_prompt_length: int | None = None, max_completion_length: int | None = None,
+                 pad_to_multiple_of: int | None = None):
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.limits = dict(max_length=max_length, truncation_mode=truncation_mode,
+                           max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        rows = []
+        for b, f in enumerate(features):
+            seqs = truncate_pair(f, **self.limits)
+            ids, labels, pos = [], [], []
+            for side, key in ((0, "chosen"), (1, "rejected")):
+                s_ids, s_mask = seqs[key]
+                ids += s_ids
+                pos += range(len(s_ids))
+                # the label of a token is its own id (the trainer shifts): its target when the token is completion
+                start = len(labels)
+                labels += [encode_targets(t, b, side) if m else IGNORE for t, m in zip(s_ids, s_mask)]
+                labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
+            rows.append((ids, labels, pos))
+        length = max(len(r[0]) for r in rows)
+        if self.multiple:
+            length = -(-length // self.multiple) * self.multiple
+        B = len(rows)
+        batch = {"input_ids": torch.full((B, length), self.pad_id, dtype=torch.long),
+                 "labels": torch.full((B, length), IGNORE, dtype=torch.long),
+                 "position_ids": torch.zeros((B, length), dtype=torch.long),
+                 "token_mask": torch.zeros((B, length), dtype=torch.long)}
+        for b, (ids, labels, pos) in enumerate(rows):
+            n = len(ids)
+            batch["input_ids"][b, :n] = torch.tensor(ids)
+            batch["labels"][b, :n] = torch.tensor(labels)
+            batch["position_ids"][b, :n] = torch.tensor(pos)
+            batch["token_mask"][b, :n] = 1
+        if "ref_chosen_logps" in features[0]:
+            batch["ref_logps"] = torch.tensor([[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features],
+                                              dtype=torch.float64)   # (B, 2)
+        return batch
+
+
+# ------------------------------------------------------------------------------------ the recipe's
+def load_preference(args, tokenizer) -> tuple[Dataset, dict]:
+    """The dpo recipe's tokenized train pairs: --dataset_name (a file, directory or hub id; its train split) or the
+    embedded set."""
+    if args.dataset_name is None:
+        raw = make_preference(args.seed)["train"]
+    else:
+        splits = _load_raw(args.dataset_name)
+        if "train" not in splits:
+            raise DataError(f"dataset {args.dataset_name}: no train split (have {', '.join(splits)})")
+        raw = splits["train"]
+    return tokenize_preference(raw, tokenizer, args.max_length or args.max_seq_length,
+                               truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
+                               max_completion_length=args.max_completion_length, truncation=args.truncation,
+                               name=args.dataset_name or "embedded")
+
+
+def pair_collator(args, tokenizer, seq_multiple: int = 1) -> PairCollator:
+    return PairCollator(tokenizer, max_length=args.max_length or args.max_seq_length,
+                        truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
+                        max_completion_length=args.max_completion_length,
+                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None)

@@ -1,0 +1,259 @@
+"""The DPO objective: TRL 1.16 DPOTrainer's losses, as a loss function of hfpar's one training loop.
+
+    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn
+    objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
+    loss_sum, n_pairs = objective(logits, shifted_labels)
+
+Rows hold one pair each (hfpar.data.preference.PairCollator) and labels carry each completion target's pair
+(row, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
+cut into context-parallel shards (partial sums all-reduced over the cp group, differentiably), or in a pipeline's
+micro-batch (rows stay whole). Under TP the per-token log-probs come from the vocab-parallel logit shards
+(vocab_parallel_cross_entropy, reduction none): the full logits are never gathered.
+
+Normalization (the parity contract for preference losses): the loss of an optimizer step is the mean over the
+pairs of the whole global batch. The loss function returns the SUM of per-pair losses and the number of pairs,
+which the trainer normalizes by the global pair count (count()); a cp rank reports 1/cp of both (every cp rank of
+a replica holds the whole pair loss), so sums over ranks count each pair once.
+
+Reference log-probs (before the policy forward of each micro-batch): --reference_free (zeros); precomputed
+(`ref_logps` in the batch, see precompute_reference); with LoRA, the policy with its adapters disabled; else a
+frozen copy of this rank's parameter shards, swapped in for a no-grad forward through the same backend (so it
+is sharded exactly as the policy: TP / EP / PP / FSDP2 shards alike, no grads, no optimizer state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from hfpar.data.preference import IGNORE, decode_targets
+from hfpar.distributed import all_reduce_sum
+from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
+from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
+
+from hfpar.train.dpo_setup import LOSS_TYPES
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def pair_losses(loss_type: str, beta: float, label_smoothing: float, logps: torch.Tensor, ref: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """Per-pair losses, TRL 1.16's formulas (reverse-KL f-divergence). logps, ref, lengths: (P, 2) chosen, rejected
+    (lengths: completion tokens, for ipo's per-token average)."""
+    ratios = logps - ref                                        # (P, 2) log pi / pi_ref
+    chosen, rejected = ratios.unbind(-1)
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if loss_type == "ipo":
+        avg = ratios / lengths.clamp(min=1.0)
+        return (avg[:, 0] - avg[:, 1] - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        clean = -(1 - label_smoothing) * F.logsigmoid(beta * delta)
+        flipped = -label_smoothing * F.logsigmoid(-beta * delta)
+        return (clean - flipped) / (1 - 2 * label_smoothing)
+    if loss_type == "apo_zero":
+        return (1 - torch.sigmoid(beta * chosen)) + torch.sigmoid(beta * rejected)
+    if loss_type == "sppo_hard":
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    raise ValueError(f"--loss_type {loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
+
+
+def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """-cross-entropy per token (0 where IGNORE), fp32 at least. out (B, T, V) or its vocab shard (group)."""
+    if group is not None:
+        return -vocab_parallel_cross_entropy(out, target, group=group, reduction="none")
+    logits = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE,
+                            reduction="none").reshape(target.shape)
+
+
+class DPOObjective:
+    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 reference_free: bool = False):
+        self.ctx, self.beta, self.loss_type, self.label_smoothing = ctx, beta, loss_type, label_smoothing
+        self.reference_free = reference_free
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        spec = shard_spec(head.weight) if head is not None else None
+        self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
+        self.cp = ctx.cp
+        self.ref = None             # (B, 2) reference log-probs of the current batch's rows
+        self.rows = 0               # rows (pairs) of the current batch
+        self.reference = None       # a context manager factory: the policy turned into the reference
+        self._capture = None        # (B, 2) being filled by a reference forward
+        self.reset_metrics()
+
+    # ------------------------------------------------------------------ per-sequence log-probs
+    def sequence_logps(self, out: torch.Tensor, labels: torch.Tensor, rows: int):
+        """(rows, 2) summed completion log-probs (differentiable) and (rows, 2) completion lengths, whole over cp."""
+        token, seq, valid = decode_targets(labels)
+        target = token.masked_fill(~valid, IGNORE)
+        lp = _token_logps(out, target, self.tp_group)                         # (b, t) 0 where not a target
+        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq[valid], lp[valid])
+        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(
+            0, seq[valid], torch.ones_like(lp[valid]))
+        if self.cp > 1:   # each cp rank holds part of every sequence: all-reduce, forward and backward
+            group = self.ctx.cp_group
+            sums = reduce_from_parallel_region(copy_to_parallel_region(sums, group), group)
+            counts = reduce_from_parallel_region(counts, group)
+        return sums.view(rows, 2), counts.view(rows, 2)
+
+    # ------------------------------------------------------------------ the loss function
+    def __call__(self, out: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, lengths = self.sequence_logps(out, labels, self.rows)
+        # the rows this call holds (a pipeline micro-batch holds some of the batch's): every sequence has targets
+        mine = lengths[:, 0] > 0
+        if self._capture is not None:   # a reference forward: keep the values, no loss
+            self._capture[mine] = logps[mine].detach().double()
+            zero = logps.sum() * 0
+            return zero, zero
+        logps, lengths = logps[mine], lengths[mine]
+        ref = self.ref[mine].to(logps.dtype) if not self.reference_free else torch.zeros_like(logps)
+        losses = pair_losses(self.loss_type, self.beta, self.label_smoothing, logps, ref, lengths)
+        self._record(logps.detach().double(), ref.double())
+        n = torch.tensor(float(losses.numel()) / self.cp, dtype=torch.float64, device=losses.device)
+        return losses.sum() / self.cp, n
+
+    # ------------------------------------------------------------------ counts and metrics
+    def count(self, batch: dict) -> float:
+        """Pairs of a (planned) micro-batch (one per row), as the trainer sums them over ranks (1/cp per cp rank)."""
+        return batch["input_ids"].shape[0] / self.cp
+
+    @staticmethod
+    def tokens(sample: dict) -> int:
+        """Real tokens of a pair's row (tokens/s)."""
+        return 2 * len(sample["prompt_ids"]) + len(sample["chosen_ids"]) + len(sample["rejected_ids"])
+
+    def reset_metrics(self) -> None:
+        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+
+    def _record(self, logps: torch.Tensor, ref: torch.Tensor) -> None:
+        r = self.beta * (logps - ref)                                    # (P, 2) implicit rewards
+        s = torch.stack([r[:, 0].sum(), r[:, 1].sum(), (r[:, 0] > r[:, 1]).double().sum(), (r[:, 0] - r[:, 1]).sum(),
+                         logps[:, 0].sum(), logps[:, 1].sum(), torch.tensor(float(r.shape[0]), dtype=torch.float64,
+                                                                          device=r.device)])
+        self._sums += s.cpu()
+
+    def step_metrics(self, device) -> dict:
+        """TRL's metric names, means over the pairs of the global batch (collective: every rank calls it). Ranks
+        holding the same pairs (tp, cp) count them alike, so the ratio is unaffected."""
+        s = all_reduce_sum(self._sums, device)
+        self.reset_metrics()
+        n = float(s[-1])
+        return {k: float(s[i]) / n for i, k in enumerate(METRICS)} if n else {}
+
+    # ------------------------------------------------------------------ the reference
+    def before_micro(self, backend, batch: dict, replan) -> None:
+        """Before the policy's forward of a micro-batch: its pairs' reference log-probs (replan() -> the batch and
+        a fresh scope, for the reference's forward)."""
+        ref = batch.pop("ref_logps", None)
+        self.rows = batch["input_ids"].shape[0]
+        if self.reference_free:
+            self.ref = None
+            return
+        self.ref = ref.to(batch["input_ids"].device) if ref is not None else self.reference_logps(backend, *replan())
+
+    @torch.no_grad()
+    def reference_logps(self, backend, batch: dict, scope) -> torch.Tensor:
+        """(B, 2) of the reference: a no-grad forward through the backend (the pipeline's included) with the
+        reference in place of the policy."""
+        batch.pop("ref_logps", None)
+        self.rows = batch["input_ids"].shape[0]
+        self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
+        self.ref = None
+        try:
+            with self.reference():
+                backend.eval_loss(batch, scope, self, "lm")
+            return self._capture
+        finally:
+            self._capture = None
+
+
+# ---------------------------------------------------------------------------------------- references
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """LoRA: the base model is the reference (PEFT's BaseTunerLayer.enable_adapters, found through any wrap)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415  (peft is optional: LoRA runs only)
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+class FrozenCopy:
+    """A copy of this rank's parameter shards at the start (the reference), swapped into the policy's own
+    parameters for a no-grad forward: the reference is sharded exactly as the policy (no grads, no optimizer
+    state). Local shards: plain tensors, or a DTensor's local tensor (FSDP2), updated in place."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters()]
+        self.frozen = [_local(p).detach().clone() for p in self.params]
+        # FSDP2 keeps the root's gathered parameters after a forward: resharded around the swap, so that the next
+        # forward gathers them again from the shards (the reference's, then the policy's)
+        self.sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def _reshard(self) -> None:
+        for m in self.sharded:
+            m.reshard()
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self._reshard()
+        stash = [_local(p).detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, f in zip(self.params, self.frozen):
+                _local(p).copy_(f)
+        try:
+            yield
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                for p, s in zip(self.params, stash):
+                    _local(p).copy_(s)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+def precompute_reference(objective: DPOObjective, trainer) -> dict[int, tuple[float, float]]:
+    """--precompute_ref_log_probs: before training (the policy IS the reference then), the reference log-probs of
+    every pair this rank's steps will use, from exactly the micro-batches of the run. -> {dataset index: (c, r)}."""
+    table = {}
+    for _, _, micro in trainer.sampler.iterate(0, trainer.total_steps):
+        for ix in micro:
+            if all(i in table for i in ix):
+                continue
+            batch, scope = trainer.batch_plan(trainer._to_device(trainer.collator([trainer.train_ds[i] for i in ix])))
+            ref = objective.reference_logps(trainer.backend, batch, scope).cpu()
+            for row, i in enumerate(ix):
+                table[i] = (float(ref[row, 0]), float(ref[row, 1]))
+    return table
+
+
+class WithReference:
+    """A tokenized pair dataset whose items carry precomputed reference log-probs (ref_chosen_logps,
+    ref_rejected_logps) from a table; what the trainer indexes."""
+
+    def __init__(self, ds, table: dict[int, tuple[float, float]]):
+        self.ds, self.table = ds, table
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        c, r = self.table.get(i, (math.nan, math.nan))
+        return {**self.ds[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
