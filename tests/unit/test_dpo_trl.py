@@ -3,7 +3,7 @@
 equal within 1e-4 relative; with a separate reference model (TRL loads a second copy; hfpar swaps a frozen copy
 of its parameters in) and with precomputed reference log-probs. Every loss type's formula is held to TRL's own
 code in tests/unit/test_dpo.py; here sigmoid (TRL's default) and ipo (per-token averages: the completion lengths)
-run through both trainers (robust, with label smoothing 0.1, also matched when run by hand).
+run through both trainers (robust is held to TRL's formula in test_dpo.py only: not run end to end here).
 
 The rewards are beta x (policy - reference) log-probs of sequences whose log-probs are ~-100: early in training
 they are differences of nearly equal numbers, so they (and rewards/margins) are compared within 1e-4 relative or
