@@ -109,7 +109,8 @@ def _parity_case(rank: int, case, outdir: str) -> dict:
         hf_loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     res["hf_loss_rel"] = _rel(hf_loss, loss.detach())
     loss.backward()
-    res["n_synced"] = sync_sequence_parallel_grads(model)
+    res["n_synced"] = sync_sequence_parallel_grads(model)   # 0: apply's backward hooks summed them (once)
+    res["n_hooked"] = sum(bool(getattr(p, "_hfpar_partial_grad_hook", False)) for p in model.parameters())
     res["loss_rel"] = _rel(loss.detach(), ref_loss.detach())
 
     grads = _full_grads(model)
@@ -258,7 +259,8 @@ def test_parity(ranks, case):
         assert r["checkpointing"] == bool(extra.get("gradient_checkpointing"))
         n_norms = r["n_norms"] * (2 if mt == "gemma2" else 1) - (1 if mt == "gemma2" else 0)
         n_head_norms = 2 * TINY["num_hidden_layers"] if mt == "qwen3" else 0
-        assert r["n_synced"] == (n_norms if sp else 0) + n_head_norms, r["n_synced"]
+        assert r["n_hooked"] == (n_norms if sp else 0) + n_head_norms, r["n_hooked"]
+        assert r["n_synced"] == 0, r["n_synced"]                                      # one reduction, never two
         if extra.get("tie_word_embeddings") or mt.startswith("gemma"):   # lm_head IS the embedding shard
             assert r["tied_shared"]
     r0 = ranks[0]["parity"][_case_id(case)]

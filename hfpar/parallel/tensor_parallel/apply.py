@@ -8,7 +8,7 @@
     out.logits                                             # (B, T, V/tp): this rank's vocab slice
     loss = vocab_parallel_cross_entropy(out.logits[:, :-1], labels[:, 1:], group=tp_group)   # == out.loss
     loss.backward()
-    sync_sequence_parallel_grads(model)                    # replicated params that saw part of the data
+    # replicated params that see part of the heads / tokens (q/k norms, SP norms): summed by apply's own hooks
     clip_tp_grad_norm_(model.parameters(), 1.0)            # counts every shard once (hfpar.parallel.sharding)
     model.save_pretrained(out, state_dict=gather_full_state_dict(model))   # collective; a normal checkpoint
 
@@ -172,8 +172,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
     (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
     from config.base_model_tp_plan (derived.py) or refused in one line.
-    sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by
-    tp; call `sync_sequence_parallel_grads(model)` after backward (before clipping).
+    sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by tp.
+    Replicated parameters whose gradient covers this rank's heads or tokens only (q/k norms on local heads, norms
+    under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
     tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
@@ -274,6 +275,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
         head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
         head.weight = emb.weight
+    # replicated parameters whose grad covers this rank's heads / tokens only: summed over TP inside backward, so a
+    # plain loop is exact (sync_sequence_parallel_grads then skips them: one reduction, never two)
+    partial_grad_hooks(model.parameters())
     # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
     install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
     return model
@@ -297,7 +301,9 @@ def _localize_heads(attn: nn.Module, config, tp: int) -> None:
 # ShardSpec names its groups, so the `group` arguments below are accepted for compatibility and unused).
 def sync_sequence_parallel_grads(model: nn.Module) -> int:
     """SUM over the TP group the grads of replicated params that saw part of the data (SP norms, q/k norms
-    applied to local heads). Once per optimizer step after the last backward, before clipping."""
+    applied to local heads) and that no backward hook sums already (apply_tensor_parallel installs them; a
+    wrapper that replaces the parameters, FSDP2, drops them). Once per optimizer step after the last backward,
+    before clipping; returns how many grads it summed (0 on a model apply_tensor_parallel returned)."""
     return sync_partial_grads(model.parameters())
 
 
