@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
                    group_size, scatter_to_sequence_parallel_region)
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
-                        sync_partial_grads)
+                        shard_spec, sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
@@ -58,6 +58,7 @@ from .loss import vocab_parallel_cross_entropy
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, moe_block_names, validate_degrees
+from .verify import verify_first_block
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
@@ -161,7 +162,8 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel: bool = False,
-                          plan: Mapping[str, str] | None = None, verify_weights: bool = True) -> nn.Module:
+                          plan: Mapping[str, str] | None = None, verify_weights: bool = True,
+                          verify_plan: bool = True) -> nn.Module:
     """Shard an HF causal LM over `tp_group` (a process group, None = the default group, or a
     hfpar ParallelContext: its tp group), in place; returns it.
 
@@ -224,6 +226,27 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     if verify_weights:
         _check_replicated(model, tp_group)
 
+    shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
+        verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel,
+                           model_type=getattr(config, "model_type", None))
+    new_modules = shard(model, assigned)
+    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
+        emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
+        head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
+        head.weight = emb.weight
+    # replicated parameters whose grad covers this rank's heads / tokens only: summed over TP inside backward, so a
+    # plain loop is exact (sync_sequence_parallel_grads then skips them: one reduction, never two)
+    partial_grad_hooks(model.parameters())
+    # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
+    install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
+    return model
+
+
+def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp: int, tp_group,
+                   sequence_parallel: bool) -> dict[str, nn.Module]:
+    """Replace / hook every module of `assigned` ({name: style}, names relative to `model`) in place; returns the
+    new layers by name. The whole model, or one block's copy for verify_first_block."""
     regions = [n for n, s in assigned.items() if s in _REGIONS]
     gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
@@ -271,16 +294,22 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         new.train(mod.training)
         new_modules[name] = new
         _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
-    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
-        emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
-        head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
-        head.weight = emb.weight
-    # replicated parameters whose grad covers this rank's heads / tokens only: summed over TP inside backward, so a
-    # plain loop is exact (sync_sequence_parallel_grads then skips them: one reduction, never two)
-    partial_grad_hooks(model.parameters())
-    # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
-    install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
-    return model
+    for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
+        _mark_region_replicated(model.get_submodule(r), tp_group)
+    return new_modules
+
+
+def _mark_region_replicated(region: nn.Module, tp_group) -> None:
+    """Replicated parameters a region applies to its local heads / intermediate features (q/k norms without a plan
+    entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
+    over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
+    for m in region.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        for p in m.parameters(recurse=False):
+            spec = shard_spec(p)
+            if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
+                set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
 
 
 def _localize_heads(attn: nn.Module, config, tp: int) -> None:

@@ -1,0 +1,96 @@
+"""Apply-time plan verification (hfpar.parallel.tensor_parallel.verify) and the partial-gradient hooks, on 2 gloo
+ranks (one spawn):
+
+    python -m pytest tests/distributed/test_tp_verify.py -q
+
+- a plain loop (no sync call) on Qwen3 (q/k norms on local heads) is exact: apply's hooks sum those grads once,
+  and sync_sequence_parallel_grads then finds nothing left to sum (no double reduction);
+- a plan that treats OLMo-2's all-heads q/k norm as per-head is refused in one line naming the norm, and the model
+  is left unsharded; a plan that sums a full gradient over TP (Llama's input norm as per-head) is refused naming
+  the parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfpar.parallel.sharding import shard_spec
+from tests.helpers.dist import run_distributed
+from tests.helpers.tp_models import batch, build, rel
+
+_OLMO2_PER_HEAD = {   # wrong on purpose: olmo2's q_norm / k_norm span every head (HF: colwise_gather_output)
+    "model.embed_tokens": "vocab_embedding", "model.layers.*.self_attn": "attention",
+    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.q_norm": "replicated_heads", "model.layers.*.self_attn.k_norm": "replicated_heads",
+    "lm_head": "colwise_lm_head"}
+
+
+def _full_grads(model) -> dict:
+    from hfpar.parallel.tensor_parallel import gather_shards
+    out = {}
+    for n, p in model.named_parameters():
+        s = shard_spec(p)
+        out[n] = gather_shards(p.grad, s.dim, s.group, s.packed_splits) if s is not None and s.sharded else p.grad
+    return out
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
+    torch.set_num_threads(1)
+    res = {}
+    model = build("qwen3").double()
+    ref = copy.deepcopy(model)
+    ids, mask, labels = batch()
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    apply_tensor_parallel(model, dist.group.WORLD)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()   # a plain loop: nothing else
+    got = _full_grads(model)
+    res["qwen3_worst"] = max((rel(got[n], p.grad), n) for n, p in ref.named_parameters())
+    res["qwen3_synced"] = sync_sequence_parallel_grads(model)
+    res["qwen3_after_sync"] = max((rel(_full_grads(model)[n], p.grad), n) for n, p in ref.named_parameters())
+
+    olmo = build("olmo2")
+    before = {n: p.detach().clone() for n, p in olmo.named_parameters()}
+    try:
+        apply_tensor_parallel(olmo, dist.group.WORLD, plan=_OLMO2_PER_HEAD)
+        res["olmo2"] = "accepted"
+    except ValueError as e:
+        res["olmo2"] = str(e)
+    res["olmo2_untouched"] = all(torch.equal(p, before[n]) for n, p in olmo.named_parameters()) and not any(
+        shard_spec(p) is not None for p in olmo.parameters())
+    llama = build("llama")   # a plan that sums a full gradient over TP: input_layernorm sees all heads / tokens
+    from hfpar.parallel.tensor_parallel import get_plan
+    try:
+        apply_tensor_parallel(llama, dist.group.WORLD,
+                              plan={**get_plan("llama"), "model.layers.*.input_layernorm": "replicated_heads"})
+        res["llama"] = "accepted"
+    except ValueError as e:
+        res["llama"] = str(e)
+    return res
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_worker, 2, timeout=300)
+
+
+def test_partial_grads_summed_once_without_any_call(ranks):
+    for r in ranks:
+        assert r["qwen3_worst"][0] < 1e-10, r["qwen3_worst"]
+        assert r["qwen3_synced"] == 0 and r["qwen3_after_sync"][0] < 1e-10, (r["qwen3_synced"], r["qwen3_after_sync"])
+
+
+def test_wrong_plan_refused_naming_the_module(ranks):
+    for r in ranks:
+        msg = r["olmo2"]   # the all-heads norm weight meets local heads: the forward breaks
+        assert "\n" not in msg and "breaks model.layers.0.self_attn.q_norm (RuntimeError" in msg, msg
+        assert "'replicated_heads'" in msg and "left unsharded" in msg, msg
+        assert r["olmo2_untouched"]
+        msg = r["llama"]   # runs, but a gradient is doubled
+        assert "\n" not in msg and "does not reproduce the unsharded model.layers.0" in msg, msg
+        assert "model.layers.0.input_layernorm.weight gradient differs by 1 relative" in msg, msg
