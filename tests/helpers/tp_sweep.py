@@ -54,12 +54,16 @@ def _no_dropout(cfg) -> None:
             setattr(cfg, k, 0.0)
 
 
-def tiny_config(model_type: str):
-    """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built."""
+def tiny_config(model_type: str, layers: int = 2):
+    """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
+    layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
     from transformers import AutoConfig
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
     over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
+    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    if "qk_rope_head_dim" in over:   # MLA: rotary runs on the rope part of each head; one k/v per head
+        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
     if text is base:
         cfg = AutoConfig.for_model(model_type, **over)
     else:
@@ -71,9 +75,9 @@ def tiny_config(model_type: str):
     return cfg
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, layers: int = 2):
     from transformers import AutoModelForCausalLM
-    cfg = tiny_config(model_type)
+    cfg = tiny_config(model_type, layers)
     torch.manual_seed(seed)
     kw = {"attn_implementation": "eager"}
     try:
@@ -132,17 +136,22 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
     if model_type in STATE_SPACE:
         return {"status": "skipped", "why": "pure state-space / recurrent model"}
-    try:
-        model = build(model_type)
-    except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
-        return {"status": "skipped", "why": f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"}
-    ref = copy.deepcopy(model)
-    ids, labels = batch(model.get_input_embeddings().num_embeddings)
-    try:
-        ref(input_ids=ids, labels=labels).loss.backward()
-        ref.zero_grad(set_to_none=True)
-    except Exception as e:  # noqa: BLE001
-        return {"status": "skipped", "why": f"unsharded tiny model does not train: {type(e).__name__}: {str(e)[:160]}"}
+    for layers in (2, 4):
+        try:
+            model = build(model_type, layers=layers)
+        except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
+            why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
+            continue
+        ref = copy.deepcopy(model)
+        ids, labels = batch(model.get_input_embeddings().num_embeddings)
+        try:
+            ref(input_ids=ids, labels=labels).loss.backward()
+            ref.zero_grad(set_to_none=True)
+            break
+        except Exception as e:  # noqa: BLE001
+            why = f"unsharded tiny model does not train: {type(e).__name__}: {str(e)[:160]}"
+    else:
+        return {"status": "skipped", "why": why}
     t0 = time.perf_counter()
     try:
         apply_tensor_parallel(model, dist.group.WORLD)

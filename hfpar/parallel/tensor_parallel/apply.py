@@ -55,6 +55,7 @@ from .derived import derive_plan
 from .hf_loss import install_hf_semantics
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
+from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, moe_block_names, validate_degrees
@@ -189,6 +190,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         return model
     config = getattr(model, "config", None)
     optional: tuple[str, ...] = ()
+    derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
@@ -211,7 +213,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
                          "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
-    matched = match_plan(model, plan, optional, allow_unmatched=bool(moe))
+    # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
+    matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -270,6 +273,8 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
         elif base == "colwise_lm_head":   # under SP it gathers T itself, unless a sequence_gather did it before
             new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel and not gathered,
                                                    name=name)
+        elif base == "sharded_rmsnorm":   # a norm over all heads, on this rank's heads (norms.py)
+            new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
         elif base == "rowwise" and is_conv1d(mod):
             new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
         elif base == "rowwise":
@@ -304,7 +309,7 @@ def _mark_region_replicated(region: nn.Module, tp_group) -> None:
     entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
     over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
     for m in region.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm)):
             continue
         for p in m.parameters(recurse=False):
             spec = shard_spec(p)
