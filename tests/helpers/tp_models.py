@@ -21,7 +21,7 @@ MOE_TINY = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
             "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
             "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                           "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}
-ATTN = {"gemma2": "eager"}
+ATTN = {"gemma2": "eager", "granite_swa": "eager"}
 # multi-head latent attention (MiniCPM3): latent ranks, rope / nope parts of each head, one k/v per head
 MLA_TINY = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
             "head_dim": 8, "num_key_value_heads": 4}
