@@ -81,8 +81,8 @@ def ranks():
 
 def test_partial_grads_summed_once_without_any_call(ranks):
     for r in ranks:
-        assert r["qwen3_worst"][0] < 1e-10, r["qwen3_worst"]
-        assert r["qwen3_synced"] == 0 and r["qwen3_after_sync"][0] < 1e-10, (r["qwen3_synced"], r["qwen3_after_sync"])
+        assert r["qwen3_worst"][0] < 1e-6, r["qwen3_worst"]   # HF's loss: fp32 logits; unsummed q/k norms: ~1
+        assert r["qwen3_synced"] == 0 and r["qwen3_after_sync"][0] < 1e-6, (r["qwen3_synced"], r["qwen3_after_sync"])
 
 
 def test_wrong_plan_refused_naming_the_module(ranks):
