@@ -53,6 +53,7 @@ from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, part
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
+from .infer import infer_plans
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
@@ -196,6 +197,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
+        elif not getattr(config, "base_model_tp_plan", None):   # inferred from the modules, verified (infer.py)
+            plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
+            verify_weights = verify_plan = False   # both done by _infer for the plan it returns
         else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
             plan = derive_plan(model)
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
@@ -302,6 +306,44 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
     for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
         _mark_region_replicated(model.get_submodule(r), tp_group)
     return new_modules
+
+
+def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
+    """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
+    mt = config.model_type
+    if sequence_parallel:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
+                         f"{', '.join(sorted(TP_PLANS))}); model_type {mt!r} has none (tensor parallel only)")
+    candidates = infer_plans(model)
+    if not candidates:
+        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
+                         "base_model_tp_plan, and no attention / MLP projections were recognised in its first "
+                         "block to infer one from; pass plan={module pattern: style}")
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = inp is not None and out is not None and out.weight is inp.weight
+    why = ""
+    checked = False
+    for plan in candidates:
+        try:
+            matched = match_plan(model, plan, ("colwise_lm_head",))
+            validate_degrees(model, matched, config, tp, False, tied)
+        except ValueError as e:
+            why = str(e).replace("\n  ", "; ")
+            continue
+        if verify_weights and not checked:
+            _check_replicated(model, tp_group)
+            checked = True
+        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=False)
+        try:
+            verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard, tp_group, model_type=mt)
+        except ValueError as e:
+            why = str(e)
+            continue
+        warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
+                      "verified on its first block", stacklevel=3)
+        return plan
+    raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
+                     f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
 
 
 def _mark_region_replicated(region: nn.Module, tp_group) -> None:
