@@ -5,6 +5,7 @@ ranks (one spawn):
 
 - a plain loop (no sync call) on Qwen3 (q/k norms on local heads) is exact: apply's hooks sum those grads once,
   and sync_sequence_parallel_grads then finds nothing left to sum (no double reduction);
+- GPT-BigCode (no plan, no base_model_tp_plan): a plan inferred from its modules, exact, export loads;
 - a plan that treats OLMo-2's all-heads q/k norm as per-head is refused in one line naming the norm, and the model
   is left unsharded; a plan that sums a full gradient over TP (Llama's input norm as per-head) is refused naming
   the parameter.
@@ -39,8 +40,11 @@ def _full_grads(model) -> dict:
     return out
 
 
-def _worker(rank: int, world_size: int) -> dict:
-    from hfpar.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
+def _worker(rank: int, world_size: int, outdir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from hfpar.parallel.tensor_parallel import (apply_tensor_parallel, gather_full_state_dict,
+                                                sync_sequence_parallel_grads)
     torch.set_num_threads(1)
     res = {}
     model = build("qwen3").double()
@@ -71,12 +75,30 @@ def _worker(rank: int, world_size: int) -> dict:
         res["llama"] = "accepted"
     except ValueError as e:
         res["llama"] = str(e)
+    # GPT-BigCode: no plan, no base_model_tp_plan -> inferred (c_attn: q|k|v interleaved per head, plain colwise),
+    # exact against the unsharded model in a plain loop, and its export loads with from_pretrained
+    big = build("gpt_bigcode", multi_query=False).double()
+    ref = copy.deepcopy(big)
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    apply_tensor_parallel(big, dist.group.WORLD)
+    big(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    got = _full_grads(big)
+    res["bigcode_worst"] = max((rel(got[n], p.grad), n) for n, p in ref.named_parameters())
+    res["bigcode_c_attn"] = type(big.transformer.h[0].attn.c_attn).__name__, big.transformer.h[0].attn.c_attn.packed_splits
+    sd = gather_full_state_dict(big)
+    if rank == 0:
+        big.save_pretrained(f"{outdir}/bigcode", state_dict=sd)
+        loaded = AutoModelForCausalLM.from_pretrained(f"{outdir}/bigcode", dtype=torch.float64).eval()
+        with torch.no_grad():
+            res["bigcode_export"] = rel(loaded(input_ids=ids, attention_mask=mask).logits,
+                                        ref.eval()(input_ids=ids, attention_mask=mask).logits)
+    dist.barrier()
     return res
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_distributed(_worker, 2, timeout=300)
+def ranks(tmp_path_factory):
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("tp_verify")), timeout=300)
 
 
 def test_partial_grads_summed_once_without_any_call(ranks):
@@ -94,3 +116,10 @@ def test_wrong_plan_refused_naming_the_module(ranks):
         msg = r["llama"]   # runs, but a gradient is doubled
         assert "\n" not in msg and "does not reproduce the unsharded model.layers.0" in msg, msg
         assert "model.layers.0.input_layernorm.weight gradient differs by 1 relative" in msg, msg
+
+
+def test_inferred_plan_exact_and_exported(ranks):
+    for r in ranks:
+        assert r["bigcode_worst"][0] < 1e-6, r["bigcode_worst"]   # HF's loss: fp32 logits
+        assert r["bigcode_c_attn"] == ("RegionColumnParallelLinear", None), r["bigcode_c_attn"]   # per-head q|k|v
+    assert ranks[0]["bigcode_export"] < 1e-10, ranks[0]["bigcode_export"]

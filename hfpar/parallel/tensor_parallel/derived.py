@@ -78,8 +78,10 @@ def _problem(model_type, hf: Mapping[str, str]) -> str | None:
 
 
 def derived_plan_problem(config) -> str | None:
-    """Why no plan can be derived from this config (None: it can). Needs no model (for a preflight)."""
-    return _problem(getattr(config, "model_type", None), getattr(config, "base_model_tp_plan", None) or {})
+    """Why no plan can be derived from this config (None: it can, or the config has no base_model_tp_plan and
+    apply_tensor_parallel infers one from the modules, verified or refused there: infer.py). Needs no model."""
+    hf = getattr(config, "base_model_tp_plan", None) or {}
+    return _problem(getattr(config, "model_type", None), hf) if hf else None
 
 
 def _prefix(model: nn.Module) -> str:
