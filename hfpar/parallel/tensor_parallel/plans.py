@@ -142,6 +142,11 @@ TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "coher
                               "qwen3_moe", "olmo2", "glm4", "minicpm3")
 
 
+# Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
+# (tests/distributed/test_tp_verify.py); every other one is inferred and verified on its first block at apply time
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode",)
+
+
 def get_plan(model_type: str) -> dict[str, str]:
     """A copy of the built-in plan for `model_type`; ValueError naming it and the supported ones."""
     if model_type not in TP_PLANS:
