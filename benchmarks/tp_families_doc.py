@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hfpar.parallel.tensor_parallel.plans import (  # noqa: E402
+from hfpar.parallel.tensor_parallel.plans import (
     TESTED_DERIVED_MODEL_TYPES,
     TESTED_INFERRED_MODEL_TYPES,
     TESTED_MODEL_TYPES,
@@ -39,12 +39,12 @@ def section() -> str:
             by.setdefault(r["status"], []).append(mt)
         lines += [f"| sweep: {s} ({len(by.get(s, []))}) | {', '.join(f'`{t}`' for t in by.get(s, [])) or '-'} |"
                   for s in ("exact", "refused", "mismatched")]
-        lines += ["", f"Sweep (benchmarks/tp_family_sweep.py, TP=2 vs unsharded, loss and every gradient before and "
+        lines += ["", (f"Sweep (benchmarks/tp_family_sweep.py, TP=2 vs unsharded, loss and every gradient before and "
                       f"after one SGD step within {res['tol']:g}): {res['counts']['exact']} of {res['in_scope']} "
-                      f"in-scope types exact ({res['counts']['skipped']} skipped with their reason in the JSON)."]
+                      f"in-scope types exact ({res['counts']['skipped']} skipped with their reason in the JSON).")]
     else:
-        lines += ["", "Every other family: a plan derived from its `base_model_tp_plan` or inferred from its modules, "
-                      "verified on its first block at apply time (or refused in one line)."]
+        lines += ["", ("Every other family: a plan derived from its `base_model_tp_plan` or inferred from its modules, "
+                      "verified on its first block at apply time (or refused in one line).")]
     return "\n".join(lines + ["", END])
 
 

@@ -43,8 +43,11 @@ def _full_grads(model) -> dict:
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from hfpar.parallel.tensor_parallel import (apply_tensor_parallel, gather_full_state_dict,
-                                                sync_sequence_parallel_grads)
+    from hfpar.parallel.tensor_parallel import (
+        apply_tensor_parallel,
+        gather_full_state_dict,
+        sync_sequence_parallel_grads,
+    )
     torch.set_num_threads(1)
     res = {}
     model = build("qwen3").double()

@@ -163,7 +163,7 @@ def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: 
     try:
         out = _first_tensor(sharded(*rebuild(x)[0], **rebuild(x)[1]))
         out.backward(cot)
-    except Exception as e:  # noqa: BLE001 - the plan breaks the block: refused, naming the module that raised
+    except Exception as e:
         where = f"{name}.{stack[-1]}" if stack and stack[-1] else name
         raise ValueError(f"apply_tensor_parallel: the tensor-parallel plan for model_type {model_type!r} breaks "
                          f"{where} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}; its plan "
