@@ -307,11 +307,14 @@ def test_invalid_degree_before_any_collective(overrides, expected):
 
 
 def test_unknown_model_type_lists_supported():
-    """No written plan and no base_model_tp_plan in the config (derived plans: tests/distributed/test_tp_derived_plans.py)."""
+    """No written plan, no base_model_tp_plan in the config (derived plans: tests/distributed/test_tp_derived_plans.py)
+    and no structure to infer one from (infer.py; here: none recognised): refused before any collective."""
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     with mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2):
-        with pytest.raises(ValueError, match=r"'bitnet' has no hfpar plan .*written plans: .*gpt2.*llama.*qwen2"):
+            mock.patch.object(dist, "get_world_size", return_value=2), \
+            mock.patch("hfpar.parallel.tensor_parallel.apply.infer_plans", return_value=[]):
+        with pytest.raises(ValueError, match=r"'bitnet' has no hfpar plan, its config no base_model_tp_plan, and no "
+                                             r"attention / MLP projections were recognised"):
             apply_tensor_parallel(_build("bitnet", "float32"))
 
 
