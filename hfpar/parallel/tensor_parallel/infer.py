@@ -1,5 +1,5 @@
 """Tensor-parallel plans proposed from a model's module structure, for families with neither a written plan
-(plans.py) nor a config.base_model_tp_plan (derived.py): Bloom, OPT, XGLM, BioGPT, GPT-BigCode, MPT, Persimmon, ...
+(plans.py) nor a config.base_model_tp_plan (derived.py): OPT, BioGPT, GPT-BigCode, StableLM, Persimmon, ...
 
     plans = infer_plans(model)     # candidate plans, most likely first; [] when no decoder structure is recognised
 
