@@ -175,7 +175,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     (B, T, V/tp) (the LM head's weight has a "tp" ShardSpec); `model(..., labels=).loss` is computed from them
     by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
     (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
-    from config.base_model_tp_plan (derived.py) or refused in one line.
+    from config.base_model_tp_plan (derived.py), or inferred from the modules when the config has none (infer.py),
+    or refused in one line. Every plan is verified on a copy of the first decoder block (verify.py; verify_plan).
     sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by tp.
     Replicated parameters whose gradient covers this rank's heads or tokens only (q/k norms on local heads, norms
     under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
