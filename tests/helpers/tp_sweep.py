@@ -50,7 +50,7 @@ STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_ge
 
 def _no_dropout(cfg) -> None:
     for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k):
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):   # PhiMoE's router noise
             setattr(cfg, k, 0.0)
 
 

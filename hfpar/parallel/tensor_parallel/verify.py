@@ -109,11 +109,23 @@ def _split_hidden(args, kwargs):
 
 def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: Callable, tp_group, *,
                        sequence_parallel: bool = False, model_type: str | None = None) -> None:
-    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block is not the unsharded block.
+    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, or of the last (some
+    families build it differently: GPT-NeoX-Japanese's extra output bias), is not the unsharded block.
     shard_fn(root, assigned_relative) shards `root` in place exactly as apply_tensor_parallel shards the model."""
     name = first_block_name(assigned)
     if name is None:
         return
+    parent, _, _ = name.rpartition(".")
+    blocks = model.get_submodule(parent) if parent else None
+    last = f"{parent}.{len(blocks) - 1}" if isinstance(blocks, nn.ModuleList) and len(blocks) > 1 else None
+    for block_name in (name, last):
+        if block_name is not None and (block_name == name or not sequence_parallel):   # SP: block 0 scatters T
+            _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel and block_name == name,
+                          model_type)
+
+
+def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shard_fn: Callable, tp_group,
+                  sequence_parallel: bool, model_type: str | None) -> None:
     block = model.get_submodule(name)
     params = list(block.parameters())
     if not params or any(p.is_meta for p in params):
