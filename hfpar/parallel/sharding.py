@@ -214,11 +214,17 @@ def _with_grad(parameters: Iterable[torch.Tensor], keep) -> list[torch.Tensor]:
             if p.grad is not None and shard_spec(p) is not None and keep(shard_spec(p))]
 
 
+_HOOKED = "_hfpar_partial_grad_hook"   # set on a Parameter whose grad a partial_grad_hooks hook already sums
+
+
 def sync_partial_grads(parameters: Iterable[torch.Tensor]) -> int:
     """SUM the grads of parameters with a partial_grad_group over it (local shards line up under FSDP2:
     every rank of the group has the same dp layout). Once per optimizer step, after the last backward,
-    before clipping. Returns how many grads were synchronised."""
+    before clipping. Parameters whose grad a partial_grad_hooks hook sums in backward are skipped (exactly one
+    reduction: apply_tensor_parallel installs the hooks; a wrapper that replaces the Parameter objects, FSDP2,
+    drops them with the flag, and this sync takes over). Returns how many grads were synchronised."""
     params = _with_grad(parameters, lambda s: s.partial_grad_group is not None)
+    params = [p for p in params if not getattr(p, _HOOKED, False)]
     _sum_grads_over(params, lambda s: s.partial_grad_group)
     return len(params)
 
@@ -226,11 +232,13 @@ def sync_partial_grads(parameters: Iterable[torch.Tensor]) -> int:
 def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
     """The in-backward form of sync_partial_grads, for backends that take grads inside backward (DeepSpeed
     ZeRO reduces and partitions them there): a hook sums each incoming grad over its partial_grad_group
-    before it is accumulated. Every rank of the group runs the same graph, so hooks fire in the same order."""
+    before it is accumulated. Every rank of the group runs the same graph, so hooks fire in the same order.
+    Idempotent: a parameter gets one hook (flagged, so sync_partial_grads skips it); frozen ones none."""
     n = 0
     for p in unique_params(parameters):
         spec = shard_spec(p)
-        if spec is None or spec.partial_grad_group is None or group_size(spec.partial_grad_group) == 1:
+        if (spec is None or spec.partial_grad_group is None or group_size(spec.partial_grad_group) == 1
+                or not p.requires_grad or getattr(p, _HOOKED, False)):
             continue
 
         def hook(grad, group=spec.partial_grad_group):
@@ -239,6 +247,7 @@ def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
             return grad
 
         p.register_hook(hook)
+        setattr(p, _HOOKED, True)
         n += 1
     return n
 

@@ -24,6 +24,10 @@ from tests.helpers.tp_models import DERIVED, MOE_TINY, batch, build, rel
 
 CASES = [(mt, False) for mt in DERIVED] + [("gpt2", False), ("gpt2", True)]
 TOL = 1e-10   # float64
+# OLMo-2's q/k norms run in float32 even in a float64 model (its own RMSNorm casts); sharded, their sum of squares is
+# added in another order (norms.py), so they agree to fp32 rounding, not to fp64's. MiniCPM3 likewise: its latent
+# kv_a_layernorm (float32) is back-propagated per rank's heads and the partial gradients summed after it.
+FAMILY_TOL = {"olmo2": 1e-6, "minicpm3": 1e-6}
 
 
 def _derive(model_type: str, **overrides):
@@ -47,8 +51,7 @@ def test_derived_styles():
 
 
 @pytest.mark.parametrize("model_type, entry, style", [
-    ("olmo2", "layers.*.self_attn.q_proj", "colwise_gather_output"),   # q_norm spans every head
-    ("glm", "layers.*.mlp.gate_up_proj", "colwise_gather_output"),
+    ("granite_swa", "layers.*.self_attn", "local_params"),   # attention sinks as a per-head parameter
 ])
 def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
     from hfpar.parallel.tensor_parallel import (
@@ -65,6 +68,16 @@ def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
     assert not any(shard_spec(p) is not None for p in model.parameters())
 
 
+def test_head_spanning_norms_latent_and_linear_attention():
+    plan = _derive("olmo2")                                       # colwise_gather_output: heads stay sharded
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert plan["model.layers.*.self_attn.q_norm"] == plan["model.layers.*.self_attn.k_norm"] == "sharded_rmsnorm"
+    assert _derive("glm4")["model.layers.*.mlp.gate_up_proj"] == "colwise_packed:gate_up"
+    plan = _derive("minicpm3")                                    # MLA: latent down-projections replicated
+    assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == plan["model.layers.*.self_attn.q_a_proj"] \
+        == "replicated_heads" and plan["model.layers.*.self_attn.kv_b_proj"] == "colwise"
+
+
 def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     from transformers import AutoConfig
 
@@ -73,8 +86,7 @@ def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     plan = _derive("mixtral")
     assert plan["model.layers.*.self_attn"] == "attention" and not any("experts" in k for k in plan), plan
     assert "model.layers.*.mlp" not in plan
-    msg = derived_plan_problem(AutoConfig.for_model("bitnet"))
-    assert "'bitnet' has no hfpar plan and its config no base_model_tp_plan" in msg, msg
+    assert derived_plan_problem(AutoConfig.for_model("bitnet")) is None   # no base_model_tp_plan: inferred at apply
     assert derived_plan_problem(AutoConfig.for_model("granite")) is None
 
 
@@ -154,8 +166,9 @@ def ranks(tmp_path_factory):
 def test_gradients_and_export_match_unsharded(ranks, case):
     for rank, res in enumerate(ranks):
         r = res[case]
-        assert r["names"] and r["grad_worst"][0] < TOL, (rank, r["grad_worst"])
-        assert r["norm_rel"] < TOL, r["norm_rel"]
+        tol = FAMILY_TOL.get(case[0], TOL)
+        assert r["names"] and r["grad_worst"][0] < tol, (rank, r["grad_worst"])
+        assert r["norm_rel"] < tol, r["norm_rel"]
         assert r["sd"] and r["sd_max_abs"] == 0.0, r["sd_max_abs"]
         assert r["heads"] == [2], r["heads"]                                            # 4 heads / tp 2
         proj = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "wte"),
@@ -169,7 +182,7 @@ def test_gradients_and_export_match_unsharded(ranks, case):
         assert not [n for n in r["sharded"] for i in moe_layers if f"layers.{i}.mlp." in n], r["sharded"]
         assert r["head_vocab_parallel"]
     if not case[1]:
-        assert ranks[0][case]["export_rel"] < 1e-10, ranks[0][case]["export_rel"]
+        assert ranks[0][case]["export_rel"] < FAMILY_TOL.get(case[0], 1e-10), ranks[0][case]["export_rel"]
 
 
 def test_untested_derived_family_warns():

@@ -21,7 +21,11 @@ MOE_TINY = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
             "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
             "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                           "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}
-ATTN = {"gemma2": "eager"}
+ATTN = {"gemma2": "eager", "granite_swa": "eager"}
+# multi-head latent attention (MiniCPM3): latent ranks, rope / nope parts of each head, one k/v per head
+MLA_TINY = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+            "head_dim": 8, "num_key_value_heads": 4}
+FAMILY_TINY = {**MOE_TINY, "minicpm3": MLA_TINY}
 
 
 def _no_dropout(cfg):
@@ -35,7 +39,7 @@ def build(model_type: str, seed: int = 0, **overrides):
     if model_type == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, **overrides)
     else:
-        cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE_TINY.get(model_type, {}), **overrides})
+        cfg = AutoConfig.for_model(model_type, **{**TINY, **FAMILY_TINY.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
     kw = {"experts_implementation": "eager"} if model_type in MOE_TINY else {}     # HF's grouped_mm has no fp64
     model = AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation=ATTN.get(model_type, "sdpa"), **kw)

@@ -8,7 +8,7 @@
     out.logits                                             # (B, T, V/tp): this rank's vocab slice
     loss = vocab_parallel_cross_entropy(out.logits[:, :-1], labels[:, 1:], group=tp_group)   # == out.loss
     loss.backward()
-    sync_sequence_parallel_grads(model)                    # replicated params that saw part of the data
+    # replicated params that see part of the heads / tokens (q/k norms, SP norms): summed by apply's own hooks
     clip_tp_grad_norm_(model.parameters(), 1.0)            # counts every shard once (hfpar.parallel.sharding)
     model.save_pretrained(out, state_dict=gather_full_state_dict(model))   # collective; a normal checkpoint
 
@@ -50,15 +50,18 @@ from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_pa
                    group_size, scatter_to_sequence_parallel_region)
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
-                        sync_partial_grads)
+                        shard_spec, sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
+from .infer import infer_plans
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
+from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, moe_block_names, validate_degrees
+from .verify import verify_first_block
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
@@ -162,7 +165,8 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel: bool = False,
-                          plan: Mapping[str, str] | None = None, verify_weights: bool = True) -> nn.Module:
+                          plan: Mapping[str, str] | None = None, verify_weights: bool = True,
+                          verify_plan: bool = True) -> nn.Module:
     """Shard an HF causal LM over `tp_group` (a process group, None = the default group, or a
     hfpar ParallelContext: its tp group), in place; returns it.
 
@@ -172,9 +176,11 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     (B, T, V/tp) (the LM head's weight has a "tp" ShardSpec); `model(..., labels=).loss` is computed from them
     by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
     (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
-    from config.base_model_tp_plan (derived.py) or refused in one line.
-    sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by
-    tp; call `sync_sequence_parallel_grads(model)` after backward (before clipping).
+    from config.base_model_tp_plan (derived.py), or inferred from the modules when the config has none (infer.py),
+    or refused in one line. Every plan is verified on a copy of the first decoder block (verify.py; verify_plan).
+    sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by tp.
+    Replicated parameters whose gradient covers this rank's heads or tokens only (q/k norms on local heads, norms
+    under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
     tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
@@ -189,11 +195,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         return model
     config = getattr(model, "config", None)
     optional: tuple[str, ...] = ()
+    derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
+        elif not getattr(config, "base_model_tp_plan", None):   # inferred from the modules, verified (infer.py)
+            plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
+            verify_weights = verify_plan = False   # both done by _infer for the plan it returns
         else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
             plan = derive_plan(model)
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
@@ -211,7 +221,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
                          "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
-    matched = match_plan(model, plan, optional, allow_unmatched=bool(moe))
+    # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
+    matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -226,6 +237,28 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     if verify_weights:
         _check_replicated(model, tp_group)
 
+    shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
+        verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel,
+                           model_type=getattr(config, "model_type", None))
+    new_modules = shard(model, assigned)
+    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
+        emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
+        head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
+        head.weight = emb.weight
+    # replicated parameters whose grad covers this rank's heads / tokens only: summed over TP inside backward, so a
+    # plain loop is exact (sync_sequence_parallel_grads then skips them: one reduction, never two)
+    partial_grad_hooks(model.parameters())
+    # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
+    install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
+    mark_parallel(model, f"tensor-parallel over {tp} ranks")   # stock DDP / fully_shard refuse it (guard.py)
+    return model
+
+
+def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp: int, tp_group,
+                   sequence_parallel: bool) -> dict[str, nn.Module]:
+    """Replace / hook every module of `assigned` ({name: style}, names relative to `model`) in place; returns the
+    new layers by name. The whole model, or one block's copy for verify_first_block."""
     regions = [n for n, s in assigned.items() if s in _REGIONS]
     gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
@@ -249,6 +282,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         elif base == "colwise_lm_head":   # under SP it gathers T itself, unless a sequence_gather did it before
             new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel and not gathered,
                                                    name=name)
+        elif base == "sharded_rmsnorm":   # a norm over all heads, on this rank's heads (norms.py)
+            new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
         elif base == "rowwise" and is_conv1d(mod):
             new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
         elif base == "rowwise":
@@ -273,14 +308,60 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         new.train(mod.training)
         new_modules[name] = new
         _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
-    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
-        emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
-        head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
-        head.weight = emb.weight
-    # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
-    install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
-    mark_parallel(model, f"tensor-parallel over {tp} ranks")   # stock DDP / fully_shard refuse it (guard.py)
-    return model
+    for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
+        _mark_region_replicated(model.get_submodule(r), tp_group)
+    return new_modules
+
+
+def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
+    """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
+    mt = config.model_type
+    if sequence_parallel:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
+                         f"{', '.join(sorted(TP_PLANS))}); model_type {mt!r} has none (tensor parallel only)")
+    candidates = infer_plans(model)
+    if not candidates:
+        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
+                         "base_model_tp_plan, and no attention / MLP projections were recognised in its first "
+                         "block to infer one from; pass plan={module pattern: style}")
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = inp is not None and out is not None and out.weight is inp.weight
+    why = ""
+    checked = False
+    for plan in candidates:
+        try:
+            matched = match_plan(model, plan, ("colwise_lm_head",))
+            validate_degrees(model, matched, config, tp, False, tied)
+        except ValueError as e:
+            why = str(e).replace("\n  ", "; ")
+            continue
+        if verify_weights and not checked:
+            _check_replicated(model, tp_group)
+            checked = True
+        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=False)
+        try:
+            verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard, tp_group, model_type=mt)
+        except ValueError as e:
+            why = str(e)
+            continue
+        warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
+                      "verified on its first block", stacklevel=3)
+        return plan
+    raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
+                     f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+
+
+def _mark_region_replicated(region: nn.Module, tp_group) -> None:
+    """Replicated parameters a region applies to its local heads / intermediate features (q/k norms without a plan
+    entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
+    over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
+    for m in region.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm)):
+            continue
+        for p in m.parameters(recurse=False):
+            spec = shard_spec(p)
+            if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
+                set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
 
 
 def _localize_heads(attn: nn.Module, config, tp: int) -> None:
@@ -301,7 +382,9 @@ def _localize_heads(attn: nn.Module, config, tp: int) -> None:
 # ShardSpec names its groups, so the `group` arguments below are accepted for compatibility and unused).
 def sync_sequence_parallel_grads(model: nn.Module) -> int:
     """SUM over the TP group the grads of replicated params that saw part of the data (SP norms, q/k norms
-    applied to local heads). Once per optimizer step after the last backward, before clipping."""
+    applied to local heads) and that no backward hook sums already (apply_tensor_parallel installs them; a
+    wrapper that replaces the parameters, FSDP2, drops them). Once per optimizer step after the last backward,
+    before clipping; returns how many grads it summed (0 on a model apply_tensor_parallel returned)."""
     return sync_partial_grads(model.parameters())
 
 

@@ -16,9 +16,16 @@ HF style (transformers 5 configs)   hfpar style
     loss by vocab_parallel_cross_entropy through model.loss_function; optional, task heads stay replicated)
 Routed experts (HF's `*.experts*` entries, moe_tp_experts) are left out: MoE blocks stay whole on every TP rank,
 split by expert parallelism instead (apply_expert_parallel / --ep_size); their attention is tensor-parallel.
-Refused, in one line naming the family and the entry: colwise_gather_output / rowwise_split_input (HF gathers
-the heads because a norm spans all of them, e.g. olmo2's q_norm; hfpar keeps activations head-sharded), MLA,
-local_* and every other style. Derived plans are TP only:
+    colwise_gather_output           HF gathers the full projection back (a norm spans every head, or a packed
+      + rowwise_split_input         layout HF cannot split): hfpar keeps the heads sharded instead: colwise
+                                    (packed by the leaf's name) / rowwise, and the parent's RMSNorms as wide as
+                                    a column output become sharded_rmsnorm (norms.py: sum of squares all-reduced)
+    colwise_gather_output alone     (no rowwise_split_input beside it: Qwen3-Next / Qwen3.5 linear attention) the
+                                    module stays whole and replicated on every rank: exact, not sharded
+    mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
+                                    and the parent's other unlisted Linears such as q_a_proj, stay replicated with
+                                    their partial gradients summed; the per-head up-projections colwise, o rowwise)
+Refused, in one line naming the family and the entry: local_* and every other style. Derived plans are TP only:
 sequence parallelism needs the hand-written plans (their norms and first-layer split are named explicitly).
 """
 
@@ -26,17 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
-from .plans import TP_PLANS
+from .plans import TP_PLANS, compile_pattern
 
 __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
 
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
-_WHY = {"colwise_gather_output": "HF gathers the heads back (a norm spans all heads); hfpar keeps them sharded",
-        "rowwise_split_input": "pairs with colwise_gather_output",
-        "moe_tp_experts": "MoE experts: use apply_expert_parallel", "mla_kv_a_proj": "multi-head latent attention"}
+_WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
+_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj")   # handled in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -63,7 +70,7 @@ def _problem(model_type, hf: Mapping[str, str]) -> str | None:
                 f"base_model_tp_plan (written plans: {', '.join(sorted(TP_PLANS))}; others derived from "
                 f"base_model_tp_plan); pass plan={{module pattern: style}}")
     for key, style in _dense(hf).items():
-        if style not in HF_STYLES:
+        if style not in HF_STYLES and style not in _MAPPED:
             return str(_refuse(model_type, key, style, _WHY.get(style, "unknown to hfpar")))
         if style == "packed_colwise" and _packed_rule(key) is None:
             return str(_refuse(model_type, key, style, "packed parts of an unknown layout"))
@@ -71,8 +78,10 @@ def _problem(model_type, hf: Mapping[str, str]) -> str | None:
 
 
 def derived_plan_problem(config) -> str | None:
-    """Why no plan can be derived from this config (None: it can). Needs no model (for a preflight)."""
-    return _problem(getattr(config, "model_type", None), getattr(config, "base_model_tp_plan", None) or {})
+    """Why no plan can be derived from this config (None: it can, or the config has no base_model_tp_plan and
+    apply_tensor_parallel infers one from the modules, verified or refused there: infer.py). Needs no model."""
+    hf = getattr(config, "base_model_tp_plan", None) or {}
+    return _problem(getattr(config, "model_type", None), hf) if hf else None
 
 
 def _prefix(model: nn.Module) -> str:
@@ -93,14 +102,28 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     prefix = _prefix(model)
     plan: dict[str, str] = {}
     parents: dict[str, list[str]] = {}
-    for key, style in _dense(hf).items():
-        path, ours = prefix + key, HF_STYLES[style]
+    dense = _dense(hf)
+    by_parent: dict[str, set[str]] = {}
+    for key, style in dense.items():
+        by_parent.setdefault(key.rpartition(".")[0], set()).add(style)
+    for key, style in dense.items():
+        kinds = by_parent[key.rpartition(".")[0]]
+        if "colwise_gather_output" in kinds and "rowwise_split_input" not in kinds:
+            continue   # HF keeps the module's output whole: hfpar leaves the module replicated (exact)
+        path = prefix + key
+        if style == "mla_kv_a_proj":
+            plan[path] = "replicated_heads"
+            continue
+        ours = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}.get(style) or HF_STYLES[style]
+        if ours == "colwise" and style == "colwise_gather_output" and _packed_rule(key):
+            ours = "colwise_packed"
         if ours == "colwise_packed":
             ours = f"colwise_packed:{_packed_rule(key)}"
         plan[path] = ours
         if ours.startswith(("colwise", "rowwise")):
             parent, _, leaf = path.rpartition(".")
             parents.setdefault(parent, []).append(leaf)
+    _complete_regions(model, plan, parents, dense, prefix)
     for parent, leaves in parents.items():   # each parent of column/row layers is one TP region
         tail = parent.rpartition(".")[2].lower()
         if tail in ("*", "") or tail.isdigit():   # a decoder layer: its input also feeds the residual
@@ -117,3 +140,30 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     if isinstance(out, nn.Linear) and id(out) in names:
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
+
+
+def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
+                      prefix: str) -> None:
+    """Entries HF's plan leaves implicit, read from the first module each region pattern matches: RMSNorms as wide
+    as one of the region's column outputs (a norm over all heads: sharded_rmsnorm) and, in a multi-head latent
+    attention, the other Linears (q_a_proj: replicated_heads)."""
+    mla = {prefix + k.rpartition(".")[0] for k, s in dense.items() if s == "mla_kv_a_proj"}
+    names = [n for n, _ in model.named_modules()]
+    for parent, leaves in parents.items():
+        rx = compile_pattern(parent)
+        first = next((n for n in names if rx.fullmatch(n)), None)
+        if first is None:
+            continue
+        mod = model.get_submodule(first)
+        widths = {getattr(getattr(mod, leaf, None), "out_features", None) for leaf in leaves}
+        head_dim = getattr(mod, "head_dim", None)
+        for child, m in mod.named_children():
+            key = f"{parent}.{child}"
+            if key in plan:
+                continue
+            w = getattr(m, "weight", None)
+            if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
+                    and w.numel() in widths and w.numel() != head_dim:
+                plan[key] = "sharded_rmsnorm"
+            elif parent in mla and isinstance(m, nn.Linear):
+                plan[key] = "replicated_heads"

@@ -28,7 +28,11 @@ Styles (`apply.py` turns them into layers and hooks):
     replicated_sp        replicated (norms); under sequence parallelism each rank sees T/tp tokens, so
                          the gradient is summed over the TP group (`sync_sequence_parallel_grads`)
     replicated_heads     replicated but applied to this rank's heads only (Qwen3 q_norm / k_norm on
-                         head_dim): forward exact, gradient partial -> summed over TP, with or without SP
+                         head_dim; MLA's latent down-projections): forward exact, gradient partial -> summed
+                         over TP by a backward hook, with or without SP. Every other parameter inside a region
+                         that no entry names is treated the same way (Apertus' learnable activation).
+    sharded_rmsnorm      an RMSNorm over ALL heads (OLMo-2's q_norm over the whole q projection) -> ShardedRMSNorm
+                         (norms.py): weight split like the projection it follows, sum of squares all-reduced
 
 Modules not named by a plan stay replicated (plain parameters, identical on every rank).
 Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
@@ -43,7 +47,7 @@ __all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYL
            "get_plan", "compile_pattern", "packed_splits"]
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
-          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads")
+          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm")
 
 
 def _head_dim(cfg) -> int:
@@ -135,7 +139,12 @@ TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "ge
 # in tests/distributed/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
-                              "qwen3_moe")
+                              "qwen3_moe", "olmo2", "glm4", "minicpm3")
+
+
+# Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
+# (tests/distributed/test_tp_verify.py); every other one is inferred and verified on its first block at apply time
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode",)
 
 
 def get_plan(model_type: str) -> dict[str, str]:

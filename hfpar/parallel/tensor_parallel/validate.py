@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .conv1d import is_conv1d
+from .norms import rmsnorm_problem
 from .plans import compile_pattern, packed_splits
 
 REGIONS = ("attention", "mlp")
@@ -102,6 +103,10 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
             n = getattr(mod, "intermediate_size", None) or getattr(config, "intermediate_size", None)
             if n is not None and n % tp:
                 add(f"intermediate_size {n} is not divisible by tp_size {tp}")
+        elif base == "sharded_rmsnorm":
+            why = rmsnorm_problem(mod, tp)
+            if why:
+                add(why)
         elif base == "vocab_embedding":
             if not isinstance(mod, nn.Embedding):
                 add(f"style {style!r} needs an nn.Embedding, found {type(mod).__name__}")

@@ -1,0 +1,58 @@
+"""Writes the "Families by coverage" section of docs/tensor-parallel.md from the code (plans.py's lists) and, when
+present, the family sweep's result (benchmarks/results/tp_family_sweep.json, written by tp_family_sweep.py).
+
+    python benchmarks/tp_families_doc.py          # rewrites the section between its two markers
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hfpar.parallel.tensor_parallel.plans import (
+    TESTED_DERIVED_MODEL_TYPES,
+    TESTED_INFERRED_MODEL_TYPES,
+    TESTED_MODEL_TYPES,
+    TP_PLANS,
+)
+
+DOC = ROOT / "docs" / "tensor-parallel.md"
+SWEEP = ROOT / "benchmarks" / "results" / "tp_family_sweep.json"
+START, END = "<!-- tp-families:start (benchmarks/tp_families_doc.py) -->", "<!-- tp-families:end -->"
+
+
+def section() -> str:
+    rows = [("written plan (plans.py), parity-tested", sorted(TESTED_MODEL_TYPES)),
+            ("written plan, untested", sorted(set(TP_PLANS) - set(TESTED_MODEL_TYPES))),
+            ("derived from base_model_tp_plan, parity-tested", sorted(TESTED_DERIVED_MODEL_TYPES)),
+            ("inferred from the modules, parity-tested", sorted(TESTED_INFERRED_MODEL_TYPES))]
+    lines = [START, "", "| coverage | model types |", "| --- | --- |"]
+    lines += [f"| {what} | {', '.join(f'`{t}`' for t in types) or '-'} |" for what, types in rows]
+    if SWEEP.exists():
+        res = json.loads(SWEEP.read_text())
+        by = {}
+        for mt, r in sorted(res["results"].items()):
+            by.setdefault(r["status"], []).append(mt)
+        lines += [f"| sweep: {s} ({len(by.get(s, []))}) | {', '.join(f'`{t}`' for t in by.get(s, [])) or '-'} |"
+                  for s in ("exact", "refused", "mismatched")]
+        lines += ["", (f"Sweep (benchmarks/tp_family_sweep.py, TP=2 vs unsharded, loss and every gradient before and "
+                      f"after one SGD step within {res['tol']:g}): {res['counts']['exact']} of {res['in_scope']} "
+                      f"in-scope types exact ({res['counts']['skipped']} skipped with their reason in the JSON).")]
+    else:
+        lines += ["", ("Every other family: a plan derived from its `base_model_tp_plan` or inferred from its modules, "
+                      "verified on its first block at apply time (or refused in one line).")]
+    return "\n".join(lines + ["", END])
+
+
+def main() -> None:
+    text = DOC.read_text()
+    a, b = text.index(START), text.index(END) + len(END)
+    DOC.write_text(text[:a] + section() + text[b:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Tiny models of every causal-LM model type transformers ships, and the TP=2 check the family sweep runs on each
+(benchmarks/tp_family_sweep.py: all of them; tests/distributed/test_tp_family_sweep.py: a representative subset).
+
+    res = run_distributed(sweep_worker, 2, ["olmo2", "falcon"])[0]   # {model_type: {"status": ..., ...}}
+
+A plain user loop: apply_tensor_parallel, model(input_ids, labels=).loss, backward, SGD step; nothing else is called
+(replicated parameters that see part of the heads are summed by apply_tensor_parallel's own hooks). Loss and every
+gradient against the unsharded model, before and after one SGD step, within 1e-4 relative (max |a - b| / max |b| per
+tensor), in float64 by default: some families' fp32 rounding floor is above 1e-4 on their q/k-norm gradients
+(Gemma-4 unified text: the unsharded fp32 model differs from its own fp64 run by 5e-5 at step 0), which is no TP bug.
+Each type ends exact, refused (apply_tensor_parallel's one-line ValueError), mismatched, or skipped (tiny config not
+buildable, encoder-style, pure state-space: the reason kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+TOL = 1e-4
+LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
+DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64   # see below
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
+SHRINK = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 32,
+          "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16,
+          "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+          "num_kv_shared_layers": 0, "sliding_window": 4, "hidden_size_per_layer_input": 16,
+          "vocab_size_per_layer_input": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+          "d_model": 64, "ffn_dim": 128, "n_heads": 4, "n_layers": 2, "num_layers": 2, "ffn_hidden_size": 128,
+          "n_inner": 128, "multi_query": False, "d_ff": 128, "word_embed_proj_dim": 64, "max_seq_len": 64,
+          "attention_chunk_size": 4, "rotary_dim": 8, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0}
+ENCODER_STYLE = ("bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
+                 "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "mvp",
+                 "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+                 "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod", "reformer",
+                 "musicgen", "musicgen_melody", "moshi", "git", "mllama", "got_ocr2", "emu3", "fuyu",
+                 "phi4_multimodal", "moss_transcribe_diarize")
+STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
+
+
+def _no_dropout(cfg) -> None:
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):   # PhiMoE's router noise
+            setattr(cfg, k, 0.0)
+
+
+def tiny_config(model_type: str, layers: int = 2):
+    """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
+    layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
+    from transformers import AutoConfig
+    base = AutoConfig.for_model(model_type)
+    text = base.get_text_config() if hasattr(base, "get_text_config") else base
+    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
+    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    if "qk_rope_head_dim" in over:   # MLA: rotary runs on the rope part of each head; one k/v per head
+        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
+    if text is base:
+        cfg = AutoConfig.for_model(model_type, **over)
+    else:
+        sub = {"text_config": {**text.to_dict(), **over}}
+        cfg = AutoConfig.for_model(model_type, **sub)
+    _no_dropout(cfg)
+    if cfg.get_text_config() is not cfg:
+        _no_dropout(cfg.get_text_config())
+    return cfg
+
+
+def build(model_type: str, seed: int = 0, layers: int = 2):
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(model_type, layers)
+    with torch.device("meta"):   # a size field no shrink rule knows (BLT's hash embeddings): skip, do not OOM
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > 20_000_000:
+        raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters")
+    torch.manual_seed(seed)
+    kw = {"attn_implementation": "eager"}
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", **kw)
+    except (TypeError, ValueError):
+        model = AutoModelForCausalLM.from_config(cfg, **kw)
+    return model.to(DTYPE).train()
+
+
+def batch(vocab: int = 128, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
+    return ids, ids.clone()
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max(max |b|, 1e-6): the floor keeps a gradient that is zero in exact arithmetic (a key bias under
+    softmax's shift invariance: ~1e-9 of rounding on both sides) from reading as a 100 % difference."""
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def _full_grads(model) -> dict:
+    from hfpar.parallel.sharding import shard_spec
+    from hfpar.parallel.tensor_parallel import gather_shards
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        s = shard_spec(p)
+        sharded = s is not None and s.kind == "tp" and s.sharded
+        out[n] = gather_shards(p.grad, s.dim, s.group, s.packed_splits) if sharded else p.grad
+    return out
+
+
+def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
+    """(worst relative difference, its name) over the loss and every gradient (names must match)."""
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    ref_loss.backward()
+    got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"grad names differ: {sorted(set(got) ^ set(want))[:4]}")
+    worst = max([(rel(loss.detach(), ref_loss.detach()), "loss")] + [(rel(got[n], want[n]), n) for n in want])
+    for m in (model, ref):
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-LR)
+    return worst
+
+
+def check(model_type: str) -> dict:
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+    if model_type in ENCODER_STYLE:
+        return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
+    if model_type in STATE_SPACE:
+        return {"status": "skipped", "why": "pure state-space / recurrent model"}
+    for layers in (2, 4):
+        try:
+            model = build(model_type, layers=layers)
+        except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
+            why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
+            continue
+        ref = copy.deepcopy(model)
+        ids, labels = batch(model.get_input_embeddings().num_embeddings)
+        try:
+            ref(input_ids=ids, labels=labels).loss.backward()
+            ref.zero_grad(set_to_none=True)
+            break
+        except Exception as e:  # noqa: BLE001
+            why = f"unsharded tiny model does not train: {type(e).__name__}: {str(e)[:160]}"
+    else:
+        return {"status": "skipped", "why": why}
+    t0 = time.perf_counter()
+    try:
+        apply_tensor_parallel(model, dist.group.WORLD)
+    except ValueError as e:
+        return {"status": "refused", "why": str(e)}
+    apply_s = time.perf_counter() - t0
+    try:
+        (worst, name) = max(_step_compare(model, ref, ids, labels), _step_compare(model, ref, ids, labels))
+    except Exception as e:  # noqa: BLE001
+        return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
+                "trace": traceback.format_exc()[-600:]}
+    return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name,
+            "apply_s": round(apply_s, 3)}
+
+
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
+    """check() every type on this rank (run_distributed); rank 0 prints a line per type when verbose."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    res = {}
+    for mt in types:
+        t0 = time.perf_counter()
+        res[mt] = check(mt)
+        res[mt]["s"] = round(time.perf_counter() - t0, 2)
+        if rank == 0 and verbose:
+            r = res[mt]
+            print(f"{mt:28s} {r['status']:10s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
+                  f"{r.get('why', '')[:220]}", flush=True)
+        dist.barrier()
+    return res
