@@ -13,6 +13,9 @@ global is patched; the two entry points read an attribute of the module they wra
                before any broadcast: the guard is an object whose iteration raises the one-line refusal.
   fully_shard  torch's composable-API contract checks `func in module.__dict__[STATE_KEY]` before sharding: the
                guard is a dict whose membership test raises the refusal for fully_shard / replicate.
+  FSDP (1)     FullyShardedDataParallel.__init__ asks every module whether it composes with it
+               (`"replicate" in module.__dict__[REGISTRY_KEY]`, fsdp._traversal_utils._composable) before any
+               broadcast: the guard is a registry whose membership test for "replicate" raises the refusal.
 Every module holding a sharded parameter (its ancestors included) carries both, so wrapping a submodule (FSDP2's one
 unit per decoder layer) is refused too. hfpar's safe calls (hfpar.integrations, hfpar.backends.wraps) release them.
 """
@@ -23,6 +26,7 @@ import os
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY  # composable APIs applied
 from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY   # where fully_shard keeps its state
 
 __all__ = ["SAFE_CALLS", "mark_parallel", "parallel_record", "refuse_unlaunched", "release"]
@@ -69,6 +73,22 @@ class _RefuseComposable(dict):
         return _RefuseComposable(self.record)
 
 
+class _RefuseFSDP1(dict):
+    """torch's composable-API registry; FSDP1 asks `"replicate" in it` of every module it would wrap: refuses."""
+
+    def __init__(self, record: list[str]) -> None:
+        super().__init__()
+        self.record = record
+
+    def __contains__(self, name) -> bool:
+        if name == "replicate":
+            raise RuntimeError(_message("torch.distributed.fsdp.FullyShardedDataParallel", self.record))
+        return super().__contains__(name)
+
+    def __deepcopy__(self, memo):
+        return _RefuseFSDP1(self.record)
+
+
 def mark_parallel(model: nn.Module, what: str) -> None:
     """Record `what` (e.g. "tensor-parallel over 2 ranks") on the model and guard every module holding a shard."""
     record = [*getattr(model, _RECORD, []), what]
@@ -85,6 +105,9 @@ def mark_parallel(model: nn.Module, what: str) -> None:
         state = module.__dict__.get(_STATE_KEY)
         if state is None or isinstance(state, _RefuseComposable):
             module.__dict__[_STATE_KEY] = _RefuseComposable(record)
+        registry = module.__dict__.get(_REGISTRY_KEY)
+        if registry is None or isinstance(registry, _RefuseFSDP1):
+            module.__dict__[_REGISTRY_KEY] = _RefuseFSDP1(record)
 
 
 def parallel_record(model: nn.Module) -> list[str] | None:
@@ -99,6 +122,8 @@ def release(model: nn.Module) -> None:
             del module.__dict__[_DDP_KEY]
         if isinstance(module.__dict__.get(_STATE_KEY), _RefuseComposable):
             del module.__dict__[_STATE_KEY]
+        if isinstance(module.__dict__.get(_REGISTRY_KEY), _RefuseFSDP1):
+            del module.__dict__[_REGISTRY_KEY]
 
 
 def refuse_unlaunched(what: str) -> None:

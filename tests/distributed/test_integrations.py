@@ -1,6 +1,6 @@
 """hfpar.integrations' model helpers on 2 gloo ranks against the unsharded model: gathered_grads (the debugging
-helper) and the one global norm of clip_grad_norm_ (which finishes the grads), labels= inside full_vocab_logits, the sharding record
-and its release (the entry points themselves: tests/launch/test_integrations.py).
+helper) and the one global norm of clip_grad_norm_ (which finishes the grads), labels= inside full_vocab_logits, the sharding record,
+FSDP1's refusal and the record's release (the entry points themselves: tests/launch/test_integrations.py).
 
     python -m pytest -q tests/distributed/test_integrations.py
 """
@@ -8,6 +8,7 @@ and its release (the entry points themselves: tests/launch/test_integrations.py)
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from hfpar.integrations import clip_grad_norm_, gathered_grads, parallelize
 from hfpar.parallel.guard import parallel_record, release
@@ -36,6 +37,11 @@ def _check(rank, world):
                 out = model(input_ids=ids, attention_mask=mask, labels=labels)
             assert out.logits.shape[-1] == ref.config.vocab_size
             assert rel(out.loss, ref(input_ids=ids, attention_mask=mask, labels=labels).loss) < 1e-5
+        try:                                                                  # FSDP1 refused before any broadcast
+            FullyShardedDataParallel(model)
+            raise AssertionError("FSDP1 accepted a sharded model")
+        except RuntimeError as e:
+            assert "FullyShardedDataParallel of a model that is" in str(e) and "\n" not in str(e), str(e)
         release(model)                                                        # stock DDP accepts it again
         assert isinstance(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []), list)
 

@@ -119,7 +119,7 @@ def run_case(name: str, out: Path, reference_world: int) -> None:
 def refusals(out: Path) -> None:
     """Every unsafe entry point refused in one line (rank 0 writes them)."""
     from accelerate import Accelerator  # (refusal checks only)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from hfpar import apply_tensor_parallel
@@ -143,6 +143,7 @@ def refusals(out: Path) -> None:
         attempt(f"{kind}_trainer", lambda m=model: Trainer(model=m, args=args, train_dataset=[padded(r) for r in rows()]
                                                            ).train())
         attempt(f"{kind}_fully_shard", lambda m=model: fully_shard(m.model.layers[0]))
+        attempt(f"{kind}_fsdp1", lambda m=model: FullyShardedDataParallel(m))
     if dist.get_rank() == 0:
         (out / "refusals.json").write_text(json.dumps(errors, indent=1))
 

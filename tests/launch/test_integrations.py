@@ -54,7 +54,7 @@ def test_trainers_match_one_process_and_unsafe_wraps_are_refused(tmp_path):
 
     refused = json.loads((tmp_path / "dist" / "refusals.json").read_text())
     assert set(refused) == {"unlaunched", *(f"{k}_{e}" for k in ("tp", "ep")
-                                          for e in ("ddp", "accelerate", "trainer", "fully_shard"))}, refused
+                                          for e in ("ddp", "accelerate", "trainer", "fully_shard", "fsdp1"))}, refused
     for what, msg in refused.items():
         assert msg is not None and "\n" not in msg, (what, msg)
         assert ("init_process_group" if what == "unlaunched" else "hfpar.integrations.prepare_trainer") in msg, msg
