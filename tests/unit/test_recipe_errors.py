@@ -51,7 +51,7 @@ def test_cli_rejects_unknown_recipe(capsys):
 
     with pytest.raises(SystemExit) as e:
         cli(["train"])
-    assert e.value.code == 2 and "expected a recipe (sft, clm, classify), got 'train'" in capsys.readouterr().err
+    assert e.value.code == 2 and "expected a recipe (sft, clm, classify, dpo), got 'train'" in capsys.readouterr().err
 
 
 def _bad_input_files(root):
