@@ -13,6 +13,7 @@ from tests.helpers.launch import launch
 from tests.helpers.parity import BACKENDS, COMMON, launch_cases
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`-n 2`, `--dist loadgroup` from pyproject's addopts) a test module runs on one worker,
     so its module fixtures are built once; the modules sharing the session's `backend_runs` (six launches) run on
