@@ -18,6 +18,9 @@ import inspect
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
+# under a ZeRO-3 launch, from_config would build the probe inside deepspeed.zero.Init (which cannot copy meta
+# tensors); transformers' own marker for "zero.Init is already active" keeps the probe a plain meta model
+from transformers.modeling_utils import set_zero3_state
 
 PROBE = "hfpar_cp_probe"
 SUPPORTED_KWARGS = ("sliding_window", "softcap")           # honoured (plan.py / blockwise.py)
@@ -37,7 +40,7 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
     AttentionInterface.register(PROBE, _record(calls))
     name = (getattr(config, "architectures", None) or [getattr(config, "model_type", "model")])[0]
     try:
-        with torch.device("meta"):
+        with set_zero3_state(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=PROBE)
         if "position_ids" not in inspect.signature(model.forward).parameters:
             return [(f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
