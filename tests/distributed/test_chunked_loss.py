@@ -184,11 +184,7 @@ def _tp_worker(rank, world, sp):
     from hfpar.parallel.comm import all_gather
 
     full_head = all_gather(head.weight.grad, dim=0)
-    norm = model.model.norm.weight.grad
-    if sp:  # sequence-parallel norm grads are partial sums over the sequence shards
-        from hfpar.parallel.comm import all_reduce
-
-        norm = all_reduce(norm.clone())
+    norm = model.model.norm.weight.grad   # complete: apply_tensor_parallel sums the sequence-parallel partial grads
     return {"loss": abs(loss - ref_loss) / ref_loss, "head": _rel(full_head, ref_g["lm_head.weight"]),
             "norm": _rel(norm, ref_g["model.norm.weight"])}
 
