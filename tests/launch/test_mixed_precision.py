@@ -32,7 +32,7 @@ from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParall
 from hfpar.backends.wraps import fsdp2_settings
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
-from hfpar.train.losses import shifted_lm_loss_sum
+from hfpar.train.losses import count_targets, shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineStage, balanced_split
@@ -349,6 +349,7 @@ def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
         collator=lambda f: {"input_ids": torch.tensor([x["input_ids"] for x in f]),
                             "labels": torch.tensor([x["input_ids"] for x in f])},
         batch_plan=lambda b: (b, contextlib.nullcontext()), _to_device=lambda b: b, loss_fn=None,
+        count=count_targets, tokens=lambda sample: len(sample["input_ids"]),   # the trainer's defaults (no loss_fn)
         backend=_OverflowingBackend(overflow), sampler=SimpleNamespace(steps_per_epoch=10),
         scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None))
     rec = Trainer._train_step(trainer, 0, [[0, 1]])
