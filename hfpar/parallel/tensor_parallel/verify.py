@@ -145,7 +145,7 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
     dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     args, kwargs = _cast(call, dtype)
     hidden, rebuild = _split_hidden(args, kwargs)
-    ref, sharded = copy.deepcopy(block).to(dtype).eval(), copy.deepcopy(block).to(dtype).eval()
+    ref, sharded = (copy.deepcopy(block, _handles(block)).to(dtype).eval() for _ in range(2))
     rel = {n[len(name) + 1:] if n != name else "": s for n, s in assigned.items()
            if n == name or n.startswith(name + ".")}
     shard_fn(sharded, rel)
@@ -235,3 +235,16 @@ def _rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     if a.shape != b.shape:
         return float("inf")
     return (a.double() - b.double()).abs().max().item() / max(b.abs().max().item(), 1e-5)
+
+
+def _handles(block: nn.Module) -> dict:
+    """deepcopy memo that keeps process groups shared: an expert-parallel block (TP after EP) holds its groups on
+    its modules and in its parameters' ShardSpecs, and a ProcessGroup cannot be copied (nor should it be)."""
+    memo: dict = {}
+    for obj in (*block.modules(), *block.parameters()):
+        for value in vars(obj).values():
+            inner = vars(value).values() if hasattr(value, "__dict__") and not isinstance(value, nn.Module) else ()
+            for x in (value, *inner):
+                if isinstance(x, dist.ProcessGroup):
+                    memo[id(x)] = x
+    return memo
