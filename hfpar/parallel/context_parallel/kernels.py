@@ -79,13 +79,22 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, mask, scale):
     return dq, _unrepeat(dk, n), _unrepeat(dv, n)
 
 
+def _common(*xs):
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return tuple(x.to(dt) for x in xs)
+
+
 def attend(q, k, v, kind: str, mask, scale: float):
     """(out (B, H, tq, D) in q's dtype, lse (B, H, tq)) of one block; kind "full", "causal" or "mask"."""
     fwd = _cpu_forward if q.device.type == "cpu" else _cuda_forward
+    q, k, v = _common(q, k, v)   # under autocast q, k (roped in fp32) and v (bf16) can differ: one dtype, as SDPA
     return fwd(q, k, v, kind == "causal", mask, scale)
 
 
 def attend_backward(dout, q, k, v, out, lse, kind: str, mask, scale: float):
     """This block's (dq, dk, dv), given the merged output and log-sum-exp of its query rows."""
     bwd = _cpu_backward if q.device.type == "cpu" else _cuda_backward
+    dout, q, k, v, out = _common(dout, q, k, v, out)
     return bwd(dout, q, k, v, out, lse, kind == "causal", mask, scale)
