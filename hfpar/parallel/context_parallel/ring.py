@@ -53,15 +53,19 @@ def _wait(handle) -> None:
         w.wait()
 
 
+def _ring_layout(rows, group, local_len: int, pieces: int):
+    """What forward and backward both walk: ring size and rank, (next, previous) global ranks, the K/V pieces'
+    bounds, this rank's query segments, and every rank's zigzag token positions."""
+    cp, r = group_size(group), group_rank(group)
+    peers = (dist.get_global_rank(group, (r + 1) % cp), dist.get_global_rank(group, (r - 1) % cp))
+    src_pos = [zigzag_indices(rows.doc.shape[1], j, cp) for j in range(cp)]
+    return cp, r, peers, _bounds(local_len, pieces), segments(rows.local), src_pos
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rows, group, scale, window, pieces):
-        cp, r = group_size(group), group_rank(group)
-        peers = (dist.get_global_rank(group, (r + 1) % cp), dist.get_global_rank(group, (r - 1) % cp))
-        bounds = _bounds(k.shape[2], pieces)
-        q_segs = segments(rows.local)
-        seq_len = rows.doc.shape[1]
-        src_pos = [zigzag_indices(seq_len, j, cp) for j in range(cp)]
+        cp, r, peers, bounds, q_segs, src_pos = _ring_layout(rows, group, k.shape[2], pieces)
         out, lse = new_state(q)
         hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]     # own pieces: contiguous copies when sent
         for s in range(cp):
@@ -86,12 +90,7 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         rows, group, scale, window, pieces = ctx.meta
         dout = dout.contiguous()
-        cp, r = group_size(group), group_rank(group)
-        peers = (dist.get_global_rank(group, (r + 1) % cp), dist.get_global_rank(group, (r - 1) % cp))
-        bounds = _bounds(k.shape[2], pieces)
-        q_segs = segments(rows.local)
-        seq_len = rows.doc.shape[1]
-        src_pos = [zigzag_indices(seq_len, j, cp) for j in range(cp)]
+        cp, r, peers, bounds, q_segs, src_pos = _ring_layout(rows, group, k.shape[2], pieces)
         acc = lse.dtype
         dq = torch.zeros_like(q, dtype=acc)
         hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]
