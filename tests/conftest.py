@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.launch import launch
 from tests.helpers.parity import BACKENDS, COMMON, launch_cases
+from tests.helpers.reliability import run_args
 from tests.helpers.shared import built_once
 
 
@@ -47,6 +48,17 @@ def single_run(base_model, tmp_path_factory):
         return str(root / "single")
 
     return Path(built_once(tmp_path_factory, "runs", build))
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(base_model, tmp_path_factory) -> Path:
+    """The uninterrupted 16-step DDP run (2 processes) that the reliability tests interrupt and resume
+    (tests/helpers/reliability.py); shared by test_reliability.py and test_slurm.py."""
+    def build(root: Path) -> str:
+        launch("ddp", 2, "sft", run_args(base_model, root / "uninterrupted"))
+        return str(root / "uninterrupted")
+
+    return Path(built_once(tmp_path_factory, "reliability", build))
 
 
 @pytest.fixture(scope="session")
