@@ -25,6 +25,7 @@ import torch
 
 from hfpar.checkpoint.layout import rank_state_file
 from hfpar.config import ConfigError
+from hfpar.parallel.guard import release
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
@@ -61,6 +62,7 @@ class ModelParallelDeepSpeed(EngineSteps, Backend):
         partial_grad_hooks(model.parameters())  # a no-op without partial grads
         saved = [p.detach().clone() for p in experts]
         mpu = DeepSpeedMPU(self.ctx.tp_group, self.ctx.replica_group) if self.ctx.tp > 1 else None
+        release(model)  # the refusal apply_* armed (hfpar.parallel.guard): this DeepSpeed wrap spans the dp group only
         with deepspeed_with_mpu(mpu):
             self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
         self.experts = experts

@@ -16,13 +16,19 @@ global is patched; the two entry points read an attribute of the module they wra
   FSDP (1)     FullyShardedDataParallel.__init__ asks every module whether it composes with it
                (`"replicate" in module.__dict__[REGISTRY_KEY]`, fsdp._traversal_utils._composable) before any
                broadcast: the guard is a registry whose membership test for "replicate" raises the refusal.
+  DeepSpeed    deepspeed.initialize reads nothing of the module that could refuse before it broadcasts rank 0's
+               parameters (accelerator.prepare / Trainer with a DeepSpeed config reach it too). So the refusal comes at
+               the first forward: a pre-hook on the model looks for a DeepSpeedEngine among its callers (the engine's
+               forward calls the model directly) and refuses before any step has run on the broadcast weights.
 Every module holding a sharded parameter (its ancestors included) carries both, so wrapping a submodule (FSDP2's one
-unit per decoder layer) is refused too. hfpar's safe calls (hfpar.integrations, hfpar.backends.wraps) release them.
+unit per decoder layer) is refused too. hfpar's safe calls (hfpar.integrations, hfpar.backends.wraps and hfpar's
+DeepSpeed backends, which give DeepSpeed the dp group) release them.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +39,8 @@ __all__ = ["SAFE_CALLS", "mark_parallel", "parallel_record", "refuse_unlaunched"
 
 _RECORD = "_hfpar_parallel"
 _DDP_KEY = "_ddp_params_and_buffers_to_ignore"
+_ENGINE_HOOK = "_hfpar_engine_hook"
+_ENGINE_DEPTH = 6   # frames between a DeepSpeedEngine's forward and the model's pre-hook (Module._call_impl's)
 SAFE_CALLS = ("hfpar.integrations.prepare_trainer(trainer) before trainer.train() (Trainer, TRL), or "
               "hfpar.integrations.prepare_accelerator(accelerator) before accelerator.prepare(model) "
               "(docs/own-code.md)")
@@ -89,10 +97,33 @@ class _RefuseFSDP1(dict):
         return _RefuseFSDP1(self.record)
 
 
+def _refuse_engine(module: nn.Module, args) -> None:
+    """Forward pre-hook: refuse a forward called by a DeepSpeedEngine while the model is still guarded (hfpar's own
+    DeepSpeed backends release it first). Costs a frame walk per forward only once deepspeed is imported."""
+    guard = module.__dict__.get(_DDP_KEY)
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    if engine is None or not isinstance(guard, _RefuseDDP):
+        return
+    frame = sys._getframe(1)
+    for _ in range(_ENGINE_DEPTH):
+        if frame is None:
+            return
+        if isinstance(frame.f_locals.get("self"), engine.DeepSpeedEngine):
+            raise RuntimeError(
+                f"hfpar: deepspeed.initialize (a DeepSpeedEngine, also what accelerator.prepare / Trainer build from a "
+                f"DeepSpeed config) of a model that is {' and '.join(guard.record)} broadcast rank 0's shards over the "
+                "whole world (silently wrong); ZeRO over hfpar's TP / EP is hfpar's recipes' path (zero1.yaml / "
+                "zero2.yaml with --tp_size / --ep_size), in your own code use a DDP config with " + SAFE_CALLS)
+        frame = frame.f_back
+
+
 def mark_parallel(model: nn.Module, what: str) -> None:
     """Record `what` (e.g. "tensor-parallel over 2 ranks") on the model and guard every module holding a shard."""
     record = [*getattr(model, _RECORD, []), what]
     model.__dict__[_RECORD] = record
+    if _ENGINE_HOOK not in model.__dict__:
+        model.register_forward_pre_hook(_refuse_engine)
+        model.__dict__[_ENGINE_HOOK] = True
     holders = {""}
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = getattr(p, "_hfpar_shard", None)                    # hfpar.parallel.sharding's record

@@ -1,12 +1,13 @@
 """hfpar.integrations' model helpers on 2 gloo ranks against the unsharded model: gathered_grads (the debugging
 helper) and the one global norm of clip_grad_norm_ (which finishes the grads), labels= inside full_vocab_logits, the sharding record,
-FSDP1's refusal and the record's release (the entry points themselves: tests/launch/test_integrations.py).
+FSDP1's and a DeepSpeed engine's refusals and the record's release (the entry points themselves: tests/launch/test_integrations.py).
 
     python -m pytest -q tests/distributed/test_integrations.py
 """
 
 from __future__ import annotations
 
+import deepspeed
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -15,6 +16,8 @@ from hfpar.parallel.guard import parallel_record, release
 from hfpar.parallel.tensor_parallel import full_vocab_logits
 from tests.helpers.dist import run_distributed
 from tests.helpers.tp_models import batch, build, rel
+
+DEEPSPEED = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
 
 
 def _check(rank, world):
@@ -42,6 +45,13 @@ def _check(rank, world):
             raise AssertionError("FSDP1 accepted a sharded model")
         except RuntimeError as e:
             assert "FullyShardedDataParallel of a model that is" in str(e) and "\n" not in str(e), str(e)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=DEEPSPEED)   # nothing of the model to refuse on: its first forward
+        try:
+            engine(input_ids=ids, attention_mask=mask, labels=labels)
+            raise AssertionError("a DeepSpeed engine ran a sharded model")
+        except RuntimeError as e:
+            assert "hfpar: deepspeed.initialize" in str(e) and "\n" not in str(e), str(e)
         release(model)                                                        # stock DDP accepts it again
         assert isinstance(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []), list)
 
