@@ -31,7 +31,8 @@ TOKENIZER = Path(__file__).resolve().parents[2] / "hfpar" / "assets" / "tiny"
 MOE = {"qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 64, "router_aux_loss_coef": 0.0},
        "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0}}
-# name: (trainer, model_type, tp, ep); the world is tp x dp, dp = world / tp
+# name: (trainer, model_type, tp, ep[, "bf16"]); the world is tp x dp, dp = world / tp; fp32 unless "bf16" (autocast,
+# fp32 master weights: Trainer's bf16=True)
 CASES = {
     "trainer_qwen2_tp2": ("trainer", "qwen2", 2, 1),
     "trainer_olmoe_ep2": ("trainer", "olmoe", 1, 2),
@@ -40,6 +41,8 @@ CASES = {
     "dpo_qwen3_tp2": ("dpo", "qwen3", 2, 1),
     "dpo_olmoe_ep2": ("dpo", "olmoe", 1, 2),
     "trainer_qwen2_moe_tp2_ep2": ("trainer", "qwen2_moe", 2, 2),
+    "trainer_qwen2_tp2_bf16": ("trainer", "qwen2", 2, 1, "bf16"),
+    "trainer_olmoe_ep2_bf16": ("trainer", "olmoe", 1, 2, "bf16"),
 }
 STEPS, ACCUM, ROWS, MAX_NORM = 8, 2, 32, 0.05
 
@@ -68,17 +71,17 @@ def padded(r: dict, length: int = 16) -> dict:
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
 
 
-def config_kwargs(out: Path, per_device: int) -> dict:
+def config_kwargs(out: Path, per_device: int, bf16: bool = False) -> dict:
     return {"output_dir": str(out), "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ACCUM,
             "max_steps": STEPS, "optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant",
             "max_grad_norm": MAX_NORM, "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True,
-            "seed": 0, "disable_tqdm": True, "bf16": False}  # fp32 (TRL's configs default to bf16)
+            "seed": 0, "disable_tqdm": True, "bf16": bf16}  # fp32 unless asked (TRL's configs default to bf16)
 
 
-def build_trainer(kind: str, model, ref_model, out: Path, per_device: int):
+def build_trainer(kind: str, model, ref_model, out: Path, per_device: int, bf16: bool = False):
     if kind == "trainer":
         from transformers import default_data_collator  # (per kind: TRL imports are heavy)
-        return Trainer(model=model, args=TrainingArguments(**config_kwargs(out, per_device)),
+        return Trainer(model=model, args=TrainingArguments(**config_kwargs(out, per_device, bf16)),
                        train_dataset=[padded(r) for r in rows()], data_collator=default_data_collator)
     from datasets import Dataset  # (TRL cases only)
     tok = PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
@@ -97,7 +100,7 @@ def build_trainer(kind: str, model, ref_model, out: Path, per_device: int):
 
 
 def run_case(name: str, out: Path, reference_world: int) -> None:
-    kind, model_type, tp, ep = CASES[name]
+    kind, model_type, tp, ep, *precision = CASES[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = 2 * (reference_world // tp if world == 1 else 1)  # one process: the global batch (x dp rows)
     model = tiny(model_type)
@@ -106,7 +109,7 @@ def run_case(name: str, out: Path, reference_world: int) -> None:
         parallelize(model, tp_size=tp, ep_size=ep)
         if ref is not None:
             parallelize(ref, tp_size=tp, ep_size=ep)
-    trainer = build_trainer(kind, model, ref, out / name, per_device)
+    trainer = build_trainer(kind, model, ref, out / name, per_device, bf16=precision == ["bf16"])
     if world > 1:
         prepare_trainer(trainer)
     trainer.train()
