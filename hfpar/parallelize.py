@@ -113,7 +113,7 @@ def parallelize(model, args, ctx, task: str) -> tuple:
         info.update(pp_schedule=args.pp_schedule, pp_microbatches=m,
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
         if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
-            model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds)   # LoRA / TP / FSDP2 / ZeRO-1: refused (preflight)
+            model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds, peft_model=peft_model)
             info.update(pp_virtual_stages=stages // ctx.pp, pp_stage_layers=chunk_layers(bounds, ctx.pp))
         else:
             model = PipelineStage(hf, ctx.pp_rank, bounds, peft_model=peft_model)

@@ -196,11 +196,6 @@ def pp_feature_problems(args, task: str) -> list[str]:
     elif args.pp_schedule == "interleaved_1f1b" and m % args.pp_size:
         p.append(f"--pp_microbatches {m}: interleaved_1f1b needs a multiple of --pp_size {args.pp_size} that divides "
                  f"--per_device_train_batch_size {args.per_device_train_batch_size}")
-    if args.pp_schedule == "interleaved_1f1b":
-        others = [f for f, on in (("--tp_size", args.tp_size > 1), ("--use_peft", args.use_peft)) if on]
-        if others:
-            p.append(f"--pp_schedule interleaved_1f1b with {' and '.join(others)}: not supported yet; use --pp_schedule "
-                     "1f1b (which composes with them) or drop the option")
     return p
 
 

@@ -31,11 +31,6 @@ from .model_parallel import ModelParallelBackend
 from .wraps import FullyShard, HfparAllReduce
 
 
-def interleaved_refusal(strategy: str) -> str:
-    return (f"--pp_schedule interleaved_1f1b with {strategy}: not supported yet (its chunks run with single and ddp "
-            "configs); use --pp_schedule 1f1b, or ddp.yaml")
-
-
 class PipelineBackend(ModelParallelBackend):
     """The schedule's forward / backward, the grad norm over the stages, the export merged over the pipeline;
     the data-parallel wrap of the stage is the `data_parallel` component's."""
@@ -121,8 +116,3 @@ class PipelineFSDP2(PipelineBackend):
     name = "pipeline over FSDP2"
     short = "hfpar pipeline FSDP2"
     data_parallel = FullyShard     # the config's mixed-precision policy, resharding (offload refused by its check)
-
-    @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        p = super().check(args, ctx, strategy, mixed_precision)   # the same FSDP2 settings apply
-        return p + ([interleaved_refusal(strategy)] if args.pp_schedule == "interleaved_1f1b" else [])

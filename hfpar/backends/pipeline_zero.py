@@ -23,7 +23,7 @@ from __future__ import annotations
 from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import sync_partial_grads
 
-from .pipeline import PipelineBackend, interleaved_refusal
+from .pipeline import PipelineBackend
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
 
@@ -44,8 +44,6 @@ class PipelineZeRO1(EngineSteps, PipelineBackend):
         if args.on_nonfinite == "skip":
             p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer before the trainer sees "
                      "the grad norm, so a step cannot be skipped; use --on_nonfinite error")
-        if args.pp_schedule == "interleaved_1f1b":
-            p.append(interleaved_refusal(strategy))
         return p
 
     def prepare(self, stage) -> None:

@@ -51,8 +51,10 @@ RUNS = {
     "fsdp2_merged": ("fsdp2", 2, "sft", ["--merge_adapter"]),
     "classify": ("single", 1, "classify", ["--max_steps", "4"]),
     "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
-    # two pipeline stages (dp 1: global batch 8), each holding its layers' adapters; the stages merged at export
-    "pp2_merged": ("ddp", 2, "sft", ["--pp_size", "2", "--per_device_train_batch_size", "4", "--merge_adapter"]),
+    # two pipeline ranks (dp 1: global batch 8), interleaved: each holds 2 chunks of 1 layer with their adapters; the
+    # chunks merged at export (1F1B stages share the same PipelineStage code: each chunk is one)
+    "pp2_merged": ("ddp", 2, "sft", ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "4",
+                                     "--per_device_train_batch_size", "4", "--merge_adapter"]),
 }
 
 

@@ -1,9 +1,10 @@
 """Pipeline parallelism end to end (`--pp_size` through the sft recipe under ddp / fsdp2 / zero1), parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: pp=2 with GPipe and with 1F1B (2 processes), pp=2 with
-activation checkpointing and an uneven manual split (--pp_split 0,1), interleaved 1F1B (2 chunks of 1 layer per
-rank: virtual stages r and r + 2), pp=2 x dp=2, pp=4, pp=2 x tp=2 with sequence parallelism (ddp.yaml), pp=2 x dp=2
-under fsdp2.yaml and under zero1.yaml (4 processes) and pp=2 x dp=2 x tp=2 under fsdp2.yaml (8 processes): per-step
+activation checkpointing and an uneven manual split (--pp_split 0,1), pp=2 x dp=2, pp=4, pp=2 x tp=2 with sequence
+parallelism (ddp.yaml); interleaved 1F1B (2 chunks of 1 layer per rank: virtual stages r and r + 2) with tp=2 and
+sequence parallelism (ddp.yaml), and with dp=2 under fsdp2.yaml and under zero1.yaml (4 processes); pp=2 x dp=2 x
+tp=2 under fsdp2.yaml (8 processes): per-step
 loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
 reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 x tp=2 and under pp=2 x FSDP2
 reproduces steps 5-8. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
@@ -21,20 +22,23 @@ from tests.helpers.planting import assert_no_planted_payload_runs
 
 pytestmark = pytest.mark.slow
 
+INTERLEAVED = ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b"]   # 2 chunks of 1 layer per rank
 CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "pp2_gpipe": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "gpipe"]),
     "pp2_1f1b": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "1f1b"]),
     "pp2_checkpointing_split": ("ddp", 2, "4", ["--pp_size", "2", "--gradient_checkpointing", "--pp_split", "0,1",
                                                 "--pp_microbatches", "2"]),
-    "pp2_interleaved": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "4"]),
+    # interleaved 1F1B (2 chunks per rank), each chunk tensor-parallel with sequence parallelism, dp 1
+    "pp2_interleaved_tp2_sp": ("ddp", 4, "4", [*INTERLEAVED, "--pp_microbatches", "4", "--tp_size", "2",
+                                               "--sequence_parallel"]),
     "pp2_dp2": ("ddp", 4, "2", ["--pp_size", "2"]),
     "pp4": ("ddp", 4, "4", ["--pp_size", "4", "--pp_microbatches", "4"]),
     # each stage tensor-parallel (sequence-parallel: boundary activations are (B, T/tp, H) per TP rank), dp 1
     "pp2_tp2_sp": ("ddp", 4, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
-    # each stage fully_shard-ed over its dp group of 2
-    "pp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"]),
-    # each stage's optimizer state partitioned by DeepSpeed ZeRO-1 over its dp group of 2 (fp32 only)
-    "pp2_dp2_zero1": ("zero1", 4, "2", ["--pp_size", "2"]),
+    # each rank's chunks (interleaved) fully_shard-ed over its dp group of 2 (1F1B stages: pp2_tp2_dp2_fsdp2 below)
+    "pp2_interleaved_dp2_fsdp2": ("fsdp2", 4, "2", [*INTERLEAVED, "--pp_microbatches", "2"]),
+    # each rank's chunks' optimizer state partitioned by DeepSpeed ZeRO-1 over its dp group of 2 (fp32 only)
+    "pp2_interleaved_dp2_zero1": ("zero1", 4, "2", [*INTERLEAVED, "--pp_microbatches", "2"]),
     # both: each stage tensor-parallel (no SP: the full-length boundary states), its TP shards fully_shard-ed over dp
     "pp2_tp2_dp2_fsdp2": ("fsdp2", 8, "2", ["--pp_size", "2", "--tp_size", "2"]),
 }
@@ -86,10 +90,10 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
         assert stages == [[0, 1], [1, 4]]
 
 
-@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_dp2_fsdp2", "pp2_interleaved"])
+@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp"])
 def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, case):
-    """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor stages, and
-    interleaved chunks (each rank's two chunks in one state)."""
+    """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor chunks, and
+    TP-sharded interleaved chunks (each rank's two chunks in one state)."""
     assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case)
 
 
@@ -123,7 +127,7 @@ def test_pp_tied_embeddings_match_single(tied_runs):
     assert rel_close(export_eval_loss(tied_runs["tied_pp2"]), got_eval[-1]["eval_loss"], 1e-4)
 
 
-@pytest.mark.parametrize("case", ["pp2_dp2_fsdp2", "pp2_dp2_zero1"])
+@pytest.mark.parametrize("case", ["pp2_interleaved_dp2_fsdp2", "pp2_interleaved_dp2_zero1"])
 def test_pp_planted_pickle_never_runs(pp_runs, case, tmp_path):
     """Per-stage files (FSDP2) / DeepSpeed's stage files (ZeRO-1) each replaced by a pickle payload: refused, never
     run."""

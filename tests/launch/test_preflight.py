@@ -292,17 +292,14 @@ def test_interleaved_pipeline_refusals():
     assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
                    "valid: a batch that is a multiple of 2"]
     assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
-    # the chunks compose with single / ddp configs only for now: TP, LoRA, FSDP2 and ZeRO-1 refused in one line each
-    both = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--tp_size", "2", "--use_peft"), "lm")
-    assert both == ["--pp_schedule interleaved_1f1b with --tp_size and --use_peft: not supported yet; use --pp_schedule "
-                    "1f1b (which composes with them) or drop the option"]
+    # the chunks compose like one stage per rank: TP, LoRA, FSDP2 and ZeRO-1 accepted (parity: test_pp_parity.py,
+    # test_lora.py)
+    assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--tp_size", "2", "--use_peft"), "lm") == []
     from hfpar.backends import PipelineFSDP2, PipelineZeRO1, select_backend
     assert select_backend("fsdp2", ("pp",), {"pp": 2}) is PipelineFSDP2
     for cls, strategy in ((PipelineFSDP2, "fsdp2"), (PipelineZeRO1, "zero1")):
-        assert cls.check(_args("--pp_size", "2", *inter), ParallelContext.plan(4, pp=2), strategy, "no") == [
-            f"--pp_schedule interleaved_1f1b with {strategy}: not supported yet (its chunks run with single and ddp "
-            "configs); use --pp_schedule 1f1b, or ddp.yaml"]
-        assert cls.check(_args("--pp_size", "2"), ParallelContext.plan(4, pp=2), strategy, "no") == []
+        for flags in ((), inter):
+            assert cls.check(_args("--pp_size", "2", *flags), ParallelContext.plan(4, pp=2), strategy, "no") == []
 
 
 def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):

@@ -39,6 +39,18 @@ def model_shell(model: nn.Module) -> nn.Module:
     return lm
 
 
+def _trim(model: nn.Module, first: bool, last: bool) -> None:
+    """The full model's own layer list emptied (each chunk's shell holds its layers), and the embedding / norm / head
+    removed where this rank holds no first / last virtual stage: only the chunks keep parameters alive."""
+    base = _base(model)
+    base.layers = nn.ModuleList()
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = nn.Identity()
+        model.lm_head = None
+
+
 def chunk_layers(bounds: list[int], pp: int) -> list[list[list[int]]]:
     """[[[start, stop] of each chunk of rank r] for r in ranks] (run_info's pp_stage_layers when interleaved)."""
     stages = len(bounds) - 1
@@ -48,20 +60,40 @@ def chunk_layers(bounds: list[int], pp: int) -> list[list[list[int]]]:
 class PipelineChunks(nn.Module):
     """The V = (len(bounds) - 1) / pp chunks of pipeline rank `rank` (the model trimmed; keep no other reference)."""
 
-    def __init__(self, model: nn.Module, rank: int, pp: int, bounds: list[int]):
+    def __init__(self, model: nn.Module, rank: int, pp: int, bounds: list[int], peft_model: nn.Module | None = None):
         super().__init__()
         stages = len(bounds) - 1
         if stages % pp or stages < 2 * pp:
             raise ValueError(f"interleaved pipeline: {stages} virtual stages are not a multiple >= 2 of --pp_size {pp}")
-        self.chunks = nn.ModuleList(PipelineStage(model_shell(model), v, bounds) for v in range(rank, stages, pp))
+        self.chunks = nn.ModuleList(PipelineStage(model_shell(model), v, bounds, peft_model=peft_model)
+                                    for v in range(rank, stages, pp))
+        self._peft = [peft_model] if peft_model is not None else []   # a list: not a registered submodule
         self.stage_index, self.num_stages = rank, pp
         self.is_first, self.is_last = self.chunks[0].is_first, self.chunks[-1].is_last
         self.ties_embeddings = self.chunks[0].ties_embeddings
         self.full_config = model.config
+        if peft_model is not None:   # LoRA: the PEFT model keeps `model` alive (its config and adapter config are
+            _trim(model, self.is_first, self.is_last)   # what the export reads): drop what the chunks do not hold
 
-    peft_model = None   # LoRA with interleaved chunks is refused by the preflight
+    @property
+    def peft_model(self):
+        """The PEFT model (LoRA) whose base model the chunks are shells of, or None."""
+        return self._peft[0] if self._peft else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head, on the rank holding the last virtual stage (vocab-parallel under TP, which selects the
+        loss and the chunked loss, as for a PipelineStage), else None."""
+        return self.chunks[-1].get_output_embeddings()
+
+    def hook_first_layer(self) -> None:
+        """Re-register every later chunk's received-states pre-hook ahead of a data-parallel wrapper's (FSDP2)."""
+        for c in self.chunks:
+            if not c.is_first:
+                c.hook_first_layer()
 
     def forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
+        """Chunk `chunk`'s forward, called through this module so that a data-parallel wrapper of the whole rank
+        (FSDP2's root unit: embedding, final norm, LM head) runs its own hooks around every chunk."""
         return self.chunks[chunk](x, **kwargs)
 
     @property

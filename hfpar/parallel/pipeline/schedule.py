@@ -109,7 +109,7 @@ class PipelineRunner:
         self.stage, self.peers, self.group = stage, peers, group
         self.autocast = autocast or contextlib.nullcontext
         self.chunks = list(getattr(stage, "chunks", [stage]))   # chunk c of rank r: virtual stage c x p + r
-        self.models = [model if model is not None else stage] if len(self.chunks) == 1 else self.chunks
+        self.model = model if model is not None else stage   # chunks: called as model(x, chunk=c) (PipelineChunks)
         if schedule == "interleaved_1f1b" and len(self.chunks) < 2:
             raise ValueError("--pp_schedule interleaved_1f1b: the rank holds one stage; build PipelineChunks")
         if schedule != "interleaved_1f1b" and len(self.chunks) > 1:
@@ -159,8 +159,9 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ one step
     def _forward(self, c: int, mb: dict, x: torch.Tensor) -> torch.Tensor:
-        return self.models[c](x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"),
-                              seq_len=mb["input_ids"].shape[1])
+        kw = {"chunk": c} if len(self.chunks) > 1 else {}
+        return self.model(x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"),
+                          seq_len=mb["input_ids"].shape[1], **kw)
 
     def train(self, batch: dict, loss_fn, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         mbs = split_microbatches(batch, self.m)
