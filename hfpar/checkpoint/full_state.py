@@ -1,0 +1,132 @@
+"""The mesh-independent form of a checkpoint: full tensors under the HF parameter names, for the model and for each
+optimizer state, read from whatever layout wrote it. Resume on another mesh loads it through the new layout's own
+sharding (the backends' load_full_state); `hfpar export` writes its model part.
+
+    full = read_full_state(ckpt)               # FullState(model={name: tensor}, optim={name: {"exp_avg": ..., ...}})
+    weights = read_full_state(ckpt, optimizer=False).model
+
+Layouts read (each knows how its shards map to full tensors):
+  rank files      rank<r>_of<world>.pt / tp_rank<t>_of<tp>.pt of the TP / EP / pipeline backends: each holds its local
+                  tensors and their piece_layout (hfpar.parallel.pieces: ShardSpec, DTensor offsets, the HF name), so
+                  the pieces join back offline; data-parallel replicas repeat pieces, taken once
+  accelerate      model.safetensors + optimizer.bin (single, DDP, CP): the optimizer's parameter order is recorded
+                  in optimizer_params.json (HF names) when the checkpoint is written
+  dcp             FSDP2 (Accelerate's): torch.distributed.checkpoint read without a process group into full tensors
+                  (the optimizer's state is keyed by parameter name already)
+  deepspeed       ZeRO-1/2/3 (one model-parallel rank): DeepSpeed's flat fp32 partitions joined the way its
+                  zero_to_fp32 joins the weights (its own functions), applied to exp_avg / exp_avg_sq as well
+Every read runs inside safe_load.safe_loading() (the caller's): torch.load with weights_only=True, DCP's metadata
+through the restricted unpickler. Reads are whole-checkpoint on each process (fine for the models a checkpoint of
+this size holds; a per-parameter streaming reader is the next step for large ones).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hfpar.checkpoint import layout
+from hfpar.checkpoint.safe_load import CheckpointError
+from hfpar.parallel.pieces import join_pieces
+
+OPTIMIZER_PARAMS = "optimizer_params.json"   # HF names of optimizer.bin's parameter indices (accelerate layout)
+STATES = ("exp_avg", "exp_avg_sq", "step")    # AdamW's per-parameter state
+
+
+@dataclass
+class FullState:
+    model: dict[str, torch.Tensor]
+    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    kind: str = ""
+
+
+def read_full_state(ckpt: str | Path, optimizer: bool = True) -> FullState:
+    """The checkpoint's full model (and optimizer) state under HF names; CheckpointError (one line) when its layout
+    cannot be read into that form."""
+    ckpt = Path(ckpt)
+    if any(ckpt.glob("rank*_of*.pt")) or any(ckpt.glob("tp_rank*_of*.pt")):
+        return _rank_files(ckpt, optimizer)
+    kind = layout.model_state_kind(ckpt)
+    if kind in ("safetensors", "bin"):
+        return _accelerate(ckpt, kind, optimizer)
+    if kind == "dcp":
+        return _dcp(ckpt, optimizer)
+    if kind == "deepspeed":
+        # here, not at the top: DeepSpeed is an optional dependency and its import takes seconds
+        from hfpar.checkpoint.zero_state import read_zero_state  # noqa: PLC0415
+
+        model, optim = read_zero_state(ckpt, optimizer)
+        return FullState(model, optim, "deepspeed")
+    raise CheckpointError(f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/, a DeepSpeed "
+                          "'latest' file or per-rank files); is it a checkpoint-<step> directory?")
+
+
+def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
+    files = sorted(ckpt.glob("rank*_of*.pt")) + sorted(ckpt.glob("tp_rank*_of*.pt"))
+    pieces: dict[str, list] = {}
+    opt_pieces: dict[str, dict[str, list]] = {}
+    for f in files:
+        saved = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        where = saved.get("layout")
+        if where is None or "model" not in saved:
+            raise CheckpointError(f"{f}: per-rank file without the piece layout (written by a backend whose "
+                                  "checkpoints resume on their own mesh only, or by an older hfpar)")
+        for key, t in saved["model"].items():
+            pieces.setdefault(where[key]["name"], []).append((where[key], t))
+        if optimizer:
+            keys = saved["optimizer_keys"]
+            for idx, st in saved["optimizer"]["state"].items():
+                desc = where[keys[int(idx)]]
+                for k, v in st.items():
+                    opt_pieces.setdefault(desc["name"], {}).setdefault(k, []).append((desc, v))
+    try:
+        model = {name: join_pieces(p) for name, p in pieces.items()}
+        optim = {name: {k: join_pieces(p) for k, p in st.items()} for name, st in opt_pieces.items()}
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt}: per-rank files incomplete ({exc}); a file is missing") from None
+    return FullState(model, optim, "rank files")
+
+
+def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:
+    if kind == "safetensors":
+        model = load_file(str(ckpt / "model.safetensors"))
+    else:
+        model = torch.load(ckpt / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    optim = {}
+    if optimizer:
+        names_file = ckpt / OPTIMIZER_PARAMS
+        if not names_file.is_file():
+            raise CheckpointError(f"{ckpt}: no {OPTIMIZER_PARAMS} (written by an older hfpar): its optimizer state "
+                                  "cannot be matched to parameters on another mesh")
+        names = json.loads(names_file.read_text())
+        saved = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)
+        optim = {names[int(idx)]: dict(st) for idx, st in saved["state"].items()}
+    return FullState(model, optim, "accelerate")
+
+
+def _dcp_read(path: Path) -> dict:
+    """A DCP directory into full tensors, without a process group (what dcp_to_torch_save does, kept in memory)."""
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415  (torch's private helpers below)
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
+
+
+def _dcp(ckpt: Path, optimizer: bool) -> FullState:
+    model = _dcp_read(ckpt / "pytorch_model_fsdp_0")
+    model = model.get("model", model)  # Accelerate saves {"model": model.state_dict()}
+    optim = {}
+    if optimizer:
+        opt_dir = ckpt / "optimizer_0"
+        saved = _dcp_read(opt_dir)
+        saved = saved.get("optimizer", saved)
+        optim = {name: dict(st) for name, st in saved["state"].items()}
+    return FullState(model, optim, "dcp")
