@@ -48,8 +48,9 @@ from hfpar.checkpoint.layout import (
     staging_dir,
     verified,
 )
+from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.manifest import write_manifest
-from hfpar.checkpoint.rank_state import load_rng, save_rng
+from hfpar.checkpoint.rank_state import load_rng, rng_accelerate_step, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
 
@@ -93,7 +94,9 @@ class Checkpointer:
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
                 "pp": c.pp, "pp_virtual_stages": self.pp_virtual_stages, "strategy": self.backend.strategy,
-                "seed": self.seed, "global_batch": self.global_batch,
+                "seed": self.seed, "global_batch": self.global_batch, "peft": self.peft,
+                # its full form can be read on another mesh (full_state.py): resume there, export
+                "reshardable": self.backend.writes_full_state() and not self.peft,
                 **({"identity": self.identity} if self.identity is not None else {})}
 
     def watch_signals(self, names: str) -> None:
@@ -152,6 +155,8 @@ class Checkpointer:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
         check_dcp_metadata(path)
+        if self.backend.resume_mode(read_trainer_state(path), self.pp_virtual_stages) == "reshard":
+            return self._load_resharded(path)
         with safe_loading(path):
             state = load_checkpoint(self.acc, path)
             self.backend.load_rank_state(path)
@@ -166,6 +171,28 @@ class Checkpointer:
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); "
                                   "the resume would not be exact") from None
+        return state
+
+    def _load_resharded(self, path: Path) -> dict:
+        """Collective: a checkpoint of another mesh (the preflight accepted it): its full form read by every rank,
+        each loading its own pieces through this run's layout; scheduler and data position exact. The RNG streams
+        are per rank: with the same world size each rank's are restored, else they start from --seed (the tiny
+        test models have no dropout: the training is then exact too)."""
+        state = read_trainer_state(path)
+        with safe_loading(path):
+            full = read_full_state(path)
+        self.backend.load_full_state(full)
+        del full
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+            for group, lr in zip(self.backend.base_optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr  # what optimizer.load_state_dict restores on the native path
+        same_world = state.get("world_size") == self.ctx.world
+        self.acc.step = (load_rng(path, self.acc.process_index) if same_world else rng_accelerate_step(path, 0))
+        theirs = " ".join(f"{k} {state.get(k, 1)}" for k in ("dp", "tp", "ep", "cp", "pp"))
+        self.acc.print(f"[hfpar] resharded {path} ({state.get('strategy')} x {state.get('world_size')}: {theirs}) onto "
+                       f"{self.backend.strategy} x {self.ctx.world}: model and optimizer state from full tensors"
+                       + ("" if same_world else "; random generators start from --seed (another world size)"))
         return state
 
     def export_final(self) -> None:
