@@ -28,13 +28,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import (
+    _EmptyStateDictLoadPlanner,  # as dcp_to_torch_save uses them
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from hfpar.checkpoint import layout
 from hfpar.checkpoint.safe_load import CheckpointError
 from hfpar.parallel.pieces import join_pieces
 
 OPTIMIZER_PARAMS = "optimizer_params.json"   # HF names of optimizer.bin's parameter indices (accelerate layout)
-STATES = ("exp_avg", "exp_avg_sq", "step")    # AdamW's per-parameter state
+WAY_OUT = "use the run's final model (its --output_dir), or resume it on the checkpoint's mesh"
 
 
 @dataclass
@@ -56,10 +61,19 @@ def read_full_state(ckpt: str | Path, optimizer: bool = True) -> FullState:
     if kind == "dcp":
         return _dcp(ckpt, optimizer)
     if kind == "deepspeed":
+        state = layout.read_trainer_state(ckpt) if (ckpt / layout.STATE_FILE).is_file() else {}
+        if state.get("pp", 1) > 1 or state.get("tp", 1) > 1:  # DeepSpeed with hfpar's mpu: partitions per stage / TP rank
+            what = "pipeline stage" if state.get("pp", 1) > 1 else "tensor-parallel rank"
+            raise CheckpointError(f"{ckpt}: DeepSpeed partitions per {what}, which have no full form: {WAY_OUT}")
         # here, not at the top: DeepSpeed is an optional dependency and its import takes seconds
         from hfpar.checkpoint.zero_state import read_zero_state  # noqa: PLC0415
 
-        model, optim = read_zero_state(ckpt, optimizer)
+        try:
+            model, optim = read_zero_state(ckpt, optimizer)
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:  # a DeepSpeed folder missing its files: one line
+            raise CheckpointError(f"{ckpt}: unreadable DeepSpeed checkpoint ({str(exc).splitlines()[0][:200]})") from None
         return FullState(model, optim, "deepspeed")
     raise CheckpointError(f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/, a DeepSpeed "
                           "'latest' file or per-rank files); is it a checkpoint-<step> directory?")
@@ -73,8 +87,8 @@ def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
         saved = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         where = saved.get("layout")
         if where is None or "model" not in saved:
-            raise CheckpointError(f"{f}: per-rank file without the piece layout (written by a backend whose "
-                                  "checkpoints resume on their own mesh only, or by an older hfpar)")
+            raise CheckpointError(f"{f}: per-rank file without the piece layout (TP / EP x DeepSpeed, or an older "
+                                  f"hfpar), which has no full form: {WAY_OUT}")
         for key, t in saved["model"].items():
             pieces.setdefault(where[key]["name"], []).append((where[key], t))
         if optimizer:
@@ -110,10 +124,6 @@ def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:
 
 def _dcp_read(path: Path) -> dict:
     """A DCP directory into full tensors, without a process group (what dcp_to_torch_save does, kept in memory)."""
-    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415  (torch's private helpers below)
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # noqa: PLC0415
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
-
     state: dict = {}
     _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)

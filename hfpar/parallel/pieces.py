@@ -14,7 +14,7 @@ computes it for the placements (compute_local_shape_and_global_offset), so any p
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,7 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .sharding import shard_spec, shard_tensor, unpack_parts
 
-__all__ = ["piece_layout", "join_pieces", "piece_of"]
+__all__ = ["join_pieces", "piece_layout", "piece_of"]
 
 
 def _rank_in(group) -> int:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfpar.backends import SUPPORT, STRATEGY
+from hfpar.backends import STRATEGY, SUPPORT
 from hfpar.backends.reshard import resume_mode
 
 
