@@ -53,6 +53,7 @@ from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.rank_state import load_rng, rng_accelerate_step, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
+from hfpar.parallel.expert_parallel.upcycle import is_upcycled, upcycled_hf_config
 
 SCHEDULER_FILE = "scheduler.json"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint
@@ -136,6 +137,8 @@ class Checkpointer:
         save_rng(tmp, self.acc.process_index, int(getattr(self.acc, "step", 0)))
         if self.acc.is_main_process and self.scheduler is not None:
             (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+        if self.acc.is_main_process and not self.acc._models and not self.peft:
+            _save_wrapped_config(self.backend.unwrapped(), tmp)
 
     def resume(self) -> int:
         """Collective. The step to start from: that of the checkpoint --resume_from_checkpoint names (latest|PATH),
@@ -307,6 +310,25 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _save_wrapped_config(model, tmp: Path) -> None:
+    """config.json of a model hfpar wraps itself (TP / EP / pipeline: Accelerate holds none), for the checkpoint's
+    full form to load into on export: an upcycled model's HF MoE config, a pipeline stage's full model's config."""
+    if is_upcycled(model):
+        upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds it with AutoModelForCausalLM
+        return
+    lm = getattr(model, "lm", model)   # a pipeline stage holds the (trimmed) HF model and its full config
+    config = copy.deepcopy(getattr(model, "full_config", None) or getattr(lm, "config", None))
+    if config is not None:
+        config.architectures = [_hf_class(lm).__name__]
+        config.save_pretrained(tmp)
+
+
+def _hf_class(model) -> type:
+    """The transformers class of a model (FSDP2 makes a subclass of it, FSDPLlamaForCausalLM)."""
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers") or c is object)
+    return cls if cls is not object else type(model)
+
+
 def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
     """config.json (and the tokenizer, when given) next to the state, so `hfpar export` needs the checkpoint only."""
     for model in accelerator._models[:1]:  # empty for TP / EP runs, which hfpar wraps itself
@@ -315,9 +337,7 @@ def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
             unwrapped = unwrapped.get_base_model()
         if hasattr(unwrapped, "config"):
             config = copy.deepcopy(unwrapped.config)
-            # what save_pretrained records; FSDP2 makes a subclass (FSDPLlamaForCausalLM): name the HF class
-            cls = next(c for c in type(unwrapped).__mro__ if c.__module__.startswith("transformers") or c is object)
-            config.architectures = [(cls if cls is not object else type(unwrapped)).__name__]
+            config.architectures = [_hf_class(unwrapped).__name__]   # what save_pretrained records
             config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

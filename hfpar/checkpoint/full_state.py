@@ -16,13 +16,14 @@ Layouts read (each knows how its shards map to full tensors):
   deepspeed       ZeRO-1/2/3 (one model-parallel rank): DeepSpeed's flat fp32 partitions joined the way its
                   zero_to_fp32 joins the weights (its own functions), applied to exp_avg / exp_avg_sq as well
 Every read runs inside safe_load.safe_loading() (the caller's): torch.load with weights_only=True, DCP's metadata
-through the restricted unpickler. Reads are whole-checkpoint on each process (fine for the models a checkpoint of
-this size holds; a per-parameter streaming reader is the next step for large ones).
+through the restricted unpickler. Per-rank files are read memory-mapped and each full tensor joined when asked for
+(one at a time: Joined); the other layouts are read whole by each process (DeepSpeed's and DCP's readers).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +45,29 @@ WAY_OUT = "use the run's final model (its --output_dir), or resume it on the che
 
 @dataclass
 class FullState:
-    model: dict[str, torch.Tensor]
-    optim: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    model: Mapping[str, torch.Tensor]
+    optim: Mapping[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     kind: str = ""
+
+
+class Joined(Mapping):
+    """{name: full tensor} whose tensors are joined from their pieces when asked for, one at a time (not kept): a
+    resume reads the per-rank files memory-mapped and holds one full parameter (and its pieces) at a time."""
+
+    def __init__(self, pieces: dict, join):
+        self.pieces, self.join = pieces, join
+
+    def __getitem__(self, name: str):
+        return self.join(self.pieces[name])
+
+    def __contains__(self, name) -> bool:
+        return name in self.pieces
+
+    def __iter__(self):
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
 
 
 def read_full_state(ckpt: str | Path, optimizer: bool = True) -> FullState:
@@ -97,12 +118,15 @@ def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
                 desc = where[keys[int(idx)]]
                 for k, v in st.items():
                     opt_pieces.setdefault(desc["name"], {}).setdefault(k, []).append((desc, v))
-    try:
-        model = {name: join_pieces(p) for name, p in pieces.items()}
-        optim = {name: {k: join_pieces(p) for k, p in st.items()} for name, st in opt_pieces.items()}
-    except ValueError as exc:
-        raise CheckpointError(f"{ckpt}: per-rank files incomplete ({exc}); a file is missing") from None
-    return FullState(model, optim, "rank files")
+
+    def join(p):
+        try:
+            return join_pieces(p)
+        except ValueError as exc:
+            raise CheckpointError(f"{ckpt}: per-rank files incomplete ({exc}); a file is missing") from None
+
+    return FullState(Joined(pieces, join), Joined(opt_pieces, lambda st: {k: join(p) for k, p in st.items()}),
+                     "rank files")
 
 
 def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:

@@ -73,6 +73,9 @@ class FakeBackend:
     def writes_full_state(self):
         return False
 
+    def unwrapped(self):  # a model hfpar wraps itself (no Accelerate model): its config.json, when it has one
+        return torch.nn.Identity()
+
     def resume_mode(self, state, chunks):  # noqa: ARG002  (the same mesh: hfpar.backends.reshard decides otherwise)
         return "native"
 
