@@ -243,7 +243,7 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     # the same mesh loads natively; another one through the checkpoint's full form, or is refused (naming both)
     mode, why = resume_mode(backend_cls, state, ctx, chunks)
     if mode is None:
-        p.append(f"checkpoint {path}: {why}")
+        p.append(f"{path}: {why}")
     elif mode == "reshard" and args.use_peft:
         p.append(f"checkpoint {path} was written on another mesh ({state.get('strategy')} x {state.get('world_size')} "
                  f"processes) and this run trains LoRA adapters: resume LoRA runs on the checkpoint's mesh")

@@ -48,7 +48,7 @@ def resume_mode(backend_cls, state: dict, ctx, chunks: int) -> tuple[str | None,
         why = (f"its writer ({state.get('strategy', '?')}{' with model parallelism' if theirs['tp'] > 1 or theirs['pp'] > 1 else ''}"
                f"{', LoRA' if state.get('peft') else ''}) records no full form to reshard from")
     else:
-        why = f"this run's backend ({backend_cls.name}) cannot load a resharded state"
+        why = f"this run ({strategy.name}, {backend_cls.name} backend) cannot load a resharded state yet"
     return None, (f"checkpoint written on {a}, this run is {b}: {why}; resume on the checkpoint's mesh (see "
                   "docs/reliability.md, 'Resume on another mesh', for the supported changes)")
 
