@@ -314,7 +314,8 @@ def _save_wrapped_config(model, tmp: Path) -> None:
     """config.json of a model hfpar wraps itself (TP / EP / pipeline: Accelerate holds none), for the checkpoint's
     full form to load into on export: an upcycled model's HF MoE config, a pipeline stage's full model's config."""
     if is_upcycled(model):
-        upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds it with AutoModelForCausalLM
+        with contextlib.suppress(ValueError):  # not representable as an HF MoE (the final export says so): none
+            upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds an AutoModelForCausalLM
         return
     lm = getattr(model, "lm", model)   # a pipeline stage holds the (trimmed) HF model and its full config
     config = copy.deepcopy(getattr(model, "full_config", None) or getattr(lm, "config", None))
