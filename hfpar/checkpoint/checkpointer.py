@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 
 from accelerate import Accelerator
+from transformers import PreTrainedModel
 
 from hfpar.checkpoint import final_model
 from hfpar.checkpoint.layout import (
@@ -317,10 +318,11 @@ def _save_wrapped_config(model, tmp: Path) -> None:
         with contextlib.suppress(ValueError):  # not representable as an HF MoE (the final export says so): none
             upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds an AutoModelForCausalLM
         return
-    lm = getattr(model, "lm", model)   # a pipeline stage holds the (trimmed) HF model and its full config
-    config = copy.deepcopy(getattr(model, "full_config", None) or getattr(lm, "config", None))
+    # a pipeline stage (or a rank's chunks) holds the trimmed HF model(s) and the full model's config
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    config = copy.deepcopy(getattr(model, "full_config", None) or getattr(hf, "config", None))
     if config is not None:
-        config.architectures = [_hf_class(lm).__name__]
+        config.architectures = [_hf_class(hf).__name__]
         config.save_pretrained(tmp)
 
 
