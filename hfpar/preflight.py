@@ -9,7 +9,7 @@ resumed checkpoint's trainer_state.json (never a weight):
   - features that do not combine (LoRA with model parallelism, SP / EP outside causal LMs, ...);
   - divisibility known from the model config (heads, kv heads, intermediate, vocab by tp; experts by ep),
     MoE-ness for --ep_size, architectures with a TP plan / an upcycling recipe;
-  - resume compatibility (world size, tp / ep, global batch, checkpoint layout);
+  - resume compatibility (global batch; the mesh: the same, or another one the checkpoint reshards to);
   - --padding_free true where padding-free batches cannot apply (hfpar.data.padding_free).
 """
 
@@ -23,7 +23,8 @@ from transformers import AutoConfig
 from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
-from hfpar.backends import checkpoint_layout, resolve_strategy, select_backend
+from hfpar.backends import resolve_strategy, select_backend
+from hfpar.backends.reshard import resume_mode
 from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
@@ -233,32 +234,16 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     p = []
     if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
         p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
-    mine = {k: getattr(ctx, k) for k in ("tp", "ep", "cp", "pp")}
-    theirs = {k: state.get(k, 1) for k in mine}
-    if theirs != mine:
-        differ = [k for k in mine if theirs[k] != mine[k]]
-        p.append(f"checkpoint {path} was written with " + " / ".join(f"{k} {theirs[k]}" for k in differ)
-                 + "; this run has " + " / ".join(f"{k} {mine[k]}" for k in differ)
-                 + ": resume with the same " + "/".join(f"--{k}_size" for k in differ))
     chunks = pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
-    if ctx.pp > 1 and theirs["pp"] == ctx.pp and state.get("pp_virtual_stages", 1) != chunks:
-        p.append(f"checkpoint {path} was written with {state.get('pp_virtual_stages', 1)} chunk(s) of layers per pipeline "
-                 f"rank, this run has {chunks}: resume with the same --pp_schedule and --pp_virtual_stages")
+    # the same mesh loads natively; another one through the checkpoint's full form, or is refused (naming both)
+    mode, why = resume_mode(backend_cls, state, ctx, chunks)
+    if mode is None:
+        p.append(f"{path}: {why}")
+    elif mode == "reshard" and args.use_peft:
+        p.append(f"checkpoint {path} was written on another mesh ({state.get('strategy')} x {state.get('world_size')} "
+                 f"processes) and this run trains LoRA adapters: resume LoRA runs on the checkpoint's mesh")
     global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
     if state["global_batch"] != global_batch:
         p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
                  "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
-    strategy = ctx.strategy
-    # checkpoints written under one layout family load under another only through `hfpar export`
-    theirs_layout = checkpoint_layout(state.get("strategy"))
-    if theirs_layout is not None and theirs_layout != strategy.layout:
-        p.append(f"checkpoint {path} was written by {state['strategy']}, this run is {strategy}: their training states "
-                 f"differ; export it (hfpar export {path} OUT) and start from --model_name_or_path OUT")
-    elif state["world_size"] != ctx.world and backend_cls.resume_needs_same_world(strategy.name):
-        model_parallel = any(x in ("tp", "ep") for x in ctx.parallelisms)
-        how = ("relaunch with the same --num_processes" if model_parallel else
-               f"to go on with {ctx.world}, export it (hfpar export {path} OUT) and start from "
-               "--model_name_or_path OUT (optimizer state restarts)")
-        p.append(f"checkpoint {path} was written by {state['world_size']} processes, this run has {ctx.world}: "
-                 f"{strategy}{' with TP/EP' if model_parallel else ''} checkpoints resume on the same world size only; {how}")
     return p

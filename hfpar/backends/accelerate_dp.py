@@ -8,12 +8,15 @@ is DeepSpeed's engine, whose loss scale and skipped steps are read as every Deep
 
 from __future__ import annotations
 
+import json
+
 from accelerate.utils import fsdp_utils
 
 from hfpar.distributed import swapped
 from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip
+from .reshard import load_full_state_zero
 from .strategies import strategy_of
 from .zero import EngineSteps, skip_refusal
 
@@ -32,6 +35,28 @@ class AccelerateBackend(Backend):
         # ZeRO partitions are tied to the world size that wrote them; DDP states are full, FSDP2's are DCP
         # (resharded on load)
         return strategy_of(strategy).deepspeed
+
+    @classmethod
+    def loads_full_state(cls, strategy: str) -> bool:
+        spec = strategy_of(strategy)  # ZeRO-3's partitioned parameters: not yet (loaded through DeepSpeed's fragments)
+        return spec.layout in ("accelerate", "fsdp2") or (spec.deepspeed and not spec.shards[0])
+
+    def writes_full_state(self) -> bool:
+        return self.spec.layout in ("accelerate", "fsdp2", "deepspeed")
+
+    def load_full_state(self, full) -> None:
+        if self.spec.deepspeed:
+            load_full_state_zero(self.model, full)
+        else:
+            super().load_full_state(full)
+
+    def save_rank_state(self, ckpt_dir) -> None:
+        """The accelerate layout's optimizer.bin numbers its parameters: their HF names, in that order
+        (full_state.OPTIMIZER_PARAMS), so that another mesh can match them."""
+        if self.acc.is_main_process and self.spec.layout == "accelerate":
+            names = {id(p): self.hf_name(n) for n, p in self.unwrapped().named_parameters(remove_duplicate=False)}
+            order = [names[id(p)] for g in self.base_optimizer.param_groups for p in g["params"]]
+            (ckpt_dir / "optimizer_params.json").write_text(json.dumps(order))
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:

@@ -19,6 +19,7 @@ from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
 from hfpar.parallel.sharding import shard_spec
 
 from .loss_scale import loss_scale
+from .reshard import load_full_state, resume_mode
 from .strategies import STRATEGY
 
 
@@ -39,6 +40,28 @@ class Backend:
     def resume_needs_same_world(cls, strategy: str) -> bool:
         """Its checkpoints resume on the world size that wrote them only."""
         return False
+
+    @classmethod
+    def loads_full_state(cls, strategy: str) -> bool:
+        """It can resume from the full form of a checkpoint written on another mesh (load_full_state)."""
+        return False
+
+    def writes_full_state(self) -> bool:
+        """Its checkpoints can be read into the full form (hfpar.checkpoint.full_state): "reshardable"."""
+        return False
+
+    def hf_name(self, key: str) -> str:
+        """A state-dict name of self.model (or of the unwrapped model) -> the HF parameter name."""
+        return key.removeprefix("module.")
+
+    def resume_mode(self, state: dict, chunks: int) -> str | None:
+        """How checkpoint `state` (its trainer_state.json) resumes here: "native" or "reshard" (the preflight refused
+        the rest)."""
+        return resume_mode(type(self), state, self.ctx, chunks)[0]
+
+    def load_full_state(self, full) -> None:
+        """Every rank: model and optimizer state set to its pieces of the full tensors (resume on another mesh)."""
+        load_full_state(self.unwrapped(), self.base_optimizer, full, self.hf_name)
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:

@@ -22,6 +22,7 @@ from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, sync_partial_grads
 
 from .base import Backend, hfpar_reduced
+from .reshard import pieces_of_module
 from .loss_scale import found_inf, fp16_scaler, step_, unscale_
 from .wraps import DataParallelWrap, FullyShard, TorchDDP
 
@@ -39,6 +40,13 @@ class ModelParallelBackend(Backend):
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
         return True  # per-rank shards
+
+    @classmethod
+    def loads_full_state(cls, strategy: str) -> bool:
+        return True
+
+    def writes_full_state(self) -> bool:
+        return True
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
@@ -85,7 +93,8 @@ class ModelParallelBackend(Backend):
         f, writes = self._rank_file(ckpt_dir)
         if writes:
             torch.save({"model": local_state(self.model.state_dict()),
-                        "optimizer": local_state(self.optimizer.state_dict())}, f)
+                        "optimizer": local_state(self.optimizer.state_dict()),
+                        **pieces_of_module(self.model, self.optimizer, self.hf_name)}, f)  # joined offline by it
 
     def load_rank_state(self, ckpt_dir: Path) -> None:
         f, _ = self._rank_file(ckpt_dir)

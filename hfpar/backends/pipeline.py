@@ -83,6 +83,9 @@ class PipelineBackend(ModelParallelBackend):
     def _rank_file(self, ckpt_dir):
         return rank_state_file(ckpt_dir, self.ctx), True
 
+    def hf_name(self, key: str) -> str:
+        return self.unwrapped().hf_name(key.removeprefix("module."))   # the stage's layer indices made global
+
     def hf_model(self) -> torch.nn.Module:
         """What writes the export: the stage (a full-config model on the meta device), or the PEFT model."""
         stage = self.unwrapped()

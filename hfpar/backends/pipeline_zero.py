@@ -35,6 +35,13 @@ class PipelineZeRO1(EngineSteps, PipelineBackend):
     short = "hfpar pipeline + DeepSpeed"
 
     @classmethod
+    def loads_full_state(cls, strategy: str) -> bool:
+        return False  # DeepSpeed's partitions over each stage's dp group: resumes on its own mesh only
+
+    def writes_full_state(self) -> bool:
+        return False
+
+    @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
         if mixed_precision != "no":

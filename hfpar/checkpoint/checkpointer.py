@@ -36,6 +36,7 @@ import threading
 from pathlib import Path
 
 from accelerate import Accelerator
+from transformers import PreTrainedModel
 
 from hfpar.checkpoint import final_model
 from hfpar.checkpoint.layout import (
@@ -48,10 +49,12 @@ from hfpar.checkpoint.layout import (
     staging_dir,
     verified,
 )
+from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.manifest import write_manifest
-from hfpar.checkpoint.rank_state import load_rng, save_rng
+from hfpar.checkpoint.rank_state import load_rng, rng_accelerate_step, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
+from hfpar.parallel.expert_parallel.upcycle import is_upcycled, upcycled_hf_config
 
 SCHEDULER_FILE = "scheduler.json"
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint
@@ -93,7 +96,9 @@ class Checkpointer:
         c = self.ctx
         return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
                 "pp": c.pp, "pp_virtual_stages": self.pp_virtual_stages, "strategy": self.backend.strategy,
-                "seed": self.seed, "global_batch": self.global_batch,
+                "seed": self.seed, "global_batch": self.global_batch, "peft": self.peft,
+                # its full form can be read on another mesh (full_state.py): resume there, export
+                "reshardable": self.backend.writes_full_state() and not self.peft,
                 **({"identity": self.identity} if self.identity is not None else {})}
 
     def watch_signals(self, names: str) -> None:
@@ -133,6 +138,8 @@ class Checkpointer:
         save_rng(tmp, self.acc.process_index, int(getattr(self.acc, "step", 0)))
         if self.acc.is_main_process and self.scheduler is not None:
             (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+        if self.acc.is_main_process and not self.acc._models and not self.peft:
+            _save_wrapped_config(self.backend.unwrapped(), tmp)
 
     def resume(self) -> int:
         """Collective. The step to start from: that of the checkpoint --resume_from_checkpoint names (latest|PATH),
@@ -152,6 +159,8 @@ class Checkpointer:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
         check_dcp_metadata(path)
+        if self.backend.resume_mode(read_trainer_state(path), self.pp_virtual_stages) == "reshard":
+            return self._load_resharded(path)
         with safe_loading(path):
             state = load_checkpoint(self.acc, path)
             self.backend.load_rank_state(path)
@@ -166,6 +175,28 @@ class Checkpointer:
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); "
                                   "the resume would not be exact") from None
+        return state
+
+    def _load_resharded(self, path: Path) -> dict:
+        """Collective: a checkpoint of another mesh (the preflight accepted it): its full form read by every rank,
+        each loading its own pieces through this run's layout; scheduler and data position exact. The RNG streams
+        are per rank: with the same world size each rank's are restored, else they start from --seed (the tiny
+        test models have no dropout: the training is then exact too)."""
+        state = read_trainer_state(path)
+        with safe_loading(path):
+            full = read_full_state(path)
+        self.backend.load_full_state(full)
+        del full
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+            for group, lr in zip(self.backend.base_optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr  # what optimizer.load_state_dict restores on the native path
+        same_world = state.get("world_size") == self.ctx.world
+        self.acc.step = (load_rng(path, self.acc.process_index) if same_world else rng_accelerate_step(path, 0))
+        theirs = " ".join(f"{k} {state.get(k, 1)}" for k in ("dp", "tp", "ep", "cp", "pp"))
+        self.acc.print(f"[hfpar] resharded {path} ({state.get('strategy')} x {state.get('world_size')}: {theirs}) onto "
+                       f"{self.backend.strategy} x {self.ctx.world}: model and optimizer state from full tensors"
+                       + ("" if same_world else "; random generators start from --seed (another world size)"))
         return state
 
     def export_final(self) -> None:
@@ -280,6 +311,27 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _save_wrapped_config(model, tmp: Path) -> None:
+    """config.json of a model hfpar wraps itself (TP / EP / pipeline: Accelerate holds none), for the checkpoint's
+    full form to load into on export: an upcycled model's HF MoE config, a pipeline stage's full model's config."""
+    if is_upcycled(model):
+        with contextlib.suppress(ValueError):  # not representable as an HF MoE (the final export says so): none
+            upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds an AutoModelForCausalLM
+        return
+    # a pipeline stage (or a rank's chunks) holds the trimmed HF model(s) and the full model's config
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    config = copy.deepcopy(getattr(model, "full_config", None) or getattr(hf, "config", None))
+    if config is not None:
+        config.architectures = [_hf_class(hf).__name__]
+        config.save_pretrained(tmp)
+
+
+def _hf_class(model) -> type:
+    """The transformers class of a model (FSDP2 makes a subclass of it, FSDPLlamaForCausalLM)."""
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers") or c is object)
+    return cls if cls is not object else type(model)
+
+
 def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
     """config.json (and the tokenizer, when given) next to the state, so `hfpar export` needs the checkpoint only."""
     for model in accelerator._models[:1]:  # empty for TP / EP runs, which hfpar wraps itself
@@ -288,9 +340,7 @@ def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
             unwrapped = unwrapped.get_base_model()
         if hasattr(unwrapped, "config"):
             config = copy.deepcopy(unwrapped.config)
-            # what save_pretrained records; FSDP2 makes a subclass (FSDPLlamaForCausalLM): name the HF class
-            cls = next(c for c in type(unwrapped).__mro__ if c.__module__.startswith("transformers") or c is object)
-            config.architectures = [(cls if cls is not object else type(unwrapped)).__name__]
+            config.architectures = [_hf_class(unwrapped).__name__]   # what save_pretrained records
             config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

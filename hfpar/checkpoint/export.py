@@ -3,24 +3,22 @@
     hfpar export out/run/checkpoint-500 out/run-step500     then AutoModelForCausalLM.from_pretrained("out/run-step500")
 
 Verified against the checkpoint's manifest first, read without running code from it (safe_load.py).
-Understands what Accelerate's save_state writes: model.safetensors (single / DDP / ZeRO-less runs),
-pytorch_model_fsdp_0/ (FSDP2 sharded, torch.distributed.checkpoint) and a DeepSpeed ZeRO-1/2/3 folder
-(its fp32 master weights are gathered). The config and tokenizer come from the checkpoint (hfpar saves
+Every checkpoint kind whose full form full_state.py reads: model.safetensors (single / DDP / CP runs),
+pytorch_model_fsdp_0/ (FSDP2, torch.distributed.checkpoint), a DeepSpeed ZeRO-1/2/3 folder (its fp32 master
+weights joined), and the per-rank files of TP / EP / pipeline runs (their pieces joined). The config and tokenizer come from the checkpoint (hfpar saves
 them there) or else from the run's output dir, the checkpoint's parent.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoTokenizer
 
 from hfpar.checkpoint import layout
+from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.manifest import MANIFEST, verify
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 
@@ -37,24 +35,9 @@ def _verified(ckpt: Path) -> None:
             raise ExportError(f"{ckpt}: damaged: {problem}")
 
 
-def _dcp_state_dict(path: Path) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), f"{tmp}/model.pt")
-        state = torch.load(f"{tmp}/model.pt", map_location="cpu", weights_only=True)
-    return state.get("model", state)  # Accelerate saves {"model": model.state_dict()}
-
-
-def _zero_state_dict(ckpt: Path) -> dict:
-    try:
-        # an optional dependency (hfpar[deepspeed]), needed for ZeRO checkpoints only
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
-    except ImportError:
-        raise ExportError(f"{ckpt} is a DeepSpeed checkpoint: pip install hfpar[deepspeed] to export it") from None
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
-
-
 def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model weights of a checkpoint-<step> directory, HF parameter names."""
+    """Full (unsharded) model weights of a checkpoint-<step> directory, HF parameter names: the model part of its
+    full form (full_state.py), whatever layout wrote it."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
@@ -62,32 +45,9 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
     try:
         check_dcp_metadata(ckpt)
         with safe_loading(ckpt):  # every torch.load weights_only, DCP's metadata through a restricted unpickler
-            return _state_dict(ckpt)
+            return read_full_state(ckpt, optimizer=False).model
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
-
-
-def _state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    # pipeline stages and per-rank shards first: a PP / TP / EP x ZeRO checkpoint also has DeepSpeed's `latest`,
-    # whose state holds one stage's / rank 0's parameters only
-    pp = layout.read_trainer_state(ckpt).get("pp", 1) if (ckpt / layout.STATE_FILE).is_file() else 1
-    if pp > 1:
-        raise ExportError(f"{ckpt} holds the {pp} stages of a pipeline-parallel run, which export cannot merge offline "
-                          "yet: use the final model at the run's --output_dir, or resume the run with the same sizes")
-    if layout.has_rank_shards(ckpt):
-        raise ExportError(f"{ckpt} holds per-rank tensor/expert-parallel shards, which export cannot gather offline yet: "
-                          "use the final model at the run's --output_dir, or resume the run with the same sizes")
-    kind = layout.model_state_kind(ckpt)
-    if kind == "safetensors":
-        return load_file(str(ckpt / "model.safetensors"))
-    if kind == "bin":
-        return torch.load(ckpt / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if kind == "dcp":
-        return _dcp_state_dict(ckpt / "pytorch_model_fsdp_0")
-    if kind == "deepspeed":
-        return _zero_state_dict(ckpt)
-    raise ExportError(f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/ or a "
-                      "DeepSpeed 'latest' file); is it a checkpoint-<step> directory?")
 
 
 def _find(ckpt: Path, name: str) -> Path | None:

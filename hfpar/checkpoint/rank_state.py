@@ -79,6 +79,12 @@ def save_rng(ckpt_dir, rank: int, accelerate_step: int) -> None:
     save_file(tensors, str(rng_file(ckpt_dir, rank)), metadata={"state": json.dumps(meta)})
 
 
+def rng_accelerate_step(ckpt_dir, rank: int) -> int:
+    """Accelerate's micro-step counter saved with rank's generators, without restoring them (another world size)."""
+    with safe_open(str(rng_file(ckpt_dir, rank)), framework="pt") as fh:
+        return int(json.loads(fh.metadata()["state"])["accelerate_step"])
+
+
 def load_rng(ckpt_dir, rank: int) -> int:
     """Restores this rank's generators; returns Accelerate's micro-step counter saved with them."""
     with safe_open(str(rng_file(ckpt_dir, rank)), framework="pt") as fh:

@@ -8,7 +8,8 @@ grad_norm against the norm of the full grad for (a) replicated parameters (count
 DTensor model vs its unsharded replica, (e) all of them together (sum of squares). Then: sync_partial_grads
 sums over partial_grad_group, reduce_dp_grads sums over dp_reduce_group and divides by dp_size, clip_grads_
 scales to max_norm (and not below it), full_state_dict gathers TP / packed / EP / FSDP2 shards back under the
-original names, and a ShardSpec survives torch.save / torch.load of a parameter (groups come back None).
+original names, and a ShardSpec survives torch.save / torch.load of a parameter (groups come back None). The same shards as
+pieces (hfpar.parallel.pieces): joined offline from every rank's piece layout, and cut back out of the full tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from hfpar.parallel.pieces import join_pieces, piece_layout, piece_of
+from hfpar.parallel.sharding import local_tensor
 from hfpar.parallel.sharding import (clip_grads_, full_state_dict, grad_norm, grad_sq_norm, reduce_dp_grads,
                                      set_shard_spec, shard_spec, shard_tensor, sync_partial_grads)
 from tests.helpers.dist import run_distributed
@@ -153,9 +156,24 @@ def _state(rank: int) -> dict:
     return res
 
 
+def _pieces(rank: int, world: int) -> dict:
+    """hfpar.parallel.pieces: every rank's (piece_layout, local tensor) of TP / packed / EP / replicated parameters and
+    of FSDP2's DTensors (3 rows over 2 ranks: uneven) join back to the full tensors offline, and piece_of cuts each
+    rank's local tensor back out of the full one."""
+    params, full = _sharded_params(rank)
+    model, ref = _fsdp_model(world)
+    live = {**params, **{f"fsdp.{n}": p for n, p in model.named_parameters()}}
+    fulls = {**full, **{f"fsdp.{n}": p.detach() for n, p in ref.named_parameters()}}
+    mine = {n: (piece_layout(p), local_tensor(p).detach().clone()) for n, p in live.items()}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {"pieces_join": {n: torch.equal(join_pieces([r[n] for r in every]), fulls[n]) for n in live},
+            "pieces_cut": {n: torch.equal(piece_of(fulls[n], p), local_tensor(p).detach()) for n, p in live.items()}}
+
+
 def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    return {**_norms(rank, world), **_reductions(rank), **_clipping(rank), **_state(rank)}
+    return {**_norms(rank, world), **_reductions(rank), **_clipping(rank), **_state(rank), **_pieces(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +232,9 @@ def test_shard_spec_survives_save_load(ranks):
     for res in ranks:
         assert res["saved_fields"] and res["saved_groups_none"] and res["saved_tp_tag"], res
         assert res["original_groups_kept"]
+
+
+def test_pieces_join_to_full_tensors_and_cut_back(ranks):
+    for r in ranks:
+        assert all(r["pieces_join"].values()), r["pieces_join"]
+        assert all(r["pieces_cut"].values()), r["pieces_cut"]

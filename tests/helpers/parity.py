@@ -125,3 +125,43 @@ def assert_resumed_like_uninterrupted(src, resumed, what: str, tol: float = 1e-6
     dl = max(abs(r["loss"] - steps[r["step"]]) for r in got)
     print(f"RESUME {what}: max |loss diff| {dl:.3e}, max |weight diff| {w:.3e}")
     assert w <= tol, f"{what}: max weight diff {w:.2e}"
+
+
+def resume_on_other_meshes(cases: dict, base_model: str, root: Path, common: list[str] = COMMON) -> dict:
+    """{name: (source run dir, (config, processes, per-device batch, extra flags))} -> {name: output dir}: each
+    source's checkpoint-4 copied into a fresh output dir and resumed under the new layout (it saves no checkpoint
+    of its own: the resumed steps and weights are what is compared), two launches at a time."""
+    jobs = {}
+    for name, (src, (config, nproc, bs, extra)) in cases.items():
+        out = root / name
+        out.mkdir(parents=True)
+        shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
+        jobs[name] = (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                             str(out), "--per_device_train_batch_size", bs, "--save_steps", "0",
+                                             "--resume_from_checkpoint", "latest"])
+    launch_all(jobs)
+    return {name: root / name for name in cases}
+
+
+def assert_continues_uninterrupted(src, out, what: str, initial: dict | None = None) -> None:
+    """A run resumed from src's checkpoint-4 on another mesh: steps 5-8 equal the uninterrupted run's (loss and grad
+    norm within TOL) and so do the final weights (assert_export_matches, relative to the update when `initial`)."""
+    ref, got = read_metrics(src)[0], read_metrics(out)[0]
+    assert [r["step"] for r in got] == [5, 6, 7, 8], f"{what}: steps {[r['step'] for r in got]}"
+    assert_close_series(ref[4:], got, "loss", TOL, what)
+    assert_close_series(ref[4:], got, "grad_norm", TOL, what)
+    worst = max(max(abs(r[k] - g[k]) / abs(r[k]) for k in ("loss", "grad_norm")) for r, g in zip(ref[4:], got))
+    print(f"RESHARD {what}: max relative loss / grad norm diff over steps 5-8 {worst:.2e}")
+    assert_export_matches(src, out, what, initial=initial)
+
+
+def assert_checkpoint_exports_final(src, tmp_path, what: str) -> None:
+    """`hfpar export` of the run's checkpoint-8 (its last) writes the run's final weights, bit for bit."""
+    from hfpar.checkpoint.export import export_checkpoint
+
+    out = tmp_path / f"export-{what}"
+    export_checkpoint(src / "checkpoint-8", out)
+    ref, got = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert ref.keys() == got.keys(), f"{what}: {sorted(ref.keys() ^ got.keys())[:3]}"
+    diff = {k: float((ref[k] - got[k]).abs().max()) for k in ref}
+    assert max(diff.values()) == 0.0, f"{what}: export differs, e.g. {max(diff, key=diff.get)}"

@@ -8,7 +8,8 @@ single-process packed run, and the first packed batch has the same loss at cp = 
 Unpacked cases run the default padding-free batches (each micro-batch's samples packed into rows).
 A family outside the original five, accepted by the preflight's behaviour probe: Gemma 2 with sliding-window
 layers (window 8, shorter than the rows) and logit soft-capping (cap 1.0), cp=2 ring and Ulysses against its
-single-process run with eager attention (SDPA cannot soft-cap), the same contract.
+single-process run with eager attention (SDPA cannot soft-cap), the same contract. cp 2 -> cp 1: the cp=2 checkpoint
+continued by one process; `hfpar export` of CP checkpoints equals the final export.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpar import data
-from tests.helpers.parity import TOL, launch_cases, assert_close_series, assert_export_matches, assert_resume_from_step_4
+from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series, assert_continues_uninterrupted,
+                                  assert_export_matches, assert_resume_from_step_4, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
@@ -82,6 +84,18 @@ def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):
 def test_cp_resume_reproduces_remaining_steps(cp_runs, base_model, tmp_path):
     assert_resume_from_step_4(CASES["cp2_ring_ddp"], cp_runs["cp2_ring_ddp"], base_model, tmp_path, "cp2")
 
+
+
+def test_cp_resumes_on_one_process(cp_runs, base_model, base_weights, tmp_path):
+    """cp 2 -> cp 1: the CP run's state is Accelerate's full one; the single-process run continues it."""
+    out = resume_on_other_meshes({"cp2_to_cp1": (cp_runs["cp2_ring_ddp"], ("single", 1, "4", []))}, base_model,
+                                 tmp_path)["cp2_to_cp1"]
+    assert_continues_uninterrupted(cp_runs["cp2_ring_ddp"], out, "cp2_to_cp1", initial=base_weights)
+
+
+@pytest.mark.parametrize("case", ["cp2_ring_ddp", "cp2_tp2"])
+def test_cp_checkpoint_export_equals_the_final_export(cp_runs, tmp_path, case):
+    assert_checkpoint_exports_final(cp_runs[case], tmp_path, case)
 
 GEMMA2 = {  # eager: the reference must soft-cap; cp runs replace the attention function whatever the setting
     "gemma2_single": ("single", 1, "4", ["--attn_implementation", "eager"]),

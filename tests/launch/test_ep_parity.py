@@ -6,7 +6,7 @@ checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gra
 EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both TP ranks, experts split over EP)
 under DDP, FSDP2, ZeRO-1 and ZeRO-2 must match the same upcycled model trained in one process, per step (loss, grad_norm: the aux-loss gradient
 included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
-resume with EP; refusals.
+resume with EP, and ep 2 -> ep 1 on one process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.parity import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches
+from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
+                                  assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
+                                  launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, read_metrics, read_run_info
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -124,6 +126,20 @@ def test_ep_resume(ep_runs, base_model, tmp_path, case):
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{case} resumed")
     assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{case} resumed")
     assert_resumed_like_uninterrupted(src, out, case)
+
+
+def test_ep_resumes_on_one_process(ep_runs, base_model, upcycled_weights, tmp_path):
+    """ep 2 -> ep 1: each rank's experts (pieces of the (E, ...) tensors) joined, with their AdamW states; the
+    upcycled model continues on one process."""
+    out = resume_on_other_meshes({"ep2_to_ep1": (ep_runs["ep2"], ("single", 1, "4", []))}, base_model, tmp_path,
+                                 common=[*COMMON, *MOE])["ep2_to_ep1"]
+    assert_continues_uninterrupted(ep_runs["ep2"], out, "ep2_to_ep1", initial=upcycled_weights)
+
+
+@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2", "ep2_tp2"])
+def test_ep_checkpoint_export_equals_the_final_export(ep_runs, tmp_path, case):
+    """Written as the Mixtral checkpoint the run's final export is (its config.json, at the run's output dir)."""
+    assert_checkpoint_exports_final(ep_runs[case], tmp_path, case)
 
 
 @pytest.mark.parametrize("config,flags,message", [

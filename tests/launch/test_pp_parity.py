@@ -7,7 +7,8 @@ sequence parallelism (ddp.yaml), and with dp=2 under fsdp2.yaml and under zero1.
 tp=2 under fsdp2.yaml (8 processes): per-step
 loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
 reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 x tp=2 and under pp=2 x FSDP2
-reproduces steps 5-8. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
+reproduces steps 5-8; the pp=2 checkpoint resumed on one process and under tp=2 (its full form) continues the
+same training, and `hfpar export` of pipeline checkpoints equals the final export. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
 their own single-process run. LoRA with pp=2 is in tests/launch/test_lora.py (its single-process LoRA reference).
 """
 
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.parity import (TOL, assert_close_series, assert_export_matches, assert_resume_from_step_4,
-                            export_eval_loss, launch_cases)
+from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series,
+                                  assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
+                                  export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -95,6 +97,25 @@ def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, cas
     """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor chunks, and
     TP-sharded interleaved chunks (each rank's two chunks in one state)."""
     assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case)
+
+
+@pytest.fixture(scope="module")
+def pp_resharded(pp_runs, base_model, tmp_path_factory) -> dict:
+    """The pp=2 (1F1B) checkpoint resumed without a pipeline: on one process, and tensor-parallel on 2."""
+    cases = {"pp2_to_pp1": (pp_runs["pp2_1f1b"], ("single", 1, "4", [])),
+             "pp2_to_tp2": (pp_runs["pp2_1f1b"], ("ddp", 2, "4", ["--tp_size", "2"]))}
+    return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("pp_resharded"))
+
+
+@pytest.mark.parametrize("case", ["pp2_to_pp1", "pp2_to_tp2"])
+def test_pp_resumes_on_another_mesh(pp_resharded, pp_runs, base_weights, case):
+    """Each stage's pieces (its layers renamed to the full model's) joined into full tensors, cut for the new mesh."""
+    assert_continues_uninterrupted(pp_runs["pp2_1f1b"], pp_resharded[case], case, initial=base_weights)
+
+
+@pytest.mark.parametrize("case", ["pp2_1f1b", "pp2_interleaved_tp2_sp", "pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2"])
+def test_pp_checkpoint_export_equals_the_final_export(pp_runs, tmp_path, case):
+    assert_checkpoint_exports_final(pp_runs[case], tmp_path, case)
 
 
 @pytest.fixture(scope="module")

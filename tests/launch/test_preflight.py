@@ -101,25 +101,42 @@ def _checkpoint(out, **state):
     return d
 
 
+_NO_FULL_FORM = "records no full form to reshard from; resume on the checkpoint's mesh"
+_MESH_CHANGES = [  # (trainer state, this run's sizes, strategy, backend): another mesh than the checkpoint's
+    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend),                      # tp 2 -> tp 1
+    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend),              # ZeRO-2 @ 2 -> @ 1
+    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend),                # ZeRO-2 -> DDP
+    (dict(ep=2, world_size=4, dp=4), dict(world=2, ep=2), "ddp", ModelParallelDDP),  # ep 2 x dp 4 -> x dp 2
+]
+
+
 @pytest.mark.parametrize("state, ctx, strategy, backend, expected", [
-    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend,
-     "was written with tp 2; this run has tp 1: resume with the same --tp_size"),
-    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend,
-     "zero2 checkpoints resume on the same world size only"),
-    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend, "was written by zero2, this run is ddp"),
-    (dict(ep=2, world_size=4, dp=4), dict(world=2, ep=2), "ddp", ModelParallelDDP,
-     "with TP/EP checkpoints resume on the same world size only; relaunch with the same --num_processes"),
+    *[(*case, _NO_FULL_FORM) for case in _MESH_CHANGES],   # written without a full form (an older hfpar)
     (dict(global_batch=16), dict(world=2), "ddp", AccelerateBackend, "trained with global batch 16, this run has 8"),
 ])
 def test_incompatible_resumes_refused_from_trainer_state(tmp_path, state, ctx, strategy, backend, expected):
     out = tmp_path / "out"
     _checkpoint(out, **state)
+    ctx = dict(ctx)   # the parameters are shared with the test below
     c = ParallelContext.plan(ctx.pop("world"), strategy=STRATEGY[strategy], **ctx)
     per_device = 8 // (c.dp * 2)
     args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
                  "2", "--per_device_train_batch_size", str(per_device), *(["--ep_size", "2"] if c.ep > 1 else []))
     lines = pf.resume_problems(args, c, backend)
     assert any(expected in x for x in lines), lines
+    assert all("\n" not in x for x in lines)
+
+
+@pytest.mark.parametrize("state, ctx, strategy, backend", _MESH_CHANGES)
+def test_mesh_changes_with_a_full_form_are_accepted(tmp_path, state, ctx, strategy, backend):
+    """The same changes, written by this hfpar (trainer_state.json says "reshardable"): resharded at resume."""
+    out = tmp_path / "out"
+    _checkpoint(out, **state, reshardable=True)
+    ctx = dict(ctx)
+    c = ParallelContext.plan(ctx.pop("world"), strategy=STRATEGY[strategy], **ctx)
+    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
+                 "2", "--per_device_train_batch_size", str(8 // (c.dp * 2)), *(["--ep_size", "2"] if c.ep > 1 else []))
+    assert pf.resume_problems(args, c, backend) == []
 
 
 def test_compatible_resume_is_accepted(tmp_path):
@@ -303,15 +320,15 @@ def test_interleaved_pipeline_refusals():
 
 
 def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
-    """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) do not resume as 1 (1f1b)."""
+    """A pipeline rank's state holds its chunks' layers: 2 chunks (interleaved_1f1b) resume natively as 2, as 1 (1f1b)
+    only through the full form."""
     out = tmp_path / "out"
     _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
     ctx = ParallelContext.plan(2, pp=2, strategy=STRATEGY["ddp"])
     common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
               "--per_device_train_batch_size", "4", "--pp_size", "2")
     lines = pf.resume_problems(_args(*common), ctx, ModelParallelDDP)
-    assert any("was written with 2 chunk(s) of layers per pipeline rank, this run has 1: resume with the same "
-               "--pp_schedule and --pp_virtual_stages" in x for x in lines), lines
+    assert any(_NO_FULL_FORM in x for x in lines), lines   # an older checkpoint: no full form to regroup the layers
     assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, ModelParallelDDP) == []
 
 

@@ -14,7 +14,9 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers.parity import COMMON, TOL, launch_cases, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
+from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
+                                  assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
+                                  export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -122,18 +124,39 @@ def test_tp_classify_matches_single(tmp_path):
     assert proc.returncode != 0 and "hfpar: error: --sequence_parallel: needs a causal-LM recipe" in proc.stderr
 
 
-def test_resume_with_another_tp_size_is_refused_before_any_weight_is_read(tp_runs, base_model, tmp_path):
-    """A tp 2 checkpoint resumed with tp 1: the preflight reads trainer_state.json and refuses in one line; the
-    model's weights file is unreadable, so reaching the weights would have failed differently."""
+@pytest.fixture(scope="module")
+def tp_resharded(tp_runs, base_model, tmp_path_factory) -> dict:
+    """TP checkpoints resumed on another mesh: tp 2 -> one process without TP, tp 2 x dp 2 -> tp 2 x dp 1."""
+    cases = {"tp2_to_tp1": (tp_runs["tp2"], ("single", 1, "4", [])),
+             "tp2_dp2_to_tp2_dp1": (tp_runs["tp2_ddp2"], ("ddp", 2, "4", ["--tp_size", "2"]))}
+    return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("tp_resharded"))
+
+
+@pytest.mark.parametrize("case, src", [("tp2_to_tp1", "tp2"), ("tp2_dp2_to_tp2_dp1", "tp2_ddp2")])
+def test_tp_resumes_on_another_mesh(tp_resharded, tp_runs, base_weights, case, src):
+    """The per-TP-rank files' pieces joined into full tensors (weights, AdamW states), cut again for the new mesh."""
+    assert_continues_uninterrupted(tp_runs[src], tp_resharded[case], case, initial=base_weights)
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2_ddp2", "tp2_fsdp2"])
+def test_tp_checkpoint_export_equals_the_final_export(tp_runs, tmp_path, case):
+    assert_checkpoint_exports_final(tp_runs[case], tmp_path, case)
+
+
+def test_unsupported_mesh_change_is_refused_before_any_weight_is_read(tp_runs, base_model, tmp_path):
+    """A TP x ZeRO-1 checkpoint (DeepSpeed's partitions per TP rank: no full form) resumed without TP: the preflight
+    reads trainer_state.json and refuses in one line naming both meshes; the model's weights file is unreadable, so
+    reaching the weights would have failed differently."""
     out = tmp_path / "resumed"
     out.mkdir()
-    shutil.copytree(tp_runs["tp2"] / "checkpoint-4", out / "checkpoint-4")
+    shutil.copytree(tp_runs["tp2_sp_zero1"] / "checkpoint-4", out / "checkpoint-4")
     model = model_with_unreadable_weights(base_model, tmp_path / "model")
     proc = launch("ddp", 2, "sft", [*COMMON, "--model_name_or_path", model, "--output_dir", str(out),
                                     "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"],
                   check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]   # the launcher turns the recipe's exit 2 into 1
-    assert "was written with tp 2; this run has tp 1: resume with the same --tp_size" in proc.stderr
+    assert ("checkpoint written on zero1 x 2 processes (dp 1 tp 2 ep 1 cp 1 pp 1), this run is ddp x 2 processes "
+            "(dp 2 tp 1 ep 1 cp 1 pp 1): its writer (zero1 with model parallelism) records no full form") in proc.stderr
     # one line from the recipe, nothing from a weight loader (torchrun adds its own ChildFailedError report)
     assert "safetensors" not in proc.stderr.lower() and "Error while deserializing" not in proc.stderr
     assert "Traceback" not in "\n".join(x for x in proc.stderr.splitlines() if "hfpar" in x)

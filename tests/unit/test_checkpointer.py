@@ -70,6 +70,15 @@ class FakeBackend:
     def load_rank_state(self, ckpt_dir):
         self.calls.append(("load_rank_state", ckpt_dir.name))
 
+    def writes_full_state(self):
+        return False
+
+    def unwrapped(self):  # a model hfpar wraps itself (no Accelerate model): its config.json, when it has one
+        return torch.nn.Identity()
+
+    def resume_mode(self, state, chunks):  # noqa: ARG002  (the same mesh: hfpar.backends.reshard decides otherwise)
+        return "native"
+
 
 def checkpointer(tmp_path, acc=None, backend=None, **kw) -> Checkpointer:
     opts = dict(total_steps=10, save_steps=4, save_total_limit=None, resume=None, seed=7, global_batch=16,
@@ -142,7 +151,8 @@ def test_trainer_state_round_trip_through_resume(tmp_path):
     ck.save(8)
     state = read_trainer_state(tmp_path / "checkpoint-8")
     assert state == {"global_step": 8, "world_size": 4, "dp": 2, "tp": 2, "ep": 1, "cp": 1, "pp": 1,
-                     "pp_virtual_stages": 2, "strategy": "ddp", "seed": 7, "global_batch": 16}
+                     "pp_virtual_stages": 2, "strategy": "ddp", "seed": 7, "global_batch": 16, "peft": False,
+                     "reshardable": False}
     assert list(state) == list(ck.trainer_state(8))  # key order: the file's bytes
     acc = FakeAccelerator()
     resumed = checkpointer(tmp_path, acc, backend, resume="latest")

@@ -29,12 +29,12 @@ def test_not_a_checkpoint(tmp_path, capsys):
     assert "no model state found" in export_error(capsys, tmp_path / "checkpoint-1", tmp_path / "out")
 
 
-def test_tensor_parallel_shards_are_refused_with_the_way_out(tmp_path, capsys):
+def test_per_rank_files_without_a_piece_layout_are_refused_with_the_way_out(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint-2"
     ckpt.mkdir()
-    torch.save({"model": {}}, ckpt / "tp_rank00_of02.pt")
+    torch.save({"model": {}}, ckpt / "tp_rank00_of02.pt")   # an older hfpar's: no piece layout
     err = export_error(capsys, ckpt, tmp_path / "out")
-    assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
+    assert "per-rank file without the piece layout" in err and "final model" in err
 
 
 def test_model_parallel_zero_shards_are_refused_before_deepspeed(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_model_parallel_zero_shards_are_refused_before_deepspeed(tmp_path, capsy
     (ckpt / "latest").write_text("global_step2")
     torch.save({"experts": []}, ckpt / "rank000_of002.pt")
     err = export_error(capsys, ckpt, tmp_path / "out")
-    assert "per-rank tensor/expert-parallel shards" in err and "final model" in err
+    assert "per-rank file without the piece layout" in err and "final model" in err
 
 
 def test_pipeline_stages_are_refused_before_deepspeed(tmp_path, capsys):
@@ -56,7 +56,7 @@ def test_pipeline_stages_are_refused_before_deepspeed(tmp_path, capsys):
     (ckpt / "latest").write_text("pytorch_model")
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2, "pp": 2, "strategy": "zero1"}))
     err = export_error(capsys, ckpt, tmp_path / "out")
-    assert "the 2 stages of a pipeline-parallel run" in err and "final model" in err
+    assert "DeepSpeed partitions per pipeline stage, which have no full form" in err and "final model" in err
 
 
 def test_checkpoint_without_config(tmp_path, capsys):
