@@ -204,6 +204,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     model, load = load_model(args, task, num_labels, ctx)
     try:
         model, extra = parallelize(model, args, ctx, task)
+        if extra.get("moe_note"):
+            accelerator.print(f"[hfpar] {extra['moe_note']}")
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
             from hfpar.loading.sharded import load_sharded  # noqa: PLC0415
 

@@ -82,7 +82,10 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
 
 
 def check(model_type: str) -> dict:
-    from hfpar.parallel.expert_parallel import apply_expert_parallel, expert_parallel_groups
+    from hfpar.parallel.expert_parallel import (
+        apply_expert_parallel,
+        expert_parallel_groups,
+    )
     if model_type in ENCODER_STYLE or model_type in STATE_SPACE:
         return {"status": "skipped", "why": "encoder-style / multimodal / pure state-space"}
     for layers in (2, 4):
@@ -135,7 +138,8 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
         if rank == 0 and verbose and res[mt]["status"] != "dense":
             r = res[mt]
-            print(f"{mt:28s} {r['status']:10s} {r.get('how', '')!s:9s} {r.get('worst_rel', '')!s:10.10s} "
+            worst = f"{r['worst_rel']:.1e}" if "worst_rel" in r else ""
+            print(f"{mt:28s} {r['status']:10s} {r.get('how', '')!s:9s} {worst:8s} "
                   f"{r.get('worst', '')} {r.get('why', '')[:260]}", flush=True)
         dist.barrier()
     return res

@@ -22,9 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .hf_experts import find_hf_experts
 from .moe import MoELayer
 
-__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks"]
+__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks",
+           "config_num_experts", "has_moe_blocks"]
+
+# the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config)
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,28 @@ class MoEBlock:
     fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
     E: int = 0
     k: int = 0
+
+
+def config_num_experts(config) -> int | None:
+    """The routed-expert count a model config declares (its text config; nested sub-configs too), or None: what the
+    recipes' preflight reads before any model is built (after loading, has_moe_blocks / apply_expert_parallel)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+    for d in [values, *(v for v in values.values() if isinstance(v, dict))]:
+        for f in _EXPERT_FIELDS:
+            if isinstance(d.get(f), int) and not isinstance(d.get(f), bool) and d[f] > 1:
+                return d[f]
+    return None
+
+
+def has_moe_blocks(model: nn.Module) -> bool:
+    """Whether `model` holds MoE blocks: hfpar MoELayers, the MOE_FAMILIES block of its model_type, or experts
+    modules of HF MoE blocks (hf_experts.find_hf_experts, convertible or not)."""
+    fam = MOE_FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if any(isinstance(m, MoELayer) or (fam is not None and type(m).__name__ == fam.block) for m in model.modules()):
+        return True
+    found, problems = find_hf_experts(model)
+    return bool(found or problems)
 
 
 def config_value(cfg, spec):

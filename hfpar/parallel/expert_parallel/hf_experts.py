@@ -35,7 +35,7 @@ from ..comm import all_reduce, group_rank, group_size
 from ..sharding import ShardSpec, set_shard_spec
 from .moe import dispatch_rows
 
-__all__ = ["HFExperts", "find_hf_experts", "shard_hf_experts", "is_hf_experts_sharded"]
+__all__ = ["HFExperts", "find_hf_experts", "is_hf_experts_sharded", "shard_hf_experts"]
 
 # attributes of transformers' experts classes that hold the expert count (set to the local count while sharded)
 _COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "total_experts")
@@ -56,6 +56,14 @@ def _expert_candidate(name: str, m: nn.Module) -> bool:
             and ("expert" in name.rpartition(".")[2].lower() or hasattr(m, "_is_expert_parallel")))
 
 
+def _forward_args(m: nn.Module) -> int:
+    try:
+        return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   for p in inspect.signature(m.forward).parameters.values())
+    except (TypeError, ValueError):
+        return 0
+
+
 def _problem(m: nn.Module) -> tuple[int, str | None]:
     own = dict(m.named_parameters(recurse=False))
     E = next(p.shape[0] for p in own.values() if p.dim() == 3)
@@ -64,15 +72,13 @@ def _problem(m: nn.Module) -> tuple[int, str | None]:
         return E, f"its parameters do not share one expert dim 0 ({dims})"
     if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
         return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
-    try:
-        params = [p for p in inspect.signature(m.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    if len(params) < 3:
-        names = ", ".join(p.name for p in params)
-        return E, (f"its forward takes ({names}), not (hidden_states, top_k_index, top_k_weights): every token goes "
-                   f"through every expert (no per-token expert selection to dispatch)")
+    n_args = _forward_args(m)
+    if n_args == 1 and any(p.dim() != 3 for p in own.values()):
+        return E, ("its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
+                   "(zeroed) row would not give a zero output, so rows cannot be left out")
+    if n_args == 2 or n_args == 0:
+        return E, (f"its forward takes {n_args} positional inputs, neither (hidden_states, top_k_index, "
+                   f"top_k_weights) nor the dense (E*N, H) routed input")
     if E < 2:
         return E, f"it holds {E} expert"
     return E, None
@@ -122,7 +128,10 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     def local(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]   # (R, 1)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)                         # (R, 1)
-        return st.base.forward(self, x, ids, ones, *args, **kwargs)                                      # (R, H)
+        out = st.base.forward(self, x, ids, ones, *args, **kwargs)                                       # (R, H)
+        # every local expert tensor in the graph (a zero grad where no row came), as every rank's is: the
+        # data-parallel reduction of expert grads is a collective over the ranks holding the same experts
+        return out + sum(p.reshape(-1)[:1].sum() for p in self.parameters(recurse=False)) * 0
 
     y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)    # (N*k, H), unweighted
     weighted = y_sorted * top_k_weights.reshape(-1)[order, None]        # promoted dtype, as transformers' grouped_mm
@@ -131,13 +140,36 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     return weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)   # (N, H)
 
 
+def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+    """Llama-4's experts: routed_in (E*N, H) holds every token for every expert, scaled by its routing score (0 where
+    the expert was not selected). An all-zero row gives an exactly zero output and gradient (bias-free SwiGLU), so
+    only the nonzero (expert, token) rows travel; each rank runs the original forward on its experts' rows, padded
+    to equal counts (the forward's bmm layout), and the outputs go back to their (expert, token) places."""
+    st: _EPState = self._hfpar_ep
+    x = routed_in.view(st.E, -1, routed_in.shape[-1])                  # (E, N, H)
+    with torch.no_grad():
+        e_idx, n_idx = (x != 0).any(dim=-1).nonzero(as_tuple=True)       # (M,) each, sorted by expert
+        counts = torch.bincount(e_idx, minlength=st.E)                   # (E,)
+
+    def local(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        width = int(local_counts.max()) if local_counts.numel() else 0
+        ids = torch.repeat_interleave(torch.arange(st.count, device=rows.device), local_counts)        # (R,)
+        pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(local_counts, 0) - local_counts)[ids]
+        padded = rows.new_zeros(st.count, width, rows.shape[-1]).index_put((ids, pos), rows)          # (El, w, H)
+        out = st.base.forward(self, padded.view(-1, rows.shape[-1])).view(st.count, width, -1)
+        return out[ids, pos] + sum(p.reshape(-1)[:1].sum() for p in self.parameters(recurse=False)) * 0
+
+    y, _, _ = dispatch_rows(x[e_idx, n_idx], counts, st.group, local)   # (M, H)
+    return x.new_zeros(x.shape[0], x.shape[1], y.shape[-1]).index_put((e_idx, n_idx), y).view(-1, y.shape[-1])
+
+
 _CLASSES: dict[type, type] = {}
 
 
-def _ep_class(cls: type) -> type:
+def _ep_class(cls: type, dense: bool) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _ep_forward,
-                                                                        "__module__": cls.__module__})
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {
+            "forward": _ep_dense_forward if dense else _ep_forward, "__module__": cls.__module__})
     return _CLASSES[cls]
 
 
@@ -156,7 +188,7 @@ def _shard(x: HFExperts, ep_group) -> None:
         setattr(m, a, count)
     base = type(m)
     m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs})
-    m.__class__ = _ep_class(base)
+    m.__class__ = _ep_class(base, dense=_forward_args(m) == 1)
 
 
 def _unshard(x: HFExperts) -> None:
@@ -220,7 +252,7 @@ def shard_hf_experts(found: list[HFExperts], ep_group, hidden_size: int) -> None
                 wide = next(x.module.parameters()).dtype in (torch.float32, torch.float64)
                 try:
                     rel, what = _check(x, ep_group, hidden_size)
-                except Exception as exc:  # noqa: BLE001  (an unknown block's failure is a one-line refusal)
+                except Exception as exc:
                     if is_hf_experts_sharded(x.module):
                         _unshard(x)
                     raise ValueError(f"{x.path} ({cls.__name__}): the expert-parallel block failed its check "
