@@ -42,6 +42,10 @@ def _reduced_grads(model, ref) -> tuple[dict, dict]:
     from hfpar.parallel.sharding import reduce_dp_grads, shard_spec
     ws = dist.get_world_size()
     got, want = {}, {}
+    for m in (model, ref):                                   # the same collectives on every rank: a parameter no
+        for p in m.parameters():                             # token of this rank reached has a zero grad here
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     experts = [p for p in model.parameters() if shard_spec(p) is not None and shard_spec(p).kind == "ep"]
     reduce_dp_grads(experts)
     refp = dict(ref.named_parameters())
@@ -134,6 +138,9 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
     res = {}
     for mt in types:
         t0 = time.perf_counter()
+        if rank == 0 and os.environ.get("EP_SWEEP_LOG"):        # where a run is, while it runs
+            with open(os.environ["EP_SWEEP_LOG"], "a") as f:
+                f.write(f"{mt}\n")
         res[mt] = check(mt)
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
         if rank == 0 and verbose and res[mt]["status"] != "dense":

@@ -114,6 +114,14 @@ class _EPState:
     saved: dict           # what unshard() restores: parameters and count attributes
 
 
+def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A zero that ties every local expert tensor and the received rows into the graph, also where no row came (an
+    eager HF forward then returns zeros unconnected to both): every rank's backward then runs the same collectives
+    (the all-to-all back to the senders) and gives every expert tensor a grad (zero where unused) for the data-parallel
+    reduction, a collective over the ranks holding the same experts."""
+    return (x.reshape(-1)[:1].sum() + sum(p.reshape(-1)[:1].sum() for p in experts.parameters(recurse=False))) * 0
+
+
 def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args, **kwargs) -> torch.Tensor:
     st: _EPState = self._hfpar_ep
@@ -129,9 +137,7 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
         ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]   # (R, 1)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)                         # (R, 1)
         out = st.base.forward(self, x, ids, ones, *args, **kwargs)                                       # (R, H)
-        # every local expert tensor in the graph (a zero grad where no row came), as every rank's is: the
-        # data-parallel reduction of expert grads is a collective over the ranks holding the same experts
-        return out + sum(p.reshape(-1)[:1].sum() for p in self.parameters(recurse=False)) * 0
+        return out + _in_graph(self, x)
 
     y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)    # (N*k, H), unweighted
     weighted = y_sorted * top_k_weights.reshape(-1)[order, None]        # promoted dtype, as transformers' grouped_mm
@@ -157,7 +163,7 @@ def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(local_counts, 0) - local_counts)[ids]
         padded = rows.new_zeros(st.count, width, rows.shape[-1]).index_put((ids, pos), rows)          # (El, w, H)
         out = st.base.forward(self, padded.view(-1, rows.shape[-1])).view(st.count, width, -1)
-        return out[ids, pos] + sum(p.reshape(-1)[:1].sum() for p in self.parameters(recurse=False)) * 0
+        return out[ids, pos] + _in_graph(self, rows)
 
     y, _, _ = dispatch_rows(x[e_idx, n_idx], counts, st.group, local)   # (M, H)
     return x.new_zeros(x.shape[0], x.shape[1], y.shape[-1]).index_put((e_idx, n_idx), y).view(-1, y.shape[-1])
@@ -228,11 +234,13 @@ def _check(x: HFExperts, ep_group, hidden_size: int) -> tuple[float, str]:
     g = torch.Generator().manual_seed(1000 + rank)                       # different tokens on every rank
     inp = torch.randn(2, 8, hidden_size, generator=g).to(device=w.device, dtype=w.dtype).requires_grad_()
     want_out, want = _run(x.block, inp, 7 + rank)
-    expert_names = {f"{x.path.rpartition('.')[2]}.{n}" for n, _ in x.module.named_parameters(recurse=False)}
+    prefix = x.path.rpartition(".")[2]
     count, start = x.E // group_size(ep_group), rank * (x.E // group_size(ep_group))
-    for n in expert_names:                                               # EP grads sum every rank's tokens
-        if want.get(n) is not None:
-            want[n] = all_reduce(want[n].clone(), ep_group)[start:start + count]
+    for n, p in x.module.named_parameters(recurse=False):               # EP grads sum every rank's tokens; the
+        if p.requires_grad:                                              # same order on every rank (collectives)
+            g = want.get(f"{prefix}.{n}")
+            g = torch.zeros_like(p) if g is None else g
+            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start:start + count]
     _shard(x, ep_group)
     got_out, got = _run(x.block, inp, 7 + rank)
     worst = max([(_rel(got_out, want_out), "output")] + [(_rel(got.get(n), v), f"grad {n}") for n, v in want.items()])
