@@ -10,7 +10,8 @@ Families whose blocks keep their own HF code, only the experts sharded (hfpar.pa
     ernie4_5_moe    moe_statics.e_score_correction_bias, shared experts
     phimoe          sparsemixer routing
     glm4_moe        DeepSeek-V3-style routing in GLM's block
-and refused in one line naming the module: llama4_text (its experts run every token through every expert).
+    llama4_text     dense experts input (every token for every expert, scaled by its sigmoid score)
+and refused in one line naming the module: jetmoe (experts split into two modules called with per-expert counts).
 Plus the check's sensitivity: a block whose experts weight their input (not their output) is refused, not sharded.
 """
 
@@ -26,7 +27,7 @@ from tests.helpers.ep_sweep import sweep_worker
 
 pytestmark = pytest.mark.slow
 
-EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe")
+EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text")
 
 
 class _InputWeightedExperts(nn.Module):
@@ -82,7 +83,7 @@ def _sensitivity(rank: int, world_size: int) -> str:
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    res = sweep_worker(rank, world_size, [*EXACT, "llama4_text"])
+    res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
     res["sensitivity"] = _sensitivity(rank, world_size)
     return res
 
@@ -99,9 +100,9 @@ def test_exact(results, model_type):
 
 
 def test_refused_in_one_line(results):
-    r = results["llama4_text"]
+    r = results["jetmoe"]
     assert r["status"] == "refused" and "\n" not in r["why"], r
-    assert "model.layers.0.feed_forward.experts (Llama4TextExperts) cannot be sharded by expert" in r["why"], r
+    assert "model.layers.0.mlp.input_linear (JetMoeParallelExperts) cannot be sharded by expert" in r["why"], r
 
 
 def test_check_refuses_a_block_it_would_change(results):

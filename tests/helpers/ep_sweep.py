@@ -22,11 +22,34 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tests.helpers.tp_sweep import ENCODER_STYLE, STATE_SPACE, batch, build, rel
+from tests.helpers.tp_sweep import ENCODER_STYLE, STATE_SPACE, batch, rel, tiny_config
 
 TOL = 1e-4
 LR = 0.1
 DTYPE = torch.float64 if os.environ.get("EP_SWEEP_FP64") else torch.float32
+# MoE size fields tp_sweep's shrink rules do not know (LongCat, Ernie), shrunk on the text config
+EXTRA = {"expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2, "ffn_hidden_size": 128, "moe_k": 2,
+         "moe_num_experts": 4}
+
+
+def build(model_type: str, layers: int = 2):
+    """tp_sweep's tiny model (eager attention and experts, seed 0) with EXTRA applied, in DTYPE, train mode."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(model_type, layers)
+    text = cfg.get_text_config()
+    for k, v in EXTRA.items():
+        if hasattr(text, k):
+            setattr(text, k, v)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > 20_000_000:
+        raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters")
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", attn_implementation="eager")
+    except (TypeError, ValueError):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return model.to(DTYPE).train()
 
 
 def _is_moe(model) -> bool:
@@ -70,7 +93,8 @@ def _reduced_grads(model, ref) -> tuple[dict, dict]:
 def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     for m in (model, ref):
         m.zero_grad(set_to_none=True)
-    loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    ref_loss = ref(input_ids=ids, labels=labels, use_cache=False).loss
     loss.backward()
     ref_loss.backward()
     got, want = _reduced_grads(model, ref)
@@ -94,7 +118,7 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": "encoder-style / multimodal / pure state-space"}
     for layers in (2, 4):
         try:
-            model = build(model_type, layers=layers).to(DTYPE)
+            model = build(model_type, layers=layers)
         except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
             why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
             continue
@@ -106,7 +130,7 @@ def check(model_type: str) -> dict:
         ref = copy.deepcopy(model)
         ids, labels = batch(model.get_input_embeddings().num_embeddings, seed=1 + dist.get_rank())
         try:
-            ref(input_ids=ids, labels=labels).loss.backward()
+            ref(input_ids=ids, labels=labels, use_cache=False).loss.backward()
             ref.zero_grad(set_to_none=True)
             break
         except Exception as e:  # noqa: BLE001

@@ -293,7 +293,8 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     if hf and ep > 1:                                                   # ep 1: the HF blocks stay as they are
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         try:
-            shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size))
+            shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size),
+                             vocab_size=getattr(text, "vocab_size", None))
         except ValueError as exc:                                       # a failed equality check: nothing sharded
             raise ValueError(f"apply_expert_parallel: {exc}") from None
         for x in hf:
