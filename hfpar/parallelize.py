@@ -63,8 +63,8 @@ def apply_moe(model, args, ctx) -> str | None:
             raise
         if coef:
             raise ValueError(f"output_router_logits with router_aux_loss_coef {coef}: the recipes add the aux loss "
-                             f"through hfpar's MoE router only, and {why}; set output_router_logits false in the "
-                             f"model config (no aux loss)") from None
+                             f"through hfpar's MoE router only, and {why.split('; pass None')[0]}; set "
+                             f"output_router_logits false in the model config (no aux loss)") from None
         if ctx.ep > 1:
             raise
         return f"MoE blocks train as the HF model's own ({why})"
