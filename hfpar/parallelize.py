@@ -107,9 +107,9 @@ def parallelize(model, args, ctx, task: str) -> tuple:
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
-    if task == "lm":  # before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
-        if note := apply_moe(model, args, ctx):
-            info["moe_note"] = note
+    # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
+    if task == "lm" and (note := apply_moe(model, args, ctx)):
+        info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)

@@ -23,8 +23,10 @@ Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E ex
 
 Architectures are data (families.py: MOE_FAMILIES, UPCYCLE_FAMILIES); other model types are detected
 generically (3-D experts + an (E, H) router, checked against the original block's output). What TopKRouter
-cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases) is
-refused, not approximated.
+cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases; sparsemixer;
+Llama-4's dense experts) keeps the HF block's own code with only its experts module sharded by expert
+(hf_experts.py: the experts' tensors sliced, the selected copies dispatched by all-to-all, accepted after an
+equality check against the HF block); no hfpar aux / z loss or capacity there (refused in one line).
 
 Aux loss, the objective of the HF model (aux_loss_coef=None, the default):
     output_router_logits False (config default, or call kwarg)   no aux loss, as HF

@@ -11,8 +11,9 @@ and, because a generic module's forward is unknown, the first block of each clas
 and its hfpar equivalent (softmax top-k, renormalized or not, act = config.hidden_act) run on the same random
 tokens in eval mode and must agree (fp32 / fp64: 1e-4 relative; 16-bit: 5e-2). What does not fit (biases,
 bias-corrected / sigmoid / group-limited routing of DeepSeek-V3, GPT-OSS's transposed clamped experts, Phi-MoE's
-sparsemixer) is refused in one line naming the model type, the block and what is missing. Tested generically:
-flex_olmo; refused: deepseek_v3, gpt_oss (tests/distributed/test_ep_hf_semantics.py).
+sparsemixer) goes through hf_experts.py instead (the HF block's own code, only its experts sharded), which
+apply_expert_parallel tries when these problems are found. Tested generically: flex_olmo, minimax, granitemoe
+(tests/distributed/test_ep_hf_semantics.py); every family: benchmarks/ep_family_sweep.py.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import nn
 from .hf_experts import find_hf_experts
 from .moe import MoELayer
 
-__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks",
-           "config_num_experts", "has_moe_blocks"]
+__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "config_num_experts",
+           "find_moe_blocks", "has_moe_blocks"]
 
 # the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config)
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
