@@ -139,8 +139,11 @@ def _keep_frozen(model, cls) -> None:
     """from_pretrained returns every parameter trainable, also those the model's own __init__ freezes (Ernie-4.5-MoE's
     moe_statics.e_score_correction_bias: a routing statistic no gradient reaches, whose missing grad DDP would wait
     for): the flags of a meta-device model of the same config are put back."""
-    with _without_zero3_init(), torch.device("meta"):
-        frozen = {n for n, p in cls.from_config(model.config).named_parameters() if not p.requires_grad}
+    try:
+        with _without_zero3_init(), torch.device("meta"):
+            frozen = {n for n, p in cls.from_config(model.config).named_parameters() if not p.requires_grad}
+    except Exception:  # noqa: BLE001 - a config from_config cannot build again: the loaded flags stay as they are
+        return
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
