@@ -36,7 +36,7 @@ from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
 from ..sharding import ShardSpec, set_shard_spec
-from .moe import dispatch_rows
+from .moe import GroupedExperts, dispatch_rows
 
 __all__ = ["HFExperts", "find_hf_experts", "is_hf_experts_sharded", "shard_hf_experts"]
 
@@ -57,6 +57,7 @@ def _expert_candidate(name: str, m: nn.Module) -> bool:
     own = list(m.parameters(recurse=False))
     last = name.rpartition(".")[2].lower()
     return (bool(own) and any(p.dim() == 3 for p in own) and not last.startswith("shared")
+            and not isinstance(m, GroupedExperts)                        # hfpar's own MoELayer experts
             and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel")))
 
 
