@@ -17,22 +17,22 @@ from hfpar.train.chunked_loss import chunkable, install_chunked_loss
 from hfpar.loading.sharded import is_meta
 from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.parallel.context_parallel import register_cp_attention
-from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, set_aux_loss_grad_scale,
-                                            upcycle_to_moe)
-from hfpar.parallel.expert_parallel.moe import MoELayer
+from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, has_moe_blocks,
+                                            set_aux_loss_grad_scale, upcycle_to_moe)
 from hfpar.parallel.pipeline import (PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, microbatches,
                                     parse_split, pipeline_stages)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def is_moe(model) -> bool:
-    return any(isinstance(m, MoELayer) or type(m).__name__.endswith("SparseMoeBlock") for m in model.modules())
+    return has_moe_blocks(model)   # the library's detection (hfpar.parallel.expert_parallel), no family table
 
 
-def apply_moe(model, args, ctx) -> None:
+def apply_moe(model, args, ctx) -> str | None:
     """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over ctx's EP groups. Any MoE model gets
     router statistics over all data-parallel ranks, so EP and DP do not change the aux loss; padding takes no
-    part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization."""
+    part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization. Without
+    --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None)."""
     if args.upcycle_experts:
         upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
                        z_loss_coef=args.moe_z_loss_coef, seed=args.seed)
@@ -49,15 +49,30 @@ def apply_moe(model, args, ctx) -> None:
         float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if getattr(cfg, "output_router_logits", False) else 0.0)
     # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs; a meta skeleton
     # (hfpar.loading.sharded) has no weights to compare across ranks yet: each rank reads its own experts after this
-    if dist.is_initialized():
-        apply_expert_parallel(model, ctx, aux_loss_coef=coef,
-                              check_replicated=not is_meta(model))
-    else:
-        apply_expert_parallel(model, aux_loss_coef=coef)
+    try:
+        if dist.is_initialized():
+            apply_expert_parallel(model, ctx, aux_loss_coef=coef,
+                                  check_replicated=not is_meta(model))
+        else:
+            apply_expert_parallel(model, aux_loss_coef=coef)
+    except ValueError as exc:
+        # no EP asked: nothing needs converting, the HF blocks train as they are; but an aux loss asked for
+        # (output_router_logits) reaches the recipes' loss (computed from the logits) only through hfpar's router
+        why = str(exc).removeprefix("apply_expert_parallel: ")
+        if args.upcycle_experts:
+            raise
+        if coef:
+            raise ValueError(f"output_router_logits with router_aux_loss_coef {coef}: the recipes add the aux loss "
+                             f"through hfpar's MoE router only, and {why.split('; pass None')[0]}; set "
+                             f"output_router_logits false in the model config (no aux loss)") from None
+        if ctx.ep > 1:
+            raise
+        return f"MoE blocks train as the HF model's own ({why})"
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
     # every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
     set_aux_loss_grad_scale(ctx.grad_replicas / args.gradient_accumulation_steps)
     attach_moe_token_mask(model)
+    return None
 
 
 def chunk_loss(model, args, ctx):
@@ -92,8 +107,9 @@ def parallelize(model, args, ctx, task: str) -> tuple:
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
-    if task == "lm":  # before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
-        apply_moe(model, args, ctx)
+    # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
+    if task == "lm" and (note := apply_moe(model, args, ctx)):
+        info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)

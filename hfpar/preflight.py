@@ -31,7 +31,7 @@ from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
-from hfpar.parallel.expert_parallel import MOE_FAMILIES, UPCYCLE_FAMILIES
+from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_problem
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
@@ -151,10 +151,10 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
                      f"(supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
         elif args.upcycle_experts % ctx.ep:
             p.append(f"--upcycle_experts {args.upcycle_experts} is not divisible by --ep_size {ctx.ep}")
-    if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and model_type not in MOE_FAMILIES:
+    if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and config_num_experts(config) is None:
         name = (getattr(config, "architectures", None) or [model_type])[0]
         p.append(f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
-                 f"experts first (MoE families: {', '.join(sorted(MOE_FAMILIES))})")
+                 f"experts first (its config declares no routed experts)")
     return p
 
 

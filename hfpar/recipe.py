@@ -123,6 +123,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
         model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+        _keep_frozen(model, cls)
         if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
@@ -132,6 +133,20 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model, load
+
+
+def _keep_frozen(model, cls) -> None:
+    """from_pretrained returns every parameter trainable, also those the model's own __init__ freezes (Ernie-4.5-MoE's
+    moe_statics.e_score_correction_bias: a routing statistic no gradient reaches, whose missing grad DDP would wait
+    for): the flags of a meta-device model of the same config are put back."""
+    try:
+        with _without_zero3_init(), torch.device("meta"):
+            frozen = {n for n, p in cls.from_config(model.config).named_parameters() if not p.requires_grad}
+    except Exception:  # noqa: BLE001 - a config from_config cannot build again: the loaded flags stay as they are
+        return
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
 
 
 def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False):
@@ -204,6 +219,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     model, load = load_model(args, task, num_labels, ctx)
     try:
         model, extra = parallelize(model, args, ctx, task)
+        if extra.get("moe_note"):
+            accelerator.print(f"[hfpar] {extra['moe_note']}")
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
             from hfpar.loading.sharded import load_sharded  # noqa: PLC0415
 

@@ -47,7 +47,7 @@ from hfpar.loading.files import Files, checkpoint_index, read
 from hfpar.loading.upcycle import load_upcycled_experts
 from hfpar.loading.views import hf_view
 from hfpar.parallel.comm import group_rank
-from hfpar.parallel.expert_parallel.families import MOE_FAMILIES
+from hfpar.parallel.expert_parallel.families import MOE_FAMILIES, config_num_experts
 from hfpar.parallel.sharding import set_shard_spec, shard_spec
 
 __all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sharded", "fsdp2_loader", "is_meta",
@@ -66,8 +66,9 @@ def loading_mode(args, ctx, config) -> tuple[str, str]:
     model_parallel = ctx.tp > 1 or ctx.ep > 1
     if args.upcycle_experts and not model_parallel:
         return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
-    if (model_parallel or ctx.pp > 1) and any(getattr(config, f, None) for f in _MOE_FIELDS):
-        if config.model_type not in MOE_FAMILIES:   # generic MoE blocks are probed with real weights
+    if (model_parallel or ctx.pp > 1) and (any(getattr(config, f, None) for f in _MOE_FIELDS)
+                                          or config_num_experts(config)):
+        if config.model_type not in MOE_FAMILIES:   # generic / HF MoE blocks are checked with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
     if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
         return "sharded", f"each rank reads only its pipeline stage's tensors{' (its TP slices)' if ctx.tp > 1 else ''}"

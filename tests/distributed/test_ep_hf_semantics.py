@@ -239,27 +239,34 @@ def test_checkpointing_grads_match_hf_model(reentrant):
     assert worst[0] <= TOL, worst
 
 
-@pytest.mark.parametrize("mt, over, message", [
+@pytest.mark.parametrize("mt, over, kw, message", [
     ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_group": 1,
                      "topk_group": 1, "first_k_dense_replace": 0, "kv_lora_rank": 16, "q_lora_rank": None,
-                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8},
-     (r"model_type 'deepseek_v3': model\.layers\.0\.mlp \(DeepseekV3MoE\) is not an MoE block hfpar can convert: "
-     r"router DeepseekV3TopkRouter has e_score_correction_bias")),
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4},
+     {"aux_loss_coef": 0.1},
+     (r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(DeepseekV3MoE\) keeps the HF block's own router, "
+      r"so aux_loss_coef=0\.1 \(hfpar's router\) cannot apply; pass None")),
     ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention"] * 2},
-     (r"model_type 'gpt_oss': model\.layers\.0\.mlp \(GptOssMLP\) is not an MoE block hfpar can convert: experts "
-     r"gate_up_proj \(4, 32, 96\) / down_proj \(4, 48, 32\) are not in the \(E, 2I, H\) / \(E, H, I\) layout; "
-     r"expert GptOssExperts has gate_up_proj_bias, down_proj_bias")),
-    ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2},
-     r"model_type 'phimoe': model\.layers\.0\.mlp \(PhimoeSparseMoeBlock\) .*: its output differs from softmax top-2"),
+     {"capacity_factor": 1.25},
+     r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(GptOssMLP\) keeps .* so capacity_factor=1\.25"),
 ])
-def test_generic_refusals_are_one_line(mt, over, message):
+def test_hf_blocks_without_ep_stay_hf_and_refusals_are_one_line(mt, over, kw, message):
+    """Blocks hfpar's MoELayer does not reproduce (a bias-corrected sigmoid router, biased transposed experts) keep
+    the HF block's own code (hf_experts.py; EP=2 parity: tests/distributed/test_ep_family_sweep.py): in one process
+    nothing changes; what needs hfpar's router (its aux loss, a capacity) is refused in one line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar.parallel.expert_parallel import apply_expert_parallel
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **{**TINY, **over}))
+    experts = type(model.model.layers[0].mlp.experts)
+    ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids).logits
+    assert apply_expert_parallel(model) is model
+    assert type(model.model.layers[0].mlp.experts) is experts
+    assert torch.equal(model(input_ids=ids).logits, want)
     with pytest.raises(ValueError, match=message) as e:
-        apply_expert_parallel(model)
+        apply_expert_parallel(model, **kw)
     assert "\n" not in str(e.value)
 
 

@@ -23,8 +23,10 @@ Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E ex
 
 Architectures are data (families.py: MOE_FAMILIES, UPCYCLE_FAMILIES); other model types are detected
 generically (3-D experts + an (E, H) router, checked against the original block's output). What TopKRouter
-cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases) is
-refused, not approximated.
+cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases; sparsemixer;
+Llama-4's dense experts) keeps the HF block's own code with only its experts module sharded by expert
+(hf_experts.py: the experts' tensors sliced, the selected copies dispatched by all-to-all, accepted after an
+equality check against the HF block); no hfpar aux / z loss or capacity there (refused in one line).
 
 Aux loss, the objective of the HF model (aux_loss_coef=None, the default):
     output_router_logits False (config default, or call kwarg)   no aux loss, as HF
@@ -67,6 +69,7 @@ from ..groups import expert_rank_lists, new_groups
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import full_state_dict, set_shard_spec, shard_spec
 from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
+from .hf_experts import HFExperts, find_hf_experts, shard_hf_experts
 from .hf_outputs import record_router_logits
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask
@@ -131,15 +134,22 @@ def _validate(blocks: list[MoEBlock], ep: int, dp: int) -> list[str]:
     return problems
 
 
+def _block_tensors(b: MoEBlock | HFExperts) -> list[torch.Tensor]:
+    if isinstance(b, HFExperts):
+        return list(b.block.parameters())
+    if b.fam is None:
+        return [b.module.gate.weight, *b.module.experts.parameters()]
+    return [getattr(b.module, b.fam.router).weight, *getattr(b.module, b.fam.experts).parameters()]
+
+
 @torch.no_grad()
-def _check_same_weights(blocks: list[MoEBlock], group) -> None:
+def _check_same_weights(blocks: list[MoEBlock | HFExperts], group) -> None:
     """Routers and the FULL expert weights must be equal on every rank of `group` (one all-gather)."""
-    if group is None or group_size(group) == 1:
+    if group is None or group_size(group) == 1 or not blocks:
         return
     rows, spans = [], []
     for b in blocks:
-        ts = ([b.module.gate.weight, *b.module.experts.parameters()] if b.fam is None else
-              [getattr(b.module, b.fam.router).weight, *getattr(b.module, b.fam.experts).parameters()])
+        ts = _block_tensors(b)
         spans.append((len(rows), len(rows) + 2 * len(ts)))
         for t in ts:
             rows += [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]
@@ -151,6 +161,26 @@ def _check_same_weights(blocks: list[MoEBlock], group) -> None:
             raise ValueError(f"apply_expert_parallel: {b.path} router / expert weights differ across the ranks of "
                              f"the data-parallel group; load the same full weights (same seed / checkpoint) on "
                              f"every rank before apply_expert_parallel")
+
+
+def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[list[HFExperts], list[str]]:
+    """Where hfpar's MoELayer does not fit (a router it does not reproduce, biases, another expert layout), the HF
+    block's own code with only its experts sharded (hf_experts.py): (experts modules, problems) or ([], [])."""
+    if not problems or any(b.fam is None for b in blocks) or getattr(cfg, "model_type", None) in MOE_FAMILIES:
+        return [], []
+    return find_hf_experts(model)
+
+
+def _validate_hf(found: list[HFExperts], ep: int, aux_loss_coef, z_loss_coef, capacity_factor) -> list[str]:
+    problems = [f"{x.path}: num_experts {x.E} is not divisible by ep_size {ep}" for x in found if x.E % ep]
+    asked = {k: v for k, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                               ("capacity_factor", capacity_factor)) if v}
+    if found and asked:
+        x = found[0]
+        problems.append(f"{x.path} ({type(x.block).__name__}) keeps the HF block's own router, so "
+                        f"{', '.join(f'{k}={v}' for k, v in asked.items())} (hfpar's router) cannot apply; pass None "
+                        f"(the HF model's own aux loss comes with output_router_logits)")
+    return problems
 
 
 def _param_like(src: torch.Tensor) -> nn.Parameter:
@@ -250,7 +280,10 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
     cfg = getattr(model, "config", None)
     blocks, problems = find_moe_blocks(model, lambda *a: _probe(cfg, *a))
-    problems += _validate(blocks, ep, dp)
+    hf, hf_problems = _hf_path(model, cfg, blocks, problems)
+    if hf or hf_problems:                                               # the HF blocks' own code, experts sharded
+        blocks, problems = [], hf_problems
+    problems += _validate(blocks, ep, dp) + _validate_hf(hf, ep, aux_loss_coef, z_loss_coef, capacity_factor)
     if not problems and initialised and ep > 1 and ep_group is not dp_group:
         ep_ranks, dp_ranks = _ranks(ep_group), _ranks(dp_group)
         if not set(ep_ranks) <= set(dp_ranks):
@@ -258,7 +291,17 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     if problems:
         raise ValueError("apply_expert_parallel: " + "; ".join(problems))
     if check_replicated:
-        _check_same_weights(blocks, dp_group)
+        _check_same_weights([*blocks, *hf], dp_group)
+    if hf and ep > 1:                                                   # ep 1: the HF blocks stay as they are
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        try:
+            shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size),
+                             vocab_size=getattr(text, "vocab_size", None))
+        except ValueError as exc:                                       # a failed equality check: nothing sharded
+            raise ValueError(f"apply_expert_parallel: {exc}") from None
+        for x in hf:
+            for p in x.module.parameters(recurse=False):
+                set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)
 
     ep_rank = group_rank(ep_group) if ep > 1 else 0
     for b in blocks:

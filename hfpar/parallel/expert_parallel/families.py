@@ -11,8 +11,9 @@ and, because a generic module's forward is unknown, the first block of each clas
 and its hfpar equivalent (softmax top-k, renormalized or not, act = config.hidden_act) run on the same random
 tokens in eval mode and must agree (fp32 / fp64: 1e-4 relative; 16-bit: 5e-2). What does not fit (biases,
 bias-corrected / sigmoid / group-limited routing of DeepSeek-V3, GPT-OSS's transposed clamped experts, Phi-MoE's
-sparsemixer) is refused in one line naming the model type, the block and what is missing. Tested generically:
-flex_olmo; refused: deepseek_v3, gpt_oss (tests/distributed/test_ep_hf_semantics.py).
+sparsemixer) goes through hf_experts.py instead (the HF block's own code, only its experts sharded), which
+apply_expert_parallel tries when these problems are found. Tested generically: flex_olmo, minimax, granitemoe
+(tests/distributed/test_ep_hf_semantics.py); every family: benchmarks/ep_family_sweep.py.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .hf_experts import find_hf_experts
 from .moe import MoELayer
 
-__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "find_moe_blocks"]
+__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "config_num_experts",
+           "find_moe_blocks", "has_moe_blocks"]
+
+# the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config)
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,28 @@ class MoEBlock:
     fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
     E: int = 0
     k: int = 0
+
+
+def config_num_experts(config) -> int | None:
+    """The routed-expert count a model config declares (its text config; nested sub-configs too), or None: what the
+    recipes' preflight reads before any model is built (after loading, has_moe_blocks / apply_expert_parallel)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+    for d in [values, *(v for v in values.values() if isinstance(v, dict))]:
+        for f in _EXPERT_FIELDS:
+            if isinstance(d.get(f), int) and not isinstance(d.get(f), bool) and d[f] > 1:
+                return d[f]
+    return None
+
+
+def has_moe_blocks(model: nn.Module) -> bool:
+    """Whether `model` holds MoE blocks: hfpar MoELayers, the MOE_FAMILIES block of its model_type, or experts
+    modules of HF MoE blocks (hf_experts.find_hf_experts, convertible or not)."""
+    fam = MOE_FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if any(isinstance(m, MoELayer) or (fam is not None and type(m).__name__ == fam.block) for m in model.modules()):
+        return True
+    found, problems = find_hf_experts(model)
+    return bool(found or problems)
 
 
 def config_value(cfg, spec):

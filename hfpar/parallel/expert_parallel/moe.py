@@ -42,7 +42,7 @@ from ..comm import all_gather, all_to_all_single_autograd, group_rank, group_siz
 from ..sharding import ShardSpec, set_shard_spec
 from .router import AuxLossBackprop, TopKRouter, current_token_mask, moe_token_mask, set_aux_loss_grad_scale
 
-__all__ = ["TopKRouter", "GroupedExperts", "MoELayer", "AuxLossBackprop", "set_aux_loss_grad_scale",
+__all__ = ["TopKRouter", "GroupedExperts", "MoELayer", "dispatch_rows", "AuxLossBackprop", "set_aux_loss_grad_scale",
            "moe_token_mask"]
 
 
@@ -135,6 +135,29 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
+
+
+def dispatch_rows(x_sorted: torch.Tensor, counts: torch.Tensor, ep_group, compute) -> tuple[torch.Tensor, int, int]:
+    """Expert-parallel all-to-all: rows of x_sorted (M, H) sorted by global expert, counts (E,) rows per expert;
+    expert e lives on rank e // (E/ep) of ep_group. compute(x_local (R, H), counts_local (E/ep,)) runs this rank's
+    experts on the rows it received, sorted by local expert. Returns (outputs (M, H) in x_sorted's order,
+    rows sent to other ranks, rows received from them)."""
+    ep = group_size(ep_group)
+    El = counts.numel() // ep
+    # 1. counts: row r of recv = how many copies rank r sends to each of my local experts.
+    recv = all_to_all_single_autograd(counts, None, None, ep_group).view(ep, El)        # (ep, El)
+    send_splits = counts.view(ep, El).sum(1).tolist()
+    recv_splits = recv.sum(1).tolist()
+    me = group_rank(ep_group)
+    sent, received = sum(send_splits) - send_splits[me], sum(recv_splits) - recv_splits[me]
+    # 2. tokens: blocks ordered (source rank, local expert) -> re-sort by (local expert, source rank).
+    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, ep_group)    # (R, H)
+    local_expert = torch.repeat_interleave(torch.arange(El, device=x_recv.device).repeat(ep), recv.reshape(-1))  # (R,)
+    perm = torch.argsort(local_expert, stable=True)
+    y_local = compute(x_recv[perm], recv.sum(0))                                         # (R, H)
+    # 3. back: undo the re-sort, reverse all-to-all.
+    y_recv = y_local[_inverse(perm)]                                                     # (R, H)
+    return all_to_all_single_autograd(y_recv, send_splits, recv_splits, ep_group), sent, received
 
 
 class MoELayer(nn.Module):
@@ -274,22 +297,10 @@ class MoELayer(nn.Module):
         """(M, H) copies sorted by global expert, counts (E,) -> expert outputs in the same order."""
         if self.ep_size == 1:
             return self.experts(x_sorted, counts)
-        ep, El = self.ep_size, self.num_local_experts
-        # 1. counts: row r of recv = how many copies rank r sends to each of my local experts.
-        recv = all_to_all_single_autograd(counts, None, None, self.ep_group).view(ep, El)  # (ep, El)
-        send_splits = counts.view(ep, El).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
-        self.routed_remote_rows += sum(send_splits) - send_splits[self.ep_rank]
-        self.received_remote_rows += sum(recv_splits) - recv_splits[self.ep_rank]
-        # 2. tokens: blocks ordered (source rank, local expert) -> re-sort by (local expert, source rank).
-        x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.ep_group)  # (R, H)
-        local_expert = torch.repeat_interleave(
-            torch.arange(El, device=x_recv.device).repeat(ep), recv.reshape(-1))              # (R,)
-        perm = torch.argsort(local_expert, stable=True)
-        y_local = self.experts(x_recv[perm], recv.sum(0))                                      # (R, H)
-        # 3. back: undo the re-sort, reverse all-to-all.
-        y_recv = y_local[_inverse(perm)]                                                       # (R, H)
-        return all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.ep_group)     # (M, H)
+        y, sent, received = dispatch_rows(x_sorted, counts, self.ep_group, self.experts)
+        self.routed_remote_rows += sent
+        self.received_remote_rows += received
+        return y
 
     # --------------------------------------------------------------------- export
     @torch.no_grad()

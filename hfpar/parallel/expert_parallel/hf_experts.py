@@ -1,0 +1,295 @@
+"""Expert parallelism through the HF MoE block's OWN code: only its experts module is sharded by expert.
+
+    found, problems = find_hf_experts(model)              # [HFExperts(path, module, block, E)], one line per refusal
+    shard_hf_experts(found, ep_group, hidden_size=H)      # in place; each block class checked against itself first
+
+Every transformers 5 MoE block computes its routing itself (softmax / sigmoid, e_score_correction_bias, group-limited
+top-k, routed scaling, sparsemixer, biases, ...) and then calls
+    self.experts(hidden_states (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H)
+on a module holding every expert's weights as tensors whose dim 0 is the expert (gate_up_proj, down_proj and, where
+the family has them, their biases, in the family's own layout: transposed, interleaved, clamped SwiGLU, ...). So the
+router, the shared experts, the dense first layers and the output capture (router_logits, aux loss) stay HF's code
+unchanged, and only that call is replaced: this rank keeps experts [rank * E/ep, (rank + 1) * E/ep) of every
+expert-indexed tensor, the selected (token, expert) copies travel to the rank holding their expert (dispatch_rows, the
+same all-to-all as MoELayer), the module's ORIGINAL forward runs them with their local expert index and weight 1 (the
+family's own expert math, through transformers' experts implementation: eager or grouped_mm), and the outputs come
+back and are weighted and summed over the k copies here (as transformers' grouped_mm does).
+
+Accepted only after an equality check: the first block of each experts class runs, unsharded and then sharded, on the
+same random tokens (different on every rank, same RNG state for both runs): its output, the gradient of its input and
+of every block parameter (expert ones summed over the EP group, as EP grads are) must agree within 1e-4 relative (fp32
+/ fp64; 16-bit: 5e-2; a gradient is measured against at least 1e-3 of the block's largest one, so that one which is
+zero in exact arithmetic compares its rounding noise to the gradients' scale), all over the EP group. A module that
+does not fit (parameters whose dim 0 differs, a forward that is neither (hidden_states, top_k_index, top_k_weights) nor
+Llama-4's dense routed input, a failed check) is refused in one line naming it. Shared experts stacked as 3-D tensors
+(a `shared...` module) are replicated, not sharded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import all_reduce, group_rank, group_size
+from ..sharding import ShardSpec, set_shard_spec
+from .moe import GroupedExperts, dispatch_rows
+
+__all__ = ["HFExperts", "find_hf_experts", "is_hf_experts_sharded", "shard_hf_experts"]
+
+# attributes of transformers' experts classes that hold the expert count (set to the local count while sharded)
+_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "total_experts")
+
+
+@dataclass
+class HFExperts:
+    path: str             # the experts module's name in the model
+    module: nn.Module     # transformers' experts module (e.g. DeepseekV3NaiveMoe / GptOssExperts)
+    block: nn.Module      # its parent: the HF MoE block whose forward routes and calls it
+    E: int
+
+
+# ----------------------------------------------------------------------------- detection
+def _expert_candidate(name: str, m: nn.Module) -> bool:
+    own = list(m.parameters(recurse=False))
+    last = name.rpartition(".")[2].lower()
+    return (bool(own) and any(p.dim() == 3 for p in own) and not last.startswith("shared")
+            and not isinstance(m, GroupedExperts)                        # hfpar's own MoELayer experts
+            and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel")))
+
+
+def _forward_names(m: nn.Module) -> list[str]:
+    try:
+        return [p.name for p in inspect.signature(m.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return []
+
+
+def _forward_args(m: nn.Module) -> int:
+    return len(_forward_names(m))
+
+
+def _problem(m: nn.Module) -> tuple[int, str | None]:
+    own = dict(m.named_parameters(recurse=False))
+    E = next(p.shape[0] for p in own.values() if p.dim() == 3)
+    if {p.shape[0] for p in own.values()} != {E}:
+        dims = ", ".join(f"{n} {p.shape[0]}" for n, p in own.items())
+        return E, f"its parameters do not share one expert dim 0 ({dims})"
+    if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
+        return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
+    n_args = _forward_args(m)
+    if n_args == 1 and any(p.dim() != 3 for p in own.values()):
+        return E, ("its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
+                   "(zeroed) row would not give a zero output, so rows cannot be left out")
+    if n_args == 2 or n_args == 0:
+        return E, (f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
+                   f"top_k_weights) nor the dense (E*N, H) routed input")
+    if E < 2:
+        return E, f"it holds {E} expert"
+    return E, None
+
+
+def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
+    """The experts modules of HF MoE blocks in `model` and one line per module (class) that cannot be sharded."""
+    found, problems, seen = [], [], set()
+    for path, m in model.named_modules():
+        if not path or not _expert_candidate(path, m) or getattr(m, "_hfpar_ep", None) is not None:
+            continue
+        E, why = _problem(m)
+        if why is None:
+            found.append(HFExperts(path, m, model.get_submodule(path.rpartition(".")[0]), E))
+        elif type(m) not in seen:
+            seen.add(type(m))
+            problems.append(f"{path} ({type(m).__name__}) cannot be sharded by expert: {why}")
+    return found, problems
+
+
+def is_hf_experts_sharded(m: nn.Module) -> bool:
+    return getattr(m, "_hfpar_ep", None) is not None
+
+
+# ----------------------------------------------------------------------------- the sharded forward
+@dataclass
+class _EPState:
+    E: int
+    start: int
+    count: int
+    group: object
+    base: type            # the original class: its forward computes the local experts
+    saved: dict           # what unshard() restores: parameters and count attributes
+
+
+def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A zero that ties every local expert tensor and the received rows into the graph, also where no row came (an
+    eager HF forward then returns zeros unconnected to both): every rank's backward then runs the same collectives
+    (the all-to-all back to the senders) and gives every expert tensor a grad (zero where unused) for the data-parallel
+    reduction, a collective over the ranks holding the same experts."""
+    return (x.reshape(-1)[:1].sum() + sum(p.reshape(-1)[:1].sum() for p in experts.parameters(recurse=False))) * 0
+
+
+def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args, **kwargs) -> torch.Tensor:
+    st: _EPState = self._hfpar_ep
+    N, k = top_k_index.shape[0], top_k_index.shape[-1]
+    idx = top_k_index.reshape(-1)                                        # (N*k,)
+    order = torch.argsort(idx, stable=True)                              # copies sorted by global expert
+    counts = torch.bincount(idx, minlength=st.E)                         # (E,)
+    if counts.numel() != st.E:
+        raise ValueError(f"{type(self).__name__}: expert index {int(idx.max())} >= num_experts {st.E}")
+    x_sorted = hidden_states[order // k]                                 # (N*k, H)
+
+    def local(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]   # (R, 1)
+        ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)                         # (R, 1)
+        out = st.base.forward(self, x, ids, ones, *args, **kwargs)                                       # (R, H)
+        return out + _in_graph(self, x)
+
+    y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)    # (N*k, H), unweighted
+    weighted = y_sorted * top_k_weights.reshape(-1)[order, None]        # promoted dtype, as transformers' grouped_mm
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)   # (N, H)
+
+
+def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+    """Llama-4's experts: routed_in (E*N, H) holds every token for every expert, scaled by its routing score (0 where
+    the expert was not selected). An all-zero row gives an exactly zero output and gradient (bias-free SwiGLU), so
+    only the nonzero (expert, token) rows travel; each rank runs the original forward on its experts' rows, padded
+    to equal counts (the forward's bmm layout), and the outputs go back to their (expert, token) places."""
+    st: _EPState = self._hfpar_ep
+    x = routed_in.view(st.E, -1, routed_in.shape[-1])                  # (E, N, H)
+    with torch.no_grad():
+        e_idx, n_idx = (x != 0).any(dim=-1).nonzero(as_tuple=True)       # (M,) each, sorted by expert
+        counts = torch.bincount(e_idx, minlength=st.E)                   # (E,)
+
+    def local(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        width = int(local_counts.max()) if local_counts.numel() else 0
+        ids = torch.repeat_interleave(torch.arange(st.count, device=rows.device), local_counts)        # (R,)
+        pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(local_counts, 0) - local_counts)[ids]
+        padded = rows.new_zeros(st.count, width, rows.shape[-1]).index_put((ids, pos), rows)          # (El, w, H)
+        out = st.base.forward(self, padded.view(-1, rows.shape[-1])).view(st.count, width, -1)
+        return out[ids, pos] + _in_graph(self, rows)
+
+    y, _, _ = dispatch_rows(x[e_idx, n_idx], counts, st.group, local)   # (M, H)
+    return x.new_zeros(x.shape[0], x.shape[1], y.shape[-1]).index_put((e_idx, n_idx), y).view(-1, y.shape[-1])
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type, dense: bool) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {
+            "forward": _ep_dense_forward if dense else _ep_forward, "__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _shard(x: HFExperts, ep_group) -> None:
+    m, ep = x.module, group_size(ep_group)
+    count = x.E // ep
+    start = group_rank(ep_group) * count
+    saved = {n: p for n, p in m.named_parameters(recurse=False)}
+    for n, p in saved.items():
+        local = nn.Parameter(p.detach()[start:start + count].clone(), requires_grad=p.requires_grad)
+        set_shard_spec(local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
+                                        extra={"num_experts": x.E, "start": start}))
+        setattr(m, n, local)
+    attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) == x.E}
+    for a in attrs:
+        setattr(m, a, count)
+    base = type(m)
+    m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs})
+    m.__class__ = _ep_class(base, dense=_forward_args(m) == 1)
+
+
+def _unshard(x: HFExperts) -> None:
+    m, st = x.module, x.module._hfpar_ep
+    for n, v in st.saved.items():
+        setattr(m, n, v)
+    m.__class__ = st.base
+    m._hfpar_ep = None
+
+
+# ----------------------------------------------------------------------------- the equality check
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None, floor: float = 0.0) -> float:
+    """max |a - b| / max(max |b|, floor); floor: a gradient that is zero in exact arithmetic (a renormalized top-1
+    weight's router) holds rounding noise only, measured against the scale of the block's other gradients."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(max(floor, 1e-30))).item() if b.numel() else 0.0
+
+
+def _run(block: nn.Module, x: torch.Tensor, cot_seed: int, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """Output, grads of the input and every trainable block parameter, for loss = sum(out * random cotangent)."""
+    names = [n for n, p in block.named_parameters() if p.requires_grad]
+    params = dict(block.named_parameters())
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        torch.manual_seed(1234)                                          # same jitter / noise in both runs
+        out = block(x, **kw)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    g = torch.Generator().manual_seed(cot_seed)
+    cot = torch.randn(out.shape, generator=g).to(out.device)
+    grads = torch.autograd.grad((out.float() * cot).sum(), [x] + [params[n] for n in names], allow_unused=True)
+    return out.detach(), {"input": grads[0], **dict(zip(names, grads[1:]))}
+
+
+def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> tuple[float, str]:
+    """Shards x (in place) and returns the worst relative difference to the unsharded block, over the EP group."""
+    w = next(x.module.parameters())
+    rank = group_rank(ep_group)
+    g = torch.Generator().manual_seed(1000 + rank)                       # different tokens on every rank
+    inp = torch.randn(2, 8, hidden_size, generator=g).to(device=w.device, dtype=w.dtype).requires_grad_()
+    kw = {}
+    if vocab_size and "input_ids" in _forward_names(x.block):           # hash routing (DeepSeek-V4) reads the ids
+        kw["input_ids"] = torch.randint(0, vocab_size, (2, 8), generator=g).to(w.device)
+    want_out, want = _run(x.block, inp, 7 + rank, **kw)
+    prefix = x.path.rpartition(".")[2]
+    count, start = x.E // group_size(ep_group), rank * (x.E // group_size(ep_group))
+    for n, p in x.module.named_parameters(recurse=False):               # EP grads sum every rank's tokens; the
+        if p.requires_grad:                                              # same order on every rank (collectives)
+            g = want.get(f"{prefix}.{n}")
+            g = torch.zeros_like(p) if g is None else g
+            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start:start + count]
+    _shard(x, ep_group)
+    got_out, got = _run(x.block, inp, 7 + rank, **kw)
+    scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])
+    worst = max([(_rel(got_out, want_out), "output")] +
+                [(_rel(got.get(n), v, 1e-3 * scale), f"grad {n}") for n, v in want.items()])
+    every = all_reduce(torch.tensor([worst[0]], dtype=torch.float64, device=w.device), ep_group, op=dist.ReduceOp.MAX)
+    return float(every[0]), worst[1]
+
+
+def shard_hf_experts(found: list[HFExperts], ep_group, hidden_size: int, vocab_size: int | None = None) -> None:
+    """Shard every found experts module over ep_group (in place), the first of each class after the equality check.
+    Collective over ep_group. Raises ValueError (one line) when a check fails; nothing is left sharded then."""
+    checked: dict[type, bool] = {}
+    done: list[HFExperts] = []
+    try:
+        for x in found:
+            cls = type(x.module)
+            if cls not in checked:
+                wide = next(x.module.parameters()).dtype in (torch.float32, torch.float64)
+                try:
+                    rel, what = _check(x, ep_group, hidden_size, vocab_size)
+                except Exception as exc:
+                    if is_hf_experts_sharded(x.module):
+                        _unshard(x)
+                    raise ValueError(f"{x.path} ({cls.__name__}): the expert-parallel block failed its check "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from exc
+                done.append(x)
+                if rel > (1e-4 if wide else 5e-2):
+                    raise ValueError(f"{x.path} ({cls.__name__}): the expert-parallel block differs from the HF block "
+                                     f"by {rel:.1e} relative ({what}) on the same tokens; it is not sharded")
+                checked[cls] = True
+                continue
+            _shard(x, ep_group)
+            done.append(x)
+    except ValueError:
+        for x in done:
+            _unshard(x)
+        raise

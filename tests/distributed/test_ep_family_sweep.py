@@ -1,0 +1,111 @@
+"""A representative subset of the EP family sweep (benchmarks/ep_family_sweep.py runs every MoE causal-LM type): a tiny
+model of each, EP=2 against the unsharded model in a plain loop (each rank's loss with the HF aux loss
+(output_router_logits on) and every gradient after the data-parallel reduction, one SGD step, again; float32, within
+1e-4), on 2 gloo ranks (one spawn). Each converted block first passed its own equality check against the HF block.
+Families whose blocks keep their own HF code, only the experts sharded (hfpar.parallel.expert_parallel.hf_experts):
+
+    deepseek_v3     sigmoid scores, e_score_correction_bias, group-limited top-k, routed scaling, shared experts,
+                    dense first layer (the routing of Kimi-K2, GLM-4.5-MoE, DeepSeek-V3.x)
+    gpt_oss         transposed experts with biases, interleaved clamped SwiGLU, a router with a bias
+    ernie4_5_moe    moe_statics.e_score_correction_bias, shared experts
+    phimoe          sparsemixer routing
+    glm4_moe        DeepSeek-V3-style routing in GLM's block
+    llama4_text     dense experts input (every token for every expert, scaled by its sigmoid score)
+and refused in one line naming the module: jetmoe (experts split into two modules called with per-expert counts).
+Plus the check's sensitivity: a block whose experts weight their input (not their output) is refused, not sharded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.ep_sweep import sweep_worker
+
+pytestmark = pytest.mark.slow
+
+EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text")
+
+
+class _InputWeightedExperts(nn.Module):
+    """Experts that scale their INPUT by the routing weight: not linear in the weight, so sharding them with weight 1
+    and weighting the outputs after would be wrong; the equality check must refuse the block."""
+
+    def __init__(self, E: int = 4, H: int = 8, I: int = 6):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I, generator=g) * 0.3)
+        self.num_experts = E
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            x = hidden_states[tok] * top_k_weights[tok, pos, None]
+            gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+            out = out.index_add(0, tok, (nn.functional.silu(gate) * up) @ self.down_proj[e].T)
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = _InputWeightedExperts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = torch.topk(self.gate(flat).softmax(-1), 2, dim=-1)
+        return self.experts(flat, idx, w).view_as(x)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = _Block()
+        self.config = type("Cfg", (), {"hidden_size": 8, "model_type": "toy"})()
+
+
+def _sensitivity(rank: int, world_size: int) -> str:
+    from hfpar.parallel.expert_parallel import apply_expert_parallel
+    model = _Model()
+    try:
+        apply_expert_parallel(model, dist.group.WORLD)
+    except ValueError as exc:
+        assert type(model.mlp.experts) is _InputWeightedExperts and model.mlp.experts.down_proj.shape[0] == 4
+        return str(exc)
+    return "accepted"
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
+    res["sensitivity"] = _sensitivity(rank, world_size)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, 2, timeout=600)[0]
+
+
+@pytest.mark.parametrize("model_type", EXACT)
+def test_exact(results, model_type):
+    r = results[model_type]
+    assert r["status"] == "exact" and r["how"] == "hf_block", r
+
+
+def test_refused_in_one_line(results):
+    r = results["jetmoe"]
+    assert r["status"] == "refused" and "\n" not in r["why"], r
+    assert "model.layers.0.mlp.input_linear (JetMoeParallelExperts) cannot be sharded by expert" in r["why"], r
+
+
+def test_check_refuses_a_block_it_would_change(results):
+    why = results["sensitivity"]
+    assert "mlp.experts (_InputWeightedExperts): the expert-parallel block differs from the HF block" in why, why
+    assert "\n" not in why
