@@ -142,8 +142,14 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
 
 def test_bad_preference_data_refused_naming_the_example(tok):
     good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    conv = {"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
+            "rejected": [{"role": "assistant", "content": "c"}]}
     cases = [([good, {"prompt": "a", "chosen": "", "rejected": "c"}], "preference example 1: empty or missing 'chosen'"),
              ([{"prompt": "a", "chosen": "b"}], "no rejected column"),
+             ([{"prompt": "a", "rejected": "b"}], "no chosen column"),
+             ([good, good, good, {"prompt": "a", "chosen": "b", "rejected": None}],
+              "preference example 3: empty or missing 'rejected'"),
+             ([conv, {**conv, "chosen": []}], "preference example 1: empty or missing 'chosen'"),   # conversational
              ([good, good, {"prompt": "x" * 200, "chosen": "b", "rejected": "c"}], "preference example 2: its prompt alone")]
     for rows, text in cases:
         with pytest.raises(DataError, match=text):
