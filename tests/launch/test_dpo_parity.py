@@ -180,12 +180,13 @@ def test_resume_reproduces_the_uninterrupted_run(runs, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ bf16, on demand
 BF16 = ("ddp", "fsdp2", "tp2", "cp2_ring")
-# Relative, any of the 8 steps, about 3x the largest difference measured (2026-11-25, BF16_CMD, loss / grad_norm):
-# ddp 4.4e-4 / 2.3e-3, fsdp2 1.6e-3 / 4.7e-3 (FSDP2 all-gathers bf16 parameters: its mixed-precision policy, as in
-# tests/launch/test_bf16_parity.py), tp2 6.6e-4 / 5.2e-3, cp2_ring 6.7e-4 / 5.9e-3. bf16 rounds the matmuls
-# differently when the work is split differently, and the runs drift apart step by step.
-BF16_TOL = {"loss": 2e-3, "grad_norm": 2e-2}
-BF16_LOSS_TOL = {"fsdp2": 5e-3}
+# Relative, any of the 8 steps, about 3x the largest difference measured (2026-11-26, BF16_CMD, loss / grad_norm):
+# ddp 3.5e-4 / 1.9e-3, fsdp2 1.8e-3 / 5.5e-3 (FSDP2 all-gathers bf16 parameters: its mixed-precision policy, as in
+# tests/launch/test_bf16_parity.py), tp2 1.1e-3 / 2.6e-3, cp2_ring 8.4e-4 / 8.6e-3 (its rows keep the plain layout,
+# the reference computes each prompt once). bf16 rounds the matmuls differently when the work is split
+# differently, and the runs drift apart step by step.
+BF16_TOL = {"loss": 3e-3, "grad_norm": 2.5e-2}
+BF16_LOSS_TOL = {"fsdp2": 6e-3}
 BF16_CMD = "HFPAR_DPO_BF16=1 python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16"
 
 
