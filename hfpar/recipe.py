@@ -139,9 +139,10 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, pa
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels. padding_free: the collator packs each
     batch's samples into rows of at most --max_seq_length tokens. share_prompt: dpo rows compute each pair's prompt
     once (hfpar.data.preference.PairCollator)."""
-    if kind == "dpo":  # pairs, one row each (hfpar.data.preference); the recipe trains without eval for now
+    if kind == "dpo":  # pairs, one row each (hfpar.data.preference)
         train, stats = preference.load_preference(args, tokenizer)
-        return (train, None, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt),
+        evals = preference.load_preference_eval(args, tokenizer) if args.eval_steps != 0 else None
+        return (train, evals, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt),
                 {"train_data": stats, "dpo_shared_prompt": share_prompt}, None)
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None

@@ -273,7 +273,8 @@ class PairCollator:
                 pos += range(skip, len(s_ids))
                 # the label of a token is its own id (the trainer shifts): its target when the token is completion
                 start = len(labels)
-                labels += [encode_targets(t, b, side) if m else IGNORE for t, m in zip(s_ids[skip:], s_mask[skip:])]
+                labels += [encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
+                           for t, m in zip(s_ids[skip:], s_mask[skip:])]
                 labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
             rows.append((ids, labels, pos, len(seqs["chosen"][0]), shared))
         length = max(len(r[0]) for r in rows)
@@ -315,6 +316,24 @@ def load_preference(args, tokenizer) -> tuple[Dataset, dict]:
                                truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
                                max_completion_length=args.max_completion_length, truncation=args.truncation,
                                name=args.dataset_name or "embedded")
+
+
+def load_preference_eval(args, tokenizer) -> Dataset | None:
+    """The dpo recipe's tokenized eval pairs: the embedded set's eval split, or --dataset_name's eval / test /
+    validation (valid, dev) split (None without one: the recipe then trains without evaluation)."""
+    if args.dataset_name is None:
+        raw = make_preference(args.seed)["eval"]
+    else:
+        splits = _load_raw(args.dataset_name)
+        name = next((k for k in ("eval", "validation", "valid", "dev", "test") if k in splits), None)
+        if name is None:
+            return None
+        raw = splits[name]
+    ds, _ = tokenize_preference(raw, tokenizer, args.max_length or args.max_seq_length,
+                                truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
+                                max_completion_length=args.max_completion_length, truncation=args.truncation,
+                                name=f"{args.dataset_name or 'embedded'} (eval)")
+    return ds
 
 
 def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False) -> PairCollator:

@@ -91,7 +91,8 @@ def dpo_objective(args, ctx, model):
 def attach_reference(objective, trainer, args) -> None:
     """The reference: none (reference_free), precomputed log-probs (the model is still the reference: before
     resume loads a checkpoint), the LoRA base (adapters disabled) or a frozen copy of this rank's shards."""
-    from hfpar.train.dpo import FrozenCopy, WithReference, adapters_disabled, precompute_reference  # noqa: PLC0415  (as above)
+    from hfpar.train.dpo import (  # noqa: PLC0415  (as above)
+        FrozenCopy, WithReference, adapters_disabled, precompute_eval_reference, precompute_reference)
 
     if args.reference_free:
         return
@@ -102,4 +103,6 @@ def attach_reference(objective, trainer, args) -> None:
     if args.precompute_ref_log_probs:
         objective.reference = contextlib.nullcontext   # the model has not been trained yet: it is the reference
         trainer.train_ds = WithReference(trainer.train_ds, precompute_reference(objective, trainer))
+        if trainer.eval_ds is not None and len(trainer.eval_ds):
+            trainer.eval_ds = WithReference(trainer.eval_ds, precompute_eval_reference(objective, trainer))
         objective.reference = None   # no reference forward during training, no frozen copy held

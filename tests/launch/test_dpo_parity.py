@@ -18,8 +18,9 @@ Launched, each against its reference:
   pp2          --pp_size 2, 1F1B: the pair log-probs on the last stage, the reference through the pipeline too
   ep2          --ep_size 2 of the upcycled model (ddp.yaml: dense parameters data-parallel over the 2 ranks)
   lora_fsdp2   --use_peft under FSDP2 (the adapter exported, compared tensor by tensor)
-Each matches its reference per step (loss, grad_norm, rewards/*, logps/*) within 1e-4 relative and in the exported
-weights; the loss of a step is the mean over its 8 pairs (num_target_tokens counts pairs).
+Each matches its reference per step (loss, grad_norm, rewards/*, logps/*) within 1e-4 relative, in the evaluations
+at steps 4 and 8 (eval_loss, eval_rewards/*, eval_logps/* on 12 held-out pairs) and in the exported weights; the
+loss of a step is the mean over its 8 pairs (num_target_tokens counts pairs).
 
 bf16 (on demand: HFPAR_DPO_BF16=1, 4 more launches; `--mixed_precision bf16` on the launcher, the reference the
 in-process single run under ACCELERATE_MIXED_PRECISION=bf16): ddp, fsdp2, tp2, cp2_ring as above, each within
@@ -34,6 +35,7 @@ import json
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +54,9 @@ from tests.helpers.results import record
 pytestmark = pytest.mark.slow
 
 COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--lr_scheduler_type",
-          "constant", "--max_grad_norm", "0.5", "--logging_steps", "1", "--beta", "0.1"]
+          "constant", "--max_grad_norm", "0.5", "--logging_steps", "1", "--beta", "0.1",
+          # eval at steps 4 and 8 on 12 eval pairs in batches of 4 (dp = 2: the last round has padding slots)
+          "--eval_steps", "4", "--per_device_eval_batch_size", "4"]
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 LORA = ["--use_peft", "--lora_dropout", "0"]
 REFS = {"single": [], "single_moe": MOE, "single_lora": LORA}   # in-process one-process runs x 4 pairs
@@ -78,6 +82,17 @@ def _args(name: str, root, data: str, extra: list[str] | None = None) -> list[st
             "--per_device_train_batch_size", str(bs), *(extra or [])]
 
 
+def _pairs(root) -> Path:
+    """A dataset directory: train.jsonl (64 generated pairs) and eval.jsonl (12)."""
+    from hfpar.data.preference import make_preference
+
+    splits = make_preference(7, n_train=64, n_eval=12)
+    (root / "pairs").mkdir()
+    for name in ("train", "eval"):
+        (root / "pairs" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in splits[name].to_list()))
+    return root / "pairs"
+
+
 def run_in_process(argv: list[str], env: dict | None = None) -> None:
     """The dpo recipe as one process, here: one thread (a launch's OMP_NUM_THREADS=1; two threads on a loaded
     2-core machine spin 10x slower), Accelerate's singletons reset around it."""
@@ -100,11 +115,8 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from hfpar.data.preference import make_preference
-
     root = tmp_path_factory.mktemp("dpo")
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in make_preference(7, n_train=64, n_eval=1)["train"].to_list()))
+    data = _pairs(root)
     failed = []
 
     def launches():
@@ -143,6 +155,14 @@ def test_per_step_parity_with_single(runs, name):
         for k in REWARDS:   # beta x differences of ~-100 log-probs: 1e-4 relative or 1e-4 x beta (see test_dpo_trl)
             assert _close(g[k], r[k], 0.1), f"{name} step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
         assert g["rewards/accuracies"] == r["rewards/accuracies"]
+    ref_eval, got_eval = read_metrics(root / ref_name)[1], read_metrics(root / name)[1]
+    assert [e["step"] for e in ref_eval] == [e["step"] for e in got_eval] == [4, 8]
+    for r, g in zip(ref_eval, got_eval):   # the 12 eval pairs, whatever the ranks' batches and padding slots
+        for k in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected"):
+            assert _close(g[k], r[k]), f"{name} eval at step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
+        for k in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins"):
+            assert _close(g[k], r[k], 0.1), f"{name} eval at step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
+        assert g["eval_rewards/accuracies"] == r["eval_rewards/accuracies"]
     if ref_name == "single_lora":   # the adapter alone is exported
         assert not (root / name / "model.safetensors").exists()
         a, b = (load_file(str(root / n / "adapter_model.safetensors")) for n in (ref_name, name))
@@ -192,11 +212,8 @@ BF16_CMD = "HFPAR_DPO_BF16=1 python -m pytest -q -s tests/launch/test_dpo_parity
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
-    from hfpar.data.preference import make_preference
-
     root = tmp_path_factory.mktemp("dpo_bf16")
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in make_preference(7, n_train=64, n_eval=1)["train"].to_list()))
+    data = _pairs(root)
     failed = []
 
     def launches():
