@@ -10,7 +10,11 @@ CPU-second of the process (all threads; on a shared machine the steadier of the 
 and TRL interleaved (the machine is shared: interleaving spreads its noise over both). Peak memory:
 the process's peak RSS growth during the training call (ru_maxrss is per process and only grows: each trainer runs
 in a fresh subprocess). TRL is run twice: with its 1.16 defaults (gradient_checkpointing on) and with
-gradient_checkpointing off (hfpar's default), so the comparison is against both.
+gradient_checkpointing off (hfpar's default; TRL's fastest setting here: its padding_free falls back to padding
+in 1.16 and its Liger kernels are deprecated and not installed), so the comparison is against both. Both compute
+the per-token log-probs their own way (TRL: its chunked fused LM head; hfpar: logits, or each pair's prompt once,
+hfpar.data.preference.PairCollator share_prompt). Every run uses one thread (torch.set_num_threads(1)): on a
+shared 2-core machine more threads only spin.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch
+
 from hfpar.train.trainer import Trainer
 from tests.helpers.trl_dpo import make_case, run_hfpar, run_trl
 
@@ -39,6 +45,7 @@ CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, 
 def one(kind: str, model: str, data: str, steps: int, batch: int) -> dict:
     """One training run in this process -> {pairs_per_s, peak_rss_mib, losses}."""
     out = tempfile.mkdtemp()
+    torch.set_num_threads(1)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if kind == "hfpar":
         cpu = []   # CPU-seconds of each optimizer step (all threads of the process)

@@ -27,7 +27,7 @@ from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.data import preference
 from hfpar.preflight import padding_free_mode, preflight
-from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight
+from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, shares_prompt
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
 
@@ -149,12 +149,16 @@ def _keep_frozen(model, cls) -> None:
             p.requires_grad_(False)
 
 
-def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False):
+def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False,
+               share_prompt: bool = False):
     """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels. padding_free: the collator packs each
-    batch's samples into rows of at most --max_seq_length tokens."""
-    if kind == "dpo":  # pairs, one row each (hfpar.data.preference); the recipe trains without eval for now
+    batch's samples into rows of at most --max_seq_length tokens. share_prompt: dpo rows compute each pair's prompt
+    once (hfpar.data.preference.PairCollator)."""
+    if kind == "dpo":  # pairs, one row each (hfpar.data.preference)
         train, stats = preference.load_preference(args, tokenizer)
-        return train, None, preference.pair_collator(args, tokenizer, seq_multiple), {"train_data": stats}, None
+        evals = preference.load_preference_eval(args, tokenizer) if args.eval_steps != 0 else None
+        return (train, evals, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt),
+                {"train_data": stats, "dpo_shared_prompt": share_prompt}, None)
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None
     out = {}
@@ -206,8 +210,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         if why_not:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {why_not}")
         with accelerator.main_process_first():
-            train_ds, eval_ds, collator, info, num_labels = build_data(args, kind, tokenizer, ctx.seq_multiple,
-                                                                       padding_free)
+            train_ds, eval_ds, collator, info, num_labels = build_data(
+                args, kind, tokenizer, ctx.seq_multiple, padding_free, kind == "dpo" and shares_prompt(args, ctx))
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:

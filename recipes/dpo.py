@@ -2,8 +2,8 @@
 (standard or conversational, implicit prompt), --beta, --loss_type sigmoid | hinge | ipo | robust | apo_zero |
 sppo_hard, --label_smoothing, --reference_free, --precompute_ref_log_probs, --max_length / --truncation_mode,
 --max_prompt_length / --max_completion_length; metrics rewards/chosen, rewards/rejected, rewards/accuracies,
-rewards/margins, logps/chosen, logps/rejected in metrics.jsonl. The loss of a step is the mean over the pairs of
-the whole global batch.
+rewards/margins, logps/chosen, logps/rejected in metrics.jsonl (eval_* with --eval_steps, on the dataset's eval
+split). The loss of a step is the mean over the pairs of the whole global batch.
 
 With no arguments it trains the embedded tiny Llama on generated pairs (chosen = the right answer of the sft
 task, rejected = a plausible wrong one; offline, < 2 min on 2 CPU cores):

@@ -230,30 +230,53 @@ class PairCollator:
     """Pairs -> one row each: [prompt + chosen | prompt + rejected], position ids restarting at the second, right-
     padded (to a multiple of pad_to_multiple_of: context parallelism). labels carry (row, side, token) on the
     completion targets (encode_targets), unshifted as every hfpar label; ref_logps (B, 2) when the pairs carry them.
-    Truncation as `truncate_pair`."""
+    Truncation as `truncate_pair`.
+
+    share_prompt: the prompt is computed once per pair: [prompt + chosen | p + rejected], where p is the prompt's
+    last token only (it predicts the first rejected token; its position is the prompt's last), and an attention_mask
+    (B, 1, T, T) lets the rejected sequence see the chosen row's prompt before p (and not the chosen completion):
+    every token sees exactly what it sees in its own sequence, so the log-probs are those of the two sequences run
+    apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). For attentions that take
+    a custom mask (sdpa, eager) and neither context parallelism (its own attention, cut by position ids) nor a
+    pipeline. Where truncation left the two prompts different (keep_end), the pair's row is the plain layout."""
 
     def __init__(self, tokenizer, *, max_length: int | None = None, truncation_mode: str = "keep_start",
                  max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, share_prompt: bool = False):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.limits = dict(max_length=max_length, truncation_mode=truncation_mode,
                            max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
         self.multiple = pad_to_multiple_of
+        self.share_prompt = share_prompt
+
+    def _shared(self, c: tuple[list, list], r: tuple[list, list]) -> int:
+        """Leading prompt tokens the rejected sequence takes from the chosen one's (0: none, the plain layout)."""
+        if not self.share_prompt:
+            return 0
+        n = 0
+        for ci, cm, ri, rm in zip(*c, *r):
+            if cm or rm or ci != ri:
+                break
+            n += 1
+        return max(n - 1, 0)   # the last common prompt token stays: it predicts the first rejected token
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         rows = []
         for b, f in enumerate(features):
             seqs = truncate_pair(f, **self.limits)
+            shared = self._shared(seqs["chosen"], seqs["rejected"])
             ids, labels, pos = [], [], []
             for side, key in ((0, "chosen"), (1, "rejected")):
                 s_ids, s_mask = seqs[key]
-                ids += s_ids
-                pos += range(len(s_ids))
+                skip = shared if side else 0
+                ids += s_ids[skip:]
+                pos += range(skip, len(s_ids))
                 # the label of a token is its own id (the trainer shifts): its target when the token is completion
                 start = len(labels)
-                labels += [encode_targets(t, b, side) if m else IGNORE for t, m in zip(s_ids, s_mask)]
+                labels += [encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
+                           for t, m in zip(s_ids[skip:], s_mask[skip:])]
                 labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
-            rows.append((ids, labels, pos))
+            rows.append((ids, labels, pos, len(seqs["chosen"][0]), shared))
         length = max(len(r[0]) for r in rows)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
@@ -262,12 +285,16 @@ class PairCollator:
                  "labels": torch.full((B, length), IGNORE, dtype=torch.long),
                  "position_ids": torch.zeros((B, length), dtype=torch.long),
                  "token_mask": torch.zeros((B, length), dtype=torch.long)}
-        for b, (ids, labels, pos) in enumerate(rows):
+        if self.share_prompt:   # causal within each sequence (and the padding), plus the shared prompt
+            batch["attention_mask"] = torch.ones(length, length, dtype=torch.bool).tril().repeat(B, 1, 1, 1)
+        for b, (ids, labels, pos, first, shared) in enumerate(rows):
             n = len(ids)
             batch["input_ids"][b, :n] = torch.tensor(ids)
             batch["labels"][b, :n] = torch.tensor(labels)
             batch["position_ids"][b, :n] = torch.tensor(pos)
             batch["token_mask"][b, :n] = 1
+            if self.share_prompt:
+                batch["attention_mask"][b, 0, first:n, shared:first] = False   # rejected: not the chosen row's rest
         if "ref_chosen_logps" in features[0]:
             batch["ref_logps"] = torch.tensor([[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features],
                                               dtype=torch.float64)   # (B, 2)
@@ -291,8 +318,26 @@ def load_preference(args, tokenizer) -> tuple[Dataset, dict]:
                                name=args.dataset_name or "embedded")
 
 
-def pair_collator(args, tokenizer, seq_multiple: int = 1) -> PairCollator:
+def load_preference_eval(args, tokenizer) -> Dataset | None:
+    """The dpo recipe's tokenized eval pairs: the embedded set's eval split, or --dataset_name's eval / test /
+    validation (valid, dev) split (None without one: the recipe then trains without evaluation)."""
+    if args.dataset_name is None:
+        raw = make_preference(args.seed)["eval"]
+    else:
+        splits = _load_raw(args.dataset_name)
+        name = next((k for k in ("eval", "validation", "valid", "dev", "test") if k in splits), None)
+        if name is None:
+            return None
+        raw = splits[name]
+    ds, _ = tokenize_preference(raw, tokenizer, args.max_length or args.max_seq_length,
+                                truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
+                                max_completion_length=args.max_completion_length, truncation=args.truncation,
+                                name=f"{args.dataset_name or 'embedded'} (eval)")
+    return ds
+
+
+def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False) -> PairCollator:
     return PairCollator(tokenizer, max_length=args.max_length or args.max_seq_length,
                         truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
                         max_completion_length=args.max_completion_length,
-                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None)
+                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt)

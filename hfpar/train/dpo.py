@@ -35,6 +35,7 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
+from hfpar.train.sampler import eval_shard
 
 from hfpar.train.dpo_setup import LOSS_TYPES
 
@@ -150,6 +151,18 @@ class DPOObjective:
         n = float(s[-1])
         return {k: float(s[i]) / n for i, k in enumerate(METRICS)} if n else {}
 
+    def begin_eval(self) -> None:
+        """Evaluation: its metrics apart from the training step's (an eval may run between two steps' micro-batches
+        only at a step's end, but the sums are kept anyway)."""
+        self._train_sums = self._sums
+        self.reset_metrics()
+
+    def end_eval(self, device) -> dict:
+        """The eval's metrics with TRL's names (eval_rewards/chosen, ...; collective), the training sums restored."""
+        out = {f"eval_{k}": v for k, v in self.step_metrics(device).items()}
+        self._sums = self._train_sums
+        return out
+
     # ------------------------------------------------------------------ the reference
     def before_micro(self, backend, batch: dict, replan) -> None:
         """Before the policy's forward of a micro-batch: its pairs' reference log-probs (replan() -> the batch and
@@ -240,6 +253,21 @@ def precompute_reference(objective: DPOObjective, trainer) -> dict[int, tuple[fl
             batch, scope = trainer.batch_plan(trainer._to_device(trainer.collator([trainer.train_ds[i] for i in ix])))
             ref = objective.reference_logps(trainer.backend, batch, scope).cpu()
             for row, i in enumerate(ix):
+                table[i] = (float(ref[row, 0]), float(ref[row, 1]))
+    return table
+
+
+def precompute_eval_reference(objective: DPOObjective, trainer) -> dict[int, tuple[float, float]]:
+    """--precompute_ref_log_probs with evaluation: the eval pairs' reference log-probs, from the eval's own batches
+    (every rank the same number of them: sampler.eval_shard)."""
+    n = min(len(trainer.eval_ds), trainer.args.max_eval_samples or len(trainer.eval_ds))
+    table = {}
+    for idx in eval_shard(n, trainer.args.per_device_eval_batch_size, trainer.ctx.dp, trainer.ctx.dp_rank):
+        feats = [dict(trainer.eval_ds[i if i is not None else 0]) for i in idx]
+        batch, scope = trainer.batch_plan(trainer._to_device(trainer.collator(feats)))
+        ref = objective.reference_logps(trainer.backend, batch, scope).cpu()
+        for row, i in enumerate(idx):
+            if i is not None:   # a padding slot (None) has no targets in the eval: its reference is never read
                 table[i] = (float(ref[row, 0]), float(ref[row, 1]))
     return table
 

@@ -58,6 +58,28 @@ def dpo_preflight(args, ctx) -> None:
         raise ConfigError("\n".join(problems))
 
 
+# families whose attention takes a custom (B, 1, T, T) mask as given (transformers' masking_utils returns a 4D
+# attention_mask unchanged) and has no layer of its own kind (sliding windows: checked on the config)
+PROMPT_SHARING = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "phi3")
+
+
+def shares_prompt(args, ctx) -> bool:
+    """Whether each pair's prompt is computed once (hfpar.data.preference.PairCollator share_prompt): sdpa attention
+    (a boolean mask; eager adds masks as floats), a family of PROMPT_SHARING without sliding windows, and neither
+    context parallelism (its attention finds the documents from the position ids) nor a pipeline (its stages take
+    no attention mask)."""
+    # the model-config reader of hfpar.preflight (imported here: hfpar.recipe imports this module first)
+    from hfpar.preflight import _model_config  # noqa: PLC0415
+
+    if ctx.cp > 1 or ctx.pp > 1 or args.attn_implementation not in (None, "sdpa"):
+        return False
+    config, _ = _model_config(args)
+    if config is None or getattr(config, "model_type", None) not in PROMPT_SHARING:
+        return False
+    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return not windowed and "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+
+
 def dpo_objective(args, ctx, model):
     # after the preflight: the objective pulls the tensor-parallel loss in (see hfpar.recipe's late imports)
     from hfpar.train.dpo import DPOObjective  # noqa: PLC0415
@@ -69,7 +91,8 @@ def dpo_objective(args, ctx, model):
 def attach_reference(objective, trainer, args) -> None:
     """The reference: none (reference_free), precomputed log-probs (the model is still the reference: before
     resume loads a checkpoint), the LoRA base (adapters disabled) or a frozen copy of this rank's shards."""
-    from hfpar.train.dpo import FrozenCopy, WithReference, adapters_disabled, precompute_reference  # noqa: PLC0415  (as above)
+    from hfpar.train.dpo import (  # noqa: PLC0415  (as above)
+        FrozenCopy, WithReference, adapters_disabled, precompute_eval_reference, precompute_reference)
 
     if args.reference_free:
         return
@@ -80,4 +103,6 @@ def attach_reference(objective, trainer, args) -> None:
     if args.precompute_ref_log_probs:
         objective.reference = contextlib.nullcontext   # the model has not been trained yet: it is the reference
         trainer.train_ds = WithReference(trainer.train_ds, precompute_reference(objective, trainer))
+        if trainer.eval_ds is not None and len(trainer.eval_ds):
+            trainer.eval_ds = WithReference(trainer.eval_ds, precompute_eval_reference(objective, trainer))
         objective.reference = None   # no reference forward during training, no frozen copy held

@@ -94,15 +94,23 @@ class Trainer:
         self.model.eval()
         n = min(len(self.eval_ds), self.args.max_eval_samples or len(self.eval_ds))
         stats = torch.zeros(3, dtype=torch.float64, device=self.acc.device)  # loss sum, targets, correct
+        before_micro = getattr(self.loss_fn, "before_micro", None)
+        if hasattr(self.loss_fn, "begin_eval"):
+            self.loss_fn.begin_eval()
         for idx in eval_shard(n, self.args.per_device_eval_batch_size, self.ctx.dp, self.ctx.dp_rank):
             feats = []
             for i in idx:
                 f = dict(self.eval_ds[i if i is not None else 0])
-                if i is None:  # padding slot: same shapes, no targets
+                if i is None and "labels" not in f:  # padding slot of preference pairs: the collator's
+                    f["no_targets"] = True
+                elif i is None:  # padding slot: same shapes, no targets
                     lab = f["labels"]
                     f["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
                 feats.append(f)
-            batch, scope = self.batch_plan(self._to_device(self.collator(feats)))
+            raw = self._to_device(self.collator(feats))
+            batch, scope = self.batch_plan(raw)
+            if before_micro is not None:
+                before_micro(self.backend, batch, lambda raw=raw: self.batch_plan(raw))
             ls, cnt, logits = self.backend.eval_loss(batch, scope, self.loss_fn, self.task)
             stats[0] += ls.double()
             stats[1] += cnt.double()
@@ -114,6 +122,8 @@ class Trainer:
         out = {"eval_loss": float(stats[0] / stats[1].clamp(min=1))}
         if self.task == "classify":
             out["eval_accuracy"] = float(stats[2] / stats[1].clamp(min=1))
+        if hasattr(self.loss_fn, "end_eval"):
+            out.update(self.loss_fn.end_eval(self.acc.device))
         return out
 
     # ------------------------------------------------------------------ train

@@ -104,11 +104,11 @@ def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool
     return proc
 
 
-def launch_all(jobs: dict, workers: int = 2) -> None:
+def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = None) -> None:
     """{name: (config, nproc, recipe, args)} launched `workers` at a time (a launch is mostly process
     start-up and rendezvous, which overlap well on 2 cores); raises the first failure."""
     with ThreadPoolExecutor(workers) as pool:
-        done = [pool.submit(launch, *job) for job in jobs.values()]
+        done = [pool.submit(launch, *job, extra_launch=extra_launch) for job in jobs.values()]
         for f in done:
             f.result()
 

@@ -110,10 +110,46 @@ def test_pair_rows_hold_both_sequences_with_their_targets(tok):
         assert chosen == p["chosen_ids"]                               # every completion token is a target
 
 
+def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
+    """share_prompt: [prompt + chosen | last prompt token + rejected] under its (B, 1, T, T) mask gives every
+    sequence's log-prob of the plain layout (float64, sdpa) with fewer tokens; where keep_end truncation left the
+    two prompts different, that pair's row is the plain one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hfpar.data.load import embedded_model_path
+    from hfpar.parallel.context_parallel import shift_labels
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(embedded_model_path()), dtype=torch.float64,
+                                             attn_implementation="sdpa")
+    pairs, _ = tokenize_preference(make_preference(3, n_train=6, n_eval=1)["train"], tok, 128)
+    feats = [pairs[i] for i in range(6)]
+
+    def logps(share, mode):
+        batch = shift_labels(PairCollator(tok, share_prompt=share, max_length=40, truncation_mode=mode)(feats))
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+        with torch.no_grad():
+            lp = torch.log_softmax(model(**inputs).logits, -1)
+        token, seq, valid = decode_targets(batch["labels"])
+        lp = lp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        return torch.zeros(12, dtype=lp.dtype).index_add(0, seq[valid], lp[valid]), int(batch["token_mask"].sum())
+
+    for mode in ("keep_start", "keep_end"):
+        (plain, n_plain), (shared, n_shared) = logps(False, mode), logps(True, mode)
+        torch.testing.assert_close(shared, plain, rtol=1e-12, atol=1e-12)
+        assert n_shared < n_plain if mode == "keep_start" else n_shared <= n_plain
+
+
 def test_bad_preference_data_refused_naming_the_example(tok):
     good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    conv = {"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
+            "rejected": [{"role": "assistant", "content": "c"}]}
     cases = [([good, {"prompt": "a", "chosen": "", "rejected": "c"}], "preference example 1: empty or missing 'chosen'"),
              ([{"prompt": "a", "chosen": "b"}], "no rejected column"),
+             ([{"prompt": "a", "rejected": "b"}], "no chosen column"),
+             ([good, good, good, {"prompt": "a", "chosen": "b", "rejected": None}],
+              "preference example 3: empty or missing 'rejected'"),
+             ([conv, {**conv, "chosen": []}], "preference example 1: empty or missing 'chosen'"),   # conversational
              ([good, good, {"prompt": "x" * 200, "chosen": "b", "rejected": "c"}], "preference example 2: its prompt alone")]
     for rows, text in cases:
         with pytest.raises(DataError, match=text):
