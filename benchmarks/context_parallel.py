@@ -11,8 +11,10 @@ backward during one forward (saved_tensors_hooks; parameters excluded), on rank 
 model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the
 bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
 --log_comm_bytes counter), against the formula for each mechanism:
-(measured with the ring in its all-gather form, before the overlapped ring of benchmarks/cp_attention.py, whose
-batched isend / irecv CommCounter does not see: hfpar.parallel.comm.comm_stats counts them as "send")
+(the committed table was measured with the ring in its all-gather form, before the overlapped ring of
+benchmarks/cp_attention.py; CommCounter counts the overlapped ring's batched isend / irecv as "send", the bytes
+this rank sends: per layer K, V (cp - 1) times forward, K, V (cp - 1) and dK, dV cp times backward, each
+B x Hkv x T/cp x D values, tests/distributed/test_comm_stats.py)
     ring (all-gather form)  per layer 2 all-gathers (K, V) forward, 2 again in backward (K and V are not kept) and
                             2 reduce-scatters (dK, dV) of B x Hkv x T x D values:
                             wire = 6 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
