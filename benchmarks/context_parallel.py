@@ -2,7 +2,7 @@
 budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
 
     python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
-    python benchmarks/context_parallel.py attention [T ...]   # attention alone (benchmarks/cp_attention.py):
+    python benchmarks/context_parallel.py attention [T ...] [--cp 1,2,4]   # attention alone (cp_attention.py):
                                                    # benchmarks/results/context_parallel_attention_cpu.{json,md,png}
     python benchmarks/context_parallel.py recipe [T ...]      # recipe tokens/s (benchmarks/cp_recipe.py):
                                                    # benchmarks/results/context_parallel_recipe_cpu.{json,md,png}
@@ -150,10 +150,12 @@ def main() -> None:
     print("\n".join(md))
 
 
-def attention(lengths) -> None:
+def attention(lengths, cps) -> None:
     from benchmarks import cp_attention  # its own run; the model benchmark does not need it
 
-    res = cp_attention.measure(lengths)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    res = cp_attention.measure(lengths, cps, progress=RESULTS / "context_parallel_attention_cpu.partial.json")
+    (RESULTS / "context_parallel_attention_cpu.partial.json").unlink()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "context_parallel_attention_cpu.json").write_text(json.dumps(res, indent=2))
     md = cp_attention.report(res)
@@ -175,8 +177,13 @@ def recipe(lengths) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["attention"]:
-        attention([int(x) for x in sys.argv[2:]] or [4096, 8192, 16384])
+    if sys.argv[1:2] == ["attention"]:  # attention [T ...] [--cp 1,2,4]
+        argv = sys.argv[2:]
+        cps = (1, 2, 4)
+        if "--cp" in argv:
+            i = argv.index("--cp")
+            cps, argv = tuple(int(c) for c in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]
+        attention([int(x) for x in argv] or [4096, 8192, 16384], cps)
     elif sys.argv[1:2] == ["recipe"]:
         recipe([int(x) for x in sys.argv[2:]] or [2048, 4096, 8192])
     else:

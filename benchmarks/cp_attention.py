@@ -14,8 +14,10 @@ Working memory: the peak of the bytes allocated inside attention forward + backw
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -66,7 +68,9 @@ def _peak_bytes(fn) -> int:
 def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: bool) -> dict:
     torch.set_num_threads(1)
     (q, k, v), rows = _inputs(seq_len, packed, rank, world)
-    group = dist.group.WORLD
+    # the ranks wait at a barrier while rank 0 times SDPA: on a loaded machine that takes longer than the default
+    # group's 120 s timeout, hence a group of the same ranks with an hour's
+    group = dist.new_group(list(range(world)), timeout=timedelta(hours=1))
     fn = ring_attention if mode.startswith("ring") else ulysses_attention
     opts = {"overlap": False} if mode == "ring_allgather" else {}
 
@@ -76,19 +80,19 @@ def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: 
 
     if memory:
         step()                                                          # warm-up (plans cached on rows)
-        dist.barrier()
+        dist.barrier(group)
         return {"peak_bytes": _peak_bytes(step)}
     best, base, cpu, base_cpu = (float("inf"),) * 4
     for _ in range(2):  # the baseline interleaved with the cp runs: the same machine load for both (it is shared)
-        dist.barrier()
+        dist.barrier(group)
         if rank == 0:
             wall, proc = sdpa_seconds(seq_len, repeats=1, cpu=True)
             base, base_cpu = min(base, wall), min(base_cpu, proc)
-        dist.barrier()
+        dist.barrier(group)
         t0, c0 = time.perf_counter(), time.process_time()
         step()
         dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)                       # the slowest rank
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)          # the slowest rank
         best, cpu = min(best, dt[0].item()), min(cpu, dt[1].item())
     return {"seconds": best, "sdpa_seconds": base, "cpu_seconds": cpu, "sdpa_cpu_seconds": base_cpu}
 
@@ -108,13 +112,14 @@ def sdpa_seconds(seq_len: int, repeats: int = 2, cpu: bool = False):
     return (best, best_cpu) if cpu else best
 
 
-def measure(lengths) -> dict:
-    """Every row and the memory figures, with the machine's load average before and after (it may be shared)."""
+def measure(lengths, cps=(1, 2, 4), progress=None) -> dict:
+    """Every row and (when cp=4 is measured) the memory figures, with the machine's load average before and after
+    (it may be shared); progress: a path the rows so far are written to after each one."""
     rows, memory = [], []
     load = {"start": os.getloadavg(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for seq_len in lengths:
-        for cp in (1, 2, 4):
+        for cp in cps:
             for mode in ("ring", "ulysses") if cp > 1 else ("ring",):
                 for packed in (False, True) if cp > 1 else (False,):
                     r = run_distributed(_rank, cp, seq_len, mode, packed, False, timeout=3000)[0]
@@ -122,8 +127,10 @@ def measure(lengths) -> dict:
                                  **r, "vs_sdpa": r["seconds"] / r["sdpa_seconds"],
                                  "cpu_vs_sdpa": r["cpu_seconds"] / r["sdpa_cpu_seconds"]})
                     print(rows[-1], flush=True)
+                    if progress is not None:
+                        progress.write_text(json.dumps({"rows": rows, "load": load}, indent=2))
     longest = max(lengths)
-    for mode in ("ring", "ring_allgather"):
+    for mode in ("ring", "ring_allgather") if 4 in cps else ():
         r = run_distributed(_rank, 4, longest, mode, True, True, timeout=3000)[0]
         memory.append({"seq_len": longest, "cp": 4, "mode": mode, **r})
         print(memory[-1], flush=True)
@@ -135,6 +142,7 @@ def report(res: dict) -> list[str]:
     md = ["# Context-parallel attention (CPU, gloo, fp32, one thread per process)", "",
           ("Command: `python benchmarks/context_parallel.py attention "
            + " ".join(str(t) for t in sorted({r["seq_len"] for r in res["rows"]}))
+           + ("" if (cps := sorted({r["cp"] for r in res["rows"]})) == [1, 2, 4] else f" --cp {','.join(map(str, cps))}")
            + "` (B=1, H=8, 8 kv heads, D=64; forward + backward of the attention alone; cp ranks: the slowest rank, "
            "best of 2; sdpa: one process, whole row, timed between the cp runs; CPU: the process's CPU seconds, "
            "less sensitive than wall time to other work on the machine)"), ""]
@@ -159,7 +167,7 @@ def report(res: dict) -> list[str]:
                       f"packed row {p['vs_sdpa']:.2f}x (CPU {p['cpu_vs_sdpa']:.2f}x); packed / single "
                       f"{p['seconds'] / r['seconds']:.2f} (CPU {p['cpu_seconds'] / r['cpu_seconds']:.2f}).")
     m = {r["mode"]: r["peak_bytes"] for r in res["memory"]}
-    md += ["", (f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
+    md += [] if not m else ["", (f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
            f"packed row (peak bytes allocated beyond the inputs): overlapped ring {m['ring'] / 1e6:.1f} MB, all-gather "
            f"form {m['ring_allgather'] / 1e6:.1f} MB, ratio {m['ring'] / m['ring_allgather']:.2f}.")]
     return md

@@ -99,11 +99,15 @@ def report(res: dict) -> list[str]:
            f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
            + (" (the machine was shared: other processes ran beside this benchmark)"
               if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else "")), "",
-          "| T | run | processes x threads | tokens/s | step s | vs cp=1 |", "|---|---|---|---|---|---|"]
-    base = {r["seq_len"]: r["tokens_per_s"] for r in res["rows"] if r["run"] == "cp1"}
+          ("| T | run | processes x threads | tokens/s | step s | vs cp=1 | losses vs cp=1 (max relative "
+           "difference) |"), "|---|---|---|---|---|---|---|"]
+    base = {r["seq_len"]: r for r in res["rows"] if r["run"] == "cp1"}
     for r in res["rows"]:
+        b = base[r["seq_len"]]
+        diff = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], b["losses"]))
         md.append(f"| {r['seq_len']} | {r['run']} | {r['processes']} x {r['threads_per_process']} | "
-                  f"{r['tokens_per_s']:.0f} | {r['step_time_s']:.2f} | {r['tokens_per_s'] / base[r['seq_len']]:.2f} |")
+                  f"{r['tokens_per_s']:.0f} | {r['step_time_s']:.2f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f} | "
+                  f"{diff:.1e} |")
     return md
 
 
