@@ -150,30 +150,30 @@ def main() -> None:
     print("\n".join(md))
 
 
+def _write(module, stem: str, res: dict) -> None:
+    """RESULTS/<stem>.{json,md,png} from a measurement and its module's report and plot."""
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    md = module.report(res)
+    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
+    module.plot(res, RESULTS / f"{stem}.png")
+    print("\n".join(md))
+
+
 def attention(lengths, cps) -> None:
     from benchmarks import cp_attention  # its own run; the model benchmark does not need it
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    res = cp_attention.measure(lengths, cps, progress=RESULTS / "context_parallel_attention_cpu.partial.json")
-    (RESULTS / "context_parallel_attention_cpu.partial.json").unlink()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "context_parallel_attention_cpu.json").write_text(json.dumps(res, indent=2))
-    md = cp_attention.report(res)
-    (RESULTS / "context_parallel_attention_cpu.md").write_text("\n".join(md) + "\n")
-    cp_attention.plot(res, RESULTS / "context_parallel_attention_cpu.png")
-    print("\n".join(md))
+    progress = RESULTS / "context_parallel_attention_cpu.partial.json"   # the rows so far, should a run die
+    res = cp_attention.measure(lengths, cps, progress=progress)
+    progress.unlink()
+    _write(cp_attention, "context_parallel_attention_cpu", res)
 
 
 def recipe(lengths) -> None:
     from benchmarks import cp_recipe  # recipe launches: only this mode needs it
 
-    res = cp_recipe.measure(lengths)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "context_parallel_recipe_cpu.json").write_text(json.dumps(res, indent=2))
-    md = cp_recipe.report(res)
-    (RESULTS / "context_parallel_recipe_cpu.md").write_text("\n".join(md) + "\n")
-    cp_recipe.plot(res, RESULTS / "context_parallel_recipe_cpu.png")
-    print("\n".join(md))
+    _write(cp_recipe, "context_parallel_recipe_cpu", cp_recipe.measure(lengths))
 
 
 if __name__ == "__main__":
