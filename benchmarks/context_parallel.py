@@ -2,8 +2,10 @@
 budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
 
     python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
-    python benchmarks/context_parallel.py attention [T ...]   # attention alone (benchmarks/cp_attention.py):
+    python benchmarks/context_parallel.py attention [T ...] [--cp 1,2,4]   # attention alone (cp_attention.py):
                                                    # benchmarks/results/context_parallel_attention_cpu.{json,md,png}
+    python benchmarks/context_parallel.py recipe [T ...]      # recipe tokens/s (benchmarks/cp_recipe.py):
+                                                   # benchmarks/results/context_parallel_recipe_cpu.{json,md,png}
 
 Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
 backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
@@ -11,11 +13,13 @@ backward during one forward (saved_tensors_hooks; parameters excluded), on rank 
 model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the
 bytes each rank puts on the wire during one forward + backward, counted by hfpar's CommCounter (the
 --log_comm_bytes counter), against the formula for each mechanism:
-(measured with the ring in its all-gather form, before the overlapped ring of benchmarks/cp_attention.py, whose
-batched isend / irecv CommCounter does not see: hfpar.parallel.comm.comm_stats counts them as "send")
-    ring (all-gather form)  per layer 2 all-gathers (K, V) forward, 2 again in backward (K and V are not kept) and
-                            2 reduce-scatters (dK, dV) of B x Hkv x T x D values:
+(the committed table predates the overlapped ring: its ring rows are the all-gather form; CommCounter counts the
+overlapped ring's batched isend / irecv as "send", tests/distributed/test_comm_stats.py)
+    ring (all-gather form,  per layer 2 all-gathers (K, V) forward, 2 again in backward (K and V are not kept) and
+    the committed table)    2 reduce-scatters (dK, dV) of B x Hkv x T x D values:
                             wire = 6 x B x Hkv x T x D x 4 bytes x (cp - 1) / cp
+    ring (overlapped, what  per layer (4 (cp - 1) + 2 cp) sends of B x Hkv x T/cp x D values:
+    this script measures)   wire = (4 (cp - 1) + 2 cp) x B x Hkv x T/cp x D x 4 bytes
     ulysses                 per layer 4 all-to-alls forward (q, k, v, out) + 4 backward of the local
                             B x (H or Hkv) x T/cp x D values (kv heads repeated to H when not divisible by cp):
                             wire = 2 x (2 H + 2 Hkv') x B x T/cp x D x 4 bytes x (cp - 1) / cp
@@ -81,8 +85,8 @@ def theory_wire(mode: str, cp: int, seq_len: int) -> float:
         return 0.0
     d = CFG["hidden_size"] // CFG["num_attention_heads"]
     layers, h, hkv = CFG["num_hidden_layers"], CFG["num_attention_heads"], CFG["num_key_value_heads"]
-    if mode == "ring":
-        return layers * 6 * hkv * seq_len * d * 4 * (cp - 1) / cp
+    if mode == "ring":  # the overlapped ring (the default): K, V (cp-1) x forward; K, V (cp-1) x, dK, dV cp x backward
+        return layers * (4 * (cp - 1) + 2 * cp) * hkv * (seq_len // cp) * d * 4
     kv = hkv if hkv % cp == 0 else h                                     # kv heads repeated when fewer than cp
     return layers * 2 * (2 * h + 2 * kv) * (seq_len // cp) * d * 4 * (cp - 1) / cp
 
@@ -146,20 +150,41 @@ def main() -> None:
     print("\n".join(md))
 
 
-def attention(lengths) -> None:
-    from benchmarks import cp_attention  # its own run; the model benchmark does not need it
-
-    res = cp_attention.measure(lengths)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "context_parallel_attention_cpu.json").write_text(json.dumps(res, indent=2))
-    md = cp_attention.report(res)
-    (RESULTS / "context_parallel_attention_cpu.md").write_text("\n".join(md) + "\n")
-    cp_attention.plot(res, RESULTS / "context_parallel_attention_cpu.png")
+def _write(module, stem: str, res: dict) -> None:
+    """RESULTS/<stem>.{json,md,png} from a measurement and its module's report and plot."""
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    md = module.report(res)
+    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
+    module.plot(res, RESULTS / f"{stem}.png")
     print("\n".join(md))
 
 
+def attention(lengths, cps) -> None:
+    from benchmarks import cp_attention  # its own run; the model benchmark does not need it
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    progress = RESULTS / "context_parallel_attention_cpu.partial.json"   # the rows so far, should a run die
+    res = cp_attention.measure(lengths, cps, progress=progress)
+    progress.unlink()
+    _write(cp_attention, "context_parallel_attention_cpu", res)
+
+
+def recipe(lengths) -> None:
+    from benchmarks import cp_recipe  # recipe launches: only this mode needs it
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    _write(cp_recipe, "context_parallel_recipe_cpu", cp_recipe.measure(lengths))
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["attention"]:
-        attention([int(x) for x in sys.argv[2:]] or [4096, 8192, 16384])
+    if sys.argv[1:2] == ["attention"]:  # attention [T ...] [--cp 1,2,4]
+        argv = sys.argv[2:]
+        cps = (1, 2, 4)
+        if "--cp" in argv:
+            i = argv.index("--cp")
+            cps, argv = tuple(int(c) for c in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]
+        attention([int(x) for x in argv] or [4096, 8192, 16384], cps)
+    elif sys.argv[1:2] == ["recipe"]:
+        recipe([int(x) for x in sys.argv[2:]] or [2048, 4096, 8192])
     else:
         main()

@@ -14,7 +14,10 @@ Working memory: the peak of the bytes allocated inside attention forward + backw
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,7 +68,9 @@ def _peak_bytes(fn) -> int:
 def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: bool) -> dict:
     torch.set_num_threads(1)
     (q, k, v), rows = _inputs(seq_len, packed, rank, world)
-    group = dist.group.WORLD
+    # the ranks wait at a barrier while rank 0 times SDPA: on a loaded machine that takes longer than the default
+    # group's 120 s timeout, hence a group of the same ranks with an hour's
+    group = dist.new_group(list(range(world)), timeout=timedelta(hours=1))
     fn = ring_attention if mode.startswith("ring") else ulysses_attention
     opts = {"overlap": False} if mode == "ring_allgather" else {}
 
@@ -75,63 +80,94 @@ def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: 
 
     if memory:
         step()                                                          # warm-up (plans cached on rows)
-        dist.barrier()
+        dist.barrier(group)
         return {"peak_bytes": _peak_bytes(step)}
-    best, base = float("inf"), float("inf")
+    best, base, cpu, base_cpu = (float("inf"),) * 4
     for _ in range(2):  # the baseline interleaved with the cp runs: the same machine load for both (it is shared)
-        dist.barrier()
+        dist.barrier(group)
         if rank == 0:
-            base = min(base, sdpa_seconds(seq_len, repeats=1))
-        dist.barrier()
-        t0 = time.perf_counter()
+            wall, proc = sdpa_seconds(seq_len, repeats=1, cpu=True)
+            base, base_cpu = min(base, wall), min(base_cpu, proc)
+        dist.barrier(group)
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)                       # the slowest rank
-        best = min(best, dt.item())
-    return {"seconds": best, "sdpa_seconds": base}
+        dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)          # the slowest rank
+        best, cpu = min(best, dt[0].item()), min(cpu, dt[1].item())
+    return {"seconds": best, "sdpa_seconds": base, "cpu_seconds": cpu, "sdpa_cpu_seconds": base_cpu}
 
 
-def sdpa_seconds(seq_len: int, repeats: int = 2) -> float:
+def sdpa_seconds(seq_len: int, repeats: int = 2, cpu: bool = False):
+    """Best wall seconds of SDPA causal forward + backward over the whole row, one thread (cpu=True: (wall, CPU
+    seconds of this process), each the best of the repeats)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, seq_len, D, generator=g).requires_grad_() for _ in range(3))
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
+    return (best, best_cpu) if cpu else best
 
 
-def measure(lengths) -> dict:
+def measure(lengths, cps=(1, 2, 4), progress=None) -> dict:
+    """Every row and (when cp=4 is measured) the memory figures, with the machine's load average before and after
+    (it may be shared); progress: a path the rows so far are written to after each one."""
     rows, memory = [], []
+    load = {"start": os.getloadavg(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for seq_len in lengths:
-        for cp in (1, 2, 4):
+        for cp in cps:
             for mode in ("ring", "ulysses") if cp > 1 else ("ring",):
                 for packed in (False, True) if cp > 1 else (False,):
                     r = run_distributed(_rank, cp, seq_len, mode, packed, False, timeout=3000)[0]
                     rows.append({"seq_len": seq_len, "cp": cp, "mode": mode, "row": "packed" if packed else "single",
-                                 **r, "vs_sdpa": r["seconds"] / r["sdpa_seconds"]})
+                                 **r, "vs_sdpa": r["seconds"] / r["sdpa_seconds"],
+                                 "cpu_vs_sdpa": r["cpu_seconds"] / r["sdpa_cpu_seconds"]})
                     print(rows[-1], flush=True)
+                    if progress is not None:
+                        progress.write_text(json.dumps({"rows": rows, "load": load}, indent=2))
     longest = max(lengths)
-    for mode in ("ring", "ring_allgather"):
+    for mode in ("ring", "ring_allgather") if 4 in cps else ():
         r = run_distributed(_rank, 4, longest, mode, True, True, timeout=3000)[0]
         memory.append({"seq_len": longest, "cp": 4, "mode": mode, **r})
         print(memory[-1], flush=True)
-    return {"rows": rows, "memory": memory}
+    load["end"] = os.getloadavg()
+    return {"rows": rows, "memory": memory, "load": load}
 
 
 def report(res: dict) -> list[str]:
     md = ["# Context-parallel attention (CPU, gloo, fp32, one thread per process)", "",
-          ("Command: `python benchmarks/context_parallel.py attention` (B=1, H=8, 8 kv heads, D=64; forward + "
-           "backward of the attention alone; cp ranks: the slowest rank, best of 2; sdpa: one process, whole row)"), "",
-          "| T | cp | mode | row | seconds per rank | SDPA whole row, seconds | ratio |", "|---|---|---|---|---|---|---|"]
+          ("Command: `python benchmarks/context_parallel.py attention "
+           + " ".join(str(t) for t in sorted({r["seq_len"] for r in res["rows"]}))
+           + ("" if (cps := sorted({r["cp"] for r in res["rows"]})) == [1, 2, 4] else f" --cp {','.join(map(str, cps))}")
+           + "` (B=1, H=8, 8 kv heads, D=64; forward + backward of the attention alone; cp ranks: the slowest rank, "
+           "best of 2; sdpa: one process, whole row, timed between the cp runs; CPU: the process's CPU seconds, "
+           "less sensitive than wall time to other work on the machine)"), ""]
+    if "load" in res:
+        ld = res["load"]
+        md += [f"{ld['date']}, {ld['cpus']} CPUs; load average (1, 5, 15 min) at the start "
+               f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
+               + (" (the machine was shared: other processes ran beside this benchmark)"
+                  if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else ""), ""]
+    md += [("| T | cp | mode | row | seconds per rank | SDPA whole row, seconds | ratio | CPU s per rank | SDPA CPU s "
+            "| CPU ratio |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         md.append(f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['row']} | {r['seconds']:.3f} | "
-                  f"{r['sdpa_seconds']:.3f} | {r['vs_sdpa']:.2f} |")
+                  f"{r['sdpa_seconds']:.3f} | {r['vs_sdpa']:.2f} | {r.get('cpu_seconds', float('nan')):.3f} | "
+                  f"{r.get('sdpa_cpu_seconds', float('nan')):.3f} | {r.get('cpu_vs_sdpa', float('nan')):.2f} |")
+    md += [""]
+    by = {(r["seq_len"], r["cp"], r["mode"], r["row"]): r for r in res["rows"]}
+    for (t, cp, mode, row), r in by.items():  # the acceptance: cp=2 <= 0.6x SDPA at 8k+, packed <= 1.3x single
+        if cp == 2 and row == "single" and t >= 8192 and (t, 2, mode, "packed") in by:
+            p = by[t, 2, mode, "packed"]
+            md.append(f"T={t}, cp=2 {mode}: single-document row {r['vs_sdpa']:.2f}x SDPA (CPU {r['cpu_vs_sdpa']:.2f}x), "
+                      f"packed row {p['vs_sdpa']:.2f}x (CPU {p['cpu_vs_sdpa']:.2f}x); packed / single "
+                      f"{p['seconds'] / r['seconds']:.2f} (CPU {p['cpu_seconds'] / r['cpu_seconds']:.2f}).")
     m = {r["mode"]: r["peak_bytes"] for r in res["memory"]}
-    md += ["", (f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
+    md += [] if not m else ["", (f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
            f"packed row (peak bytes allocated beyond the inputs): overlapped ring {m['ring'] / 1e6:.1f} MB, all-gather "
            f"form {m['ring_allgather'] / 1e6:.1f} MB, ratio {m['ring'] / m['ring_allgather']:.2f}.")]
     return md

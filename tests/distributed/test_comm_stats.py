@@ -92,3 +92,48 @@ def test_moe_routed_rows_match_all_to_all_bytes():
     # the brief's form: summed over ranks, routed rows = forward token wire bytes / (H * 4) / 2
     token_wire = sum(r["fwd"]["all_to_all"]["wire"] - counts_wire for r in res)
     assert sum(r["routed"] for r in res) == token_wire / (H * 4) / 2
+
+
+def _p2p_worker(rank: int, world_size: int) -> dict:
+    """Point to point: one batch_isend_irecv of known sizes, then the overlapped ring attention (forward +
+    backward) seen by the counter and by hfpar.parallel.comm's comm_stats at once."""
+    from hfpar.observe.comm_stats import CommCounter
+    from hfpar.parallel.comm import comm_stats
+    from hfpar.parallel.context_parallel import (
+        ring_attention,
+        shard_batch,
+        zigzag_indices,
+    )
+
+    other = 1 - rank
+    c = CommCounter().install()
+    try:
+        send, recv = torch.ones(1000 + 500 * rank), torch.empty(1000 + 500 * other)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, other), dist.P2POp(dist.irecv, recv, other)]):
+            w.wait()
+        direct = c.snapshot()
+        c.reset()
+        T, H, HKV, D = 32, 4, 2, 8
+        g = torch.Generator().manual_seed(0)
+        pos = torch.cat([torch.arange(12), torch.arange(20)])[None]          # two documents
+        _, rows = shard_batch({"input_ids": torch.zeros(1, T, dtype=torch.long), "position_ids": pos}, rank, 2)
+        idx = zigzag_indices(T, rank, 2)
+        q, k, v = (torch.randn(1, n, T, D, generator=g)[:, :, idx].requires_grad_() for n in (H, HKV, HKV))
+        with comm_stats.track() as s:
+            out = ring_attention(q, k, v, rows, dist.group.WORLD, overlap=True)
+            out.backward(torch.ones_like(out))
+        ring = c.snapshot()
+    finally:
+        c.uninstall()
+    return {"direct": direct, "ring": ring, "comm_stats_send": s.snapshot().get("send"), "shard_bytes": k.numel() * 4}
+
+
+def test_counts_point_to_point_sends_of_the_ring():
+    res = run_distributed(_p2p_worker, 2, timeout=120)
+    for rank, r in enumerate(res):
+        sent = (1000 + 500 * rank) * 4                                  # what this rank sends, not what it receives
+        assert r["direct"] == {"send": {"calls": 1, "payload": sent, "wire": float(sent)}}, r["direct"]
+        # cp = 2, per rank (ring.py): K and V once forward (cp - 1); backward K and V once and dK and dV twice (cp)
+        ring = r["ring"]
+        assert set(ring) == {"send"} and ring["send"]["wire"] == 8 * r["shard_bytes"], ring
+        assert ring["send"]["payload"] == r["comm_stats_send"]["bytes"], (ring, r["comm_stats_send"])

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+RECIPE_RUNS = str(ROOT / "tests" / "helpers" / "recipe_runs.py")  # many recipe runs in one launch (its docstring)
 
 
 def env() -> dict:
@@ -32,9 +33,11 @@ def env() -> dict:
 
 
 def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None) -> list[str]:
+    """recipe: a name of recipes/ ("sft"), or a script's path (ending .py), e.g. RECIPE_RUNS."""
+    script = recipe if recipe.endswith(".py") else str(ROOT / "recipes" / f"{recipe}.py")
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
             "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", "0",
-            *(extra_launch or []), str(ROOT / "recipes" / f"{recipe}.py"), *args]
+            *(extra_launch or []), script, *args]
 
 
 class _Zygote:

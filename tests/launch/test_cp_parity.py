@@ -6,23 +6,17 @@ tp=2 with and without sequence parallelism (4 processes): per-step loss and grad
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
 Unpacked cases run the default padding-free batches (each micro-batch's samples packed into rows).
-A family outside the original five, accepted by the preflight's behaviour probe: Gemma 2 with sliding-window
-layers (window 8, shorter than the rows) and logit soft-capping (cap 1.0), cp=2 ring and Ulysses against its
-single-process run with eager attention (SDPA cannot soft-cap), the same contract. cp 2 -> cp 1: the cp=2 checkpoint
-continued by one process; `hfpar export` of CP checkpoints equals the final export.
+Families outside the original five (sliding windows, soft-capping, ...): tests/launch/test_cp_families.py.
+cp 2 -> cp 1: the cp=2 checkpoint continued by one process; `hfpar export` of CP checkpoints equals the final export.
 """
 
 from __future__ import annotations
 
 import pytest
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from hfpar import data
+from tests.helpers.launch import read_metrics, read_run_info
 from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series, assert_continues_uninterrupted,
                                   assert_export_matches, assert_resume_from_step_4, launch_cases, resume_on_other_meshes)
-from tests.helpers.launch import read_metrics, read_run_info
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +79,6 @@ def test_cp_resume_reproduces_remaining_steps(cp_runs, base_model, tmp_path):
     assert_resume_from_step_4(CASES["cp2_ring_ddp"], cp_runs["cp2_ring_ddp"], base_model, tmp_path, "cp2")
 
 
-
 def test_cp_resumes_on_one_process(cp_runs, base_model, base_weights, tmp_path):
     """cp 2 -> cp 1: the CP run's state is Accelerate's full one; the single-process run continues it."""
     out = resume_on_other_meshes({"cp2_to_cp1": (cp_runs["cp2_ring_ddp"], ("single", 1, "4", []))}, base_model,
@@ -96,34 +89,3 @@ def test_cp_resumes_on_one_process(cp_runs, base_model, base_weights, tmp_path):
 @pytest.mark.parametrize("case", ["cp2_ring_ddp", "cp2_tp2"])
 def test_cp_checkpoint_export_equals_the_final_export(cp_runs, tmp_path, case):
     assert_checkpoint_exports_final(cp_runs[case], tmp_path, case)
-
-GEMMA2 = {  # eager: the reference must soft-cap; cp runs replace the attention function whatever the setting
-    "gemma2_single": ("single", 1, "4", ["--attn_implementation", "eager"]),
-    "gemma2_cp2_ring": ("ddp", 2, "4", ["--attn_implementation", "eager", "--cp_size", "2", "--cp_mode", "ring"]),
-    "gemma2_cp2_ulysses": ("ddp", 2, "4", ["--attn_implementation", "eager", "--cp_size", "2", "--cp_mode",
-                                           "ulysses"]),
-}
-
-
-@pytest.fixture(scope="module")
-def gemma2_runs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma2_base")
-    cfg = AutoConfig.for_model("gemma2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                               sliding_window=8, attn_logit_softcapping=1.0, max_position_embeddings=512,
-                               pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
-    assert cfg.layer_types == ["sliding_attention", "full_attention"]
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    data.load_tokenizer(None).save_pretrained(path)
-    return launch_cases(GEMMA2, str(path), tmp_path_factory.mktemp("gemma2"))
-
-
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_gemma2_sliding_window_softcap_cp_matches_single(gemma2_runs, mode):
-    ref, _ = read_metrics(gemma2_runs["gemma2_single"])
-    got, _ = read_metrics(gemma2_runs[f"gemma2_cp2_{mode}"])
-    assert len(got) == 8
-    assert_close_series(ref, got, "loss", TOL, f"gemma2 cp2 {mode}")
-    assert_close_series(ref, got, "grad_norm", TOL, f"gemma2 cp2 {mode}")
-    assert_export_matches(gemma2_runs["gemma2_single"], gemma2_runs[f"gemma2_cp2_{mode}"], f"gemma2 cp2 {mode}")

@@ -1,0 +1,130 @@
+"""Context parallelism through the recipe: training tokens/s at cp = 1 and cp = 2 (ring, Ulysses) on long rows.
+
+    python benchmarks/context_parallel.py recipe [T ...]   # -> benchmarks/results/context_parallel_recipe_cpu.*
+
+The clm recipe (`accelerate launch ... recipes/clm.py`, fp32) trains a Llama-style model (hidden 256, 4 layers,
+8 heads / 4 kv heads, the embedded tokenizer's 128-token vocabulary) on documents of about 4 x T tokens each, cut
+into rows of T tokens (so rows hold one document, bar the few that straddle a boundary), one row per optimizer
+step. cp=1: single.yaml, one process; cp=2: ddp.yaml, two processes, --cp_size 2. Every process runs one thread
+(OMP_NUM_THREADS=1), so a process stands for one device, as in benchmarks/cp_attention.py: cp=2 is two devices
+against cp=1's one (with OMP_NUM_THREADS = cores / processes instead, cp=1 would get the machine's every core, and an
+OpenMP team on a machine other work shares stalls at every barrier). tokens/s: the recipe's own (metrics.jsonl:
+the step's tokens / its wall time), median over the steps after WARMUP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hfpar import data
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = {"vocab_size": 128, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "use_cache": False, "pad_token_id": 0,
+       "bos_token_id": 1, "eos_token_id": 2}
+STEPS, WARMUP = 4, 1
+RUNS = {"cp1": ("single", 1, []), "cp2_ring": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ring"]),
+        "cp2_ulysses": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ulysses"])}
+
+
+def _inputs(root: Path, seq_len: int) -> tuple[str, str]:
+    """(model dir, text file): the model with max positions for T, STEPS + 1 rows of documents of ~4 T tokens."""
+    model = root / "model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CFG, max_position_embeddings=seq_len)).save_pretrained(model)
+    data.load_tokenizer(None).save_pretrained(model)
+    rng, words = random.Random(0), ["the", "a", "red", "big", "small", "fox", "dog", "cat", "sees", "near", "and"]
+    # seq_len words: about 4.5 x seq_len characters, and the tokenizer spends about a token per character
+    docs = [" ".join(rng.choice(words) for _ in range(seq_len)) + "." for _ in range((STEPS + 1) // 4 + 2)]
+    text = root / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(model), str(text)
+
+
+def _run(name: str, seq_len: int, model: str, text: str, out: Path) -> dict:
+    config, nproc, extra = RUNS[name]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(nproc), "--mixed_precision",
+           "no", "--main_process_port", "0", str(ROOT / "recipes" / "clm.py"), "--model_name_or_path", model,
+           "--dataset_name", text, "--max_seq_length", str(seq_len), "--per_device_train_batch_size", "1",
+           "--max_steps", str(STEPS), "--eval_steps", "0", "--logging_steps", "1", "--save_final_model", "false",
+           "--output_dir", str(out), *extra]
+    threads = 1
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads),  # one device per process CUDA_VISIBLE_DEVICES="",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} T={seq_len} failed:\n{proc.stderr[-3000:]}")
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    kept = steps[WARMUP:]
+    return {"seq_len": seq_len, "run": name, "processes": nproc, "threads_per_process": threads,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in kept),
+            "step_time_s": statistics.median(r["step_time_s"] for r in kept),
+            "tokens_per_step": statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in kept),
+            "losses": [r["loss"] for r in steps]}
+
+
+def measure(lengths) -> dict:
+    rows = []
+    load = {"start": os.getloadavg(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for seq_len in lengths:
+        with tempfile.TemporaryDirectory() as tmp:
+            model, text = _inputs(Path(tmp), seq_len)
+            for name in RUNS:
+                rows.append(_run(name, seq_len, model, text, Path(tmp) / name))
+                print(rows[-1], flush=True)
+    load["end"] = os.getloadavg()
+    return {"rows": rows, "load": load, "steps": STEPS, "warmup": WARMUP}
+
+
+def report(res: dict) -> list[str]:
+    ld = res["load"]
+    lengths = sorted({r["seq_len"] for r in res["rows"]})
+    md = ["# Context parallelism through the recipe: tokens/s (CPU, gloo, fp32)", "",
+          (f"Command: `python benchmarks/context_parallel.py recipe {' '.join(map(str, lengths))}` (clm recipe, Llama "
+           f"hidden 256, 4 layers, 8 / 4 heads, one row of T tokens per step, {res['steps']} steps, median after "
+           f"{res['warmup']}; one thread per process: a process stands for a device)"), "",
+          (f"{ld['date']}, {ld['cpus']} CPUs; load average (1, 5, 15 min) at the start "
+           f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
+           + (" (the machine was shared: other processes ran beside this benchmark)"
+              if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else "")), "",
+          ("| T | run | processes x threads | tokens/s | step s | vs cp=1 | losses vs cp=1 (max relative "
+           "difference) |"), "|---|---|---|---|---|---|---|"]
+    base = {r["seq_len"]: r for r in res["rows"] if r["run"] == "cp1"}
+    for r in res["rows"]:
+        b = base[r["seq_len"]]
+        diff = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], b["losses"]))
+        md.append(f"| {r['seq_len']} | {r['run']} | {r['processes']} x {r['threads_per_process']} | "
+                  f"{r['tokens_per_s']:.0f} | {r['step_time_s']:.2f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f} | "
+                  f"{diff:.1e} |")
+    return md
+
+
+def plot(res: dict, path) -> None:
+    import matplotlib  # an optional extra, for the plot only
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, style in (("cp1", "k-o"), ("cp2_ring", "b-o"), ("cp2_ulysses", "c--s")):
+        pts = [(r["seq_len"], r["tokens_per_s"]) for r in res["rows"] if r["run"] == name]
+        ax.plot(*zip(*pts), style, label=name.replace("_", " "))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("training tokens / s (recipe)")
+    ax.set_title("context parallelism through the recipe (CPU, fp32)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,49 @@
+"""Several runs of a recipe in one launch: `hfpar.recipe.main(kind, argv)` once per argv, in order, so that the
+workers' start-up (Python, torch, transformers, accelerate and hfpar imports: most of a tiny launch's CPU time) is
+paid once for all of them.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 tests/helpers/recipe_runs.py RUNS
+    (tests: launch("ddp", 2, RECIPE_RUNS, [RUNS]) with tests/helpers/launch.py)
+
+RUNS: a JSON file {"kind": "sft", "runs": [argv, ...]}; every process runs every argv. Between runs Accelerate's
+state singletons are reset, as a fresh process has them. The process group is kept from one run to the next: the
+recipe destroys it at its end, and a second init_process_group on the launcher's rendezvous store would meet the
+first group's keys there; it is destroyed after the last run. Each run is otherwise the recipe as users run it
+(same entry point, same argv parsing, same preflight, parallelization, backend and trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, GradientState, PartialState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from hfpar import recipe
+
+
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *a, **k: None  # the recipe's own call at its end: kept for the next run
+    try:
+        for argv in spec["runs"]:
+            _reset_accelerate()
+            recipe.main(spec["kind"], argv)
+    finally:
+        dist.destroy_process_group = destroy
+    if dist.is_initialized():
+        destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
