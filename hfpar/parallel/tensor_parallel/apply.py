@@ -201,11 +201,13 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
-        elif not getattr(config, "base_model_tp_plan", None):   # inferred from the modules, verified (infer.py)
+        elif not getattr(config, "base_model_tp_plan", None) or not _has_region(derived_plan := derive_plan(model)):
+            # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
+            # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
             plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
             verify_weights = verify_plan = False   # both done by _infer for the plan it returns
         else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
-            plan = derive_plan(model)
+            plan = derived_plan
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
                 warnings.warn(f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
                               "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
@@ -239,8 +241,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
 
     shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
     if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
-        verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel,
-                           model_type=getattr(config, "model_type", None))
+        model._hfpar_tp_verify_rel = verify_first_block(model, assigned, shard, tp_group,
+                                                        sequence_parallel=sequence_parallel,
+                                                        model_type=getattr(config, "model_type", None))
     new_modules = shard(model, assigned)
     if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
@@ -340,7 +343,8 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             checked = True
         shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=False)
         try:
-            verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard, tp_group, model_type=mt)
+            model._hfpar_tp_verify_rel = verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard,
+                                                            tp_group, model_type=mt)
         except ValueError as e:
             why = str(e)
             continue
@@ -349,6 +353,10 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         return plan
     raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
                      f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+
+
+def _has_region(plan: Mapping[str, str]) -> bool:
+    return any(s.partition(":")[0] in _REGIONS for s in plan.values())
 
 
 def _mark_region_replicated(region: nn.Module, tp_group) -> None:

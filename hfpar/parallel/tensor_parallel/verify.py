@@ -5,16 +5,25 @@
 Every plan apply_tensor_parallel accepts (written, derived from base_model_tp_plan, inferred, or the user's) is
 checked here before the model is touched: the first block's real inputs are captured by running the model on
 2 x T random token ids and stopping at the block (embedding, rotary and mask only: no other block runs), then
-two copies of that block (fp32, or fp64 for an fp64 model; eval mode, so no dropout) run it unsharded and sharded
-by the plan on the same inputs and the same random output cotangent. The output, the input gradient and every
-parameter gradient (shards gathered, partial grads summed by the same hooks as the model's) must agree within
-1e-3 relative in fp32 (1e-6 in fp64); a wrong plan differs by O(1) (a missing partial sum by ~50 %). Otherwise
-ValueError in one line naming the first module that differs and its plan entry; the model is left unsharded.
+two float64 copies of that block (eval mode, so no dropout) run it unsharded and sharded by the plan on the same
+inputs and the same random output cotangent. The output, the input gradient and every parameter gradient (shards
+gathered, partial grads summed by the same hooks as the model's) must agree within 1e-6 relative; a wrong plan
+differs by O(1) (a missing partial sum by ~50 %). Otherwise ValueError in one line naming the first module that
+differs and its plan entry; the model is left unsharded. The same check runs on the first block of every other
+block structure in the stack (hybrid families: linear-attention layers, dense and MoE layers) and on the last block.
 
-Cost: one block copied twice (peak: model + 2 blocks in fp32), one short forward up to the block, one
+Why float64 whatever the model's dtype: in fp32 an exact plan differs from the unsharded block by its rounding
+(up to ~1e-4 relative on a small gradient), so the tolerance had to be 1e-3 and a plan off by 2e-4 would pass; in
+float64 an exact plan agrees to ~1e-12, a wrong one is off by far more than 1e-6. Measured basis: over every family
+of benchmarks/tp_family_sweep.py the worst verification error of an accepted plan is recorded in its results
+("verify_rel"), far below 1e-6 (fp32 casts inside the families' own code, RMSNorm's `.to(float32)`, bound it). Where
+the device has no float64 (MPS) the copies run in float32 with a 1e-3 tolerance.
+
+Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one short forward up to the block, one
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
-per sharded parameter of the block and one all-reduce. Milliseconds on a tiny model; on a 7B model on GPU well
-under a second, negligible beside the loading it follows. Weights on the meta device cannot be run: a warning.
+per sharded parameter of the block and one all-reduce; per block structure. Milliseconds on a tiny model; on a 7B
+model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device cannot be
+run: a warning.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from .validate import REGIONS
 __all__ = ["first_block_name", "verify_first_block"]
 
 _TOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+_NO_FP64 = ("mps",)   # devices without float64 arithmetic: verified in float32
 
 
 class _Captured(Exception):
@@ -107,31 +117,47 @@ def _split_hidden(args, kwargs):
     return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
 
 
+def _signature(block: nn.Module) -> tuple:
+    """What makes two blocks of a stack differently built: their modules' names and types, their parameters' shapes."""
+    return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
+            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+
+
 def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: Callable, tp_group, *,
-                       sequence_parallel: bool = False, model_type: str | None = None) -> None:
-    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, or of the last (some
-    families build it differently: GPT-NeoX-Japanese's extra output bias), is not the unsharded block.
-    shard_fn(root, assigned_relative) shards `root` in place exactly as apply_tensor_parallel shards the model."""
+                       sequence_parallel: bool = False, model_type: str | None = None) -> float:
+    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, of the first block of every
+    other structure in the stack (hybrid layers), or of the last (some families build it differently:
+    GPT-NeoX-Japanese's extra output bias) is not the unsharded block. shard_fn(root, assigned_relative) shards
+    `root` in place exactly as apply_tensor_parallel shards the model. Returns the worst relative difference seen
+    (0.0 when nothing was run)."""
     name = first_block_name(assigned)
     if name is None:
-        return
+        return 0.0
     parent, _, _ = name.rpartition(".")
     blocks = model.get_submodule(parent) if parent else None
-    last = f"{parent}.{len(blocks) - 1}" if isinstance(blocks, nn.ModuleList) and len(blocks) > 1 else None
-    for block_name in (name, last):
-        if block_name is not None and (block_name == name or not sequence_parallel):   # SP: block 0 scatters T
-            _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel and block_name == name,
-                          model_type)
+    names = [name]
+    if isinstance(blocks, nn.ModuleList) and len(blocks) > 1 and not sequence_parallel:   # SP: block 0 scatters T
+        seen = {_signature(model.get_submodule(name))}
+        for i, b in enumerate(blocks):
+            sig = _signature(b)
+            if sig not in seen or i == len(blocks) - 1:
+                seen.add(sig)
+                names.append(f"{parent}.{i}")
+    worst = 0.0
+    for block_name in dict.fromkeys(names):
+        worst = max(worst, _verify_block(model, block_name, assigned, shard_fn, tp_group,
+                                         sequence_parallel and block_name == name, model_type))
+    return worst
 
 
 def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shard_fn: Callable, tp_group,
-                  sequence_parallel: bool, model_type: str | None) -> None:
+                  sequence_parallel: bool, model_type: str | None) -> float:
     block = model.get_submodule(name)
     params = list(block.parameters())
     if not params or any(p.is_meta for p in params):
         warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
                       stacklevel=3)
-        return
+        return 0.0
     try:
         call = _capture(model, block, params[0].device, group_size(tp_group))
     except Exception as e:  # noqa: BLE001 - a model this forward cannot drive is sharded unverified, with a warning
@@ -141,8 +167,8 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
         why = "the model's forward never reached it"
     if call is None:
         warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} ({why})", stacklevel=3)
-        return
-    dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+        return 0.0
+    dtype = torch.float32 if params[0].device.type in _NO_FP64 else torch.float64
     args, kwargs = _cast(call, dtype)
     hidden, rebuild = _split_hidden(args, kwargs)
     ref, sharded = (copy.deepcopy(block, _handles(block)).to(dtype).eval() for _ in range(2))
@@ -209,6 +235,7 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
                          f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
                          f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
                          f"plan={{module pattern: style}} or run without tensor parallelism")
+    return max(errs.tolist(), default=0.0)
 
 
 def _entry(assigned: Mapping[str, str], module: str) -> str:
