@@ -50,7 +50,7 @@ from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_pa
                    group_size, scatter_to_sequence_parallel_region)
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
-                        shard_spec, sync_partial_grads)
+                        shard_spec, shard_tensor, sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
@@ -225,6 +225,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
     # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
     matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
+    if derived:
+        matched = _drop_empty_regions(matched)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -266,6 +268,13 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
     gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
     for name, style in assigned.items():
+        if style == "head_param":   # (H, ...) by head: this rank's heads, like the projections' (export gathers)
+            parent, _, leaf = name.rpartition(".")
+            owner, full = model.get_submodule(parent), model.get_parameter(name)
+            local = shard_tensor(full.detach(), 0, group_rank(tp_group), tp)
+            setattr(owner, leaf, set_shard_spec(nn.Parameter(local, requires_grad=full.requires_grad),
+                                                ShardSpec(kind="tp", group=tp_group, dim=0, size=tp)))
+            continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
         if base == "vocab_embedding":
             new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
@@ -333,7 +342,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     checked = False
     for plan in candidates:
         try:
-            matched = match_plan(model, plan, ("colwise_lm_head",))
+            matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
             validate_degrees(model, matched, config, tp, False, tied)
         except ValueError as e:
             why = str(e).replace("\n  ", "; ")
@@ -353,6 +362,16 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         return plan
     raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
                      f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+
+
+def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """A derived / inferred region pattern can match a module built differently from the one the plan describes
+    (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
+    plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
+    proj = ("colwise", "colwise_packed", "rowwise")
+    empty = [r for r, (s, _) in matched.items() if s in _REGIONS and not any(
+        n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())]
+    return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
 
 
 def _has_region(plan: Mapping[str, str]) -> bool:

@@ -22,6 +22,8 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
                                     a column output become sharded_rmsnorm (norms.py: sum of squares all-reduced)
     colwise_gather_output alone     (no rowwise_split_input beside it: Qwen3-Next / Qwen3.5 linear attention) the
                                     module stays whole and replicated on every rank: exact, not sharded
+    colwise on a parameter          head_param (attention sinks (H,), Beam's per-head gate bias: split by head)
+    local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
@@ -43,7 +45,7 @@ __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
-_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj")   # handled in derive_plan
+_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params")   # in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -111,6 +113,11 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
         if "colwise_gather_output" in kinds and "rowwise_split_input" not in kinds:
             continue   # HF keeps the module's output whole: hfpar leaves the module replicated (exact)
         path = prefix + key
+        if style == "local_params":   # HF: the module's DTensor parameters used as local tensors; hfpar's are local
+            continue
+        if style == "colwise" and _is_parameter(model, path):   # attention sinks, a per-head gate bias
+            plan[path] = "head_param"
+            continue
         if style == "mla_kv_a_proj":
             plan[path] = "replicated_heads"
             continue
@@ -140,6 +147,14 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     if isinstance(out, nn.Linear) and id(out) in names:
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
+
+
+def _is_parameter(model: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in the first module its parent matches."""
+    parent, _, leaf = pattern.rpartition(".")
+    rx = compile_pattern(parent)
+    mod = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
+    return mod is not None and leaf in mod._parameters
 
 
 def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],

@@ -33,6 +33,8 @@ Styles (`apply.py` turns them into layers and hooks):
                          that no entry names is treated the same way (Apertus' learnable activation).
     sharded_rmsnorm      an RMSNorm over ALL heads (OLMo-2's q_norm over the whole q projection) -> ShardedRMSNorm
                          (norms.py): weight split like the projection it follows, sum of squares all-reduced
+    head_param           a PARAMETER (the pattern names it, not a module) laid out by head along dim 0 (attention
+                         sinks (H,), a per-head gate bias): split with the heads, gathered on export
 
 Modules not named by a plan stay replicated (plain parameters, identical on every rank).
 Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
@@ -43,11 +45,13 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PACKED_SPLIT_RULES",
+__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES", "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
-          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm")
+          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
+          "head_param")
+PARAM_STYLES = ("head_param",)   # matched against parameter names, not module names
 
 
 def _head_dim(cfg) -> int:

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .conv1d import is_conv1d
 from .norms import rmsnorm_problem
-from .plans import compile_pattern, packed_splits
+from .plans import PARAM_STYLES, compile_pattern, packed_splits
 
 REGIONS = ("attention", "mlp")
 
@@ -61,8 +61,10 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
     moe = tuple(moe_block_names(model))
     hits = {p: 0 for p in plan}
     out: dict[str, tuple[str, str]] = {}
-    for name, _ in model.named_modules():
-        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)]
+    params = [n for n, _ in model.named_parameters()] if any(s in PARAM_STYLES for s in plan.values()) else []
+    for name in [n for n, _ in model.named_modules()] + params:
+        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)
+                 and (s in PARAM_STYLES) == (name in params)]
         if len(found) > 1:
             raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
         if found:
@@ -86,8 +88,13 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
         pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
     assigned = {n: s for n, (s, _) in matched.items()}
     for name, (style, pat) in matched.items():
-        mod, base = model.get_submodule(name), style.partition(":")[0]
         add = partial(pr.add, name, pattern=pat)
+        if style in PARAM_STYLES:
+            n = model.get_parameter(name).shape[0]
+            if n % tp:
+                add(f"its {n} heads (dim 0) are not divisible by tp_size {tp}")
+            continue
+        mod, base = model.get_submodule(name), style.partition(":")[0]
         if base in REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
             for sub, m in mod.named_modules(prefix=name):
                 if (isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)) and sub not in matched:
