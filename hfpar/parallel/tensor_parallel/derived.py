@@ -27,6 +27,7 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
+                                    (unlisted Linears of a region's nested submodules: the same, verified)
 Refused, in one line naming the family and the entry: local_* and every other style. Derived plans are TP only:
 sequence parallelism needs the hand-written plans (their norms and first-layer split are named explicitly).
 """
@@ -160,8 +161,11 @@ def _is_parameter(model: nn.Module, pattern: str) -> bool:
 def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
                       prefix: str) -> None:
     """Entries HF's plan leaves implicit, read from the first module each region pattern matches: RMSNorms as wide
-    as one of the region's column outputs (a norm over all heads: sharded_rmsnorm) and, in a multi-head latent
-    attention, the other Linears (q_a_proj: replicated_heads)."""
+    as one of the region's column outputs (a norm over all heads: sharded_rmsnorm); in a multi-head latent attention
+    the other Linears (q_a_proj), and anywhere the Linears of a nested submodule (DeepSeek-V3.2's sparse-attention
+    indexer, whose output is integer token indices): replicated_heads. That is a proposal: replicated with its
+    gradient summed over TP is exact only when the Linear feeds this rank's heads (q_a_proj) or no gradient at all
+    (the indexer); the apply-time verification (verify.py) refuses the plan otherwise."""
     mla = {prefix + k.rpartition(".")[0] for k, s in dense.items() if s == "mla_kv_a_proj"}
     names = [n for n, _ in model.named_modules()]
     for parent, leaves in parents.items():
@@ -180,5 +184,7 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
             if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
                     and w.numel() in widths and w.numel() != head_dim:
                 plan[key] = "sharded_rmsnorm"
-            elif parent in mla and isinstance(m, nn.Linear):
+        for sub, m in mod.named_modules():   # Linears HF's plan leaves replicated inside the region
+            key = f"{parent}.{sub}"
+            if sub and key not in plan and isinstance(m, nn.Linear) and (parent in mla or "." in sub):
                 plan[key] = "replicated_heads"
