@@ -9,8 +9,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .conv1d import is_conv1d
 from .norms import rmsnorm_problem
@@ -79,6 +81,25 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
     return out
 
 
+def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
+    """An nn.Linear, or a subclass that only re-spells its forward (Falcon's FalconLinear: x @ W.T + b): no other
+    parameter, buffer or child, and on a random input the same output as F.linear (checked once per class, on the
+    first module of it). A subclass that computes anything else keeps its forward: refused by the caller."""
+    if not isinstance(mod, nn.Linear):
+        return False
+    if type(mod).forward is nn.Linear.forward:
+        return True
+    if type(mod) not in known:
+        own = {n for n, _ in mod.named_parameters(recurse=False)} - {"weight", "bias"}
+        ok = not own and not list(mod.children()) and not list(mod.buffers()) and not mod.weight.is_meta
+        if ok:
+            x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(mod.weight)
+            with torch.no_grad():
+                ok = torch.allclose(mod(x), F.linear(x, mod.weight, mod.bias), rtol=1e-5, atol=1e-6)
+        known[type(mod)] = ok
+    return known[type(mod)]
+
+
 def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
               tied: bool) -> None:
     """Every divisibility / type problem, before any collective."""
@@ -87,6 +108,7 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
     if tp > world:
         pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
     assigned = {n: s for n, (s, _) in matched.items()}
+    linear_types: dict[type, bool] = {}
     for name, (style, pat) in matched.items():
         add = partial(pr.add, name, pattern=pat)
         if style in PARAM_STYLES:
@@ -123,7 +145,7 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
                 add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
         elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
             conv = base != "colwise_lm_head" and is_conv1d(mod)
-            if not conv and (not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward):
+            if not conv and not _acts_as_linear(mod, linear_types):
                 add(f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
                     f"found {type(mod).__name__}")
                 continue
