@@ -37,6 +37,7 @@ what attention needs after its all-gather.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from functools import partial
 from typing import Iterable, Mapping
@@ -152,6 +153,30 @@ def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, 
     else:                   # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
         fn = partial(copy_to_parallel_region, group=group)
     return _map_hidden(args, kwargs, fn, name)
+
+
+_HEAD_BIAS_ARGS = ("alibi", "position_bias")   # per-head attention biases a model builds once for all heads
+
+
+def _local_head_bias_hook(module, args, kwargs, *, names, tp: int, rank: int, heads: int):
+    """This rank's heads of a per-head bias argument: Bloom's alibi (B * H, 1, T), MPT's position_bias (H, 1, T).
+    The layout is read from the shape; one this does not recognise is passed as is (the plan's verification then
+    refuses the family)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    b = hidden.shape[0] if isinstance(hidden, torch.Tensor) else None
+    n = heads // tp
+    for name in names:
+        t = kwargs.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue
+        if b is not None and t.shape[0] == b * heads:                                 # (B * H, ...) -> (B * H/tp, ...)
+            t = t.view(b, heads, *t.shape[1:])[:, rank * n:(rank + 1) * n].reshape(b * n, *t.shape[1:])
+        elif t.shape[0] == heads:                                                      # (H, ...) -> (H/tp, ...)
+            t = t[rank * n:(rank + 1) * n]
+        elif t.shape[1] == heads:                                                      # (B, H, ...) -> (B, H/tp, ...)
+            t = t[:, rank * n:(rank + 1) * n]
+        kwargs = {**kwargs, name: t}
+    return args, kwargs
 
 
 def _embed_scale_hook(module, args, out):
@@ -307,6 +332,11 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
                 _localize_heads(mod, config, tp)
+                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in _HEAD_BIAS_ARGS]
+                if bias_args and config is not None:   # ALiBi built for all heads outside (Bloom, MPT)
+                    mod.register_forward_pre_hook(partial(_local_head_bias_hook, names=bias_args, tp=tp,
+                                                          rank=group_rank(tp_group),
+                                                          heads=config.num_attention_heads), with_kwargs=True)
             elif base == "sequence_gather" and sequence_parallel:
                 mod.register_forward_pre_hook(partial(_gather_sequence_hook, group=tp_group, name=name),
                                               with_kwargs=True)
@@ -394,7 +424,8 @@ def _mark_region_replicated(region: nn.Module, tp_group) -> None:
 def _localize_heads(attn: nn.Module, config, tp: int) -> None:
     """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
     width of each of q, k, v in c_attn's output) with them."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size"):
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size", "n_heads",
+                 "n_head"):
         v = getattr(attn, attr, None)
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(attn, attr, v // tp)
