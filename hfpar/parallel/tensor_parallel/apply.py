@@ -375,7 +375,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
             validate_degrees(model, matched, config, tp, False, tied)
         except ValueError as e:
-            why = str(e).replace("\n  ", "; ")
+            why = str(e)
             continue
         if verify_weights and not checked:
             _check_replicated(model, tp_group)

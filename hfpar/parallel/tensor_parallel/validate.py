@@ -23,7 +23,7 @@ REGIONS = ("attention", "mlp")
 
 # ----------------------------------------------------------------------------- validation
 class _Problems:
-    """Collects every problem (one line per issue and plan pattern, first module named), raises once."""
+    """Collects every problem (one entry per issue and plan pattern, first module named), raises once, in one line."""
 
     def __init__(self) -> None:
         self.items: dict[tuple[str, str], list[str]] = {}
@@ -36,7 +36,7 @@ class _Problems:
             return
         lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
                  for (pat, what), w in self.items.items()]
-        raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
+        raise ValueError(f"apply_tensor_parallel (tp_size {tp}): " + "; ".join(lines))   # one line
 
 
 def moe_block_names(model: nn.Module) -> list[str]:
