@@ -229,8 +229,13 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         elif not getattr(config, "base_model_tp_plan", None) or not _has_region(derived_plan := derive_plan(model)):
             # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
             # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
-            plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
-            verify_weights = verify_plan = False   # both done by _infer for the plan it returns
+            try:
+                plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
+                verify_weights = verify_plan = False   # both done by _infer for the plan it returns
+            except ValueError:
+                if sequence_parallel or not getattr(config, "base_model_tp_plan", None):
+                    raise
+                plan = derived_plan   # HF's own: embedding and LM head sharded, the blocks replicated (exact)
         else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
             plan = derived_plan
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
