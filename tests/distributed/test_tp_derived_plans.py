@@ -91,12 +91,12 @@ def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     assert derived_plan_problem(AutoConfig.for_model("granite")) is None
 
 
-def test_sequence_parallel_refused_for_derived_plans():
+def test_sequence_parallel_refused_with_moe_blocks_before_any_collective():
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     with mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), \
-            pytest.raises(ValueError, match=r"sequence_parallel needs a written plan .*'granite'"):
-        apply_tensor_parallel(build("granite"), sequence_parallel=True)
+            pytest.raises(ValueError, match=r"sequence_parallel with MoE blocks \(model.layers.0.mlp, ...\)"):
+        apply_tensor_parallel(build("mixtral"), sequence_parallel=True)
 
 
 # ----------------------------------------------------------------------------- 2 ranks

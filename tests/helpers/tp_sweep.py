@@ -29,6 +29,7 @@ import torch.distributed as dist
 TOL = 1e-4
 LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
 DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64   # see below
+SP = bool(os.environ.get("TP_SWEEP_SP"))   # with sequence_parallel=True
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -153,7 +154,7 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     return worst
 
 
-def check(model_type: str) -> dict:
+def check(model_type: str, sp: bool = SP) -> dict:
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     if model_type in ENCODER_STYLE:
         return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
@@ -179,7 +180,7 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": why}
     t0 = time.perf_counter()
     try:
-        apply_tensor_parallel(model, dist.group.WORLD)
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
     except ValueError as e:
         return {"status": "refused", "why": str(e)}
     apply_s = time.perf_counter() - t0
@@ -192,7 +193,7 @@ def check(model_type: str) -> dict:
             "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None)}
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
     """check() every type on this rank (run_distributed); rank 0 prints a line per type when verbose."""
     import warnings
     warnings.filterwarnings("ignore")
@@ -200,7 +201,7 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
     res = {}
     for mt in types:
         t0 = time.perf_counter()
-        res[mt] = check(mt)
+        res[mt] = check(mt, sp)
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
         if rank == 0 and verbose:
             r = res[mt]

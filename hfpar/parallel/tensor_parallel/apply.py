@@ -60,6 +60,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
+from .sequence_plan import sequence_parallel_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, moe_block_names, validate_degrees
 from .verify import verify_first_block
@@ -219,6 +220,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     if tp == 1:   # nothing to shard; logits stay full
         return model
     config = getattr(model, "config", None)
+    moe = moe_block_names(model)
+    if moe and sequence_parallel:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     optional: tuple[str, ...] = ()
     derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
@@ -242,16 +247,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
                 warnings.warn(f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
                               "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
                               "the unsharded model's once", stacklevel=2)
-            if sequence_parallel:
-                raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
-                                 f"{', '.join(sorted(TP_PLANS))}); model_type {config.model_type!r} uses a plan "
-                                 "derived from its base_model_tp_plan (tensor parallel only)")
+            if sequence_parallel:   # the entries a written plan names by hand, from the structure (verified)
+                plan = sequence_parallel_plan(model, plan)
         optional = ("colwise_lm_head",)
     validate_plan(plan)
-    moe = moe_block_names(model)
-    if moe and sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
-                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
     # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
     matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
@@ -363,9 +362,6 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
     """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
     mt = config.model_type
-    if sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
-                         f"{', '.join(sorted(TP_PLANS))}); model_type {mt!r} has none (tensor parallel only)")
     candidates = infer_plans(model)
     if not candidates:
         raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
@@ -377,18 +373,21 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     checked = False
     for plan in candidates:
         try:
+            if sequence_parallel:
+                plan = sequence_parallel_plan(model, plan)
             matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
-            validate_degrees(model, matched, config, tp, False, tied)
+            validate_degrees(model, matched, config, tp, sequence_parallel, tied)
         except ValueError as e:
             why = str(e)
             continue
         if verify_weights and not checked:
             _check_replicated(model, tp_group)
             checked = True
-        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=False)
+        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
         try:
             model._hfpar_tp_verify_rel = verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard,
-                                                            tp_group, model_type=mt)
+                                                            tp_group, sequence_parallel=sequence_parallel,
+                                                            model_type=mt)
         except ValueError as e:
             why = str(e)
             continue

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Mapping
 
@@ -89,15 +90,21 @@ def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
         return False
     if type(mod).forward is nn.Linear.forward:
         return True
-    if type(mod) not in known:
+    cls = type(mod)
+    if cls not in known:
         own = {n for n, _ in mod.named_parameters(recurse=False)} - {"weight", "bias"}
-        ok = not own and not list(mod.children()) and not list(mod.buffers()) and not mod.weight.is_meta
+        ok = not own and not list(mod.children()) and not list(mod.buffers())
         if ok:
-            x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(mod.weight)
+            gen = torch.Generator().manual_seed(0)
+            if mod.weight.is_meta:   # a meta skeleton (sharded loading): a copy with random values
+                mod = copy.deepcopy(mod)
+                for n, p in list(mod.named_parameters()):
+                    setattr(mod, n, nn.Parameter(torch.randn(p.shape, generator=gen).to(p.dtype)))
+            x = torch.randn(3, mod.in_features, generator=gen).to(mod.weight)
             with torch.no_grad():
                 ok = torch.allclose(mod(x), F.linear(x, mod.weight, mod.bias), rtol=1e-5, atol=1e-6)
-        known[type(mod)] = ok
-    return known[type(mod)]
+        known[cls] = ok
+    return known[cls]
 
 
 def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,

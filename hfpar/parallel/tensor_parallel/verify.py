@@ -10,7 +10,8 @@ inputs and the same random output cotangent. The output, the input gradient and 
 gathered, partial grads summed by the same hooks as the model's) must agree within 1e-6 relative; a wrong plan
 differs by O(1) (a missing partial sum by ~50 %). Otherwise ValueError in one line naming the first module that
 differs and its plan entry; the model is left unsharded. The same check runs on the first block of every other
-block structure in the stack (hybrid families: linear-attention layers, dense and MoE layers) and on the last block.
+block structure in the stack (hybrid families: linear-attention layers, dense and MoE layers) and on the last block;
+under sequence parallelism those other blocks get this rank's T/tp tokens (block 0 splits T itself).
 
 Why float64 whatever the model's dtype: in fp32 an exact plan differs from the unsharded block by its rounding
 (up to ~1e-4 relative on a small gradient), so the tolerance had to be 1e-3 and a plan off by 2e-4 would pass; in
@@ -23,8 +24,10 @@ MoE block), the copies run in float32 with a 1e-3 tolerance.
 Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one short forward up to the block, one
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
 per sharded parameter of the block and one all-reduce; per block structure. Milliseconds on a tiny model; on a 7B
-model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device cannot be
-run: a warning.
+model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device (the recipes'
+sharded loading shards the skeleton before reading any weight): the first block is verified on a copy with random
+weights, drawn the same on every rank (what is outside the blocks is drawn too, for the embedding forward); the other
+blocks are not (a warning).
 """
 
 from __future__ import annotations
@@ -137,22 +140,51 @@ def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: 
     parent, _, _ = name.rpartition(".")
     blocks = model.get_submodule(parent) if parent else None
     names = [name]
-    if isinstance(blocks, nn.ModuleList) and len(blocks) > 1 and not sequence_parallel:   # SP: block 0 scatters T
+    if isinstance(blocks, nn.ModuleList) and len(blocks) > 1:
         seen = {_signature(model.get_submodule(name))}
         for i, b in enumerate(blocks):
             sig = _signature(b)
             if sig not in seen or i == len(blocks) - 1:
                 seen.add(sig)
                 names.append(f"{parent}.{i}")
+    if any(p.is_meta for p in model.get_submodule(name).parameters()):   # a meta skeleton (sharded loading)
+        model, names = _random_probe(model, parent, name, tp_group), [name]
     worst = 0.0
-    for block_name in dict.fromkeys(names):
-        worst = max(worst, _verify_block(model, block_name, assigned, shard_fn, tp_group,
-                                         sequence_parallel and block_name == name, model_type))
+    for block_name in dict.fromkeys(names):   # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
+        worst = max(worst, _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel,
+                                         sequence_parallel and block_name != name, model_type))
     return worst
 
 
+def _random_probe(model: nn.Module, blocks: str, first: str, tp_group) -> nn.Module:
+    """A copy of a meta skeleton (the recipe's sharded loading applies TP before any weight is read) whose parameters
+    outside the blocks and in the first block are drawn at random, the same on every rank: a plan's correctness is a
+    matter of structure, not of values, so the first block is verified on it. The other blocks stay on meta (running
+    up to them would need every block before them): they are not verified (one warning)."""
+    probe = copy.deepcopy(model, _handles(model))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp_group) == "nccl" else None
+    gen = torch.Generator().manual_seed(2024)
+    stack = probe.get_submodule(blocks)
+    skip = {id(m) for b in stack if b is not probe.get_submodule(first) for m in b.modules()}
+    for m in probe.modules():
+        if id(m) in skip:
+            continue
+        for n, p in list(m.named_parameters(recurse=False)):
+            if p.is_meta:
+                w = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                w = 1 + 0.1 * w if p.dim() == 1 else 0.05 * w   # norms' weights near 1, matrices small
+                setattr(m, n, nn.Parameter(w.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad))
+        if device is not None:   # NCCL: the probe runs on this rank's GPU
+            for n, b in list(m.named_buffers(recurse=False)):
+                m._buffers[n] = b.to(device)
+    if len(stack) > 1:
+        warnings.warn(f"apply_tensor_parallel: weights on the meta device: the plan is verified on {first} with random "
+                      "weights, not on the other blocks", stacklevel=4)
+    return probe
+
+
 def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shard_fn: Callable, tp_group,
-                  sequence_parallel: bool, model_type: str | None) -> float:
+                  sequence_parallel: bool, split_input: bool, model_type: str | None) -> float:
     block = model.get_submodule(name)
     params = list(block.parameters())
     if not params or any(p.is_meta for p in params):
@@ -185,8 +217,9 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
     partial_grad_hooks(sharded.parameters())
     seen: list[tuple[str, torch.Tensor]] = []
     _record(sharded, lambda n, t: seen.append((n, t)))
-    x = hidden.detach().clone().requires_grad_()
     tp, rank = group_size(tp_group), group_rank(tp_group)
+    x = (hidden.detach().chunk(tp, 1)[rank] if split_input else hidden.detach()).clone().requires_grad_()
+    g_in = grads[0].chunk(tp, 1)[rank] if split_input and grads[0] is not None else grads[0]
     if sequence_parallel:   # the block's output is this rank's T/tp tokens
         out_ref, cot = out_ref.chunk(tp, 1)[rank], cot.chunk(tp, 1)[rank]
     stack: list[str] = []
@@ -208,7 +241,7 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
                          "plan={module pattern: style} or run without tensor parallelism") from e
 
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
-        (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, grads[0])]
+        (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, g_in)]
     mine = dict(sharded.named_parameters())
     for (n, _), g_ref in zip(ref_named, grads[1:]):
         p = mine.get(n)
