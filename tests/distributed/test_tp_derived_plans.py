@@ -58,7 +58,9 @@ def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
         apply_tensor_parallel,
         derived_plan_problem,
     )
-    from tests.helpers.tp_sweep import build as tiny   # the sweep's shrink rules: a model of ~1M parameters
+    from tests.helpers.tp_sweep import (
+        build as tiny,  # the sweep's shrink rules: a model of ~1M parameters
+    )
     model = tiny(model_type)
     with mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), pytest.raises(ValueError) as e:

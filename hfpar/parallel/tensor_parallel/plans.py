@@ -45,7 +45,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES", "PACKED_SPLIT_RULES",
+__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES",
+           "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
@@ -140,15 +141,18 @@ TP_PLANS["gpt2"] = {
 }
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
-# in tests/distributed/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
+# in tests/distributed/test_tp_derived_plans.py, test_tp_family_sweep.py and tests/launch/test_tp_families_recipe.py;
+# every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
-                              "qwen3_moe", "olmo2", "glm4", "minicpm3")
+                              "qwen3_moe", "olmo2", "glm4", "minicpm3", "deepseek_v2", "qwen3_5_text",
+                              "gemma4_unified_text")
 
 
 # Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
-# (tests/distributed/test_tp_verify.py); every other one is inferred and verified on its first block at apply time
-TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode",)
+# (tests/distributed/test_tp_verify.py, test_tp_family_sweep.py, tests/launch/test_tp_families_recipe.py); every other
+# one is inferred and verified at apply time
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe")
 
 
 def get_plan(model_type: str) -> dict[str, str]:
