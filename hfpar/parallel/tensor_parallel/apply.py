@@ -47,14 +47,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
-                   group_size, scatter_to_sequence_parallel_region)
+from ..comm import all_reduce, group_rank, group_size
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
                         shard_spec, shard_tensor, sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
+from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
+                    scatter_sequence_hook)
 from .infer import infer_plans
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
@@ -120,68 +121,6 @@ def _check_replicated(model: nn.Module, group) -> None:
         raise ValueError(f"apply_tensor_parallel: the full weights differ across the ranks of the TP group "
                          f"(every rank must load the same model: same checkpoint, or the same seed before "
                          f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
-
-
-# ----------------------------------------------------------------------------- hooks
-def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
-    """Apply fn to a module's hidden_states argument (first positional or keyword `hidden_states`)."""
-    if args:
-        return (fn(args[0]), *args[1:]), kwargs
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-    raise TypeError(f"{where}: tensor-parallel hook found no hidden_states argument")
-
-
-def _scatter_sequence_hook(module, args, kwargs, *, group, tp: int, name: str):
-    def split(x):                                                                       # (B, T, H) -> (B, T/tp, H)
-        if x.shape[1] % tp:
-            raise ValueError(f"{name}: sequence_parallel needs the sequence length divisible by tp_size {tp}, got "
-                             f"T={x.shape[1]} (input {tuple(x.shape)}); pad batches to a multiple of {tp}")
-        return scatter_to_sequence_parallel_region(x, 1, group)
-    return _map_hidden(args, kwargs, split, name)
-
-
-def _gather_sequence_hook(module, args, kwargs, *, group, name: str):
-    # (B, T/tp, H) -> (B, T, H); what follows (norm, LM head with its own backward all-reduce) runs on every
-    # rank with full gradients, so the backward keeps this rank's chunk (no reduce-scatter)
-    return _map_hidden(args, kwargs, partial(gather_from_sequence_parallel_region, dim=1, group=group,
-                                             reduce_grad=False), name)
-
-
-def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, name: str):
-    if sequence_parallel:   # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
-        fn = partial(gather_from_sequence_parallel_region, dim=1, group=group)
-    else:                   # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
-        fn = partial(copy_to_parallel_region, group=group)
-    return _map_hidden(args, kwargs, fn, name)
-
-
-_HEAD_BIAS_ARGS = ("alibi", "position_bias")   # per-head attention biases a model builds once for all heads
-
-
-def _local_head_bias_hook(module, args, kwargs, *, names, tp: int, rank: int, heads: int):
-    """This rank's heads of a per-head bias argument: Bloom's alibi (B * H, 1, T), MPT's position_bias (H, 1, T).
-    The layout is read from the shape; one this does not recognise is passed as is (the plan's verification then
-    refuses the family)."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    b = hidden.shape[0] if isinstance(hidden, torch.Tensor) else None
-    n = heads // tp
-    for name in names:
-        t = kwargs.get(name)
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            continue
-        if b is not None and t.shape[0] == b * heads:                                 # (B * H, ...) -> (B * H/tp, ...)
-            t = t.view(b, heads, *t.shape[1:])[:, rank * n:(rank + 1) * n].reshape(b * n, *t.shape[1:])
-        elif t.shape[0] == heads:                                                      # (H, ...) -> (H/tp, ...)
-            t = t[rank * n:(rank + 1) * n]
-        elif t.shape[1] == heads:                                                      # (B, H, ...) -> (B, H/tp, ...)
-            t = t[:, rank * n:(rank + 1) * n]
-        kwargs = {**kwargs, name: t}
-    return args, kwargs
-
-
-def _embed_scale_hook(module, args, out):
-    return out * module.embed_scale.to(module.weight.dtype)                             # (B, T, H)
 
 
 # ----------------------------------------------------------------------------- apply
@@ -309,7 +248,7 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
             new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
             if hasattr(mod, "embed_scale"):   # Gemma's scaled embedding: forward(ids) * embed_scale
                 new.register_buffer("embed_scale", torch.as_tensor(mod.embed_scale).detach().clone(), persistent=False)
-                new.register_forward_hook(_embed_scale_hook)
+                new.register_forward_hook(embed_scale_hook)
         elif base in ("colwise", "colwise_packed"):
             in_region = any(name.startswith(r + ".") for r in regions)
             kw = {"packed_splits": packed_splits(style, config), "name": name,
@@ -332,20 +271,20 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
                                                 sequence_parallel=sequence_parallel, name=name)
         else:
             if base in _REGIONS:
-                mod.register_forward_pre_hook(partial(_enter_region_hook, group=tp_group, name=name,
+                mod.register_forward_pre_hook(partial(enter_region_hook, group=tp_group, name=name,
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
                 _localize_heads(mod, config, tp)
-                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in _HEAD_BIAS_ARGS]
-                if bias_args and config is not None:   # ALiBi built for all heads outside (Bloom, MPT)
-                    mod.register_forward_pre_hook(partial(_local_head_bias_hook, names=bias_args, tp=tp,
+                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
+                if bias_args and getattr(config, "num_attention_heads", None):   # ALiBi for all heads (Bloom, MPT)
+                    mod.register_forward_pre_hook(partial(local_head_bias_hook, names=bias_args, tp=tp,
                                                           rank=group_rank(tp_group),
                                                           heads=config.num_attention_heads), with_kwargs=True)
             elif base == "sequence_gather" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(_gather_sequence_hook, group=tp_group, name=name),
+                mod.register_forward_pre_hook(partial(gather_sequence_hook, group=tp_group, name=name),
                                               with_kwargs=True)
             elif base == "sequence_scatter" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(_scatter_sequence_hook, group=tp_group, tp=tp, name=name),
+                mod.register_forward_pre_hook(partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name),
                                               with_kwargs=True)
             elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
                 for p in mod.parameters():   # replicated; each rank's grad covers its tokens / heads only
