@@ -15,7 +15,11 @@ from functools import partial
 
 import torch
 
-from ..comm import copy_to_parallel_region, gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from ..comm import (
+    copy_to_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 __all__ = ["HEAD_BIAS_ARGS", "embed_scale_hook", "enter_region_hook", "gather_sequence_hook", "local_head_bias_hook",
            "scatter_sequence_hook"]
