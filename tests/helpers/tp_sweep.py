@@ -189,8 +189,12 @@ def check(model_type: str, sp: bool = SP) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
                 "trace": traceback.format_exc()[-600:]}
+    from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    head = model.get_output_embeddings()
+    blocks = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m is not head for m in model.modules())
     return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name,
-            "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None)}
+            "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
+            "blocks_sharded": blocks}   # False: HF's plan shards only the embedding and the LM head
 
 
 def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
