@@ -77,7 +77,7 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     AutoConfig.for_model("granite").save_pretrained(granite)   # a plan derived from its base_model_tp_plan
     args = _args("--model_name_or_path", str(granite), "--tp_size", "2", "--sequence_parallel")
     lines = pf.model_problems(args, ParallelContext.plan(2, tp=2, sequence_parallel=True), "lm")
-    assert any("derived from its base_model_tp_plan" in x for x in lines), lines
+    assert not [x for x in lines if "sequence_parallel" in x], lines   # SP entries from the structure, verified
     assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
     args = _args("--tp_size", "2", "--sequence_parallel", "--upcycle_experts", "4", "--ep_size", "2")
