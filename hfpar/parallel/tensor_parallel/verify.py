@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
-from ..sharding import gather_shards, partial_grad_hooks, shard_spec
+from ..sharding import ShardSpec, gather_shards, partial_grad_hooks, shard_spec
 from .validate import REGIONS
 
 __all__ = ["first_block_name", "verify_first_block"]
@@ -148,6 +148,10 @@ def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: 
                 seen.add(sig)
                 names.append(f"{parent}.{i}")
     if any(p.is_meta for p in model.get_submodule(name).parameters()):   # a meta skeleton (sharded loading)
+        if any((shard_spec(p) or ShardSpec()).kind == "ep" for p in model.parameters()):   # TP after EP: as before
+            warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device, "
+                          "expert-parallel layers)", stacklevel=3)
+            return 0.0
         model, names = _random_probe(model, parent, name, tp_group), [name]
     worst = 0.0
     for block_name in dict.fromkeys(names):   # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
