@@ -45,8 +45,10 @@ def _save_tiny(model_type: str, layers: int, path: Path) -> str:
 
     from hfpar import data
     from tests.helpers.tp_sweep import tiny_config
+    cfg = tiny_config(model_type, layers)
+    cfg.max_position_embeddings = 512   # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(model_type, layers)).save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     data.load_tokenizer(None).save_pretrained(path)
     return str(path)
 
