@@ -142,7 +142,8 @@ TP_PLANS["gpt2"] = {
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
 # in tests/distributed/test_tp_derived_plans.py (its cases are this list; DeepSeek-V2, Qwen3.5 and Gemma-4 text are
-# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py); every other family with a mappable base_model_tp_plan is derived untested.
+# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py);
+# every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
                               "qwen3_moe", "olmo2", "glm4", "minicpm3")
