@@ -326,7 +326,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         try:
             model._hfpar_tp_verify_rel = verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard,
                                                             tp_group, sequence_parallel=sequence_parallel,
-                                                            model_type=mt)
+                                                            model_type=mt, probe_meta=True)
         except ValueError as e:
             why = str(e)
             continue

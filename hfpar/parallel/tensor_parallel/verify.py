@@ -25,9 +25,10 @@ Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one shor
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
 per sharded parameter of the block and one all-reduce; per block structure. Milliseconds on a tiny model; on a 7B
 model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device (the recipes'
-sharded loading shards the skeleton before reading any weight): the first block is verified on a copy with random
-weights, drawn the same on every rank (what is outside the blocks is drawn too, for the embedding forward); the other
-blocks are not (a warning).
+sharded loading shards the skeleton before reading any weight): not verified (a warning), except an inferred plan
+(probe_meta: its candidates, e.g. a fused qkv's layouts, only a run tells apart), verified on a copy whose first
+block and everything outside the blocks are drawn at random, the same on every rank (costs that much memory at load
+time: the embedding and head in fp32, the block in fp64 twice; TP after EP: skipped as before).
 """
 
 from __future__ import annotations
@@ -128,12 +129,14 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: Callable, tp_group, *,
-                       sequence_parallel: bool = False, model_type: str | None = None) -> float:
+                       sequence_parallel: bool = False, model_type: str | None = None,
+                       probe_meta: bool = False) -> float:
     """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, of the first block of every
     other structure in the stack (hybrid layers), or of the last (some families build it differently:
     GPT-NeoX-Japanese's extra output bias) is not the unsharded block. shard_fn(root, assigned_relative) shards
     `root` in place exactly as apply_tensor_parallel shards the model. Returns the worst relative difference seen
-    (0.0 when nothing was run)."""
+    (0.0 when nothing was run). Weights on meta: skipped with a warning, or with probe_meta (an inferred plan, whose
+    candidates only a run can tell apart) verified on a random-weight copy of the first block (_random_probe)."""
     name = first_block_name(assigned)
     if name is None:
         return 0.0
@@ -148,9 +151,9 @@ def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: 
                 seen.add(sig)
                 names.append(f"{parent}.{i}")
     if any(p.is_meta for p in model.get_submodule(name).parameters()):   # a meta skeleton (sharded loading)
-        if any((shard_spec(p) or ShardSpec()).kind == "ep" for p in model.parameters()):   # TP after EP: as before
-            warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device, "
-                          "expert-parallel layers)", stacklevel=3)
+        if not probe_meta or any((shard_spec(p) or ShardSpec()).kind == "ep" for p in model.parameters()):
+            warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
+                          stacklevel=3)
             return 0.0
         model, names = _random_probe(model, parent, name, tp_group), [name]
     worst = 0.0
