@@ -13,7 +13,8 @@ linear attention kept whole and DeepSeek-V2's MoE blocks see the full sequence, 
 
 Tiny models built from configs (tests/helpers/tp_sweep.py tiny_config, vocab 128 = the embedded tokenizer's), one
 module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), two launches at a time.
-In the recipe TP is applied to the meta skeleton of the sharded loading: the plan is verified on a random-weight copy.
+In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon, GPT-BigCode) is
+verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
 """
 
 from __future__ import annotations
