@@ -39,6 +39,9 @@ def section() -> str:
             by.setdefault(r["status"], []).append(mt)
         lines += [f"| sweep: {s} ({len(by.get(s, []))}) | {', '.join(f'`{t}`' for t in by.get(s, [])) or '-'} |"
                   for s in ("exact", "refused", "mismatched")]
+        flat = [mt for mt in by.get("exact", []) if res["results"][mt].get("blocks_sharded") is False]
+        lines += [f"| of those exact, only the embedding and LM head sharded, blocks replicated ({len(flat)}) | "
+                  f"{', '.join(f'`{t}`' for t in flat) or '-'} |"]
         lines += ["", (f"Sweep (benchmarks/tp_family_sweep.py, TP=2 vs unsharded, loss and every gradient before and "
                       f"after one SGD step within {res['tol']:g}): {res['counts']['exact']} of {res['in_scope']} "
                       f"in-scope types exact ({res['counts']['skipped']} skipped with their reason in the JSON).")]

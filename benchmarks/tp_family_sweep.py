@@ -4,6 +4,7 @@ unsharded model (tests/helpers/tp_sweep.py: loss and every gradient, one SGD ste
     python benchmarks/tp_family_sweep.py                      # all types -> benchmarks/results/tp_family_sweep.json
     python benchmarks/tp_family_sweep.py olmo2 falcon         # some types, printed only
     TP_SWEEP_FP32=1 python benchmarks/tp_family_sweep.py ...  # in float32
+    TP_SWEEP_SP=1 python benchmarks/tp_family_sweep.py ...    # with sequence parallelism (all types: its own JSON)
 
 Counts: exact / refused (one line naming the module or entry) / mismatched / skipped (with the reason), the share
 exact among those in scope (exact + refused + mismatched) and the wall time.
@@ -12,6 +13,7 @@ exact among those in scope (exact + refused + mismatched) and the wall time.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers.dist import run_distributed
 from tests.helpers.tp_sweep import TOL, sweep_worker
 
-OUT = ROOT / "benchmarks" / "results" / "tp_family_sweep.json"
+OUT = ROOT / "benchmarks" / "results" / ("tp_family_sweep_sp.json" if os.environ.get("TP_SWEEP_SP") else
+                                          "tp_family_sweep.json")
 
 
 def main(argv: list[str]) -> dict:

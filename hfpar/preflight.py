@@ -126,11 +126,8 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     model_type = getattr(config, "model_type", None)
     if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
         why = derived_plan_problem(config)
-        if why:
+        if why:   # (--sequence_parallel on a derived / inferred plan: decided by apply_tensor_parallel's verification)
             p.append(f"--tp_size {ctx.tp}: {why.removeprefix('apply_tensor_parallel: ').split('; pass plan=')[0]}")
-        elif args.sequence_parallel:
-            p.append(f"--sequence_parallel: model_type {model_type!r} has a tensor-parallel plan derived from its "
-                     "base_model_tp_plan, which has no sequence parallelism; drop --sequence_parallel")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
     if ctx.pp > 1:

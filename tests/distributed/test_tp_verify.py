@@ -8,7 +8,7 @@ ranks (one spawn):
 - GPT-BigCode (no plan, no base_model_tp_plan): a plan inferred from its modules, exact, export loads;
 - a plan that treats OLMo-2's all-heads q/k norm as per-head is refused in one line naming the norm, and the model
   is left unsharded; a plan that sums a full gradient over TP (Llama's input norm as per-head) is refused naming
-  the parameter.
+  the parameter; an fp32 block off by ~1e-4 (one rank's weight scaled by 1 + 2e-4) is refused (float64 check).
 """
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
         res["llama"] = "accepted"
     except ValueError as e:
         res["llama"] = str(e)
+    # strictness: rank 1's copy of one o_proj off by 2e-4 (the weights check skipped), an fp32 model: the block differs
+    # by ~1e-4, under the former fp32 / 1e-3 check accepted, in the float64 verification (1e-6) refused
+    off = build("llama")
+    if rank == 1:
+        with torch.no_grad():
+            off.model.layers[0].self_attn.o_proj.weight.mul_(1 + 2e-4)
+    try:
+        apply_tensor_parallel(off, dist.group.WORLD, verify_weights=False)
+        res["off_2e-4"] = "accepted"
+    except ValueError as e:
+        res["off_2e-4"] = str(e)
     # GPT-BigCode: no plan, no base_model_tp_plan -> inferred (c_attn: q|k|v interleaved per head, plain colwise),
     # exact against the unsharded model in a plain loop, and its export loads with from_pretrained
     big = build("gpt_bigcode", multi_query=False).double()
@@ -119,6 +130,13 @@ def test_wrong_plan_refused_naming_the_module(ranks):
         msg = r["llama"]   # runs, but a gradient is doubled
         assert "\n" not in msg and "does not reproduce the unsharded model.layers.0" in msg, msg
         assert "model.layers.0.input_layernorm.weight gradient differs by 1 relative" in msg, msg
+
+
+def test_a_2e_4_error_is_refused(ranks):
+    for r in ranks:
+        msg = r["off_2e-4"]
+        assert "\n" not in msg and "does not reproduce the unsharded model.layers.0" in msg, msg
+        assert "(tolerance 1e-06;" in msg, msg
 
 
 def test_inferred_plan_exact_and_exported(ranks):

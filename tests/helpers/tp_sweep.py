@@ -8,6 +8,10 @@ A plain user loop: apply_tensor_parallel, model(input_ids, labels=).loss, backwa
 gradient against the unsharded model, before and after one SGD step, within 1e-4 relative (max |a - b| / max |b| per
 tensor), in float64 by default: some families' fp32 rounding floor is above 1e-4 on their q/k-norm gradients
 (Gemma-4 unified text: the unsharded fp32 model differs from its own fp64 run by 5e-5 at step 0), which is no TP bug.
+The reference's loss is transformers' ForCausalLMLoss without its `logits.float()` (ref_loss): that cast turns
+float64 logits into float32, so an "fp64" reference had fp32 loss rounding (~1e-8 relative) in every gradient, and
+on HunYuan-MoE's top-1 router, whose gradient is zero in exact arithmetic (one renormalised weight is 1), two
+different fp32 noise patterns (~2e-10 apart) read as a 2e-4 "mismatch" against the 1e-6 floor below.
 Each type ends exact, refused (apply_tensor_parallel's one-line ValueError), mismatched, or skipped (tiny config not
 buildable, encoder-style, pure state-space: the reason kept).
 """
@@ -25,6 +29,7 @@ import torch.distributed as dist
 TOL = 1e-4
 LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
 DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64   # see below
+SP = bool(os.environ.get("TP_SWEEP_SP"))   # with sequence_parallel=True
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -104,6 +109,19 @@ def rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
+def ref_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+             **kwargs):
+    """transformers' ForCausalLMLoss in the logits' own dtype (it casts them to float32 first); the TP model's
+    vocab_parallel_cross_entropy keeps float64 as float64, so both sides of the sweep compute the same math."""
+    import torch.nn.functional as F
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    red = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten().to(logits.device), ignore_index=ignore_index,
+                           reduction=red)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
 def _full_grads(model) -> dict:
     from hfpar.parallel.sharding import shard_spec
     from hfpar.parallel.tensor_parallel import gather_shards
@@ -136,7 +154,7 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     return worst
 
 
-def check(model_type: str) -> dict:
+def check(model_type: str, sp: bool = SP) -> dict:
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
     if model_type in ENCODER_STYLE:
         return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
@@ -149,6 +167,8 @@ def check(model_type: str) -> dict:
             why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
             continue
         ref = copy.deepcopy(model)
+        if getattr(ref, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration"):   # as hf_loss.py
+            ref.loss_function = ref_loss
         ids, labels = batch(model.get_input_embeddings().num_embeddings)
         try:
             ref(input_ids=ids, labels=labels).loss.backward()
@@ -160,7 +180,7 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": why}
     t0 = time.perf_counter()
     try:
-        apply_tensor_parallel(model, dist.group.WORLD)
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
     except ValueError as e:
         return {"status": "refused", "why": str(e)}
     apply_s = time.perf_counter() - t0
@@ -169,11 +189,15 @@ def check(model_type: str) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
                 "trace": traceback.format_exc()[-600:]}
+    from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    head = model.get_output_embeddings()
+    blocks = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m is not head for m in model.modules())
     return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name,
-            "apply_s": round(apply_s, 3)}
+            "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
+            "blocks_sharded": blocks}   # False: HF's plan shards only the embedding and the LM head
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
     """check() every type on this rank (run_distributed); rank 0 prints a line per type when verbose."""
     import warnings
     warnings.filterwarnings("ignore")
@@ -181,7 +205,7 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
     res = {}
     for mt in types:
         t0 = time.perf_counter()
-        res[mt] = check(mt)
+        res[mt] = check(mt, sp)
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
         if rank == 0 and verbose:
             r = res[mt]

@@ -62,7 +62,8 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     args = _args("--model_name_or_path", str(gpt2), "--tp_size", "2", "--upcycle_experts", "2")
     text = "\n".join(pf.model_problems(args, ParallelContext.plan(2, tp=2), "lm"))
     assert "tensor-parallel" not in text and "'gpt2' cannot be upcycled" in text   # gpt2: a written TP plan
-    for model_type, needle in [("granite_swa", "'layers.*.self_attn': 'local_params' has no hfpar equivalent"),
+    for model_type, needle in [("inkling_text", "'layers.*.mlp.shared_experts': 'all_reduce' has no hfpar equivalent"),
+                               ("granite_swa", None),   # attention sinks split by head, local_params mapped
                                ("opt", None),      # no base_model_tp_plan: inferred from its modules at apply time
                                ("olmo2", None)]:   # colwise_gather_output: head-spanning norms sharded (norms.py)
         path = tmp_path / model_type
@@ -77,7 +78,7 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     AutoConfig.for_model("granite").save_pretrained(granite)   # a plan derived from its base_model_tp_plan
     args = _args("--model_name_or_path", str(granite), "--tp_size", "2", "--sequence_parallel")
     lines = pf.model_problems(args, ParallelContext.plan(2, tp=2, sequence_parallel=True), "lm")
-    assert any("derived from its base_model_tp_plan" in x for x in lines), lines
+    assert not [x for x in lines if "sequence_parallel" in x], lines   # SP entries from the structure, verified
     assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
     args = _args("--tp_size", "2", "--sequence_parallel", "--upcycle_experts", "4", "--ep_size", "2")

@@ -5,7 +5,10 @@
     loss.py      vocab_parallel_cross_entropy (from logit shards)
     hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
     plans.py     written plans per model_type;  derived.py  plans from HF's config.base_model_tp_plan
-    validate.py  plan / degree checks before any collective
+    infer.py     plans inferred from the modules;  sequence_plan.py  sequence-parallel entries from the structure
+    norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
+    validate.py  plan / degree checks before any collective;  verify.py  apply-time check on block copies (fp64)
+    hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
     apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
 """
 

@@ -37,6 +37,7 @@ what attention needs after its all-gather.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from functools import partial
 from typing import Iterable, Mapping
@@ -46,19 +47,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import (all_reduce, copy_to_parallel_region, gather_from_sequence_parallel_region, group_rank,
-                   group_size, scatter_to_sequence_parallel_region)
+from ..comm import all_reduce, group_rank, group_size
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
-                        shard_spec, sync_partial_grads)
+                        shard_spec, shard_tensor, sync_partial_grads)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
 from .hf_loss import install_hf_semantics
+from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
+                    scatter_sequence_hook)
 from .infer import infer_plans
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
+from .sequence_plan import sequence_parallel_plan
 from .validate import REGIONS as _REGIONS
 from .validate import match_plan, moe_block_names, validate_degrees
 from .verify import verify_first_block
@@ -120,44 +123,6 @@ def _check_replicated(model: nn.Module, group) -> None:
                          f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
 
 
-# ----------------------------------------------------------------------------- hooks
-def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
-    """Apply fn to a module's hidden_states argument (first positional or keyword `hidden_states`)."""
-    if args:
-        return (fn(args[0]), *args[1:]), kwargs
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-    raise TypeError(f"{where}: tensor-parallel hook found no hidden_states argument")
-
-
-def _scatter_sequence_hook(module, args, kwargs, *, group, tp: int, name: str):
-    def split(x):                                                                       # (B, T, H) -> (B, T/tp, H)
-        if x.shape[1] % tp:
-            raise ValueError(f"{name}: sequence_parallel needs the sequence length divisible by tp_size {tp}, got "
-                             f"T={x.shape[1]} (input {tuple(x.shape)}); pad batches to a multiple of {tp}")
-        return scatter_to_sequence_parallel_region(x, 1, group)
-    return _map_hidden(args, kwargs, split, name)
-
-
-def _gather_sequence_hook(module, args, kwargs, *, group, name: str):
-    # (B, T/tp, H) -> (B, T, H); what follows (norm, LM head with its own backward all-reduce) runs on every
-    # rank with full gradients, so the backward keeps this rank's chunk (no reduce-scatter)
-    return _map_hidden(args, kwargs, partial(gather_from_sequence_parallel_region, dim=1, group=group,
-                                             reduce_grad=False), name)
-
-
-def _enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, name: str):
-    if sequence_parallel:   # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
-        fn = partial(gather_from_sequence_parallel_region, dim=1, group=group)
-    else:                   # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
-        fn = partial(copy_to_parallel_region, group=group)
-    return _map_hidden(args, kwargs, fn, name)
-
-
-def _embed_scale_hook(module, args, out):
-    return out * module.embed_scale.to(module.weight.dtype)                             # (B, T, H)
-
-
 # ----------------------------------------------------------------------------- apply
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
@@ -194,6 +159,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     if tp == 1:   # nothing to shard; logits stay full
         return model
     config = getattr(model, "config", None)
+    moe = moe_block_names(model)
+    if moe and sequence_parallel:
+        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     optional: tuple[str, ...] = ()
     derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
@@ -201,28 +170,31 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
-        elif not getattr(config, "base_model_tp_plan", None):   # inferred from the modules, verified (infer.py)
-            plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
-            verify_weights = verify_plan = False   # both done by _infer for the plan it returns
+        elif not getattr(config, "base_model_tp_plan", None) or not _has_region(derived_plan := derive_plan(model)):
+            # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
+            # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
+            try:
+                plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
+                verify_weights = verify_plan = False   # both done by _infer for the plan it returns
+            except ValueError:
+                if sequence_parallel or not getattr(config, "base_model_tp_plan", None):
+                    raise
+                plan = derived_plan   # HF's own: embedding and LM head sharded, the blocks replicated (exact)
         else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
-            plan = derive_plan(model)
+            plan = derived_plan
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
                 warnings.warn(f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
                               "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
                               "the unsharded model's once", stacklevel=2)
-            if sequence_parallel:
-                raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
-                                 f"{', '.join(sorted(TP_PLANS))}); model_type {config.model_type!r} uses a plan "
-                                 "derived from its base_model_tp_plan (tensor parallel only)")
+            if sequence_parallel:   # the entries a written plan names by hand, from the structure (verified)
+                plan = sequence_parallel_plan(model, plan)
         optional = ("colwise_lm_head",)
     validate_plan(plan)
-    moe = moe_block_names(model)
-    if moe and sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
-                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
     # with MoE blocks a plan names layer kinds the model may not have (the dense MLPs of an all-MoE model)
     # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
     matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
+    if derived:
+        matched = _drop_empty_regions(matched)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -239,8 +211,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
 
     shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
     if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
-        verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel,
-                           model_type=getattr(config, "model_type", None))
+        model._hfpar_tp_verify_rel = verify_first_block(model, assigned, shard, tp_group,
+                                                        sequence_parallel=sequence_parallel,
+                                                        model_type=getattr(config, "model_type", None))
     new_modules = shard(model, assigned)
     if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
@@ -263,12 +236,19 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
     gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
     for name, style in assigned.items():
+        if style == "head_param":   # (H, ...) by head: this rank's heads, like the projections' (export gathers)
+            parent, _, leaf = name.rpartition(".")
+            owner, full = model.get_submodule(parent), model.get_parameter(name)
+            local = shard_tensor(full.detach(), 0, group_rank(tp_group), tp)
+            setattr(owner, leaf, set_shard_spec(nn.Parameter(local, requires_grad=full.requires_grad),
+                                                ShardSpec(kind="tp", group=tp_group, dim=0, size=tp)))
+            continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
         if base == "vocab_embedding":
             new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
             if hasattr(mod, "embed_scale"):   # Gemma's scaled embedding: forward(ids) * embed_scale
                 new.register_buffer("embed_scale", torch.as_tensor(mod.embed_scale).detach().clone(), persistent=False)
-                new.register_forward_hook(_embed_scale_hook)
+                new.register_forward_hook(embed_scale_hook)
         elif base in ("colwise", "colwise_packed"):
             in_region = any(name.startswith(r + ".") for r in regions)
             kw = {"packed_splits": packed_splits(style, config), "name": name,
@@ -291,15 +271,20 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
                                                 sequence_parallel=sequence_parallel, name=name)
         else:
             if base in _REGIONS:
-                mod.register_forward_pre_hook(partial(_enter_region_hook, group=tp_group, name=name,
+                mod.register_forward_pre_hook(partial(enter_region_hook, group=tp_group, name=name,
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
                 _localize_heads(mod, config, tp)
+                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
+                if bias_args and getattr(config, "num_attention_heads", None):   # ALiBi for all heads (Bloom, MPT)
+                    mod.register_forward_pre_hook(partial(local_head_bias_hook, names=bias_args, tp=tp,
+                                                          rank=group_rank(tp_group),
+                                                          heads=config.num_attention_heads), with_kwargs=True)
             elif base == "sequence_gather" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(_gather_sequence_hook, group=tp_group, name=name),
+                mod.register_forward_pre_hook(partial(gather_sequence_hook, group=tp_group, name=name),
                                               with_kwargs=True)
             elif base == "sequence_scatter" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(_scatter_sequence_hook, group=tp_group, tp=tp, name=name),
+                mod.register_forward_pre_hook(partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name),
                                               with_kwargs=True)
             elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
                 for p in mod.parameters():   # replicated; each rank's grad covers its tokens / heads only
@@ -316,9 +301,6 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
     """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
     mt = config.model_type
-    if sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a written plan (model types "
-                         f"{', '.join(sorted(TP_PLANS))}); model_type {mt!r} has none (tensor parallel only)")
     candidates = infer_plans(model)
     if not candidates:
         raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
@@ -330,17 +312,21 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     checked = False
     for plan in candidates:
         try:
-            matched = match_plan(model, plan, ("colwise_lm_head",))
-            validate_degrees(model, matched, config, tp, False, tied)
+            if sequence_parallel:
+                plan = sequence_parallel_plan(model, plan)
+            matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
+            validate_degrees(model, matched, config, tp, sequence_parallel, tied)
         except ValueError as e:
-            why = str(e).replace("\n  ", "; ")
+            why = str(e)
             continue
         if verify_weights and not checked:
             _check_replicated(model, tp_group)
             checked = True
-        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=False)
+        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
         try:
-            verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard, tp_group, model_type=mt)
+            model._hfpar_tp_verify_rel = verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard,
+                                                            tp_group, sequence_parallel=sequence_parallel,
+                                                            model_type=mt, probe_meta=True)
         except ValueError as e:
             why = str(e)
             continue
@@ -349,6 +335,20 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         return plan
     raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
                      f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+
+
+def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """A derived / inferred region pattern can match a module built differently from the one the plan describes
+    (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
+    plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
+    proj = ("colwise", "colwise_packed", "rowwise")
+    empty = [r for r, (s, _) in matched.items() if s in _REGIONS and not any(
+        n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())]
+    return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
+
+
+def _has_region(plan: Mapping[str, str]) -> bool:
+    return any(s.partition(":")[0] in _REGIONS for s in plan.values())
 
 
 def _mark_region_replicated(region: nn.Module, tp_group) -> None:
@@ -367,7 +367,8 @@ def _mark_region_replicated(region: nn.Module, tp_group) -> None:
 def _localize_heads(attn: nn.Module, config, tp: int) -> None:
     """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
     width of each of q, k, v in c_attn's output) with them."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size"):
+    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size", "n_heads",
+                 "n_head"):
         v = getattr(attn, attr, None)
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(attn, attr, v // tp)

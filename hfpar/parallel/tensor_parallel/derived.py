@@ -22,9 +22,12 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
                                     a column output become sharded_rmsnorm (norms.py: sum of squares all-reduced)
     colwise_gather_output alone     (no rowwise_split_input beside it: Qwen3-Next / Qwen3.5 linear attention) the
                                     module stays whole and replicated on every rank: exact, not sharded
+    colwise on a parameter          head_param (attention sinks (H,), Beam's per-head gate bias: split by head)
+    local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
+                                    (unlisted Linears of a region's nested submodules: the same, verified)
 Refused, in one line naming the family and the entry: local_* and every other style. Derived plans are TP only:
 sequence parallelism needs the hand-written plans (their norms and first-layer split are named explicitly).
 """
@@ -43,7 +46,7 @@ __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
-_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj")   # handled in derive_plan
+_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params")   # in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -111,6 +114,11 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
         if "colwise_gather_output" in kinds and "rowwise_split_input" not in kinds:
             continue   # HF keeps the module's output whole: hfpar leaves the module replicated (exact)
         path = prefix + key
+        if style == "local_params":   # HF: the module's DTensor parameters used as local tensors; hfpar's are local
+            continue
+        if style == "colwise" and _is_parameter(model, path):   # attention sinks, a per-head gate bias
+            plan[path] = "head_param"
+            continue
         if style == "mla_kv_a_proj":
             plan[path] = "replicated_heads"
             continue
@@ -142,11 +150,22 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     return plan
 
 
+def _is_parameter(model: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in the first module its parent matches."""
+    parent, _, leaf = pattern.rpartition(".")
+    rx = compile_pattern(parent)
+    mod = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
+    return mod is not None and leaf in mod._parameters
+
+
 def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
                       prefix: str) -> None:
     """Entries HF's plan leaves implicit, read from the first module each region pattern matches: RMSNorms as wide
-    as one of the region's column outputs (a norm over all heads: sharded_rmsnorm) and, in a multi-head latent
-    attention, the other Linears (q_a_proj: replicated_heads)."""
+    as one of the region's column outputs (a norm over all heads: sharded_rmsnorm); in a multi-head latent attention
+    the other Linears (q_a_proj), and anywhere the Linears of a nested submodule (DeepSeek-V3.2's sparse-attention
+    indexer, whose output is integer token indices): replicated_heads. That is a proposal: replicated with its
+    gradient summed over TP is exact only when the Linear feeds this rank's heads (q_a_proj) or no gradient at all
+    (the indexer); the apply-time verification (verify.py) refuses the plan otherwise."""
     mla = {prefix + k.rpartition(".")[0] for k, s in dense.items() if s == "mla_kv_a_proj"}
     names = [n for n, _ in model.named_modules()]
     for parent, leaves in parents.items():
@@ -165,5 +184,7 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
             if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
                     and w.numel() in widths and w.numel() != head_dim:
                 plan[key] = "sharded_rmsnorm"
-            elif parent in mla and isinstance(m, nn.Linear):
+        for sub, m in mod.named_modules():   # Linears HF's plan leaves replicated inside the region
+            key = f"{parent}.{sub}"
+            if sub and key not in plan and isinstance(m, nn.Linear) and (parent in mla or "." in sub):
                 plan[key] = "replicated_heads"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .conv1d import is_conv1d
+
 __all__ = ["infer_plans"]
 
 _SPLIT = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
@@ -28,12 +30,14 @@ _DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out")
 
 
 def _linears(mod: nn.Module) -> list[str]:
-    return [n for n, c in mod.named_children() if isinstance(c, nn.Linear)]
+    """Its own Linears and Conv1Ds (GPT-1 / GPT-2 style: the same projection stored transposed)."""
+    return [n for n, c in mod.named_children() if isinstance(c, nn.Linear) or is_conv1d(c)]
 
 
 def _blocks(model: nn.Module) -> str | None:
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) and any(isinstance(x, nn.Linear) for x in m[0].modules()):
+        if isinstance(m, nn.ModuleList) and len(m) and any(isinstance(x, nn.Linear) or is_conv1d(x)
+                                                            for x in m[0].modules()):
             return name
     return None
 

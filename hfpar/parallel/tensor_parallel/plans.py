@@ -33,6 +33,8 @@ Styles (`apply.py` turns them into layers and hooks):
                          that no entry names is treated the same way (Apertus' learnable activation).
     sharded_rmsnorm      an RMSNorm over ALL heads (OLMo-2's q_norm over the whole q projection) -> ShardedRMSNorm
                          (norms.py): weight split like the projection it follows, sum of squares all-reduced
+    head_param           a PARAMETER (the pattern names it, not a module) laid out by head along dim 0 (attention
+                         sinks (H,), a per-head gate bias): split with the heads, gathered on export
 
 Modules not named by a plan stay replicated (plain parameters, identical on every rank).
 Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
@@ -43,11 +45,14 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PACKED_SPLIT_RULES",
+__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES",
+           "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
-          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm")
+          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
+          "head_param")
+PARAM_STYLES = ("head_param",)   # matched against parameter names, not module names
 
 
 def _head_dim(cfg) -> int:
@@ -136,15 +141,18 @@ TP_PLANS["gpt2"] = {
 }
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
-# in tests/distributed/test_tp_derived_plans.py; every other family with a mappable base_model_tp_plan is derived untested.
+# in tests/distributed/test_tp_derived_plans.py (its cases are this list; DeepSeek-V2, Qwen3.5 and Gemma-4 text are
+# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py);
+# every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
                               "qwen3_moe", "olmo2", "glm4", "minicpm3")
 
 
 # Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
-# (tests/distributed/test_tp_verify.py); every other one is inferred and verified on its first block at apply time
-TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode",)
+# (tests/distributed/test_tp_verify.py, test_tp_family_sweep.py, tests/launch/test_tp_families_recipe.py); every other
+# one is inferred and verified at apply time
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe")
 
 
 def get_plan(model_type: str) -> dict[str, str]:

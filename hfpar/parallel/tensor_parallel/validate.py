@@ -6,22 +6,25 @@
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .conv1d import is_conv1d
 from .norms import rmsnorm_problem
-from .plans import compile_pattern, packed_splits
+from .plans import PARAM_STYLES, compile_pattern, packed_splits
 
 REGIONS = ("attention", "mlp")
 
 
 # ----------------------------------------------------------------------------- validation
 class _Problems:
-    """Collects every problem (one line per issue and plan pattern, first module named), raises once."""
+    """Collects every problem (one entry per issue and plan pattern, first module named), raises once, in one line."""
 
     def __init__(self) -> None:
         self.items: dict[tuple[str, str], list[str]] = {}
@@ -34,7 +37,7 @@ class _Problems:
             return
         lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
                  for (pat, what), w in self.items.items()]
-        raise ValueError(f"apply_tensor_parallel (tp_size {tp}):\n  " + "\n  ".join(lines))
+        raise ValueError(f"apply_tensor_parallel (tp_size {tp}): " + "; ".join(lines))   # one line
 
 
 def moe_block_names(model: nn.Module) -> list[str]:
@@ -61,8 +64,10 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
     moe = tuple(moe_block_names(model))
     hits = {p: 0 for p in plan}
     out: dict[str, tuple[str, str]] = {}
-    for name, _ in model.named_modules():
-        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)]
+    params = [n for n, _ in model.named_parameters()] if any(s in PARAM_STYLES for s in plan.values()) else []
+    for name in [n for n, _ in model.named_modules()] + params:
+        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)
+                 and (s in PARAM_STYLES) == (name in params)]
         if len(found) > 1:
             raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
         if found:
@@ -77,6 +82,31 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
     return out
 
 
+def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
+    """An nn.Linear, or a subclass that only re-spells its forward (Falcon's FalconLinear: x @ W.T + b): no other
+    parameter, buffer or child, and on a random input the same output as F.linear (checked once per class, on the
+    first module of it). A subclass that computes anything else keeps its forward: refused by the caller."""
+    if not isinstance(mod, nn.Linear):
+        return False
+    if type(mod).forward is nn.Linear.forward:
+        return True
+    cls = type(mod)
+    if cls not in known:
+        own = {n for n, _ in mod.named_parameters(recurse=False)} - {"weight", "bias"}
+        ok = not own and not list(mod.children()) and not list(mod.buffers())
+        if ok:
+            gen = torch.Generator().manual_seed(0)
+            if mod.weight.is_meta:   # a meta skeleton (sharded loading): a copy with random values
+                mod = copy.deepcopy(mod)
+                for n, p in list(mod.named_parameters()):
+                    setattr(mod, n, nn.Parameter(torch.randn(p.shape, generator=gen).to(p.dtype)))
+            x = torch.randn(3, mod.in_features, generator=gen).to(mod.weight)
+            with torch.no_grad():
+                ok = torch.allclose(mod(x), F.linear(x, mod.weight, mod.bias), rtol=1e-5, atol=1e-6)
+        known[cls] = ok
+    return known[cls]
+
+
 def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
               tied: bool) -> None:
     """Every divisibility / type problem, before any collective."""
@@ -85,9 +115,15 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
     if tp > world:
         pr.add("tp group", f"tp_size {tp} is larger than the world size {world}")
     assigned = {n: s for n, (s, _) in matched.items()}
+    linear_types: dict[type, bool] = {}
     for name, (style, pat) in matched.items():
-        mod, base = model.get_submodule(name), style.partition(":")[0]
         add = partial(pr.add, name, pattern=pat)
+        if style in PARAM_STYLES:
+            n = model.get_parameter(name).shape[0]
+            if n % tp:
+                add(f"its {n} heads (dim 0) are not divisible by tp_size {tp}")
+            continue
+        mod, base = model.get_submodule(name), style.partition(":")[0]
         if base in REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
             for sub, m in mod.named_modules(prefix=name):
                 if (isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)) and sub not in matched:
@@ -116,7 +152,7 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
                 add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
         elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
             conv = base != "colwise_lm_head" and is_conv1d(mod)
-            if not conv and (not isinstance(mod, nn.Linear) or type(mod).forward is not nn.Linear.forward):
+            if not conv and not _acts_as_linear(mod, linear_types):
                 add(f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
                     f"found {type(mod).__name__}")
                 continue

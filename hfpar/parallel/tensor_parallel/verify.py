@@ -5,16 +5,30 @@
 Every plan apply_tensor_parallel accepts (written, derived from base_model_tp_plan, inferred, or the user's) is
 checked here before the model is touched: the first block's real inputs are captured by running the model on
 2 x T random token ids and stopping at the block (embedding, rotary and mask only: no other block runs), then
-two copies of that block (fp32, or fp64 for an fp64 model; eval mode, so no dropout) run it unsharded and sharded
-by the plan on the same inputs and the same random output cotangent. The output, the input gradient and every
-parameter gradient (shards gathered, partial grads summed by the same hooks as the model's) must agree within
-1e-3 relative in fp32 (1e-6 in fp64); a wrong plan differs by O(1) (a missing partial sum by ~50 %). Otherwise
-ValueError in one line naming the first module that differs and its plan entry; the model is left unsharded.
+two float64 copies of that block (eval mode, so no dropout) run it unsharded and sharded by the plan on the same
+inputs and the same random output cotangent. The output, the input gradient and every parameter gradient (shards
+gathered, partial grads summed by the same hooks as the model's) must agree within 1e-6 relative; a wrong plan
+differs by O(1) (a missing partial sum by ~50 %). Otherwise ValueError in one line naming the first module that
+differs and its plan entry; the model is left unsharded. The same check runs on the first block of every other
+block structure in the stack (hybrid families: linear-attention layers, dense and MoE layers) and on the last block;
+under sequence parallelism those other blocks get this rank's T/tp tokens (block 0 splits T itself).
 
-Cost: one block copied twice (peak: model + 2 blocks in fp32), one short forward up to the block, one
+Why float64 whatever the model's dtype: in fp32 an exact plan differs from the unsharded block by its rounding
+(up to ~1e-4 relative on a small gradient), so the tolerance had to be 1e-3 and a plan off by 2e-4 would pass; in
+float64 an exact plan agrees to ~1e-12, a wrong one is off by far more than 1e-6. Measured basis: over every family
+of benchmarks/tp_family_sweep.py the worst verification error of an accepted plan is recorded in its results
+("verify_rel"): at most 3.2e-7 (OLMo-2; fp32 casts inside the families' own code, RMSNorm's `.to(float32)`, bound
+it). Where the device has no float64 (MPS), or a kernel of the block has none (transformers' grouped_mm experts of an
+MoE block), the copies run in float32 with a 1e-3 tolerance.
+
+Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one short forward up to the block, one
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
-per sharded parameter of the block and one all-reduce. Milliseconds on a tiny model; on a 7B model on GPU well
-under a second, negligible beside the loading it follows. Weights on the meta device cannot be run: a warning.
+per sharded parameter of the block and one all-reduce; per block structure. Milliseconds on a tiny model; on a 7B
+model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device (the recipes'
+sharded loading shards the skeleton before reading any weight): not verified (a warning), except an inferred plan
+(probe_meta: its candidates, e.g. a fused qkv's layouts, only a run tells apart), verified on a copy whose first
+block and everything outside the blocks are drawn at random, the same on every rank (costs that much memory at load
+time: the embedding and head in fp32, the block in fp64 twice; TP after EP: skipped as before).
 """
 
 from __future__ import annotations
@@ -28,12 +42,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
-from ..sharding import gather_shards, partial_grad_hooks, shard_spec
+from ..sharding import ShardSpec, gather_shards, partial_grad_hooks, shard_spec
 from .validate import REGIONS
 
 __all__ = ["first_block_name", "verify_first_block"]
 
 _TOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+_NO_FP64 = ("mps",)   # devices without float64 arithmetic: verified in float32
 
 
 class _Captured(Exception):
@@ -107,31 +122,82 @@ def _split_hidden(args, kwargs):
     return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
 
 
+def _signature(block: nn.Module) -> tuple:
+    """What makes two blocks of a stack differently built: their modules' names and types, their parameters' shapes."""
+    return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
+            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+
+
 def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: Callable, tp_group, *,
-                       sequence_parallel: bool = False, model_type: str | None = None) -> None:
-    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, or of the last (some
-    families build it differently: GPT-NeoX-Japanese's extra output bias), is not the unsharded block.
-    shard_fn(root, assigned_relative) shards `root` in place exactly as apply_tensor_parallel shards the model."""
+                       sequence_parallel: bool = False, model_type: str | None = None,
+                       probe_meta: bool = False) -> float:
+    """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, of the first block of every
+    other structure in the stack (hybrid layers), or of the last (some families build it differently:
+    GPT-NeoX-Japanese's extra output bias) is not the unsharded block. shard_fn(root, assigned_relative) shards
+    `root` in place exactly as apply_tensor_parallel shards the model. Returns the worst relative difference seen
+    (0.0 when nothing was run). Weights on meta: skipped with a warning, or with probe_meta (an inferred plan, whose
+    candidates only a run can tell apart) verified on a random-weight copy of the first block (_random_probe)."""
     name = first_block_name(assigned)
     if name is None:
-        return
+        return 0.0
     parent, _, _ = name.rpartition(".")
     blocks = model.get_submodule(parent) if parent else None
-    last = f"{parent}.{len(blocks) - 1}" if isinstance(blocks, nn.ModuleList) and len(blocks) > 1 else None
-    for block_name in (name, last):
-        if block_name is not None and (block_name == name or not sequence_parallel):   # SP: block 0 scatters T
-            _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel and block_name == name,
-                          model_type)
+    names = [name]
+    if isinstance(blocks, nn.ModuleList) and len(blocks) > 1:
+        seen = {_signature(model.get_submodule(name))}
+        for i, b in enumerate(blocks):
+            sig = _signature(b)
+            if sig not in seen or i == len(blocks) - 1:
+                seen.add(sig)
+                names.append(f"{parent}.{i}")
+    if any(p.is_meta for p in model.get_submodule(name).parameters()):   # a meta skeleton (sharded loading)
+        if not probe_meta or any((shard_spec(p) or ShardSpec()).kind == "ep" for p in model.parameters()):
+            warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
+                          stacklevel=3)
+            return 0.0
+        model, names = _random_probe(model, parent, name, tp_group), [name]
+    worst = 0.0
+    for block_name in dict.fromkeys(names):   # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
+        worst = max(worst, _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel,
+                                         sequence_parallel and block_name != name, model_type))
+    return worst
+
+
+def _random_probe(model: nn.Module, blocks: str, first: str, tp_group) -> nn.Module:
+    """A copy of a meta skeleton (the recipe's sharded loading applies TP before any weight is read) whose parameters
+    outside the blocks and in the first block are drawn at random, the same on every rank: a plan's correctness is a
+    matter of structure, not of values, so the first block is verified on it. The other blocks stay on meta (running
+    up to them would need every block before them): they are not verified (one warning)."""
+    probe = copy.deepcopy(model, _handles(model))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp_group) == "nccl" else None
+    gen = torch.Generator().manual_seed(2024)
+    stack = probe.get_submodule(blocks)
+    skip = {id(m) for b in stack if b is not probe.get_submodule(first) for m in b.modules()}
+    for m in probe.modules():
+        if id(m) in skip:
+            continue
+        for n, p in list(m.named_parameters(recurse=False)):
+            if p.is_meta:
+                w = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                w = 1 + 0.1 * w if p.dim() == 1 else 0.05 * w   # norms' weights near 1, matrices small
+                setattr(m, n, nn.Parameter(w.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad))
+        if device is not None:   # NCCL: the probe runs on this rank's GPU
+            for n, b in list(m.named_buffers(recurse=False)):
+                m._buffers[n] = b.to(device)
+    if len(stack) > 1:
+        warnings.warn(f"apply_tensor_parallel: weights on the meta device: the plan is verified on {first} with random "
+                      "weights, not on the other blocks", stacklevel=4)
+    return probe
 
 
 def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shard_fn: Callable, tp_group,
-                  sequence_parallel: bool, model_type: str | None) -> None:
+                  sequence_parallel: bool, split_input: bool, model_type: str | None) -> float:
     block = model.get_submodule(name)
     params = list(block.parameters())
     if not params or any(p.is_meta for p in params):
         warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
                       stacklevel=3)
-        return
+        return 0.0
     try:
         call = _capture(model, block, params[0].device, group_size(tp_group))
     except Exception as e:  # noqa: BLE001 - a model this forward cannot drive is sharded unverified, with a warning
@@ -141,27 +207,26 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
         why = "the model's forward never reached it"
     if call is None:
         warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} ({why})", stacklevel=3)
-        return
-    dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
-    args, kwargs = _cast(call, dtype)
-    hidden, rebuild = _split_hidden(args, kwargs)
-    ref, sharded = (copy.deepcopy(block, _handles(block)).to(dtype).eval() for _ in range(2))
+        return 0.0
+    dtype = torch.float32 if params[0].device.type in _NO_FP64 else torch.float64
+    try:
+        ref_run = _reference(block, call, dtype)
+    except Exception:   # a kernel without float64 (HF's grouped_mm experts): the block in float32
+        if dtype == torch.float32:
+            raise
+        dtype = torch.float32
+        ref_run = _reference(block, call, dtype)
+    hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads = ref_run
+    sharded = copy.deepcopy(block, _handles(block)).to(dtype).eval()
     rel = {n[len(name) + 1:] if n != name else "": s for n, s in assigned.items()
            if n == name or n.startswith(name + ".")}
     shard_fn(sharded, rel)
     partial_grad_hooks(sharded.parameters())
-
-    seen_ref: dict[str, torch.Tensor] = {}
     seen: list[tuple[str, torch.Tensor]] = []
-    _record(ref, lambda n, t: seen_ref.__setitem__(n, t))
     _record(sharded, lambda n, t: seen.append((n, t)))
-    x_ref = hidden.detach().clone().requires_grad_()
-    out_ref = _first_tensor(ref(*rebuild(x_ref)[0], **rebuild(x_ref)[1]))
-    cot = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(4321), dtype=dtype).to(out_ref.device)
-    ref_named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    grads = torch.autograd.grad(out_ref, [x_ref] + [p for _, p in ref_named], cot, allow_unused=True)
-    x = hidden.detach().clone().requires_grad_()
     tp, rank = group_size(tp_group), group_rank(tp_group)
+    x = (hidden.detach().chunk(tp, 1)[rank] if split_input else hidden.detach()).clone().requires_grad_()
+    g_in = grads[0].chunk(tp, 1)[rank] if split_input and grads[0] is not None else grads[0]
     if sequence_parallel:   # the block's output is this rank's T/tp tokens
         out_ref, cot = out_ref.chunk(tp, 1)[rank], cot.chunk(tp, 1)[rank]
     stack: list[str] = []
@@ -183,7 +248,7 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
                          "plan={module pattern: style} or run without tensor parallelism") from e
 
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
-        (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, grads[0])]
+        (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, g_in)]
     mine = dict(sharded.named_parameters())
     for (n, _), g_ref in zip(ref_named, grads[1:]):
         p = mine.get(n)
@@ -209,6 +274,23 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
                          f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
                          f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
                          f"plan={{module pattern: style}} or run without tensor parallelism")
+    return max(errs.tolist(), default=0.0)
+
+
+def _reference(block: nn.Module, call, dtype):
+    """The unsharded copy's run in `dtype`: (hidden, rebuild, recorded outputs, output, cotangent, named params,
+    grads of [input] + params)."""
+    args, kwargs = _cast(call, dtype)
+    hidden, rebuild = _split_hidden(args, kwargs)
+    ref = copy.deepcopy(block, _handles(block)).to(dtype).eval()
+    seen_ref: dict[str, torch.Tensor] = {}
+    _record(ref, lambda n, t: seen_ref.__setitem__(n, t))
+    x_ref = hidden.detach().clone().requires_grad_()
+    out_ref = _first_tensor(ref(*rebuild(x_ref)[0], **rebuild(x_ref)[1]))
+    cot = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(4321), dtype=dtype).to(out_ref.device)
+    ref_named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out_ref, [x_ref] + [p for _, p in ref_named], cot, allow_unused=True)
+    return hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads
 
 
 def _entry(assigned: Mapping[str, str], module: str) -> str:
