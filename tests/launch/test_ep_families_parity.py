@@ -8,22 +8,19 @@ configs (random init, the embedded tokenizer) of
     gpt_oss         transposed experts with biases, clamped SwiGLU, a router with a bias, sliding / full attention
     ernie4_5_moe    moe_statics.e_score_correction_bias, a shared expert (refused even without --ep_size before)
 each trained once in one process and once with EP=2 under DDP: loss and grad_norm per step within 1e-4 relative, and
-the exported checkpoint (experts gathered back, HF names) within 1e-4 of the one-process one. Six launches, two at a
-time, shared by every assertion.
+the exported checkpoint (experts gathered back, HF names) within 1e-4 of the one-process one. Two launches (the
+one-process runs, the EP=2 runs), shared by every assertion.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from tests.helpers.launch import read_metrics, read_run_info
-from tests.helpers.parity import (
-    TOL,
-    assert_close_series,
-    assert_export_matches,
-    launch_cases,
-)
+from tests.helpers.launch import RECIPE_RUNS, launch_all, read_metrics, read_run_info
+from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
 from tests.helpers.shared import built_once
 
 pytestmark = pytest.mark.slow
@@ -58,13 +55,21 @@ def _save_tiny(model_type: str, over: dict, path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Two launches in all, running their families one after the other in the same workers
+    (tests/helpers/recipe_runs.py: the start-up paid once)."""
     def build(root):
-        cases = {}
+        cases, specs = {}, {"single": [], "ep2": []}
         for mt, over in FAMILIES.items():
             model = _save_tiny(mt, over, root / f"{mt}_model")
-            cases.update(launch_cases({f"{mt}_single": ("single", 1, "4", []),
-                                       f"{mt}_ep2": ("ddp", 2, "2", ["--ep_size", "2"])}, model, root))
-        return {k: str(v) for k, v in cases.items()}
+            for kind, bs, extra in (("single", "4", []), ("ep2", "2", ["--ep_size", "2"])):
+                cases[f"{mt}_{kind}"] = str(root / f"{mt}_{kind}")
+                specs[kind].append([*COMMON, *extra, "--model_name_or_path", model, "--output_dir",
+                                    cases[f"{mt}_{kind}"], "--per_device_train_batch_size", bs])
+        for kind, argvs in specs.items():
+            (root / f"{kind}.json").write_text(json.dumps({"kind": "sft", "runs": argvs}))
+        launch_all({"single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+                    "ep2": ("ddp", 2, RECIPE_RUNS, [str(root / "ep2.json")])})
+        return cases
     return built_once(tmp_path_factory, "ep_families", build)
 
 

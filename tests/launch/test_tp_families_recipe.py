@@ -12,20 +12,21 @@ and TP=2 with --sequence_parallel where the family allows it (OLMo-2, Falcon, GP
 linear attention kept whole and DeepSeek-V2's MoE blocks see the full sequence, so hfpar refuses it for them).
 
 Tiny models built from configs (tests/helpers/tp_sweep.py tiny_config, vocab 128 = the embedded tokenizer's), one
-module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), two launches at a time.
+module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), in two launches.
 In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon, GPT-BigCode) is
 verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.launch import launch_all, read_metrics, rel_close
+from tests.helpers.launch import RECIPE_RUNS, launch_all, read_metrics, rel_close
 from tests.helpers.parity import (
     COMMON,
     TOL,
@@ -56,19 +57,23 @@ def _save_tiny(model_type: str, layers: int, path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """{model_type: (base model dir, one-process run, {case: TP=2 run})}"""
+    """{model_type: (base model dir, one-process run, {case: TP=2 run})}: two launches in all, each running its
+    runs one after the other in the same workers (tests/helpers/recipe_runs.py: the start-up paid once)."""
     root = tmp_path_factory.mktemp("tp_families")
-    out, jobs = {}, {}
+    out, specs = {}, {"single": [], "tp2": []}
     for mt, layers in FAMILIES.items():
         base = _save_tiny(mt, layers, root / mt / "base")
         out[mt] = (base, root / mt / "single", {"tp2": root / mt / "tp2", "tp2_sp": root / mt / "tp2_sp"})
         common = [*COMMON, "--model_name_or_path", base, "--per_device_train_batch_size", "4"]
-        jobs[f"{mt}-single"] = ("single", 1, "sft", [*common, "--output_dir", str(out[mt][1])])
-        jobs[f"{mt}-tp2"] = ("ddp", 2, "sft", [*common, "--tp_size", "2", "--output_dir", str(out[mt][2]["tp2"])])
+        specs["single"].append([*common, "--output_dir", str(out[mt][1])])
+        specs["tp2"].append([*common, "--tp_size", "2", "--output_dir", str(out[mt][2]["tp2"])])
         if mt in SP:
-            jobs[f"{mt}-tp2_sp"] = ("ddp", 2, "sft", [*common, "--tp_size", "2", "--sequence_parallel",
-                                                      "--output_dir", str(out[mt][2]["tp2_sp"])])
-    launch_all(jobs)
+            specs["tp2"].append([*common, "--tp_size", "2", "--sequence_parallel", "--output_dir",
+                                 str(out[mt][2]["tp2_sp"])])
+    for key, argvs in specs.items():
+        (root / f"{key}.json").write_text(json.dumps({"kind": "sft", "runs": argvs}))
+    launch_all({"single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+                "tp2": ("ddp", 2, RECIPE_RUNS, [str(root / "tp2.json")])})
     return out
 
 
