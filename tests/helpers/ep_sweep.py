@@ -22,7 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tests.helpers.tp_sweep import ENCODER_STYLE, STATE_SPACE, batch, rel, tiny_config
+from tests.helpers.tp_sweep import ENCODER_STYLE, STATE_SPACE, batch, tiny_config, worst_then_sgd
 
 TOL = 1e-4
 LR = 0.1
@@ -100,13 +100,7 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     got, want = _reduced_grads(model, ref)
     if extra := sorted(n for n in set(got) | set(want) if got.get(n) is None or want.get(n) is None):
         raise AssertionError(f"grads missing on one side: {extra[:4]}")
-    worst = max([(rel(loss.detach(), ref_loss.detach()), "loss")] + [(rel(got[n], want[n]), n) for n in want])
-    for m in (model, ref):
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-LR)
-    return worst
+    return worst_then_sgd(model, ref, loss, ref_loss, got, want, LR)
 
 
 def check(model_type: str) -> dict:

@@ -135,6 +135,17 @@ def _full_grads(model) -> dict:
     return out
 
 
+def worst_then_sgd(model, ref, loss, ref_loss, got: dict, want: dict, lr: float) -> tuple[float, str]:
+    """The largest relative difference (loss, then every gradient by name), then one SGD step on both models."""
+    worst = max([(rel(loss.detach(), ref_loss.detach()), "loss")] + [(rel(got[n], want[n]), n) for n in want])
+    for m in (model, ref):
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+    return worst
+
+
 def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     """(worst relative difference, its name) over the loss and every gradient (names must match)."""
     for m in (model, ref):
@@ -145,13 +156,7 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
     got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     if sorted(got) != sorted(want):
         raise AssertionError(f"grad names differ: {sorted(set(got) ^ set(want))[:4]}")
-    worst = max([(rel(loss.detach(), ref_loss.detach()), "loss")] + [(rel(got[n], want[n]), n) for n in want])
-    for m in (model, ref):
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-LR)
-    return worst
+    return worst_then_sgd(model, ref, loss, ref_loss, got, want, LR)
 
 
 def check(model_type: str, sp: bool = SP) -> dict:
