@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import (
+    RECIPE_RUNS,
     launch,
     launch_all,
     read_metrics,
@@ -113,6 +114,20 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+def _grouped_launches(root, data: str) -> dict:
+    """One launch per accelerate config (ddp: 6 cases, fsdp2: 2, zero2, zero3), its cases run one after the other
+    in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run the recipe as users run it)."""
+    groups: dict = {}
+    for name, (cfg, n, *_) in CASES.items():
+        groups.setdefault((cfg, n), []).append(_args(name, root, data))
+    jobs = {}
+    for (cfg, n), argvs in groups.items():
+        spec = root / f"runs_{cfg}.json"
+        spec.write_text(json.dumps({"kind": "dpo", "runs": argvs}))
+        jobs[cfg] = (cfg, n, RECIPE_RUNS, [str(spec)])
+    return jobs
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
@@ -121,7 +136,7 @@ def runs(tmp_path_factory):
 
     def launches():
         try:
-            launch_all({name: (cfg, n, "dpo", _args(name, root, str(data))) for name, (cfg, n, *_) in CASES.items()})
+            launch_all(_grouped_launches(root, str(data)))
         except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
             failed.append(e)
 
