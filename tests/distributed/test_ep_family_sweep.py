@@ -25,7 +25,7 @@ from torch import nn
 from tests.helpers.dist import run_distributed
 from tests.helpers.ep_sweep import sweep_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.families]   # on demand: -m families (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text")
 

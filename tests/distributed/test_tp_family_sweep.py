@@ -22,7 +22,7 @@ import pytest
 from tests.helpers.dist import run_distributed
 from tests.helpers.tp_sweep import sweep_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.families]   # on demand: -m families (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 EXACT = ("gemma4_unified_text", "qwen3_5_text", "deepseek_v2", "persimmon", "bloom", "hunyuan_v1_moe")
 SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")   # sequence parallelism on derived / inferred plans

@@ -37,7 +37,7 @@ from tests.helpers.launch import (
 )
 from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
 
-pytestmark = [pytest.mark.slow, pytest.mark.families]   # on demand: -m families (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,

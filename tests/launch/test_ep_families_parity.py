@@ -23,7 +23,7 @@ from tests.helpers.launch import RECIPE_RUNS, launch_all, read_metrics, read_run
 from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
 from tests.helpers.shared import built_once
 
-pytestmark = [pytest.mark.slow, pytest.mark.families]   # on demand: -m families (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 FAMILIES = {
     "deepseek_v3": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,

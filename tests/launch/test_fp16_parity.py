@@ -46,7 +46,7 @@ from hfpar.backends.zero import deepspeed_fp16_problem
 from tests.helpers.parity import COMMON
 from tests.helpers.launch import ROOT, launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 LORA = ["--use_peft", "--lora_dropout", "0"]

@@ -35,7 +35,7 @@ from tests.helpers.parity import (
     export_eval_loss,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.families]   # on demand: -m families (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
 FAMILIES = {"olmo2": 2, "qwen3_5_text": 4, "deepseek_v2": 2, "falcon": 2, "gpt_bigcode": 2}   # model_type: layers
 SP = ("olmo2", "falcon", "gpt_bigcode")
