@@ -107,13 +107,36 @@ def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool
     return proc
 
 
-def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = None) -> None:
-    """{name: (config, nproc, recipe, args)} launched `workers` at a time (a launch is mostly process
-    start-up and rendezvous, which overlap well on 2 cores); raises the first failure."""
+def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = None, group: bool = True) -> None:
+    """{name: (config, nproc, recipe, args)} launched `workers` at a time (a launch is mostly process start-up and
+    rendezvous, which overlap well on 2 cores); raises the first failure.
+
+    group: jobs of one recipe with the same accelerate config and process count run in ONE launch, one after the
+    other in the same workers (tests/helpers/recipe_runs.py: `hfpar.recipe.main` per argv, as users' launches run it,
+    bit-identical to separate launches), so the workers' start-up (imports: most of a tiny run's CPU time) is paid
+    once per group. group=False for jobs that measure their process (peak RSS) or must each start fresh."""
+    launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
+    launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)   # the longest groups first: better packing
     with ThreadPoolExecutor(workers) as pool:
-        done = [pool.submit(launch, *job, extra_launch=extra_launch) for job in jobs.values()]
+        done = [pool.submit(launch, *job[:4], extra_launch=extra_launch) for job in launches]
         for f in done:
             f.result()
+
+
+def _grouped(jobs: dict, spec_dir: Path) -> list[tuple]:
+    """(config, nproc, RECIPE_RUNS, [spec], n_runs) per (config, nproc, recipe); a lone job stays as it is."""
+    groups: dict[tuple, list[list[str]]] = {}
+    for config, nproc, recipe, args in jobs.values():
+        groups.setdefault((config, nproc, recipe), []).append(list(args))
+    out = []
+    for i, ((config, nproc, recipe), runs) in enumerate(groups.items()):
+        if len(runs) == 1 or recipe.endswith(".py"):
+            out += [(config, nproc, recipe, args, 1) for args in runs]
+            continue
+        spec = spec_dir / f"group{i}.json"
+        spec.write_text(json.dumps({"kind": recipe, "runs": runs}))
+        out.append((config, nproc, RECIPE_RUNS, [str(spec)], len(runs)))
+    return out
 
 
 def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:

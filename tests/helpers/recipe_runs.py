@@ -14,6 +14,7 @@ first group's keys there; it is destroyed after the last run. Each run is otherw
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,16 @@ def _reset_accelerate() -> None:
     PartialState._reset_state()
 
 
+def _reset_deepspeed() -> None:
+    """DeepSpeed keeps its parallel groups in module globals (deepspeed.utils.groups: the mpu, the model-parallel
+    world size...) and transformers its ZeRO-3 config in one: a fresh process starts with neither, so the next run
+    must too (a TP run's mpu would otherwise make the next run's engine ask a None mpu for its rank)."""
+    if "deepspeed.utils.groups" in sys.modules:
+        importlib.reload(sys.modules["deepspeed.utils.groups"])
+    if "transformers.integrations.deepspeed" in sys.modules:
+        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     destroy = dist.destroy_process_group
@@ -38,6 +49,7 @@ def main(spec_path: str) -> None:
     try:
         for argv in spec["runs"]:
             _reset_accelerate()
+            _reset_deepspeed()
             recipe.main(spec["kind"], argv)
     finally:
         dist.destroy_process_group = destroy

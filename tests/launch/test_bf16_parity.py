@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.helpers.launch import launch_all, read_metrics, read_run_info, rel_diff
 from tests.helpers.parity import COMMON
-from tests.helpers.launch import launch, read_metrics, read_run_info, rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -137,18 +135,12 @@ def bf16_runs(base_model, tmp_path_factory) -> dict:
         (root / f"{name}.json").write_text(json.dumps(ds_json))
         (root / f"{name}.yaml").write_text(yaml_text.format(json=root / f"{name}.json"))
 
-    def run(name):
-        config, nproc, bs, extra, _ = SELECTED[name]
+    jobs = {}
+    for name, (config, nproc, bs, extra, _) in SELECTED.items():
         config = str(root / config) if config in GENERATED else config  # absolute: replaces accelerate_configs/
-        start = time.perf_counter()
-        launch(config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                      str(outs[name]), "--per_device_train_batch_size", bs],
-               extra_launch=["--mixed_precision", "bf16"])
-        print(f"LAUNCH {name}: {nproc} processes, {time.perf_counter() - start:.1f} s")
-
-    with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(run, name) for name in SELECTED]:
-            f.result()
+        jobs[name] = (config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                             str(outs[name]), "--per_device_train_batch_size", bs])
+    launch_all(jobs, extra_launch=["--mixed_precision", "bf16"])  # one launch per (config, processes)
     return outs
 
 

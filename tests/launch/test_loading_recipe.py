@@ -79,7 +79,7 @@ def runs(big_model, base_model, tmp_path_factory) -> dict:
             outs[(name, variant)] = root / f"{name}_{variant}"
             jobs[f"{name}_{variant}"] = (config, 2, "sft", [*FLAGS, *extra, *more, "--model_name_or_path", model,
                                                             "--output_dir", str(outs[(name, variant)])])
-    launch_all(jobs)
+    launch_all(jobs, group=False)  # each run measures its own peak RSS: a fresh process each
     return outs
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,15 @@ import torch
 from safetensors.torch import load_file
 
 from hfpar.config import ConfigError, parse_args
-from tests.helpers.parity import COMMON, TOL, assert_close_series
-from tests.helpers.launch import launch, read_metrics, read_run_info, rel_close
+from tests.helpers.launch import (
+    launch,
+    launch_all,
+    read_metrics,
+    read_run_info,
+    rel_close,
+)
 from tests.helpers.outputs import tensorboard_scalars
+from tests.helpers.parity import COMMON, TOL, assert_close_series
 from tests.helpers.results import record
 
 pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[peft]')")
@@ -64,21 +69,24 @@ def _run(base: str, out: Path, config: str, nproc: int, recipe: str, extra: list
     return out
 
 
-def _resume_ddp(base: str, root: Path, ddp_done) -> Path:
+def _resume_ddp(base: str, root: Path, ddp_out: Path) -> Path:
     """Restart from the ddp run's checkpoint-4 in a fresh output dir."""
     out = root / "ddp_resumed"
     out.mkdir()
-    shutil.copytree(ddp_done.result() / "checkpoint-4", out / "checkpoint-4")
+    shutil.copytree(ddp_out / "checkpoint-4", out / "checkpoint-4")
     return _run(base, out, "ddp", 2, "sft", ["--resume_from_checkpoint", "latest"])
 
 
 @pytest.fixture(scope="module")
 def runs(base_model, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    with ThreadPoolExecutor(2) as pool:  # 2-process launches are dominated by start-up: overlap them
-        futures = {name: pool.submit(_run, base_model, root / name, *spec) for name, spec in RUNS.items()}
-        futures["ddp_resumed"] = pool.submit(_resume_ddp, base_model, root, futures["ddp"])
-        return {name: f.result() for name, f in futures.items()}
+    outs = {name: root / name for name in RUNS}
+    # one launch per (config, processes, recipe): the runs of a group share the workers' start-up
+    launch_all({name: (config, nproc, recipe, [*LORA, "--model_name_or_path", base_model, "--output_dir",
+                                               str(outs[name]), "--per_device_train_batch_size", str(4 // nproc),
+                                               *extra])
+                for name, (config, nproc, recipe, extra) in RUNS.items()})
+    return {**outs, "ddp_resumed": _resume_ddp(base_model, root, outs["ddp"])}
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -161,7 +169,7 @@ def test_unknown_target_module_is_one_line(tmp_path, capsys):
 def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
-    rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-12)  # noqa: E731  (rel_close's measure)
+    rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-12)
     record("lora_parity_cpu", f"{strategy} max relative diff per step", {
         k: max(rel(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}, command=RECORD_CMD)
     assert len(ref) == len(got) == 8 and ref[-1]["loss"] < ref[0]["loss"]
