@@ -39,8 +39,11 @@ _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (Deep
 _PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
                "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
                "ddp.yaml or fsdp2.yaml")
-_PP_EP_ZERO = "placeholder"
-_PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
+_PP_EP_ZERO = ("pipeline x expert parallelism with DeepSpeed ZeRO-1 is not supported (the pipeline hands DeepSpeed "
+               "every parameter of a stage, and ZeRO-1 would partition the experts' optimizer states over dp ranks that "
+               "hold different experts); use ddp.yaml or fsdp2.yaml")
+_PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
+            "with several together")
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {

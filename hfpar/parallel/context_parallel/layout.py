@@ -30,7 +30,7 @@ class RowLayout:
     causal: bool = False       # every row is one document without padding: plain causal attention suffices
     plans: dict = field(default_factory=dict, repr=False, compare=False)   # kernel-call plans (fused.row_plans)
 
-    def row_slice(self, start: int, stop: int) -> "RowLayout":
+    def row_slice(self, start: int, stop: int) -> RowLayout:
         """The layout of rows start:stop only (a pipeline micro-batch), made once per batch."""
         key = ("rows", start, stop)
         if key not in self.plans:
