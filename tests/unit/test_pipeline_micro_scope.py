@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from hfpar.backends.pipeline import micro_scope
-from hfpar.parallel.context_parallel import attention, cp_rows, shard_batch, shift_labels
+from hfpar.parallel.context_parallel import (
+    attention,
+    cp_rows,
+    shard_batch,
+    shift_labels,
+)
 from hfpar.parallel.expert_parallel.router import current_token_mask
 from hfpar.parallel.pipeline import split_microbatches
 

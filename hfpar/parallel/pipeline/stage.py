@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hfpar.parallel.expert_parallel import MoELayer, is_upcycled, save_upcycled_pretrained, upcycle_to_moe
+from hfpar.parallel.expert_parallel import (
+    MoELayer,
+    is_upcycled,
+    save_upcycled_pretrained,
+    upcycle_to_moe,
+)
 from hfpar.parallel.sharding import local_tensor
 
 
