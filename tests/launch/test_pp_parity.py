@@ -179,9 +179,10 @@ def test_pp_planted_pickle_never_runs(pp_runs, case, tmp_path):
     assert assert_no_planted_payload_runs(pp_runs[case] / "checkpoint-4", tmp_path) >= 6
 
 
-def _assert_ep_pp_matches(ref_dir, got_dir, case: str) -> None:
+def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path) -> None:
     """Experts split over the dp ranks of each stage, routed per micro-batch; the export is the upcycled model's
-    Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable."""
+    Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable, and `hfpar
+    export` of the last checkpoint (the stages' config: the Mixtral one) writes the same."""
     ref, ref_eval = read_metrics(ref_dir)
     got, got_eval = read_metrics(got_dir)
     assert len(got) == 8
@@ -195,10 +196,12 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str) -> None:
     assert (info["ep_size"], info["pp_size"], info["dp_size"]) == (2, 2, 2), info
     two, one = info["param_bytes_per_rank"], read_run_info(ref_dir)["param_bytes_per_rank"][0]
     assert len(two) == 4 and all(b < one / 2 for b in two), (one, two)   # half the layers, half their experts
+    assert_checkpoint_exports_final(got_dir, tmp_path, case)
 
 
-def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs):
-    _assert_ep_pp_matches(pp_runs["moe_single"], pp_runs["ep2_pp2_interleaved_fsdp2"], "ep2_pp2_interleaved_fsdp2")
+def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs, tmp_path):
+    _assert_ep_pp_matches(pp_runs["moe_single"], pp_runs["ep2_pp2_interleaved_fsdp2"], "ep2_pp2_interleaved_fsdp2",
+                          tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +210,8 @@ def extended_runs(base_model, tmp_path_factory):
 
 
 @pytest.mark.extended
-def test_ep_pp_1f1b_ddp_matches_single_per_step_and_export(extended_runs):
-    _assert_ep_pp_matches(extended_runs["moe_single"], extended_runs["ep2_pp2_1f1b"], "ep2_pp2_1f1b")
+def test_ep_pp_1f1b_ddp_matches_single_per_step_and_export(extended_runs, tmp_path):
+    _assert_ep_pp_matches(extended_runs["moe_single"], extended_runs["ep2_pp2_1f1b"], "ep2_pp2_1f1b", tmp_path)
 
 
 @pytest.mark.extended
