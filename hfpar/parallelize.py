@@ -69,8 +69,10 @@ def apply_moe(model, args, ctx) -> str | None:
             raise
         return f"MoE blocks train as the HF model's own ({why})"
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
-    # every replicated grad: scale so the objective is main + coef * mean_m(aux_m)
-    set_aux_loss_grad_scale(ctx.grad_replicas / args.gradient_accumulation_steps)
+    # every replicated grad: scale so the objective is main + coef * mean_m(aux_m), m over the micro-steps (x the
+    # pipeline's micro-batches, each routed on its own: Megatron-LM's per-micro-batch load balancing)
+    m = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches) if ctx.pp > 1 else 1
+    set_aux_loss_grad_scale(ctx.grad_replicas / (args.gradient_accumulation_steps * max(m, 1)))
     attach_moe_token_mask(model)
     return None
 

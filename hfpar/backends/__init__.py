@@ -26,7 +26,7 @@ from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
 
 STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp")
 
 _ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
 _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
@@ -39,7 +39,11 @@ _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (Deep
 _PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
                "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
                "ddp.yaml or fsdp2.yaml")
-_PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
+_PP_EP_ZERO = ("pipeline x expert parallelism with DeepSpeed ZeRO-1 is not supported (the pipeline hands DeepSpeed "
+               "every parameter of a stage, and ZeRO-1 would partition the experts' optimizer states over dp ranks that "
+               "hold different experts); use ddp.yaml or fsdp2.yaml")
+_PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
+            "with several together")
 _ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
@@ -69,6 +73,13 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("fsdp1", "tp+pp"): _FSDP1,
     ("zero1", "pp"): PipelineZeRO1, ("zero2", "pp"): _PP_ZERO, ("zero3", "pp"): _PP_ZERO,
     **{(s, "tp+pp"): _PP_TP_ZERO for s in ("zero1", "zero2", "zero3")},
+    # EP x PP: each stage's MoE blocks expert-parallel over its dp group, routed per micro-batch (the sampler makes
+    # a micro-batch of the dp ranks one slice of the global batch); experts reduced by hfpar, outside FSDP2's units
+    ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
+    ("fsdp1", "ep+pp"): _FSDP1, ("zero1", "ep+pp"): _PP_EP_ZERO, ("zero2", "ep+pp"): _PP_ZERO, ("zero3", "ep+pp"): _PP_ZERO,
+    # PP x CP: each stage's attention context-parallel over its cp group, each micro-batch with its rows' layout
+    ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
+    ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}

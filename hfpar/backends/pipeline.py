@@ -18,17 +18,31 @@ of every backward replaces hfpar's dp average.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from hfpar.checkpoint.layout import rank_state_file
-from hfpar.parallel.expert_parallel import set_aux_loss_loss_scale
+from hfpar.parallel.context_parallel import cp_row_slice
+from hfpar.parallel.expert_parallel import moe_token_mask, set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
 from hfpar.parallel.sharding import full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, sync_partial_grads
 
 from .loss_scale import unscale_
+from .base import hfpar_reduced
 from .model_parallel import ModelParallelBackend
 from .wraps import FullyShard, HfparAllReduce
+
+
+@contextlib.contextmanager
+def micro_scope(i: int, mb: dict):
+    """Around micro-batch i's forward and backward: its rows' real tokens for MoE routers (routing statistics per
+    micro-batch), and under context parallelism its rows' layout (the trainer's scope publishes the whole batch's)."""
+    rows = mb["input_ids"].shape[0]
+    mask = mb.get("token_mask", mb.get("attention_mask"))
+    with moe_token_mask(mask) if mask is not None else contextlib.nullcontext(), cp_row_slice(i * rows, (i + 1) * rows):
+        yield
 
 
 class PipelineBackend(ModelParallelBackend):
@@ -38,7 +52,7 @@ class PipelineBackend(ModelParallelBackend):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = self.dp_wrap.wrap(self.acc, self.ctx, model,
                                   layer_types=set(getattr(getattr(model, "lm", None), "_no_split_modules", None) or []),
-                                  ignored=[])
+                                  ignored=[p for p in model.parameters() if hfpar_reduced(p)])   # experts (EP)
         if self.dp_wrap.prepends_hooks and not model.is_first:   # FSDP2 prepended its own pre-hook to the first
             model.hook_first_layer()                               # layer: ours must run before it
         return self._pipeline(model)
@@ -49,7 +63,7 @@ class PipelineBackend(ModelParallelBackend):
         a = self.args
         m = microbatches(a.per_device_train_batch_size, a.pp_size, a.pp_schedule, a.pp_microbatches)
         self.runner = PipelineRunner(model, self.ctx.pp_peers, a.pp_schedule, m, group=self.ctx.pp_group,
-                                     autocast=self.autocast)
+                                     autocast=self.autocast, micro_scope=micro_scope)
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:

@@ -60,9 +60,11 @@ class TorchDDP(DataParallelWrap):
 
 class HfparAllReduce(DataParallelWrap):
     def wrap(self, accelerator, ctx, model, *, layer_types, ignored):  # noqa: ARG002
+        keep = {id(p) for p in ignored}   # experts: reduced over the ranks holding the same ones (their ShardSpec)
         if ctx.grad_replicas > 1:
             for p in model.parameters():
-                set_shard_spec(p, dp_reduce_group=ctx.replica_group, dp_size=ctx.grad_replicas)
+                if id(p) not in keep:
+                    set_shard_spec(p, dp_reduce_group=ctx.replica_group, dp_size=ctx.grad_replicas)
         return model
 
 

@@ -314,6 +314,9 @@ def _fsync_tree(root: Path) -> None:
 def _save_wrapped_config(model, tmp: Path) -> None:
     """config.json of a model hfpar wraps itself (TP / EP / pipeline: Accelerate holds none), for the checkpoint's
     full form to load into on export: an upcycled model's HF MoE config, a pipeline stage's full model's config."""
+    if hasattr(model, "full_model"):   # a pipeline stage (or a rank's chunks): the full model it was cut from
+        full = model.full_model()
+        model = full if is_upcycled(full) else model
     if is_upcycled(model):
         with contextlib.suppress(ValueError):  # not representable as an HF MoE (the final export says so): none
             upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds an AutoModelForCausalLM

@@ -11,7 +11,8 @@ zigzag chunks, position ids made explicit), and a scope publishing the rows' lay
 The scope also publishes the real tokens to MoE routers (padding takes no part in routing statistics, also when
 activation checkpointing recomputes MoE layers in backward): the attention_mask of padded rows, or the token_mask
 of packed and padding-free rows (which have no attention_mask; token_mask is no model input and leaves the batch).
-Not under pipeline parallelism, whose schedule runs the rows in micro-batches of its own.
+Under pipeline parallelism the token mask stays in the batch instead: the schedule runs the rows in micro-batches
+of its own and publishes each one's part around its forward and backward (hfpar.backends.pipeline).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class BatchPlan:
             scope = cp_rows(rows, self.ctx.cp_group, self.cp_mode)
         # real tokens, (B, T) or this rank's (B, T / cp): for MoE routers, in forward AND in the backward's recompute
         token_mask = batch.pop("token_mask", batch.get("attention_mask"))
-        if token_mask is None or self.ctx.pp > 1:  # the pipeline cuts the rows into micro-batches of its own
+        if token_mask is None:
             return batch, scope
+        if self.ctx.pp > 1:  # the pipeline cuts the rows into micro-batches of its own, each routed with its part
+            return {**batch, "token_mask": token_mask}, scope
         return batch, _both(scope, moe_token_mask(token_mask))

@@ -2,7 +2,10 @@
 
 The global batch of optimizer step s in epoch e is a fixed slice of one seeded permutation:
     perm_e = randperm(n, seed + e);   G = perm_e[s*B : (s+1)*B],  B = per_device * dp * accum
-Micro-step m of dp rank r takes G[(m*dp + r)*per_device : ... + per_device]. So the union of
+Micro-step m of dp rank r takes G[(m*dp + r)*per_device : ... + per_device]. With `splits` s > 1 (the pipeline's
+micro-batches, each per_device / s rows) it takes the s parts G[m*dp*per_device + (i*dp + r)*per_device/s ...]
+instead, so that the i-th micro-batch of every dp rank together is one contiguous slice of G: the rows a
+one-process micro-step of dp*per_device/s rows sees (MoE routing statistics are per micro-batch). So the union of
 samples in a global batch is the same for every (dp, accum) split of the same B, which is what
 makes a 2-rank run comparable to a 1-rank run step for step. TP ranks of one replica share the
 dp rank, hence the same batches. Resuming at (epoch, step) jumps there in O(1): no batch is
@@ -17,8 +20,9 @@ import torch
 
 class GlobalBatchSampler:
     def __init__(self, num_samples: int, per_device: int, dp: int, dp_rank: int, accum: int,
-                 seed: int, shuffle: bool = True):
+                 seed: int, shuffle: bool = True, splits: int = 1):
         self.n = num_samples
+        self.splits = splits if splits >= 1 and per_device % splits == 0 else 1
         self.per_device, self.dp, self.dp_rank, self.accum = per_device, dp, dp_rank, accum
         self.global_batch = per_device * dp * accum
         self.seed, self.shuffle = seed, shuffle
@@ -40,9 +44,13 @@ class GlobalBatchSampler:
         perm = self._perm(epoch)
         start = step_in_epoch * self.global_batch
         out = []
+        part = self.per_device // self.splits
         for m in range(self.accum):
-            off = start + (m * self.dp + self.dp_rank) * self.per_device
-            out.append(perm[off: off + self.per_device].tolist())
+            rows = []
+            for i in range(self.splits):
+                off = start + m * self.dp * self.per_device + (i * self.dp + self.dp_rank) * part
+                rows += perm[off: off + part].tolist()
+            out.append(rows)
         return out
 
     def iterate(self, start_step: int, total_steps: int):

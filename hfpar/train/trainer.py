@@ -26,7 +26,7 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.observe import metrics as M
 from hfpar.observe.comm_stats import StepCommLog
 from hfpar.observe.recorder import RunRecorder
-from hfpar.parallel.pipeline import pipeline_stages
+from hfpar.parallel.pipeline import microbatches, pipeline_stages
 from hfpar.train.batch_plan import BatchPlan
 from hfpar.train.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
 from hfpar.train.optim import implementation
@@ -52,8 +52,10 @@ class Trainer:
         self.count = getattr(self.loss_fn, "count", count_targets)
         self.tokens = getattr(self.loss_fn, "tokens", lambda sample: len(sample["input_ids"]))  # real tokens of a sample
         self.batch_plan = BatchPlan(task, ctx, ctx.cp_mode)
+        splits = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches) \
+            if ctx.pp > 1 else 1   # a pipeline micro-batch over the dp ranks: one contiguous slice of the batch
         self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
-                                          ctx.dp_rank, args.gradient_accumulation_steps, args.seed)
+                                          ctx.dp_rank, args.gradient_accumulation_steps, args.seed, splits=splits)
         if args.max_steps > 0:
             self.total_steps = args.max_steps
         else:

@@ -10,6 +10,17 @@ reloads with from_pretrained and reproduces the final eval loss. Resume under pp
 reproduces steps 5-8; the pp=2 checkpoint resumed on one process and under tp=2 (its full form) continues the
 same training, and `hfpar export` of pipeline checkpoints equals the final export. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
 their own single-process run. LoRA with pp=2 is in tests/launch/test_lora.py (its single-process LoRA reference).
+
+EP=2 x PP=2 (4 processes: dp 2, the experts of each stage split over its 2 dp ranks) of the tiny Llama upcycled to 4
+experts (top-2, aux loss 0.1): interleaved 1F1B under fsdp2.yaml (1F1B under ddp.yaml: extended tier), against the same
+upcycled model in one process. Routing statistics (aux loss, padding mask) are per pipeline micro-batch (1 row of each dp rank here),
+so the reference runs micro-steps of that size: batch 2 x accumulation 4 (the sampler makes micro-batch i of the dp
+ranks one contiguous slice of the global batch, the rows of one reference micro-step). Per step loss and grad_norm
+(aux-loss gradient included) within 1e-4, the export (a Mixtral checkpoint) within 1e-4 and reloadable.
+Extended tier (-m extended, on demand: each 4-process launch costs about as much as this suite's pp2_dp2 one):
+EP=2 x PP=2 under 1F1B over ddp.yaml, and PP=2 x CP=2 (4 processes, dp 1; each stage's attention context-parallel,
+each micro-batch with its rows' layout) with ring under ddp.yaml and fsdp2.yaml and Ulysses under zero1.yaml, against
+single (tests/unit/test_pipeline_micro_scope.py checks the per-micro-batch layouts in CI).
 """
 
 from __future__ import annotations
@@ -44,11 +55,24 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     # both: each stage tensor-parallel (no SP: the full-length boundary states), its TP shards fully_shard-ed over dp
     "pp2_tp2_dp2_fsdp2": ("fsdp2", 8, "2", ["--pp_size", "2", "--tp_size", "2"]),
 }
+MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.1"]
+MOE_CASES = {  # EP x PP against their own one-process reference (micro-steps of one pipeline micro-batch's rows)
+    "moe_single": ("single", 1, "2", [*MOE, "--gradient_accumulation_steps", "4"]),
+    "ep2_pp2_interleaved_fsdp2": ("fsdp2", 4, "2", [*MOE, "--ep_size", "2", *INTERLEAVED, "--pp_microbatches", "2"]),
+}
+EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP x CP with Ulysses and the other backends
+    "ep2_pp2_1f1b": ("ddp", 4, "2", [*MOE, "--ep_size", "2", "--pp_size", "2", "--pp_schedule", "1f1b"]),
+    "moe_single": MOE_CASES["moe_single"],   # its own reference: -m extended runs without the CI tier's launches
+    # each stage's attention context-parallel over its cp group of 2, every micro-batch with its rows' layout
+    "pp2_cp2_ring": ("ddp", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ring"]),
+    "pp2_cp2_ulysses_zero1": ("zero1", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ulysses"]),
+    "pp2_cp2_ring_fsdp2": ("fsdp2", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ring"]),
+}
 
 
 @pytest.fixture(scope="module")
 def pp_runs(base_model, tmp_path_factory):
-    return launch_cases(CASES, base_model, tmp_path_factory.mktemp("pp"))
+    return launch_cases({**CASES, **MOE_CASES}, base_model, tmp_path_factory.mktemp("pp"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -153,3 +177,50 @@ def test_pp_planted_pickle_never_runs(pp_runs, case, tmp_path):
     """Per-stage files (FSDP2) / DeepSpeed's stage files (ZeRO-1) each replaced by a pickle payload: refused, never
     run."""
     assert assert_no_planted_payload_runs(pp_runs[case] / "checkpoint-4", tmp_path) >= 6
+
+
+def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path) -> None:
+    """Experts split over the dp ranks of each stage, routed per micro-batch; the export is the upcycled model's
+    Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable, and `hfpar
+    export` of the last checkpoint (the stages' config: the Mixtral one) writes the same."""
+    ref, ref_eval = read_metrics(ref_dir)
+    got, got_eval = read_metrics(got_dir)
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+    assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
+    assert_export_matches(ref_dir, got_dir, case)
+    assert rel_close(export_eval_loss(got_dir), got_eval[-1]["eval_loss"], 1e-4)
+    info = read_run_info(got_dir)
+    assert (info["ep_size"], info["pp_size"], info["dp_size"]) == (2, 2, 2), info
+    two, one = info["param_bytes_per_rank"], read_run_info(ref_dir)["param_bytes_per_rank"][0]
+    assert len(two) == 4 and all(b < one / 2 for b in two), (one, two)   # half the layers, half their experts
+    assert_checkpoint_exports_final(got_dir, tmp_path, case)
+
+
+def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs, tmp_path):
+    _assert_ep_pp_matches(pp_runs["moe_single"], pp_runs["ep2_pp2_interleaved_fsdp2"], "ep2_pp2_interleaved_fsdp2",
+                          tmp_path)
+
+
+@pytest.fixture(scope="module")
+def extended_runs(base_model, tmp_path_factory):
+    return launch_cases(EXTENDED, base_model, tmp_path_factory.mktemp("pp_extended"))
+
+
+@pytest.mark.extended
+def test_ep_pp_1f1b_ddp_matches_single_per_step_and_export(extended_runs, tmp_path):
+    _assert_ep_pp_matches(extended_runs["moe_single"], extended_runs["ep2_pp2_1f1b"], "ep2_pp2_1f1b", tmp_path)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", [c for c in EXTENDED if c.startswith("pp2_cp2")])
+def test_pp_cp_other_modes_and_backends_match_single(extended_runs, single_run, case):
+    ref, ref_eval = read_metrics(single_run)
+    got, got_eval = read_metrics(extended_runs[case])
+    assert len(got) == 8
+    for key in ("loss", "grad_norm"):
+        assert_close_series(ref, got, key, TOL, case)
+    assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
+    assert_export_matches(single_run, extended_runs[case], case)

@@ -25,7 +25,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
-# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp)
+# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp, ep+pp, cp+pp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
              **{(s, "ep"): cls for s, cls in _MP.items()},
@@ -34,9 +34,13 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
              ("zero1", "pp"): PipelineZeRO1,
-             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2}
+             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
+             ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
+             ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
+             ("zero1", "cp+pp"): PipelineZeRO1}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
-         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp")}
+         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp"),
+         "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp")}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
 REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
@@ -60,7 +64,11 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
                           "DeepSpeed refuses them with its own pipeline", "use zero1.yaml"] for s in ("zero2", "zero3")},
            ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
            **{(s, "tp+pp"): ["pipeline x tensor parallelism with DeepSpeed ZeRO", "one model-parallel group"]
-              for s in ("zero1", "zero2", "zero3")}}
+              for s in ("zero1", "zero2", "zero3")},
+           ("fsdp1", "ep+pp"): ["FSDP1 is not supported"], ("fsdp1", "cp+pp"): ["FSDP1 is not supported"],
+           ("zero1", "ep+pp"): ["pipeline x expert parallelism with DeepSpeed ZeRO-1", "hold different experts"],
+           **{(s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
+              for s in ("zero2", "zero3") for k in ("ep+pp", "cp+pp")}}
 
 
 def test_every_pair_has_an_entry():

@@ -52,3 +52,28 @@ def test_eval_shard_covers_everything_once_with_equal_batch_counts():
     assert len({len(s) for s in shards}) == 1
     seen = [i for s in shards for b in s for i in b if i is not None]
     assert sorted(seen) == list(range(23))
+
+
+@pytest.mark.parametrize("per_device, dp, accum, splits", [(2, 2, 2, 2), (4, 2, 1, 2), (4, 3, 2, 4), (6, 2, 1, 3)])
+def test_pipeline_splits_make_each_micro_batch_one_slice(per_device, dp, accum, splits):
+    """Under a pipeline of `splits` micro-batches, micro-batch i of every dp rank together is one contiguous slice
+    of the global batch: the rows of one micro-step of a one-process run with per_device * dp / splits rows and
+    accum * splits steps (MoE routing statistics are per micro-batch); the global batch itself is unchanged."""
+    n, part = 97, per_device // splits
+    ranks = [GlobalBatchSampler(n, per_device, dp, r, accum, seed=5, splits=splits) for r in range(dp)]
+    one = GlobalBatchSampler(n, part * dp, 1, 0, accum * splits, seed=5)
+    for step in range(2 * ranks[0].steps_per_epoch + 1):   # crosses epochs
+        at = divmod(step, ranks[0].steps_per_epoch)
+        mine = [s.micro_batches(*at) for s in ranks]        # [rank][micro-step] -> rows
+        ref = one.micro_batches(*at)                        # [micro-step] -> rows
+        for a in range(accum):
+            for i in range(splits):
+                rows = [x for r in range(dp) for x in mine[r][a][i * part:(i + 1) * part]]
+                assert rows == ref[a * splits + i]
+        assert sorted(x for per_rank in mine for mb in per_rank for x in mb) == sorted(x for mb in ref for x in mb)
+
+
+def test_splits_of_one_are_the_plain_sampler():
+    a = GlobalBatchSampler(40, 4, 2, 1, 2, seed=2)
+    b = GlobalBatchSampler(40, 4, 2, 1, 2, seed=2, splits=1)
+    assert list(a.iterate(0, 7)) == list(b.iterate(0, 7))

@@ -9,9 +9,9 @@
     blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """
 
-from .attention import MODES, cp_attention_forward, cp_rows, register_cp_attention, ring_attention, ulysses_attention
+from .attention import MODES, cp_attention_forward, cp_row_slice, cp_rows, register_cp_attention, ring_attention, ulysses_attention
 from .blockwise import block_attention, doc_causal_mask
 from .layout import RowLayout, document_ids, shard_batch, shift_labels, zigzag_indices
 
-__all__ = ["block_attention", "doc_causal_mask", "MODES", "cp_attention_forward", "cp_rows", "register_cp_attention", "ring_attention", "ulysses_attention",
+__all__ = ["block_attention", "doc_causal_mask", "MODES", "cp_attention_forward", "cp_row_slice", "cp_rows", "register_cp_attention", "ring_attention", "ulysses_attention",
            "RowLayout", "document_ids", "shard_batch", "shift_labels", "zigzag_indices"]

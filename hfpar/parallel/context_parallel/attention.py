@@ -53,6 +53,18 @@ def cp_rows(rows: RowLayout, group, mode: str):
         _state.cur = previous
 
 
+@contextlib.contextmanager
+def cp_row_slice(start: int, stop: int):
+    """Inside `cp_rows(...)`: publish the layout of rows start:stop only, same group and mode (a pipeline
+    micro-batch's forward and backward); outside one, nothing to narrow."""
+    state = getattr(_state, "cur", None)
+    if state is None:
+        yield
+        return
+    with cp_rows(state[0].row_slice(start, stop), state[1], state[2]):
+        yield
+
+
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
 

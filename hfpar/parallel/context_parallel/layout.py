@@ -30,6 +30,15 @@ class RowLayout:
     causal: bool = False       # every row is one document without padding: plain causal attention suffices
     plans: dict = field(default_factory=dict, repr=False, compare=False)   # kernel-call plans (fused.row_plans)
 
+    def row_slice(self, start: int, stop: int) -> RowLayout:
+        """The layout of rows start:stop only (a pipeline micro-batch), made once per batch."""
+        key = ("rows", start, stop)
+        if key not in self.plans:
+            doc = self.doc[start:stop]
+            self.plans[key] = RowLayout(doc=doc, order=self.order, local=self.local, cp=self.cp,
+                                        causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()))
+        return self.plans[key]
+
     def doc_lists(self) -> list[list[int]]:
         """rows.doc as Python lists (made once per batch, for the kernel-call plans)."""
         if "docs" not in self.plans:

@@ -111,6 +111,9 @@ class PipelineChunks(nn.Module):
     def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
         self.chunks[0].save_pretrained(save_directory, state_dict, **kwargs)
 
+    def full_model(self) -> nn.Module:
+        return self.chunks[0].full_model()
+
     def hf_name(self, name: str) -> str:
         """chunks.<c>.<name of chunk c> -> the full model's name."""
         m = re.match(r"chunks\.(\d+)\.(.*)", name)

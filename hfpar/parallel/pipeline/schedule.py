@@ -99,15 +99,18 @@ def split_microbatches(batch: dict, m: int) -> list[dict]:
 
 class PipelineRunner:
     def __init__(self, stage, peers: list[int], schedule: str = "1f1b", microbatches: int = 1, model=None,
-                 group=None, autocast=None):
+                 group=None, autocast=None, micro_scope=None):
         """stage: this rank's PipelineStage, or PipelineChunks (interleaved_1f1b); model: what to call for the
         forward of a single stage (the stage or a wrapper of it); peers: global rank of every stage of this rank's
         pipeline; group: the pipeline process group; autocast: a context-manager factory around each forward and
         its loss only (mixed precision). Not around the whole schedule: its backwards would run under autocast,
         whose weight-cast cache then outlives the micro-batches, which FSDP2's unsharded parameters (re-gathered
-        per forward and backward) must not share."""
+        per forward and backward) must not share. micro_scope: (i, micro-batch i's dict) -> a context manager around its
+        forward AND its backward (the per-micro-batch state layers read: MoE routers' token mask, the context-
+        parallel row layout; activation checkpointing recomputes in backward)."""
         self.stage, self.peers, self.group = stage, peers, group
         self.autocast = autocast or contextlib.nullcontext
+        self.micro_scope = micro_scope or (lambda i, mb: contextlib.nullcontext())
         self.chunks = list(getattr(stage, "chunks", [stage]))   # chunk c of rank r: virtual stage c x p + r
         self.model = model if model is not None else stage   # chunks: called as model(x, chunk=c) (PipelineChunks)
         if schedule == "interleaved_1f1b" and len(self.chunks) < 2:
@@ -172,7 +175,7 @@ class PipelineRunner:
             v = chunk.stage_index   # virtual stage (the stage itself unless interleaved)
             if kind == "F":
                 x = mb["input_ids"] if chunk.is_first else self._recv(v - 1).requires_grad_()
-                with self.autocast():
+                with self.micro_scope(i, mb), self.autocast():
                     out = self._forward(c, mb, x)   # (b, T, H) hidden states, or (b, T, vocab) logits on the last
                     if chunk.is_last:
                         loss_sum, n = loss_fn(out, mb["labels"])
@@ -184,7 +187,7 @@ class PipelineRunner:
                 inputs[c, i], outputs[c, i] = x, out
                 continue
             x, out = inputs.pop((c, i)), outputs.pop((c, i))
-            with chunk.receiving(None if chunk.is_first else x):
+            with self.micro_scope(i, mb), chunk.receiving(None if chunk.is_first else x):
                 if chunk.is_last:
                     out.backward()
                 else:
@@ -203,9 +206,9 @@ class PipelineRunner:
         # ranks sends and receives in the same (chunk, micro-batch) order
         for c, chunk in enumerate(self.chunks):
             v = chunk.stage_index
-            for mb in mbs:
+            for i, mb in enumerate(mbs):
                 x = mb["input_ids"] if chunk.is_first else self._recv(v - 1)
-                with self.autocast():
+                with self.micro_scope(i, mb), self.autocast():
                     out = self._forward(c, mb, x)
                     if chunk.is_last:
                         loss_sum, n = loss_fn(out, mb["labels"])

@@ -23,6 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hfpar.parallel.expert_parallel import (
+    MoELayer,
+    is_upcycled,
+    save_upcycled_pretrained,
+    upcycle_to_moe,
+)
 from hfpar.parallel.sharding import local_tensor
 
 
@@ -211,13 +217,25 @@ class PipelineStage(nn.Module):
             tied.grad = torch.zeros_like(tied)
         dist.all_reduce(local_tensor(tied.grad), group=group)   # FSDP2: both ends hold the same dp shard of it
 
-    def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
-        """Write the full model in HF format from the merged state dict of every stage: saved through a model of
-        the full config built on the meta device (no memory), so config, generation config and file layout are
-        exactly what `from_pretrained` expects."""
+    def full_model(self) -> nn.Module:
+        """The full model this stage was cut from, built on the meta device (no memory) from the full config, its
+        MLPs upcycled as this stage's were (upcycle_to_moe: then exported as the HF MoE architecture it became)."""
         with torch.device("meta"):
             full = type(self.lm)(self.full_config)
-        full.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        moe = next((m for m in self.lm.modules() if isinstance(m, MoELayer)), None)
+        if moe is not None and is_upcycled(self.lm):
+            g = moe.gate
+            upcycle_to_moe(full, g.num_experts, g.top_k, aux_loss_coef=g.aux_loss_coef, z_loss_coef=g.z_loss_coef)
+        return full
+
+    def save_pretrained(self, save_directory, state_dict: dict, **kwargs) -> None:
+        """Write the full model in HF format from the merged state dict of every stage: saved through full_model(),
+        so config, generation config and file layout are exactly what `from_pretrained` expects."""
+        full = self.full_model()
+        if is_upcycled(full):
+            save_upcycled_pretrained(full, save_directory, state_dict=state_dict, is_main_process=True, **kwargs)
+        else:
+            full.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
 
     def hf_name(self, name: str) -> str:
         """A state-dict name of this stage -> the full model's name (layer indices made global)."""
