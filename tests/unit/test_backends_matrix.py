@@ -25,13 +25,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
-# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp)
+# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp), test_ep_parity's EP x CP cases (ep+cp, tp+ep+cp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
              **{(s, "ep"): cls for s, cls in _MP.items()},
              **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
+             **{(s, "ep+cp"): cls for s, cls in _MP.items()},
+             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
              ("zero1", "pp"): PipelineZeRO1,
              ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2}
@@ -52,8 +54,10 @@ REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
            ("zero3", "tp+ep"): ["ZeRO-3 would partition the TP shards and each rank's experts again"],
            ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
-           **{(s, "ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
-           **{(s, "tp+ep+cp"): ["context parallelism together with expert parallelism"] for s in STRATEGIES},
+           ("zero3", "ep+cp"): ["ZeRO-3 would partition each rank's experts again"],
+           ("fsdp1", "ep+cp"): ["FSDP1 is not supported"],
+           ("zero3", "tp+ep+cp"): ["ZeRO-3 would partition the TP shards and each rank's experts again"],
+           ("fsdp1", "tp+ep+cp"): ["FSDP1 is not supported"],
            ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
                              "FSDP1 is not supported"],
            **{(s, "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
