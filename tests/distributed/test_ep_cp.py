@@ -22,6 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hfpar.context import ParallelContext
+from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels
+from hfpar.parallel.expert_parallel import apply_expert_parallel, moe_token_mask, set_aux_loss_grad_scale
+from hfpar.parallel.sharding import reduce_dp_grads, shard_spec
 from tests.helpers.dist import run_distributed
 
 T, V = 16, 64
@@ -69,11 +73,6 @@ def _rel(a, b) -> float:
 
 
 def _check(rank: int, world: int) -> dict:
-    from hfpar.context import ParallelContext
-    from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels
-    from hfpar.parallel.expert_parallel import apply_expert_parallel, moe_token_mask, set_aux_loss_grad_scale
-    from hfpar.parallel.sharding import reduce_dp_grads, shard_spec
-
     ctx = ParallelContext.plan(world, rank, ep=2, cp=2).build_groups()
     assert ctx.dp == 1 and ctx.ep_rank == ctx.cp_rank
     assert sorted(dist.get_process_group_ranks(ctx.ep_group)) == sorted(dist.get_process_group_ranks(ctx.cp_group))

@@ -46,6 +46,18 @@ def assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, 
         assert rel_close(r[key], g[key], tol), f"{what} step {r['step']}: {key} {g[key]!r} vs single {r[key]!r}"
 
 
+def assert_steps_match(ref_dir, got_dir, what: str, steps: int = 8, tokens: bool = True):
+    """Per optimizer step: the loss and grad norm within TOL of the reference run's, and (tokens) the same number of
+    target tokens (the same global batch)."""
+    ref, _ = read_metrics(ref_dir)
+    got, _ = read_metrics(got_dir)
+    assert len(got) == steps, f"{what}: {len(got)} steps"
+    assert_close_series(ref, got, "loss", TOL, what)
+    assert_close_series(ref, got, "grad_norm", TOL, what)
+    if tokens:
+        assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got], what
+
+
 def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, initial: dict | None = None,
                           update_tol: float | None = None):
     """Exported weights equal the reference's: per tensor ||got - ref|| / ||ref|| <= tol; and, given the
