@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.launch import launch, launch_all, read_metrics, rel_close
+from tests.helpers.launch import launch, launch_all, read_metrics, rel_close, rel_diff
 
 TOL = 1e-4  # the parity contract (docs/testing.md)
 # Exported weights vs the single run, relative to the training update: ||got - ref|| / ||ref - initial||.
@@ -48,10 +48,12 @@ def assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, 
 
 def assert_steps_match(ref_dir, got_dir, what: str, steps: int = 8, tokens: bool = True):
     """Per optimizer step: the loss and grad norm within TOL of the reference run's, and (tokens) the same number of
-    target tokens (the same global batch)."""
+    target tokens (the same global batch). Prints the largest differences (pytest -s) for the record."""
     ref, _ = read_metrics(ref_dir)
     got, _ = read_metrics(got_dir)
     assert len(got) == steps, f"{what}: {len(got)} steps"
+    worst = {k: max(rel_diff(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}
+    print(f"STEPS {what}: max relative difference loss {worst['loss']:.2e}, grad_norm {worst['grad_norm']:.2e}")
     assert_close_series(ref, got, "loss", TOL, what)
     assert_close_series(ref, got, "grad_norm", TOL, what)
     if tokens:
