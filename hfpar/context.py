@@ -9,8 +9,10 @@ Rank layout (tp innermost, so a TP group stays inside a node when tp <= GPUs per
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank        world = pp x dp x cp x tp
 
-EP ranks are drawn from the dp ranks: inside a dp group D, EP groups are runs of ep consecutive entries
-and the expert-data-parallel group (ranks holding the same experts) is D[j::ep]. The cp ranks of a replica share
+EP ranks are drawn from the dp x cp ranks (as torchtitan borrows them from dp_shard x cp): inside a replica group
+R (dp x cp, cp innermost), EP groups are runs of ep consecutive entries, so the cp ranks of a replica come first,
+and the expert-data-parallel group (ranks holding the same experts) is R[j::ep]. Each cp rank routes the tokens of
+its own part of the sequence; with cp 1 this is the dp group. The cp ranks of a replica share
 its rows (each holds its part of every sequence); each pp rank holds its pipeline stage (V chunks
 under the interleaved schedule).
 Everything downstream receives this object; nothing reads degrees back from model attributes.
@@ -75,11 +77,13 @@ class ParallelContext:
             p.append(f"{what}{f' = {model}' if len(degrees) > 1 else ''} does not divide the world size {self.world} "
                      f"(world = data-parallel size x model-parallel degrees; valid --{flag}_size here: "
                      + (", ".join(map(str, valid)) or "none") + ")")
-        elif not p and self.dp % self.ep:
-            p.append(f"--ep_size {self.ep} does not divide the data-parallel size {self.dp} "
-                     f"(world {self.world} / tp {self.tp}{f' / cp {self.cp}' if self.cp > 1 else ''}"
-                     f"{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
-                     + ", ".join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0))
+        elif not p and (self.dp * self.cp) % self.ep:  # experts are drawn from the dp x cp ranks
+            n = self.dp * self.cp
+            what = f"data-parallel x context-parallel size {self.dp} x {self.cp}" if self.cp > 1 else \
+                f"data-parallel size {self.dp}"
+            p.append(f"--ep_size {self.ep} does not divide the {what} "
+                     f"(world {self.world} / tp {self.tp}{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
+                     + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0))
         if self.sequence_parallel and self.tp == 1:
             p.append("--sequence_parallel needs --tp_size > 1")
         return p
@@ -119,7 +123,8 @@ class ParallelContext:
 
     @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep
+        """This rank's place in its EP group: its index in the replica group (dp x cp, cp innermost) mod ep."""
+        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
 
     @property
     def model_parallel(self) -> bool:
@@ -174,7 +179,7 @@ class ParallelContext:
             self.groups[axis] = new_groups(self.rank_lists(axis))
         # the ranks over which replicated grads are averaged: dp x cp (= dp when cp is 1)
         self.groups["replica"] = new_groups(self.rank_lists("dp", "cp"))
-        ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp"), self.ep)
+        ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp", "cp"), self.ep)   # EP from dp x cp
         self.groups["ep"] = new_groups(ep_lists)
         self.groups["edp"] = new_groups(edp_lists)
         return self
@@ -199,6 +204,12 @@ class ParallelContext:
     def replica_group(self):
         """dp x cp: where the backends reduce (average) the grads of parameters every rank of it holds whole."""
         return self.groups.get("replica")
+
+    @property
+    def expert_groups(self) -> tuple:
+        """(ep, routing-statistics, expert-dp) groups for apply_expert_parallel: experts are drawn from the dp x cp
+        ranks, so routers gather their statistics over dp x cp (every token of the global batch)."""
+        return self.ep_group, self.replica_group, self.edp_group
 
     @property
     def cp_group(self):

@@ -33,7 +33,6 @@ _ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holdin
              "or fsdp2.yaml")
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
-_EP_CP = "context parallelism together with expert parallelism is not supported yet"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
 _PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
@@ -64,8 +63,13 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("single", "tp+cp"): ModelParallelDDP, ("ddp", "tp+cp"): ModelParallelDDP, ("fsdp2", "tp+cp"): ModelParallelFSDP2,
     ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
     ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
-    **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
-    **{(s, "tp+ep+cp"): _EP_CP for s in STRATEGIES},
+    # EP x CP: experts drawn from the dp x cp ranks (each cp rank routes its own tokens), attention context-parallel
+    ("single", "ep+cp"): ModelParallelDDP, ("ddp", "ep+cp"): ModelParallelDDP, ("fsdp2", "ep+cp"): ModelParallelFSDP2,
+    ("zero1", "ep+cp"): ModelParallelDeepSpeed, ("zero2", "ep+cp"): ModelParallelDeepSpeed,
+    ("zero3", "ep+cp"): _ZERO3_EP, ("fsdp1", "ep+cp"): _FSDP1,
+    ("single", "tp+ep+cp"): ModelParallelDDP, ("ddp", "tp+ep+cp"): ModelParallelDDP,
+    ("fsdp2", "tp+ep+cp"): ModelParallelFSDP2, ("zero1", "tp+ep+cp"): ModelParallelDeepSpeed,
+    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): _ZERO3_TP_EP, ("fsdp1", "tp+ep+cp"): _FSDP1,
     # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
     # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
     ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,

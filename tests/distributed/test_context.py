@@ -29,11 +29,13 @@ AXES = ("tp", "dp", "cp", "pp")
     (dict(world=8, tp=2, ep=3), ["--ep_size 3 does not divide the data-parallel size 4", "world 8 / tp 2",
                                  "valid --ep_size: 1, 2, 4"]),
     (dict(world=6, ep=4), ["--ep_size 4 does not divide the data-parallel size 6", "valid --ep_size: 1, 2, 3, 6"]),
+    (dict(world=6, cp=2, ep=4), ["--ep_size 4 does not divide the data-parallel x context-parallel size 3 x 2",
+                                 "valid --ep_size: 1, 2, 3, 6"]),
     (dict(world=4, sequence_parallel=True), ["--sequence_parallel needs --tp_size > 1"]),
     (dict(world=4, tp=0), ["--tp_size 0: must be a positive integer"]),
     (dict(world=4, ep=-2), ["--ep_size -2: must be a positive integer"]),
     (dict(world=4, pp=0), ["--pp_size 0: must be a positive integer"]),
-], ids=["tp-world", "tp-world-6", "tp-cp-world", "cp-world", "ep-dp", "ep-dp-6", "sp-tp1", "tp0", "ep-neg", "pp0"])
+], ids=["tp-world", "tp-world-6", "tp-cp-world", "cp-world", "ep-dp", "ep-dp-6", "ep-dp-cp", "sp-tp1", "tp0", "ep-neg", "pp0"])
 def test_single_refusal_names_value_and_valid_ones(kwargs, expected):
     world = kwargs.pop("world")
     with pytest.raises(ContextError) as e:
@@ -77,16 +79,24 @@ LAYOUTS = {  # (world, degrees) -> hand-written groups per axis (+ ep / edp from
     "tp2-cp2-pp2": (8, dict(tp=2, cp=2, pp=2), {
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[r] for r in range(8)],
         "cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        "ep": [[r] for r in range(8)], "edp": [[r] for r in range(8)]}),
+        "ep": [[0], [2], [1], [3], [4], [6], [5], [7]], "edp": [[0, 2], [1, 3], [4, 6], [5, 7]]}),
     "ep4": (8, dict(ep=4), {
         "tp": [[r] for r in range(8)], "dp": [list(range(8))], "cp": [[r] for r in range(8)],
+        "pp": [[r] for r in range(8)], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]], "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    # EP drawn from dp x cp (cp innermost): the cp ranks of a replica are in one EP group first
+    "tp2-ep2-cp2": (8, dict(tp=2, ep=2, cp=2), {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": [[r] for r in range(8)],
+        "ep": [[0, 2], [4, 6], [1, 3], [5, 7]], "edp": [[0, 4], [2, 6], [1, 5], [3, 7]]}),
+    "ep4-cp2": (8, dict(ep=4, cp=2), {
+        "tp": [[r] for r in range(8)], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]], "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "pp": [[r] for r in range(8)], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]], "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
 }
 
 
 def _expert_lists(ctx: ParallelContext):
     from hfpar.parallel.groups import expert_rank_lists
-    return expert_rank_lists(ctx.rank_lists("dp"), ctx.ep)
+    return expert_rank_lists(ctx.rank_lists("dp", "cp"), ctx.ep)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -111,7 +121,7 @@ def test_coordinates_follow_the_formula(name):
         c = ctx._coords()
         assert ((c["pp"] * ctx.dp + c["dp"]) * ctx.cp + c["cp"]) * ctx.tp + c["tp"] == rank
         assert (ctx.tp_rank, ctx.dp_rank) == (c["tp"], c["dp"])
-        assert ctx.ep_rank == ctx.dp_rank % ctx.ep
+        assert ctx.ep_rank == (ctx.dp_rank * ctx.cp + ctx.cp_rank) % ctx.ep
         # the rank's position inside its own group on each axis is its coordinate on that axis
         for axis in AXES:
             group = next(g for g in ctx.rank_lists(axis) if rank in g)
@@ -171,9 +181,12 @@ def _members(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
+DEGREES = {"tp2-ep2": {"tp": 2, "ep": 2}, "ep2": {"ep": 2}, "tp2-cp2": {"tp": 2, "cp": 2}, "ep2-cp2": {"ep": 2, "cp": 2}}
+
+
 def _groups_worker(rank: int, world_size: int) -> dict:
     out = {}
-    for name, deg in (("tp2-ep2", dict(tp=2, ep=2)), ("ep2", dict(ep=2)), ("tp2-cp2", dict(tp=2, cp=2))):
+    for name, deg in DEGREES.items():
         ctx = ParallelContext.plan(world_size, rank, **deg).build_groups()
         groups = dict(ctx.groups)
         assert ctx.build_groups().groups == groups          # idempotent: no second set of groups
@@ -191,17 +204,19 @@ def test_build_groups_on_4_ranks():
                        "edp": [[0, 2], [1, 3]], "replica": [[0, 1, 2, 3]]},
                # rank = cp_rank * tp + tp_rank (dp 1): grads averaged over dp x cp = the cp group here
                "tp2-cp2": {"tp": [[0, 1], [2, 3]], "cp": [[0, 2], [1, 3]], "dp": [[0], [1], [2], [3]],
-                           "replica": [[0, 2], [1, 3]]}}
+                           "replica": [[0, 2], [1, 3]]},
+               # rank = dp_rank * cp + cp_rank: EP drawn from dp x cp, the cp ranks of a replica in one EP group
+               "ep2-cp2": {"cp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "replica": [[0, 1, 2, 3]],
+                           "ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}}
     for rank, res in enumerate(results):
         for name, want in layouts.items():
-            ctx = ParallelContext.plan(4, rank, **{"tp2-ep2": {"tp": 2, "ep": 2}, "ep2": {"ep": 2},
-                                                   "tp2-cp2": {"tp": 2, "cp": 2}}[name])
+            ctx = ParallelContext.plan(4, rank, **DEGREES[name])
             got = res[name]
             mine = {k: next(g for g in v if rank in g) for k, v in want.items()}
             for axis in AXES:
                 assert got[axis] == next(g for g in ctx.rank_lists(axis) if rank in g), (rank, name, axis)
             assert {k: got[k] for k in mine} == mine, (rank, name, got)
-            assert got["pp"] == [rank] and (name == "tp2-cp2" or got["cp"] == [rank])
+            assert got["pp"] == [rank] and ("cp2" in name or got["cp"] == [rank])
             assert got["props"] == [got[k] for k in ("tp", "dp", "cp", "pp", "ep", "edp")]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.launch import launch, launch_all, read_metrics, rel_close
+from tests.helpers.launch import launch, launch_all, read_metrics, rel_close, rel_diff
 
 TOL = 1e-4  # the parity contract (docs/testing.md)
 # Exported weights vs the single run, relative to the training update: ||got - ref|| / ||ref - initial||.
@@ -44,6 +44,20 @@ def assert_close_series(ref: list[dict], got: list[dict], key: str, tol: float, 
     assert [r["step"] for r in ref] == [r["step"] for r in got], f"{what}: steps differ"
     for r, g in zip(ref, got):
         assert rel_close(r[key], g[key], tol), f"{what} step {r['step']}: {key} {g[key]!r} vs single {r[key]!r}"
+
+
+def assert_steps_match(ref_dir, got_dir, what: str, steps: int = 8, tokens: bool = True):
+    """Per optimizer step: the loss and grad norm within TOL of the reference run's, and (tokens) the same number of
+    target tokens (the same global batch). Prints the largest differences (pytest -s) for the record."""
+    ref, _ = read_metrics(ref_dir)
+    got, _ = read_metrics(got_dir)
+    assert len(got) == steps, f"{what}: {len(got)} steps"
+    worst = {k: max(rel_diff(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}
+    print(f"STEPS {what}: max relative difference loss {worst['loss']:.2e}, grad_norm {worst['grad_norm']:.2e}")
+    assert_close_series(ref, got, "loss", TOL, what)
+    assert_close_series(ref, got, "grad_norm", TOL, what)
+    if tokens:
+        assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got], what
 
 
 def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, initial: dict | None = None,

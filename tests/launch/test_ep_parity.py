@@ -4,7 +4,9 @@ fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux lo
 with EP=2 on 2 and on 4 processes (DDP for the rest), with EP=2 under FSDP2 / ZeRO, and with EP=2 + activation
 checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gradient once) on 2 processes, and
 EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both TP ranks, experts split over EP)
-under DDP, FSDP2, ZeRO-1 and ZeRO-2 must match the same upcycled model trained in one process, per step (loss, grad_norm: the aux-loss gradient
+under DDP, FSDP2, ZeRO-1 and ZeRO-2, and EP=2 x CP=2 (EP drawn from the cp ranks: ring over DDP, Ulysses over FSDP2;
+on demand, -m extended: the other two, dp 2 x cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2) must match the same upcycled model
+trained in one process, per step (loss, grad_norm: the aux-loss gradient
 included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
 resume with EP, and ep 2 -> ep 1 on one process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
 """
@@ -19,7 +21,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
                                   assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
-                                  launch_cases, resume_on_other_meshes)
+                                  assert_steps_match, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, read_metrics, read_run_info
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -36,9 +38,26 @@ def ep_runs(base_model, tmp_path_factory):
             "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
             "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
             **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"])
-               for c in ("ddp", "fsdp2", "zero1", "zero2")}}
+               for c in ("ddp", "fsdp2", "zero1", "zero2")},
+            **EP_CP}
     return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE])}
 
+
+# EP x CP: EP=2 drawn from the cp ranks (cp 2, dp 1: the all-to-all group is the cp group; each cp rank routes the
+# tokens of its part of every row), 2 processes, per-device batch 4 (global 8, as single); launched with the cases
+# above (same accelerate config and process count: one launch each, tests/helpers/launch.py); no eval, no
+# checkpoint (the per-step metrics and the final export are compared): ~7 CPU-s a run instead of ~11
+_EPCP = ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0", "--eval_steps", "0"]
+EP_CP = {"ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+         "ep2_cp2_ulysses_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
+# on demand (-m extended): the rest of ring / Ulysses x DDP / FSDP2, dp 2 beside cp 2 (EP over the cp ranks of each
+# replica), TP x EP x CP, ZeRO-1 / ZeRO-2
+EP_CP_EXTENDED = {"ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+                  "ep2_cp2_ring_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+                  "ep2_cp2_dp2_fsdp2": ("fsdp2", 4, "2", [*_EPCP, "--cp_mode", "ulysses"]),
+                  "ep2_tp2_cp2": ("ddp", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ring"]),
+                  "ep2_cp2_zero1": ("zero1", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+                  "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
 
 CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_checkpointing", "ep2_tp2",
          "ep2_tp2_fsdp2", "ep2_tp2_zero1", "ep2_tp2_zero2"]
@@ -53,6 +72,30 @@ def test_ep_matches_single_per_step(ep_runs, case):
     assert_close_series(ref, got, "grad_norm", TOL, case)
 
 
+@pytest.mark.parametrize("case", list(EP_CP))
+def test_ep_cp_matches_single(ep_runs, upcycled_weights, case):
+    """Per step (loss, grad norm, target tokens) and the exported weights (the Mixtral export itself: above)."""
+    assert_steps_match(ep_runs["single"], ep_runs[case], case)
+    info = read_run_info(ep_runs[case])
+    assert (info["ep_size"], info["cp_size"], info["dp_size"], info["loading"]["mode"]) == (2, 2, 1, "sharded"), info
+    assert_export_matches(ep_runs["single"], ep_runs[case], case, initial=upcycled_weights)
+
+
+@pytest.fixture(scope="module")
+def ep_cp_extended_runs(base_model, tmp_path_factory):
+    """The extended EP x CP cases and their own single-process reference (not ep_runs': -m extended alone)."""
+    runs = {"single": ("single", 1, "4", []), **EP_CP_EXTENDED}
+    return launch_cases(runs, base_model, tmp_path_factory.mktemp("ep_cp"), common=[*COMMON, *MOE])
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", list(EP_CP_EXTENDED))
+def test_ep_cp_extended_matches_single(ep_cp_extended_runs, base_model, tmp_path, case):
+    runs = ep_cp_extended_runs
+    assert_steps_match(runs["single"], runs[case], case)
+    assert_export_matches(runs["single"], runs[case], case, initial=_upcycled(base_model, runs["single"], tmp_path))
+
+
 def test_upcycled_runs_build_only_their_experts(ep_runs):
     """No launch of its own: with EP (and TP) every rank upcycles the meta skeleton and builds only its experts from
     the dense MLP weights (loading "sharded"); without (ddp_ep1) the whole model loads, then upcycles."""
@@ -65,18 +108,21 @@ def test_upcycled_runs_build_only_their_experts(ep_runs):
 
 @pytest.fixture(scope="module")
 def upcycled_weights(base_model, ep_runs, tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _upcycled(base_model, ep_runs["single"], tmp_path_factory.mktemp("upcycled"))
+
+
+def _upcycled(base_model, single_dir, out) -> dict[str, torch.Tensor]:
     """What the EP runs train from, in the exported files' layout: the base model upcycled in process as the
-    recipe does (MOE flags, seed 42), its state dict loaded into a Mixtral of the exported config and saved
-    by transformers (which writes the per-expert w1/w2/w3 checkpoint keys the exports have)."""
+    recipe does (MOE flags, seed 42), its state dict loaded into a Mixtral of the exported config (the single
+    run's) and saved by transformers (which writes the per-expert w1/w2/w3 checkpoint keys the exports have)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar import upcycle_to_moe
 
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     upcycle_to_moe(model, 4, 2, aux_loss_coef=0.01, seed=42)
-    mixtral = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ep_runs["single"]), dtype=torch.float32)
+    mixtral = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(single_dir), dtype=torch.float32)
     mixtral.load_state_dict(model.state_dict(), strict=True)
-    out = tmp_path_factory.mktemp("upcycled")
     mixtral.save_pretrained(out)
     return load_file(str(out / "model.safetensors"))
 

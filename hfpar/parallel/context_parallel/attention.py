@@ -27,6 +27,7 @@ import contextlib
 import threading
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..comm import all_to_all_single_autograd, group_size
@@ -130,10 +131,14 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if dropout:
         raise ValueError("context-parallel attention: attention dropout is not supported; set attention_dropout 0")
     rows, group, mode = state
+    dq, dv = query.shape[-1], value.shape[-1]
+    if dq != dv:  # MLA (DeepSeek-V2/V3): the fused kernels take one head size; zero columns change no dot product
+        scaling = dq ** -0.5 if scaling is None else scaling                  # and no output column kept
+        query, key, value = (F.pad(x, (0, max(dq, dv) - x.shape[-1])) for x in (query, key, value))
     fn = ring_attention if mode == "ring" else ulysses_attention
     out = fn(query, key, value, rows, group, scaling, window=kwargs.get("sliding_window") or None,
              softcap=kwargs.get("softcap") or None)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :dv].transpose(1, 2).contiguous(), None
 
 
 def register_cp_attention() -> str:

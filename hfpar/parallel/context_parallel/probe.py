@@ -2,8 +2,9 @@
 
     problems = cp_attention_problems(config)       # [] or one line per module / feature it cannot honour
 
-The model is built from its config on the meta device (no memory, no weights) with a recording function as its
-attention implementation, and runs one training-mode forward on a few meta tokens with explicit position ids.
+The model is built from (a copy of) its config on the meta device (no memory, no weights) with a recording function
+as its attention implementation (MoE blocks: transformers' batched_mm experts, which run on meta tensors), and runs
+one training-mode forward on a few meta tokens with explicit position ids.
 CP works by replacing that function (transformers' attention registry, `config._attn_implementation`): so every
 attention module must have called it, and with nothing hfpar's CP attention cannot honour:
     - a module that computes attention itself (never calls the registered function): refused, named;
@@ -14,6 +15,7 @@ Position ids: the model's forward must take `position_ids` (hfpar passes each to
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -30,7 +32,8 @@ REFUSED_KWARGS = {"s_aux": "attention sinks (s_aux)"}      # would be silently d
 def _record(calls):
     def probe(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         calls.append((module, dropout, kwargs))
-        return query.transpose(1, 2), None
+        b, h, t, _ = query.shape                          # (B, T, H, Dv): value's head dim (MLA: Dv != Dqk)
+        return query.new_empty(b, t, h, value.shape[-1]), None
     return probe
 
 
@@ -41,7 +44,10 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
     name = (getattr(config, "architectures", None) or [getattr(config, "model_type", "model")])[0]
     try:
         with set_zero3_state(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=PROBE)
+            # a copy: from_config records both implementations on the config it gets. batched_mm experts (MoE
+            # families): grouped_mm refuses fp32 on CPU and eager indexes by data (nonzero), neither runs on meta
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=PROBE,
+                                                     experts_implementation="batched_mm")
         if "position_ids" not in inspect.signature(model.forward).parameters:
             return [(f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
                      "global position)")]

@@ -258,7 +258,9 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     an expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
 
     ep_group: a process group (None = the default group; no EP when torch.distributed is not initialised),
-    or a hfpar ParallelContext, whose ep / dp / expert-dp groups are then used.
+    or a hfpar ParallelContext, whose ep / replica (dp x cp) / expert-dp groups are then used (its
+    `expert_groups`): under context parallelism each cp rank routes the tokens of its part of the sequence,
+    the routers' statistics span dp x cp (every token), and expert grads are divided by dp x cp.
     dp_group must contain ep_group; routers compute aux / z / capacity statistics over it.
     edp_group: the ranks holding the same experts (expert_parallel_groups); recorded in each expert
     parameter's ShardSpec (dp_reduce_group, dp_size) for the data-parallel grad reduction.
@@ -272,9 +274,8 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     if ep_group is None:
         refuse_unlaunched("apply_expert_parallel")                      # torchrun without a process group
     initialised = dist.is_available() and dist.is_initialized()
-    if hasattr(ep_group, "ep_group"):                                   # a ParallelContext
-        ctx = ep_group
-        ep_group, dp_group, edp_group = ctx.ep_group, ctx.dp_group, ctx.edp_group
+    if hasattr(ep_group, "expert_groups"):                              # a ParallelContext: EP from dp x cp
+        ep_group, dp_group, edp_group = ep_group.expert_groups
     ep_group = ep_group if ep_group is not None else _default_group()
     dp_group = dp_group if dp_group is not None else _default_group()
     ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
