@@ -21,6 +21,7 @@ from .accelerate_dp import AccelerateBackend
 from .base import Backend
 from .model_parallel import ModelParallelBackend, ModelParallelDDP, ModelParallelFSDP2
 from .mp_deepspeed import ModelParallelDeepSpeed
+from .mp_zero3 import ModelParallelZeRO3
 from .pipeline import PipelineBackend, PipelineDDP, PipelineFSDP2
 from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
@@ -28,11 +29,7 @@ from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy,
 STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
 PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp")
 
-_ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
-_ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
-             "or fsdp2.yaml")
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
-_ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
@@ -40,26 +37,25 @@ _PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not support
                "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
                "ddp.yaml or fsdp2.yaml")
 _PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
-_ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
     ("single", "tp"): ModelParallelDDP, ("ddp", "tp"): ModelParallelDDP, ("fsdp2", "tp"): ModelParallelFSDP2,
     ("zero1", "tp"): ModelParallelDeepSpeed, ("zero2", "tp"): ModelParallelDeepSpeed,
-    ("zero3", "tp"): _ZERO3_TP, ("fsdp1", "tp"): _FSDP1,
+    ("zero3", "tp"): ModelParallelZeRO3, ("fsdp1", "tp"): _FSDP1,
     ("single", "ep"): ModelParallelDDP, ("ddp", "ep"): ModelParallelDDP, ("fsdp2", "ep"): ModelParallelFSDP2,
     ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
-    ("zero3", "ep"): _ZERO3_EP, ("fsdp1", "ep"): _FSDP1,
+    ("zero3", "ep"): ModelParallelZeRO3, ("fsdp1", "ep"): _FSDP1,
     # TP x EP: attention (and dense MLPs) tensor-parallel, MoE blocks whole on the TP ranks, experts split over EP
     ("single", "tp+ep"): ModelParallelDDP, ("ddp", "tp+ep"): ModelParallelDDP, ("fsdp2", "tp+ep"): ModelParallelFSDP2,
     ("zero1", "tp+ep"): ModelParallelDeepSpeed, ("zero2", "tp+ep"): ModelParallelDeepSpeed,
-    ("zero3", "tp+ep"): _ZERO3_TP_EP, ("fsdp1", "tp+ep"): _FSDP1,
+    ("zero3", "tp+ep"): ModelParallelZeRO3, ("fsdp1", "tp+ep"): _FSDP1,
     # context parallelism alone: every rank of dp x cp holds the whole model, Accelerate wraps over the world
     **{(s, "cp"): AccelerateBackend for s in ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")},
     ("fsdp1", "cp"): _FSDP1,
     ("single", "tp+cp"): ModelParallelDDP, ("ddp", "tp+cp"): ModelParallelDDP, ("fsdp2", "tp+cp"): ModelParallelFSDP2,
     ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
-    ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
+    ("zero3", "tp+cp"): ModelParallelZeRO3, ("fsdp1", "tp+cp"): _FSDP1,
     **{(s, "ep+cp"): _EP_CP for s in STRATEGIES},
     **{(s, "tp+ep+cp"): _EP_CP for s in STRATEGIES},
     # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
@@ -110,5 +106,6 @@ def support_table_markdown() -> str:
 
 __all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
            "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed", "PipelineBackend", "PipelineDDP", "PipelineFSDP2", "PipelineZeRO1",
+           "ModelParallelDeepSpeed", "ModelParallelZeRO3", "PipelineBackend", "PipelineDDP", "PipelineFSDP2",
+           "PipelineZeRO1",
            "STRATEGY", "Strategy", "checkpoint_layout", "resolve_strategy", "strategy_of"]

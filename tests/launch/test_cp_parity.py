@@ -2,7 +2,8 @@
 
 fp32, 8 steps, global batch 8 vs the single-process run: cp=2 ring and ulysses under ddp.yaml, fsdp2.yaml and
 zero3.yaml (2 processes), cp=2 under zero1.yaml, cp=2 with ZeRO-2 and activation checkpointing, cp=2 x dp=2 under fsdp2.yaml and cp=2 x
-tp=2 with and without sequence parallelism (4 processes): per-step loss and grad_norm
+tp=2 with and without sequence parallelism, and under zero3.yaml (each TP shard partitioned over its cp peers; 4
+processes): per-step loss and grad_norm
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
 Unpacked cases run the default padding-free batches (each micro-batch's samples packed into rows).
@@ -30,6 +31,7 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "cp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--cp_size", "2"]),
     "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
     "cp2_tp2_sp": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
+    "cp2_tp2_zero3": ("zero3", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
     "cp2_zero2_checkpointing": ("zero2", 2, "4", ["--cp_size", "2", "--gradient_checkpointing"]),
     "cp2_zero1": ("zero1", 2, "4", ["--cp_size", "2"]),
 }
