@@ -33,9 +33,10 @@ _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _EP_CP = "context parallelism together with expert parallelism is not supported yet"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
-_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
-               "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
-               "ddp.yaml or fsdp2.yaml")
+_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (hfpar's pipeline ZeRO-1 backend "
+               "gives DeepSpeed the pipeline as its one model-parallel group, whose grad norm would then count every "
+               "TP-replicated parameter once per TP rank; ZeRO-2/3 reduce grads inside every backward, as without "
+               "TP); use ddp.yaml or fsdp2.yaml")
 _PP_WITH = "pipeline parallelism together with expert or context parallelism is not supported yet"
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {

@@ -104,6 +104,10 @@ def test_ep_ranks_hold_half_the_experts(ep_runs):
     full = read_run_info(ep_runs["single"])["param_bytes_per_rank"][0]
     fsdp = read_run_info(ep_runs["ep2_fsdp2"])["param_bytes_per_rank"]
     assert all(abs(b / full - 0.5) < 0.01 for b in fsdp), (full, fsdp)
+    # ZeRO-3 on 4 processes: each rank's experts partitioned over the 2 ranks holding them, the rest over all 4
+    # (measured: exactly a quarter; the few parameters ZeRO-3 keeps whole are below its persistence threshold)
+    quarter = read_run_info(ep_runs["ep2_zero3_dp4"])["param_bytes_per_rank"]
+    assert all(0.25 <= b / full < 0.26 for b in quarter), (full, quarter)
     # ZeRO: params like EP under DDP; optimizer state = experts' AdamW (half the experts) + 1/dp of the dense one
     assert read_run_info(ep_runs["ep2_zero1"])["param_bytes_per_rank"] == two
     ddp_opt = read_run_info(ep_runs["ep2"])["optimizer_state_bytes_per_rank"]
