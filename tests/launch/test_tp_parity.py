@@ -67,7 +67,8 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
     assert all(share <= b / full < share * 1.02 for b in info["param_bytes_per_rank"]), info["param_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1", "tp2_zero3"])
+@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1",
+                                  pytest.param("tp2_zero3", marks=pytest.mark.extended)])  # on demand: -m extended
 def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, case):
     config, nproc, bs, extra = CASES[case]
     src = tp_runs[case]
