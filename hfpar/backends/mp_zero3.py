@@ -34,7 +34,7 @@ from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import full_state_dict, partial_grad_hooks, shard_spec
 from hfpar.train.optim import build_optimizer
 
-from .base import Backend, accelerate_clip, hfpar_reduced
+from .base import Backend, hfpar_reduced
 from .mp_deepspeed import ModelParallelDeepSpeed
 from .zero import DeepSpeedMPU, deepspeed_with_mpu, skip_refusal
 
@@ -65,25 +65,18 @@ class ModelParallelZeRO3(ModelParallelDeepSpeed):
         release(model)  # the refusal apply_* armed (hfpar.parallel.guard): this DeepSpeed wrap spans the dp group only
         with deepspeed_with_mpu(mpu):
             self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
-        self.experts = []  # nothing for ModelParallelDeepSpeed's own expert optimizer: DeepSpeed holds them
+        # none for ModelParallelDeepSpeed's expert optimizer: clip() is then DeepSpeed's norm (dense + experts, both
+        # clipped in its step), step() / zero_grad() / the rank-state files are DeepSpeed's alone
+        self.experts = []
         if experts:
             put_back(experts, saved)
 
-    def clip(self, max_norm: float) -> float:
-        return accelerate_clip(self.acc, self.model, max_norm)  # DeepSpeed's norm: dense + experts, clipped in step
-
     def full_state_dict(self) -> dict:
-        # every parameter partitioned first: ZeRO-3 keeps some gathered after a forward, which ranks whose modules
-        # ran differently (an expert that got no token) may not share, and GatheredParameters gathers only the rest
+        # every parameter partitioned first: GatheredParameters all-gathers only the partitioned ones, and which ones
+        # ZeRO-3 keeps gathered after a forward is each rank's own bookkeeping; this way every rank gathers the same
         self.model.empty_partition_cache()
         model = self.unwrapped()
         return full_state_dict(model, base=partition_gathered_state(model))
-
-    def save_rank_state(self, ckpt_dir) -> None:
-        pass  # DeepSpeed's checkpoint holds every rank's partitions, experts included
-
-    def load_rank_state(self, ckpt_dir) -> None:
-        pass
 
 
 def place_experts(experts: list[torch.Tensor], ctx) -> None:
