@@ -21,6 +21,7 @@ from .accelerate_dp import AccelerateBackend
 from .base import Backend
 from .model_parallel import ModelParallelBackend, ModelParallelDDP, ModelParallelFSDP2
 from .mp_deepspeed import ModelParallelDeepSpeed
+from .mp_zero3 import ModelParallelZeRO3
 from .pipeline import PipelineBackend, PipelineDDP, PipelineFSDP2
 from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
@@ -28,48 +29,47 @@ from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy,
 STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
 PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp")
 
-_ZERO3_TP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP"
-_ZERO3_EP = ("ZeRO-3 would partition each rank's experts again over ranks holding different experts; use zero2.yaml "
-             "or fsdp2.yaml")
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
-_ZERO3_TP_EP = "ZeRO-3 would partition the TP shards and each rank's experts again; use fsdp2.yaml or zero2.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
-_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (its grad norm has one model-"
-               "parallel group, which cannot both sum the stages and count TP-replicated parameters once); use "
-               "ddp.yaml or fsdp2.yaml")
+_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (hfpar's pipeline ZeRO-1 backend "
+               "gives DeepSpeed the pipeline as its one model-parallel group, whose grad norm would then count every "
+               "TP-replicated parameter once per TP rank; ZeRO-2/3 reduce grads inside every backward, as without "
+               "TP); use ddp.yaml or fsdp2.yaml")
 _PP_EP_ZERO = ("pipeline x expert parallelism with DeepSpeed ZeRO-1 is not supported (the pipeline hands DeepSpeed "
                "every parameter of a stage, and ZeRO-1 would partition the experts' optimizer states over dp ranks that "
                "hold different experts); use ddp.yaml or fsdp2.yaml")
 _PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
             "with several together")
-_ZERO3_TP_CP = "ZeRO-3 would partition the TP shards again; use fsdp2.yaml for sharded data parallelism with TP x CP"
+_ZERO3_EP_CP = ("ZeRO-3 with experts drawn from the dp x cp ranks is refused: hfpar's ZeRO-3 expert placement (each "
+                "rank's experts partitioned over the ranks holding the same ones) is verified for experts drawn from "
+                "dp ranks only; use zero2.yaml or fsdp2.yaml with --cp_size")
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
     ("single", "tp"): ModelParallelDDP, ("ddp", "tp"): ModelParallelDDP, ("fsdp2", "tp"): ModelParallelFSDP2,
     ("zero1", "tp"): ModelParallelDeepSpeed, ("zero2", "tp"): ModelParallelDeepSpeed,
-    ("zero3", "tp"): _ZERO3_TP, ("fsdp1", "tp"): _FSDP1,
+    ("zero3", "tp"): ModelParallelZeRO3, ("fsdp1", "tp"): _FSDP1,
     ("single", "ep"): ModelParallelDDP, ("ddp", "ep"): ModelParallelDDP, ("fsdp2", "ep"): ModelParallelFSDP2,
     ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
-    ("zero3", "ep"): _ZERO3_EP, ("fsdp1", "ep"): _FSDP1,
+    ("zero3", "ep"): ModelParallelZeRO3, ("fsdp1", "ep"): _FSDP1,
     # TP x EP: attention (and dense MLPs) tensor-parallel, MoE blocks whole on the TP ranks, experts split over EP
     ("single", "tp+ep"): ModelParallelDDP, ("ddp", "tp+ep"): ModelParallelDDP, ("fsdp2", "tp+ep"): ModelParallelFSDP2,
     ("zero1", "tp+ep"): ModelParallelDeepSpeed, ("zero2", "tp+ep"): ModelParallelDeepSpeed,
-    ("zero3", "tp+ep"): _ZERO3_TP_EP, ("fsdp1", "tp+ep"): _FSDP1,
+    ("zero3", "tp+ep"): ModelParallelZeRO3, ("fsdp1", "tp+ep"): _FSDP1,
     # context parallelism alone: every rank of dp x cp holds the whole model, Accelerate wraps over the world
     **{(s, "cp"): AccelerateBackend for s in ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")},
     ("fsdp1", "cp"): _FSDP1,
     ("single", "tp+cp"): ModelParallelDDP, ("ddp", "tp+cp"): ModelParallelDDP, ("fsdp2", "tp+cp"): ModelParallelFSDP2,
     ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
-    ("zero3", "tp+cp"): _ZERO3_TP_CP, ("fsdp1", "tp+cp"): _FSDP1,
+    ("zero3", "tp+cp"): ModelParallelZeRO3, ("fsdp1", "tp+cp"): _FSDP1,
     # EP x CP: experts drawn from the dp x cp ranks (each cp rank routes its own tokens), attention context-parallel
     ("single", "ep+cp"): ModelParallelDDP, ("ddp", "ep+cp"): ModelParallelDDP, ("fsdp2", "ep+cp"): ModelParallelFSDP2,
     ("zero1", "ep+cp"): ModelParallelDeepSpeed, ("zero2", "ep+cp"): ModelParallelDeepSpeed,
-    ("zero3", "ep+cp"): _ZERO3_EP, ("fsdp1", "ep+cp"): _FSDP1,
+    ("zero3", "ep+cp"): _ZERO3_EP_CP, ("fsdp1", "ep+cp"): _FSDP1,
     ("single", "tp+ep+cp"): ModelParallelDDP, ("ddp", "tp+ep+cp"): ModelParallelDDP,
     ("fsdp2", "tp+ep+cp"): ModelParallelFSDP2, ("zero1", "tp+ep+cp"): ModelParallelDeepSpeed,
-    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): _ZERO3_TP_EP, ("fsdp1", "tp+ep+cp"): _FSDP1,
+    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): _ZERO3_EP_CP, ("fsdp1", "tp+ep+cp"): _FSDP1,
     # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
     # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
     ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,
@@ -125,5 +125,6 @@ def support_table_markdown() -> str:
 
 __all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
            "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed", "PipelineBackend", "PipelineDDP", "PipelineFSDP2", "PipelineZeRO1",
+           "ModelParallelDeepSpeed", "ModelParallelZeRO3", "PipelineBackend", "PipelineDDP", "PipelineFSDP2",
+           "PipelineZeRO1",
            "STRATEGY", "Strategy", "checkpoint_layout", "resolve_strategy", "strategy_of"]

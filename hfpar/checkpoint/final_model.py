@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers.integrations import deepspeed as hf_ds
 
-from hfpar.distributed import gathered_state_dict, unwrap, without_deepspeed_import
+from hfpar.distributed import gathered_state_dict, swapped, unwrap, without_deepspeed_import
 from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
 
@@ -38,8 +39,10 @@ def gather_full_state(accelerator, backend) -> dict[str, torch.Tensor]:
 
 
 def write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: bool, merge_adapter: bool) -> None:
-    """Main process: save_pretrained of the module that describes the trained model, with `full` as its weights."""
-    with without_deepspeed_import():
+    """Main process: save_pretrained of the module that describes the trained model, with `full` as its weights.
+    Outside transformers' ZeRO-3 hook: a model built here (an upcycled model's HF MoE architecture) must not be
+    built under DeepSpeed's zero.Init, whose broadcasts would wait for the other ranks."""
+    with without_deepspeed_import(), swapped(hf_ds, "_hf_deepspeed_config_weak_ref", None):
         _write_model(backend, full, output_dir, peft, merge_adapter)
 
 

@@ -2,7 +2,7 @@
 
 fp32, 8 steps, global batch 8 vs the single-process run: cp=2 ring and ulysses under ddp.yaml, fsdp2.yaml and
 zero3.yaml (2 processes), cp=2 under zero1.yaml, cp=2 with ZeRO-2 and activation checkpointing, cp=2 x dp=2 under fsdp2.yaml and cp=2 x
-tp=2 with and without sequence parallelism (4 processes): per-step loss and grad_norm
+tp=2 with and without sequence parallelism (4 processes; under zero3.yaml on demand, -m extended): per-step loss and grad_norm
 within 1e-4, exported weights within 1e-4 (and relative to the training update). Packed rows: cp=2 matches the
 single-process packed run, and the first packed batch has the same loss at cp = 1, 2 and 4. Resume under cp=2.
 Unpacked cases run the default padding-free batches (each micro-batch's samples packed into rows).
@@ -63,6 +63,20 @@ def test_cp_export_matches_single(cp_runs, single_run, base_weights, case):
     info = read_run_info(cp_runs[case])
     assert info["cp_size"] == 2 and info["cp_mode"] in ("ring", "ulysses")
     assert info["padding_free"] is True  # the default: packed rows of each micro-batch, padded to 2 x cp
+
+
+@pytest.mark.extended   # on demand (-m extended, docs/testing.md): a 4-process launch of its own beyond the CI budget
+def test_cp_tp_zero3_matches_single(single_run, base_model, base_weights, tmp_path):
+    """cp=2 x tp=2 under ZeRO-3 (each TP shard partitioned over its 2 cp peers, DeepSpeed's dp group here)."""
+    case = "cp2_tp2_zero3"
+    out = launch_cases({case: ("zero3", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"])},
+                       base_model, tmp_path)[case]
+    ref, _ = read_metrics(single_run)
+    got, _ = read_metrics(out)
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    assert_export_matches(single_run, out, case, initial=base_weights)
 
 
 def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):

@@ -4,9 +4,11 @@ fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux lo
 with EP=2 on 2 and on 4 processes (DDP for the rest), with EP=2 under FSDP2 / ZeRO, and with EP=2 + activation
 checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gradient once) on 2 processes, and
 EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both TP ranks, experts split over EP)
-under DDP, FSDP2, ZeRO-1 and ZeRO-2, and EP=2 x CP=2 (EP drawn from the cp ranks: ring over DDP, Ulysses over FSDP2;
-on demand, -m extended: the other two, dp 2 x cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2) must match the same upcycled model
-trained in one process, per step (loss, grad_norm: the aux-loss gradient
+under DDP, FSDP2, ZeRO-1 and ZeRO-2 (ZeRO-3: on demand, -m extended), EP=2 under ZeRO-3 on 4 processes (each
+rank's experts partitioned over the 2 ranks holding the same ones, the dense parameters over all 4), and EP=2 x
+CP=2 (EP drawn from the cp ranks: ring over DDP, Ulysses over FSDP2; on demand, -m extended: the other two, dp 2 x
+cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2) must match the same upcycled model trained in one process, per step (loss,
+grad_norm: the aux-loss gradient
 included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
 resume with EP, and ep 2 -> ep 1 on one process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
 """
@@ -36,6 +38,7 @@ def ep_runs(base_model, tmp_path_factory):
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
             "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
             "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+            "ep2_zero3_dp4": ("zero3", 4, "1", ["--ep_size", "2"]),
             "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
             **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"])
                for c in ("ddp", "fsdp2", "zero1", "zero2")},
@@ -59,7 +62,8 @@ EP_CP_EXTENDED = {"ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulys
                   "ep2_cp2_zero1": ("zero1", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
                   "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
 
-CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_checkpointing", "ep2_tp2",
+CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_zero3_dp4", "ep2_checkpointing",
+         "ep2_tp2",
          "ep2_tp2_fsdp2", "ep2_tp2_zero1", "ep2_tp2_zero2"]
 
 
@@ -140,6 +144,21 @@ def test_ep_export_is_mixtral_and_matches(ep_runs, upcycled_weights, case):
     assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.extended   # on demand (-m extended, docs/testing.md): a 4-process launch of its own beyond the CI budget
+def test_ep_tp_zero3_matches_single(ep_runs, base_model, upcycled_weights, tmp_path):
+    """TP=2 x EP=2 under ZeRO-3 (4 processes, dp 2: the dense TP shards partitioned over dp, each rank's experts
+    over the ranks holding them): per step and in the export, as the other EP cases."""
+    case = "ep2_tp2_zero3"
+    out = launch_cases({case: ("zero3", 4, "2", ["--ep_size", "2", "--tp_size", "2"])}, base_model, tmp_path,
+                       common=[*COMMON, *MOE])[case]
+    ref, _ = read_metrics(ep_runs["single"])
+    got, _ = read_metrics(out)
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    assert_export_matches(ep_runs["single"], out, case, initial=upcycled_weights)
+
+
 def test_ep_ranks_hold_half_the_experts(ep_runs):
     one = read_run_info(ep_runs["ddp_ep1"])["param_bytes_per_rank"]
     two = read_run_info(ep_runs["ep2"])["param_bytes_per_rank"]
@@ -148,6 +167,10 @@ def test_ep_ranks_hold_half_the_experts(ep_runs):
     full = read_run_info(ep_runs["single"])["param_bytes_per_rank"][0]
     fsdp = read_run_info(ep_runs["ep2_fsdp2"])["param_bytes_per_rank"]
     assert all(abs(b / full - 0.5) < 0.01 for b in fsdp), (full, fsdp)
+    # ZeRO-3 on 4 processes: each rank's experts partitioned over the 2 ranks holding them, the rest over all 4
+    # (measured: exactly a quarter; the few parameters ZeRO-3 keeps whole are below its persistence threshold)
+    quarter = read_run_info(ep_runs["ep2_zero3_dp4"])["param_bytes_per_rank"]
+    assert all(0.25 <= b / full < 0.26 for b in quarter), (full, quarter)
     # ZeRO: params like EP under DDP; optimizer state = experts' AdamW (half the experts) + 1/dp of the dense one
     assert read_run_info(ep_runs["ep2_zero1"])["param_bytes_per_rank"] == two
     ddp_opt = read_run_info(ep_runs["ep2"])["optimizer_state_bytes_per_rank"]
@@ -190,7 +213,6 @@ def test_ep_checkpoint_export_equals_the_final_export(ep_runs, tmp_path, case):
 
 @pytest.mark.parametrize("config,flags,message", [
     ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
-    ("zero3", ["--ep_size", "2", *MOE], "ZeRO-3 would partition each rank's experts again"),
     ("zero2", ["--ep_size", "2", *MOE], "--ep_size 2 with zero2 and fp16: the experts' optimizer does not unscale"),
 ])
 def test_ep_refusals_are_one_line(config, flags, message, tmp_path):

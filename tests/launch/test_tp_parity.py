@@ -1,7 +1,8 @@
 """Tensor parallelism end to end (`--tp_size` through the sft recipe) under the parity contract.
 
 fp32, 8 steps, global batch 8 vs the single-process run: TP=2 on 2 processes, TP=2 + sequence
-parallel, TP=2 x DDP=2, TP=2 x FSDP2=2 and TP=2 x ZeRO-2=2 on 4 processes, TP=2 + sequence parallel under
+parallel, TP=2 x DDP=2, TP=2 x FSDP2=2, TP=2 x ZeRO-2=2 and TP=2 x ZeRO-3=2 (each TP shard partitioned over its
+dp peers) on 4 processes, TP=2 + sequence parallel under
 ZeRO-1 (DeepSpeed with hfpar's mpu; SP grads reduced in backward); exported (gathered) weights,
 from_pretrained round trip, per-rank sharded bytes, resume with TP, and the refusals. All in the default
 padding-free batches (each micro-batch's samples packed into rows; tests/unit/test_padding_free.py).
@@ -28,6 +29,7 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "tp2_ddp2": ("ddp", 4, "2", ["--tp_size", "2"]),
     "tp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"]),
     "tp2_zero2": ("zero2", 4, "2", ["--tp_size", "2"]),
+    "tp2_zero3": ("zero3", 4, "2", ["--tp_size", "2"]),
     "tp2_sp_zero1": ("zero1", 2, "4", ["--tp_size", "2", "--sequence_parallel"]),
 }
 
@@ -60,12 +62,13 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
     full = read_run_info(single_run)["param_bytes_per_rank"][0]
     assert info["tp_size"] == 2 and info["dp_size"] == info["world_size"] // 2
     assert info["padding_free"] is True  # the default batching: every TP rank packs the same rows
-    # every weight matrix is split over tp (and over dp with FSDP2); only the norms stay replicated
-    share = 0.25 if case.endswith("fsdp2") else 0.5
+    # every weight matrix is split over tp (and over dp with FSDP2 / ZeRO-3); only the norms stay replicated
+    share = 0.25 if case.endswith(("fsdp2", "zero3")) else 0.5
     assert all(share <= b / full < share * 1.02 for b in info["param_bytes_per_rank"]), info["param_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1"])
+@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1",
+                                  pytest.param("tp2_zero3", marks=pytest.mark.extended)])  # on demand: -m extended
 def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, case):
     config, nproc, bs, extra = CASES[case]
     src = tp_runs[case]
@@ -83,7 +86,6 @@ def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, cas
 
 
 @pytest.mark.parametrize("config,flags,message", [
-    ("zero3", ["--tp_size", "2"], "ZeRO-3 would partition the TP shards again"),
     ("ddp", ["--tp_size", "3"], "--tp_size 3 does not divide the world size 2"),
 ])
 def test_tp_refusals_are_one_line(config, flags, message, tmp_path):

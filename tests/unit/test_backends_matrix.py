@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from hfpar.backends import (PARALLELISMS, STRATEGIES, SUPPORT, AccelerateBackend, ModelParallelDDP,
-                            ModelParallelDeepSpeed, ModelParallelFSDP2, PipelineDDP, PipelineFSDP2, PipelineZeRO1,
-                            select_backend,
+                            ModelParallelDeepSpeed, ModelParallelFSDP2, ModelParallelZeRO3, PipelineDDP, PipelineFSDP2,
+                            PipelineZeRO1, select_backend,
                             support_table_markdown)
 from hfpar.config import ConfigError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
-       "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed}
+       "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed, "zero3": ModelParallelZeRO3}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
 # test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp, ep+pp, cp+pp), test_ep_parity's EP x CP cases (ep+cp,
 # tp+ep+cp)
@@ -33,8 +33,8 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
-             **{(s, "ep+cp"): cls for s, cls in _MP.items()},
-             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items()},
+             **{(s, "ep+cp"): cls for s, cls in _MP.items() if s != "zero3"},
+             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items() if s != "zero3"},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
              ("zero1", "pp"): PipelineZeRO1,
              ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
@@ -46,22 +46,16 @@ PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": 
          "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp")}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
-REFUSED = {("zero3", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
-                             "ZeRO-3 would partition the TP shards again"],
-           ("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
+REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
                              "FSDP1 is not supported"],
-           ("zero3", "ep"): ["expert parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
-                             "ZeRO-3 would partition each rank's experts again"],
-           ("fsdp1", "ep"): ["expert parallelism composes with single, ddp, fsdp2, zero1 and zero2 configs",
+           ("fsdp1", "ep"): ["expert parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
                              "FSDP1 is not supported"],
            ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
-           ("zero3", "tp+cp"): ["ZeRO-3 would partition the TP shards again"],
            ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
-           ("zero3", "tp+ep"): ["ZeRO-3 would partition the TP shards and each rank's experts again"],
            ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
-           ("zero3", "ep+cp"): ["ZeRO-3 would partition each rank's experts again"],
+           ("zero3", "ep+cp"): ["ZeRO-3 with experts drawn from the dp x cp ranks is refused", "use zero2.yaml"],
            ("fsdp1", "ep+cp"): ["FSDP1 is not supported"],
-           ("zero3", "tp+ep+cp"): ["ZeRO-3 would partition the TP shards and each rank's experts again"],
+           ("zero3", "tp+ep+cp"): ["ZeRO-3 with experts drawn from the dp x cp ranks is refused", "use zero2.yaml"],
            ("fsdp1", "tp+ep+cp"): ["FSDP1 is not supported"],
            ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
                              "FSDP1 is not supported"],
@@ -108,13 +102,6 @@ def test_select_backend_refuses_with_one_line(pair):
     assert msg.startswith(f"{flags} with {strategy}: "), msg
     for s in REFUSED[pair]:
         assert s in msg, (s, msg)
-
-
-def test_zero3_tp_message():
-    with pytest.raises(ConfigError) as e:
-        select_backend("zero3", ("tp",), {"tp": 2})
-    assert "--tp_size 2 with zero3" in str(e.value)
-    assert "ZeRO-3 would partition the TP shards again" in str(e.value)
 
 
 def test_config_error_is_a_value_error():
