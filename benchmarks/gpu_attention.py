@@ -324,7 +324,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv_heads", type=int, default=8)
     p.add_argument("--head_dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--skip_exact", action="store_true")
     p.add_argument("--budget_s", type=float, default=120, help="no timing row is started after this many seconds")
     args = p.parse_args()
