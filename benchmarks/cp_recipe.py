@@ -91,7 +91,8 @@ def _summary(runs: list[dict]) -> dict:
                     "step_cpu_s": [s["step_cpu_s"] for s in r["steps"]]} for r in runs]}
 
 
-def measure(lengths, rounds: int = ROUNDS) -> dict:
+def measure(lengths, rounds: int = ROUNDS, progress=None) -> dict:
+    """progress: a path the summaries so far are written to after each length (should a long run be cut)."""
     rows = []
     load = {"start": os.getloadavg(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for seq_len in lengths:
@@ -104,6 +105,9 @@ def measure(lengths, rounds: int = ROUNDS) -> dict:
                     print({k: v for k, v in done[name][-1].items() if k != "steps"},
                           [(s["step_time_s"], s["step_cpu_s"]) for s in done[name][-1]["steps"]], flush=True)
             rows += [_summary(done[name]) for name in RUNS]
+            if progress is not None:
+                progress.write_text(json.dumps({"rows": rows, "load": {**load, "end": os.getloadavg()},
+                                                "steps": STEPS, "warmup": WARMUP, "rounds": rounds}, indent=2))
     load["end"] = os.getloadavg()
     return {"rows": rows, "load": load, "steps": STEPS, "warmup": WARMUP, "rounds": rounds}
 
