@@ -112,6 +112,22 @@ def measure(lengths, rounds: int = ROUNDS, progress=None) -> dict:
     return {"rows": rows, "load": load, "steps": STEPS, "warmup": WARMUP, "rounds": rounds}
 
 
+def from_dirs(root: Path, seq_len: int, load: dict) -> dict:
+    """The measurement of a run cut short (its temporary directory kept): every run directory <name>_<round> under
+    root holding a complete metrics.jsonl (STEPS steps) is summarized as measure() would."""
+    done: dict[str, list] = {}
+    for name, (_, nproc, _) in RUNS.items():
+        for i in range(ROUNDS):
+            f = root / f"{name}_{i}" / "metrics.jsonl"
+            steps = [json.loads(x) for x in f.read_text().splitlines() if '"loss"' in x] if f.exists() else []
+            if len(steps) == STEPS:
+                done.setdefault(name, []).append({"seq_len": seq_len, "run": name, "processes": nproc,
+                                                  "threads_per_process": 1, "steps": steps})
+    rounds = min(len(v) for v in done.values())
+    return {"rows": [_summary(v) for v in done.values()], "load": {**load, "end": os.getloadavg()}, "steps": STEPS,
+            "warmup": WARMUP, "rounds": rounds}
+
+
 def report(res: dict) -> list[str]:
     ld = res["load"]
     lengths = sorted({r["seq_len"] for r in res["rows"]})
