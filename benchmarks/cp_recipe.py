@@ -139,7 +139,8 @@ def report(res: dict) -> list[str]:
           (f"{ld['date']}, {ld['cpus']} CPUs; load average (1, 5, 15 min) at the start "
            f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
            + (" (the machine was shared: other processes ran beside this benchmark; the wall figures carry that "
-              "load, the CPU figures far less)" if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else "")), "",
+              "load, the CPU figures far less)" if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else "")
+           + ld.get("note", "")), "",
           ("| T | run | processes x threads | wall tokens/s | step s | vs cp=1 | CPU tokens/s (rank 0) | step CPU s | "
            "vs cp=1 | losses vs cp=1 (max relative difference) |"), "|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["seq_len"]: r for r in res["rows"] if r["run"] == "cp1"}
