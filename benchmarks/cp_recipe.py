@@ -142,7 +142,8 @@ def report(res: dict) -> list[str]:
               "load, the CPU figures far less)" if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else "")
            + ld.get("note", "")), "",
           ("| T | run | processes x threads | wall tokens/s | step s | vs cp=1 | CPU tokens/s (rank 0) | step CPU s | "
-           "vs cp=1 | losses vs cp=1 (max relative difference) |"), "|---|---|---|---|---|---|---|---|---|---|"]
+           "vs cp=1 | steps (rounds x after warm-up) | losses vs cp=1 (max relative difference) |"),
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["seq_len"]: r for r in res["rows"] if r["run"] == "cp1"}
     for r in res["rows"]:
         b = base[r["seq_len"]]
@@ -151,7 +152,7 @@ def report(res: dict) -> list[str]:
                if "cpu_tokens_per_s" in r else " | | ")
         md.append(f"| {r['seq_len']} | {r['run']} | {r['processes']} x {r['threads_per_process']} | "
                   f"{r['tokens_per_s']:.0f} | {r['step_time_s']:.2f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f} | "
-                  f"{cpu} | {diff:.1e} |")
+                  f"{cpu} | {r.get('samples', '')} | {diff:.1e} |")
     return md
 
 
