@@ -4,7 +4,7 @@ budget, communication bytes against theory (ring and Ulysses), and tokens/s, at 
     python benchmarks/context_parallel.py          # writes benchmarks/results/context_parallel_cpu.{json,md,png}
     python benchmarks/context_parallel.py attention [T ...] [--cp 1,2,4]   # attention alone (cp_attention.py):
                                                    # benchmarks/results/context_parallel_attention_cpu.{json,md,png}
-    python benchmarks/context_parallel.py recipe [T ...]      # recipe tokens/s (benchmarks/cp_recipe.py):
+    python benchmarks/context_parallel.py recipe [T ...]      # recipe tokens/s at cp = 1, 2, 4 (cp_recipe.py):
                                                    # benchmarks/results/context_parallel_recipe_cpu.{json,md,png}
 
 Activation memory is measured exactly, as tp_activation_memory.py does: the bytes of every tensor autograd saves for
@@ -173,7 +173,9 @@ def recipe(lengths) -> None:
     from benchmarks import cp_recipe  # recipe launches: only this mode needs it
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    _write(cp_recipe, "context_parallel_recipe_cpu", cp_recipe.measure(lengths))
+    progress = RESULTS / "context_parallel_recipe_cpu.partial.json"      # the lengths so far, should a run die
+    _write(cp_recipe, "context_parallel_recipe_cpu", cp_recipe.measure(lengths, progress=progress))
+    progress.unlink()
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ class Trainer:
     def _train_step(self, step: int, micro: list) -> dict:
         """One optimizer step over the accumulation steps' micro-batches; returns its metrics record."""
         args, acc, ctx = self.args, self.acc, self.ctx
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.comm is not None:
             self.comm.reset()
         feats = [[self.train_ds[i] for i in ix] for ix in micro]
@@ -171,6 +171,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
+               "step_cpu_s": time.process_time() - c0,   # this process's CPU seconds (all its threads)
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
         if hasattr(self.loss_fn, "step_metrics"):
             rec.update(self.loss_fn.step_metrics(acc.device))

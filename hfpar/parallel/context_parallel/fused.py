@@ -53,12 +53,12 @@ def add_blocks(out, lse, q, k, v, plans, scale) -> None:
                 o, blk = _self_block(qs, ks, vs, scale)
             else:
                 o, blk = attend(qs, ks, vs, op.kind, op.mask, scale)
-            cur = lse[b, :, op.qa:op.qb]
-            new = torch.logaddexp(cur, blk.to(cur.dtype))
-            o_cur = out[b, :, op.qa:op.qb]
-            out[b, :, op.qa:op.qb] = (o_cur * torch.exp(cur - new)[..., None]
-                                      + o.to(o_cur.dtype) * torch.exp(blk.to(new.dtype) - new)[..., None])
-            lse[b, :, op.qa:op.qb] = new
+            cur, o_cur = lse[b, :, op.qa:op.qb], out[b, :, op.qa:op.qb]   # views: merged in place
+            blk = blk.to(cur.dtype)
+            # this block's share of the merged softmax, exp(blk - logaddexp(cur, blk)) = sigmoid(blk - cur): 1 for
+            # queries no block has reached yet (cur = -inf); out <- out (1 - w) + o w in one pass (fewer kernels)
+            o_cur.lerp_(o.to(o_cur.dtype), torch.sigmoid(blk - cur)[..., None])
+            torch.logaddexp(cur, blk, out=cur)
 
 
 def blocks_backward(dout, q, k, v, out, lse, plans, scale, dq, dk, dv) -> None:

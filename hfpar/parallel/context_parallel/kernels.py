@@ -11,10 +11,10 @@ softmax pass.
 
 Why the private aten ops: F.scaled_dot_product_attention returns no log-sum-exp, and merging blocks needs it.
     CPU   aten._scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA, an additive mask.
-    CUDA  aten._scaled_dot_product_flash_attention (fp16 / bf16, no mask) or
-          aten._scaled_dot_product_efficient_attention (fp32, or a mask as an additive bias); kv heads repeated
-          for GQA and their gradients summed back. Written to the ops' schemas in torch 2.13 but NOT run here
-          (no GPU was available to this change): benchmarks/gpu_attention.py is the check to run on one.
+    CUDA  aten._scaled_dot_product_flash_attention (fp16 / bf16, no mask: GQA kv heads taken as they are) or
+          aten._scaled_dot_product_efficient_attention (fp32, or a mask as an additive bias; kv heads repeated
+          for GQA and their gradients summed back). Checked on an H200 (torch 2.11) by benchmarks/gpu_attention.py:
+          fp32 and bf16, packed rows, GQA, sliding windows, every rank of cp = 1, 2, 4 against SDPA's dense mask.
 """
 
 from __future__ import annotations
@@ -47,35 +47,53 @@ def _unrepeat(g, n):
     return g if n == 1 else g.unflatten(1, (-1, n)).sum(2)
 
 
+def _cuda_bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B, H, tq, tk) additive bias for the efficient kernel, which needs each bias row 16-byte aligned (a stride
+    that is a multiple of 4 fp32 / 8 bf16 values): allocated with tk padded to a multiple of 16, then sliced."""
+    tk = mask.shape[-1]
+    bias = torch.zeros(*mask.shape[:-1], tk + (-tk) % 16, dtype=q.dtype, device=q.device)[..., :tk]
+    return bias.masked_fill_(~mask.to(q.device), float("-inf")).expand(q.shape[0], q.shape[1], -1, -1)
+
+
 def _use_flash(q, mask) -> bool:
     return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
+def _half_masked(q, mask) -> bool:
+    """A window-cut block in bf16 / fp16: the efficient kernel's half-precision backward under a -inf bias gave NaN
+    dq / dk on an H200 (torch 2.11, benchmarks/gpu_attention.py) where its fp32 path was exact, so such blocks (the
+    edges of a sliding-window band, few per row) run in fp32."""
+    return mask is not None and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def _cuda_forward(q, k, v, causal, mask, scale):
-    n = q.shape[1] // k.shape[1]
-    k, v = _repeat(k, n), _repeat(v, n)
-    if _use_flash(q, mask):
+    if _half_masked(q, mask):
+        out, lse = _cuda_forward(q.float(), k.float(), v.float(), causal, mask, scale)
+        return out.to(q.dtype), lse
+    if _use_flash(q, mask):                                # flash takes fewer kv heads (GQA) as they are
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
-    bias = None if mask is None else _bias(mask.to(q.device), q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
+    n = q.shape[1] // k.shape[1]
+    k, v = _repeat(k, n), _repeat(v, n)
+    bias = None if mask is None else _cuda_bias(mask, q)
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]                     # the efficient kernel pads lse rows to a multiple of 32
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    if _half_masked(q, mask):                              # fp32 gradients: the callers accumulate in fp32
+        return _cuda_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal, mask, scale)
     n = q.shape[1] // k.shape[1]
-    kr, vr = _repeat(k, n), _repeat(v, n)
     tq, tk = q.shape[2], k.shape[2]
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is not read
-    if _use_flash(q, mask):
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, kr, vr, out, lse.float().contiguous(), None, None, tq, tk, 0.0, causal, seed, seed, scale=scale)
-    else:
-        bias = None if mask is None else _bias(mask.to(q.device), q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
-        pad = (-tq) % 32
-        lse = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, kr, vr, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    if _use_flash(q, mask):                                # GQA as in forward: dk, dv come with the kv heads
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), None, None, tq, tk, 0.0, causal, seed, seed, scale=scale)[:3]
+    bias = None if mask is None else _cuda_bias(mask, q)
+    lse = torch.nn.functional.pad(lse.float(), (0, (-tq) % 32)).contiguous()
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _repeat(k, n), _repeat(v, n), bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
+        scale=scale)
     return dq, _unrepeat(dk, n), _unrepeat(dv, n)
 
 
