@@ -4,8 +4,8 @@
     objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
     loss_sum, n_pairs = objective(logits, shifted_labels)
 
-Rows hold one pair each (hfpar.data.preference.PairCollator) and labels carry each completion target's pair
-(row, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
+Rows hold one pair each, or several with a shared prompt (hfpar.data.preference.PairCollator: `pairs` in the
+batch), and labels carry each completion target's pair (index, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
 cut into context-parallel shards (partial sums all-reduced over the cp group, differentiably), or in a pipeline's
 micro-batch (rows stay whole). Under TP the per-token log-probs come from the vocab-parallel logit shards
 (vocab_parallel_cross_entropy, reduction none): the full logits are never gathered.
@@ -35,9 +35,8 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from hfpar.train.sampler import eval_shard
-
 from hfpar.train.dpo_setup import LOSS_TYPES
+from hfpar.train.sampler import eval_shard
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -68,6 +67,13 @@ def pair_losses(loss_type: str, beta: float, label_smoothing: float, logps: torc
     raise ValueError(f"--loss_type {loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
 
 
+def num_pairs(batch: dict, pop: bool = False) -> int:
+    """Pairs of a batch: one per row, or `pairs` (P,) rows of pairs packed together (taken out of the batch with
+    pop: no model input)."""
+    pairs = batch.pop("pairs", None) if pop else batch.get("pairs")
+    return pairs.shape[0] if pairs is not None else batch["input_ids"].shape[0]
+
+
 def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
     """-cross-entropy per token (0 where IGNORE), fp32 at least. out (B, T, V) or its vocab shard (group)."""
     if group is not None:
@@ -86,8 +92,8 @@ class DPOObjective:
         spec = shard_spec(head.weight) if head is not None else None
         self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
-        self.ref = None             # (B, 2) reference log-probs of the current batch's rows
-        self.rows = 0               # rows (pairs) of the current batch
+        self.ref = None             # (P, 2) reference log-probs of the current batch's pairs
+        self.rows = 0               # pairs of the current batch
         self.reference = None       # a context manager factory: the policy turned into the reference
         self._capture = None        # (B, 2) being filled by a reference forward
         self.reset_metrics()
@@ -125,8 +131,8 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ counts and metrics
     def count(self, batch: dict) -> float:
-        """Pairs of a (planned) micro-batch (one per row), as the trainer sums them over ranks (1/cp per cp rank)."""
-        return batch["input_ids"].shape[0] / self.cp
+        """Pairs of a (planned) micro-batch, as the trainer sums them over ranks (1/cp per cp rank)."""
+        return num_pairs(batch) / self.cp
 
     @staticmethod
     def tokens(sample: dict) -> int:
@@ -168,7 +174,7 @@ class DPOObjective:
         """Before the policy's forward of a micro-batch: its pairs' reference log-probs (replan() -> the batch and
         a fresh scope, for the reference's forward)."""
         ref = batch.pop("ref_logps", None)
-        self.rows = batch["input_ids"].shape[0]
+        self.rows = num_pairs(batch, pop=True)
         if self.reference_free:
             self.ref = None
             return
@@ -179,7 +185,7 @@ class DPOObjective:
         """(B, 2) of the reference: a no-grad forward through the backend (the pipeline's included) with the
         reference in place of the policy."""
         batch.pop("ref_logps", None)
-        self.rows = batch["input_ids"].shape[0]
+        self.rows = num_pairs(batch, pop=True)
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
         try:
