@@ -1,6 +1,6 @@
 """The DPO objective: TRL 1.16 DPOTrainer's losses, as a loss function of hfpar's one training loop.
 
-    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn
+    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn (or [(type, w), ..])
     objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
     loss_sum, n_pairs = objective(logits, shifted_labels)
 
@@ -84,9 +84,11 @@ def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor
 
 
 class DPOObjective:
-    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str | list = "sigmoid", label_smoothing: float = 0.0,
                  reference_free: bool = False):
-        self.ctx, self.beta, self.loss_type, self.label_smoothing = ctx, beta, loss_type, label_smoothing
+        self.ctx, self.beta, self.label_smoothing = ctx, beta, label_smoothing
+        # [(loss type, weight), ...]: the per-pair loss is their weighted sum (TRL's multi-loss)
+        self.terms = [(loss_type, 1.0)] if isinstance(loss_type, str) else list(loss_type)
         self.reference_free = reference_free
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         spec = shard_spec(head.weight) if head is not None else None
@@ -95,18 +97,43 @@ class DPOObjective:
         self.ref = None             # (P, 2) reference log-probs of the current batch's pairs
         self.rows = 0               # pairs of the current batch
         self.reference = None       # a context manager factory: the policy turned into the reference
-        self._capture = None        # (B, 2) being filled by a reference forward
+        self._capture = None        # (P, 2) being filled by a reference forward
+        self._targets = None        # (B, T) the completion targets' positions, in a forward (select_targets)
+        self.scope = None           # the backend enters scope(labels) around a forward (hfpar.backends.base)
+        if head is not None and self.tp_group is None and ctx.pp == 1:
+            head.register_forward_pre_hook(self._head_rows)
+            self.scope = self.select_targets
         self.reset_metrics()
+
+    # ------------------------------------------------------------------ the LM head on the targets only
+    @contextlib.contextmanager
+    def select_targets(self, labels: torch.Tensor):
+        """Within: the LM head computes the logits of the completion targets' positions only, (1, N, V) in place
+        of (B, T, V): prompts and padding (most of a DPO row) never reach the head, in forward or backward. Not
+        for a vocab-parallel head (its sequence-parallel input) nor a pipeline (its stages call the head)."""
+        self._targets = decode_targets(labels)[2]
+        try:
+            yield
+        finally:
+            self._targets = None
+
+    def _head_rows(self, module, args):
+        x = args[0] if args else None
+        if self._targets is None or x is None or x.shape[:-1] != self._targets.shape:
+            return None
+        return (x[self._targets].unsqueeze(0), *args[1:])
 
     # ------------------------------------------------------------------ per-sequence log-probs
     def sequence_logps(self, out: torch.Tensor, labels: torch.Tensor, rows: int):
         """(rows, 2) summed completion log-probs (differentiable) and (rows, 2) completion lengths, whole over cp."""
         token, seq, valid = decode_targets(labels)
-        target = token.masked_fill(~valid, IGNORE)
-        lp = _token_logps(out, target, self.tp_group)                         # (b, t) 0 where not a target
-        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq[valid], lp[valid])
-        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(
-            0, seq[valid], torch.ones_like(lp[valid]))
+        if out.shape[:-1] == labels.shape:
+            lp = _token_logps(out, token.masked_fill(~valid, IGNORE), self.tp_group)[valid]   # 0 where not a target
+        else:   # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
+            lp = _token_logps(out.reshape(-1, out.shape[-1]), token[valid], None)
+        seq = seq[valid]
+        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
+        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, torch.ones_like(lp))
         if self.cp > 1:   # each cp rank holds part of every sequence: all-reduce, forward and backward
             group = self.ctx.cp_group
             sums = reduce_from_parallel_region(copy_to_parallel_region(sums, group), group)
@@ -124,7 +151,7 @@ class DPOObjective:
             return zero, zero
         logps, lengths = logps[mine], lengths[mine]
         ref = self.ref[mine].to(logps.dtype) if not self.reference_free else torch.zeros_like(logps)
-        losses = pair_losses(self.loss_type, self.beta, self.label_smoothing, logps, ref, lengths)
+        losses = sum(w * pair_losses(t, self.beta, self.label_smoothing, logps, ref, lengths) for t, w in self.terms)
         self._record(logps.detach().double(), ref.double())
         n = torch.tensor(float(losses.numel()) / self.cp, dtype=torch.float64, device=losses.device)
         return losses.sum() / self.cp, n

@@ -54,7 +54,7 @@ def _reset_accelerate() -> None:
 
 
 def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmoid", beta: float = 0.1,
-            label_smoothing: float = 0.0, precompute: bool = False, steps: int = COMMON["steps"],
+            label_smoothing: float = 0.0, precompute: bool = False, loss_weights: str | None = None, steps: int = COMMON["steps"],
             batch: int = COMMON["batch"], max_length: int = 128, timing: dict | None = None,
             gradient_checkpointing: bool = False, device: str = "cpu", bf16: bool = False) -> list[dict]:
     """TRL DPOTrainer's per-step records (loss, rewards/*, logps/*). gradient_checkpointing: TRL 1.16's default is
@@ -87,7 +87,8 @@ def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmo
     args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=COMMON["lr"],
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=COMMON["max_grad_norm"],
                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=device == "cpu", bf16=bf16, seed=COMMON["seed"],
-                     beta=beta, loss_type=[loss_type], label_smoothing=label_smoothing, max_length=max_length,
+                     beta=beta, loss_type=loss_type.split(","), label_smoothing=label_smoothing, max_length=max_length,
+                     loss_weights=[float(w) for w in loss_weights.split(",")] if loss_weights else None,
                      precompute_ref_log_probs=precompute, dataloader_num_workers=0, disable_tqdm=True,
                      optim="adamw_torch_fused", gradient_checkpointing=gradient_checkpointing)
     trainer = Sequential(model=model_dir, args=args, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -109,7 +110,7 @@ def _sync(device: str) -> None:
 
 
 def run_hfpar(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmoid", beta: float = 0.1,
-              label_smoothing: float = 0.0, precompute: bool = False, steps: int = COMMON["steps"],
+              label_smoothing: float = 0.0, precompute: bool = False, loss_weights: str | None = None, steps: int = COMMON["steps"],
               batch: int = COMMON["batch"], max_length: int = 128, extra: list[str] | None = None) -> list[dict]:
     """hfpar's dpo recipe, in this process: its metrics.jsonl records."""
     from hfpar.recipe import main
@@ -120,7 +121,7 @@ def run_hfpar(model_dir: str, data_file: str, out: str, *, loss_type: str = "sig
             str(COMMON["max_grad_norm"]), "--logging_steps", "1", "--seed", str(COMMON["seed"]), "--beta", str(beta),
             "--loss_type", loss_type, "--label_smoothing", str(label_smoothing), "--max_length", str(max_length),
             "--precompute_ref_log_probs", str(precompute).lower(), "--save_final_model", "false",
-            "--optim", "adamw_torch_fused", *(extra or [])]
+            "--optim", "adamw_torch_fused", *(["--loss_weights", loss_weights] if loss_weights else []), *(extra or [])]
     _reset_accelerate()
     main("dpo", argv)
     _reset_accelerate()

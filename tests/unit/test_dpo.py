@@ -182,3 +182,8 @@ def test_option_problems_are_one_line_each_before_loading():
     assert "--label_smoothing 0.5" in p[1] and "reference model with zero3" in p[2] and "--precompute_ref_log_probs" in p[2]
     ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo")
     assert dpo_problems(ok, ctx) == []
+    multi = ["--precompute_ref_log_probs", "true", "--loss_type", "sigmoid,sppo_hard"]   # TRL's multi-loss
+    assert dpo_problems(parse_args([*multi, "--loss_weights", "0.8,0.2"], recipe="dpo"), ctx) == []
+    for bad in ("1", "0.8,x"):
+        p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo"), ctx)
+        assert p == [f"--loss_weights '{bad}': one number per --loss_type entry (2), comma-separated"]
