@@ -100,6 +100,7 @@ def one(kind: str, model: str, data: str, opts: dict) -> dict:
     if device == "cpu":
         torch.set_num_threads(1)
     else:
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
