@@ -240,18 +240,20 @@ class PairCollator:
     apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). The same mask then
     packs pairs: several to a row (first-fit decreasing, no row longer than the batch's longest pair, so no
     attention block grows), each pair seeing only itself, and `pairs` (P,) holds each pair's row (the embedded
-    set: 44% fewer positions, the padding gone). For attentions that take a custom mask (sdpa, eager) and neither
+    set: 44% fewer positions, the padding gone); pack=False keeps one pair per row (MoE models: see
+    hfpar.train.dpo_setup.packs_pairs). For attentions that take a custom mask (sdpa, eager) and neither
     context parallelism (its own attention, cut by position ids) nor a pipeline. Where truncation left the two
     prompts different (keep_end), the pair is the plain layout."""
 
     def __init__(self, tokenizer, *, max_length: int | None = None, truncation_mode: str = "keep_start",
                  max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, share_prompt: bool = False):
+                 pad_to_multiple_of: int | None = None, share_prompt: bool = False, pack: bool | None = None):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.limits = {"max_length": max_length, "truncation_mode": truncation_mode,
                            "max_prompt_length": max_prompt_length, "max_completion_length": max_completion_length}
         self.multiple = pad_to_multiple_of
         self.share_prompt = share_prompt
+        self.pack = share_prompt if pack is None else pack and share_prompt
 
     def _shared(self, c: tuple[list, list], r: tuple[list, list]) -> int:
         """Leading prompt tokens the rejected sequence takes from the chosen one's (0: none, the plain layout)."""
@@ -297,7 +299,7 @@ class PairCollator:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         segs = [self._segment(b, f) for b, f in enumerate(features)]
-        rows = self._pack([len(s[0]) for s in segs]) if self.share_prompt else [[b] for b in range(len(segs))]
+        rows = self._pack([len(s[0]) for s in segs]) if self.pack else [[b] for b in range(len(segs))]
         length = max(sum(len(segs[i][0]) for i in r) for r in rows)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
@@ -364,8 +366,10 @@ def load_preference_eval(args, tokenizer) -> Dataset | None:
     return ds
 
 
-def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False) -> PairCollator:
+def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False,
+                  pack: bool | None = None) -> PairCollator:
     return PairCollator(tokenizer, max_length=args.max_length or args.max_seq_length,
                         truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
                         max_completion_length=args.max_completion_length,
-                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt)
+                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt,
+                        pack=pack)

@@ -95,6 +95,19 @@ def shares_prompt(args, ctx) -> bool:
     return not windowed and "sliding_attention" not in (getattr(config, "layer_types", None) or ())
 
 
+def packs_pairs(args) -> bool:
+    """Whether shared-prompt rows also pack several pairs (PairCollator pack): not for MoE models (upcycled, or a
+    config with experts), whose expert matmuls take the batch's tokens together: packing changes their grouping and
+    the fp32 round-off of the eval rewards' margins in the EP parity run beyond its 1e-5 floor."""
+    # the model-config reader of hfpar.preflight (imported here: hfpar.recipe imports this module first)
+    from hfpar.preflight import _model_config  # noqa: PLC0415
+
+    if args.upcycle_experts:
+        return False
+    config, _ = _model_config(args)
+    return not any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def dpo_objective(args, ctx, model):
     # after the preflight: the objective pulls the tensor-parallel loss in (see hfpar.recipe's late imports)
     from hfpar.train.dpo import DPOObjective  # noqa: PLC0415
