@@ -1,29 +1,41 @@
-"""DPO throughput: hfpar's dpo recipe vs TRL 1.16's DPOTrainer, side by side in one process, on the same model, pairs
-and batches (CPU, fp32, the reference model a separate frozen copy in both), checking that the per-step losses
-agree (1e-4 relative) before comparing speed.
+"""DPO throughput: hfpar's dpo recipe vs TRL 1.16's DPOTrainer, side by side, on the same model, pairs and
+batches (the reference model a separate frozen copy in both), checking that the per-step losses agree before
+comparing speed. CPU (fp32, the committed default) or one CUDA GPU (bf16 autocast over fp32 weights in both:
+hfpar's --mixed_precision bf16, TRL's bf16=True).
 
     python benchmarks/dpo.py                    # -> benchmarks/results/dpo_cpu.json / .md
     python benchmarks/dpo.py --steps 12 --rounds 3
+    python benchmarks/dpo.py --device cuda --dtype bfloat16 --out DIR    # -> DIR/dpo_cuda.json / .md (~1-2 min)
 
-pairs/s: the pairs of the steps after the first (warm-up: allocation, lazy init), over their wall time, and per
-CPU-second of the process (all threads; on a shared machine the steadier of the two), median over rounds, hfpar
-and TRL interleaved (the machine is shared: interleaving spreads its noise over both). Peak memory:
-the process's peak RSS growth during the training call (ru_maxrss is per process and only grows: each trainer runs
-in a fresh subprocess). TRL is run twice: with its 1.16 defaults (gradient_checkpointing on) and with
-gradient_checkpointing off (hfpar's default; TRL's fastest setting here: its padding_free falls back to padding
-in 1.16 and its Liger kernels are deprecated and not installed), so the comparison is against both. Both compute
-the per-token log-probs their own way (TRL: its chunked fused LM head; hfpar: logits, or each pair's prompt once,
-hfpar.data.preference.PairCollator share_prompt). Every run uses one thread (torch.set_num_threads(1)): on a
-shared 2-core machine more threads only spin.
+CPU: a 256-wide, 4-layer Llama on the embedded pairs (short: ~30 tokens). GPU (defaults of --device cuda): a
+1024-wide, 8-layer Llama with a 32000 vocabulary on pairs of --seq tokens per sequence (--prompt_len of them the
+prompt: the embedded task's prompt and completions lengthened with random words), built from a config (no
+downloads).
+
+pairs/s: the pairs of the steps after the first (warm-up: allocation, lazy init, kernels), over their wall time
+(CUDA synchronized at both ends), and per CPU-second of the process (all threads; on a shared machine the
+steadier of the two), median over rounds, hfpar and TRL interleaved (the machine is shared: interleaving spreads
+its noise over both). Peak memory: on CPU the process's peak RSS growth during the training call (ru_maxrss is per
+process and only grows: each trainer runs in a fresh subprocess), on CUDA torch.cuda.max_memory_allocated over the
+run (model, reference, optimizer state, activations). TRL is run twice: with its 1.16 defaults
+(gradient_checkpointing on) and with gradient_checkpointing off (hfpar's default; TRL's fastest setting here: its
+padding_free needs FlashAttention and its Liger kernels are deprecated and not installed), so the comparison is
+against both. Both compute the per-token log-probs their own way (TRL: its chunked fused LM head; hfpar: logits,
+with each pair's prompt computed once, hfpar.data.preference.PairCollator share_prompt). CPU runs use one thread
+(torch.set_num_threads(1)): on a shared 2-core machine more threads only spin. Losses: fp32 runs agree within
+1e-4 relative; bf16 runs differ by bf16 rounding (reported, not asserted: two implementations round differently).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import random
 import resource
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -35,89 +47,161 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
+from hfpar.data.preference import make_preference
 from hfpar.train.trainer import Trainer
 from tests.helpers.trl_dpo import make_case, run_hfpar, run_trl
 
 CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "head_dim": 32}
+          "head_dim": 32}
+GPU = {"hidden": 1024, "layers": 8, "vocab": 32000, "seq": 512, "prompt_len": 384, "steps": 30, "batch": 16, "rounds": 1}
+CPU = {"hidden": 256, "layers": 4, "vocab": None, "seq": None, "prompt_len": None, "steps": 10, "batch": 8, "rounds": 2}
 
 
-def one(kind: str, model: str, data: str, steps: int, batch: int) -> dict:
-    """One training run in this process -> {pairs_per_s, peak_rss_mib, losses}."""
-    out = tempfile.mkdtemp()
-    torch.set_num_threads(1)
+def model_config(hidden: int, layers: int, vocab: int | None, seq: int | None) -> dict:
+    """A Llama shape of `hidden` width (head_dim 64 above 256 wide, 32 below; GQA 2:1; MLP 2.75x)."""
+    if hidden == CONFIG["hidden_size"] and layers == CONFIG["num_hidden_layers"] and vocab is None:
+        return dict(CONFIG)
+    head = 64 if hidden > 256 else 32
+    cfg = {"hidden_size": hidden, "intermediate_size": int(hidden * 2.75) // 64 * 64, "num_hidden_layers": layers,
+           "num_attention_heads": hidden // head, "num_key_value_heads": max(1, hidden // head // 2), "head_dim": head}
+    if vocab:
+        cfg["vocab_size"] = vocab   # the embedded tokenizer's 128 ids use the first rows: the LM head's cost is real
+    if seq:
+        cfg["max_position_embeddings"] = max(512, 2 * seq)
+    return cfg
+
+
+def long_pairs(n: int, seq: int, prompt_len: int, seed: int = 7) -> list[dict]:
+    """The embedded pairs lengthened to ~seq tokens per sequence (the embedded tokenizer: one token per character):
+    random words before the prompt's question, after each completion (different for chosen and rejected)."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        out = []
+        while sum(len(w) + 1 for w in out) < k:
+            out.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))))
+        return " ".join(out)[:k]
+
+    rows = make_preference(seed, n_train=n, n_eval=1)["train"].to_list()
+    for r in rows:
+        q = r["prompt"][-1]["content"]
+        r["prompt"][-1]["content"] = words(max(0, prompt_len - len(q) - 24)) + " " + q
+        for side in ("chosen", "rejected"):
+            a = r[side][0]["content"]
+            r[side][0]["content"] = a + " " + words(max(0, seq - prompt_len - len(a) - 8))
+    return rows
+
+
+def one(kind: str, model: str, data: str, opts: dict) -> dict:
+    """One training run in this process -> {pairs_per_s, pairs_per_cpu_s, peak memory, losses}."""
+    out, device, bf16 = tempfile.mkdtemp(), opts["device"], opts["dtype"] == "bfloat16"
+    steps, batch, max_length = opts["steps"], opts["batch"], opts["max_length"]
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if bf16 else "no"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.init()
+        torch.cuda.reset_peak_memory_stats()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if kind == "hfpar":
-        cpu = []   # CPU-seconds of each optimizer step (all threads of the process)
+        wall, cpu = [], []   # wall and CPU-seconds (all threads of the process) of each optimizer step
         step = Trainer._train_step
 
         def timed(self, *args):
-            c0 = time.process_time()
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
             rec = step(self, *args)
+            sync()
+            wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             return rec
 
         Trainer._train_step = timed
-        recs = run_hfpar(model, data, out, steps=steps, batch=batch)
+        recs = run_hfpar(model, data, out, steps=steps, batch=batch, max_length=max_length)
         Trainer._train_step = step
-        wall, cpu_s = sum(r["step_time_s"] for r in recs[1:]), sum(cpu[1:])
+        wall_s, cpu_s = sum(wall[1:]), sum(cpu[1:])
     else:
         timing = {}
-        recs = run_trl(model, data, out, steps=steps, batch=batch, timing=timing,
-                       gradient_checkpointing=kind == "trl_default")
-        wall, cpu_s = timing["steady_s"], timing["steady_cpu_s"]
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    return {"pairs_per_s": (steps - 1) * batch / wall, "pairs_per_cpu_s": (steps - 1) * batch / cpu_s,
-            "peak_rss_growth_mib": peak, "losses": [r["loss"] for r in recs]}
+        recs = run_trl(model, data, out, steps=steps, batch=batch, max_length=max_length, timing=timing,
+                       gradient_checkpointing=kind == "trl_default", device=device, bf16=bf16)
+        wall_s, cpu_s = timing["steady_s"], timing["steady_cpu_s"]
+    res = {"pairs_per_s": (steps - 1) * batch / wall_s, "pairs_per_cpu_s": (steps - 1) * batch / cpu_s,
+           "losses": [r["loss"] for r in recs]}
+    if device == "cuda":
+        res["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        res["peak_mem_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    return res
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)   # kind model data: a child run
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="float32 (CPU default) or bfloat16 autocast over fp32 weights (CUDA default)")
+    ap.add_argument("--out", default=None, help="directory of dpo_<device>.json / .md (default benchmarks/results)")
+    for k in ("hidden", "layers", "vocab", "seq", "prompt_len", "steps", "batch", "rounds"):
+        ap.add_argument(f"--{k}", type=int, default=None, help=f"CPU default {CPU[k]}, CUDA default {GPU[k]}")
+    ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)   # kind model data opts-json: a child run
     a = ap.parse_args()
     if a.one:
-        print("RESULT " + json.dumps(one(*a.one, a.steps, a.batch)))
+        print("RESULT " + json.dumps(one(a.one[0], a.one[1], a.one[2], json.loads(a.one[3]))))
         return
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    d = GPU if a.device == "cuda" else CPU
+    o = {k: getattr(a, k) if getattr(a, k) is not None else d[k] for k in d}
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    config = model_config(o["hidden"], o["layers"], o["vocab"], o["seq"])
+    opts = {"device": a.device, "dtype": dtype, "steps": o["steps"], "batch": o["batch"],
+            "max_length": 2 * o["seq"] if o["seq"] else 128}
     root = Path(tempfile.mkdtemp())
-    model, data = make_case(root, pairs=a.steps * a.batch, config_updates=CONFIG)
+    n = o["steps"] * o["batch"]
+    rows = long_pairs(n, o["seq"], o["prompt_len"]) if o["seq"] else None
+    model, data = make_case(root, pairs=n, config_updates=config, rows=rows)
     kinds = ("hfpar", "trl_default", "trl_no_gc")
     runs = {k: [] for k in kinds}
-    for _ in range(a.rounds):
+    t0 = time.perf_counter()
+    for _ in range(o["rounds"]):
         for k in kinds:
-            proc = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--batch", str(a.batch),
-                                   "--one", k, model, data], capture_output=True, text=True, cwd=ROOT, check=False)
+            proc = subprocess.run([sys.executable, __file__, "--one", k, model, data, json.dumps(opts)],
+                                  capture_output=True, text=True, cwd=ROOT, check=False)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:
                 raise SystemExit(f"{k} failed:\n{proc.stderr[-3000:]}")
             runs[k].append(json.loads(line[0][7:]))
     ref = runs["trl_default"][0]["losses"]
     worst = max(abs(x - y) / abs(y) for r in runs.values() for run in r for x, y in zip(run["losses"], ref))
-    summary = {k: {"pairs_per_s": statistics.median(r["pairs_per_s"] for r in v),
-                   "pairs_per_cpu_s": statistics.median(r["pairs_per_cpu_s"] for r in v),
-                   "peak_rss_growth_mib": statistics.median(r["peak_rss_growth_mib"] for r in v)} for k, v in runs.items()}
-    result = {"model": CONFIG, "steps": a.steps, "pairs_per_step": a.batch, "rounds": a.rounds,
+    summary = {k: {m: statistics.median(r[m] for r in v) for m in ("pairs_per_s", "pairs_per_cpu_s", "peak_mem_mib")}
+               for k, v in runs.items()}
+    hf = summary["hfpar"]
+    result = {"device": a.device, "dtype": dtype, "model": config, "steps": o["steps"], "pairs_per_step": o["batch"],
+              "tokens_per_sequence": o["seq"], "prompt_tokens": o["prompt_len"], "rounds": o["rounds"],
               "max_rel_loss_diff_vs_trl": worst, "summary": summary, "runs": runs,
-              "speedup_vs_trl_default": summary["hfpar"]["pairs_per_s"] / summary["trl_default"]["pairs_per_s"],
-              "speedup_vs_trl_no_gc": summary["hfpar"]["pairs_per_s"] / summary["trl_no_gc"]["pairs_per_s"],
-              "cpu_speedup_vs_trl_default": summary["hfpar"]["pairs_per_cpu_s"] / summary["trl_default"]["pairs_per_cpu_s"],
-              "cpu_speedup_vs_trl_no_gc": summary["hfpar"]["pairs_per_cpu_s"] / summary["trl_no_gc"]["pairs_per_cpu_s"],
-              "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs (shared)",
+              **{f"{w}speedup_vs_{k}": hf[f"pairs_per_{u}"] / summary[k][f"pairs_per_{u}"]
+                 for w, u in (("", "s"), ("cpu_", "cpu_s")) for k in ("trl_default", "trl_no_gc")},
+              "machine": (torch.cuda.get_device_name() if a.device == "cuda" else
+                          f"{platform.machine()}, {os.cpu_count()} CPUs (shared)"),
+              "torch": torch.__version__, "bench_wall_s": round(time.perf_counter() - t0, 1),
               "command": "python benchmarks/dpo.py " + " ".join(sys.argv[1:])}
-    out = ROOT / "benchmarks" / "results"
-    (out / "dpo_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["| trainer | pairs/s (wall) | pairs per CPU-s | peak RSS growth (MiB) |", "|---|---|---|---|"]
-    lines += [f"| {k} | {v['pairs_per_s']:.2f} | {v['pairs_per_cpu_s']:.2f} | {v['peak_rss_growth_mib']:.0f} |"
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    mem = "peak GPU memory allocated (MiB)" if a.device == "cuda" else "peak RSS growth (MiB)"
+    lines = [f"| trainer | pairs/s (wall) | pairs per CPU-s | {mem} |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['pairs_per_s']:.2f} | {v['pairs_per_cpu_s']:.2f} | {v['peak_mem_mib']:.0f} |"
               for k, v in summary.items()]
-    md = (f"# DPO: hfpar vs TRL 1.16 DPOTrainer (CPU, fp32, one process)\n\n`{result['command']}`; model {CONFIG}; "
-          f"{a.steps} steps x {a.batch} pairs, median of {a.rounds} interleaved rounds; per-step losses agree within "
-          f"{worst:.1e} relative.\n\n" + "\n".join(lines) +
-          f"\n\nhfpar / TRL, wall (CPU): {result['speedup_vs_trl_default']:.2f}x ({result['cpu_speedup_vs_trl_default']:.2f}x) "
-          f"against TRL's defaults (gradient checkpointing on), {result['speedup_vs_trl_no_gc']:.2f}x "
-          f"({result['cpu_speedup_vs_trl_no_gc']:.2f}x) against TRL with gradient checkpointing off\n")
-    (out / "dpo_cpu.md").write_text(md)
+    shape = f"{o['seq']} tokens per sequence ({o['prompt_len']} prompt)" if o["seq"] else "the embedded pairs"
+    md = (f"# DPO: hfpar vs TRL 1.16 DPOTrainer ({result['machine']}, {dtype}, one process)\n\n`{result['command']}`; "
+          f"model {config}; {shape}; {o['steps']} steps x {o['batch']} pairs, median of {o['rounds']} interleaved "
+          f"round(s); per-step losses agree within {worst:.1e} relative.\n\n" + "\n".join(lines) +
+          f"\n\nhfpar / TRL, wall (CPU): {result['speedup_vs_trl_default']:.2f}x "
+          f"({result['cpu_speedup_vs_trl_default']:.2f}x) against TRL's defaults (gradient checkpointing on), "
+          f"{result['speedup_vs_trl_no_gc']:.2f}x ({result['cpu_speedup_vs_trl_no_gc']:.2f}x) against TRL with "
+          "gradient checkpointing off\n")
+    name = "dpo_cpu" if a.device == "cpu" else "dpo_cuda"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(md)
     print(md)
 
 

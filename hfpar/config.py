@@ -110,7 +110,8 @@ class RecipeArgs:
     merge_adapter: bool = False  # final export: the merged full model instead of the adapter
     # --- preference tuning (the dpo recipe; TRL DPOConfig's names) -------------------------------
     beta: float = 0.1  # deviation from the reference (ipo: its tau)
-    loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas)
+    loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas); comma-separated: their weighted sum
+    loss_weights: str | None = None  # comma-separated weights of the --loss_type list (TRL's; default 1 each)
     label_smoothing: float = 0.0  # robust: probability that a preference label is flipped, in [0, 0.5)
     reference_free: bool = False  # no reference model: its log-probs are 0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once before training (no reference forward per step)

@@ -27,7 +27,7 @@ from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.data import preference
 from hfpar.preflight import padding_free_mode, preflight
-from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, shares_prompt
+from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, packs_pairs, shares_prompt
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
 
@@ -157,7 +157,8 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, pa
     if kind == "dpo":  # pairs, one row each (hfpar.data.preference)
         train, stats = preference.load_preference(args, tokenizer)
         evals = preference.load_preference_eval(args, tokenizer) if args.eval_steps != 0 else None
-        return (train, evals, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt),
+        return (train, evals, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt,
+                                                       share_prompt and packs_pairs(args)),
                 {"train_data": stats, "dpo_shared_prompt": share_prompt}, None)
     splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     info, num_labels = {}, None

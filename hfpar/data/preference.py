@@ -15,9 +15,9 @@ refused (TRL drops it silently).
 
 Row layout: each pair is ONE row, its two sequences packed as documents (position ids restart at 0 at the
 rejected one): the chosen and rejected sequences of a pair always travel together, through context-parallel
-shards and pipeline micro-batches alike. Labels carry the pair with each target (encode_targets):
-row index in the batch, side (chosen / rejected) and token, IGNORE outside completions; so every cut of a batch
-keeps each target next to its pair. Why by hand: trl pulls its trainers in at import (seconds per process),
+shards and pipeline micro-batches alike (with a shared prompt, several pairs share a row: PairCollator).
+Labels carry the pair with each target (encode_targets): pair index in the batch, side (chosen / rejected) and
+token, IGNORE outside completions; so every cut of a batch keeps each target next to its pair. Why by hand: trl pulls its trainers in at import (seconds per process),
 and its data helpers are ten lines each.
 """
 
@@ -29,6 +29,7 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from hfpar.data.synthetic import LETTERS, _sft_sample
+
 from .errors import DataError
 from .load import _load_raw
 
@@ -227,27 +228,32 @@ def tokenize_preference(ds: Dataset, tok, max_length: int | None, *, truncation_
 
 # ------------------------------------------------------------------------------------ collate
 class PairCollator:
-    """Pairs -> one row each: [prompt + chosen | prompt + rejected], position ids restarting at the second, right-
-    padded (to a multiple of pad_to_multiple_of: context parallelism). labels carry (row, side, token) on the
-    completion targets (encode_targets), unshifted as every hfpar label; ref_logps (B, 2) when the pairs carry them.
-    Truncation as `truncate_pair`.
+    """Pairs -> rows: [prompt + chosen | prompt + rejected], position ids restarting at the second, right-padded
+    (to a multiple of pad_to_multiple_of: context parallelism). labels carry (pair, side, token) on the completion
+    targets (encode_targets), unshifted as every hfpar label; ref_logps (P, 2) when the pairs carry them.
+    Truncation as `truncate_pair`. Without share_prompt, one pair per row (P = B).
 
     share_prompt: the prompt is computed once per pair: [prompt + chosen | p + rejected], where p is the prompt's
     last token only (it predicts the first rejected token; its position is the prompt's last), and an attention_mask
     (B, 1, T, T) lets the rejected sequence see the chosen row's prompt before p (and not the chosen completion):
     every token sees exactly what it sees in its own sequence, so the log-probs are those of the two sequences run
-    apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). For attentions that take
-    a custom mask (sdpa, eager) and neither context parallelism (its own attention, cut by position ids) nor a
-    pipeline. Where truncation left the two prompts different (keep_end), the pair's row is the plain layout."""
+    apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). The same mask then
+    packs pairs: several to a row (first-fit decreasing, no row longer than the batch's longest pair, so no
+    attention block grows), each pair seeing only itself, and `pairs` (P,) holds each pair's row (the embedded
+    set: 44% fewer positions, the padding gone); pack=False keeps one pair per row (MoE models: see
+    hfpar.train.dpo_setup.packs_pairs). For attentions that take a custom mask (sdpa, eager) and neither
+    context parallelism (its own attention, cut by position ids) nor a pipeline. Where truncation left the two
+    prompts different (keep_end), the pair is the plain layout."""
 
     def __init__(self, tokenizer, *, max_length: int | None = None, truncation_mode: str = "keep_start",
                  max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, share_prompt: bool = False):
+                 pad_to_multiple_of: int | None = None, share_prompt: bool = False, pack: bool | None = None):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.limits = dict(max_length=max_length, truncation_mode=truncation_mode,
-                           max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
+        self.limits = {"max_length": max_length, "truncation_mode": truncation_mode,
+                           "max_prompt_length": max_prompt_length, "max_completion_length": max_completion_length}
         self.multiple = pad_to_multiple_of
         self.share_prompt = share_prompt
+        self.pack = share_prompt if pack is None else pack and share_prompt
 
     def _shared(self, c: tuple[list, list], r: tuple[list, list]) -> int:
         """Leading prompt tokens the rejected sequence takes from the chosen one's (0: none, the plain layout)."""
@@ -260,24 +266,41 @@ class PairCollator:
             n += 1
         return max(n - 1, 0)   # the last common prompt token stays: it predicts the first rejected token
 
+    def _segment(self, b: int, f: dict) -> tuple[list, list, list, int, int]:
+        """Pair b's tokens, labels, positions, chosen length and shared prompt tokens."""
+        seqs = truncate_pair(f, **self.limits)
+        shared = self._shared(seqs["chosen"], seqs["rejected"])
+        ids, labels, pos = [], [], []
+        for side, key in ((0, "chosen"), (1, "rejected")):
+            s_ids, s_mask = seqs[key]
+            skip = shared if side else 0
+            ids += s_ids[skip:]
+            pos += range(skip, len(s_ids))
+            # the label of a token is its own id (the trainer shifts): its target when the token is completion
+            start = len(labels)
+            labels += [encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
+                       for t, m in zip(s_ids[skip:], s_mask[skip:])]
+            labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
+        return ids, labels, pos, len(seqs["chosen"][0]), shared
+
+    @staticmethod
+    def _pack(lengths: list[int]) -> list[list[int]]:
+        """Pair indices per row: first-fit decreasing into rows of the longest pair's length."""
+        cap, rows, room = max(lengths), [], []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+            if r is None:
+                rows.append([])
+                room.append(cap)
+                r = len(rows) - 1
+            rows[r].append(i)
+            room[r] -= lengths[i]
+        return rows
+
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = []
-        for b, f in enumerate(features):
-            seqs = truncate_pair(f, **self.limits)
-            shared = self._shared(seqs["chosen"], seqs["rejected"])
-            ids, labels, pos = [], [], []
-            for side, key in ((0, "chosen"), (1, "rejected")):
-                s_ids, s_mask = seqs[key]
-                skip = shared if side else 0
-                ids += s_ids[skip:]
-                pos += range(skip, len(s_ids))
-                # the label of a token is its own id (the trainer shifts): its target when the token is completion
-                start = len(labels)
-                labels += [encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
-                           for t, m in zip(s_ids[skip:], s_mask[skip:])]
-                labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
-            rows.append((ids, labels, pos, len(seqs["chosen"][0]), shared))
-        length = max(len(r[0]) for r in rows)
+        segs = [self._segment(b, f) for b, f in enumerate(features)]
+        rows = self._pack([len(s[0]) for s in segs]) if self.pack else [[b] for b in range(len(segs))]
+        length = max(sum(len(segs[i][0]) for i in r) for r in rows)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
         B = len(rows)
@@ -285,19 +308,26 @@ class PairCollator:
                  "labels": torch.full((B, length), IGNORE, dtype=torch.long),
                  "position_ids": torch.zeros((B, length), dtype=torch.long),
                  "token_mask": torch.zeros((B, length), dtype=torch.long)}
-        if self.share_prompt:   # causal within each sequence (and the padding), plus the shared prompt
-            batch["attention_mask"] = torch.ones(length, length, dtype=torch.bool).tril().repeat(B, 1, 1, 1)
-        for b, (ids, labels, pos, first, shared) in enumerate(rows):
-            n = len(ids)
-            batch["input_ids"][b, :n] = torch.tensor(ids)
-            batch["labels"][b, :n] = torch.tensor(labels)
-            batch["position_ids"][b, :n] = torch.tensor(pos)
-            batch["token_mask"][b, :n] = 1
-            if self.share_prompt:
-                batch["attention_mask"][b, 0, first:n, shared:first] = False   # rejected: not the chosen row's rest
+        if self.share_prompt:   # block-causal: each pair sees itself (its shared prompt); padding sees itself
+            mask = batch["attention_mask"] = torch.eye(length, dtype=torch.bool).repeat(B, 1, 1, 1)
+            batch["pairs"] = torch.zeros(len(segs), dtype=torch.long)
+        for b, r in enumerate(rows):
+            o = 0
+            for i in r:
+                ids, labels, pos, first, shared = segs[i]
+                n = len(ids)
+                batch["input_ids"][b, o:o + n] = torch.tensor(ids)
+                batch["labels"][b, o:o + n] = torch.tensor(labels)
+                batch["position_ids"][b, o:o + n] = torch.tensor(pos)
+                batch["token_mask"][b, o:o + n] = 1
+                if self.share_prompt:
+                    mask[b, 0, o:o + n, o:o + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                    mask[b, 0, o + first:o + n, o + shared:o + first] = False   # rejected: not the chosen's rest
+                    batch["pairs"][i] = b
+                o += n
         if "ref_chosen_logps" in features[0]:
             batch["ref_logps"] = torch.tensor([[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features],
-                                              dtype=torch.float64)   # (B, 2)
+                                              dtype=torch.float64)   # (P, 2)
         return batch
 
 
@@ -336,8 +366,10 @@ def load_preference_eval(args, tokenizer) -> Dataset | None:
     return ds
 
 
-def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False) -> PairCollator:
+def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False,
+                  pack: bool | None = None) -> PairCollator:
     return PairCollator(tokenizer, max_length=args.max_length or args.max_seq_length,
                         truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
                         max_completion_length=args.max_completion_length,
-                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt)
+                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt,
+                        pack=pack)

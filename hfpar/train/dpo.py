@@ -1,11 +1,11 @@
 """The DPO objective: TRL 1.16 DPOTrainer's losses, as a loss function of hfpar's one training loop.
 
-    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn
+    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn (or [(type, w), ..])
     objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
     loss_sum, n_pairs = objective(logits, shifted_labels)
 
-Rows hold one pair each (hfpar.data.preference.PairCollator) and labels carry each completion target's pair
-(row, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
+Rows hold one pair each, or several with a shared prompt (hfpar.data.preference.PairCollator: `pairs` in the
+batch), and labels carry each completion target's pair (index, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
 cut into context-parallel shards (partial sums all-reduced over the cp group, differentiably), or in a pipeline's
 micro-batch (rows stay whole). Under TP the per-token log-probs come from the vocab-parallel logit shards
 (vocab_parallel_cross_entropy, reduction none): the full logits are never gathered.
@@ -35,9 +35,8 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from hfpar.train.sampler import eval_shard
-
 from hfpar.train.dpo_setup import LOSS_TYPES
+from hfpar.train.sampler import eval_shard
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -68,6 +67,13 @@ def pair_losses(loss_type: str, beta: float, label_smoothing: float, logps: torc
     raise ValueError(f"--loss_type {loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
 
 
+def num_pairs(batch: dict, pop: bool = False) -> int:
+    """Pairs of a batch: one per row, or `pairs` (P,) rows of pairs packed together (taken out of the batch with
+    pop: no model input)."""
+    pairs = batch.pop("pairs", None) if pop else batch.get("pairs")
+    return pairs.shape[0] if pairs is not None else batch["input_ids"].shape[0]
+
+
 def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
     """-cross-entropy per token (0 where IGNORE), fp32 at least. out (B, T, V) or its vocab shard (group)."""
     if group is not None:
@@ -78,29 +84,56 @@ def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor
 
 
 class DPOObjective:
-    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str | list = "sigmoid", label_smoothing: float = 0.0,
                  reference_free: bool = False):
-        self.ctx, self.beta, self.loss_type, self.label_smoothing = ctx, beta, loss_type, label_smoothing
+        self.ctx, self.beta, self.label_smoothing = ctx, beta, label_smoothing
+        # [(loss type, weight), ...]: the per-pair loss is their weighted sum (TRL's multi-loss)
+        self.terms = [(loss_type, 1.0)] if isinstance(loss_type, str) else list(loss_type)
         self.reference_free = reference_free
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         spec = shard_spec(head.weight) if head is not None else None
         self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
-        self.ref = None             # (B, 2) reference log-probs of the current batch's rows
-        self.rows = 0               # rows (pairs) of the current batch
+        self.ref = None             # (P, 2) reference log-probs of the current batch's pairs
+        self.rows = 0               # pairs of the current batch
         self.reference = None       # a context manager factory: the policy turned into the reference
-        self._capture = None        # (B, 2) being filled by a reference forward
+        self._capture = None        # (P, 2) being filled by a reference forward
+        self._targets = None        # (B, T) the completion targets' positions, in a forward (select_targets)
+        self.scope = None           # the backend enters scope(labels) around a forward (hfpar.backends.base)
+        if head is not None and self.tp_group is None and ctx.pp == 1:
+            head.register_forward_pre_hook(self._head_rows)
+            self.scope = self.select_targets
         self.reset_metrics()
+
+    # ------------------------------------------------------------------ the LM head on the targets only
+    @contextlib.contextmanager
+    def select_targets(self, labels: torch.Tensor):
+        """Within: the LM head computes the logits of the completion targets' positions only, (1, N, V) in place
+        of (B, T, V): prompts and padding (most of a DPO row) never reach the head, in forward or backward. Not
+        for a vocab-parallel head (its sequence-parallel input) nor a pipeline (its stages call the head)."""
+        self._targets = decode_targets(labels)[2]
+        try:
+            yield
+        finally:
+            self._targets = None
+
+    def _head_rows(self, module, args):
+        x = args[0] if args else None
+        if self._targets is None or x is None or x.shape[:-1] != self._targets.shape:
+            return None
+        return (x[self._targets].unsqueeze(0), *args[1:])
 
     # ------------------------------------------------------------------ per-sequence log-probs
     def sequence_logps(self, out: torch.Tensor, labels: torch.Tensor, rows: int):
         """(rows, 2) summed completion log-probs (differentiable) and (rows, 2) completion lengths, whole over cp."""
         token, seq, valid = decode_targets(labels)
-        target = token.masked_fill(~valid, IGNORE)
-        lp = _token_logps(out, target, self.tp_group)                         # (b, t) 0 where not a target
-        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq[valid], lp[valid])
-        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(
-            0, seq[valid], torch.ones_like(lp[valid]))
+        if out.shape[:-1] == labels.shape:
+            lp = _token_logps(out, token.masked_fill(~valid, IGNORE), self.tp_group)[valid]   # 0 where not a target
+        else:   # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
+            lp = _token_logps(out.reshape(-1, out.shape[-1]), token[valid], None)
+        seq = seq[valid]
+        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
+        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, torch.ones_like(lp))
         if self.cp > 1:   # each cp rank holds part of every sequence: all-reduce, forward and backward
             group = self.ctx.cp_group
             sums = reduce_from_parallel_region(copy_to_parallel_region(sums, group), group)
@@ -118,15 +151,15 @@ class DPOObjective:
             return zero, zero
         logps, lengths = logps[mine], lengths[mine]
         ref = self.ref[mine].to(logps.dtype) if not self.reference_free else torch.zeros_like(logps)
-        losses = pair_losses(self.loss_type, self.beta, self.label_smoothing, logps, ref, lengths)
+        losses = sum(w * pair_losses(t, self.beta, self.label_smoothing, logps, ref, lengths) for t, w in self.terms)
         self._record(logps.detach().double(), ref.double())
         n = torch.tensor(float(losses.numel()) / self.cp, dtype=torch.float64, device=losses.device)
         return losses.sum() / self.cp, n
 
     # ------------------------------------------------------------------ counts and metrics
     def count(self, batch: dict) -> float:
-        """Pairs of a (planned) micro-batch (one per row), as the trainer sums them over ranks (1/cp per cp rank)."""
-        return batch["input_ids"].shape[0] / self.cp
+        """Pairs of a (planned) micro-batch, as the trainer sums them over ranks (1/cp per cp rank)."""
+        return num_pairs(batch) / self.cp
 
     @staticmethod
     def tokens(sample: dict) -> int:
@@ -168,7 +201,7 @@ class DPOObjective:
         """Before the policy's forward of a micro-batch: its pairs' reference log-probs (replan() -> the batch and
         a fresh scope, for the reference's forward)."""
         ref = batch.pop("ref_logps", None)
-        self.rows = batch["input_ids"].shape[0]
+        self.rows = num_pairs(batch, pop=True)
         if self.reference_free:
             self.ref = None
             return
@@ -179,7 +212,7 @@ class DPOObjective:
         """(B, 2) of the reference: a no-grad forward through the backend (the pipeline's included) with the
         reference in place of the policy."""
         batch.pop("ref_logps", None)
-        self.rows = batch["input_ids"].shape[0]
+        self.rows = num_pairs(batch, pop=True)
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
         try:

@@ -20,8 +20,12 @@ LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "sppo_hard")
 def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str | None = None) -> list[str]:
     """Option problems of the dpo recipe, one line each."""
     p = []
-    if args.loss_type not in LOSS_TYPES:
-        p.append(f"--loss_type {args.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}")
+    if any(t not in LOSS_TYPES for t in args.loss_type.split(",")):
+        p.append(f"--loss_type {args.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}, or a comma-separated "
+                 "list of them (their weighted sum, --loss_weights)")
+    elif loss_terms(args.loss_type, args.loss_weights) is None:
+        p.append(f"--loss_weights {args.loss_weights!r}: one number per --loss_type entry "
+                 f"({len(args.loss_type.split(','))}), comma-separated")
     if args.beta <= 0:
         p.append(f"--beta {args.beta}: must be > 0")
     if not 0.0 <= args.label_smoothing < 0.5:
@@ -45,6 +49,17 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
                  "forwards, so no frozen copy can be swapped in; pass --precompute_ref_log_probs (the same values, "
                  "the reference forward done once before training) or --use_peft")
     return p
+
+
+def loss_terms(loss_type: str, loss_weights: str | None) -> list[tuple[str, float]] | None:
+    """[(loss type, weight), ...] of --loss_type / --loss_weights (TRL's multi-loss: the weighted sum of the per-pair
+    losses, e.g. MPO); None where the weights are not one number per type."""
+    types = loss_type.split(",")
+    try:
+        weights = [float(w) for w in loss_weights.split(",")] if loss_weights is not None else [1.0] * len(types)
+    except ValueError:
+        return None
+    return list(zip(types, weights)) if len(weights) == len(types) else None
 
 
 def dpo_preflight(args, ctx) -> None:
@@ -80,11 +95,25 @@ def shares_prompt(args, ctx) -> bool:
     return not windowed and "sliding_attention" not in (getattr(config, "layer_types", None) or ())
 
 
+def packs_pairs(args) -> bool:
+    """Whether shared-prompt rows also pack several pairs (PairCollator pack): not for MoE models (upcycled, or a
+    config with experts), whose expert matmuls take the batch's tokens together: packing changes their grouping and
+    the fp32 round-off of the eval rewards' margins in the EP parity run beyond its 1e-5 floor."""
+    # the model-config reader of hfpar.preflight (imported here: hfpar.recipe imports this module first)
+    from hfpar.preflight import _model_config  # noqa: PLC0415
+
+    if args.upcycle_experts:
+        return False
+    config, _ = _model_config(args)
+    return not any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def dpo_objective(args, ctx, model):
     # after the preflight: the objective pulls the tensor-parallel loss in (see hfpar.recipe's late imports)
     from hfpar.train.dpo import DPOObjective  # noqa: PLC0415
 
-    return DPOObjective(model, ctx, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing,
+    return DPOObjective(model, ctx, beta=args.beta, loss_type=loss_terms(args.loss_type, args.loss_weights),
+                        label_smoothing=args.label_smoothing,
                         reference_free=args.reference_free)
 
 

@@ -5,8 +5,10 @@ paid once for all of them.
     accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2 tests/helpers/recipe_runs.py RUNS
     (tests: launch("ddp", 2, RECIPE_RUNS, [RUNS]) with tests/helpers/launch.py)
 
-RUNS: a JSON file {"kind": "sft", "runs": [argv, ...]}; every process runs every argv. Between runs Accelerate's
-state singletons are reset, as a fresh process has them. The process group is kept from one run to the next: the
+RUNS: a JSON file {"kind": "sft", "runs": [argv, ...]}; every process runs every argv. A run may also be
+{"argv": [...], "env": {...}}: variables set for that run only (ACCELERATE_MIXED_PRECISION: what `accelerate launch
+--mixed_precision` sets for a whole launch). Between runs Accelerate's state singletons are reset, as a fresh
+process has them. The process group is kept from one run to the next: the
 recipe destroys it at its end, and a second init_process_group on the launcher's rendezvous store would meet the
 first group's keys there; it is destroyed after the last run. Each run is otherwise the recipe as users run it
 (same entry point, same argv parsing, same preflight, parallelization, backend and trainer).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,10 +50,17 @@ def main(spec_path: str) -> None:
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *a, **k: None  # the recipe's own call at its end: kept for the next run
     try:
-        for argv in spec["runs"]:
+        for run in spec["runs"]:
+            argv, env = (run["argv"], run.get("env", {})) if isinstance(run, dict) else (run, {})
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             _reset_accelerate()
             _reset_deepspeed()
-            recipe.main(spec["kind"], argv)
+            try:
+                recipe.main(spec["kind"], argv)
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     finally:
         dist.destroy_process_group = destroy
     if dist.is_initialized():

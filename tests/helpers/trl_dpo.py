@@ -21,13 +21,15 @@ from hfpar.data.load import embedded_model_path
 from hfpar.data.preference import make_preference
 from hfpar.train.sampler import GlobalBatchSampler
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16)
-COMMON = dict(steps=8, batch=4, lr=1e-3, max_grad_norm=0.5, seed=42)
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16}
+COMMON = {"steps": 8, "batch": 4, "lr": 1e-3, "max_grad_norm": 0.5, "seed": 42}
 
 
-def make_case(root: Path, pairs: int = 64, config_updates: dict | None = None) -> tuple[str, str]:
-    """(model dir, pairs file): a random-init tiny Llama saved with the embedded tokenizer, conversational pairs."""
+def make_case(root: Path, pairs: int = 64, config_updates: dict | None = None,
+              rows: list[dict] | None = None) -> tuple[str, str]:
+    """(model dir, pairs file): a random-init tiny Llama saved with the embedded tokenizer, conversational pairs
+    (the embedded set's, or `rows`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     root = Path(root)
@@ -37,7 +39,7 @@ def make_case(root: Path, pairs: int = 64, config_updates: dict | None = None) -
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(root / "model")
-    rows = make_preference(7, n_train=pairs, n_eval=1)["train"].to_list()
+    rows = rows if rows is not None else make_preference(7, n_train=pairs, n_eval=1)["train"].to_list()
     with open(root / "pairs.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     return str(root / "model"), str(root / "pairs.jsonl")
@@ -52,11 +54,11 @@ def _reset_accelerate() -> None:
 
 
 def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmoid", beta: float = 0.1,
-            label_smoothing: float = 0.0, precompute: bool = False, steps: int = COMMON["steps"],
+            label_smoothing: float = 0.0, precompute: bool = False, loss_weights: str | None = None, steps: int = COMMON["steps"],
             batch: int = COMMON["batch"], max_length: int = 128, timing: dict | None = None,
-            gradient_checkpointing: bool = False) -> list[dict]:
+            gradient_checkpointing: bool = False, device: str = "cpu", bf16: bool = False) -> list[dict]:
     """TRL DPOTrainer's per-step records (loss, rewards/*, logps/*). gradient_checkpointing: TRL 1.16's default is
-    on (recomputation, the same numbers)."""
+    on (recomputation, the same numbers). bf16: fp32 weights, bf16 autocast (as hfpar's --mixed_precision bf16)."""
     from datasets import load_dataset
     from torch.utils.data import SequentialSampler
     from transformers import AutoTokenizer, TrainerCallback
@@ -70,32 +72,45 @@ def run_trl(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmo
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
 
-    class Clock(TrainerCallback):
+    class Clock(TrainerCallback):   # steps 2..N: from the 2nd step's begin to the last step's end
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 1 and timing is not None:
+                _sync(device)
                 timing["t1"], timing["c1"] = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == steps and timing is not None:
+                _sync(device)
+                timing["t2"], timing["c2"] = time.perf_counter(), time.process_time()
 
     _reset_accelerate()
     args = DPOConfig(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=COMMON["lr"],
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=COMMON["max_grad_norm"],
-                     logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=COMMON["seed"],
-                     beta=beta, loss_type=[loss_type], label_smoothing=label_smoothing, max_length=max_length,
+                     logging_steps=1, save_strategy="no", report_to="none", use_cpu=device == "cpu", bf16=bf16, seed=COMMON["seed"],
+                     beta=beta, loss_type=loss_type.split(","), label_smoothing=label_smoothing, max_length=max_length,
+                     loss_weights=[float(w) for w in loss_weights.split(",")] if loss_weights else None,
                      precompute_ref_log_probs=precompute, dataloader_num_workers=0, disable_tqdm=True,
                      optim="adamw_torch_fused", gradient_checkpointing=gradient_checkpointing)
     trainer = Sequential(model=model_dir, args=args, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir),
                          callbacks=[Clock()])
     t0 = time.perf_counter()
     trainer.train()
+    _sync(device)
     if timing is not None:
         timing["train_s"] = time.perf_counter() - t0
-        timing["steady_s"] = time.perf_counter() - timing.get("t1", t0)
-        timing["steady_cpu_s"] = time.process_time() - timing.get("c1", 0.0)
+        timing["steady_s"] = timing["t2"] - timing.get("t1", t0)
+        timing["steady_cpu_s"] = timing["c2"] - timing.get("c1", 0.0)
     _reset_accelerate()
     return [r for r in trainer.state.log_history if "loss" in r and "step" in r]
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_hfpar(model_dir: str, data_file: str, out: str, *, loss_type: str = "sigmoid", beta: float = 0.1,
-              label_smoothing: float = 0.0, precompute: bool = False, steps: int = COMMON["steps"],
+              label_smoothing: float = 0.0, precompute: bool = False, loss_weights: str | None = None, steps: int = COMMON["steps"],
               batch: int = COMMON["batch"], max_length: int = 128, extra: list[str] | None = None) -> list[dict]:
     """hfpar's dpo recipe, in this process: its metrics.jsonl records."""
     from hfpar.recipe import main
@@ -106,7 +121,7 @@ def run_hfpar(model_dir: str, data_file: str, out: str, *, loss_type: str = "sig
             str(COMMON["max_grad_norm"]), "--logging_steps", "1", "--seed", str(COMMON["seed"]), "--beta", str(beta),
             "--loss_type", loss_type, "--label_smoothing", str(label_smoothing), "--max_length", str(max_length),
             "--precompute_ref_log_probs", str(precompute).lower(), "--save_final_model", "false",
-            "--optim", "adamw_torch_fused", *(extra or [])]
+            "--optim", "adamw_torch_fused", *(["--loss_weights", loss_weights] if loss_weights else []), *(extra or [])]
     _reset_accelerate()
     main("dpo", argv)
     _reset_accelerate()

@@ -22,11 +22,11 @@ Each matches its reference per step (loss, grad_norm, rewards/*, logps/*) within
 at steps 4 and 8 (eval_loss, eval_rewards/*, eval_logps/* on 12 held-out pairs) and in the exported weights; the
 loss of a step is the mean over its 8 pairs (num_target_tokens counts pairs).
 
-bf16 (on demand: HFPAR_DPO_BF16=1, 4 more launches; `--mixed_precision bf16` on the launcher, the reference the
-in-process single run under ACCELERATE_MIXED_PRECISION=bf16): ddp, fsdp2, tp2, cp2_ring as above, each within
-BF16_TOL of single bf16 per step (the measured differences: BF16 lines with -s, benchmarks/results/dpo_bf16_cpu.json).
+bf16: ddp, fsdp2, tp2, cp2_ring again in the same launches (ACCELERATE_MIXED_PRECISION=bf16 for those runs, what
+`accelerate launch --mixed_precision bf16` sets), against the in-process single run in bf16, each within BF16_TOL
+per step (the measured differences: BF16 lines with -s, benchmarks/results/dpo_bf16_cpu.json).
 
-    HFPAR_DPO_BF16=1 python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16
+    python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16
 """
 
 from __future__ import annotations
@@ -76,10 +76,22 @@ CASES = {  # name: (config, processes, per-device pairs, extra flags, reference)
 KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 
+# bf16 runs of these cases, in the same launches (ACCELERATE_MIXED_PRECISION for those runs only)
+BF16 = ("ddp", "fsdp2", "tp2", "cp2_ring")
+# Relative, any of the 8 steps, about 3x the largest difference measured (2026-11-26, BF16_CMD, loss / grad_norm):
+# ddp 3.5e-4 / 1.9e-3, fsdp2 1.8e-3 / 5.5e-3 (FSDP2 all-gathers bf16 parameters: its mixed-precision policy, as in
+# tests/launch/test_bf16_parity.py), tp2 1.1e-3 / 2.6e-3, cp2_ring 8.4e-4 / 8.6e-3 (its rows keep the plain layout,
+# the reference computes each prompt once). bf16 rounds the matmuls differently when the work is split
+# differently, and the runs drift apart step by step.
+BF16_TOL = {"loss": 3e-3, "grad_norm": 2.5e-2}
+BF16_LOSS_TOL = {"fsdp2": 6e-3}
+BF16_ENV = {"ACCELERATE_MIXED_PRECISION": "bf16"}
+BF16_CMD = "python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16"
 
-def _args(name: str, root, data: str, extra: list[str] | None = None) -> list[str]:
+
+def _args(name: str, root, data: str, extra: list[str] | None = None, tag: str = "") -> list[str]:
     flags, bs = (REFS[name], 4) if name in REFS else (CASES[name][3], CASES[name][2])
-    return [*COMMON, *flags, "--dataset_name", data, "--output_dir", str(root / name),
+    return [*COMMON, *flags, "--dataset_name", data, "--output_dir", str(root / f"{name}{tag}"),
             "--per_device_train_batch_size", str(bs), *(extra or [])]
 
 
@@ -115,11 +127,15 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
 
 
 def _grouped_launches(root, data: str) -> dict:
-    """One launch per accelerate config (ddp: 6 cases, fsdp2: 2, zero2, zero3), its cases run one after the other
-    in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run the recipe as users run it)."""
+    """One launch per accelerate config (ddp: 6 cases + 3 in bf16, fsdp2: 2 + 1 in bf16, zero2, zero3), its cases
+    run one after the other in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run
+    the recipe as users run it)."""
     groups: dict = {}
     for name, (cfg, n, *_) in CASES.items():
         groups.setdefault((cfg, n), []).append(_args(name, root, data))
+    for name in BF16:   # output in <name>_bf16
+        cfg, n, *_ = CASES[name]
+        groups[(cfg, n)].append({"argv": _args(name, root, data, tag="_bf16"), "env": BF16_ENV})
     jobs = {}
     for (cfg, n), argvs in groups.items():
         spec = root / f"runs_{cfg}.json"
@@ -146,6 +162,7 @@ def runs(tmp_path_factory):
     try:
         for name in REFS:
             run_in_process(_args(name, root, str(data)))
+        run_in_process(_args("single", root, str(data), tag="_bf16"), env=BF16_ENV)
     finally:
         thread.join()
     if failed:
@@ -213,48 +230,13 @@ def test_resume_reproduces_the_uninterrupted_run(runs, tmp_path):
     assert_export_matches(root / "fsdp2", out, "fsdp2 resumed")
 
 
-# ------------------------------------------------------------------------------------------------ bf16, on demand
-BF16 = ("ddp", "fsdp2", "tp2", "cp2_ring")
-# Relative, any of the 8 steps, about 3x the largest difference measured (2026-11-26, BF16_CMD, loss / grad_norm):
-# ddp 3.5e-4 / 1.9e-3, fsdp2 1.8e-3 / 5.5e-3 (FSDP2 all-gathers bf16 parameters: its mixed-precision policy, as in
-# tests/launch/test_bf16_parity.py), tp2 1.1e-3 / 2.6e-3, cp2_ring 8.4e-4 / 8.6e-3 (its rows keep the plain layout,
-# the reference computes each prompt once). bf16 rounds the matmuls differently when the work is split
-# differently, and the runs drift apart step by step.
-BF16_TOL = {"loss": 3e-3, "grad_norm": 2.5e-2}
-BF16_LOSS_TOL = {"fsdp2": 6e-3}
-BF16_CMD = "HFPAR_DPO_BF16=1 python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16"
 
-
-@pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo_bf16")
-    data = _pairs(root)
-    failed = []
-
-    def launches():
-        try:
-            launch_all({name: (CASES[name][0], CASES[name][1], "dpo", _args(name, root, str(data))) for name in BF16},
-                       extra_launch=["--mixed_precision", "bf16"])
-        except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
-            failed.append(e)
-
-    thread = threading.Thread(target=launches)
-    thread.start()
-    try:
-        run_in_process(_args("single", root, str(data)), env={"ACCELERATE_MIXED_PRECISION": "bf16"})
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
-    return root
-
-
-@pytest.mark.skipif(os.environ.get("HFPAR_DPO_BF16") != "1", reason="on demand (4 launches): HFPAR_DPO_BF16=1")
 @pytest.mark.parametrize("name", BF16)
-def test_bf16_matches_single_bf16(bf16_runs, name):
-    ref, got = read_metrics(bf16_runs / "single")[0], read_metrics(bf16_runs / name)[0]
-    assert len(ref) == len(got) == 8 and read_run_info(bf16_runs / name)["mixed_precision"] == "bf16"
-    assert read_run_info(bf16_runs / "single")["mixed_precision"] == "bf16"
+def test_bf16_matches_single_bf16(runs, name):
+    root, _ = runs
+    ref, got = read_metrics(root / "single_bf16")[0], read_metrics(root / f"{name}_bf16")[0]
+    assert len(ref) == len(got) == 8 and read_run_info(root / f"{name}_bf16")["mixed_precision"] == "bf16"
+    assert read_run_info(root / "single_bf16")["mixed_precision"] == "bf16"
     worst = {k: max(rel_diff(g[k], r[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}
     record("dpo_bf16_cpu", name, worst, command=BF16_CMD)
     print(f"BF16 {name}: loss {worst['loss']:.2e} grad_norm {worst['grad_norm']:.2e}")

@@ -30,7 +30,7 @@ def test_lm_recipe_default_learns(recipe, tmp_path):
     elapsed, train, evals, out = _run(recipe, tmp_path)
     record("recipes_default_cpu", recipe, {"first_train_loss": train[0]["loss"],
                                            "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
-           command="python -m pytest -q tests/launch/test_recipes_default.py -k lm_recipe")
+           command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
     assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
     assert len(evals) >= 2
     # eval loss falls clearly from the first evaluation to the last, and far below the untrained ~ln(V)
@@ -55,3 +55,22 @@ def test_classify_default_beats_majority_baseline(tmp_path):
     majority = Counter(labels).most_common(1)[0][1] / len(labels)
     assert evals[-1]["eval_accuracy"] > majority + 0.2, (evals[-1], majority)
     assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
+
+
+def test_dpo_default_learns(tmp_path):
+    """The embedded DPO default (generated pairs, a random-init tiny Llama): the implicit reward of the chosen answer
+    overtakes the rejected one's, steps 101-120 against steps 1-20 (rewards/accuracies and rewards/margins)."""
+    elapsed, train, _, out = _run("dpo", tmp_path)
+    assert len(train) == 120
+
+    def means(key):   # steps 1-20, steps 101-120
+        return tuple(sum(r[key] for r in rows) / len(rows) for rows in (train[:20], train[-20:]))
+
+    acc, margin = means("rewards/accuracies"), means("rewards/margins")
+    record("recipes_default_cpu", "dpo", {"rewards/accuracies steps 1-20, 101-120": acc,
+                                          "rewards/margins steps 1-20, 101-120": margin, "wall_s": elapsed},
+           command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
+    assert elapsed < 120, f"dpo took {elapsed:.0f}s"
+    assert acc[1] >= acc[0] + 0.1, acc
+    assert margin[1] > max(3 * margin[0], 0.02), margin
+    assert (out / "model.safetensors").is_file()   # a normal HF model

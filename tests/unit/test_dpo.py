@@ -12,8 +12,15 @@ import torch
 from datasets import Dataset
 
 from hfpar.data import DataError, load_tokenizer
-from hfpar.data.preference import (PairCollator, decode_targets, extract_prompt, make_preference, tokenize_pair,
-                                   tokenize_preference, truncate_pair)
+from hfpar.data.preference import (
+    PairCollator,
+    decode_targets,
+    extract_prompt,
+    make_preference,
+    tokenize_pair,
+    tokenize_preference,
+    truncate_pair,
+)
 from hfpar.train.dpo import pair_losses
 from hfpar.train.dpo_setup import LOSS_TYPES
 
@@ -113,7 +120,8 @@ def test_pair_rows_hold_both_sequences_with_their_targets(tok):
 def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
     """share_prompt: [prompt + chosen | last prompt token + rejected] under its (B, 1, T, T) mask gives every
     sequence's log-prob of the plain layout (float64, sdpa) with fewer tokens; where keep_end truncation left the
-    two prompts different, that pair's row is the plain one."""
+    two prompts different, that pair is the plain one; pairs of unequal lengths share rows (packed), each seeing
+    only itself."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar.data.load import embedded_model_path
@@ -125,8 +133,9 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
     pairs, _ = tokenize_preference(make_preference(3, n_train=6, n_eval=1)["train"], tok, 128)
     feats = [pairs[i] for i in range(6)]
 
-    def logps(share, mode):
-        batch = shift_labels(PairCollator(tok, share_prompt=share, max_length=40, truncation_mode=mode)(feats))
+    def logps(share, mode, max_length):
+        batch = shift_labels(PairCollator(tok, share_prompt=share, max_length=max_length, truncation_mode=mode)(feats))
+        rows.append(batch["input_ids"].shape[0])
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
         with torch.no_grad():
             lp = torch.log_softmax(model(**inputs).logits, -1)
@@ -134,10 +143,12 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
         lp = lp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
         return torch.zeros(12, dtype=lp.dtype).index_add(0, seq[valid], lp[valid]), int(batch["token_mask"].sum())
 
-    for mode in ("keep_start", "keep_end"):
-        (plain, n_plain), (shared, n_shared) = logps(False, mode), logps(True, mode)
+    for mode, max_length in (("keep_start", 40), ("keep_end", 40), ("keep_start", 128)):
+        rows = []
+        (plain, n_plain), (shared, n_shared) = logps(False, mode, max_length), logps(True, mode, max_length)
         torch.testing.assert_close(shared, plain, rtol=1e-12, atol=1e-12)
         assert n_shared < n_plain if mode == "keep_start" else n_shared <= n_plain
+        assert rows[0] == 6 and (rows[1] < 6 if max_length == 128 else rows[1] <= 6)   # 128: lengths differ, packed
 
 
 def test_bad_preference_data_refused_naming_the_example(tok):
@@ -171,3 +182,8 @@ def test_option_problems_are_one_line_each_before_loading():
     assert "--label_smoothing 0.5" in p[1] and "reference model with zero3" in p[2] and "--precompute_ref_log_probs" in p[2]
     ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo")
     assert dpo_problems(ok, ctx) == []
+    multi = ["--precompute_ref_log_probs", "true", "--loss_type", "sigmoid,sppo_hard"]   # TRL's multi-loss
+    assert dpo_problems(parse_args([*multi, "--loss_weights", "0.8,0.2"], recipe="dpo"), ctx) == []
+    for bad in ("1", "0.8,x"):
+        p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo"), ctx)
+        assert p == [f"--loss_weights '{bad}': one number per --loss_type entry (2), comma-separated"]

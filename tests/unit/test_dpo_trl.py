@@ -2,8 +2,9 @@
 (one process, in-process, CPU, fp32, 8 optimizer steps, clipping active): per-step loss, grad norm and rewards/*
 equal within 1e-4 relative; with a separate reference model (TRL loads a second copy; hfpar swaps a frozen copy
 of its parameters in) and with precomputed reference log-probs. Every loss type's formula is held to TRL's own
-code in tests/unit/test_dpo.py; here sigmoid (TRL's default) and ipo (per-token averages: the completion lengths)
-run through both trainers (robust is held to TRL's formula in test_dpo.py only: not run end to end here).
+code in tests/unit/test_dpo.py; here sigmoid (TRL's default), ipo (per-token averages: the completion lengths) and,
+in one run pair, robust (label smoothing 0.1), apo_zero and sppo_hard as TRL's weighted multi-loss (their gradients
+all shape the trajectory) run through both trainers.
 
 The rewards are beta x (policy - reference) log-probs of sequences whose log-probs are ~-100: early in training
 they are differences of nearly equal numbers, so they (and rewards/margins) are compared within 1e-4 relative or
@@ -18,7 +19,8 @@ from tests.helpers.trl_dpo import make_case, run_hfpar, run_trl
 pytest.importorskip("trl")
 TOL = 1e-4
 BETA = 0.1   # the helper's default
-CASES = [("sigmoid", 0.0, False), ("ipo", 0.0, False), ("sigmoid", 0.0, True)]
+MULTI = ("robust,apo_zero,sppo_hard", "1,0.5,0.02")   # sppo_hard's squares start at 2 x (0.5 / beta)^2 = 50
+CASES = [("sigmoid", 0.0, False), ("ipo", 0.0, False), ("sigmoid", 0.0, True), (MULTI[0], 0.1, False)]
 pytestmark = pytest.mark.slow   # two trainers x 3 cases, ~10 s each on an idle machine: the full suite, not the fast subset
 
 
@@ -31,9 +33,10 @@ def _close(a: float, b: float, scale: float | None = None) -> bool:
     return abs(a - b) <= TOL * max(abs(a), abs(b), scale or 0.0, 1e-8)
 
 
-@pytest.mark.parametrize("loss_type,smoothing,precompute", CASES, ids=[f"{c[0]}{'-precomputed' if c[2] else ''}" for c in CASES])
+@pytest.mark.parametrize("loss_type,smoothing,precompute", CASES, ids=[f"{c[0]}{'-precomputed' if c[2] else ''}".replace(",", "+") for c in CASES])
 def test_per_step_equal_to_trl(case, tmp_path, loss_type, smoothing, precompute):
-    kw = dict(loss_type=loss_type, label_smoothing=smoothing, precompute=precompute)
+    kw = {"loss_type": loss_type, "label_smoothing": smoothing, "precompute": precompute,
+          "loss_weights": MULTI[1] if loss_type == MULTI[0] else None}
     trl = run_trl(*case, str(tmp_path / "trl"), **kw)
     ours = run_hfpar(*case, str(tmp_path / "hfpar"), **kw)
     assert len(trl) == len(ours) == 8
