@@ -118,9 +118,17 @@ def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = No
     launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
     launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)   # the longest groups first: better packing
     with ThreadPoolExecutor(workers) as pool:
-        done = [pool.submit(launch, *job[:4], extra_launch=extra_launch) for job in launches]
+        done = [pool.submit(launch, *job[:4], extra_launch=extra_launch, timeout=_timeout(job)) for job in launches]
         for f in done:
             f.result()
+
+
+def _timeout(job: tuple) -> int:
+    """600 s per launch, 240 s per run for a launch of several runs (a spec file of RECIPE_RUNS)."""
+    runs = job[4] if len(job) > 4 else 1
+    if job[2] == RECIPE_RUNS and len(job) <= 4:
+        runs = len(json.loads(Path(job[3][0]).read_text())["runs"])
+    return max(600, 240 * runs)
 
 
 def _grouped(jobs: dict, spec_dir: Path) -> list[tuple]:
