@@ -87,10 +87,21 @@ def derived_plan_problem(config) -> str | None:
     return _problem(getattr(config, "model_type", None), hf) if hf else None
 
 
-def _prefix(model: nn.Module) -> str:
-    """Where the base model sits in a task model (`model.` for LlamaForCausalLM, `transformer.` for GPT-2)."""
+def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
+    """Where the base model sits in a task model (`model.` for LlamaForCausalLM, `transformer.` for GPT-2). Where
+    base_model_prefix names no child (Llama4ForCausalLM's is `language_model`, its decoder sits in `model`): the
+    direct child in which the most of HF's entries match a module (their first component names a child of it)."""
     name = getattr(model, "base_model_prefix", "")
-    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
+    if name and isinstance(getattr(model, name, None), nn.Module):
+        return f"{name}."
+    heads = {k.split(".", 1)[0] for k in hf or ()}
+    if heads and not any(isinstance(getattr(model, h, None), nn.Module) for h in heads):
+        scored = [(sum(isinstance(getattr(child, h, None), nn.Module) for h in heads), n)
+                  for n, child in model.named_children()]
+        best = max(scored, default=(0, ""))
+        if best[0]:
+            return f"{best[1]}."
+    return ""
 
 
 def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -102,7 +113,7 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     problem = _problem(model_type, hf)
     if problem is not None:
         raise ValueError(problem)
-    prefix = _prefix(model)
+    prefix = _prefix(model, hf)
     plan: dict[str, str] = {}
     parents: dict[str, list[str]] = {}
     dense = _dense(hf)
@@ -151,11 +162,11 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
 
 
 def _is_parameter(model: nn.Module, pattern: str) -> bool:
-    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in the first module its parent matches."""
+    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in any module its parent matches (MiMo-V2-
+    Flash's sinks exist in its sliding-window layers only: `sinks = None` in the others)."""
     parent, _, leaf = pattern.rpartition(".")
     rx = compile_pattern(parent)
-    mod = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
-    return mod is not None and leaf in mod._parameters
+    return any(isinstance(m._parameters.get(leaf), nn.Parameter) for n, m in model.named_modules() if rx.fullmatch(n))
 
 
 def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
