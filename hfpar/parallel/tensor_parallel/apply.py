@@ -170,7 +170,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
-        elif not getattr(config, "base_model_tp_plan", None) or not _has_region(derived_plan := derive_plan(model)):
+        elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(model,
+                                                                                     derived_plan := derive_plan(model)):
             # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
             # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
             try:
@@ -201,6 +202,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a vocab-parallel LM head to gather the "
                          f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
                          "--sequence_parallel")
+    unpadded = getattr(config, "unpadded_vocab_size", None)
+    if lm_head and isinstance(unpadded, int) and unpadded < model.get_output_embeddings().out_features:
+        raise ValueError(f"apply_tensor_parallel: config.unpadded_vocab_size {unpadded} (the forward slices the "
+                         "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'")
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -242,6 +247,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
             local = shard_tensor(full.detach(), 0, group_rank(tp_group), tp)
             setattr(owner, leaf, set_shard_spec(nn.Parameter(local, requires_grad=full.requires_grad),
                                                 ShardSpec(kind="tp", group=tp_group, dim=0, size=tp)))
+            continue
+        if style == "output_param":   # replicated, its gradient already complete: not summed over TP
+            set_shard_spec(model.get_parameter(name), ShardSpec(kind="replicated"))
             continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
         if base == "vocab_embedding":
@@ -293,8 +301,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
         new.train(mod.training)
         new_modules[name] = new
         _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
+    whole = {id(model.get_parameter(n)) for n, s in assigned.items() if s == "output_param"}
     for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
-        _mark_region_replicated(model.get_submodule(r), tp_group)
+        _mark_region_replicated(model.get_submodule(r), tp_group, whole)
     return new_modules
 
 
@@ -347,11 +356,14 @@ def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[
     return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
 
 
-def _has_region(plan: Mapping[str, str]) -> bool:
-    return any(s.partition(":")[0] in _REGIONS for s in plan.values())
+def _shards_blocks(model: nn.Module, plan: Mapping[str, str]) -> bool:
+    """Whether a derived plan shards a region of this model (HF's plan may name only layer kinds it lacks: Inkling's
+    dense MLPs, every layer of the tiny model being MoE)."""
+    matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
+    return any(s.partition(":")[0] in _REGIONS for s, _ in matched.values())
 
 
-def _mark_region_replicated(region: nn.Module, tp_group) -> None:
+def _mark_region_replicated(region: nn.Module, tp_group, whole: set[int] = frozenset()) -> None:
     """Replicated parameters a region applies to its local heads / intermediate features (q/k norms without a plan
     entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
     over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
@@ -360,6 +372,8 @@ def _mark_region_replicated(region: nn.Module, tp_group) -> None:
             continue
         for p in m.parameters(recurse=False):
             spec = shard_spec(p)
+            if id(p) in whole:   # output_param: applied after the region's all-reduce
+                continue
             if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
                 set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
 

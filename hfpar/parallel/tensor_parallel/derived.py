@@ -24,6 +24,8 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
                                     module stays whole and replicated on every rank: exact, not sharded
     colwise on a parameter          head_param (attention sinks (H,), Beam's per-head gate bias: split by head)
     local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
+    all_reduce                      nothing (HF sums the module's output over TP, InklingSharedExperts': the hfpar
+                                    region around its colwise / rowwise children does that; verified)
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
@@ -40,13 +42,14 @@ import torch
 from torch import nn
 
 from .plans import TP_PLANS, compile_pattern
+from .validate import lookup_only
 
 __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
 
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
-_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params")   # in derive_plan
+_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params", "all_reduce")   # in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -127,6 +130,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
         path = prefix + key
         if style == "local_params":   # HF: the module's DTensor parameters used as local tensors; hfpar's are local
             continue
+        if style == "all_reduce":   # HF: the module's output summed over TP; an hfpar region does that itself
+            continue
         if style == "colwise" and _is_parameter(model, path):   # attention sinks, a per-head gate bias
             plan[path] = "head_param"
             continue
@@ -154,9 +159,14 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     names = {id(m): n for n, m in model.named_modules()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
     if inp is not None and id(inp) in names:
-        plan[names[id(inp)]] = "vocab_embedding"
-    if isinstance(out, nn.Linear) and id(out) in names:
+        if lookup_only(inp):
+            plan[names[id(inp)]] = "vocab_embedding"
+        else:   # replicated (HF's embedding_rowwise entry for it is dropped too)
+            plan = {k: v for k, v in plan.items() if not (v == "vocab_embedding" and compile_pattern(k).fullmatch(
+                names[id(inp)]))}
+    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
 

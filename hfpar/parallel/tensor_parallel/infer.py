@@ -22,6 +22,7 @@ from torch import nn
 
 from .conv1d import is_conv1d
 from .plans import compile_pattern
+from .validate import lookup_only
 
 __all__ = ["infer_plans"]
 
@@ -75,7 +76,7 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
     """Relative entries of an attention module (its own q/k/v or fused projection plus an output projection), and the
     fused projection's name; None when `m` is not one. Beside q/k/v/o: an own Linear as wide as q from the same input
     (AFMoE's per-head output gate) colwise, own parameters laid out by head along dim 0 (GPT-OSS's attention sinks)
-    head_param, own RMSNorms over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
+    head_param, own 1-D parameters as wide as the output (GPT-NeoX-Japanese's dense_bias) output_param, own RMSNorms over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
     outs = [n for n in lin if n in _OUT]
     split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
     fuse = next((n for n in _FUSED if n in lin), None)
@@ -95,10 +96,12 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
             if n not in split and n != out and _width(c, False) == _width(q, False) \
                     and _width(c, True) == _width(q, True):
                 ent[f"{rel}.{n}"] = "colwise"
-    heads = _heads(model, m)
+    heads, model_width = _heads(model, m), _width(getattr(m, out), True)
     for n, p in m.named_parameters(recurse=False):
         if p.dim() >= 1 and p.shape[0] in heads:
             ent[f"{rel}.{n}"] = "head_param"
+        elif p.dim() == 1 and p.numel() == model_width:   # as wide as the output: applied after the all-reduce
+            ent[f"{rel}.{n}"] = "output_param"
     for n in _norms(m, widths, getattr(m, "head_dim", None)):
         ent[f"{rel}.{n}"] = "sharded_rmsnorm"
     return ent, (f"{rel}.{fuse}" if fuse and not split else None)
@@ -177,9 +180,10 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     names = {id(m): n for n, m in model.named_modules()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(inp, nn.Embedding) and id(inp) in names:
+    tied = inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
+    if lookup_only(inp) and id(inp) in names:
         common[names[id(inp)]] = "vocab_embedding"
-    if isinstance(out, nn.Linear) and id(out) in names:
+    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         common[names[id(out)]] = "colwise_lm_head"
     # layouts the structure does not show, most likely first: fused q|k|v per head (plain colwise) or concatenated;
     # a fused gate|up concatenated (chunked in two halves) or interleaved

@@ -35,6 +35,9 @@ Styles (`apply.py` turns them into layers and hooks):
                          (norms.py): weight split like the projection it follows, sum of squares all-reduced
     head_param           a PARAMETER (the pattern names it, not a module) laid out by head along dim 0 (attention
                          sinks (H,), a per-head gate bias): split with the heads, gathered on export
+    output_param         a PARAMETER of a region applied after its output projection's all-reduce (GPT-NeoX-
+                         Japanese's dense_bias, returned by the attention and added by the layer): replicated with
+                         its full gradient (a region's other parameters act on this rank's heads: summed over TP)
 
 Modules not named by a plan stay replicated (plain parameters, identical on every rank).
 Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
@@ -51,8 +54,8 @@ __all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYL
 
 STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
           "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
-          "head_param")
-PARAM_STYLES = ("head_param",)   # matched against parameter names, not module names
+          "head_param", "output_param")
+PARAM_STYLES = ("head_param", "output_param")   # matched against parameter names, not module names
 
 
 def _head_dim(cfg) -> int:
