@@ -274,6 +274,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
             new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
         elif base == "rowwise" and is_conv1d(mod):
             new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
+        elif base == "rowwise_heads":   # reduce-scatter along the output features: this rank's heads' values
+            new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True, sequence_parallel=True,
+                                                sequence_dim=-1, name=name)
         elif base == "rowwise":
             new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True,
                                                 sequence_parallel=sequence_parallel, name=name)
@@ -350,7 +353,7 @@ def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[
     """A derived / inferred region pattern can match a module built differently from the one the plan describes
     (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
     plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
-    proj = ("colwise", "colwise_packed", "rowwise")
+    proj = ("colwise", "colwise_packed", "rowwise", "rowwise_heads")
     empty = [r for r, (s, _) in matched.items() if s in _REGIONS and not any(
         n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())]
     return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}

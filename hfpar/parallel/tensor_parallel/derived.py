@@ -26,6 +26,9 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
     local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
     all_reduce                      nothing (HF sums the module's output over TP, InklingSharedExperts': the hfpar
                                     region around its colwise / rowwise children does that; verified)
+    rowwise on a Linear with one    rowwise_heads (Doge's dt_proj: all value heads -> one value per kv head; the
+      output per head               rank keeps its heads' values), and the region's parameters of that length
+                                    (Doge's A) head_param
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
@@ -143,6 +146,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
             ours = "colwise_packed"
         if ours == "colwise_packed":
             ours = f"colwise_packed:{_packed_rule(key)}"
+        if ours == "rowwise" and _per_head_output(model, path):
+            ours = "rowwise_heads"
         plan[path] = ours
         if ours.startswith(("colwise", "rowwise")):
             parent, _, leaf = path.rpartition(".")
@@ -169,6 +174,20 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
+
+
+def _head_counts(model: nn.Module) -> set[int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    h = getattr(cfg, "num_attention_heads", None)
+    return {n for n in (h, getattr(cfg, "num_key_value_heads", None) or h) if isinstance(n, int) and n > 1}
+
+
+def _per_head_output(model: nn.Module, pattern: str) -> bool:
+    """A rowwise Linear whose output is one value per (kv) head, not the model width (Doge's dt_proj)."""
+    rx = compile_pattern(pattern)
+    m = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
+    hidden = getattr(model.config, "hidden_size", None)
+    return isinstance(m, nn.Linear) and m.out_features in _head_counts(model) and m.out_features != hidden
 
 
 def _is_parameter(model: nn.Module, pattern: str) -> bool:
@@ -205,6 +224,11 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
             if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
                     and w.numel() in widths and w.numel() != head_dim:
                 plan[key] = "sharded_rmsnorm"
+        per_head = [getattr(getattr(mod, leaf, None), "out_features", None) for leaf in leaves
+                    if plan.get(f"{parent}.{leaf}") == "rowwise_heads"]
+        for n, p in mod.named_parameters(recurse=False):   # Doge's A (one per kv head) beside its dt_proj
+            if per_head and p.dim() >= 1 and p.shape[0] in per_head and f"{parent}.{n}" not in plan:
+                plan[f"{parent}.{n}"] = "head_param"
         for sub, m in mod.named_modules():   # Linears HF's plan leaves replicated inside the region
             key = f"{parent}.{sub}"
             if sub and key not in plan and isinstance(m, nn.Linear) and (parent in mla or "." in sub):

@@ -13,6 +13,10 @@ Styles (`apply.py` turns them into layers and hooks):
                          them ("colwise_packed:64,32,32")
     rowwise              nn.Linear -> RowParallelLinear, input features split (o_proj, down_proj)
                          (colwise / colwise_packed / rowwise on transformers' Conv1D: the Conv1D versions)
+    rowwise_heads        rowwise whose OUTPUT is one value per head, computed from all heads' features (Doge's
+                         dt_proj: every value head -> a mask strength per kv head): the partial sums are
+                         reduce-scattered along the output features, each rank keeps its heads' values (backward:
+                         all-gather); no bias
     colwise_lm_head      lm_head -> ColumnParallelLinear without gather: logits are vocab shards (B, T, V/tp)
     attention            the module holding q/k/v/o. Its input enters the TP region once (backward: one
                          all-reduce, or under sequence parallelism one all-gather of T forward and one
@@ -52,7 +56,8 @@ __all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYL
            "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
 
-STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
+STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "rowwise_heads", "colwise_lm_head", "attention",
+          "mlp",
           "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
           "head_param", "output_param")
 PARAM_STYLES = ("head_param", "output_param")   # matched against parameter names, not module names
