@@ -56,7 +56,7 @@ from .derived import derive_plan
 from .hf_loss import install_hf_semantics
 from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
                     scatter_sequence_hook)
-from .infer import infer_plans
+from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
@@ -315,9 +315,8 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     mt = config.model_type
     candidates = infer_plans(model)
     if not candidates:
-        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
-                         "base_model_tp_plan, and no attention / MLP projections were recognised in its first "
-                         "block to infer one from; pass plan={module pattern: style}")
+        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan and no usable "
+                         f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}")
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and out.weight is inp.weight
     why = ""

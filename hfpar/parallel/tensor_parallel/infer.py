@@ -8,7 +8,8 @@ the one whose own Linears are q/k/v (separate) or one fused projection (query_ke
 plus an output projection; the MLP is the module (or the block itself: OPT's fc1 / fc2) whose own Linears are an
 input (fc1, c_fc, up/gate_proj, dense_h_to_4h, ...) and an output (fc2, c_proj, down_proj, dense_4h_to_h, ...)
 projection. A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
-interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv). apply_tensor_parallel keeps the first
+interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last
+candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama). apply_tensor_parallel keeps the first
 candidate that validates and passes verify_first_block (forward and backward of the first block against the
 unsharded block), else refuses in one line with the last candidate's reason. The embedding is vocab-parallel and
 the LM head column-parallel (vocab shards); position embeddings and norms stay replicated.
@@ -24,7 +25,7 @@ from .conv1d import is_conv1d
 from .plans import compile_pattern
 from .validate import lookup_only
 
-__all__ = ["infer_plans"]
+__all__ = ["infer_plans", "unrecognised"]
 
 _SPLIT = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("Wq", "Wk", "Wv"))
 _FUSED = ("query_key_value", "c_attn", "Wqkv", "qkv_proj", "qkv")
@@ -172,11 +173,14 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         return pat + (re.escape(f".{rel}") if rel else "")
 
     common: dict[str, str] = {}
-    qkv, gate_up = [], []
+    qkv, gate_up, split = [], [], []
     for (ent, fq, fg), idx in groups.items():
         common.update({at(idx, r): s for r, s in ent})
         qkv += [at(idx, r) for r in fq]
         gate_up += [at(idx, r) for r in fg]
+        regions = [r for r, s in ent if s == "attention"]
+        split += [at(idx, r) for r, s in ent if s == "colwise" and r.rpartition(".")[0] in regions
+                  and r.rpartition(".")[2] in {n for t in _SPLIT for n in t}]
     names = {id(m): n for n, m in model.named_modules()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -195,9 +199,27 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
             plan = {**common, **{p: q for p in qkv}}
             plan.update({p: halves[p] if g == "packed" else "colwise" for p in gate_up})
             out_plans.append(plan)
+    # differential attention (DiffLlama): head i pairs with head i + H/2 (and the values' two halves likewise), so
+    # q / k / v are split as two halves, each half by rank: a rank's heads keep their partners
+    paired = {p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2}," \
+                 f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in split}
+    if paired:
+        out_plans.append({**out_plans[0], **paired})
     return out_plans
 
 
 def _first(model: nn.Module, pattern: str) -> str:
     rx = compile_pattern(pattern)
     return next(n for n, _ in model.named_modules() if rx.fullmatch(n))
+
+
+def unrecognised(model: nn.Module) -> str:
+    """Why infer_plans found nothing, naming the first block and its modules (for the one-line refusal)."""
+    blocks = _blocks(model)
+    if blocks is None:
+        return "no decoder blocks holding Linear layers were found to infer a plan from"
+    block = model.get_submodule(f"{blocks}.0")
+    kids = ", ".join(f"{n} ({type(m).__name__})" for n, m in block.named_children() if next(m.parameters(), None)
+                     is not None)
+    return (f"{blocks}.0 has no attention (q/k/v or a fused qkv, and an output projection) or MLP (an input and an "
+            f"output projection) made of its own Linears (its modules: {kids})")

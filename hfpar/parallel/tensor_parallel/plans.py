@@ -150,7 +150,8 @@ TP_PLANS["gpt2"] = {
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
 # in tests/distributed/test_tp_derived_plans.py (its cases are this list; DeepSeek-V2, Qwen3.5 and Gemma-4 text are
-# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py);
+# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py; so are Llama-4
+# text, MiMo-V2-Flash and Doge, in test_tp_family_sweep.py);
 # every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
@@ -160,7 +161,8 @@ TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "coher
 # Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
 # (tests/distributed/test_tp_verify.py, test_tp_family_sweep.py, tests/launch/test_tp_families_recipe.py); every other
 # one is inferred and verified at apply time
-TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe")
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe", "gpt_oss",
+                               "afmoe", "ctrl", "modernbert-decoder", "bitnet", "gpt_neox_japanese", "diffllama")
 
 
 def get_plan(model_type: str) -> dict[str, str]:
