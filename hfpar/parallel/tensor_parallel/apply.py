@@ -56,6 +56,7 @@ from .derived import derive_plan
 from .hf_loss import install_hf_semantics
 from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
                     scatter_sequence_hook)
+from .heads import localize_heads
 from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
@@ -77,31 +78,6 @@ class RegionColumnParallelLinear(ColumnParallelLinear):
     this layer does no collective of its own. Same parameters and export as the parent class."""
 
     in_region = True
-
-
-class _LocalHeadsConfig:
-    """The model config as one attention module sees it: per-rank head counts, every other field
-    read live from the shared config (which keeps the full counts for export / save_pretrained)."""
-
-    def __init__(self, base, **overrides):
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_overrides", dict(overrides))
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_base", "_overrides"):
-            raise AttributeError(name)
-        if name in self._overrides:
-            return self._overrides[name]
-        return getattr(self._base, name)
-
-    def __setattr__(self, name, value):
-        if name in self._overrides:
-            self._overrides[name] = value
-        else:
-            setattr(self._base, name, value)
-
-    def __repr__(self) -> str:
-        return f"_LocalHeadsConfig({self._overrides}, base={type(self._base).__name__})"
 
 
 def _check_replicated(model: nn.Module, group) -> None:
@@ -285,7 +261,7 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
                 mod.register_forward_pre_hook(partial(enter_region_hook, group=tp_group, name=name,
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
-                _localize_heads(mod, config, tp)
+                localize_heads(mod, config, tp)
                 bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
                 if bias_args and getattr(config, "num_attention_heads", None):   # ALiBi for all heads (Bloom, MPT)
                     mod.register_forward_pre_hook(partial(local_head_bias_hook, names=bias_args, tp=tp,
@@ -378,20 +354,6 @@ def _mark_region_replicated(region: nn.Module, tp_group, whole: set[int] = froze
                 continue
             if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
                 set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
-
-
-def _localize_heads(attn: nn.Module, config, tp: int) -> None:
-    """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
-    width of each of q, k, v in c_attn's output) with them."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size", "n_heads",
-                 "n_head"):
-        v = getattr(attn, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            setattr(attn, attr, v // tp)
-    if getattr(attn, "config", None) is not None and config is not None:   # e.g. Phi-3 reads config.num_attention_heads
-        nh = config.num_attention_heads
-        nkv = getattr(config, "num_key_value_heads", None) or nh
-        attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)
 
 
 # ----------------------------------------------------------------------------- gradients, export
