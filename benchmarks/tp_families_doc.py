@@ -48,7 +48,8 @@ def section() -> str:
                       f"in-scope types exact, {blocks} of {res['in_scope']} with their decoder blocks sharded "
                       f"(attention and / or MLP projections tensor-parallel, not only the embedding and the LM head), "
                       f"{res['counts']['mismatched']} mismatched ({res['counts']['skipped']} skipped with their "
-                      f"reason in the JSON; full sweep {res['wall_s']:.0f} s on a shared 2-core machine).")]
+                      f"reason in the JSON; wall time {res['wall_s']:.0f} s, "
+                      f"{res.get('run', 'one run on a shared 2-core machine')}).")]
         if by.get("refused"):
             lines += ["", "Refused, each in its one line:", ""]
             lines += [f"- `{mt}`: {res['results'][mt]['why']}" for mt in by["refused"]]
