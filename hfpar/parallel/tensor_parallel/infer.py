@@ -205,6 +205,13 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
                  f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in split}
     if paired:
         out_plans.append({**out_plans[0], **paired})
+    # last: the attention left whole (replicated), the MLPs sharded (a hybrid stack whose attention no candidate
+    # verifies: LFM's)
+    attn = [p for p, st in common.items() if st == "attention"]
+    mlp_only = {p: st for p, st in out_plans[0].items() if p not in attn and not any(
+        p.startswith(a + ".") or (a.startswith("re:") and p.startswith(a + re.escape("."))) for a in attn)}
+    if attn and any(st == "mlp" for st in mlp_only.values()):
+        out_plans.append(mlp_only)
     return out_plans
 
 
