@@ -42,9 +42,17 @@ def section() -> str:
         flat = [mt for mt in by.get("exact", []) if res["results"][mt].get("blocks_sharded") is False]
         lines += [f"| of those exact, only the embedding and LM head sharded, blocks replicated ({len(flat)}) | "
                   f"{', '.join(f'`{t}`' for t in flat) or '-'} |"]
+        blocks = len(by.get("exact", [])) - len(flat)
         lines += ["", (f"Sweep (benchmarks/tp_family_sweep.py, TP=2 vs unsharded, loss and every gradient before and "
                       f"after one SGD step within {res['tol']:g}): {res['counts']['exact']} of {res['in_scope']} "
-                      f"in-scope types exact ({res['counts']['skipped']} skipped with their reason in the JSON).")]
+                      f"in-scope types exact, {blocks} of {res['in_scope']} with their decoder blocks sharded "
+                      f"(attention and / or MLP projections tensor-parallel, not only the embedding and the LM head), "
+                      f"{res['counts']['mismatched']} mismatched ({res['counts']['skipped']} skipped with their "
+                      f"reason in the JSON; wall time {res['wall_s']:.0f} s, "
+                      f"{res.get('run', 'one run on a shared 2-core machine')}).")]
+        if by.get("refused"):
+            lines += ["", "Refused, each in its one line:", ""]
+            lines += [f"- `{mt}`: {res['results'][mt]['why']}" for mt in by["refused"]]
     else:
         lines += ["", ("Every other family: a plan derived from its `base_model_tp_plan` or inferred from its modules, "
                       "verified on its first block at apply time (or refused in one line).")]

@@ -7,7 +7,9 @@ unsharded model (tests/helpers/tp_sweep.py: loss and every gradient, one SGD ste
     TP_SWEEP_SP=1 python benchmarks/tp_family_sweep.py ...    # with sequence parallelism (all types: its own JSON)
 
 Counts: exact / refused (one line naming the module or entry) / mismatched / skipped (with the reason), the share
-exact among those in scope (exact + refused + mismatched) and the wall time.
+exact among those in scope (exact + refused + mismatched), how many of the exact ones have their decoder blocks
+sharded (an attention / MLP projection tensor-parallel, not only the embedding and the LM head: "blocks_sharded")
+and the wall time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def main(argv: list[str]) -> dict:
     wall = time.perf_counter() - t0
     counts = {s: sum(r["status"] == s for r in res.values()) for s in ("exact", "refused", "mismatched", "skipped")}
     tested = counts["exact"] + counts["refused"] + counts["mismatched"]
+    blocks = sum(r["status"] == "exact" and bool(r.get("blocks_sharded")) for r in res.values())
     summary = {"counts": counts, "in_scope": tested, "exact_share": round(counts["exact"] / max(tested, 1), 4),
+               "blocks_sharded": blocks, "blocks_sharded_share": round(blocks / max(tested, 1), 4),
                "wall_s": round(wall, 1), "tol": TOL, "results": res}
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
     if not argv:

@@ -51,9 +51,9 @@ def test_derived_styles():
 
 
 @pytest.mark.parametrize("model_type, entry, style", [
-    # inkling_text's real entry (HF's own reduction of a shared expert's output), in a tiny granite's plan: building a
-    # tiny inkling_text costs seconds
-    ("granite", "layers.*.mlp.shared_experts", "all_reduce"),
+    # qwen4_exp's real entry (an n-gram embedding split by columns), in a tiny granite's plan: building a tiny
+    # qwen4_exp costs seconds (inkling_text's all_reduce, formerly here, is mapped now: the region sums)
+    ("granite", "layers.*.ple.ple_embedding.ngram_embedding", "embedding_colwise"),
 ])
 def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
     from hfpar.parallel.tensor_parallel import (

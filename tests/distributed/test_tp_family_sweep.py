@@ -9,33 +9,52 @@ within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the other TP 
     bloom                inferred; its ALiBi, built for all heads outside the attention, sliced to the rank's heads
     hunyuan_v1_moe       HF's plan names only experts: inferred instead (the former 2e-4 "mismatch": the reference's
                          fp32 loss, see tests/helpers/tp_sweep.py)
-    mimo_v2_flash        refused in one line naming the module: its second layer is built differently (caught by the
-                         verification of every distinct block structure)
+    mimo_v2_flash        attention sinks in its sliding-window layers only (HF's sinks entry found in any layer)
+    gpt_oss              inferred: attention sinks (H,) split by head (head_param), experts whole
+    llama4_text          derived: the decoder under `model` while base_model_prefix names `language_model`
+    afmoe                inferred: the per-head output gate (gate_proj, as wide as q) split with q
+    ctrl                 inferred: Wq / Wk / Wv, attention(v, k, q) called with one tensor three times, a Sequential MLP
+    modernbert-decoder   inferred: Wi a fused gate|up chunked in two halves, Wo
+    bitnet               inferred: attn_sub_norm / ffn_sub_norm over the whole sharded width (sharded_rmsnorm)
+    gpt_neox_japanese    inferred: the last layer's dense_bias, added after the all-reduce (output_param)
+    doge                 derived: dt_proj's per-kv-head output reduce-scattered (rowwise_heads), A split by head
+    diffllama            inferred (4 kv heads: two halves of 2 per rank): differential attention pairs head i with
+                         head i + H/2, q / k / v split as two halves; with the sweep's 2 kv heads its blocks stay
+                         replicated (exact), a pair's k / v head cannot be split
+    jetmoe               refused in one line naming its first block and modules (mixture-of-attention experts)
+every exact one with its blocks sharded (not only the embedding and the LM head);
 and with sequence parallelism (plans from the structure: sequence_plan.py): OLMo-2, Falcon, GPT-BigCode, MPT exact;
 Qwen3.5 refused (its linear attention, kept whole, would run on T/tp tokens).
 """
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
+from tests.helpers import tp_sweep
 from tests.helpers.dist import run_distributed
 from tests.helpers.tp_sweep import sweep_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
-EXACT = ("gemma4_unified_text", "qwen3_5_text", "deepseek_v2", "persimmon", "bloom", "hunyuan_v1_moe")
+EXACT = ("gemma4_unified_text", "qwen3_5_text", "deepseek_v2", "persimmon", "bloom", "hunyuan_v1_moe",
+         "mimo_v2_flash", "gpt_oss", "llama4_text", "afmoe", "ctrl", "modernbert-decoder", "bitnet",
+         "gpt_neox_japanese", "doge")
 SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")   # sequence parallelism on derived / inferred plans
 
 
 def _both(rank: int, world_size: int) -> tuple[dict, dict]:
-    return (sweep_worker(rank, world_size, [*EXACT, "mimo_v2_flash"]),
-            sweep_worker(rank, world_size, [*SP_EXACT, "qwen3_5_text"], sp=True))
+    res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
+    with mock.patch.dict(tp_sweep.TINY, num_key_value_heads=4):   # DiffLlama's pairs: 2 kv heads per half
+        res.update({"diffllama_kv4": sweep_worker(rank, world_size, ["diffllama"])["diffllama"]})
+    return res, sweep_worker(rank, world_size, [*SP_EXACT, "qwen3_5_text"], sp=True)
 
 
 @pytest.fixture(scope="module")
 def both():
-    return run_distributed(_both, 2, timeout=600)[0]
+    return run_distributed(_both, 2, timeout=1500)[0]
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +74,13 @@ def test_sequence_parallel_refused_where_a_block_mixes_tokens_outside_the_region
     assert "does not reproduce the unsharded model.layers.0" in r["why"], r
 
 
-@pytest.mark.parametrize("model_type", EXACT)
-def test_exact(results, model_type):
+@pytest.mark.parametrize("model_type", [*EXACT, "diffllama_kv4"])
+def test_exact_with_blocks_sharded(results, model_type):
     r = results[model_type]
-    assert r["status"] == "exact", r
+    assert r["status"] == "exact" and r["blocks_sharded"], r
 
 
 def test_refused_in_one_line(results):
-    r = results["mimo_v2_flash"]
+    r = results["jetmoe"]
     assert r["status"] == "refused" and "\n" not in r["why"], r
-    assert "the tensor-parallel plan for model_type 'mimo_v2_flash' breaks model.layers.1.self_attn" in r["why"], r
+    assert "model.layers.0 has no attention" in r["why"] and "self_attention (JetMoeAttention)" in r["why"], r

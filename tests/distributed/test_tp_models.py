@@ -217,7 +217,7 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
     # invalid degrees for real (tp=2): every rank raises, before any collective (ranks stay in step)
     results["err_kv"] = value_error_message(lambda: apply_tensor_parallel(_build("llama", num_key_value_heads=1), g))
     results["err_vocab"] = value_error_message(lambda: apply_tensor_parallel(_build("llama", vocab_size=129), g))
-    results["err_no_plan"] = value_error_message(lambda: apply_tensor_parallel(_build("bitnet", "float32"), g))
+    results["err_no_plan"] = value_error_message(lambda: apply_tensor_parallel(_layernorm_bitnet(), g))
     # different weights on the ranks are refused by the checksum
     model = _build("llama")
     if rank == 1:
@@ -268,6 +268,13 @@ def test_parity(ranks, case):
     assert r0["export_logits_rel"] < tol, r0["export_logits_rel"]
 
 
+def _layernorm_bitnet():
+    model = _build("bitnet", "float32")
+    for layer in model.model.layers:
+        layer.self_attn.attn_sub_norm = torch.nn.LayerNorm(layer.self_attn.attn_sub_norm.weight.numel())
+    return model
+
+
 def test_errors_on_ranks(ranks):
     for res in ranks:
         assert "model.layers.0.self_attn: num_key_value_heads 1 is not divisible by tp_size 2" \
@@ -275,7 +282,8 @@ def test_errors_on_ranks(ranks):
         assert "model.embed_tokens: vocab_size 129 is not divisible by tp_size 2" in res["err_vocab"], res["err_vocab"]
         assert "lm_head: vocab_size 129" in res["err_vocab"]
         # no written plan, no base_model_tp_plan: a plan is inferred from the modules; BitNet's sub-norm inside
-        # the attention spans every head, so the first-block verification refuses it, in one line
+        # the attention spans every head, made a LayerNorm here (an RMSNorm is sharded: sharded_rmsnorm; a
+        # head-spanning LayerNorm is not), so the first-block verification refuses it, in one line
         assert all(s in res["err_no_plan"] for s in ("'bitnet'", "could be inferred")) \
             and "\n" not in res["err_no_plan"], res["err_no_plan"]
         assert "model.layers.1.mlp.up_proj.weight" in res["err_weights"], res["err_weights"]
@@ -313,8 +321,9 @@ def test_unknown_model_type_lists_supported():
     with mock.patch.object(dist, "is_initialized", return_value=True), \
             mock.patch.object(dist, "get_world_size", return_value=2), \
             mock.patch("hfpar.parallel.tensor_parallel.apply.infer_plans", return_value=[]):
-        with pytest.raises(ValueError, match=r"'bitnet' has no hfpar plan, its config no base_model_tp_plan, and no "
-                                             r"attention / MLP projections were recognised"):
+        with pytest.raises(ValueError, match=r"'bitnet' has no hfpar plan and no usable base_model_tp_plan, and "
+                                             r"model\.layers\.0 has no attention .* \(its modules: self_attn "
+                                             r"\(BitNetAttention\), mlp \(BitNetMLP\)"):
             apply_tensor_parallel(_build("bitnet", "float32"))
 
 

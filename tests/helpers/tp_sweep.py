@@ -214,7 +214,8 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
         if rank == 0 and verbose:
             r = res[mt]
-            print(f"{mt:28s} {r['status']:10s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
-                  f"{r.get('why', '')[:220]}", flush=True)
+            blocks = {True: "blocks", False: "flat"}.get(r.get("blocks_sharded"), "")
+            print(f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
+                  f"{r.get('why', '')[:600]}", flush=True)
         dist.barrier()
     return res

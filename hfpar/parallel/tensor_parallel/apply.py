@@ -56,7 +56,8 @@ from .derived import derive_plan
 from .hf_loss import install_hf_semantics
 from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
                     scatter_sequence_hook)
-from .infer import infer_plans
+from .heads import localize_heads
+from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
@@ -77,31 +78,6 @@ class RegionColumnParallelLinear(ColumnParallelLinear):
     this layer does no collective of its own. Same parameters and export as the parent class."""
 
     in_region = True
-
-
-class _LocalHeadsConfig:
-    """The model config as one attention module sees it: per-rank head counts, every other field
-    read live from the shared config (which keeps the full counts for export / save_pretrained)."""
-
-    def __init__(self, base, **overrides):
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_overrides", dict(overrides))
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_base", "_overrides"):
-            raise AttributeError(name)
-        if name in self._overrides:
-            return self._overrides[name]
-        return getattr(self._base, name)
-
-    def __setattr__(self, name, value):
-        if name in self._overrides:
-            self._overrides[name] = value
-        else:
-            setattr(self._base, name, value)
-
-    def __repr__(self) -> str:
-        return f"_LocalHeadsConfig({self._overrides}, base={type(self._base).__name__})"
 
 
 def _check_replicated(model: nn.Module, group) -> None:
@@ -170,7 +146,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
-        elif not getattr(config, "base_model_tp_plan", None) or not _has_region(derived_plan := derive_plan(model)):
+        elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(model,
+                                                                                     derived_plan := derive_plan(model)):
             # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
             # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
             try:
@@ -201,6 +178,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a vocab-parallel LM head to gather the "
                          f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
                          "--sequence_parallel")
+    unpadded = getattr(config, "unpadded_vocab_size", None)
+    if lm_head and isinstance(unpadded, int) and unpadded < model.get_output_embeddings().out_features:
+        raise ValueError(f"apply_tensor_parallel: config.unpadded_vocab_size {unpadded} (the forward slices the "
+                         "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'")
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -243,6 +224,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
             setattr(owner, leaf, set_shard_spec(nn.Parameter(local, requires_grad=full.requires_grad),
                                                 ShardSpec(kind="tp", group=tp_group, dim=0, size=tp)))
             continue
+        if style == "output_param":   # replicated, its gradient already complete: not summed over TP
+            set_shard_spec(model.get_parameter(name), ShardSpec(kind="replicated"))
+            continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
         if base == "vocab_embedding":
             new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
@@ -266,6 +250,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
             new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
         elif base == "rowwise" and is_conv1d(mod):
             new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
+        elif base == "rowwise_heads":   # reduce-scatter along the output features: this rank's heads' values
+            new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True, sequence_parallel=True,
+                                                sequence_dim=-1, name=name)
         elif base == "rowwise":
             new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True,
                                                 sequence_parallel=sequence_parallel, name=name)
@@ -274,7 +261,7 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
                 mod.register_forward_pre_hook(partial(enter_region_hook, group=tp_group, name=name,
                                                       sequence_parallel=sequence_parallel), with_kwargs=True)
             if base == "attention":
-                _localize_heads(mod, config, tp)
+                localize_heads(mod, config, tp)
                 bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
                 if bias_args and getattr(config, "num_attention_heads", None):   # ALiBi for all heads (Bloom, MPT)
                     mod.register_forward_pre_hook(partial(local_head_bias_hook, names=bias_args, tp=tp,
@@ -293,8 +280,9 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
         new.train(mod.training)
         new_modules[name] = new
         _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
+    whole = {id(model.get_parameter(n)) for n, s in assigned.items() if s == "output_param"}
     for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
-        _mark_region_replicated(model.get_submodule(r), tp_group)
+        _mark_region_replicated(model.get_submodule(r), tp_group, whole)
     return new_modules
 
 
@@ -303,9 +291,8 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     mt = config.model_type
     candidates = infer_plans(model)
     if not candidates:
-        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan, its config no "
-                         "base_model_tp_plan, and no attention / MLP projections were recognised in its first "
-                         "block to infer one from; pass plan={module pattern: style}")
+        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan and no usable "
+                         f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}")
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and out.weight is inp.weight
     why = ""
@@ -341,17 +328,20 @@ def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[
     """A derived / inferred region pattern can match a module built differently from the one the plan describes
     (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
     plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
-    proj = ("colwise", "colwise_packed", "rowwise")
+    proj = ("colwise", "colwise_packed", "rowwise", "rowwise_heads")
     empty = [r for r, (s, _) in matched.items() if s in _REGIONS and not any(
         n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())]
     return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
 
 
-def _has_region(plan: Mapping[str, str]) -> bool:
-    return any(s.partition(":")[0] in _REGIONS for s in plan.values())
+def _shards_blocks(model: nn.Module, plan: Mapping[str, str]) -> bool:
+    """Whether a derived plan shards a region of this model (HF's plan may name only layer kinds it lacks: Inkling's
+    dense MLPs, every layer of the tiny model being MoE)."""
+    matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
+    return any(s.partition(":")[0] in _REGIONS for s, _ in matched.values())
 
 
-def _mark_region_replicated(region: nn.Module, tp_group) -> None:
+def _mark_region_replicated(region: nn.Module, tp_group, whole: set[int] = frozenset()) -> None:
     """Replicated parameters a region applies to its local heads / intermediate features (q/k norms without a plan
     entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
     over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
@@ -360,22 +350,10 @@ def _mark_region_replicated(region: nn.Module, tp_group) -> None:
             continue
         for p in m.parameters(recurse=False):
             spec = shard_spec(p)
+            if id(p) in whole:   # output_param: applied after the region's all-reduce
+                continue
             if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
                 set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
-
-
-def _localize_heads(attn: nn.Module, config, tp: int) -> None:
-    """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
-    width of each of q, k, v in c_attn's output) with them."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size", "n_heads",
-                 "n_head"):
-        v = getattr(attn, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            setattr(attn, attr, v // tp)
-    if getattr(attn, "config", None) is not None and config is not None:   # e.g. Phi-3 reads config.num_attention_heads
-        nh = config.num_attention_heads
-        nkv = getattr(config, "num_key_value_heads", None) or nh
-        attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)
 
 
 # ----------------------------------------------------------------------------- gradients, export

@@ -24,6 +24,11 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
                                     module stays whole and replicated on every rank: exact, not sharded
     colwise on a parameter          head_param (attention sinks (H,), Beam's per-head gate bias: split by head)
     local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
+    all_reduce                      nothing (HF sums the module's output over TP, InklingSharedExperts': the hfpar
+                                    region around its colwise / rowwise children does that; verified)
+    rowwise on a Linear with one    rowwise_heads (Doge's dt_proj: all value heads -> one value per kv head; the
+      output per head               rank keeps its heads' values), and the region's parameters of that length
+                                    (Doge's A) head_param
     mla_kv_a_proj                   replicated_heads (multi-head latent attention: the latent down-projections,
                                     and the parent's other unlisted Linears such as q_a_proj, stay replicated with
                                     their partial gradients summed; the per-head up-projections colwise, o rowwise)
@@ -40,13 +45,14 @@ import torch
 from torch import nn
 
 from .plans import TP_PLANS, compile_pattern
+from .validate import lookup_only
 
 __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
 
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
-_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params")   # in derive_plan
+_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params", "all_reduce")   # in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -87,10 +93,21 @@ def derived_plan_problem(config) -> str | None:
     return _problem(getattr(config, "model_type", None), hf) if hf else None
 
 
-def _prefix(model: nn.Module) -> str:
-    """Where the base model sits in a task model (`model.` for LlamaForCausalLM, `transformer.` for GPT-2)."""
+def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
+    """Where the base model sits in a task model (`model.` for LlamaForCausalLM, `transformer.` for GPT-2). Where
+    base_model_prefix names no child (Llama4ForCausalLM's is `language_model`, its decoder sits in `model`): the
+    direct child in which the most of HF's entries match a module (their first component names a child of it)."""
     name = getattr(model, "base_model_prefix", "")
-    return f"{name}." if name and isinstance(getattr(model, name, None), nn.Module) else ""
+    if name and isinstance(getattr(model, name, None), nn.Module):
+        return f"{name}."
+    heads = {k.split(".", 1)[0] for k in hf or ()}
+    if heads and not any(isinstance(getattr(model, h, None), nn.Module) for h in heads):
+        scored = [(sum(isinstance(getattr(child, h, None), nn.Module) for h in heads), n)
+                  for n, child in model.named_children()]
+        best = max(scored, default=(0, ""))
+        if best[0]:
+            return f"{best[1]}."
+    return ""
 
 
 def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -102,7 +119,7 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     problem = _problem(model_type, hf)
     if problem is not None:
         raise ValueError(problem)
-    prefix = _prefix(model)
+    prefix = _prefix(model, hf)
     plan: dict[str, str] = {}
     parents: dict[str, list[str]] = {}
     dense = _dense(hf)
@@ -116,6 +133,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
         path = prefix + key
         if style == "local_params":   # HF: the module's DTensor parameters used as local tensors; hfpar's are local
             continue
+        if style == "all_reduce":   # HF: the module's output summed over TP; an hfpar region does that itself
+            continue
         if style == "colwise" and _is_parameter(model, path):   # attention sinks, a per-head gate bias
             plan[path] = "head_param"
             continue
@@ -127,6 +146,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
             ours = "colwise_packed"
         if ours == "colwise_packed":
             ours = f"colwise_packed:{_packed_rule(key)}"
+        if ours == "rowwise" and _per_head_output(model, path):
+            ours = "rowwise_heads"
         plan[path] = ours
         if ours.startswith(("colwise", "rowwise")):
             parent, _, leaf = path.rpartition(".")
@@ -143,19 +164,38 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     names = {id(m): n for n, m in model.named_modules()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
     if inp is not None and id(inp) in names:
-        plan[names[id(inp)]] = "vocab_embedding"
-    if isinstance(out, nn.Linear) and id(out) in names:
+        if lookup_only(inp):
+            plan[names[id(inp)]] = "vocab_embedding"
+        else:   # replicated (HF's embedding_rowwise entry for it is dropped too)
+            plan = {k: v for k, v in plan.items() if not (v == "vocab_embedding" and compile_pattern(k).fullmatch(
+                names[id(inp)]))}
+    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
 
 
+def _head_counts(model: nn.Module) -> set[int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    h = getattr(cfg, "num_attention_heads", None)
+    return {n for n in (h, getattr(cfg, "num_key_value_heads", None) or h) if isinstance(n, int) and n > 1}
+
+
+def _per_head_output(model: nn.Module, pattern: str) -> bool:
+    """A rowwise Linear whose output is one value per (kv) head, not the model width (Doge's dt_proj)."""
+    rx = compile_pattern(pattern)
+    m = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
+    hidden = getattr(model.config, "hidden_size", None)
+    return isinstance(m, nn.Linear) and m.out_features in _head_counts(model) and m.out_features != hidden
+
+
 def _is_parameter(model: nn.Module, pattern: str) -> bool:
-    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in the first module its parent matches."""
+    """Whether `pattern` names a parameter (HF's `layers.*.self_attn.sinks`) in any module its parent matches (MiMo-V2-
+    Flash's sinks exist in its sliding-window layers only: `sinks = None` in the others)."""
     parent, _, leaf = pattern.rpartition(".")
     rx = compile_pattern(parent)
-    mod = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
-    return mod is not None and leaf in mod._parameters
+    return any(isinstance(m._parameters.get(leaf), nn.Parameter) for n, m in model.named_modules() if rx.fullmatch(n))
 
 
 def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
@@ -184,6 +224,11 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
             if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
                     and w.numel() in widths and w.numel() != head_dim:
                 plan[key] = "sharded_rmsnorm"
+        per_head = [getattr(getattr(mod, leaf, None), "out_features", None) for leaf in leaves
+                    if plan.get(f"{parent}.{leaf}") == "rowwise_heads"]
+        for n, p in mod.named_parameters(recurse=False):   # Doge's A (one per kv head) beside its dt_proj
+            if per_head and p.dim() >= 1 and p.shape[0] in per_head and f"{parent}.{n}" not in plan:
+                plan[f"{parent}.{n}"] = "head_param"
         for sub, m in mod.named_modules():   # Linears HF's plan leaves replicated inside the region
             key = f"{parent}.{sub}"
             if sub and key not in plan and isinstance(m, nn.Linear) and (parent in mla or "." in sub):

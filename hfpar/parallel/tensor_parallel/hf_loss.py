@@ -45,18 +45,21 @@ def gather_vocab_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
 class VocabParallelCausalLMLoss:
     """transformers' ForCausalLMLoss on vocab-parallel logits (installed as `model.loss_function`)."""
 
-    def __init__(self, group) -> None:
-        self.group, self.tp, self.calls = group, group_size(group), 0
+    def __init__(self, group, full_vocab: int | None = None) -> None:
+        self.group, self.tp, self.calls, self.full_vocab = group, group_size(group), 0, full_vocab
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
                  num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
                  shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         self.calls += 1
-        if vocab_size is not None and self.tp > 1 and logits.shape[-1] == vocab_size:   # gathered: full_vocab_logits
-            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-        if vocab_size is not None and logits.shape[-1] * self.tp != vocab_size:
+        # the LM head's full width tells gathered logits (full_vocab_logits) from shards: some forwards pass
+        # vocab_size=logits.shape[-1] (Inkling), the shard's own width
+        full = self.full_vocab or vocab_size
+        if full is not None and self.tp > 1 and logits.shape[-1] == full:   # gathered: full_vocab_logits
+            return ForCausalLMLoss(logits, labels, full, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        if full is not None and logits.shape[-1] * self.tp != full:
             raise ValueError(f"tensor-parallel loss: logits {tuple(logits.shape)} x tp {self.tp} do not make "
-                             f"vocab_size {vocab_size}")
+                             f"vocab_size {full}")
         if shift_labels is None:                                                        # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]           # (B, T)
         shift_labels = shift_labels.to(logits.device)
@@ -123,7 +126,8 @@ def install_hf_semantics(model: nn.Module, group, *, sequence_parallel: bool, vo
     loss_fn = None
     model._hfpar_sequence_parallel = sequence_parallel
     if vocab_parallel_head and getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES:
-        loss_fn = VocabParallelCausalLMLoss(group)
+        head = model.get_output_embeddings()
+        loss_fn = VocabParallelCausalLMLoss(group, getattr(head, "out_features", None))
         model.loss_function = loss_fn                                   # transformers' property setter
     if vocab_parallel_head and hasattr(model, "generate"):
         model.generate = types.MethodType(_generate, model)             # instance attribute: deepcopy rebinds it

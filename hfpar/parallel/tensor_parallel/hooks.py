@@ -26,9 +26,12 @@ __all__ = ["HEAD_BIAS_ARGS", "embed_scale_hook", "enter_region_hook", "gather_se
 
 
 def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
-    """Apply fn to a module's hidden_states argument (first positional or keyword `hidden_states`)."""
+    """Apply fn to a module's hidden_states argument (first positional or keyword `hidden_states`); the same tensor
+    passed again positionally (CTRL's attention(v, k, q) called with one `normed` three times) gets the same result,
+    so every projection of it is inside the region."""
     if args:
-        return (fn(args[0]), *args[1:]), kwargs
+        x = fn(args[0])
+        return (x, *(x if a is args[0] else a for a in args[1:])), kwargs
     if "hidden_states" in kwargs:
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
     raise TypeError(f"{where}: tensor-parallel hook found no hidden_states argument")

@@ -8,7 +8,8 @@ the one whose own Linears are q/k/v (separate) or one fused projection (query_ke
 plus an output projection; the MLP is the module (or the block itself: OPT's fc1 / fc2) whose own Linears are an
 input (fc1, c_fc, up/gate_proj, dense_h_to_4h, ...) and an output (fc2, c_proj, down_proj, dense_4h_to_h, ...)
 projection. A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
-interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv). apply_tensor_parallel keeps the first
+interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last
+candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama). apply_tensor_parallel keeps the first
 candidate that validates and passes verify_first_block (forward and backward of the first block against the
 unsharded block), else refuses in one line with the last candidate's reason. The embedding is vocab-parallel and
 the LM head column-parallel (vocab shards); position embeddings and norms stay replicated.
@@ -16,17 +17,21 @@ the LM head column-parallel (vocab shards); position embeddings and norms stay r
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from .conv1d import is_conv1d
+from .plans import compile_pattern
+from .validate import lookup_only
 
-__all__ = ["infer_plans"]
+__all__ = ["infer_plans", "unrecognised"]
 
-_SPLIT = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+_SPLIT = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("Wq", "Wk", "Wv"))
 _FUSED = ("query_key_value", "c_attn", "Wqkv", "qkv_proj", "qkv")
-_OUT = ("o_proj", "out_proj", "dense", "c_proj", "o", "out")
-_UP = ("gate_proj", "up_proj", "c_fc", "fc1", "dense_h_to_4h", "w1", "w3", "fc_in", "gate_up_proj")
-_DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out")
+_OUT = ("o_proj", "out_proj", "dense", "c_proj", "o", "out", "Wo")
+_UP = ("gate_proj", "up_proj", "c_fc", "fc1", "dense_h_to_4h", "w1", "w3", "fc_in", "gate_up_proj", "Wi")
+_DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out", "Wo")
 
 
 def _linears(mod: nn.Module) -> list[str]:
@@ -42,44 +47,186 @@ def _blocks(model: nn.Module) -> str | None:
     return None
 
 
+def _width(m: nn.Module, out: bool) -> int | None:
+    if isinstance(m, nn.Linear):
+        return m.out_features if out else m.in_features
+    return (m.nf if out else m.nx) if is_conv1d(m) else None
+
+
+def _norms(region: nn.Module, widths: set[int], head_dim) -> list[str]:
+    """Its own RMSNorms as wide as a sharded activation (a column output, the row layer's input) and not one head:
+    a norm over all heads / all features (BitNet's attn_sub_norm / ffn_sub_norm) -> sharded_rmsnorm."""
+    out = []
+    for n, c in region.named_children():
+        w = getattr(c, "weight", None)
+        if "RMSNorm" in type(c).__name__ and isinstance(w, nn.Parameter) and w.dim() == 1 and w.numel() in widths \
+                and w.numel() != head_dim:
+            out.append(n)
+    return out
+
+
+def _heads(model: nn.Module, attn: nn.Module) -> set[int]:
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vals = {getattr(attn, a, None) for a in ("num_heads", "num_attention_heads", "n_heads", "n_head")}
+    vals.add(getattr(cfg, "num_attention_heads", None))
+    return {v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+
+
+def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | None] | None:
+    """Relative entries of an attention module (its own q/k/v or fused projection plus an output projection), and the
+    fused projection's name; None when `m` is not one. Beside q/k/v/o: an own Linear as wide as q from the same input
+    (AFMoE's per-head output gate) colwise, own parameters laid out by head along dim 0 (GPT-OSS's attention sinks)
+    head_param, own 1-D parameters as wide as the output (GPT-NeoX-Japanese's dense_bias) output_param, own RMSNorms over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
+    outs = [n for n in lin if n in _OUT]
+    split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
+    fuse = next((n for n in _FUSED if n in lin), None)
+    if not (outs and (split or fuse)):
+        return None
+    ent = {rel: "attention"}
+    for n in split or ():
+        ent[f"{rel}.{n}"] = "colwise"
+    out = outs[0]
+    ent[f"{rel}.{out}"] = "rowwise"
+    widths = {_width(getattr(m, out), False)}
+    if split:
+        q = getattr(m, split[0])
+        widths |= {_width(getattr(m, n), True) for n in split}
+        for n in lin:
+            c = getattr(m, n)
+            if n not in split and n != out and _width(c, False) == _width(q, False) \
+                    and _width(c, True) == _width(q, True):
+                ent[f"{rel}.{n}"] = "colwise"
+    heads, model_width = _heads(model, m), _width(getattr(m, out), True)
+    for n, p in m.named_parameters(recurse=False):
+        if p.dim() >= 1 and p.shape[0] in heads:
+            ent[f"{rel}.{n}"] = "head_param"
+        elif p.dim() == 1 and p.numel() == model_width:   # as wide as the output: applied after the all-reduce
+            ent[f"{rel}.{n}"] = "output_param"
+    for n in _norms(m, widths, getattr(m, "head_dim", None)):
+        ent[f"{rel}.{n}"] = "sharded_rmsnorm"
+    return ent, (f"{rel}.{fuse}" if fuse and not split else None)
+
+
+def _mlp(rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | None] | None:
+    """Relative entries of an MLP (an input and an output projection; a Sequential of exactly two Linears: CTRL's
+    ffn), and its up projection when it is twice as wide as the down projection's input (a fused gate|up, layout
+    unknown: ModernBERT's Wi, chunked in two); None when `m` is not one."""
+    ups, downs = [n for n in lin if n in _UP], [n for n in lin if n in _DOWN]
+    if isinstance(m, nn.Sequential) and len(lin) == 2 and not (ups and downs):
+        ups, downs = [lin[0]], [lin[1]]
+    ups = [n for n in ups if n not in downs[:1]]
+    if not (ups and downs):
+        return None
+    pre = f"{rel}." if rel else ""
+    ent = {rel: "mlp"} if rel else {}   # rel "": the block itself (OPT's fc1 / fc2), no region of its own
+    ent.update({f"{pre}{n}": "colwise" for n in ups})
+    down = getattr(m, downs[0])
+    ent[f"{pre}{downs[0]}"] = "rowwise"
+    widths = {_width(down, False)} | {_width(getattr(m, n), True) for n in ups}
+    for n in _norms(m, widths, None):
+        ent[f"{pre}{n}"] = "sharded_rmsnorm"
+    fused = next((n for n in ups if _width(getattr(m, n), True) == 2 * _width(down, False)), None)
+    return ent, (f"{pre}{fused}" if fused and len(ups) == 1 else None)
+
+
+def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], list[str], list[str]]:
+    """(entries relative to the block, fused qkv names, fused gate|up names) of one decoder block."""
+    ent: dict[str, str] = {}
+    qkv: list[str] = []
+    gate_up: list[str] = []
+    attn = mlp = False
+    for rel, m in block.named_modules():
+        lin = _linears(m)
+        got = _attention(model, rel, m, lin) if rel and not attn else None
+        if got:
+            attn = True
+            ent.update(got[0])
+            qkv += [got[1]] if got[1] else []
+            continue
+        got = _mlp(rel, m, lin) if not mlp else None
+        if got:
+            mlp = True
+            ent.update(got[0])
+            gate_up += [got[1]] if got[1] else []
+    return ent, qkv, gate_up
+
+
 def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     """Candidate plans (see the module docstring); [] when the structure is not recognised."""
     blocks = _blocks(model)
     if blocks is None:
         return []
-    block, pat = model.get_submodule(f"{blocks}.0"), f"{blocks}.*"
-    attn: dict[str, str] = {}
-    fused: str | None = None
-    mlp: dict[str, str] = {}
-    for rel, m in block.named_modules():
-        lin = _linears(m)
-        where = f"{pat}.{rel}" if rel else pat
-        outs = [n for n in lin if n in _OUT]
-        split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
-        fuse = next((n for n in _FUSED if n in lin), None)
-        if not attn and rel and outs and (split or fuse):
-            attn[where] = "attention"
-            for n in split or ():
-                attn[f"{where}.{n}"] = "colwise"
-            fused = f"{where}.{fuse}" if fuse and not split else None
-            attn[f"{where}.{outs[0]}"] = "rowwise"
-            continue
-        ups, downs = [n for n in lin if n in _UP], [n for n in lin if n in _DOWN]
-        if not mlp and ups and downs:
-            if rel:   # a module of its own: one TP region
-                mlp[where] = "mlp"
-            mlp.update({f"{where}.{n}": "colwise" for n in ups})
-            mlp[f"{where}.{downs[0]}"] = "rowwise"
-    if not attn and not mlp:
+    groups: dict[tuple, list[int]] = {}   # hybrid stacks: one set of entries per block structure
+    for i, block in enumerate(model.get_submodule(blocks)):
+        ent, qkv, gate_up = _block_entries(model, block)
+        groups.setdefault((tuple(ent.items()), tuple(qkv), tuple(gate_up)), []).append(i)
+    groups = {k: v for k, v in groups.items() if k[0]}
+    if not groups:
         return []
+    n = len(model.get_submodule(blocks))
+
+    def at(idx: list[int], rel: str) -> str:
+        if len(idx) == n:
+            return f"{blocks}.*.{rel}" if rel else f"{blocks}.*"
+        pat = rf"re:{re.escape(blocks)}\.(?:{'|'.join(map(str, idx))})"
+        return pat + (re.escape(f".{rel}") if rel else "")
+
+    common: dict[str, str] = {}
+    qkv, gate_up, split = [], [], []
+    for (ent, fq, fg), idx in groups.items():
+        common.update({at(idx, r): s for r, s in ent})
+        qkv += [at(idx, r) for r in fq]
+        gate_up += [at(idx, r) for r in fg]
+        regions = [r for r, s in ent if s == "attention"]
+        split += [at(idx, r) for r, s in ent if s == "colwise" and r.rpartition(".")[0] in regions
+                  and r.rpartition(".")[2] in {n for t in _SPLIT for n in t}]
     names = {id(m): n for n, m in model.named_modules()}
-    common: dict[str, str] = {**attn, **mlp}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(inp, nn.Embedding) and id(inp) in names:
+    tied = inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
+    if lookup_only(inp) and id(inp) in names:
         common[names[id(inp)]] = "vocab_embedding"
-    if isinstance(out, nn.Linear) and id(out) in names:
+    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         common[names[id(out)]] = "colwise_lm_head"
-    if fused is None:
-        return [common]
-    return [{**common, fused: "colwise"}, {**common, fused: "colwise_packed:qkv"}]
+    # layouts the structure does not show, most likely first: fused q|k|v per head (plain colwise) or concatenated;
+    # a fused gate|up concatenated (chunked in two halves) or interleaved
+    halves = {p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2}," \
+                 f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in gate_up}
+    out_plans = []
+    for q in ("colwise", "colwise_packed:qkv") if qkv else ("colwise",):
+        for g in ("packed", "colwise") if gate_up else ("colwise",):
+            plan = {**common, **{p: q for p in qkv}}
+            plan.update({p: halves[p] if g == "packed" else "colwise" for p in gate_up})
+            out_plans.append(plan)
+    # differential attention (DiffLlama): head i pairs with head i + H/2 (and the values' two halves likewise), so
+    # q / k / v are split as two halves, each half by rank: a rank's heads keep their partners
+    paired = {p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2}," \
+                 f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in split}
+    if paired:
+        out_plans.append({**out_plans[0], **paired})
+    # last: the attention left whole (replicated), the MLPs sharded (a hybrid stack whose attention no candidate
+    # verifies: LFM's)
+    attn = [p for p, st in common.items() if st == "attention"]
+    mlp_only = {p: st for p, st in out_plans[0].items() if p not in attn and not any(
+        p.startswith(a + ".") or (a.startswith("re:") and p.startswith(a + re.escape("."))) for a in attn)}
+    if attn and any(st == "mlp" for st in mlp_only.values()):
+        out_plans.append(mlp_only)
+    return out_plans
+
+
+def _first(model: nn.Module, pattern: str) -> str:
+    rx = compile_pattern(pattern)
+    return next(n for n, _ in model.named_modules() if rx.fullmatch(n))
+
+
+def unrecognised(model: nn.Module) -> str:
+    """Why infer_plans found nothing, naming the first block and its modules (for the one-line refusal)."""
+    blocks = _blocks(model)
+    if blocks is None:
+        return "no decoder blocks holding Linear layers were found to infer a plan from"
+    block = model.get_submodule(f"{blocks}.0")
+    kids = ", ".join(f"{n} ({type(m).__name__})" for n, m in block.named_children() if next(m.parameters(), None)
+                     is not None)
+    return (f"{blocks}.0 has no attention (q/k/v or a fused qkv, and an output projection) or MLP (an input and an "
+            f"output projection) made of its own Linears (its modules: {kids})")

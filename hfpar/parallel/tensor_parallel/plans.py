@@ -13,6 +13,10 @@ Styles (`apply.py` turns them into layers and hooks):
                          them ("colwise_packed:64,32,32")
     rowwise              nn.Linear -> RowParallelLinear, input features split (o_proj, down_proj)
                          (colwise / colwise_packed / rowwise on transformers' Conv1D: the Conv1D versions)
+    rowwise_heads        rowwise whose OUTPUT is one value per head, computed from all heads' features (Doge's
+                         dt_proj: every value head -> a mask strength per kv head): the partial sums are
+                         reduce-scattered along the output features, each rank keeps its heads' values (backward:
+                         all-gather); no bias
     colwise_lm_head      lm_head -> ColumnParallelLinear without gather: logits are vocab shards (B, T, V/tp)
     attention            the module holding q/k/v/o. Its input enters the TP region once (backward: one
                          all-reduce, or under sequence parallelism one all-gather of T forward and one
@@ -35,6 +39,9 @@ Styles (`apply.py` turns them into layers and hooks):
                          (norms.py): weight split like the projection it follows, sum of squares all-reduced
     head_param           a PARAMETER (the pattern names it, not a module) laid out by head along dim 0 (attention
                          sinks (H,), a per-head gate bias): split with the heads, gathered on export
+    output_param         a PARAMETER of a region applied after its output projection's all-reduce (GPT-NeoX-
+                         Japanese's dense_bias, returned by the attention and added by the layer): replicated with
+                         its full gradient (a region's other parameters act on this rank's heads: summed over TP)
 
 Modules not named by a plan stay replicated (plain parameters, identical on every rank).
 Users can pass their own plan (same format) to `apply_tensor_parallel(model, plan=...)`.
@@ -49,10 +56,11 @@ __all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYL
            "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
 
-STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "colwise_lm_head", "attention", "mlp",
+STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "rowwise_heads", "colwise_lm_head", "attention",
+          "mlp",
           "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
-          "head_param")
-PARAM_STYLES = ("head_param",)   # matched against parameter names, not module names
+          "head_param", "output_param")
+PARAM_STYLES = ("head_param", "output_param")   # matched against parameter names, not module names
 
 
 def _head_dim(cfg) -> int:
@@ -142,7 +150,8 @@ TP_PLANS["gpt2"] = {
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
 # Families whose plan is derived from HF's config.base_model_tp_plan (derived.py), parity-tested (TP, no SP)
 # in tests/distributed/test_tp_derived_plans.py (its cases are this list; DeepSeek-V2, Qwen3.5 and Gemma-4 text are
-# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py);
+# parity-tested in test_tp_family_sweep.py and, the first two, tests/launch/test_tp_families_recipe.py; so are Llama-4
+# text, MiMo-V2-Flash and Doge, in test_tp_family_sweep.py);
 # every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
 TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
@@ -152,7 +161,8 @@ TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "coher
 # Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
 # (tests/distributed/test_tp_verify.py, test_tp_family_sweep.py, tests/launch/test_tp_families_recipe.py); every other
 # one is inferred and verified at apply time
-TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe")
+TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe", "gpt_oss",
+                               "afmoe", "ctrl", "modernbert-decoder", "bitnet", "gpt_neox_japanese", "diffllama")
 
 
 def get_plan(model_type: str) -> dict[str, str]:

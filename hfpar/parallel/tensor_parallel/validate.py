@@ -52,6 +52,12 @@ def moe_block_names(model: nn.Module) -> list[str]:
     return names
 
 
+def lookup_only(emb: nn.Module | None) -> bool:
+    """An nn.Embedding whose forward is the lookup (Gemma's scaled one: its scale is re-applied after the all-reduce).
+    One that computes more (Inkling's embedding RMSNorm) stays replicated, and with it a head tied to it."""
+    return isinstance(emb, nn.Embedding) and (type(emb).forward is nn.Embedding.forward or hasattr(emb, "embed_scale"))
+
+
 def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = (),
                allow_unmatched: bool = False) -> dict[str, tuple[str, str]]:
     """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
@@ -120,7 +126,7 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
         add = partial(pr.add, name, pattern=pat)
         if style in PARAM_STYLES:
             n = model.get_parameter(name).shape[0]
-            if n % tp:
+            if style == "head_param" and n % tp:
                 add(f"its {n} heads (dim 0) are not divisible by tp_size {tp}")
             continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
@@ -150,14 +156,16 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
                 add(f"{type(mod).__name__} overrides nn.Embedding.forward; its extra computation would be lost")
             elif mod.num_embeddings % tp:
                 add(f"vocab_size {mod.num_embeddings} is not divisible by tp_size {tp}")
-        elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise"):
+        elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise", "rowwise_heads"):
             conv = base != "colwise_lm_head" and is_conv1d(mod)
             if not conv and not _acts_as_linear(mod, linear_types):
                 add(f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
                     f"found {type(mod).__name__}")
                 continue
             n_in, n_out = (mod.nx, mod.nf) if conv else (mod.in_features, mod.out_features)
-            if base == "rowwise":
+            if base == "rowwise_heads" and (conv or mod.bias is not None or n_out % tp):
+                add(f"style {style!r} needs an nn.Linear without bias and out_features divisible by tp_size {tp}")
+            if base in ("rowwise", "rowwise_heads"):
                 if n_in % tp:
                     add(f"in_features {n_in} is not divisible by tp_size {tp}")
                 continue
