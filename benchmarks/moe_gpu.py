@@ -4,7 +4,7 @@
     python benchmarks/moe_gpu.py --out /tmp/moe --device cpu --scale tiny  # the code path, on CPU
 
 1. Block: forward + backward of one MoE layer (moe_shapes.py) on the same B x T tokens (default 4 x 4096), median of
-   --iters after 2 warm-up runs: transformers' eager / grouped_mm / batched_mm experts (batched_mm only where its
+   --iters after 2 warm-up runs (eager: at most 3 after 1): transformers' eager / grouped_mm / batched_mm experts (batched_mm only where its
    per-copy weight gather fits in half the free memory) and hfpar's block at ep = 1 (apply_expert_parallel:
    Qwen3-MoE becomes hfpar's MoELayer with GroupedExperts; DeepSeek-V3's block stays transformers' own, its
    experts in transformers' default implementation; hfpar shards only its experts at ep > 1). hfpar's output is
@@ -81,7 +81,10 @@ def bench_block(shape: str, a) -> dict:
             continue
         try:
             model.set_experts_implementation(impl)
-            row["ms"][f"transformers {impl}"] = time_block(moe_block(model), x, a.iters)
+            # eager's backward adds a full-size (E, ...) gradient per expert hit (its weights are indexed per expert):
+            # seconds per step on the DeepSeek-V3 layer, so fewer runs
+            iters, warm = (min(a.iters, 3), 1) if impl == "eager" else (a.iters, 2)
+            row["ms"][f"transformers {impl}"] = time_block(moe_block(model), x, iters, warm)
         except Exception as exc:                                         # an implementation this build lacks
             row["ms"][f"transformers {impl}"] = f"unavailable: {str(exc).splitlines()[0][:100]}"
         _free()

@@ -34,18 +34,19 @@ _DSV3 = {"real": {}, "cpu": {"hidden_size": 1024, "moe_intermediate_size": 256, 
                   "v_head_dim": 8, "head_dim": 8}}
 
 
-def layer_config(shape: str, scale: str = "real", layers: int = 1, vocab: int = 256):
-    """The config of a `layers`-layer model whose every layer is a MoE layer of `shape` ("qwen3" / "deepseek_v3")."""
+def layer_config(shape: str, scale: str = "real", layers: int = 1, vocab: int = 256, **overrides):
+    """The config of a `layers`-layer model whose every layer is a MoE layer of `shape` ("qwen3" / "deepseek_v3");
+    `overrides`: config fields on top of the scale's."""
     if shape == "qwen3":
         from transformers import Qwen3MoeConfig
 
-        kw = {"norm_topk_prob": True, **_QWEN3[scale]}
+        kw = {"norm_topk_prob": True, **_QWEN3[scale], **overrides}
         cfg = Qwen3MoeConfig(num_hidden_layers=layers, vocab_size=vocab, use_cache=False, **kw)
     elif shape == "deepseek_v3":
         from transformers import DeepseekV3Config
 
         cfg = DeepseekV3Config(num_hidden_layers=layers, vocab_size=vocab, first_k_dense_replace=0, use_cache=False,
-                               **_DSV3[scale])
+                               **{**_DSV3[scale], **overrides})
     else:
         raise ValueError(f"shape={shape!r}: expected 'qwen3' or 'deepseek_v3'")
     return cfg
