@@ -15,6 +15,7 @@ fit minutes of 2 shared cores, router and expert count kept), "tiny" (a code-pat
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -65,9 +66,12 @@ def describe(cfg) -> dict:
 
 
 def build_model(cfg, device, dtype, seed: int = 0):
-    """The CausalLM of cfg, initialised directly on `device` in `dtype` (no fp32 copy of an 11B-parameter layer)."""
+    """The CausalLM of cfg, initialised directly on `device` in `dtype` (no fp32 copy of an 11B-parameter layer).
+    Each model gets its own copy of cfg: set_experts_implementation writes the config, which a shared one would
+    carry over to every model built from it."""
     from transformers import AutoModelForCausalLM
 
+    cfg = copy.deepcopy(cfg)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
