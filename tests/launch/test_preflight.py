@@ -253,8 +253,9 @@ def test_pipeline_refusals(tmp_path):
     for strategy, parallelisms, text in (("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
                                          ("zero1", ("tp", "pp"), "one model-parallel group"),
                                          ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
-                                         ("ddp", ("ep", "pp"), "together with expert or context"),
-                                         ("ddp", ("cp", "pp"), "together with expert or context")):
+                                         ("zero1", ("ep", "pp"), "ZeRO-1 would partition the experts' optimizer"),
+                                         ("ddp", ("tp", "ep", "pp"), "one other model parallelism at a time"),
+                                         ("ddp", ("ep", "cp", "pp"), "one other model parallelism at a time")):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
     assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)

@@ -16,7 +16,7 @@ from hfpar.parallelize import apply_moe
 from tests.helpers.tp_sweep import tiny_config
 
 ARGS = SimpleNamespace(upcycle_experts=0, gradient_accumulation_steps=1, seed=0)
-CTX = SimpleNamespace(ep=1, grad_replicas=1)
+CTX = SimpleNamespace(ep=1, pp=1, grad_replicas=1)
 
 
 def _model(model_type: str, **over):
