@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Phi3Config, Qwen3MoeConfig
@@ -21,6 +22,9 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.launch import read_run_info
 from tests.helpers.outputs import checkpoint_bytes
 from tests.helpers.results import record
+
+# saves real checkpoints and measures host RSS per rank (~110 CPU-s): out of the fast subset (-m "not slow"), in CI
+pytestmark = pytest.mark.slow
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {  # (config, parallelism, save_pretrained kwargs)
