@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import launch
-from tests.helpers.parity import BACKENDS, COMMON, launch_cases
+from tests.helpers.parity import BACKENDS, COMMON, RESUMED_BACKENDS, launch_cases
 from tests.helpers.reliability import run_args
 from tests.helpers.shared import built_once
 
@@ -68,7 +68,8 @@ def backend_runs(base_model, single_run, tmp_path_factory) -> dict:
     Two launches at a time: much of a launch is process start-up and rendezvous, which overlap well."""
     def build(root: Path) -> dict:
         return {name: str(out) for name, out in
-                launch_cases({name: (name, 2, "2", []) for name in BACKENDS}, base_model, root).items()}
+                launch_cases({name: (name, 2, "2", []) for name in BACKENDS}, base_model, root,
+                             resume=RESUMED_BACKENDS).items()}
 
     return {"single": single_run, **{name: Path(out) for name, out in
                                      built_once(tmp_path_factory, "backends", build).items()}}

@@ -12,6 +12,7 @@ parameter gradients.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,6 +74,7 @@ def _check(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow   # 28 s of the fast subset: still in the README test command
 def test_cp_attention_in_every_supported_family():
     for per_rank in run_distributed(_check, 2, timeout=600):
         # float32 inside a float64 model: Gemma's RMSNorm (x.float()), Gemma 2's eager softmax, Cohere's LayerNorm

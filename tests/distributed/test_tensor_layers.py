@@ -254,7 +254,7 @@ def _tp_checks(rank, tp):
             + _check_construction(rank, tp, group))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])   # 4 ranks: 15-25 s, out of the fast subset
 def test_tensor_parallel_layers(tp):
     counts = run_distributed(_tp_checks, tp)
     assert counts[0] > 50 and len(set(counts)) == 1, counts

@@ -108,13 +108,17 @@ def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool
 
 
 def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = None, group: bool = True) -> None:
-    """{name: (config, nproc, recipe, args)} launched `workers` at a time (a launch is mostly process start-up and
-    rendezvous, which overlap well on 2 cores); raises the first failure.
+    """{name: (config, nproc, recipe, args[, copy])} launched `workers` at a time (a launch is mostly process start-up
+    and rendezvous, which overlap well on 2 cores); raises the first failure.
 
     group: jobs of one recipe with the same accelerate config and process count run in ONE launch, one after the
     other in the same workers (tests/helpers/recipe_runs.py: `hfpar.recipe.main` per argv, as users' launches run it,
     bit-identical to separate launches), so the workers' start-up (imports: most of a tiny run's CPU time) is paid
-    once per group. group=False for jobs that measure their process (peak RSS) or must each start fresh."""
+    once per group. group=False for jobs that measure their process (peak RSS) or must each start fresh.
+
+    copy: (src, dst), a directory copied just before the job runs: a resume from a checkpoint that an earlier job of
+    the same (config, nproc, recipe) group writes (jobs of a group run in the dict's order; grouped jobs only)."""
+    assert group or all(len(job) == 4 for job in jobs.values()), "a job with a copy step needs group=True"
     launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
     launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)   # the longest groups first: better packing
     with ThreadPoolExecutor(workers) as pool:
@@ -133,12 +137,14 @@ def _timeout(job: tuple) -> int:
 
 def _grouped(jobs: dict, spec_dir: Path) -> list[tuple]:
     """(config, nproc, RECIPE_RUNS, [spec], n_runs) per (config, nproc, recipe); a lone job stays as it is."""
-    groups: dict[tuple, list[list[str]]] = {}
-    for config, nproc, recipe, args in jobs.values():
-        groups.setdefault((config, nproc, recipe), []).append(list(args))
+    groups: dict[tuple, list] = {}
+    for config, nproc, recipe, args, *copy in jobs.values():
+        run = {"argv": list(args), "copy": [str(p) for p in copy[0]]} if copy else list(args)
+        groups.setdefault((config, nproc, recipe), []).append(run)
     out = []
     for i, ((config, nproc, recipe), runs) in enumerate(groups.items()):
         if len(runs) == 1 or recipe.endswith(".py"):
+            assert all(isinstance(run, list) for run in runs), f"a copy step without the run that writes it: {runs}"
             out += [(config, nproc, recipe, args, 1) for args in runs]
             continue
         spec = spec_dir / f"group{i}.json"

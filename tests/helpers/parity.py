@@ -28,15 +28,27 @@ COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_
 
 
 BACKENDS = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
+RESUMED_BACKENDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")   # also resumed from checkpoint-4 in their launch
 
 
-def launch_cases(cases: dict, base_model: str, root, common: list[str] = COMMON) -> dict:
+def launch_cases(cases: dict, base_model: str, root, common: list[str] = COMMON, resume: tuple = ()) -> dict:
     """{name: (accelerate config, processes, per-device batch, extra flags)} -> {name: output dir}: each case is
-    the sft recipe on the saved base model with `common` then its extra flags, two launches at a time."""
+    the sft recipe on the saved base model with `common` then its extra flags, two launches at a time.
+
+    resume: names of cases also resumed from their checkpoint-4 in the same launch (a fresh output dir, the same
+    flags): {f"{name}/resumed": its output dir} added (assert_resumed_like_uninterrupted compares the two)."""
     outs = {name: root / name for name in cases}
-    launch_all({name: (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                              str(outs[name]), "--per_device_train_batch_size", bs])
-                for name, (config, nproc, bs, extra) in cases.items()})
+    jobs = {name: (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
+                                          str(outs[name]), "--per_device_train_batch_size", bs])
+            for name, (config, nproc, bs, extra) in cases.items()}
+    for name in resume:
+        config, nproc, bs, extra = cases[name]
+        outs[f"{name}/resumed"] = out = root / f"{name}_resumed"
+        jobs[f"{name}/resumed"] = (config, nproc, "sft", [
+            *common, *extra, "--model_name_or_path", base_model, "--output_dir", str(out),
+            "--per_device_train_batch_size", bs, "--resume_from_checkpoint", "latest"],
+            (outs[name] / "checkpoint-4", out / "checkpoint-4"))
+    launch_all(jobs)
     return outs
 
 
@@ -112,15 +124,19 @@ def export_eval_loss(out, n: int = 48) -> float:
     return tot / cnt
 
 
-def assert_resume_from_step_4(case: tuple, src: Path, base_model: str, tmp_path: Path, what: str) -> None:
-    """Relaunch `case` (config, processes, per-device batch, extra flags) from src's checkpoint-4 in a fresh
-    output dir: steps 5-8 reproduce src's per step within 1e-6, and so do the final weights."""
+def assert_resume_from_step_4(case: tuple, src: Path, base_model: str, tmp_path: Path, what: str,
+                              resumed: Path | None = None) -> None:
+    """`case` (config, processes, per-device batch, extra flags) resumed from src's checkpoint-4 in a fresh output
+    dir: steps 5-8 reproduce src's per step within 1e-6, and so do the final weights. resumed: that run when the
+    fixture's launch already made it (launch_cases(resume=...)); else it is launched here."""
     config, nproc, bs, extra = case
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                  "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
+    out = resumed
+    if out is None:
+        out = tmp_path / "resumed"
+        out.mkdir()
+        shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
+        launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
+                                      "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
     ref, got = read_metrics(src)[0], read_metrics(out)[0]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{what} resumed")

@@ -7,7 +7,9 @@ paid once for all of them.
 
 RUNS: a JSON file {"kind": "sft", "runs": [argv, ...]}; every process runs every argv. A run may also be
 {"argv": [...], "env": {...}}: variables set for that run only (ACCELERATE_MIXED_PRECISION: what `accelerate launch
---mixed_precision` sets for a whole launch). Between runs Accelerate's state singletons are reset, as a fresh
+--mixed_precision` sets for a whole launch), and {"copy": [src, dst]}: a directory copied by the first process before
+the run (the others wait at a barrier): a run resuming from a checkpoint that an earlier run of the same launch
+wrote. Between runs Accelerate's state singletons are reset, as a fresh
 process has them. The process group is kept from one run to the next: the
 recipe destroys it at its end, and a second init_process_group on the launcher's rendezvous store would meet the
 first group's keys there; it is destroyed after the last run. Each run is otherwise the recipe as users run it
@@ -19,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,6 +48,15 @@ def _reset_deepspeed() -> None:
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
 
 
+def _copy(src: str, dst: str) -> None:
+    """src copied into dst by the first process, the others waiting (the runs' output dirs are shared by the ranks
+    of a test launch: one machine)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     destroy = dist.destroy_process_group
@@ -56,6 +68,8 @@ def main(spec_path: str) -> None:
             os.environ.update(env)
             _reset_accelerate()
             _reset_deepspeed()
+            if isinstance(run, dict) and "copy" in run:
+                _copy(*run["copy"])
             try:
                 recipe.main(spec["kind"], argv)
             finally:

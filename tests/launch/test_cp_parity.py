@@ -44,7 +44,7 @@ PACKED = {  # the same packed rows at cp = 1, 2 (8 steps) and 4 (2 steps)
 @pytest.fixture(scope="module")
 def cp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    return launch_cases({**CASES, **PACKED}, base_model, root)
+    return launch_cases({**CASES, **PACKED}, base_model, root, resume=("cp2_ring_ddp",))  # resumed in its launch
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -90,7 +90,8 @@ def test_packed_rows_same_training_at_every_cp(cp_runs, base_weights):
 
 
 def test_cp_resume_reproduces_remaining_steps(cp_runs, base_model, tmp_path):
-    assert_resume_from_step_4(CASES["cp2_ring_ddp"], cp_runs["cp2_ring_ddp"], base_model, tmp_path, "cp2")
+    assert_resume_from_step_4(CASES["cp2_ring_ddp"], cp_runs["cp2_ring_ddp"], base_model, tmp_path, "cp2",
+                              cp_runs["cp2_ring_ddp/resumed"])
 
 
 def test_cp_resumes_on_one_process(cp_runs, base_model, base_weights, tmp_path):

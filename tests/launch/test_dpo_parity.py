@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -43,7 +42,6 @@ from safetensors.torch import load_file
 
 from tests.helpers.launch import (
     RECIPE_RUNS,
-    launch,
     launch_all,
     read_metrics,
     read_run_info,
@@ -127,7 +125,7 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
 
 
 def _grouped_launches(root, data: str) -> dict:
-    """One launch per accelerate config (ddp: 6 cases + 3 in bf16, fsdp2: 2 + 1 in bf16, zero2, zero3), its cases
+    """One launch per accelerate config (ddp: 6 cases + 3 in bf16, fsdp2: 2 + 1 in bf16 + fsdp2 resumed, zero2, zero3), its cases
     run one after the other in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run
     the recipe as users run it)."""
     groups: dict = {}
@@ -136,6 +134,10 @@ def _grouped_launches(root, data: str) -> dict:
     for name in BF16:   # output in <name>_bf16
         cfg, n, *_ = CASES[name]
         groups[(cfg, n)].append({"argv": _args(name, root, data, tag="_bf16"), "env": BF16_ENV})
+    # fsdp2 resumed from its checkpoint-4 into fsdp2_resumed, after the run that writes it (same launch)
+    groups[("fsdp2", 2)].append({"argv": [*_args("fsdp2", root, data, tag="_resumed"), "--resume_from_checkpoint",
+                                          "latest"], "copy": [str(root / "fsdp2" / "checkpoint-4"),
+                                                              str(root / "fsdp2_resumed" / "checkpoint-4")]})
     jobs = {}
     for (cfg, n), argvs in groups.items():
         spec = root / f"runs_{cfg}.json"
@@ -216,12 +218,9 @@ def test_single_learns_and_exports_a_normal_hf_model(runs):
     assert AutoModelForCausalLM.from_pretrained(root / "single").config.model_type == "llama"
 
 
-def test_resume_reproduces_the_uninterrupted_run(runs, tmp_path):
-    root, data = runs
-    out = tmp_path / "fsdp2"
-    out.mkdir()
-    shutil.copytree(root / "fsdp2" / "checkpoint-4", out / "checkpoint-4")
-    launch("fsdp2", 2, "dpo", [*_args("fsdp2", tmp_path, data), "--resume_from_checkpoint", "latest"])
+def test_resume_reproduces_the_uninterrupted_run(runs):
+    root, _ = runs
+    out = root / "fsdp2_resumed"   # resumed from fsdp2's checkpoint-4 in the fsdp2 runs' launch
     ref, got = read_metrics(root / "fsdp2")[0][4:], read_metrics(out)[0]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     for r, g in zip(ref, got):

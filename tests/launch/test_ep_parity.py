@@ -15,7 +15,6 @@ resume with EP, and ep 2 -> ep 1 on one process (the checkpoint's full form); `h
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -32,6 +31,9 @@ pytestmark = pytest.mark.slow
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 
 
+EP_RESUMED = ("ep2", "ep2_fsdp2", "ep2_zero1")   # resumed from checkpoint-4 in the cases' launches
+
+
 @pytest.fixture(scope="module")
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
@@ -43,7 +45,7 @@ def ep_runs(base_model, tmp_path_factory):
             **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"])
                for c in ("ddp", "fsdp2", "zero1", "zero2")},
             **EP_CP}
-    return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE])}
+    return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE], resume=EP_RESUMED)}
 
 
 # EP x CP: EP=2 drawn from the cp ranks (cp 2, dp 1: the all-to-all group is the cp group; each cp rank routes the
@@ -179,16 +181,9 @@ def test_ep_ranks_hold_half_the_experts(ep_runs):
     assert all(abs(z - (o - dense / 2)) / o < 0.01 for z, o in zip(zero_opt, ddp_opt)), (ddp_opt, zero_opt, dense)
 
 
-@pytest.mark.parametrize("case", ["ep2", "ep2_fsdp2", "ep2_zero1"])
-def test_ep_resume(ep_runs, base_model, tmp_path, case):
-    config, nproc, bs, extra = ep_runs["_configs"][case]
-    src = ep_runs[case]
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch(config, nproc, "sft", [*COMMON, *MOE, *extra, "--model_name_or_path", base_model,
-                                  "--output_dir", str(out), "--per_device_train_batch_size", bs,
-                                  "--resume_from_checkpoint", "latest"])
+@pytest.mark.parametrize("case", EP_RESUMED)
+def test_ep_resume(ep_runs, case):
+    src, out = ep_runs[case], ep_runs[f"{case}/resumed"]
     ref, _ = read_metrics(src)
     got, _ = read_metrics(out)
     assert [r["step"] for r in got] == [5, 6, 7, 8]

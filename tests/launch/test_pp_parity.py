@@ -70,9 +70,12 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
 }
 
 
+RESUMED = ("pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp")   # resumed in the cases' launches
+
+
 @pytest.fixture(scope="module")
 def pp_runs(base_model, tmp_path_factory):
-    return launch_cases({**CASES, **MOE_CASES}, base_model, tmp_path_factory.mktemp("pp"))
+    return launch_cases({**CASES, **MOE_CASES}, base_model, tmp_path_factory.mktemp("pp"), resume=RESUMED)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -116,11 +119,11 @@ def test_pp_export_matches_single_and_reloads(pp_runs, single_run, base_weights,
         assert stages == [[0, 1], [1, 4]]
 
 
-@pytest.mark.parametrize("case", ["pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp"])
+@pytest.mark.parametrize("case", RESUMED)
 def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, case):
     """Per-rank states: TP-sharded stages (the plain pipeline's layout, with shards), FSDP2's DTensor chunks, and
     TP-sharded interleaved chunks (each rank's two chunks in one state)."""
-    assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case)
+    assert_resume_from_step_4(CASES[case], pp_runs[case], base_model, tmp_path, case, pp_runs[f"{case}/resumed"])
 
 
 @pytest.fixture(scope="module")

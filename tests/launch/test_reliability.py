@@ -7,7 +7,7 @@
   as the uninterrupted run.
 - A kill in the middle of a save leaves the previous checkpoint `latest` and loadable; retention never
   deletes the newest complete checkpoint.
-- Resume at another world size (DDP 2 -> 4 processes, FSDP2 4 -> 2, same global batch) and on another mesh through
+- Resume at another world size (DDP 2 -> 4 processes, FSDP2 2 -> 1, same global batch) and on another mesh through
   the checkpoint's full form (ZeRO-2 2 -> 1 process, ZeRO-3 -> FSDP2); `hfpar export` of each checkpoint kind.
 - The non-finite guard: stop with a one-line error naming the step, or skip the step on every rank.
 - Preemption: SIGTERM under ddp.yaml (the real-SLURM case is test_slurm.py): a checkpoint, the same training.
@@ -161,16 +161,11 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
     assert torch.equal(acc.unwrap_model(model).weight, torch.nn.Linear(8, 8).weight)
 
 
-@pytest.mark.parametrize("config,src_n,dst_n", [("ddp", 2, 4), ("fsdp2", 4, 2)])
-def test_resume_on_a_different_world_size(reference, base_model, base_weights, tmp_path, config, src_n, dst_n):
-    """Written by src_n processes, resumed by dst_n (per-device batch scaled): same global batch, same training."""
-    import shutil
-
-    src, out = tmp_path / "src", tmp_path / "dst"
-    if config == "ddp":   # the uninterrupted DDP run (2 processes) is the source
-        src = reference
-    else:
-        launch(config, src_n, "sft", _args(base_model, src, per_device=4 // src_n))
+def test_resume_on_a_different_world_size(reference, base_model, base_weights, tmp_path):
+    """Written by 2 processes, resumed by 4 (per-device batch halved): same global batch, same training. (FSDP2's
+    sharded state at 2 -> 1 process: test_zero_resumes_on_another_mesh[fsdp2_to_fsdp2x1].)"""
+    config, src_n, dst_n = "ddp", 2, 4
+    src, out = reference, tmp_path / "dst"   # the uninterrupted DDP run (2 processes) is the source
     out.mkdir()
     shutil.copytree(src / "checkpoint-8", out / "checkpoint-8")
     proc = launch(config, dst_n, "sft", _args(base_model, out, per_device=4 // dst_n))
@@ -185,13 +180,16 @@ def test_resume_on_a_different_world_size(reference, base_model, base_weights, t
 
 @pytest.fixture(scope="module")
 def zero_resharded(backend_runs, base_model, tmp_path_factory) -> dict:
-    """The ZeRO parity runs' checkpoint-4 resumed on another mesh: ZeRO-2's by 1 process, ZeRO-3's under FSDP2."""
+    """The parity runs' checkpoint-4 resumed on another mesh: ZeRO-2's by 1 process, ZeRO-3's under FSDP2, FSDP2's
+    (DCP shards of 2 ranks) by 1 process."""
     cases = {"zero2_to_zero2x1": (backend_runs["zero2"], ("zero2", 1, "4", [])),
-             "zero3_to_fsdp2x2": (backend_runs["zero3"], ("fsdp2", 2, "2", []))}
+             "zero3_to_fsdp2x2": (backend_runs["zero3"], ("fsdp2", 2, "2", [])),
+             "fsdp2_to_fsdp2x1": (backend_runs["fsdp2"], ("fsdp2", 1, "4", []))}
     return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("zero_resharded"))
 
 
-@pytest.mark.parametrize("case, src", [("zero2_to_zero2x1", "zero2"), ("zero3_to_fsdp2x2", "zero3")])
+@pytest.mark.parametrize("case, src", [("zero2_to_zero2x1", "zero2"), ("zero3_to_fsdp2x2", "zero3"),
+                                       ("fsdp2_to_fsdp2x1", "fsdp2")])
 def test_zero_resumes_on_another_mesh(zero_resharded, backend_runs, base_weights, case, src):
     """DeepSpeed's flat partitions joined into full tensors (weights and AdamW states) and loaded through the new
     layout: ZeRO-2 at 2 -> 1 process (DeepSpeed's fragment setters), ZeRO-3 -> FSDP2 (DTensor shards)."""

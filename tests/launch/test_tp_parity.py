@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
-                                  assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
+                                  assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
                                   export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
 from tests.helpers.planting import assert_no_planted_payload_runs
@@ -34,10 +34,13 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
 }
 
 
+RESUMED = ("tp2", "tp2_fsdp2", "tp2_sp_zero1")   # resumed from checkpoint-4 (tp2_zero3 too, on demand)
+
+
 @pytest.fixture(scope="module")
 def tp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return launch_cases(CASES, base_model, root)
+    return launch_cases(CASES, base_model, root, resume=RESUMED)   # the resume runs share the cases' launches
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -70,19 +73,7 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
 @pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1",
                                   pytest.param("tp2_zero3", marks=pytest.mark.extended)])  # on demand: -m extended
 def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, case):
-    config, nproc, bs, extra = CASES[case]
-    src = tp_runs[case]
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-    launch(config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                  "--per_device_train_batch_size", bs, "--resume_from_checkpoint", "latest"])
-    ref, _ = read_metrics(src)
-    got, _ = read_metrics(out)
-    assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert_close_series(ref[4:], got, "loss", 1e-6, f"{case} resumed")
-    assert_close_series(ref[4:], got, "grad_norm", 1e-6, f"{case} resumed")
-    assert_resumed_like_uninterrupted(src, out, case)
+    assert_resume_from_step_4(CASES[case], tp_runs[case], base_model, tmp_path, case, tp_runs.get(f"{case}/resumed"))
 
 
 @pytest.mark.parametrize("config,flags,message", [
