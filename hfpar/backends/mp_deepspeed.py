@@ -28,9 +28,9 @@ import torch.distributed as dist
 from hfpar.checkpoint.layout import rank_state_file
 from hfpar.config import ConfigError
 from hfpar.parallel.guard import release
-from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
+from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip, hfpar_reduced
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu, skip_refusal
