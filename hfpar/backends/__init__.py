@@ -32,18 +32,8 @@ PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp",
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
-_PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not supported (hfpar's pipeline ZeRO-1 backend "
-               "gives DeepSpeed the pipeline as its one model-parallel group, whose grad norm would then count every "
-               "TP-replicated parameter once per TP rank; ZeRO-2/3 reduce grads inside every backward, as without "
-               "TP); use ddp.yaml or fsdp2.yaml")
-_PP_EP_ZERO = ("pipeline x expert parallelism with DeepSpeed ZeRO-1 is not supported (the pipeline hands DeepSpeed "
-               "every parameter of a stage, and ZeRO-1 would partition the experts' optimizer states over dp ranks that "
-               "hold different experts); use ddp.yaml or fsdp2.yaml")
 _PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
             "with several together")
-_ZERO3_EP_CP = ("ZeRO-3 with experts drawn from the dp x cp ranks is refused: hfpar's ZeRO-3 expert placement (each "
-                "rank's experts partitioned over the ranks holding the same ones) is verified for experts drawn from "
-                "dp ranks only; use zero2.yaml or fsdp2.yaml with --cp_size")
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
@@ -66,21 +56,23 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     # EP x CP: experts drawn from the dp x cp ranks (each cp rank routes its own tokens), attention context-parallel
     ("single", "ep+cp"): ModelParallelDDP, ("ddp", "ep+cp"): ModelParallelDDP, ("fsdp2", "ep+cp"): ModelParallelFSDP2,
     ("zero1", "ep+cp"): ModelParallelDeepSpeed, ("zero2", "ep+cp"): ModelParallelDeepSpeed,
-    ("zero3", "ep+cp"): _ZERO3_EP_CP, ("fsdp1", "ep+cp"): _FSDP1,
+    ("zero3", "ep+cp"): ModelParallelZeRO3, ("fsdp1", "ep+cp"): _FSDP1,
     ("single", "tp+ep+cp"): ModelParallelDDP, ("ddp", "tp+ep+cp"): ModelParallelDDP,
     ("fsdp2", "tp+ep+cp"): ModelParallelFSDP2, ("zero1", "tp+ep+cp"): ModelParallelDeepSpeed,
-    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): _ZERO3_EP_CP, ("fsdp1", "tp+ep+cp"): _FSDP1,
+    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): ModelParallelZeRO3, ("fsdp1", "tp+ep+cp"): _FSDP1,
     # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
     # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
     ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,
     ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
     ("fsdp1", "tp+pp"): _FSDP1,
     ("zero1", "pp"): PipelineZeRO1, ("zero2", "pp"): _PP_ZERO, ("zero3", "pp"): _PP_ZERO,
-    **{(s, "tp+pp"): _PP_TP_ZERO for s in ("zero1", "zero2", "zero3")},
+    # ZeRO-1: each stage's optimizer state over its dp group; DeepSpeed's norm over the stages x TP ranks, experts
+    # beside it (pipeline_zero.py)
+    ("zero1", "tp+pp"): PipelineZeRO1, ("zero2", "tp+pp"): _PP_ZERO, ("zero3", "tp+pp"): _PP_ZERO,
     # EP x PP: each stage's MoE blocks expert-parallel over its dp group, routed per micro-batch (the sampler makes
     # a micro-batch of the dp ranks one slice of the global batch); experts reduced by hfpar, outside FSDP2's units
     ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
-    ("fsdp1", "ep+pp"): _FSDP1, ("zero1", "ep+pp"): _PP_EP_ZERO, ("zero2", "ep+pp"): _PP_ZERO, ("zero3", "ep+pp"): _PP_ZERO,
+    ("fsdp1", "ep+pp"): _FSDP1, ("zero1", "ep+pp"): PipelineZeRO1, ("zero2", "ep+pp"): _PP_ZERO, ("zero3", "ep+pp"): _PP_ZERO,
     # PP x CP: each stage's attention context-parallel over its cp group, each micro-batch with its rows' layout
     ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
     ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,

@@ -1,4 +1,5 @@
-"""Pipeline parallelism over DeepSpeed ZeRO-1: each stage's optimizer state partitioned over its dp group.
+"""Pipeline parallelism over DeepSpeed ZeRO-1: each stage's optimizer state partitioned over its dp group, with the
+stage tensor-parallel (--tp_size), expert-parallel (--ep_size) and / or context-parallel (--cp_size) as it comes.
 
     backend = PipelineZeRO1(accelerator, ctx, "zero1", args); backend.prepare(stage)   # a PipelineStage
 
@@ -6,28 +7,36 @@ The schedule runs its backwards itself (several per step, in an order that diffe
 DeepSpeed's engine never sees them: grads accumulate in the stage's parameters as with PipelineDDP, and at the
 step the ZeRO-1 optimizer reduces them over the stage's dp group the way DeepSpeed's own PipelineEngine has it
 do (`reduce_gradients(pipeline_parallel=True)`), then the engine takes its step with the boundary set by hand.
-DeepSpeed gets a "model parallel unit" whose data-parallel group is the stage's replica group (ZeRO partitions
-and broadcasts there only) and whose model-parallel group is the pipeline: with every parameter tagged as
-model-parallel its grad-norm sums each stage's squares over the stages (DeepSpeed counts an untagged parameter
-on model-parallel rank 0 only; the last stage's copy of a tied embedding is left untagged for that reason, the
-first stage's copy is counted). DeepSpeed clips and steps with that norm.
+
+Groups: DeepSpeed gets a "model parallel unit" (zero.DeepSpeedMPU) whose data-parallel group is the stage's replica
+group (dp x cp: ZeRO partitions and broadcasts there only) and whose model-parallel group joins the ranks of one
+replica that hold different dense tensors: the stages x the TP ranks (ctx.rank_lists("pp", "tp")). DeepSpeed's grad
+norm sums the squares of each parameter tagged `tensor_model_parallel` over that group and counts an untagged one on
+its rank 0 only (the first stage's first TP rank), so each parameter is tagged by what it is: a TP shard on every
+rank (summed over TP and the stages), a TP-replicated parameter on TP rank 0 only (summed over the stages, once), the
+last stage's copy of a tied embedding never (the first stage counts it). DeepSpeed clips and steps with that norm.
+
+Experts (EP, drawn from the dp x cp ranks: different on the ranks of DeepSpeed's dp group) stay out of DeepSpeed's
+optimizer as under ZeRO-1/2 without a pipeline (mp_deepspeed.ExpertsBesideZeRO): reduced over their expert-dp group,
+their squared norm summed over the stages and joined to DeepSpeed's inside its step, clipped by that one norm and
+stepped by an AdamW of their own, saved per rank.
 
 Why fp32 only: under bf16 DeepSpeed's zero1 runs its BF16_Optimizer and under fp16 it scales the loss in
-engine.backward, both of which the schedule's backwards bypass (refused in check()). TP with ZeRO-1 and
-pipeline parallelism is refused by the support table: DeepSpeed's norm has one model-parallel group, which
-cannot both sum stages and count TP-replicated parameters once.
+engine.backward, both of which the schedule's backwards bypass (refused in check()).
 """
 
 from __future__ import annotations
 
-from hfpar.train.optim import build_optimizer
+from hfpar.parallel.groups import new_groups
 from hfpar.parallel.sharding import sync_partial_grads
+from hfpar.train.optim import build_optimizer
 
+from .mp_deepspeed import ExpertsBesideZeRO
 from .pipeline import PipelineBackend
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
 
-class PipelineZeRO1(EngineSteps, PipelineBackend):
+class PipelineZeRO1(ExpertsBesideZeRO, EngineSteps, PipelineBackend):
     """The pipeline's schedule, DeepSpeed's engine in place of a data-parallel wrap component (it steps inside
     clip(): a non-finite step cannot be skipped)."""
 
@@ -55,35 +64,38 @@ class PipelineZeRO1(EngineSteps, PipelineBackend):
 
     def prepare(self, stage) -> None:
         stage.to(self.acc.device)
-        for p in stage.parameters():   # counted by DeepSpeed's grad norm on every stage, summed over the pipeline
-            p.tensor_model_parallel = True
+        experts, saved = self._take_experts(stage)
+        first_tp = self.ctx.tp_rank == 0
+        for p in stage.parameters():   # what DeepSpeed's norm counts, and where (module docstring)
+            p.tensor_model_parallel = bool(getattr(p, "tensor_model_parallel", False)) or first_tp
         if stage.tied is not None and stage.is_last:
-            stage.tied.tensor_model_parallel = False   # the first stage (model-parallel rank 0) counts it
-        self.base_optimizer = build_optimizer(stage, self.args)
-        with deepspeed_with_mpu(DeepSpeedMPU(self.ctx.pp_group, self.ctx.replica_group)):
+            stage.tied.tensor_model_parallel = False   # the first stage counts it
+        # collective, every rank in the same order: the stages x TP ranks of each replica (the pipeline group at tp 1)
+        mp_group = new_groups(self.ctx.rank_lists("pp", "tp")) if self.ctx.tp > 1 else self.ctx.pp_group
+        self.expert_norm_group = self.ctx.pp_group   # a stage's experts are not on the other stages
+        self.base_optimizer = build_optimizer(stage, self.args, skip=frozenset(id(p) for p in experts))
+        with deepspeed_with_mpu(DeepSpeedMPU(mp_group, self.ctx.replica_group)):
             self.model, self.optimizer = self.acc.prepare(stage, self.base_optimizer)
+        self._setup_experts(experts, saved)
         self._pipeline(stage)
         self.model.set_gradient_accumulation_boundary(False)
 
-    def clip(self, max_norm: float) -> float:  # noqa: ARG002  (DeepSpeed clips by its config's gradient_clipping)
+    def clip(self, max_norm: float) -> float:
         stage, engine = self.unwrapped(), self.model
         sync_partial_grads(stage.parameters())
         if self.tied_group is not None:
             stage.sync_tied_grads(self.tied_group)
         engine.set_gradient_accumulation_boundary(True)
-        engine.optimizer.reduce_gradients(pipeline_parallel=True)   # the stage's grads over its dp group
-        engine.step()
+        engine.optimizer.reduce_gradients(pipeline_parallel=True)   # the stage's dense grads over its dp group
+        engine.step()   # DeepSpeed's norm (the experts' joined: ExpertsBesideZeRO), clip and step of the dense part
+        if self.experts:
+            return float(self._clip_experts(max_norm))
         return float(engine.get_global_grad_norm())
 
     def step(self, lr: float) -> None:
-        pass  # DeepSpeed stepped in clip()
+        self._step_experts(lr)   # DeepSpeed stepped the rest in clip()
 
     def zero_grad(self) -> None:
         self.model.optimizer.zero_grad(set_to_none=True)
+        self._zero_expert_grads()
         self.model.set_gradient_accumulation_boundary(False)
-
-    def save_rank_state(self, ckpt_dir) -> None:
-        pass  # Accelerate's save_state writes DeepSpeed's checkpoint: each stage's weights and optimizer partitions
-
-    def load_rank_state(self, ckpt_dir) -> None:
-        pass

@@ -7,10 +7,10 @@ EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both 
 under DDP, FSDP2, ZeRO-1 and ZeRO-2 (ZeRO-3: on demand, -m extended), EP=2 under ZeRO-3 on 4 processes (each
 rank's experts partitioned over the 2 ranks holding the same ones, the dense parameters over all 4), and EP=2 x
 CP=2 (EP drawn from the cp ranks: ring over DDP, Ulysses over FSDP2; on demand, -m extended: the other two, dp 2 x
-cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2) must match the same upcycled model trained in one process, per step (loss,
-grad_norm: the aux-loss gradient
-included) and in the exported weights, which are written as a Mixtral checkpoint that from_pretrained loads;
-resume with EP, and ep 2 -> ep 1 on one process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
+cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2, dp 2 x cp 2 and TP x EP x CP under ZeRO-3) must match the same upcycled model
+trained in one process, per step (loss, grad_norm: the aux-loss gradient included) and in the exported weights,
+which are written as a Mixtral checkpoint that from_pretrained loads; resume with EP, and ep 2 -> ep 1 on one
+process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
 """
 
 from __future__ import annotations
@@ -56,13 +56,17 @@ _EPCP = ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0", "--eval_steps"
 EP_CP = {"ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
          "ep2_cp2_ulysses_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
 # on demand (-m extended): the rest of ring / Ulysses x DDP / FSDP2, dp 2 beside cp 2 (EP over the cp ranks of each
-# replica), TP x EP x CP, ZeRO-1 / ZeRO-2
+# replica), TP x EP x CP, ZeRO-1 / ZeRO-2, ZeRO-3 at dp 2 x cp 2 (each rank's experts partitioned over the 2 ranks
+# holding the same ones: the same cp rank of the other dp replica; the dense parameters over all 4) and TP x EP x CP
+# under ZeRO-3 (dp 1: the dense TP shards partitioned over the cp ranks of their TP rank)
 EP_CP_EXTENDED = {"ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
                   "ep2_cp2_ring_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
                   "ep2_cp2_dp2_fsdp2": ("fsdp2", 4, "2", [*_EPCP, "--cp_mode", "ulysses"]),
                   "ep2_tp2_cp2": ("ddp", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ring"]),
                   "ep2_cp2_zero1": ("zero1", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
-                  "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
+                  "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+                  "ep2_cp2_dp2_zero3": ("zero3", 4, "2", [*_EPCP, "--cp_mode", "ring"]),
+                  "ep2_tp2_cp2_zero3": ("zero3", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ulysses"])}
 
 CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_zero3_dp4", "ep2_checkpointing",
          "ep2_tp2",

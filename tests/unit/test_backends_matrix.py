@@ -33,12 +33,14 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
              **{(s, "tp+cp"): cls for s, cls in _MP.items()},
              **{(s, "tp+ep"): cls for s, cls in _MP.items()},
-             **{(s, "ep+cp"): cls for s, cls in _MP.items() if s != "zero3"},
-             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items() if s != "zero3"},
+             **{(s, "ep+cp"): cls for s, cls in _MP.items()},
+             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items()},
              ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
              ("zero1", "pp"): PipelineZeRO1,
              ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
+             ("zero1", "tp+pp"): PipelineZeRO1,
              ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
+             ("zero1", "ep+pp"): PipelineZeRO1,
              ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
              ("zero1", "cp+pp"): PipelineZeRO1}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
@@ -53,21 +55,16 @@ REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
            ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
            ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
-           ("zero3", "ep+cp"): ["ZeRO-3 with experts drawn from the dp x cp ranks is refused", "use zero2.yaml"],
            ("fsdp1", "ep+cp"): ["FSDP1 is not supported"],
-           ("zero3", "tp+ep+cp"): ["ZeRO-3 with experts drawn from the dp x cp ranks is refused", "use zero2.yaml"],
            ("fsdp1", "tp+ep+cp"): ["FSDP1 is not supported"],
            ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
                              "FSDP1 is not supported"],
            **{(s, "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
                           "DeepSpeed refuses them with its own pipeline", "use zero1.yaml"] for s in ("zero2", "zero3")},
            ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
-           **{(s, "tp+pp"): ["pipeline x tensor parallelism with DeepSpeed ZeRO", "one model-parallel group"]
-              for s in ("zero1", "zero2", "zero3")},
            ("fsdp1", "ep+pp"): ["FSDP1 is not supported"], ("fsdp1", "cp+pp"): ["FSDP1 is not supported"],
-           ("zero1", "ep+pp"): ["pipeline x expert parallelism with DeepSpeed ZeRO-1", "hold different experts"],
            **{(s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
-              for s in ("zero2", "zero3") for k in ("ep+pp", "cp+pp")}}
+              for s in ("zero2", "zero3") for k in ("tp+pp", "ep+pp", "cp+pp")}}
 
 
 def test_every_pair_has_an_entry():
