@@ -27,7 +27,8 @@ from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
 
 STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp",
+                "tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
 
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
@@ -39,8 +40,13 @@ _PP_TP_ZERO = ("pipeline x tensor parallelism with DeepSpeed ZeRO is not support
 _PP_EP_ZERO = ("pipeline x expert parallelism with DeepSpeed ZeRO-1 is not supported (the pipeline hands DeepSpeed "
                "every parameter of a stage, and ZeRO-1 would partition the experts' optimizer states over dp ranks that "
                "hold different experts); use ddp.yaml or fsdp2.yaml")
-_PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
-            "with several together")
+_PP_TP_EP_ZERO = ("pipeline x tensor x expert parallelism with DeepSpeed ZeRO-1 is not supported (hfpar's pipeline "
+                  "ZeRO-1 backend gives DeepSpeed the pipeline as its one model-parallel group, whose grad norm would "
+                  "count every TP-replicated parameter once per TP rank, and ZeRO-1 would partition the experts' "
+                  "optimizer states over ranks that hold different experts); use ddp.yaml or fsdp2.yaml")
+_PP_MULTI = ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
+_PP_MULTI_ZERO1 = {"tp+ep+pp": _PP_TP_EP_ZERO, "tp+cp+pp": _PP_TP_ZERO, "ep+cp+pp": _PP_EP_ZERO,
+                   "tp+ep+cp+pp": _PP_TP_EP_ZERO}
 _ZERO3_EP_CP = ("ZeRO-3 with experts drawn from the dp x cp ranks is refused: hfpar's ZeRO-3 expert placement (each "
                 "rank's experts partitioned over the ranks holding the same ones) is verified for experts drawn from "
                 "dp ranks only; use zero2.yaml or fsdp2.yaml with --cp_size")
@@ -84,6 +90,13 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     # PP x CP: each stage's attention context-parallel over its cp group, each micro-batch with its rows' layout
     ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
     ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,
+    # a pipeline with two or three other model parallelisms: each stage tensor-parallel and / or expert-parallel
+    # (experts drawn from its dp x cp ranks) and / or context-parallel, each as in the pairs above; ZeRO-1 refused
+    # for the reasons of its TP x PP and EP x PP pairs
+    **{(s, k): cls for k in _PP_MULTI for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP),
+                                                      ("fsdp2", PipelineFSDP2), ("fsdp1", _FSDP1),
+                                                      ("zero1", _PP_MULTI_ZERO1[k]), ("zero2", _PP_ZERO),
+                                                      ("zero3", _PP_ZERO))},
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
@@ -103,7 +116,7 @@ def select_backend(strategy: str, parallelisms: tuple[str, ...], sizes: dict | N
         return entry
     flags = " and ".join(f"{_FLAG[p]} {(sizes or {}).get(p, '')}".strip() for p in parallelisms)
     ok = [s for s in STRATEGIES if isinstance(SUPPORT.get((s, key)), type)]
-    reason = entry or (_PP_WITH if "pp" in parallelisms else f"no backend for {strategy} with {key}")
+    reason = entry or f"no backend for {strategy} with {key}"
     if len(parallelisms) == 1 and ok:
         ok_text = ", ".join(ok[:-1]) + f" and {ok[-1]}" if len(ok) > 1 else "".join(ok)
         raise ConfigError(f"{flags} with {strategy}: {_WHAT[key]} composes with {ok_text} configs ({reason})")

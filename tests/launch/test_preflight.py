@@ -254,8 +254,8 @@ def test_pipeline_refusals(tmp_path):
                                          ("zero1", ("tp", "pp"), "one model-parallel group"),
                                          ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
                                          ("zero1", ("ep", "pp"), "ZeRO-1 would partition the experts' optimizer"),
-                                         ("ddp", ("tp", "ep", "pp"), "one other model parallelism at a time"),
-                                         ("ddp", ("ep", "cp", "pp"), "one other model parallelism at a time")):
+                                         ("zero1", ("tp", "ep", "pp"), "hold different experts"),
+                                         ("zero1", ("ep", "cp", "pp"), "ZeRO-1 would partition the experts' optimizer")):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
     assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
