@@ -20,7 +20,12 @@ ranks one contiguous slice of the global batch, the rows of one reference micro-
 Extended tier (-m extended, on demand: each 4-process launch costs about as much as this suite's pp2_dp2 one):
 EP=2 x PP=2 under 1F1B over ddp.yaml, and PP=2 x CP=2 (4 processes, dp 1; each stage's attention context-parallel,
 each micro-batch with its rows' layout) with ring under ddp.yaml and fsdp2.yaml and Ulysses under zero1.yaml, against
-single (tests/unit/test_pipeline_micro_scope.py checks the per-micro-batch layouts in CI).
+single (tests/unit/test_pipeline_micro_scope.py checks the per-micro-batch layouts in CI). A pipeline with two or
+three other model parallelisms, one case per key (extended tier): pp=2 x tp=2 (sequence parallel) x cp=2 ring (8
+processes, dense, against single); and against moe_single: EP=2 x CP=2 x PP=2 (Ulysses, dp 1, experts drawn from
+the cp ranks), EP=4 x CP=2 x PP=2 under fsdp2.yaml (dp 2: experts drawn from dp x cp), TP=2 x EP=2 x PP=2 under
+fsdp2.yaml (dp 2), and TP=2 x EP=2 x CP=2 x PP=2 under interleaved 1F1B (dp 1), each with its export (reloaded) and
+its checkpoint's export.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import pytest
 
 from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series,
                                   assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
-                                  export_eval_loss, launch_cases, resume_on_other_meshes)
+                                  assert_steps_match, export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -67,7 +72,24 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
     "pp2_cp2_ring": ("ddp", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ring"]),
     "pp2_cp2_ulysses_zero1": ("zero1", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ulysses"]),
     "pp2_cp2_ring_fsdp2": ("fsdp2", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ring"]),
+    # a pipeline with two or three other model parallelisms, one case per key (dp 1 unless said; MoE ones against
+    # moe_single: micro-batches of 2 rows over the dp ranks): each stage tensor-parallel (sequence-parallel) and
+    # context-parallel (8 processes)
+    "tp2_cp2_pp2_sp": ("ddp", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2",
+                                       "--cp_mode", "ring"]),
+    # experts drawn from each stage's 2 cp ranks, Ulysses attention
+    "ep2_cp2_pp2_ulysses": ("ddp", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ulysses",
+                                            "--pp_size", "2", "--pp_microbatches", "2"]),
+    # dp 2 x cp 2 per stage, one expert per rank of the 4 (experts drawn from dp x cp), FSDP2 over dp (8 processes)
+    "ep4_cp2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--ep_size", "4", "--cp_size", "2", "--cp_mode", "ring",
+                                            "--pp_size", "2"]),
+    # each stage tensor-parallel, experts over its 2 dp ranks, FSDP2 over dp (8 processes)
+    "tp2_ep2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
+    # all four, interleaved: each chunk tensor-parallel, experts drawn from the 2 cp ranks (8 processes)
+    "tp2_ep2_cp2_pp2_interleaved": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2",
+                                                    "--cp_mode", "ring", *INTERLEAVED, "--pp_microbatches", "2"]),
 }
+MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2_interleaved"]
 
 
 @pytest.fixture(scope="module")
@@ -183,20 +205,25 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path) -> None:
     """Experts split over the dp ranks of each stage, routed per micro-batch; the export is the upcycled model's
     Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable, and `hfpar
     export` of the last checkpoint (the stages' config: the Mixtral one) writes the same."""
-    ref, ref_eval = read_metrics(ref_dir)
-    got, got_eval = read_metrics(got_dir)
-    assert len(got) == 8
-    assert_close_series(ref, got, "loss", TOL, case)
-    assert_close_series(ref, got, "grad_norm", TOL, case)
-    assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+    ref_eval, got_eval = read_metrics(ref_dir)[1], read_metrics(got_dir)[1]
+    assert_steps_match(ref_dir, got_dir, case)   # loss, grad_norm, target tokens per step (8 steps)
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
     assert_export_matches(ref_dir, got_dir, case)
     assert rel_close(export_eval_loss(got_dir), got_eval[-1]["eval_loss"], 1e-4)
     info = read_run_info(got_dir)
-    assert (info["ep_size"], info["pp_size"], info["dp_size"]) == (2, 2, 2), info
+    sizes = _sizes(case)
+    assert {k: info[k] for k in sizes} == sizes, info
     two, one = info["param_bytes_per_rank"], read_run_info(ref_dir)["param_bytes_per_rank"][0]
-    assert len(two) == 4 and all(b < one / 2 for b in two), (one, two)   # half the layers, half their experts
+    assert len(two) == sizes["world_size"] and all(b < one / 2 for b in two), (one, two)   # half the layers, fewer experts
     assert_checkpoint_exports_final(got_dir, tmp_path, case)
+
+
+def _sizes(case: str) -> dict:
+    """The degrees a case's flags ask for (dp: what the processes leave), as run_info.json records them."""
+    _, nproc, _, flags = {**CASES, **MOE_CASES, **EXTENDED}[case]
+    sizes = {f"{d}_size": int(flags[flags.index(f"--{d}_size") + 1]) if f"--{d}_size" in flags else 1
+             for d in ("tp", "ep", "cp", "pp")}
+    return {**sizes, "world_size": nproc, "dp_size": nproc // (sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"])}
 
 
 def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs, tmp_path):
@@ -224,3 +251,24 @@ def test_pp_cp_other_modes_and_backends_match_single(extended_runs, single_run, 
         assert_close_series(ref, got, key, TOL, case)
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
     assert_export_matches(single_run, extended_runs[case], case)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", MULTI)
+def test_pp_with_two_or_three_more_parallelisms_matches_single(extended_runs, single_run, base_weights, tmp_path, case):
+    """Each stage tensor- / expert- / context-parallel at once (TP x CP x PP, EP x CP x PP, TP x EP x PP, all four):
+    per step loss and grad_norm, eval loss and the export against the one-process run (MoE: moe_single, the upcycled
+    model's Mixtral export reloadable, the checkpoint's export the final one)."""
+    flags, got_dir = EXTENDED[case][3], extended_runs[case]
+    info = read_run_info(got_dir)
+    assert info["pp_schedule"] == (flags[flags.index("--pp_schedule") + 1] if "--pp_schedule" in flags else "1f1b")
+    if "--upcycle_experts" in flags:
+        _assert_ep_pp_matches(extended_runs["moe_single"], got_dir, case, tmp_path)
+        return
+    assert_steps_match(single_run, got_dir, case)
+    assert_close_series(read_metrics(single_run)[1], read_metrics(got_dir)[1], "eval_loss", TOL, case)
+    assert_export_matches(single_run, got_dir, case, initial=base_weights)
+    assert rel_close(export_eval_loss(got_dir), read_metrics(got_dir)[1][-1]["eval_loss"], 1e-4)
+    sizes = _sizes(case)
+    assert {k: info[k] for k in sizes} == sizes, info
+    assert_checkpoint_exports_final(got_dir, tmp_path, case)
