@@ -21,11 +21,11 @@ Extended tier (-m extended, on demand: each 4-process launch costs about as much
 EP=2 x PP=2 under 1F1B over ddp.yaml, and PP=2 x CP=2 (4 processes, dp 1; each stage's attention context-parallel,
 each micro-batch with its rows' layout) with ring under ddp.yaml and fsdp2.yaml and Ulysses under zero1.yaml, against
 single (tests/unit/test_pipeline_micro_scope.py checks the per-micro-batch layouts in CI). A pipeline with two or
-three other model parallelisms, one case per key (extended tier): pp=2 x tp=2 (sequence parallel) x cp=2 ring (8
-processes, dense, against single); and against moe_single: EP=2 x CP=2 x PP=2 (Ulysses, dp 1, experts drawn from
-the cp ranks), EP=4 x CP=2 x PP=2 under fsdp2.yaml (dp 2: experts drawn from dp x cp), TP=2 x EP=2 x PP=2 under
-fsdp2.yaml (dp 2), and TP=2 x EP=2 x CP=2 x PP=2 under interleaved 1F1B (dp 1), each with its export (reloaded) and
-its checkpoint's export.
+three other model parallelisms, a 1F1B case per key (extended tier): pp=2 x tp=2 (sequence parallel) x cp=2 ring (8
+processes, dense, against single); and against moe_single: EP=4 x CP=2 x PP=2 under fsdp2.yaml (dp 2: experts drawn
+from dp x cp), TP=2 x EP=2 x PP=2 under fsdp2.yaml (dp 2), TP=2 x EP=2 x CP=2 x PP=2 (dp 1, experts drawn from the
+cp ranks); and EP=2 x CP=2 x PP=2 with Ulysses under interleaved 1F1B (4 processes); each with its export (reloaded)
+and its checkpoint's export.
 """
 
 from __future__ import annotations
@@ -77,19 +77,19 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
     # context-parallel (8 processes)
     "tp2_cp2_pp2_sp": ("ddp", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2",
                                        "--cp_mode", "ring"]),
-    # experts drawn from each stage's 2 cp ranks, Ulysses attention
-    "ep2_cp2_pp2_ulysses": ("ddp", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ulysses",
-                                            "--pp_size", "2", "--pp_microbatches", "2"]),
+    # experts drawn from each rank's 2 cp ranks, Ulysses attention, interleaved 1F1B (2 chunks per rank)
+    "ep2_cp2_pp2_ulysses_interleaved": ("ddp", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode",
+                                                        "ulysses", *INTERLEAVED, "--pp_microbatches", "2"]),
     # dp 2 x cp 2 per stage, one expert per rank of the 4 (experts drawn from dp x cp), FSDP2 over dp (8 processes)
     "ep4_cp2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--ep_size", "4", "--cp_size", "2", "--cp_mode", "ring",
                                             "--pp_size", "2"]),
     # each stage tensor-parallel, experts over its 2 dp ranks, FSDP2 over dp (8 processes)
     "tp2_ep2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
-    # all four, interleaved: each chunk tensor-parallel, experts drawn from the 2 cp ranks (8 processes)
-    "tp2_ep2_cp2_pp2_interleaved": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2",
-                                                    "--cp_mode", "ring", *INTERLEAVED, "--pp_microbatches", "2"]),
+    # all four: each stage tensor-parallel, experts drawn from its 2 cp ranks (8 processes)
+    "tp2_ep2_cp2_pp2": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
+                                        "--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"]),
 }
-MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2_interleaved"]
+MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses_interleaved", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2"]
 
 
 @pytest.fixture(scope="module")
