@@ -27,13 +27,13 @@ from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
 
 STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp")
+PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp",
+                "tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
 
 _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
-_PP_WITH = ("hfpar's pipeline composes with one other model parallelism at a time (tp+pp, ep+pp or cp+pp), not "
-            "with several together")
+_PP_MULTI = ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")   # a pipeline with two or three others
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
@@ -76,6 +76,13 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     # PP x CP: each stage's attention context-parallel over its cp group, each micro-batch with its rows' layout
     ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
     ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,
+    # a pipeline with two or three other model parallelisms: each stage tensor-parallel and / or expert-parallel
+    # (experts drawn from its dp x cp ranks) and / or context-parallel, each as in the pairs above; ZeRO-1 as in its
+    # TP x PP and EP x PP pairs (pipeline_zero.py takes whatever groups a stage has)
+    **{(s, k): cls for k in _PP_MULTI for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP),
+                                                      ("fsdp2", PipelineFSDP2), ("fsdp1", _FSDP1),
+                                                      ("zero1", PipelineZeRO1), ("zero2", _PP_ZERO),
+                                                      ("zero3", _PP_ZERO))},
 }
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
@@ -95,7 +102,7 @@ def select_backend(strategy: str, parallelisms: tuple[str, ...], sizes: dict | N
         return entry
     flags = " and ".join(f"{_FLAG[p]} {(sizes or {}).get(p, '')}".strip() for p in parallelisms)
     ok = [s for s in STRATEGIES if isinstance(SUPPORT.get((s, key)), type)]
-    reason = entry or (_PP_WITH if "pp" in parallelisms else f"no backend for {strategy} with {key}")
+    reason = entry or f"no backend for {strategy} with {key}"
     if len(parallelisms) == 1 and ok:
         ok_text = ", ".join(ok[:-1]) + f" and {ok[-1]}" if len(ok) > 1 else "".join(ok)
         raise ConfigError(f"{flags} with {strategy}: {_WHAT[key]} composes with {ok_text} configs ({reason})")

@@ -91,6 +91,15 @@ LAYOUTS = {  # (world, degrees) -> hand-written groups per axis (+ ep / edp from
     "ep4-cp2": (8, dict(ep=4, cp=2), {
         "tp": [[r] for r in range(8)], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]], "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "pp": [[r] for r in range(8)], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]], "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    # a pipeline with EP drawn from each stage's cp (and dp) ranks: EP groups never span two stages
+    "tp2-ep2-cp2-pp2": (8, dict(tp=2, ep=2, cp=2, pp=2), {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[r] for r in range(8)],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "edp": [[0], [2], [1], [3], [4], [6], [5], [7]]}),
+    "ep4-cp2-pp2": (8, dict(ep=4, cp=2, pp=2), {
+        "tp": [[r] for r in range(8)], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "edp": [[0], [1], [2], [3], [4], [5], [6], [7]]}),
 }
 
 

@@ -23,6 +23,12 @@ processes, dp 1; each stage's attention context-parallel, each micro-batch with 
 ddp.yaml and fsdp2.yaml and Ulysses under zero1.yaml, and PP=2 x TP=2 under zero1.yaml (with sequence parallelism at
 dp 1, and at dp 2 on 8 processes), against single (tests/unit/test_pipeline_micro_scope.py checks the per-micro-batch
 layouts in CI).
+A pipeline with two or
+three other model parallelisms, a 1F1B case per key (extended tier): pp=2 x tp=2 (sequence parallel) x cp=2 ring (8
+processes, dense, against single); and against moe_single: EP=4 x CP=2 x PP=2 under fsdp2.yaml (dp 2: experts drawn
+from dp x cp), TP=2 x EP=2 x PP=2 under fsdp2.yaml (dp 2), TP=2 x EP=2 x CP=2 x PP=2 (dp 1, experts drawn from the
+cp ranks); and EP=2 x CP=2 x PP=2 with Ulysses under interleaved 1F1B (4 processes); each with its export (reloaded)
+and its checkpoint's export.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import pytest
 
 from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series,
                                   assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
-                                  export_eval_loss, launch_cases, resume_on_other_meshes)
+                                  assert_steps_match, export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
 from tests.helpers.planting import assert_no_planted_payload_runs
 
@@ -76,7 +82,31 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
     # ZeRO-1 with EP: the dense parameters' optimizer state over each stage's dp group, the experts beside DeepSpeed
     # (reduced over the ranks holding the same ones, their norm joined to DeepSpeed's, an AdamW of their own)
     "ep2_pp2_zero1": ("zero1", 4, "2", [*MOE, "--ep_size", "2", "--pp_size", "2", "--pp_schedule", "1f1b"]),
+    # a pipeline with two or three other model parallelisms, one case per key (dp 1 unless said; MoE ones against
+    # moe_single: micro-batches of 2 rows over the dp ranks): each stage tensor-parallel (sequence-parallel) and
+    # context-parallel (8 processes)
+    "tp2_cp2_pp2_sp": ("ddp", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2",
+                                       "--cp_mode", "ring"]),
+    # experts drawn from each rank's 2 cp ranks, Ulysses attention, interleaved 1F1B (2 chunks per rank)
+    "ep2_cp2_pp2_ulysses_interleaved": ("ddp", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode",
+                                                        "ulysses", *INTERLEAVED, "--pp_microbatches", "2"]),
+    # dp 2 x cp 2 per stage, one expert per rank of the 4 (experts drawn from dp x cp), FSDP2 over dp (8 processes)
+    "ep4_cp2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--ep_size", "4", "--cp_size", "2", "--cp_mode", "ring",
+                                            "--pp_size", "2"]),
+    # each stage tensor-parallel, experts over its 2 dp ranks, FSDP2 over dp (8 processes)
+    "tp2_ep2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
+    # all four: each stage tensor-parallel, experts drawn from its 2 cp ranks (8 processes)
+    "tp2_ep2_cp2_pp2": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
+                                        "--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"]),
+    # the same keys under the pipeline ZeRO-1 backend: experts from the 2 cp ranks (dp 1; DeepSpeed's dp group is the
+    # replica's dp x cp ranks), and all four at once (TP tags and experts beside DeepSpeed together)
+    "ep2_cp2_pp2_zero1": ("zero1", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
+                                            "--pp_size", "2"]),
+    "tp2_ep2_cp2_pp2_zero1": ("zero1", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2",
+                                                "--cp_mode", "ring", "--pp_size", "2", "--pp_microbatches", "2"]),
 }
+MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses_interleaved", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2",
+         "ep2_cp2_pp2_zero1", "tp2_ep2_cp2_pp2_zero1"]
 
 
 RESUMED = ("pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp")   # resumed in the cases' launches
@@ -195,21 +225,26 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path, exports_checkpo
     """Experts split over the dp ranks of each stage, routed per micro-batch; the export is the upcycled model's
     Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable, and `hfpar
     export` of the last checkpoint (the stages' config: the Mixtral one) writes the same."""
-    ref, ref_eval = read_metrics(ref_dir)
-    got, got_eval = read_metrics(got_dir)
-    assert len(got) == 8
-    assert_close_series(ref, got, "loss", TOL, case)
-    assert_close_series(ref, got, "grad_norm", TOL, case)
-    assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+    ref_eval, got_eval = read_metrics(ref_dir)[1], read_metrics(got_dir)[1]
+    assert_steps_match(ref_dir, got_dir, case)   # loss, grad_norm, target tokens per step (8 steps)
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
     assert_export_matches(ref_dir, got_dir, case)
     assert rel_close(export_eval_loss(got_dir), got_eval[-1]["eval_loss"], 1e-4)
     info = read_run_info(got_dir)
-    assert (info["ep_size"], info["pp_size"], info["dp_size"]) == (2, 2, 2), info
+    sizes = _sizes(case)
+    assert {k: info[k] for k in sizes} == sizes, info
     two, one = info["param_bytes_per_rank"], read_run_info(ref_dir)["param_bytes_per_rank"][0]
-    assert len(two) == 4 and all(b < one / 2 for b in two), (one, two)   # half the layers, half their experts
+    assert len(two) == sizes["world_size"] and all(b < one / 2 for b in two), (one, two)   # half the layers, fewer experts
     if exports_checkpoint:
         assert_checkpoint_exports_final(got_dir, tmp_path, case)
+
+
+def _sizes(case: str) -> dict:
+    """The degrees a case's flags ask for (dp: what the processes leave), as run_info.json records them."""
+    _, nproc, _, flags = {**CASES, **MOE_CASES, **EXTENDED}[case]
+    sizes = {f"{d}_size": int(flags[flags.index(f"--{d}_size") + 1]) if f"--{d}_size" in flags else 1
+             for d in ("tp", "ep", "cp", "pp")}
+    return {**sizes, "world_size": nproc, "dp_size": nproc // (sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"])}
 
 
 def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs, tmp_path):
@@ -251,3 +286,25 @@ def test_pp_extended_compositions_match_single(extended_runs, single_run, case):
         assert_close_series(ref, got, key, TOL, case)
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
     assert_export_matches(single_run, extended_runs[case], case)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", MULTI)
+def test_pp_with_two_or_three_more_parallelisms_matches_single(extended_runs, single_run, base_weights, tmp_path, case):
+    """Each stage tensor- / expert- / context-parallel at once (TP x CP x PP, EP x CP x PP, TP x EP x PP, all four):
+    per step loss and grad_norm, eval loss and the export against the one-process run (MoE: moe_single, the upcycled
+    model's Mixtral export reloadable, the checkpoint's export the final one)."""
+    flags, got_dir = EXTENDED[case][3], extended_runs[case]
+    info = read_run_info(got_dir)
+    assert info["pp_schedule"] == (flags[flags.index("--pp_schedule") + 1] if "--pp_schedule" in flags else "1f1b")
+    if "--upcycle_experts" in flags:   # EP x ZeRO-1 checkpoints have no full form (test_ep_pp_zero1_...)
+        _assert_ep_pp_matches(extended_runs["moe_single"], got_dir, case, tmp_path,
+                              exports_checkpoint=not case.endswith("zero1"))
+        return
+    assert_steps_match(single_run, got_dir, case)
+    assert_close_series(read_metrics(single_run)[1], read_metrics(got_dir)[1], "eval_loss", TOL, case)
+    assert_export_matches(single_run, got_dir, case, initial=base_weights)
+    assert rel_close(export_eval_loss(got_dir), read_metrics(got_dir)[1][-1]["eval_loss"], 1e-4)
+    sizes = _sizes(case)
+    assert {k: info[k] for k in sizes} == sizes, info
+    assert_checkpoint_exports_final(got_dir, tmp_path, case)

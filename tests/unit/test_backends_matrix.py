@@ -25,8 +25,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 _MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
        "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed, "zero3": ModelParallelZeRO3}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
-# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp, ep+pp, cp+pp), test_ep_parity's EP x CP cases (ep+cp,
-# tp+ep+cp)
+# test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp, ep+pp, cp+pp; its extended tier tp+ep+pp, tp+cp+pp,
+# ep+cp+pp, tp+ep+cp+pp), test_ep_parity's EP x CP cases (ep+cp, tp+ep+cp)
 SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              **{(s, "tp"): cls for s, cls in _MP.items()},
              **{(s, "ep"): cls for s, cls in _MP.items()},
@@ -42,10 +42,14 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
              ("zero1", "ep+pp"): PipelineZeRO1,
              ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
-             ("zero1", "cp+pp"): PipelineZeRO1}
+             ("zero1", "cp+pp"): PipelineZeRO1,
+             **{(s, k): cls for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
+                for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP), ("fsdp2", PipelineFSDP2),
+                               ("zero1", PipelineZeRO1))}}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
          "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp"),
-         "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp")}
+         "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp"), "tp+ep+pp": ("tp", "ep", "pp"), "tp+cp+pp": ("tp", "cp", "pp"),
+         "ep+cp+pp": ("ep", "cp", "pp"), "tp+ep+cp+pp": ("tp", "ep", "cp", "pp")}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
 REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
@@ -64,7 +68,9 @@ REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
            ("fsdp1", "ep+pp"): ["FSDP1 is not supported"], ("fsdp1", "cp+pp"): ["FSDP1 is not supported"],
            **{(s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
-              for s in ("zero2", "zero3") for k in ("tp+pp", "ep+pp", "cp+pp")}}
+              for s in ("zero2", "zero3") for k in ("tp+pp", "ep+pp", "cp+pp", "tp+ep+pp", "tp+cp+pp", "ep+cp+pp",
+                                                   "tp+ep+cp+pp")},
+           **{("fsdp1", k): ["FSDP1 is not supported"] for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")}}
 
 
 def test_every_pair_has_an_entry():
