@@ -24,7 +24,7 @@ forward and backward, clipping and the optimizer step included: the peak of the 
 allocator hands out during the step minus those of them it takes back (the profiler reports no free of a block
 allocated before it started), i.e. the step's peak of live tensor bytes above what it started with. Exact, and
 for cp1 and ring the same bytes at the same length whatever else runs on the machine (Ulysses' peaks differ
-between ranks by up to a fifth, timing-dependent around its all-to-alls), which RSS is not: glibc keeps
+between ranks by up to a quarter and from run to run, timing-dependent around its all-to-alls), which RSS is not: glibc keeps
 freed blocks for reuse, so RSS after the first step already holds the first step's free space and a later step's
 growth hides in it. As a cross-check the process's RSS high-water mark over the same step (reset before it through
 /proc/self/clear_refs, minus the RSS at its start; glibc's mmap threshold fixed at 64 KiB so that tensor buffers
