@@ -13,12 +13,14 @@ a mean of per-micro-batch means.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hfpar.checkpoint.checkpointer import Checkpointer
 from hfpar.checkpoint.layout import run_identity
@@ -36,6 +38,17 @@ from hfpar.train.schedules import get_scheduler
 
 class NonFiniteError(RuntimeError):
     pass
+
+
+def attention_kernels(device: torch.device):
+    """SDPA's kernels for a run: on CUDA, flash, memory-efficient and math, not cuDNN attention. torch prefers
+    cuDNN's on recent GPUs, and cuDNN builds an execution plan for every new (rows, length, mask) shape: hfpar's
+    padding-free and packed-pair batches change shape from step to step, and each new shape cost 2.3-3.9 s
+    (measured: an H200, torch 2.11, bf16, the DPO benchmark's packed rows, where the memory-efficient kernel took
+    76 ms a step; benchmarks/results/gpu/dpo_cuda.md). CPU: SDPA's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class Trainer:
@@ -193,6 +206,20 @@ class Trainer:
         self.start_step = self.checkpointer.resume()
         self.checkpointer.watch_signals(args.preempt_signals)  # SIGTERM / SIGUSR1: checkpoint at the next step, exit
         self.recorder.start(self.start_step)
+        with attention_kernels(acc.device):
+            last = self._loop()
+            final = self.evaluate() if args.eval_steps != 0 else {}
+        self.recorder.eval(self.total_steps, final)
+        if self.checkpointer.should_save(self.total_steps):
+            self.checkpointer.save(self.total_steps)
+        if args.save_final_model:
+            self.checkpointer.export_final()
+        self.recorder.finish()
+        return {**last, **final}
+
+    def _loop(self) -> dict:
+        """The optimizer steps, with their evals and checkpoints; the last step's record."""
+        args = self.args
         last = {}
         self.model.train()
         for step, _, micro in self.sampler.iterate(self.start_step, self.total_steps):
@@ -210,11 +237,4 @@ class Trainer:
                 self.recorder.end_loop()
                 self.checkpointer.stop_for_preemption(done, saved)
         self.recorder.end_loop()
-        final = self.evaluate() if args.eval_steps != 0 else {}
-        self.recorder.eval(self.total_steps, final)
-        if self.checkpointer.should_save(self.total_steps):
-            self.checkpointer.save(self.total_steps)
-        if args.save_final_model:
-            self.checkpointer.export_final()
-        self.recorder.finish()
-        return {**last, **final}
+        return last
