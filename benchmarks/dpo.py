@@ -225,7 +225,7 @@ def profiled(model: str, data: str, opts: dict, out: Path, name: str, command: s
     (out / f"{name}_profile.json").write_text(json.dumps({k: v["summary"] for k, v in res.items()}, indent=1) + "\n")
     hf, trl = res["hfpar"]["summary"], res["trl"]["summary"]
     keys = ("wall_ms", "device_busy_ms", "device_ms_by_ops", "sync_wait_ms", "kernel_launches", "device_to_host_copies",
-            "host_to_device_copies", "sdpa_kernels_per_step")
+            "host_to_device_copies", "sdpa_kernels_per_step", "phase_device_spans_ms")
     rows = [f"| {k} | {hf.get(k, '-')} | {trl.get(k, '-')} |" for k in keys]
     phases = [f"| {k} | {v} |" for k, v in hf.get("host_phases_ms", {}).items()]
     att = hf.get("attention_check", {})

@@ -62,8 +62,12 @@ def _wrap(obj, name: str, label: str, clock: dict) -> None:
 def _summary(prof, steps: int, wall_s: float) -> dict:
     """Per-step totals of a profile: device time of the kernels, launches, device -> host copies, sync waits."""
     kernel_us = op_us = launches = d2h = h2d = sync_us = 0.0
-    sdpa = {}
+    sdpa, spans = {}, {}
     for a in prof.key_averages():
+        if a.key in PHASES:
+            if a.device_type == torch.autograd.DeviceType.CUDA:   # a phase's range mirrored on the GPU timeline
+                spans[a.key.strip()] = round(a.device_time_total / 1e3 / steps, 2)
+            continue
         if "scaled_dot_product" in a.key and a.key.startswith("aten::_"):
             sdpa[a.key] = sdpa.get(a.key, 0) + a.count // steps
         if a.key in SYNC_CALLS:
@@ -82,7 +86,7 @@ def _summary(prof, steps: int, wall_s: float) -> dict:
     return {"wall_ms": round(wall_s * 1e3 / steps, 2), "device_busy_ms": ms(kernel_us), "device_ms_by_ops": ms(op_us),
             "sync_wait_ms": ms(sync_us), "kernel_launches": round(launches / steps, 1),
             "device_to_host_copies": round(d2h / steps, 1), "host_to_device_copies": round(h2d / steps, 1),
-            "sdpa_kernels_per_step": sdpa}
+            "sdpa_kernels_per_step": sdpa, "phase_device_spans_ms": spans}
 
 
 def _activities(device: str):
