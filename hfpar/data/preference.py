@@ -306,7 +306,7 @@ class PairCollator:
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
         # each key's rows as Python lists, one tensor per key (no per-pair tensor ops: the host's share of a step)
-        cols = {k: [] for k in ("input_ids", "labels", "position_ids", "token_mask", "doc", "lo", "hi")}
+        cols = {k: [] for k in ("input_ids", "labels", "position_ids", "token_mask", "start", "lo", "hi")}
         for r in rows:
             row = {k: [] for k in cols}
             for i in r:
@@ -315,18 +315,21 @@ class PairCollator:
                 row["input_ids"] += ids
                 row["labels"] += labels
                 row["position_ids"] += pos
-                # the rejected tokens [o + first, o + n) do not see the chosen completion [o + shared, o + first)
-                row["doc"] += [i] * n
-                row["lo"] += [0] * first + [o + shared] * (n - first)
-                row["hi"] += [0] * first + [o + first] * (n - first)
-            pad = length - len(row["input_ids"])
-            row["token_mask"] = [1] * len(row["input_ids"])
-            for k, fill in (("input_ids", self.pad_id), ("labels", IGNORE), ("position_ids", 0), ("token_mask", 0),
-                            ("doc", -1), ("lo", 0), ("hi", 0)):
-                cols[k].append(row[k] + [fill] * pad)
+                # a token sees the keys [start, lo) and [hi, itself] of its pair: the chosen ones [o, itself], the
+                # rejected ones the shared prompt [o, o + shared) and themselves [o + first, itself]
+                row["start"] += [o] * n
+                row["lo"] += [o] * first + [o + shared] * (n - first)
+                row["hi"] += [o] * first + [o + first] * (n - first)
+            real = len(row["input_ids"])
+            row["token_mask"] = [1] * real
+            pad = list(range(real, length))   # padding sees itself only: [t, t] and [t, t)
+            for k, fill in (("input_ids", [self.pad_id] * len(pad)), ("labels", [IGNORE] * len(pad)),
+                            ("position_ids", [0] * len(pad)), ("token_mask", [0] * len(pad)), ("start", pad),
+                            ("lo", pad), ("hi", pad)):
+                cols[k].append(row[k] + fill)
         batch = {k: torch.tensor(cols[k], dtype=torch.long) for k in ("input_ids", "labels", "position_ids", "token_mask")}
         if self.share_prompt:   # the (B, 1, T, T) mask is built where the rows are used (pair_attention_mask)
-            layout = torch.tensor([cols["doc"], cols["lo"], cols["hi"]], dtype=torch.long)
+            layout = torch.tensor([cols["start"], cols["lo"], cols["hi"]], dtype=torch.long)
             batch["pair_layout"] = layout.transpose(0, 1).contiguous()      # (B, 3, T)
             owner = [0] * len(segs)
             for b, r in enumerate(rows):
@@ -340,14 +343,13 @@ class PairCollator:
 
 
 def pair_attention_mask(layout: torch.Tensor) -> torch.Tensor:
-    """The (B, 1, T, T) boolean attention mask of shared-prompt rows from their (B, 3, T) pair_layout (PairCollator),
-    on the layout's device, in a few vectorized ops (O(B T) from the host, not O(B T^2)): block-causal, each pair
-    seeing only itself, a rejected token not the chosen completion [lo, hi), padding (doc -1) seeing itself only."""
-    doc, lo, hi = layout.unbind(1)
-    j = torch.arange(doc.shape[-1], device=doc.device)
-    see = (doc[:, :, None] == doc[:, None, :]) & (j[None, :] <= j[:, None])
-    see &= ((j < lo[..., None]) | (j >= hi[..., None])) & (doc >= 0)[..., None]
-    return (see | torch.eye(doc.shape[-1], dtype=torch.bool, device=doc.device)).unsqueeze(1)
+    """The (B, 1, T, T) boolean attention mask of shared-prompt rows from their (B, 3, T) pair_layout (PairCollator:
+    start, lo, hi per token), on the layout's device, in a few vectorized ops (O(B T) from the host, not O(B T^2)):
+    token t sees the keys [start, lo) and [hi, t]: block-causal, each pair seeing only itself, a rejected token not
+    the chosen completion, padding only itself."""
+    start, lo, hi = (x.unsqueeze(-1) for x in layout.unbind(1))
+    j = torch.arange(layout.shape[-1], device=layout.device)
+    return (((j >= start) & (j < lo)) | ((j >= hi) & (j <= j[:, None]))).unsqueeze(1)
 
 
 def with_attention_mask(batch: dict) -> dict:
