@@ -6,6 +6,10 @@ hfpar's --mixed_precision bf16, TRL's bf16=True).
     python benchmarks/dpo.py                    # -> benchmarks/results/dpo_cpu.json / .md
     python benchmarks/dpo.py --steps 12 --rounds 3
     python benchmarks/dpo.py --device cuda --dtype bfloat16 --out DIR    # -> DIR/dpo_cuda.json / .md (~1-2 min)
+                                                                         #  + DIR/dpo_cuda_profile.md / .json
+On CUDA (or with --profile) the same run then profiles a few steps of hfpar and of TRL (benchmarks/dpo_profile.py:
+device busy time, launches, host syncs, hfpar's phases, an SDPA check of the packed rows' mask) -> DIR/dpo_<device>
+_profile.md / .json and hfpar's chrome trace; --no-profile skips it.
 
 CPU: a 256-wide, 4-layer Llama on the embedded pairs (short: ~30 tokens). GPU (defaults of --device cuda): a
 1024-wide, 8-layer Llama with a 32000 vocabulary on pairs of --seq tokens per sequence (--prompt_len of them the
@@ -143,6 +147,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory of dpo_<device>.json / .md (default benchmarks/results)")
     for k in ("hidden", "layers", "vocab", "seq", "prompt_len", "steps", "batch", "rounds"):
         ap.add_argument(f"--{k}", type=int, default=None, help=f"CPU default {CPU[k]}, CUDA default {GPU[k]}")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="profile a few steps of hfpar and TRL after the timed runs (default: on CUDA only)")
     ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)   # kind model data opts-json: a child run
     a = ap.parse_args()
     if a.one:
@@ -203,6 +209,36 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(md)
     print(md)
+    if a.profile or (a.profile is None and a.device == "cuda"):
+        profiled(model, data, opts, out, name, result["command"])
+
+
+def profiled(model: str, data: str, opts: dict, out: Path, name: str, command: str) -> None:
+    """benchmarks/dpo_profile.py for hfpar and TRL (fresh processes) -> out/<name>_profile.md / .json."""
+    res = {}
+    for kind in ("hfpar", "trl"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dpo_profile.py"), model, data, json.dumps(opts),
+                               str(out), *([kind] if kind == "trl" else [])], capture_output=True, text=True, cwd=ROOT,
+                              check=False)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        res[kind] = json.loads(line[0][7:]) if line else {"summary": {"failed": proc.stderr[-3000:]}, "tables": ""}
+    (out / f"{name}_profile.json").write_text(json.dumps({k: v["summary"] for k, v in res.items()}, indent=1) + "\n")
+    hf, trl = res["hfpar"]["summary"], res["trl"]["summary"]
+    keys = ("wall_ms", "device_busy_ms", "device_ms_by_ops", "sync_wait_ms", "kernel_launches", "device_to_host_copies",
+            "host_to_device_copies", "sdpa_kernels_per_step", "phase_device_spans_ms")
+    rows = [f"| {k} | {hf.get(k, '-')} | {trl.get(k, '-')} |" for k in keys]
+    phases = [f"| {k} | {v} |" for k, v in hf.get("host_phases_ms", {}).items()]
+    att = hf.get("attention_check", {})
+    md = (f"# Where a DPO step's time goes (`{command}`)\n\nPer step, steps 4-6 of {opts['batch']} pairs "
+          "(benchmarks/dpo_profile.py; torch.profiler):\n\n| per step | hfpar | TRL (no gradient checkpointing) |\n"
+          "|---|---|---|\n" + "\n".join(rows) +
+          "\n\nhfpar's phases, host ms per step under the profiler (inclusive; indented: inside before_micro; "
+          "not synchronized, so a phase holds any wait of its own host syncs):\n\n| phase | ms |\n|---|---|\n" + "\n".join(phases) +
+          f"\n\nSDPA forward + backward on one batch's shapes (ms): {json.dumps(att)}\n\n"
+          + "".join(f"## {k} ops\n\n```\n{v['tables']}\n```\n\n" if v["tables"] else f"## {k}: failed\n\n```\n"
+                    f"{v['summary'].get('failed', '')}\n```\n\n" for k, v in res.items()))
+    (out / f"{name}_profile.md").write_text(md)
+    print("\n".join(md.split("\n")[:30]))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     splits = make_preference(seed=42)                           # the embedded set (conversational, explicit prompt)
     train, stats = tokenize_preference(splits["train"], tok, max_length=128)
     batch = PairCollator(tok)([train[i] for i in range(8)])      # input_ids, labels, position_ids, token_mask
+    with_attention_mask(batch)                                   # share_prompt: pair_layout -> its (B, 1, T, T) mask
 
 Formats (TRL's): columns prompt / chosen / rejected, standard (strings) or conversational (lists of
 {"role", "content"} messages), or chosen / rejected only (implicit prompt: their longest common prefix, as
@@ -235,8 +236,9 @@ class PairCollator:
 
     share_prompt: the prompt is computed once per pair: [prompt + chosen | p + rejected], where p is the prompt's
     last token only (it predicts the first rejected token; its position is the prompt's last), and an attention_mask
-    (B, 1, T, T) lets the rejected sequence see the chosen row's prompt before p (and not the chosen completion):
-    every token sees exactly what it sees in its own sequence, so the log-probs are those of the two sequences run
+    (B, 1, T, T) (built from the batch's compact `pair_layout` where it is used, on its device:
+    with_attention_mask) lets the rejected sequence see the chosen row's prompt before p (and not the chosen
+    completion): every token sees exactly what it sees in its own sequence, so the log-probs are those of the two sequences run
     apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). The same mask then
     packs pairs: several to a row (first-fit decreasing, no row longer than the batch's longest pair, so no
     attention block grows), each pair seeing only itself, and `pairs` (P,) holds each pair's row (the embedded
@@ -303,32 +305,59 @@ class PairCollator:
         length = max(sum(len(segs[i][0]) for i in r) for r in rows)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple
-        B = len(rows)
-        batch = {"input_ids": torch.full((B, length), self.pad_id, dtype=torch.long),
-                 "labels": torch.full((B, length), IGNORE, dtype=torch.long),
-                 "position_ids": torch.zeros((B, length), dtype=torch.long),
-                 "token_mask": torch.zeros((B, length), dtype=torch.long)}
-        if self.share_prompt:   # block-causal: each pair sees itself (its shared prompt); padding sees itself
-            mask = batch["attention_mask"] = torch.eye(length, dtype=torch.bool).repeat(B, 1, 1, 1)
-            batch["pairs"] = torch.zeros(len(segs), dtype=torch.long)
-        for b, r in enumerate(rows):
-            o = 0
+        # each key's rows as Python lists, one tensor per key (no per-pair tensor ops: the host's share of a step)
+        cols = {k: [] for k in ("input_ids", "labels", "position_ids", "token_mask", "start", "lo", "hi")}
+        for r in rows:
+            row = {k: [] for k in cols}
             for i in r:
                 ids, labels, pos, first, shared = segs[i]
-                n = len(ids)
-                batch["input_ids"][b, o:o + n] = torch.tensor(ids)
-                batch["labels"][b, o:o + n] = torch.tensor(labels)
-                batch["position_ids"][b, o:o + n] = torch.tensor(pos)
-                batch["token_mask"][b, o:o + n] = 1
-                if self.share_prompt:
-                    mask[b, 0, o:o + n, o:o + n] = torch.ones(n, n, dtype=torch.bool).tril()
-                    mask[b, 0, o + first:o + n, o + shared:o + first] = False   # rejected: not the chosen's rest
-                    batch["pairs"][i] = b
-                o += n
+                o, n = len(row["input_ids"]), len(ids)
+                row["input_ids"] += ids
+                row["labels"] += labels
+                row["position_ids"] += pos
+                # a token sees the keys [start, lo) and [hi, itself] of its pair: the chosen ones [o, itself], the
+                # rejected ones the shared prompt [o, o + shared) and themselves [o + first, itself]
+                row["start"] += [o] * n
+                row["lo"] += [o] * first + [o + shared] * (n - first)
+                row["hi"] += [o] * first + [o + first] * (n - first)
+            real = len(row["input_ids"])
+            row["token_mask"] = [1] * real
+            pad = list(range(real, length))   # padding sees itself only: [t, t] and [t, t)
+            for k, fill in (("input_ids", [self.pad_id] * len(pad)), ("labels", [IGNORE] * len(pad)),
+                            ("position_ids", [0] * len(pad)), ("token_mask", [0] * len(pad)), ("start", pad),
+                            ("lo", pad), ("hi", pad)):
+                cols[k].append(row[k] + fill)
+        batch = {k: torch.tensor(cols[k], dtype=torch.long) for k in ("input_ids", "labels", "position_ids", "token_mask")}
+        if self.share_prompt:   # the (B, 1, T, T) mask is built where the rows are used (pair_attention_mask)
+            layout = torch.tensor([cols["start"], cols["lo"], cols["hi"]], dtype=torch.long)
+            batch["pair_layout"] = layout.transpose(0, 1).contiguous()      # (B, 3, T)
+            owner = [0] * len(segs)
+            for b, r in enumerate(rows):
+                for i in r:
+                    owner[i] = b
+            batch["pairs"] = torch.tensor(owner, dtype=torch.long)           # (P,) each pair's row
         if "ref_chosen_logps" in features[0]:
             batch["ref_logps"] = torch.tensor([[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features],
                                               dtype=torch.float64)   # (P, 2)
         return batch
+
+
+def pair_attention_mask(layout: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, T, T) boolean attention mask of shared-prompt rows from their (B, 3, T) pair_layout (PairCollator:
+    start, lo, hi per token), on the layout's device, in a few vectorized ops (O(B T) from the host, not O(B T^2)):
+    token t sees the keys [start, lo) and [hi, t]: block-causal, each pair seeing only itself, a rejected token not
+    the chosen completion, padding only itself."""
+    start, lo, hi = (x.unsqueeze(-1) for x in layout.unbind(1))
+    j = torch.arange(layout.shape[-1], device=layout.device)
+    return (((j >= start) & (j < lo)) | ((j >= hi) & (j <= j[:, None]))).unsqueeze(1)
+
+
+def with_attention_mask(batch: dict) -> dict:
+    """batch with its pair_layout (if any) replaced by the attention_mask it stands for (in place; idempotent)."""
+    layout = batch.pop("pair_layout", None)
+    if layout is not None:
+        batch["attention_mask"] = pair_attention_mask(layout)
+    return batch
 
 
 # ------------------------------------------------------------------------------------ the recipe's

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-from hfpar.data.preference import IGNORE, decode_targets
+from hfpar.data.preference import IGNORE, decode_targets, with_attention_mask
 from hfpar.distributed import all_reduce_sum
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.sharding import shard_spec
@@ -83,6 +83,22 @@ def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor
                             reduction="none").reshape(target.shape)
 
 
+class Targets:
+    """The completion targets of a (planned) micro-batch's labels, found once per micro-batch (ONE host sync: the
+    nonzero) and shared by its reference and policy forwards: flat positions `index` (N,), their tokens and
+    sequences (2 * pair + side). Everything after it indexes with them: no boolean-mask indexing (each would be a
+    host sync) inside a forward."""
+
+    def __init__(self, labels: torch.Tensor):
+        token, seq, valid = decode_targets(labels)
+        self.labels, self.shape = labels, labels.shape
+        self.index = valid.reshape(-1).nonzero().squeeze(1)
+        self.token, self.seq = token.reshape(-1)[self.index], seq.reshape(-1)[self.index]
+
+    def matches(self, labels: torch.Tensor) -> bool:
+        return labels is self.labels
+
+
 class DPOObjective:
     def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str | list = "sigmoid", label_smoothing: float = 0.0,
                  reference_free: bool = False):
@@ -98,7 +114,8 @@ class DPOObjective:
         self.rows = 0               # pairs of the current batch
         self.reference = None       # a context manager factory: the policy turned into the reference
         self._capture = None        # (P, 2) being filled by a reference forward
-        self._targets = None        # (B, T) the completion targets' positions, in a forward (select_targets)
+        self._targets = None        # the Targets of the labels of a forward (select_targets)
+        self._plan = None           # the current micro-batch's Targets (before_micro)
         self.scope = None           # the backend enters scope(labels) around a forward (hfpar.backends.base)
         if head is not None and self.tp_group is None and ctx.pp == 1:
             head.register_forward_pre_hook(self._head_rows)
@@ -111,7 +128,7 @@ class DPOObjective:
         """Within: the LM head computes the logits of the completion targets' positions only, (1, N, V) in place
         of (B, T, V): prompts and padding (most of a DPO row) never reach the head, in forward or backward. Not
         for a vocab-parallel head (its sequence-parallel input) nor a pipeline (its stages call the head)."""
-        self._targets = decode_targets(labels)[2]
+        self._targets = self.targets(labels)
         try:
             yield
         finally:
@@ -121,19 +138,24 @@ class DPOObjective:
         x = args[0] if args else None
         if self._targets is None or x is None or x.shape[:-1] != self._targets.shape:
             return None
-        return (x[self._targets].unsqueeze(0), *args[1:])
+        return (x.reshape(-1, x.shape[-1]).index_select(0, self._targets.index).unsqueeze(0), *args[1:])
+
+    def targets(self, labels: torch.Tensor) -> Targets:
+        """The Targets of `labels`: the micro-batch's (found in before_micro) or found now (a pipeline's
+        micro-batch, a slice of the batch's rows)."""
+        return self._plan if self._plan is not None and self._plan.matches(labels) else Targets(labels)
 
     # ------------------------------------------------------------------ per-sequence log-probs
     def sequence_logps(self, out: torch.Tensor, labels: torch.Tensor, rows: int):
         """(rows, 2) summed completion log-probs (differentiable) and (rows, 2) completion lengths, whole over cp."""
-        token, seq, valid = decode_targets(labels)
+        t = self.targets(labels)
         if out.shape[:-1] == labels.shape:
-            lp = _token_logps(out, token.masked_fill(~valid, IGNORE), self.tp_group)[valid]   # 0 where not a target
+            token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
+            lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
         else:   # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
-            lp = _token_logps(out.reshape(-1, out.shape[-1]), token[valid], None)
-        seq = seq[valid]
-        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, lp)
-        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, seq, torch.ones_like(lp))
+            lp = _token_logps(out.reshape(-1, out.shape[-1]), t.token, None)
+        sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, lp)
+        counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, torch.ones_like(lp))
         if self.cp > 1:   # each cp rank holds part of every sequence: all-reduce, forward and backward
             group = self.ctx.cp_group
             sums = reduce_from_parallel_region(copy_to_parallel_region(sums, group), group)
@@ -143,17 +165,18 @@ class DPOObjective:
     # ------------------------------------------------------------------ the loss function
     def __call__(self, out: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logps, lengths = self.sequence_logps(out, labels, self.rows)
-        # the rows this call holds (a pipeline micro-batch holds some of the batch's): every sequence has targets
-        mine = lengths[:, 0] > 0
+        # the rows this call holds (a pipeline micro-batch holds some of the batch's): every sequence has targets.
+        # Masks, not boolean indexing (a host sync each): the other rows count as zeros
+        mine = (lengths[:, 0] > 0).unsqueeze(1)
         if self._capture is not None:   # a reference forward: keep the values, no loss
-            self._capture[mine] = logps[mine].detach().double()
+            self._capture = torch.where(mine, logps.detach().double(), self._capture)
             zero = logps.sum() * 0
             return zero, zero
-        logps, lengths = logps[mine], lengths[mine]
-        ref = self.ref[mine].to(logps.dtype) if not self.reference_free else torch.zeros_like(logps)
+        ref = torch.where(mine, self.ref, 0).to(logps.dtype) if not self.reference_free else torch.zeros_like(logps)
         losses = sum(w * pair_losses(t, self.beta, self.label_smoothing, logps, ref, lengths) for t, w in self.terms)
-        self._record(logps.detach().double(), ref.double())
-        n = torch.tensor(float(losses.numel()) / self.cp, dtype=torch.float64, device=losses.device)
+        losses = torch.where(mine[:, 0], losses, 0)
+        self._record(logps.detach().double(), ref.double(), mine)
+        n = mine.sum(dtype=torch.float64) / self.cp
         return losses.sum() / self.cp, n
 
     # ------------------------------------------------------------------ counts and metrics
@@ -167,22 +190,34 @@ class DPOObjective:
         return 2 * len(sample["prompt_ids"]) + len(sample["chosen_ids"]) + len(sample["rejected_ids"])
 
     def reset_metrics(self) -> None:
-        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+        self._sums = None           # (len(METRICS) + 1,) float64 on the device once a pair is recorded
 
-    def _record(self, logps: torch.Tensor, ref: torch.Tensor) -> None:
-        r = self.beta * (logps - ref)                                    # (P, 2) implicit rewards
-        s = torch.stack([r[:, 0].sum(), r[:, 1].sum(), (r[:, 0] > r[:, 1]).double().sum(), (r[:, 0] - r[:, 1]).sum(),
-                         logps[:, 0].sum(), logps[:, 1].sum(), torch.tensor(float(r.shape[0]), dtype=torch.float64,
-                                                                          device=r.device)])
-        self._sums += s.cpu()
+    def _record(self, logps: torch.Tensor, ref: torch.Tensor, mine: torch.Tensor) -> None:
+        """Adds the pairs' metric sums on the device (no host sync: read once per step, step_sums)."""
+        r = torch.where(mine, self.beta * (logps - ref), 0)             # (P, 2) implicit rewards
+        logps = torch.where(mine, logps, 0)
+        won = (r[:, 0] > r[:, 1]) & mine[:, 0]
+        s = torch.stack([r[:, 0].sum(), r[:, 1].sum(), won.double().sum(), (r[:, 0] - r[:, 1]).sum(),
+                         logps[:, 0].sum(), logps[:, 1].sum(), mine.sum(dtype=torch.float64)])
+        self._sums = s if self._sums is None else self._sums + s
+
+    def step_sums(self, device) -> torch.Tensor:
+        """This rank's metric sums of the step (the trainer all-reduces them with its loss: one collective, one
+        host sync a step), then reset."""
+        s = self._sums if self._sums is not None else torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=device)
+        self.reset_metrics()
+        return s
+
+    @staticmethod
+    def metrics(sums: list[float]) -> dict:
+        """TRL's metric names from reduced sums (step_sums over the ranks): means over the pairs of the global batch.
+        Ranks holding the same pairs (tp, cp) count them alike, so the ratio is unaffected."""
+        n = sums[-1]
+        return {k: sums[i] / n for i, k in enumerate(METRICS)} if n else {}
 
     def step_metrics(self, device) -> dict:
-        """TRL's metric names, means over the pairs of the global batch (collective: every rank calls it). Ranks
-        holding the same pairs (tp, cp) count them alike, so the ratio is unaffected."""
-        s = all_reduce_sum(self._sums, device)
-        self.reset_metrics()
-        n = float(s[-1])
-        return {k: float(s[i]) / n for i, k in enumerate(METRICS)} if n else {}
+        """The metrics of the sums so far (collective: every rank calls it), then reset."""
+        return self.metrics(all_reduce_sum(self.step_sums(device), device).tolist())
 
     def begin_eval(self) -> None:
         """Evaluation: its metrics apart from the training step's (an eval may run between two steps' micro-batches
@@ -198,14 +233,25 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ the reference
     def before_micro(self, backend, batch: dict, replan) -> None:
-        """Before the policy's forward of a micro-batch: its pairs' reference log-probs (replan() -> the batch and
-        a fresh scope, for the reference's forward)."""
+        """Before the policy's forward of a micro-batch: its attention mask (shared-prompt rows: built on the
+        device from the batch's pair_layout), its completion targets (Targets, found once for both forwards) and
+        its pairs' reference log-probs (replan() -> the batch and a fresh scope, for the reference's forward)."""
         ref = batch.pop("ref_logps", None)
         self.rows = num_pairs(batch, pop=True)
+        with_attention_mask(batch)
+        self._plan = Targets(batch["labels"])
         if self.reference_free:
             self.ref = None
             return
-        self.ref = ref.to(batch["input_ids"].device) if ref is not None else self.reference_logps(backend, *replan())
+        if ref is not None:
+            self.ref = ref.to(batch["input_ids"].device)
+            return
+        ref_batch, scope = replan()
+        # the same rows planned again: the same labels, so the same targets and mask (not computed twice)
+        ref_batch.pop("pair_layout", None)
+        ref_batch = {**ref_batch, "labels": batch["labels"],
+                     **({"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {})}
+        self.ref = self.reference_logps(backend, ref_batch, scope)
 
     @torch.no_grad()
     def reference_logps(self, backend, batch: dict, scope) -> torch.Tensor:
@@ -213,6 +259,9 @@ class DPOObjective:
         reference in place of the policy."""
         batch.pop("ref_logps", None)
         self.rows = num_pairs(batch, pop=True)
+        with_attention_mask(batch)
+        if self._plan is None or not self._plan.matches(batch["labels"]):   # called alone (precompute_reference)
+            self._plan = Targets(batch["labels"])
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
         try:
@@ -227,7 +276,9 @@ class DPOObjective:
 @contextlib.contextmanager
 def adapters_disabled(model):
     """LoRA: the base model is the reference (PEFT's BaseTunerLayer.enable_adapters, found through any wrap)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415  (peft is optional: LoRA runs only)
+    from peft.tuners.tuners_utils import (
+        BaseTunerLayer,  # peft is optional: LoRA runs only
+    )
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     for m in layers:
@@ -242,7 +293,8 @@ def adapters_disabled(model):
 class FrozenCopy:
     """A copy of this rank's parameter shards at the start (the reference), swapped into the policy's own
     parameters for a no-grad forward: the reference is sharded exactly as the policy (no grads, no optimizer
-    state). Local shards: plain tensors, or a DTensor's local tensor (FSDP2), updated in place."""
+    state). A plain parameter's data is swapped (no copy: the frozen tensor is put in, the policy's put back); a
+    DTensor's local shard (FSDP2, which all-gathers from its own storage) is overwritten in place and restored."""
 
     def __init__(self, model):
         self.params = [p for p in model.parameters()]
@@ -255,20 +307,28 @@ class FrozenCopy:
         for m in self.sharded:
             m.reshard()
 
+    @staticmethod
+    def _put(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Puts value in as p's data; returns what it held."""
+        if hasattr(p, "to_local"):
+            held = p.to_local().detach().clone()
+            p.to_local().copy_(value)
+            return held
+        held, p.data = p.data, value
+        return held
+
     @contextlib.contextmanager
     def __call__(self):
         self._reshard()
-        stash = [_local(p).detach().clone() for p in self.params]
         with torch.no_grad():
-            for p, f in zip(self.params, self.frozen):
-                _local(p).copy_(f)
+            stash = [self._put(p, f) for p, f in zip(self.params, self.frozen)]
         try:
             yield
         finally:
             self._reshard()
             with torch.no_grad():
                 for p, s in zip(self.params, stash):
-                    _local(p).copy_(s)
+                    self._put(p, s)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

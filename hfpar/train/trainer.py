@@ -56,7 +56,8 @@ class Trainer:
                  task: str = "lm", run_extra: dict | None = None, loss_fn=None):
         """loss_fn: the recipe's own objective (DPO: hfpar.train.dpo.DPOObjective), which may add hooks: count(batch)
         (the units its loss is normalized by; default: target tokens), tokens(sample) (its real tokens), before_micro(backend, batch, replan) (before
-        each micro-batch's forward; replan() -> a fresh (batch, scope) of it) and step_metrics(device) (extra fields of the step's record)."""
+        each micro-batch's forward; replan() -> a fresh (batch, scope) of it) and step_sums(device) / metrics(sums) (extra fields of the step's record: device sums reduced
+        with the loss) or step_metrics(device)."""
         assert task in ("lm", "classify")
         self.args, self.acc, self.ctx, self.backend = args, accelerator, ctx, backend
         self.tokenizer, self.collator, self.task = tokenizer, collator, task
@@ -166,7 +167,11 @@ class Trainer:
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
             step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
                                                   self.task).double()
-        loss = float(all_reduce_sum(step_loss, acc.device) / ctx.data_replicas) / n_global
+        # the loss and the objective's metric sums (DPO's rewards): one collective and one host read a step
+        extra = self.loss_fn.step_sums(acc.device) if hasattr(self.loss_fn, "step_sums") else None
+        sums = all_reduce_sum(step_loss.view(1) if extra is None else torch.cat([step_loss.view(1), extra]),
+                              acc.device).tolist()
+        loss = sums[0] / ctx.data_replicas / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = self.backend.clip(max_norm)
         # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
@@ -186,7 +191,9 @@ class Trainer:
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
                "step_cpu_s": time.process_time() - c0,   # this process's CPU seconds (all its threads)
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
-        if hasattr(self.loss_fn, "step_metrics"):
+        if extra is not None:
+            rec.update(self.loss_fn.metrics(sums[1:]))
+        elif hasattr(self.loss_fn, "step_metrics"):
             rec.update(self.loss_fn.step_metrics(acc.device))
         if bad or overflow:
             rec["skipped"] = True

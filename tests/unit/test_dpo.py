@@ -20,6 +20,7 @@ from hfpar.data.preference import (
     tokenize_pair,
     tokenize_preference,
     truncate_pair,
+    with_attention_mask,
 )
 from hfpar.train.dpo import pair_losses
 from hfpar.train.dpo_setup import LOSS_TYPES
@@ -134,7 +135,8 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
     feats = [pairs[i] for i in range(6)]
 
     def logps(share, mode, max_length):
-        batch = shift_labels(PairCollator(tok, share_prompt=share, max_length=max_length, truncation_mode=mode)(feats))
+        batch = shift_labels(with_attention_mask(
+            PairCollator(tok, share_prompt=share, max_length=max_length, truncation_mode=mode)(feats)))
         rows.append(batch["input_ids"].shape[0])
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
         with torch.no_grad():
