@@ -149,7 +149,7 @@ def test_aux_loss_gradient_injection(scale):
 
 
 # ----------------------------------------------------------------------------- experts
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm", "grouped_linear"])
 def test_grouped_experts_vs_naive(backend):
     if backend == "grouped_mm" and not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         pytest.skip("no grouped_mm in this torch")
