@@ -11,10 +11,10 @@ allocator on CPU, so every step the kernel maps, zeroes and faults it in again 4
 a timing of torch.empty + zero_() put that at ~240 ms per 400 MB on this machine, about as much as all the GEMMs of
 the step together (benchmarks/results/moe_ep_cpu.md). This backward writes the weight gradient into a buffer the
 experts module keeps (`cache`, a dict the module owns) and reuses a step later when nothing else holds it any more
-(its storage's reference count: the param's .grad dropped by zero_grad; while .grad still holds it, e.g. under
-gradient accumulation, a second buffer is made and kept): what torch's CUDA caching allocator does for every
-tensor on a GPU. The price is the same as zero_grad(set_to_none=False): the experts' gradient memory stays
-allocated between steps (at most two buffers per weight). It also writes each hit expert's gradient once in place
+(its storage's reference count: the param's .grad dropped by zero_grad; while anything holds it, e.g. .grad under
+gradient accumulation, the backward takes fresh memory as before): what torch's CUDA caching allocator does for
+every tensor on a GPU. The price is that of zero_grad(set_to_none=False): the experts' gradient memory stays
+allocated between steps (one buffer per weight, no more). It also writes each hit expert's gradient once in place
 (torch.mm(out=)), zeroes unhit experts' slices, and skips the weight gradient of frozen experts. Forward and input
 gradient are the same per-group GEMMs as grouped_mm's: results agree to round-off
 (tests/distributed/test_moe_layers.py). (Asking the kernel for transparent huge pages on a fresh buffer instead
@@ -38,7 +38,7 @@ _ALONE = _storage_refs(torch.empty(1)) if _REUSE else 0             # the count 
 
 def weight_grad_buffer(shape, like: torch.Tensor, cache: dict | None) -> torch.Tensor:
     """An uninitialised tensor (shape, like's dtype / device): one of `cache`'s that nothing else holds any more,
-    else a new one, kept in `cache` (at most two per shape). cache=None: always new."""
+    else a new one, kept in `cache` if it keeps none yet (one per shape). cache=None: always new."""
     if cache is None or not _REUSE:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     key = (tuple(shape), like.dtype, like.device)
@@ -47,7 +47,7 @@ def weight_grad_buffer(shape, like: torch.Tensor, cache: dict | None) -> torch.T
         if _storage_refs(t) <= _ALONE:
             return t.detach()             # a new tensor on the same storage: autograd hands it to .grad as is
     t = torch.empty(shape, dtype=like.dtype, device=like.device)
-    if len(kept) < 2:
+    if not kept:
         kept.append(t)
     return t.detach()
 
