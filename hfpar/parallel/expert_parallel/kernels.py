@@ -9,7 +9,7 @@ produces a weight gradient as large as the experts themselves (Qwen3-30B-A3B's l
 step) in FRESH memory: the optimizer's zero_grad(set_to_none=True) frees it every step, torch has no caching
 allocator on CPU, so every step the kernel maps, zeroes and faults it in again 4 KiB at a time. torch.profiler and
 a timing of torch.empty + zero_() put that at ~240 ms per 400 MB on this machine, about as much as all the GEMMs of
-the step together (benchmarks/results/moe_ep_cpu.md). This backward writes the weight gradient into a buffer the
+the step together (docs/expert-parallel.md, "Speed"). This backward writes the weight gradient into a buffer the
 experts module keeps (`cache`, a dict the module owns) and reuses a step later when nothing else holds it any more
 (its storage's reference count: the param's .grad dropped by zero_grad; while anything holds it, e.g. .grad under
 gradient accumulation, the backward takes fresh memory as before): what torch's CUDA caching allocator does for
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["grouped_linear", "grouped_linear_applies", "weight_grad_buffer"]
+
 
 def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
