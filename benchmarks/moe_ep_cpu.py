@@ -13,8 +13,11 @@ At each ep (a fresh set of ep gloo ranks, --threads torch threads each), every r
 implementation (eager, grouped_mm, batched_mm where its per-copy weight gather stays under --batched_mm_gib; at ep > 1
 the one that was fastest at ep = 1) and hfpar's block after apply_expert_parallel over the ep ranks, on the same
 tokens (forward + backward of the block alone, median of --rounds after --warmup). A step's time is the slowest
-rank's. ep = 1: Qwen3-MoE runs hfpar's MoELayer (GroupedExperts); DeepSeek-V3 keeps transformers' block (hfpar only
-shards its experts, at ep > 1), so its ep = 1 row is the same code as transformers' default (grouped_mm).
+rank's. ep = 1: Qwen3-MoE runs hfpar's MoELayer (GroupedExperts); DeepSeek-V3 keeps transformers' block (its
+router, shared expert and combine) with its experts on hfpar's CPU kernel (hf_experts.speed_up_hf_experts); at
+ep > 1 both run hfpar's kernel on each rank's experts. Where the kernel's gain comes from (expert_parallel/kernels.py):
+its backward reuses the experts' weight-gradient buffer where transformers' grouped_mm faults in fresh memory for
+it every step (the benchmark, like training, sets .grad to None after each step).
 Before timing, hfpar's output and input gradient are compared with transformers' on the same tokens (max over ranks).
 
 All-to-all bytes: hfpar's comm counter (hfpar.observe.comm_stats.CommCounter, the trainer's --log_comm_bytes: the

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from hfpar.parallel.comm import all_gather, all_reduce, comm_stats
 from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.expert_parallel.kernels import grouped_linear
 from hfpar.parallel.expert_parallel.moe import (AuxLossBackprop, GroupedExperts, MoELayer, TopKRouter, moe_token_mask,
                                 set_aux_loss_grad_scale)
 from tests.helpers.dist import run_distributed
@@ -149,7 +150,7 @@ def test_aux_loss_gradient_injection(scale):
 
 
 # ----------------------------------------------------------------------------- experts
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm", "grouped_linear"])
 def test_grouped_experts_vs_naive(backend):
     if backend == "grouped_mm" and not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         pytest.skip("no grouped_mm in this torch")
@@ -174,6 +175,36 @@ def test_grouped_experts_vs_naive(backend):
     # no tokens at all
     y0 = ex(torch.zeros(0, 16), torch.zeros(5, dtype=torch.long))
     assert y0.shape == (0, 16)
+
+
+def test_grouped_linear_reuses_the_weight_grad_buffer_only_when_nothing_holds_it():
+    """kernels.grouped_linear's backward writes the weight gradient into a buffer its cache keeps: reused once .grad
+    let go of it (zero_grad(set_to_none=True)), never while anything holds it (accumulation, a kept reference)."""
+    torch.manual_seed(0)
+    w, x, counts, cache = torch.randn(3, 4, 5, requires_grad=True), torch.randn(6, 5), [2, 0, 4], {}
+
+    def step():
+        grouped_linear(x, w, counts, cache).square().sum().backward()
+
+    step()
+    g1, first = w.grad.clone(), w.grad.data_ptr()
+    ref = w.detach().clone().requires_grad_()
+    torch.cat([x[:2] @ ref[0].T, x[2:] @ ref[2].T]).square().sum().backward()
+    torch.testing.assert_close(g1, ref.grad, **TOL)
+    assert g1[1].abs().sum() == 0                                        # the unhit expert
+    step()                                                               # accumulation: .grad holds the buffer
+    torch.testing.assert_close(w.grad, 2 * g1, **TOL)
+    assert w.grad.data_ptr() == first
+    w.grad = None
+    step()                                                               # free again: reused, overwritten
+    assert w.grad.data_ptr() == first
+    torch.testing.assert_close(w.grad, g1, **TOL)
+    held = w.grad
+    w.grad = None
+    step()                                                               # still held: fresh memory
+    assert w.grad.data_ptr() != first and held.data_ptr() == first
+    torch.testing.assert_close(held, g1, **TOL)
+    torch.testing.assert_close(w.grad, g1, **TOL)
 
 
 # ----------------------------------------------------------------------------- vs transformers

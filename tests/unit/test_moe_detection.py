@@ -49,8 +49,11 @@ def test_unconvertible_blocks_train_as_hf_without_ep():
 def test_hf_blocks_without_ep_stay_hf_but_an_aux_loss_is_refused():
     model = _model("ernie4_5_moe")
     experts = type(model.model.layers[1].mlp.experts)
+    before = {n: p for n, p in model.named_parameters()}
     assert has_moe_blocks(model) and apply_moe(model, ARGS, CTX) is None
-    assert type(model.model.layers[1].mlp.experts) is experts
+    # the HF block and its router stay; its plain SwiGLU experts run hfpar's CPU kernel (a subclass), same tensors
+    assert isinstance(model.model.layers[1].mlp.experts, experts)
+    assert all(p is before[n] for n, p in model.named_parameters())
     aux = _model("ernie4_5_moe", output_router_logits=True, router_aux_loss_coef=0.01)
     with pytest.raises(ValueError, match=r"^output_router_logits with router_aux_loss_coef 0\.01: the recipes add the "
                                          r"aux loss through hfpar's MoE router only, and model\.layers\.1\.mlp\.experts"

@@ -26,7 +26,8 @@ generically (3-D experts + an (E, H) router, checked against the original block'
 cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases; sparsemixer;
 Llama-4's dense experts) keeps the HF block's own code with only its experts module sharded by expert
 (hf_experts.py: the experts' tensors sliced, the selected copies dispatched by all-to-all, accepted after an
-equality check against the HF block); no hfpar aux / z loss or capacity there (refused in one line).
+equality check against the HF block; at ep = 1 experts of the plain SwiGLU layout run hfpar's CPU kernel, the
+same check first); no hfpar aux / z loss or capacity there (refused in one line).
 
 Aux loss, the objective of the HF model (aux_loss_coef=None, the default):
     output_router_logits False (config default, or call kwarg)   no aux loss, as HF
@@ -69,7 +70,7 @@ from ..groups import expert_rank_lists, new_groups
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import full_state_dict, set_shard_spec, shard_spec
 from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
-from .hf_experts import HFExperts, find_hf_experts, shard_hf_experts
+from .hf_experts import HFExperts, find_hf_experts, shard_hf_experts, speed_up_hf_experts
 from .hf_outputs import record_router_logits
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask
@@ -293,8 +294,10 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         raise ValueError("apply_expert_parallel: " + "; ".join(problems))
     if check_replicated:
         _check_same_weights([*blocks, *hf], dp_group)
-    if hf and ep > 1:                                                   # ep 1: the HF blocks stay as they are
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if hf and ep == 1:                                                  # ep 1: HF blocks, plain experts on hfpar's
+        speed_up_hf_experts(hf, hidden_size=int(text.hidden_size), vocab_size=getattr(text, "vocab_size", None))
+    if hf and ep > 1:
         try:
             shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size),
                              vocab_size=getattr(text, "vocab_size", None))

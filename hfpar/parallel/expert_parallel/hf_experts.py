@@ -2,6 +2,7 @@
 
     found, problems = find_hf_experts(model)              # [HFExperts(path, module, block, E)], one line per refusal
     shard_hf_experts(found, ep_group, hidden_size=H)      # in place; each block class checked against itself first
+    speed_up_hf_experts(found, hidden_size=H)             # ep = 1: plain SwiGLU experts run hfpar's CPU kernel
 
 Every transformers 5 MoE block computes its routing itself (softmax / sigmoid, e_score_correction_bias, group-limited
 top-k, routed scaling, sparsemixer, biases, ...) and then calls
@@ -14,6 +15,12 @@ expert-indexed tensor, the selected (token, expert) copies travel to the rank ho
 same all-to-all as MoELayer), the module's ORIGINAL forward runs them with their local expert index and weight 1 (the
 family's own expert math, through transformers' experts implementation: eager or grouped_mm), and the outputs come
 back and are weighted and summed over the k copies here (as transformers' grouped_mm does).
+
+Experts of the plain layout (gate_up_proj (E, 2I, H) [gate; up], down_proj (E, H, I), act(gate) * up, no bias,
+not transposed: DeepSeek-V3, GLM-4-MoE, Kimi-K2, ...) run hfpar's grouped SwiGLU (moe.swiglu_experts, kernels.py:
+faster than transformers' grouped_mm on CPU) on the rows each rank holds, instead of their own forward; at ep = 1
+too (speed_up_hf_experts: the same forward without the all-to-all), so the HF router, shared experts and output
+stay HF's code and only the expert math is hfpar's.
 
 Accepted only after an equality check: the first block of each experts class runs, unsharded and then sharded, on the
 same random tokens (different on every rank, same RNG state for both runs): its output, the gradient of its input and
@@ -36,9 +43,10 @@ from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
 from ..sharding import ShardSpec, set_shard_spec
-from .moe import GroupedExperts, dispatch_rows
+from .kernels import grouped_linear_applies
+from .moe import GroupedExperts, dispatch_rows, swiglu_experts
 
-__all__ = ["HFExperts", "find_hf_experts", "is_hf_experts_sharded", "shard_hf_experts"]
+__all__ = ["HFExperts", "find_hf_experts", "is_hf_experts_sharded", "shard_hf_experts", "speed_up_hf_experts"]
 
 # attributes of transformers' experts classes that hold the expert count (set to the local count while sharded)
 _COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "total_experts")
@@ -97,7 +105,8 @@ def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
     """The experts modules of HF MoE blocks in `model` and one line per module (class) that cannot be sharded."""
     found, problems, seen = [], [], set()
     for path, m in model.named_modules():
-        if not path or not _expert_candidate(path, m) or getattr(m, "_hfpar_ep", None) is not None:
+        st = getattr(m, "_hfpar_ep", None)
+        if not path or not _expert_candidate(path, m) or (st is not None and st.count < st.E):    # sharded already
             continue
         E, why = _problem(m)
         if why is None:
@@ -109,7 +118,24 @@ def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
 
 
 def is_hf_experts_sharded(m: nn.Module) -> bool:
+    """Whether m runs hfpar's forward (sharded over EP ranks, or at ep = 1 its CPU kernel)."""
     return getattr(m, "_hfpar_ep", None) is not None
+
+
+def _plain_swiglu(m: nn.Module) -> bool:
+    """transformers' default experts layout (use_experts_implementation's defaults): gate_up_proj (E, 2I, H) [gate;
+    up], down_proj (E, H, I), the default gate act_fn(gate) * up, no bias, no post-expert norm."""
+    own = dict(m.named_parameters(recurse=False))
+    if set(own) != {"gate_up_proj", "down_proj"} or not callable(getattr(m, "act_fn", None)):
+        return False
+    gu, dn = own["gate_up_proj"], own["down_proj"]
+    gate = getattr(type(m), "_apply_gate", None)
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False}
+    return (gu.dim() == dn.dim() == 3 and gu.shape[0] == dn.shape[0] and gu.shape[1] == 2 * dn.shape[2]
+            and gu.shape[2] == dn.shape[1] and all(getattr(m, k, None) is v for k, v in flags.items())
+            and getattr(gate, "__name__", None) == "_default_apply_gate"
+            and getattr(gate, "__module__", None) == "transformers.integrations.moe")
 
 
 # ----------------------------------------------------------------------------- the sharded forward
@@ -118,9 +144,10 @@ class _EPState:
     E: int
     start: int
     count: int
-    group: object
+    group: object         # None: ep = 1 (no all-to-all; speed_up_hf_experts)
     base: type            # the original class: its forward computes the local experts
     saved: dict           # what unshard() restores: parameters and count attributes
+    plain: bool = False   # plain SwiGLU layout: hfpar's kernel runs the local experts on CPU
 
 
 def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +161,8 @@ def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args, **kwargs) -> torch.Tensor:
     st: _EPState = self._hfpar_ep
+    if st.group is None and not grouped_linear_applies(hidden_states, self.gate_up_proj):
+        return st.base.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)   # e.g. moved to GPU
     N, k = top_k_index.shape[0], top_k_index.shape[-1]
     idx = top_k_index.reshape(-1)                                        # (N*k,)
     order = torch.argsort(idx, stable=True)                              # copies sorted by global expert
@@ -143,12 +172,18 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     x_sorted = hidden_states[order // k]                                 # (N*k, H)
 
     def local(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        if st.plain and grouped_linear_applies(x, self.gate_up_proj):
+            out = swiglu_experts(self, x, local_counts.tolist())                                         # (R, H)
+            return out if st.group is None else out + _in_graph(self, x)
         ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]   # (R, 1)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)                         # (R, 1)
         out = st.base.forward(self, x, ids, ones, *args, **kwargs)                                       # (R, H)
         return out + _in_graph(self, x)
 
-    y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)    # (N*k, H), unweighted
+    if st.group is None:                                                 # ep = 1: every expert is here
+        y_sorted = local(x_sorted, counts)                               # (N*k, H), unweighted
+    else:
+        y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)
     weighted = y_sorted * top_k_weights.reshape(-1)[order, None]        # promoted dtype, as transformers' grouped_mm
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
@@ -189,6 +224,8 @@ def _ep_class(cls: type, dense: bool) -> type:
 
 
 def _shard(x: HFExperts, ep_group) -> None:
+    if is_hf_experts_sharded(x.module):                                  # sped up at ep = 1 before: undo first
+        _unshard(x)
     m, ep = x.module, group_size(ep_group)
     count = x.E // ep
     start = group_rank(ep_group) * count
@@ -202,8 +239,14 @@ def _shard(x: HFExperts, ep_group) -> None:
     for a in attrs:
         setattr(m, a, count)
     base = type(m)
-    m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs})
+    m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs}, _plain_swiglu(m))
     m.__class__ = _ep_class(base, dense=_forward_args(m) == 1)
+
+
+def _speed_up(x: HFExperts) -> None:
+    m = x.module
+    m._hfpar_ep = _EPState(x.E, 0, x.E, None, type(m), {}, True)
+    m.__class__ = _ep_class(type(m), dense=False)
 
 
 def _unshard(x: HFExperts) -> None:
@@ -239,9 +282,12 @@ def _run(block: nn.Module, x: torch.Tensor, cot_seed: int, **kw) -> tuple[torch.
 
 
 def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> tuple[float, str]:
-    """Shards x (in place) and returns the worst relative difference to the unsharded block, over the EP group."""
+    """Shards x (in place) and returns the worst relative difference to the unsharded block, over the EP group.
+    ep_group None: this process alone, x sped up (ep = 1) instead of sharded."""
+    if is_hf_experts_sharded(x.module):                                  # compare with the HF forward itself
+        _unshard(x)
     w = next(x.module.parameters())
-    rank = group_rank(ep_group)
+    rank = group_rank(ep_group) if ep_group is not None else 0
     g = torch.Generator().manual_seed(1000 + rank)                       # different tokens on every rank
     inp = torch.randn(2, 8, hidden_size, generator=g).to(device=w.device, dtype=w.dtype).requires_grad_()
     kw = {}
@@ -249,17 +295,20 @@ def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> 
         kw["input_ids"] = torch.randint(0, vocab_size, (2, 8), generator=g).to(w.device)
     want_out, want = _run(x.block, inp, 7 + rank, **kw)
     prefix = x.path.rpartition(".")[2]
-    count, start = x.E // group_size(ep_group), rank * (x.E // group_size(ep_group))
+    count = x.E // group_size(ep_group) if ep_group is not None else x.E
+    start = rank * count
     for n, p in x.module.named_parameters(recurse=False):               # EP grads sum every rank's tokens; the
-        if p.requires_grad:                                              # same order on every rank (collectives)
+        if p.requires_grad and ep_group is not None:                     # same order on every rank (collectives)
             g = want.get(f"{prefix}.{n}")
             g = torch.zeros_like(p) if g is None else g
             want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start:start + count]
-    _shard(x, ep_group)
+    _shard(x, ep_group) if ep_group is not None else _speed_up(x)
     got_out, got = _run(x.block, inp, 7 + rank, **kw)
     scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])
     worst = max([(_rel(got_out, want_out), "output")] +
                 [(_rel(got.get(n), v, 1e-3 * scale), f"grad {n}") for n, v in want.items()])
+    if ep_group is None:
+        return worst
     every = all_reduce(torch.tensor([worst[0]], dtype=torch.float64, device=w.device), ep_group, op=dist.ReduceOp.MAX)
     return float(every[0]), worst[1]
 
@@ -293,3 +342,32 @@ def shard_hf_experts(found: list[HFExperts], ep_group, hidden_size: int, vocab_s
         for x in done:
             _unshard(x)
         raise
+
+
+def speed_up_hf_experts(found: list[HFExperts], hidden_size: int, vocab_size: int | None = None) -> list[str]:
+    """ep = 1: every found experts module of the plain SwiGLU layout, on CPU, runs hfpar's kernel (in place; the
+    first of each class after the equality check against its own forward, in this process alone). A module that
+    does not fit or fails the check keeps its HF forward (nothing is refused: this is speed only). Returns the
+    paths sped up."""
+    ok: dict[type, bool] = {}
+    done = []
+    for x in found:
+        m, cls = x.module, type(x.module)
+        if is_hf_experts_sharded(m) or not _plain_swiglu(m) or next(m.parameters()).device.type != "cpu":
+            continue
+        if cls not in ok:
+            wide = next(m.parameters()).dtype in (torch.float32, torch.float64)
+            try:
+                rel, _ = _check(x, None, hidden_size, vocab_size)
+                ok[cls] = rel <= (1e-4 if wide else 5e-2)
+            except Exception:                                            # noqa: BLE001 - any failure: keep HF's
+                ok[cls] = False
+            if not ok[cls] and is_hf_experts_sharded(m):
+                _unshard(x)
+            if ok[cls]:
+                done.append(x.path)
+            continue
+        if ok[cls]:
+            _speed_up(x)
+            done.append(x.path)
+    return done

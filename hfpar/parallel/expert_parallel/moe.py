@@ -17,7 +17,7 @@ Forward of MoELayer, N = B*T tokens, k copies each:
     [capacity]      drop copies past `capacity` per expert, in global token order
     dispatch (ep>1) expert e lives on EP rank e // (E/ep); all-to-all the counts (E,), then
                     all-to-all the tokens with uneven splits; re-sort the received rows by local expert
-    experts         one grouped matmul per projection over the local experts
+    experts         one grouped matmul per projection over the local experts (CPU: kernels.py)
     combine         inverse of the above, weighted sum of the k copies (in the input dtype) [+ shared expert]
 Only routed token copies travel; ep size 1 means no communication at all.
 
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ..comm import all_gather, all_to_all_single_autograd, group_rank, group_size
 from ..sharding import ShardSpec, set_shard_spec
+from .kernels import grouped_linear, grouped_linear_applies
 from .router import AuxLossBackprop, TopKRouter, current_token_mask, moe_token_mask, set_aux_loss_grad_scale
 
 __all__ = ["TopKRouter", "GroupedExperts", "MoELayer", "dispatch_rows", "AuxLossBackprop", "set_aux_loss_grad_scale",
@@ -90,7 +91,8 @@ class GroupedExperts(nn.Module):
 
     forward(x_sorted (N, H), tokens_per_expert (E,)) -> (N, H); rows of x_sorted are grouped by expert
     in expert order (tokens_per_expert[e] rows for expert e, zeros allowed).
-    `backend`: "auto" (torch grouped_mm on CUDA sm90+ bf16 and on CPU fp32, else the per-expert loop), "grouped_mm", "loop".
+    `backend`: "auto" (CPU: kernels.grouped_linear, the hand-written backward; CUDA: torch grouped_mm on sm90+ bf16,
+    else the per-expert loop), "grouped_linear", "grouped_mm", "loop".
     """
 
     backend: str = "auto"
@@ -121,6 +123,8 @@ class GroupedExperts(nn.Module):
         if tokens_per_expert.numel() != self.num_experts:
             raise ValueError(f"GroupedExperts: {tokens_per_expert.numel()} counts for {self.num_experts} experts")
         mode = self.backend
+        if mode == "grouped_linear" or (mode == "auto" and grouped_linear_applies(x, self.gate_up_proj)):
+            return self._forward_cpu(x, tokens_per_expert.tolist())
         fused = mode == "grouped_mm" or (mode == "auto" and _grouped_mm_supported(x, self.gate_up_proj))
         counts = [] if fused else tokens_per_expert.tolist()
         offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32) if fused else None
@@ -128,6 +132,19 @@ class GroupedExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)                                     # (N, I) each
         h = self.act_fn(gate) * up                                              # (N, I)
         return _grouped_linear(h, self.down_proj, counts, offs, fused)          # (N, H)
+
+    def _forward_cpu(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """CPU: kernels.grouped_linear (its docstring says why it beats torch's grouped_mm there)."""
+        return swiglu_experts(self, x, counts)
+
+
+def swiglu_experts(m: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x (M, H) sorted by expert (counts[e] rows each) -> act(x W_g^T) * (x W_u^T) @ W_d^T, (M, H), on CPU, with
+    m's gate_up_proj (E, 2I, H), down_proj (E, H, I), act_fn; m keeps the weight-gradient buffers (kernels.py).
+    Also what hf_experts.py runs for transformers' experts modules of this layout."""
+    cache = m.__dict__.setdefault("_grad_buffers", {})                    # not state: no parameter, no buffer
+    gate, up = grouped_linear(x, m.gate_up_proj, counts, cache).chunk(2, dim=-1)   # (M, I) each
+    return grouped_linear(m.act_fn(gate) * up, m.down_proj, counts, cache)         # (M, H)
 
 
 # ----------------------------------------------------------------------------- the MoE layer
