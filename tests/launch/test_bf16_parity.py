@@ -3,13 +3,15 @@ bf16 run, per step, under tolerances measured here (fp32 parity is exact to 1e-4
 
     python -m pytest -q -s -p no:cacheprovider tests/launch/test_bf16_parity.py      # -s prints the measured differences
 
-8 steps, global batch 8 (the fp32 suites' settings), `--mixed_precision bf16` on the launcher: DDP, FSDP2, ZeRO-1/2/3,
-TP=2 (over DDP, hfpar's FSDP2 wrap, ZeRO-1 and ZeRO-2), CP=2 (ring and Ulysses), PP=2 (1F1B) on 2 processes and TP=2 x
-dp=2 (DDP, FSDP2) and PP=2 x FSDP2 dp=2 on 4 processes against single; EP=2 of an upcycled 4-expert model (over DDP,
-FSDP2, ZeRO-1, where DeepSpeed runs its BF16_Optimizer, and ZeRO-2) and EP=2 x TP=2 on 4 processes (DDP, FSDP2,
-ZeRO-1, ZeRO-2) against the same model in one process (on demand, EXTRA: EP=2 x PP=2, 1F1B over DDP and interleaved
-over FSDP2; EP=2 x CP=2, ring over DDP and Ulysses over FSDP2); LoRA over DDP, FSDP2, ZeRO-1/2/3 and PP=2 against
-single LoRA; TP=2 x CP=2 and PP=2 x TP=2 (SP) on 4 processes against single.
+8 steps, global batch 8 (the fp32 suites' settings), `--mixed_precision bf16` on the launcher. CASES (the suite):
+DDP, FSDP2, ZeRO-2/3, TP=2 (over DDP and hfpar's FSDP2 wrap), CP=2 ring, PP=2 (1F1B) against single; EP=2 of an
+upcycled 4-expert model (over DDP, FSDP2, ZeRO-1 where DeepSpeed runs its BF16_Optimizer, and ZeRO-2) against the
+same model in one process; LoRA over FSDP2 against single LoRA. EXTRA (on demand, measured once each; several were
+in CASES until 2026-11-26 and moved for the CI time budget): ZeRO-1, TP=2 over ZeRO-1 / ZeRO-2, CP=2 Ulysses, TP=2 x
+dp=2 (DDP, FSDP2) and PP=2 x FSDP2 dp=2 on 4 processes against single; EP=2 x TP=2 on 4 processes (DDP, FSDP2,
+ZeRO-1, ZeRO-2), EP=2 x PP=2 (1F1B over DDP, interleaved over FSDP2), EP=2 x CP=2 (ring over DDP, Ulysses over
+FSDP2) against the MoE one; LoRA over DDP, ZeRO-1/2/3 and PP=2 against single LoRA; TP=2 x CP=2 and PP=2 x TP=2 (SP)
+on 4 processes against single.
 bf16 rounds the matmuls differently when the work is split differently (TP halves the
 reduction dimension of row-parallel layers, CP and PP change the accumulation order, DDP / FSDP2 / ZeRO reduce
 bf16-autocast results computed on half the rows), so the runs drift apart step by step; LOSS_TOL and NORM_TOL bound
@@ -42,34 +44,34 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags,
     "tp2": ("ddp", 2, "4", ["--tp_size", "2"], "single"),
     "cp2": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"], "single"),
     "pp2": ("ddp", 2, "4", ["--pp_size", "2"], "single"),
-    # autocast around each micro-batch's forward only: FSDP2's re-gathered weights must not share one autocast cache
-    "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single"),
     "single_moe": ("single", 1, "4", MOE, None),
     "ep2": ("ddp", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     "zero3": ("zero3", 2, "2", [], "single"),
-    "cp2_ulysses": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"], "single"),
     # hfpar's own FSDP2 wrap (dp = 1 here: the config's bf16 policy still casts the gathered weights)
     "tp2_fsdp2": ("fsdp2", 2, "4", ["--tp_size", "2"], "single"),
     "ep2_fsdp2": ("fsdp2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     # bf16 + ZeRO-1 with fp32 grad accumulation: DeepSpeed's BF16_Optimizer (zero1.yaml runs its ZeRO optimizer)
     "ep2_zero1": ("zero1_fp32_accum", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
-    "zero1": ("zero1", 2, "2", [], "single"),
-    # TP over DeepSpeed (hfpar's mpu; dp = 1 on 2 processes)
-    "tp2_zero2": ("zero2", 2, "4", ["--tp_size", "2"], "single"),
     # LoRA (dropout 0: its masks depend on how a batch is split over ranks) against its own single bf16 run
     "single_lora": ("single", 1, "4", LORA, None),
-    "lora_ddp": ("ddp", 2, "2", LORA, "single_lora"),
-    "tp2_zero1": ("zero1", 2, "4", ["--tp_size", "2"], "single"),
     "ep2_zero2": ("zero2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     "lora_fsdp2": ("fsdp2", 2, "2", LORA, "single_lora"),
-    "lora_zero2": ("zero2", 2, "2", LORA, "single_lora"),
-    # 4 processes, dp = 2 beside tp = 2: hfpar's FSDP2 wrap really shards over two replicas
-    "tp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"], "single"),
 }
 # More compositions, measured once (below) and run on demand (HFPAR_BF16_CASES=all or by name), not by default:
 # each launch costs 40-90 s on 2 cores, and their backends are those of CASES above (their fp32 parity is in
 # the other suites).
 EXTRA = {
+    # in CASES until 2026-11-26, moved here for the CI time budget (their figures below; measured again then)
+    # autocast around each micro-batch's forward only: FSDP2's re-gathered weights must not share one autocast cache
+    "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single"),
+    "cp2_ulysses": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"], "single"),
+    "zero1": ("zero1", 2, "2", [], "single"),
+    # TP over DeepSpeed (hfpar's mpu; dp = 1 on 2 processes)
+    "tp2_zero2": ("zero2", 2, "4", ["--tp_size", "2"], "single"),
+    "lora_ddp": ("ddp", 2, "2", LORA, "single_lora"),
+    "tp2_zero1": ("zero1", 2, "4", ["--tp_size", "2"], "single"),
+    "lora_zero2": ("zero2", 2, "2", LORA, "single_lora"),
+    "tp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"], "single"),
     "lora_zero1": ("zero1", 2, "2", LORA, "single_lora"),
     "lora_zero3": ("zero3", 2, "2", LORA, "single_lora"),
     # 4 processes, dp = 2 beside tp = 2 over DDP

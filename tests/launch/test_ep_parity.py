@@ -1,13 +1,13 @@
 """Expert parallelism end to end (`--upcycle_experts 4 --ep_size 2` through the sft recipe).
 
-fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained
-with EP=2 on 2 and on 4 processes (DDP for the rest), with EP=2 under FSDP2 / ZeRO, and with EP=2 + activation
-checkpointing (MoE layers recomputed in backward: same token masks, aux-loss gradient once) on 2 processes, and
-EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on both TP ranks, experts split over EP)
-under DDP, FSDP2, ZeRO-1 and ZeRO-2 (ZeRO-3: on demand, -m extended), EP=2 under ZeRO-3 on 4 processes (each
-rank's experts partitioned over the 2 ranks holding the same ones, the dense parameters over all 4), and EP=2 x
-CP=2 (EP drawn from the cp ranks: ring over DDP, Ulysses over FSDP2; on demand, -m extended: the other two, dp 2 x
-cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2, dp 2 x cp 2 and TP x EP x CP under ZeRO-3) must match the same upcycled model
+fp32, 8 steps, global batch 8: a tiny Llama upcycled to 4 experts (top-2, aux loss 0.01) trained with EP=2 on 2
+processes under DDP, FSDP2 and ZeRO-1, EP=2 x TP=2 on 4 processes (attention tensor-parallel, MoE blocks whole on
+both TP ranks, experts split over EP), EP=2 under ZeRO-3 on 4 processes (each rank's experts partitioned over the 2
+ranks holding the same ones, the dense parameters over all 4), and EP=2 x CP=2 (EP drawn from the cp ranks: ring
+over DDP, Ulysses over FSDP2); on demand (-m extended: moved out of CI for its time budget on 2026-11-26, or never
+in it): EP=2 on 4 processes under DDP and ZeRO-2, EP=2 + activation checkpointing, EP=2 x TP=2 under FSDP2, ZeRO-1,
+ZeRO-2 and ZeRO-3, the other EP x CP cases (Ulysses / DDP, ring / FSDP2, dp 2 x cp 2, TP x EP x CP, ZeRO-1 / ZeRO-2,
+ZeRO-3 at dp 2 x cp 2 and with TP) must match the same upcycled model
 trained in one process, per step (loss, grad_norm: the aux-loss gradient included) and in the exported weights,
 which are written as a Mixtral checkpoint that from_pretrained loads; resume with EP, and ep 2 -> ep 1 on one
 process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals.
@@ -38,12 +38,9 @@ EP_RESUMED = ("ep2", "ep2_fsdp2", "ep2_zero1")   # resumed from checkpoint-4 in 
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
-            "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
-            "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+            "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]), "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]),
             "ep2_zero3_dp4": ("zero3", 4, "1", ["--ep_size", "2"]),
-            "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
-            **{f"ep2_tp2{'' if c == 'ddp' else '_' + c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"])
-               for c in ("ddp", "fsdp2", "zero1", "zero2")},
+            "ep2_tp2": ("ddp", 4, "2", ["--ep_size", "2", "--tp_size", "2"]),
             **EP_CP}
     return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE], resume=EP_RESUMED)}
 
@@ -59,7 +56,11 @@ EP_CP = {"ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
 # replica), TP x EP x CP, ZeRO-1 / ZeRO-2, ZeRO-3 at dp 2 x cp 2 (each rank's experts partitioned over the 2 ranks
 # holding the same ones: the same cp rank of the other dp replica; the dense parameters over all 4) and TP x EP x CP
 # under ZeRO-3 (dp 1: the dense TP shards partitioned over the cp ranks of their TP rank)
-EP_CP_EXTENDED = {"ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+EP_CP_EXTENDED = {  # with the EP cases moved out of CI on 2026-11-26 (its time budget; each passed there before)
+                  "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+                  "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
+                  **{f"ep2_tp2_{c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"]) for c in ("fsdp2", "zero1", "zero2")},
+                  "ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
                   "ep2_cp2_ring_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
                   "ep2_cp2_dp2_fsdp2": ("fsdp2", 4, "2", [*_EPCP, "--cp_mode", "ulysses"]),
                   "ep2_tp2_cp2": ("ddp", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ring"]),
@@ -68,9 +69,7 @@ EP_CP_EXTENDED = {"ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulys
                   "ep2_cp2_dp2_zero3": ("zero3", 4, "2", [*_EPCP, "--cp_mode", "ring"]),
                   "ep2_tp2_cp2_zero3": ("zero3", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ulysses"])}
 
-CASES = ["ddp_ep1", "ep2", "ep2_dp4", "ep2_fsdp2", "ep2_zero1", "ep2_zero2_dp4", "ep2_zero3_dp4", "ep2_checkpointing",
-         "ep2_tp2",
-         "ep2_tp2_fsdp2", "ep2_tp2_zero1", "ep2_tp2_zero2"]
+CASES = ["ddp_ep1", "ep2", "ep2_fsdp2", "ep2_zero1", "ep2_zero3_dp4", "ep2_tp2"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -98,14 +98,20 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
     # all four: each stage tensor-parallel, experts drawn from its 2 cp ranks (8 processes)
     "tp2_ep2_cp2_pp2": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
                                         "--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"]),
-    # two of the keys under the pipeline ZeRO-1 backend (8 processes): TP (sequence parallel) x CP ring, and TP x EP
-    # at dp 2 (TP tags and experts beside DeepSpeed together)
+    # the keys under the pipeline ZeRO-1 backend: TP (sequence parallel) x CP ring, TP x EP at dp 2 (TP tags and
+    # experts beside DeepSpeed together), experts drawn from the 2 cp ranks (DeepSpeed's dp group: the replica's
+    # dp x cp ranks, holding different experts), and all four (8 processes but the third, 4); micro-batches of 2 rows
+    # where dp is 1, as moe_single's routing statistics
     "tp2_cp2_pp2_sp_zero1": ("zero1", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel",
                                                "--cp_size", "2", "--cp_mode", "ring"]),
     "tp2_ep2_pp2_zero1": ("zero1", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
+    "ep2_cp2_pp2_zero1": ("zero1", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
+                                            "--pp_size", "2", "--pp_microbatches", "2"]),
+    "tp2_ep2_cp2_pp2_zero1": ("zero1", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2",
+                                                "--cp_mode", "ring", "--pp_size", "2", "--pp_microbatches", "2"]),
 }
 MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses_interleaved", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2",
-         "tp2_cp2_pp2_sp_zero1", "tp2_ep2_pp2_zero1"]
+         "tp2_cp2_pp2_sp_zero1", "tp2_ep2_pp2_zero1", "ep2_cp2_pp2_zero1", "tp2_ep2_cp2_pp2_zero1"]
 
 
 RESUMED = ("pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp")   # resumed in the cases' launches
