@@ -34,10 +34,6 @@ _FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
 _PP_MULTI = ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")   # a pipeline with two or three others
-_PP_EP_CP_ZERO1 = ("a pipeline with experts drawn from the cp ranks under DeepSpeed ZeRO-1 is refused: measured "
-                   "against the one-process run it is not exact (EP=2 x CP=2 x PP=2: loss 1.7e-3, grad norm 2.6e-2 "
-                   "off; the experts' reduction beside DeepSpeed's replica group, unresolved); use ddp.yaml or "
-                   "fsdp2.yaml, which are exact there")
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     **{(s, "none"): AccelerateBackend for s in STRATEGIES},
@@ -82,10 +78,10 @@ SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
     ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,
     # a pipeline with two or three other model parallelisms: each stage tensor-parallel and / or expert-parallel
     # (experts drawn from its dp x cp ranks) and / or context-parallel, each as in the pairs above; ZeRO-1 as in its
-    # TP x PP and EP x PP pairs (pipeline_zero.py takes whatever groups a stage has), except with EP x CP
+    # TP x PP and EP x PP pairs (pipeline_zero.py takes whatever groups a stage has)
     **{(s, k): cls for k in _PP_MULTI for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP),
                                                       ("fsdp2", PipelineFSDP2), ("fsdp1", _FSDP1),
-                                                      ("zero1", _PP_EP_CP_ZERO1 if "ep+cp" in k else PipelineZeRO1),
+                                                      ("zero1", PipelineZeRO1),
                                                       ("zero2", _PP_ZERO),
                                                       ("zero3", _PP_ZERO))},
 }

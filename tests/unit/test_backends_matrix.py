@@ -44,8 +44,8 @@ SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
              ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
              ("zero1", "cp+pp"): PipelineZeRO1,
              **{(s, k): cls for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
-                for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP), ("fsdp2", PipelineFSDP2))},
-             ("zero1", "tp+ep+pp"): PipelineZeRO1, ("zero1", "tp+cp+pp"): PipelineZeRO1}
+                for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP), ("fsdp2", PipelineFSDP2),
+                               ("zero1", PipelineZeRO1))}}
 PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
          "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp"),
          "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp"), "tp+ep+pp": ("tp", "ep", "pp"), "tp+cp+pp": ("tp", "cp", "pp"),
@@ -70,9 +70,7 @@ REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp
            **{(s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
               for s in ("zero2", "zero3") for k in ("tp+pp", "ep+pp", "cp+pp", "tp+ep+pp", "tp+cp+pp", "ep+cp+pp",
                                                    "tp+ep+cp+pp")},
-           **{("fsdp1", k): ["FSDP1 is not supported"] for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")},
-           **{("zero1", k): ["experts drawn from the cp ranks under DeepSpeed ZeRO-1", "not exact", "use ddp.yaml"]
-              for k in ("ep+cp+pp", "tp+ep+cp+pp")}}
+           **{("fsdp1", k): ["FSDP1 is not supported"] for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")}}
 
 
 def test_every_pair_has_an_entry():
