@@ -30,7 +30,9 @@ STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single dd
 PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp",
                 "tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
 
-_FSDP1 = "FSDP1 is not supported with hfpar's model parallelism; use fsdp2.yaml"
+_FSDP1 = ("FSDP1 is not supported with hfpar's model parallelism: FSDP1 flattens each wrapped unit's parameters into "
+          "one FlatParameter, while hfpar's shards are per parameter (TP / EP shards with their own groups, as FSDP2's "
+          "DTensors are); use fsdp2.yaml")
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
 _PP_MULTI = ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")   # a pipeline with two or three others
