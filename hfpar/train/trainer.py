@@ -45,7 +45,7 @@ def attention_kernels(device: torch.device):
     cuDNN's on recent GPUs, and cuDNN builds an execution plan for every new (rows, length, mask) shape: hfpar's
     padding-free and packed-pair batches change shape from step to step, and each new shape cost 2.3-3.9 s
     (measured: an H200, torch 2.11, bf16, the DPO benchmark's packed rows, where the memory-efficient kernel took
-    76 ms a step; benchmarks/results/gpu/dpo_cuda.md). CPU: SDPA's own choice."""
+    76 ms a step; benchmarks/results/gpu/logs/dpo_cudnn_diag.log). CPU: SDPA's own choice."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
