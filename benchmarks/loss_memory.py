@@ -5,7 +5,7 @@
 For each vocabulary V and token count N: hidden states (N, H) and an LM head (V, H) in fp32, one forward +
 backward of the summed cross-entropy (5% of the targets ignored), either
   unchunked   F.linear -> F.cross_entropy (what transformers' loss and hfpar's --loss_chunk_size 0 do)
-  chunked     hfpar.train.chunked_loss.chunked_linear_cross_entropy with the default chunk (~64M logits)
+  chunked     hfpar.parallel.chunked_loss.chunked_linear_cross_entropy with the default chunk (~64M logits)
 each case in a fresh process: peak resident memory above the inputs (ru_maxrss after building them), and the
 median seconds of 3 timed repetitions after a warm-up; the modes alternate so that machine load falls on both.
 CPU has no allocator statistics, hence RSS; the inputs, the weight and its gradient are common to both modes.
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-from hfpar.train.chunked_loss import chunked_linear_cross_entropy  # noqa: E402
+from hfpar.parallel.chunked_loss import chunked_linear_cross_entropy  # noqa: E402
 from hfpar.observe.plot import human_bytes  # noqa: E402
 
 H = 128

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hfpar.train.chunked_loss import chunkable, install_chunked_loss
-from hfpar.loading.sharded import is_meta
 from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
+from hfpar.loading.sharded import is_meta
+from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, has_moe_blocks,
                                             set_aux_loss_grad_scale, upcycle_to_moe)
@@ -78,7 +78,7 @@ def apply_moe(model, args, ctx) -> str | None:
 
 
 def chunk_loss(model, args, ctx):
-    """The chunked LM head + cross-entropy (hfpar.train.chunked_loss), after TP (its head may be vocab-parallel) and
+    """The chunked LM head + cross-entropy (hfpar.parallel.chunked_loss), after TP (its head may be vocab-parallel) and
     before the data-parallel wrap; unset = where exact; returns the chunk (tokens, "auto") or 0 when off."""
     if args.loss_chunk_size == 0 or ctx.pp > 1:  # the pipeline's last stage computes its loss from logits
         return 0

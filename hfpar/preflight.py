@@ -27,7 +27,7 @@ from hfpar.backends import resolve_strategy, select_backend
 from hfpar.backends.reshard import resume_mode
 from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
-from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
+from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.parallel.context_parallel.probe import cp_attention_problems

@@ -13,9 +13,10 @@ import json
 from accelerate.utils import fsdp_utils
 
 from hfpar.distributed import swapped
-from hfpar.train.optim import build_optimizer
+from hfpar.loading.sharded import fsdp2_loader
 
 from .base import Backend, accelerate_clip
+from .optim import build_optimizer
 from .reshard import load_full_state_zero
 from .strategies import strategy_of
 from .zero import EngineSteps, skip_refusal
@@ -81,9 +82,6 @@ class AccelerateBackend(Backend):
         """Accelerate's cpu_ram_efficient_loading path (fully_shard on meta, then a sharded state dict assigned,
         non-persistent buffers re-registered, weights re-tied), with its rank-0 load + broadcast replaced by
         hfpar.loading.sharded's reader: every rank reads only its own dim-0 shards from the files."""
-        # here, not at the top: the backends are imported by the preflight, which a refusal must pass quickly
-        from hfpar.loading.sharded import fsdp2_loader  # noqa: PLC0415
-
         plugin = self.acc.state.fsdp_plugin
         # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which
         # is 0 for every meta tensor: its groups are rebuilt from the wrapped model (same order: same module tree)

@@ -30,9 +30,9 @@ from hfpar.config import ConfigError
 from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
-from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip, hfpar_reduced
+from .optim import build_optimizer
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu, skip_refusal
 
 

@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import full_state_dict, partial_grad_hooks, shard_spec
-from hfpar.train.optim import build_optimizer
 
 from .base import Backend, hfpar_reduced
 from .mp_deepspeed import ModelParallelDeepSpeed
+from .optim import build_optimizer
 from .zero import DeepSpeedMPU, deepspeed_with_mpu, skip_refusal
 
 EXPERT_FAMILY = "autoep_expert"  # DeepSpeed's placement family of expert shards (stage3.py, engine.py)

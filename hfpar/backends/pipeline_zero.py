@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from hfpar.parallel.groups import new_groups
 from hfpar.parallel.sharding import sync_partial_grads
-from hfpar.train.optim import build_optimizer
 
 from .mp_deepspeed import ExpertsBesideZeRO
+from .optim import build_optimizer
 from .pipeline import PipelineBackend
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 

@@ -8,7 +8,7 @@ of each rank as hfpar loads the model.
 ModelStats: a model's parameter statistics, from its config built on the meta device (model_stats).
 
 Output layer. Unchunked (--loss_chunk_size 0, or where the recipe leaves it off): 4*s*b*v/t, the fp32 logits
-(Korthikanti et al. 2022). Chunked (hfpar.train.chunked_loss, on by default for the model types in its FAMILIES, off
+(Korthikanti et al. 2022). Chunked (hfpar.parallel.chunked_loss, on by default for the model types in its FAMILIES, off
 with pipeline parallelism): the head's forward runs the whole loss at once and keeps, beyond the body's
 activations:
   grad_h          the precomputed gradient of the head's input, N x H fp32 (hfpar's fp32 master weights keep the
@@ -46,8 +46,8 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfpar.train.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
 from hfpar.loading.sharded import loading_mode
+from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
 
 # Resident memory of a recipe process before it loads a model: python + torch + transformers + accelerate +
 # hfpar's recipe stack. Measured (torch 2.13 CPU, transformers 5.23, accelerate 1.15; 445.3 and 445.1 MiB):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfpar.backends.strategies import PLANNED, STRATEGY
-from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
+from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.context import ParallelContext
 from hfpar.plan.memory import (HOST_OVERHEAD, ModelStats, PlanError, state_bytes_per_param, activation_bytes, chunk_tokens, host_ram_bytes,  # noqa: F401
                                model_stats)  # activation_bytes: re-exported (hfpar.plan.planner's API)

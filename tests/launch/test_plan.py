@@ -16,7 +16,7 @@ from transformers import Gemma2Config, LlamaConfig
 
 from hfpar import data
 from hfpar.cli import main as cli
-from hfpar.train.chunked_loss import LOGITS_PER_CHUNK
+from hfpar.parallel.chunked_loss import LOGITS_PER_CHUNK
 from hfpar.plan.planner import Candidate, estimate, launch_command, model_stats, plan, PlanError, _pp_worst
 from hfpar.plan.memory import HOST_OVERHEAD, activation_bytes
 from tests.helpers.launch import read_run_info
