@@ -98,9 +98,8 @@ def first_line(exc: BaseException) -> str:
 
 def _dcp_refusal(exc: CheckpointException, where) -> CheckpointError:
     """DCP wraps each rank's failure (ours included) in a CheckpointException holding tracebacks: one line of it."""
-    text = str(exc)
-    ours = [x.split("CheckpointError: ", 1)[1] for x in text.splitlines() if "CheckpointError: " in x]
-    detail = ours[-1] if ours else first_line(exc)
+    ours = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointError)]   # {rank: (exception, trace)}
+    detail = first_line(ours[-1] if ours else exc)
     return CheckpointError(f"{where}: a torch.distributed.checkpoint shard refused: {detail[:240]}")
 
 

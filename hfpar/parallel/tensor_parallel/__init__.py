@@ -15,7 +15,7 @@
 from .apply import (apply_tensor_parallel, clip_tp_grad_norm_, gather_full_state_dict, sequence_parallel_grad_hooks,
                     sync_sequence_parallel_grads, tp_grad_norm)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D
-from .derived import derive_plan, derived_plan_problem
+from .derived import derive_plan, derived_plan_problem, derived_plan_refusal
 from .hf_loss import VocabParallelCausalLMLoss, full_vocab_logits, gather_vocab_logits
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards, shard_tensor,
                      tp_sharded_parameters)
@@ -26,4 +26,4 @@ __all__ = ["apply_tensor_parallel", "clip_tp_grad_norm_", "gather_full_state_dic
            "sync_sequence_parallel_grads", "tp_grad_norm", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ColumnParallelConv1D", "RowParallelConv1D", "gather_shards", "shard_tensor",
            "tp_sharded_parameters", "vocab_parallel_cross_entropy", "VocabParallelCausalLMLoss", "gather_vocab_logits",
-           "full_vocab_logits", "get_plan", "derive_plan", "derived_plan_problem"]
+           "full_vocab_logits", "get_plan", "derive_plan", "derived_plan_problem", "derived_plan_refusal"]

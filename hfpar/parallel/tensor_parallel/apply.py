@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import all_reduce, group_rank, group_size
+from ..errors import ParallelError
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
                         shard_spec, shard_tensor, sync_partial_grads)
@@ -94,9 +95,10 @@ def _check_replicated(model: nn.Module, group) -> None:
     bad = (~torch.isclose(hi, lo, rtol=1e-9, atol=0.0, equal_nan=True)).any(dim=1).tolist()
     names = [n for (n, _), b in zip(named, bad) if b]
     if names:
-        raise ValueError(f"apply_tensor_parallel: the full weights differ across the ranks of the TP group "
-                         f"(every rank must load the same model: same checkpoint, or the same seed before "
-                         f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        raise ParallelError("apply_tensor_parallel", [
+            f"the full weights differ across the ranks of the TP group "
+            f"(every rank must load the same model: same checkpoint, or the same seed before "
+            f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"])
 
 
 # ----------------------------------------------------------------------------- apply
@@ -131,19 +133,20 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         tp_group = dist.group.WORLD   # named: ShardSpecs with group None are skipped by export and grad norm
     tp = group_size(tp_group)
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
-        raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
+        raise ParallelError("apply_tensor_parallel", ["the model is already tensor-parallel"])
     if tp == 1:   # nothing to shard; logits stay full
         return model
     config = getattr(model, "config", None)
     moe = moe_block_names(model)
     if moe and sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
-                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+            "whole on every TP rank and route the full sequence; use TP without sequence_parallel"])
     optional: tuple[str, ...] = ()
     derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
-            raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
+            raise ParallelError("apply_tensor_parallel", ["the model has no config.model_type; pass plan="])
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
         elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(model,
@@ -175,13 +178,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a vocab-parallel LM head to gather the "
-                         f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
-                         "--sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel needs a vocab-parallel LM head to gather the "
+            f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
+            "--sequence_parallel"])
     unpadded = getattr(config, "unpadded_vocab_size", None)
     if lm_head and isinstance(unpadded, int) and unpadded < model.get_output_embeddings().out_features:
-        raise ValueError(f"apply_tensor_parallel: config.unpadded_vocab_size {unpadded} (the forward slices the "
-                         "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'")
+        raise ParallelError("apply_tensor_parallel", [
+            f"config.unpadded_vocab_size {unpadded} (the forward slices the "
+            "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'"])
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -286,16 +291,25 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
     return new_modules
 
 
+def _without_own_name(refusal: ValueError | None) -> str:
+    """A candidate's refusal inside apply_tensor_parallel's own message: without the `apply_tensor_parallel: ` it
+    would repeat (a refusal with another `where`, e.g. `apply_tensor_parallel (tp_size 2)`, keeps its own)."""
+    if isinstance(refusal, ParallelError) and refusal.where == "apply_tensor_parallel":
+        return refusal.detail
+    return "" if refusal is None else str(refusal)
+
+
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
     """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
     mt = config.model_type
     candidates = infer_plans(model)
     if not candidates:
-        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan and no usable "
-                         f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}")
+        raise ParallelError("apply_tensor_parallel", [
+            f"model_type {mt!r} has no hfpar plan and no usable "
+            f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}"])
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and out.weight is inp.weight
-    why = ""
+    last: ValueError | None = None
     checked = False
     for plan in candidates:
         try:
@@ -304,7 +318,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
             validate_degrees(model, matched, config, tp, sequence_parallel, tied)
         except ValueError as e:
-            why = str(e)
+            last = e
             continue
         if verify_weights and not checked:
             _check_replicated(model, tp_group)
@@ -315,13 +329,14 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
                                                             tp_group, sequence_parallel=sequence_parallel,
                                                             model_type=mt, probe_meta=True)
         except ValueError as e:
-            why = str(e)
+            last = e
             continue
         warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
                       "verified on its first block", stacklevel=3)
         return plan
-    raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
-                     f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+    raise ParallelError("apply_tensor_parallel", [
+        f"no sound tensor-parallel plan could be inferred for model_type {mt!r} "
+        f"({len(candidates)} candidate(s); last: {_without_own_name(last)})"])
 
 
 def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:

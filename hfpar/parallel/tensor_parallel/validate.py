@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ParallelError
 from .conv1d import is_conv1d
 from .norms import rmsnorm_problem
 from .plans import PARAM_STYLES, compile_pattern, packed_splits
@@ -37,7 +38,7 @@ class _Problems:
             return
         lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
                  for (pat, what), w in self.items.items()]
-        raise ValueError(f"apply_tensor_parallel (tp_size {tp}): " + "; ".join(lines))   # one line
+        raise ParallelError(f"apply_tensor_parallel (tp_size {tp})", lines)   # one line
 
 
 def moe_block_names(model: nn.Module) -> list[str]:
@@ -75,16 +76,17 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
         found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)
                  and (s in PARAM_STYLES) == (name in params)]
         if len(found) > 1:
-            raise ValueError(f"apply_tensor_parallel: module {name} matches several plan entries {found}")
+            raise ParallelError("apply_tensor_parallel", [f"module {name} matches several plan entries {found}"])
         if found:
             hits[found[0][0]] += 1
             if not any(name == b or name.startswith(b + ".") for b in moe):
                 out[name] = (found[0][1], found[0][0])
     missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
     if missing and not allow_unmatched:
-        raise ValueError(f"apply_tensor_parallel: plan pattern(s) {missing} match no module of "
-                         f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
-                         f"unwrapped); pass plan= for other layouts")
+        raise ParallelError("apply_tensor_parallel", [
+            f"plan pattern(s) {missing} match no module of "
+            f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
+            f"unwrapped); pass plan= for other layouts"])
     return out
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
+from ..errors import ParallelError
 from ..sharding import ShardSpec, gather_shards, partial_grad_hooks, shard_spec
 from .validate import REGIONS
 
@@ -242,10 +243,11 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
         out.backward(cot)
     except Exception as e:
         where = f"{name}.{stack[-1]}" if stack and stack[-1] else name
-        raise ValueError(f"apply_tensor_parallel: the tensor-parallel plan for model_type {model_type!r} breaks "
-                         f"{where} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}; its plan "
-                         f"entry: {_entry(assigned, where)}); the model is left unsharded; pass "
-                         "plan={module pattern: style} or run without tensor parallelism") from e
+        raise ParallelError("apply_tensor_parallel", [
+            f"the tensor-parallel plan for model_type {model_type!r} breaks "
+            f"{where} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}; its plan "
+            f"entry: {_entry(assigned, where)}); the model is left unsharded; pass "
+            "plan={module pattern: style} or run without tensor parallelism"]) from e
 
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
         (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, g_in)]
@@ -270,10 +272,11 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
                           and not _rel_err(t, seen_ref[n]) <= tol), "")
             module = f"{name}.{first}" if first else name
         entry = _entry(assigned, module)
-        raise ValueError(f"apply_tensor_parallel: the tensor-parallel plan for model_type {model_type!r} does not "
-                         f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
-                         f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
-                         f"plan={{module pattern: style}} or run without tensor parallelism")
+        raise ParallelError("apply_tensor_parallel", [
+            f"the tensor-parallel plan for model_type {model_type!r} does not "
+            f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
+            f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
+            f"plan={{module pattern: style}} or run without tensor parallelism"])
     return max(errs.tolist(), default=0.0)
 
 
