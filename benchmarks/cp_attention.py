@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: 
         out.backward(torch.ones_like(out))
 
     if memory:
-        step()                                                          # warm-up (plans cached on rows)
+        step()                                                          # warm-up (kernel calls cached on rows)
         dist.barrier(group)
         return {"peak_bytes": _peak_bytes(step)}
     best, base, cpu, base_cpu = (float("inf"),) * 4

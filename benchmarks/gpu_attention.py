@@ -24,7 +24,7 @@ measures the whole ring, communication included, on CPU ranks).
      varlen          torch.nn.attention.varlen.varlen_attn on the packed row's documents (if importable)
    on a single-document row and on packed rows: "packed" (documents of T/8 .. 3T/8 tokens, as
    benchmarks/context_parallel.py) and "packed_1k" (documents of 256 .. 1792 tokens). Peak memory: bytes allocated
-   beyond the inputs during the call. The kernel-call plans are cached per batch (RowLayout.plans) and reused by
+   beyond the inputs during the call. The kernel calls are cached per batch (RowLayout.cache) and reused by
    every layer, so they are built in the warm-up here, as in training.
 Writes DIR/gpu_attention.{json,md}.
 """
@@ -50,9 +50,9 @@ from hfpar.parallel.context_parallel.fused import (
     blocks_backward,
     fused_attention,
     new_state,
-    row_plans,
+    row_calls,
 )
-from hfpar.parallel.context_parallel.plan import segments
+from hfpar.parallel.context_parallel.kernel_calls import segments
 from hfpar.parallel.context_parallel.ring import (
     _bounds,  # (the ring's own cut of a shard in pieces)
 )
@@ -111,11 +111,11 @@ class RankWork:
         q_segs = segments(rows.local)
         bounds = _bounds(t // cp, pieces)
         src_pos = [zigzag_indices(t, j, cp) for j in range(cp)]
-        self.steps = []                                    # (src, a, b, plans) in ring order
+        self.steps = []                                    # (src, a, b, calls) in ring order
         for s in range(cp):
             src = (rank - s) % cp
             for a, b in bounds:
-                self.steps.append((src, a, b, row_plans(rows, q_segs, segments(src_pos[src][a:b]), window)))
+                self.steps.append((src, a, b, row_calls(rows, q_segs, segments(src_pos[src][a:b]), window)))
 
     def __call__(self, q, kv, dout):
         """(out, dq, {src: (dk, dv)}) of forward then backward, as the ring computes them."""
@@ -123,15 +123,15 @@ class RankWork:
         out, lse = new_state(q)
         pieces = {(src, a): (kv[src][0][:, :, a:b].contiguous(), kv[src][1][:, :, a:b].contiguous())
                   for src, a, b, _ in self.steps}          # received ring pieces are contiguous buffers
-        for src, a, b, plans in self.steps:
-            add_blocks(out, lse, q, *pieces[src, a], plans, scale)
+        for src, a, b, calls in self.steps:
+            add_blocks(out, lse, q, *pieces[src, a], calls, scale)
         out = out.to(q.dtype)
         dq = torch.zeros_like(q, dtype=lse.dtype)
         grads = {}
-        for src, a, b, plans in self.steps:
+        for src, a, b, calls in self.steps:
             kp, vp = pieces[src, a]
             dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (kp, vp))
-            blocks_backward(dout, q, kp, vp, out, lse, plans, scale, dq, dk, dv)
+            blocks_backward(dout, q, kp, vp, out, lse, calls, scale, dq, dk, dv)
             grads[src, a, b] = (dk, dv)
         return out, dq, grads
 

@@ -87,17 +87,17 @@ def load_config(model: str):
 
 
 def plan_main(argv: list[str]) -> None:
-    from hfpar.plan.planner import PlanError, plan  # noqa: PLC0415  (subcommands import on use: see main)
+    from hfpar.planner.table import PlannerError, memory_table  # noqa: PLC0415  (subcommands import on use: see main)
 
     a = _plan_parser().parse_args(argv)
     config = load_config(a.model)
     try:
-        text, _ = plan(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb, num_nodes=a.num_nodes,
-                       seq_len=a.seq_len, batch_size=a.batch_size, mixed_precision=a.mixed_precision,
-                       lora_rank=a.lora_rank if a.lora else 0, tp_size=a.tp_size, ep_size=a.ep_size,
-                       attn_implementation=a.attn_implementation, cp_size=a.cp_size,
-                       loss_chunk_size=a.loss_chunk_size)
-    except PlanError as e:
+        text, _ = memory_table(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb,
+                               num_nodes=a.num_nodes, seq_len=a.seq_len, batch_size=a.batch_size,
+                               mixed_precision=a.mixed_precision, lora_rank=a.lora_rank if a.lora else 0,
+                               tp_size=a.tp_size, ep_size=a.ep_size, attn_implementation=a.attn_implementation,
+                               cp_size=a.cp_size, loss_chunk_size=a.loss_chunk_size)
+    except PlannerError as e:
         fail(str(e))
     print(text)
 

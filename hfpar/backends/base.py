@@ -134,8 +134,9 @@ class Backend:
         """Collective: full tensors under HF names, or None to let Accelerate gather (get_state_dict)."""
         return None
 
-    def extra_state_bytes(self) -> int:
-        """Optimizer-state bytes held outside self.optimizer (run_info.json)."""
+    def other_optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state held by optimizers other than self.optimizer (run_info.json), e.g. the experts' one
+        beside ZeRO."""
         return 0
 
 

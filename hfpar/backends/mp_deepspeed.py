@@ -140,7 +140,7 @@ class ExpertsBesideZeRO:
         if self.experts:
             self.expert_optimizer.zero_grad(set_to_none=True)
 
-    def extra_state_bytes(self) -> int:
+    def other_optimizer_state_bytes(self) -> int:
         if not self.experts:
             return 0
         # here, not at the top: hfpar.observe.metrics imports `datasets` (0.6 s of `hfpar plan`'s start-up, measured

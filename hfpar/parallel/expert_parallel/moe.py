@@ -218,7 +218,7 @@ class MoELayer(nn.Module):
         if ep > 1:
             for p in experts.parameters():
                 set_shard_spec(p, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
-                                            extra={"num_experts": E, "start": self.local_expert_start}))
+                                            experts={"num_experts": E, "start": self.local_expert_start}))
         # registered under the HF block's names (mlp.gate or mlp.router, mlp.experts, mlp.shared_expert(s)), so the
         # state-dict keys stay HF's; self.gate / self.router and self.shared_expert reach them whatever the name
         self.router_name, self.shared_name = router_name, shared_name

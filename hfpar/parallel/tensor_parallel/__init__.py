@@ -7,7 +7,8 @@
     plans.py     written plans per model_type;  derived.py  plans from HF's config.base_model_tp_plan
     infer.py     plans inferred from the modules;  sequence_plan.py  sequence-parallel entries from the structure
     norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
-    validate.py  plan / degree checks before any collective;  verify.py  apply-time check on block copies (fp64)
+    shape_check.py  the plan matched to the modules, names / shapes / degrees checked (no compute, no collective)
+    block_check.py  the plan checked numerically: sharded copies of the blocks against unsharded ones (fp64)
     hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
     apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
 """

@@ -64,9 +64,9 @@ from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .sequence_plan import sequence_parallel_plan
-from .validate import REGIONS as _REGIONS
-from .validate import match_plan, moe_block_names, validate_degrees
-from .verify import verify_first_block
+from .shape_check import REGIONS as _REGIONS
+from .shape_check import match_plan, moe_block_names, validate_degrees
+from .block_check import verify_first_block
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
@@ -120,7 +120,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
     (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
     from config.base_model_tp_plan (derived.py), or inferred from the modules when the config has none (infer.py),
-    or refused in one line. Every plan is verified on a copy of the first decoder block (verify.py; verify_plan).
+    or refused in one line. Every plan is verified on a copy of the first decoder block (block_check.py; verify_plan).
     sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by tp.
     Replicated parameters whose gradient covers this rank's heads or tokens only (q/k norms on local heads, norms
     under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
@@ -196,7 +196,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         _check_replicated(model, tp_group)
 
     shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
+    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
         model._hfpar_tp_verify_rel = verify_first_block(model, assigned, shard, tp_group,
                                                         sequence_parallel=sequence_parallel,
                                                         model_type=getattr(config, "model_type", None))

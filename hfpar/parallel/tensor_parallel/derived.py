@@ -46,7 +46,7 @@ from torch import nn
 
 from ..errors import ParallelError, Problem
 from .plans import TP_PLANS, compile_pattern
-from .validate import lookup_only
+from .shape_check import lookup_only
 
 __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem", "derived_plan_refusal"]
 
@@ -216,7 +216,7 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
     the other Linears (q_a_proj), and anywhere the Linears of a nested submodule (DeepSeek-V3.2's sparse-attention
     indexer, whose output is integer token indices): replicated_heads. That is a proposal: replicated with its
     gradient summed over TP is exact only when the Linear feeds this rank's heads (q_a_proj) or no gradient at all
-    (the indexer); the apply-time verification (verify.py) refuses the plan otherwise."""
+    (the indexer); the apply-time verification (block_check.py) refuses the plan otherwise."""
     mla = {prefix + k.rpartition(".")[0] for k, s in dense.items() if s == "mla_kv_a_proj"}
     names = [n for n, _ in model.named_modules()]
     for parent, leaves in parents.items():

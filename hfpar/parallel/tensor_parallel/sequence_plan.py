@@ -12,7 +12,7 @@ the entries a written plan names by hand, read from the model's structure.
 
 What this cannot see (a block child that mixes tokens, such as linear attention kept whole; a block of another
 structure) the apply-time verification catches: every distinct block structure runs sharded on T/tp tokens against
-the unsharded block (verify.py), and the plan is refused in one line if any differs. MoE blocks are refused with
+the unsharded block (block_check.py), and the plan is refused in one line if any differs. MoE blocks are refused with
 sequence parallelism by apply_tensor_parallel (their experts route the full sequence).
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..errors import ParallelError
-from .validate import REGIONS, match_plan
-from .verify import first_block_name
+from .shape_check import REGIONS, match_plan
+from .block_check import first_block_name
 
 __all__ = ["sequence_parallel_plan"]
 

@@ -55,7 +55,7 @@ from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
 #              print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**20)"
 # A floor: tiny-model CPU runs' host_peak_rss_after_load_bytes_per_rank read 480-570 MiB (gloo, data,
 # tokenizer), and a CUDA context adds its own host memory (not measured: no GPU here).
-class PlanError(ValueError):
+class PlannerError(ValueError):
     """A bad planner input; the message is one line naming the value and what is valid."""
 
 
@@ -65,7 +65,7 @@ def state_bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
         return 2, 2, 12  # bf16 params + bf16 grads + (fp32 master, exp_avg, exp_avg_sq)
     if mixed_precision == "no":
         return 4, 4, 8  # fp32 params + fp32 grads + (exp_avg, exp_avg_sq)
-    raise PlanError(f"--mixed_precision {mixed_precision!r}: use bf16 or no")
+    raise PlannerError(f"--mixed_precision {mixed_precision!r}: use bf16 or no")
 
 
 HOST_OVERHEAD = 445 * 2**20
@@ -86,7 +86,7 @@ class ModelStats:
     intermediate: int
     vocab: int
     num_experts: int  # 0 for dense models
-    n_layer_params: int = 0  # parameters of all decoder layers (pipeline stages: hfpar.plan.pipeline)
+    n_layer_params: int = 0  # parameters of all decoder layers (pipeline stages: hfpar.planner.pipeline)
     n_embed: int = 0  # input embedding
     n_head: int = 0  # output head, also when tied (a pipeline's last stage holds its own copy)
     n_head_untied: int = 0  # n_head when not tied to the embedding, else 0 (then not in n_params)

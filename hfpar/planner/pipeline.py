@@ -5,9 +5,9 @@
 What hfpar's pipeline (hfpar.parallel.pipeline, over DDP) holds on the ranks of stage s:
   params / grads / optimizer   the stage's layers (cut as hfpar cuts them: balanced by parameter count, the input
                                embedding counted on the first stage, final norm + LM head on the last; a tied
-                               embedding is held by both), x the bytes per parameter of plan.state_bytes_per_param
+                               embedding is held by both), x the bytes per parameter of memory.state_bytes_per_param
   activations                  each micro-batch (batch_size / m rows) keeps its layers' activations (Korthikanti et
-                               al. 2022, as plan_memory.activation_bytes) from its forward to its backward; the schedule
+                               al. 2022, as memory.activation_bytes) from its forward to its backward; the schedule
                                decides how many are in flight: GPipe all m, 1F1B p - s, interleaved 1F1B Megatron's
                                warm-up (p - s - 1) x 2 + (V - 1) x p + 1 chunk micro-batches (each 1/V of the
                                stage's layers). Counted by walking the runner's own order (schedule_order), the last
@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from hfpar.parallel.pipeline.schedule import SCHEDULES, schedule_order
 from hfpar.parallel.pipeline.stage import split_by_cost
-from hfpar.plan.memory import PlanError, activation_bytes, state_bytes_per_param
+from hfpar.planner.memory import PlannerError, activation_bytes, state_bytes_per_param
 
 GiB = 1024**3
 
@@ -47,20 +47,20 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
                       virtual_stages: int = 2, seq_len: int = 2048, batch_size: int = 1, mixed_precision: str = "bf16",
                       checkpointing: bool = False, attn_implementation: str = "sdpa") -> tuple[list[dict], float]:
     """([bytes per rank of stage s, by category, + "layers" and "in_flight"] for s in stages, bubble fraction);
-    plan.PlanError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
+    PlannerError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
 
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     if schedule not in SCHEDULES:
-        raise PlanError(f"--pp_schedule {schedule!r}: valid values are {', '.join(SCHEDULES)}")
+        raise PlannerError(f"--pp_schedule {schedule!r}: valid values are {', '.join(SCHEDULES)}")
     if pp < 2 or world % pp:
-        raise PlanError(f"--pp_size {pp}: must be >= 2 and divide the {world} GPUs")
+        raise PlannerError(f"--pp_size {pp}: must be >= 2 and divide the {world} GPUs")
     if pp * v > stats.n_layers:
-        raise PlanError(f"--pp_size {pp} x {v} chunks: the model has {stats.n_layers} layers, fewer than the stages")
+        raise PlannerError(f"--pp_size {pp} x {v} chunks: the model has {stats.n_layers} layers, fewer than the stages")
     m = microbatches or default_microbatches(pp, batch_size, schedule)
     if not m:
-        raise PlanError(f"--batch_size {batch_size}: interleaved 1F1B needs micro-batches in multiples of --pp_size {pp}")
+        raise PlannerError(f"--batch_size {batch_size}: interleaved 1F1B needs micro-batches in multiples of --pp_size {pp}")
     if batch_size % m or (v > 1 and m % pp):
-        raise PlanError(f"--pp_microbatches {m}: must divide --batch_size {batch_size}"
+        raise PlannerError(f"--pp_microbatches {m}: must divide --batch_size {batch_size}"
                         + (f" and be a multiple of --pp_size {pp} (interleaved)" if v > 1 else ""))
     bp, bg, bo = state_bytes_per_param(mixed_precision)
     act = 2 if mixed_precision == "bf16" else 4
@@ -101,14 +101,14 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
 
 
 def pipeline_section(stats, pp: int, world: int, budget: float, **kw) -> list[str]:
-    """Lines of the plan: the stages of pp under each schedule (GiB per GPU of the stage's ranks) and the bubble."""
+    """Lines of the table: the stages of pp under each schedule (GiB per GPU of the stage's ranks) and the bubble."""
 
     lines = [f"", f"pipeline, pp {pp} (DDP over {world // pp} rank(s) per stage): GiB per GPU of each stage, "
              "micro-batches in flight (interleaved: chunk micro-batches), bubble"]
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         try:
             rows, bubble = pipeline_estimate(stats, pp, world, schedule=schedule, **kw)
-        except PlanError as e:
+        except PlannerError as e:
             lines.append(f"  {schedule:<17}{e}")
             continue
         stages = "  ".join(f"{r['total'] / GiB:.2f} ({r['in_flight']})" for r in rows)

@@ -1,4 +1,5 @@
-"""Validation of a TP plan against a model, before any collective: every problem collected, raised once.
+"""A TP plan checked against a model's names and shapes (no compute, before any collective): which module each
+pattern names, and whether its dimensions divide by tp; every problem collected, raised once.
 
     matched = match_plan(model, get_plan("llama"))         # {module name: (style, pattern)}
     validate_degrees(model, matched, model.config, tp=2, sequence_parallel=False, tied=False)

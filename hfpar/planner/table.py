@@ -7,7 +7,7 @@ grads) + 12 (fp32 master weights + 2 moments) = 16 bytes/param; fp32 training 4 
 torch-native bf16 keeps fp32 params and grads instead, 4 + 4 + 8: the same 16 bytes, split otherwise.)
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", eq. 1-2 (bytes per layer for 16-bit activations), with the output layer as the recipes compute it
-(chunked LM loss by default); host RAM per rank as hfpar loads the model (hfpar.plan.memory). Parameter counts
+(chunked LM loss by default); host RAM per rank as hfpar loads the model (hfpar.planner.memory). Parameter counts
 come from the model built on the meta device, so every architecture (GQA, tied embeddings, MoE experts) is
 counted exactly.
 """
@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hfpar.backends.strategies import PLANNED, STRATEGY
+from hfpar.backends.strategies import PLANNER_ROWS, STRATEGY
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.context import ParallelContext
-from hfpar.plan.memory import (HOST_OVERHEAD, ModelStats, PlanError, state_bytes_per_param, activation_bytes, chunk_tokens, host_ram_bytes,  # noqa: F401
-                               model_stats)  # activation_bytes: re-exported (hfpar.plan.planner's API)
-from hfpar.plan.pipeline import pipeline_estimate, pipeline_section
+from hfpar.planner.memory import (HOST_OVERHEAD, ModelStats, PlannerError, state_bytes_per_param, activation_bytes, chunk_tokens, host_ram_bytes,  # noqa: F401
+                               model_stats)  # activation_bytes: re-exported (hfpar.planner.table's API)
+from hfpar.planner.pipeline import pipeline_estimate, pipeline_section
 
 GiB = 1024**3
 RESERVE = 0.10  # of each GPU kept free: CUDA context, allocator fragmentation, NCCL buffers
-DATA_PARALLEL = tuple(s.name for s in PLANNED)  # ddp fsdp2 zero1 zero2 zero3 zero3_offload (hfpar.backends.strategies)
+DATA_PARALLEL = tuple(s.name for s in PLANNER_ROWS)  # ddp fsdp2 zero1 zero2 zero3 zero3_offload (hfpar.backends.strategies)
 
 
 def valid_tp_sizes(stats: ModelStats, max_tp: int) -> list[int]:
@@ -41,17 +41,17 @@ def check_tp(stats: ModelStats, tp: int) -> None:
                     ("intermediate_size", stats.intermediate), ("vocab_size", stats.vocab)):
         if tp < 1 or d % tp:
             valid = ", ".join(map(str, valid_tp_sizes(stats, max(stats.heads, 1))))
-            raise PlanError(f"--tp_size {tp} does not divide {what} {d} (valid: {valid})")
+            raise PlannerError(f"--tp_size {tp} does not divide {what} {d} (valid: {valid})")
 
 
 def check_ep(stats: ModelStats, ep: int) -> None:
     if ep == 1:
         return
     if not stats.num_experts:
-        raise PlanError(f"--ep_size {ep}: the model has no experts (dense); expert parallelism needs an MoE config")
+        raise PlannerError(f"--ep_size {ep}: the model has no experts (dense); expert parallelism needs an MoE config")
     if stats.num_experts % ep:
         valid = ", ".join(str(e) for e in range(1, stats.num_experts + 1) if stats.num_experts % e == 0)
-        raise PlanError(f"--ep_size {ep} does not divide the {stats.num_experts} experts (valid: {valid})")
+        raise PlannerError(f"--ep_size {ep} does not divide the {stats.num_experts} experts (valid: {valid})")
 
 
 def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_size: int = 1, cp_size: int = 1,
@@ -60,21 +60,21 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
              attn_implementation: str = "sdpa", loss_chunk_size: int | None = None) -> dict[str, int]:
     """Bytes per rank by category: params, grads, optimizer (persistent, what a rank holds between steps),
     buffers (transient: all-gathered layers, DDP gradient buckets), activations, total; cpu (bytes per
-    rank kept in host RAM by offload), host (peak host RAM of the rank: hfpar.plan.memory.host_ram_bytes).
+    rank kept in host RAM by offload), host (peak host RAM of the rank: hfpar.planner.memory.host_ram_bytes).
     loss_chunk_size: the recipe's option (None: auto where the recipe applies it, 0: full logits). `strategy` is a data-parallel one; tp_size composes with ddp and
     fsdp2, ep_size with ddp (what hfpar runs). cp_size: each rank holds seq_len / cp tokens of every row
     (activations and logits / cp; the ring's gathered K / V of one layer are not counted); FSDP2 / ZeRO
     shard over dp x cp. config: a transformers config or ModelStats."""
     stats = model_stats(config)
     if strategy not in DATA_PARALLEL:
-        raise PlanError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
+        raise PlannerError(f"strategy {strategy!r}: use one of {', '.join(DATA_PARALLEL)}")
     s = STRATEGY[strategy]   # what it shards, its buffers, what the planner composes it with
     degrees = ParallelContext(world=world_size, tp=tp_size, ep=ep_size, cp=cp_size).problems()  # the runs' own check
     if degrees:
-        raise PlanError("; ".join(degrees))
+        raise PlannerError("; ".join(degrees))
     # what this estimator models (a subset of the support matrix, hfpar.backends.SUPPORT)
-    if (tp_size > 1 and "tp" not in s.plans) or (ep_size > 1 and "ep" not in s.plans):
-        raise PlanError(f"{strategy} with tp {tp_size} / ep {ep_size}: the planner models TP with ddp or fsdp2, EP with ddp")
+    if (tp_size > 1 and "tp" not in s.planner_with) or (ep_size > 1 and "ep" not in s.planner_with):
+        raise PlannerError(f"{strategy} with tp {tp_size} / ep {ep_size}: the planner models TP with ddp or fsdp2, EP with ddp")
     check_tp(stats, tp_size)
     check_ep(stats, ep_size)
     check_loss_chunk(stats, loss_chunk_size)
@@ -111,11 +111,11 @@ def estimate(config, strategy: str, world_size: int, *, tp_size: int = 1, ep_siz
 
 
 def check_loss_chunk(stats: ModelStats, loss_chunk_size: int | None) -> None:
-    """The recipe's checks of --loss_chunk_size (hfpar.config, hfpar.preflight), as one-line PlanErrors."""
+    """The recipe's checks of --loss_chunk_size (hfpar.config, hfpar.preflight), as one-line PlannerErrors."""
     if loss_chunk_size is not None and loss_chunk_size < 0:
-        raise PlanError(f"--loss_chunk_size {loss_chunk_size}: must be >= 1 token, 0 (off) or unset (auto)")
+        raise PlannerError(f"--loss_chunk_size {loss_chunk_size}: must be >= 1 token, 0 (off) or unset (auto)")
     if loss_chunk_size and stats.model_type not in CHUNK_FAMILIES:
-        raise PlanError(f"--loss_chunk_size {loss_chunk_size}: model_type {stats.model_type!r} is not among the "
+        raise PlannerError(f"--loss_chunk_size {loss_chunk_size}: model_type {stats.model_type!r} is not among the "
                         f"families checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset")
 
 
@@ -144,9 +144,9 @@ def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int |
                ep_size: int | None = None, cp_size: int | None = None, nodes: int = 1) -> list[Candidate]:
     """Every strategy the model allows, in the order of the recommendation rule."""
     def over(dim: str) -> list[str]:  # the strategies the planner composes with a parallel dimension
-        return [s.name for s in PLANNED if dim in s.plans]
+        return [s.name for s in PLANNER_ROWS if dim in s.planner_with]
 
-    out = [Candidate(s.name) for s in PLANNED if not s.offload]
+    out = [Candidate(s.name) for s in PLANNER_ROWS if not s.offload]
     tps = [tp_size] if tp_size else [t for t in valid_tp_sizes(stats, gpus_per_node) if world % t == 0]
     for t in (t for t in tps if t > 1):  # TP inside a node
         out += [Candidate(s, tp=t) for s in over("tp")]
@@ -160,7 +160,7 @@ def candidates(stats: ModelStats, gpus_per_node: int, world: int, tp_size: int |
         pps = sorted({nodes, 2, 4, 8})
         out += [Candidate(s, pp=k) for k in pps if 1 < k <= min(world, stats.n_layers) and world % k == 0
                 for s in over("pp")]
-    return out + [Candidate(s.name) for s in PLANNED if s.offload]
+    return out + [Candidate(s.name) for s in PLANNER_ROWS if s.offload]
 
 
 def recommend(rows: list[tuple[Candidate, dict, dict]], budget: float, nodes: int = 1) -> tuple[Candidate, bool] | None:
@@ -222,16 +222,16 @@ def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
     rows, _ = pipeline_estimate(stats, pp, world, schedule="1f1b", **kw)
     worst = max(rows, key=lambda r: r["total"])
     stage_params = worst["params"] / state_bytes_per_param(kw.get("mixed_precision", "bf16"))[0]
-    over = next(s for s in PLANNED if "pp" in s.plans)   # the data parallelism the planner's pipeline runs over
+    over = next(s for s in PLANNER_ROWS if "pp" in s.planner_with)   # the data parallelism the pipeline runs over
     host = host_ram_bytes(stats, over, dp=world // pp, pp=pp, local=stage_params)["peak"]
     return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {"cpu": 0,
                                                                                                     "host": host}
 
 
-def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1, seq_len: int = 2048,
-         batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0, tp_size: int | None = None,
-         ep_size: int | None = None, attn_implementation: str = "sdpa",
-         cp_size: int | None = None, loss_chunk_size: int | None = None) -> tuple[str, Candidate | None]:
+def memory_table(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: int = 1,
+                 seq_len: int = 2048, batch_size: int = 1, mixed_precision: str = "bf16", lora_rank: int = 0,
+                 tp_size: int | None = None, ep_size: int | None = None, attn_implementation: str = "sdpa",
+                 cp_size: int | None = None, loss_chunk_size: int | None = None) -> tuple[str, Candidate | None]:
     """The readable table, the recommendation and its launch command; returns (text, recommended).
     loss_chunk_size as the recipe's option; an explicit chunk drops pipeline rows (the recipe refuses them)."""
     stats = model_stats(config)
@@ -240,11 +240,11 @@ def plan(config, model: str, *, num_gpus: int, gpu_memory_gb: float, num_nodes: 
     if tp_size:
         check_tp(stats, tp_size)
         if tp_size > num_gpus or world % tp_size:
-            raise PlanError(f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)")
+            raise PlannerError(f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)")
     if ep_size:
         check_ep(stats, ep_size)
         if world % ep_size:
-            raise PlanError(f"--ep_size {ep_size} does not divide the {world} GPUs")
+            raise PlannerError(f"--ep_size {ep_size} does not divide the {world} GPUs")
     budget = gpu_memory_gb * GiB * (1 - RESERVE)
     kw = dict(seq_len=seq_len, batch_size=batch_size, mixed_precision=mixed_precision, lora_rank=lora_rank,
               attn_implementation=attn_implementation)

@@ -1,6 +1,6 @@
 """Which kernel calls compute document-causal (optionally sliding-window) attention between two sets of tokens.
 
-    ops = plan_pairs(doc_row, q_segs, k_segs, window=None)     # [Op(qa, qb, ka, kb, kind, mask), ...]
+    ops = pair_calls(doc_row, q_segs, k_segs, window=None)     # [Op(qa, qb, ka, kb, kind, mask), ...]
 
 q_segs / k_segs describe a tensor's sequence axis as contiguous global-position ranges: [(index, position,
 length), ...] (a zigzag shard is two ranges, a ring piece one, a whole row in position order one). doc_row is the
@@ -12,8 +12,8 @@ is related by position only, so the visible region of a (q range, k range) pair 
     "mask"    a sliding window cuts the region: the kernel with an explicit (tq, tk) mask, rows and columns with
               nothing visible trimmed off (no empty softmax row)
     "self"    padding queries, which attend to themselves only (out = v, no kernel call)
-Rectangles with nothing visible are not emitted. The plan is plain Python over a few integers per document, made
-once per batch and ring piece and reused by every layer (RowLayout.plans).
+Rectangles with nothing visible are not emitted. The list is plain Python over a few integers per document, made
+once per batch and ring piece and reused by every layer (RowLayout.cache).
 
 Sliding window w (transformers' convention, masking_utils.sliding_window_overlay): key k is visible from query q
 when q - w < k <= q.
@@ -81,7 +81,7 @@ def _pair(qa, qb, ka, kb, window):
     return out
 
 
-def plan_pairs(doc_row: list[int], q_segs, k_segs, window: int | None = None) -> list[Op]:
+def pair_calls(doc_row: list[int], q_segs, k_segs, window: int | None = None) -> list[Op]:
     """Kernel calls covering every visible (query, key) pair of q_segs x k_segs exactly once (see module doc)."""
     doc_runs = runs(doc_row)
     ops = []

@@ -1,4 +1,5 @@
-"""Apply-time verification of a tensor-parallel plan on the model's first decoder block (forward and backward).
+"""A tensor-parallel plan checked numerically at apply time, on copies of the model's first decoder block (forward
+and backward); the names and shapes were checked before, by shape_check.py.
 
     verify_first_block(model, assigned, shard_fn, tp_group, sequence_parallel=False, style_of=...)
 
@@ -44,7 +45,7 @@ from torch import nn
 from ..comm import all_reduce, group_rank, group_size
 from ..errors import ParallelError
 from ..sharding import ShardSpec, gather_shards, partial_grad_hooks, shard_spec
-from .validate import REGIONS
+from .shape_check import REGIONS
 
 __all__ = ["first_block_name", "verify_first_block"]
 
