@@ -291,14 +291,6 @@ def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp:
     return new_modules
 
 
-def _without_own_name(refusal: ValueError | None) -> str:
-    """A candidate's refusal inside apply_tensor_parallel's own message: without the `apply_tensor_parallel: ` it
-    would repeat (a refusal with another `where`, e.g. `apply_tensor_parallel (tp_size 2)`, keeps its own)."""
-    if isinstance(refusal, ParallelError) and refusal.where == "apply_tensor_parallel":
-        return refusal.detail
-    return "" if refusal is None else str(refusal)
-
-
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
     """The first plan of infer_plans(model) that validates and passes verify_first_block; one-line refusal else."""
     mt = config.model_type
@@ -334,9 +326,11 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
                       "verified on its first block", stacklevel=3)
         return plan
+    # the last refusal without the `apply_tensor_parallel: ` this message repeats (another `where` stays whole)
+    why = last.detail if isinstance(last, ParallelError) and last.where == "apply_tensor_parallel" else str(last)
     raise ParallelError("apply_tensor_parallel", [
-        f"no sound tensor-parallel plan could be inferred for model_type {mt!r} "
-        f"({len(candidates)} candidate(s); last: {_without_own_name(last)})"])
+        f"no sound tensor-parallel plan could be inferred for model_type {mt!r} ({len(candidates)} candidate(s); last: "
+        f"{why})"])
 
 
 def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
