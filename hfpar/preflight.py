@@ -126,7 +126,7 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     model_type = getattr(config, "model_type", None)
     if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
         refusal = derived_plan_refusal(config)
-        if refusal is not None:   # (--sequence_parallel on a derived / inferred plan: decided by apply_tensor_parallel's verification)
+        if refusal is not None:   # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
             p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
