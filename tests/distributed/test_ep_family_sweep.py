@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers.dist import run_distributed
 from benchmarks.moe.ep_family_sweep import sweep_worker
+from tests.helpers.dist import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 

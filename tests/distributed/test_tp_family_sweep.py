@@ -33,9 +33,9 @@ from unittest import mock
 
 import pytest
 
-from tests.helpers import tp_sweep
-from tests.helpers.dist import run_distributed
+from benchmarks.tensor_parallel import family_sweep as tp_sweep
 from benchmarks.tensor_parallel.family_sweep import sweep_worker
+from tests.helpers.dist import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 
