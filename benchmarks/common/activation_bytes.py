@@ -3,8 +3,8 @@
     nbytes, out = saved_tensor_bytes(model, lambda: model(input_ids=ids).logits)
     with LiveSavedBytes(model) as live: ...forwards and backwards...; live.peak   # most bytes alive at once
 
-Tensors saved twice (same storage) count once. Shared by tensor_parallel/activation_memory.py, context_parallel/scaling.py and
-pipeline/schedules.py.
+Tensors saved twice (same storage) count once. Shared by tensor_parallel/activation_memory.py,
+context_parallel/scaling.py and pipeline/schedules.py.
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0) -> list:
     store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))   # the parent hosts the rendezvous: no port race
     with tempfile.TemporaryDirectory() as out:
-        torch.multiprocessing.start_processes(_rank, args=(world_size, store.port, timeout, fn, args, out), nprocs=world_size,
-                                              join=True, start_method="spawn")
+        torch.multiprocessing.start_processes(_rank, args=(world_size, store.port, timeout, fn, args, out),
+                                              nprocs=world_size, join=True, start_method="spawn")
         results = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
     del store
     return results

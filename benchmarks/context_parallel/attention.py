@@ -1,6 +1,6 @@
 """Context-parallel attention alone: forward + backward time per rank and working memory, against SDPA.
 
-    python -m benchmarks.context_parallel.scaling attention [T ...]   # -> benchmarks/results/context_parallel/attention_cpu.*
+    python -m benchmarks.context_parallel.scaling attention [T ...]   # -> results/context_parallel/attention_cpu.*
 
 fp32, B=1, H=8 heads, 8 kv heads, D=64, one row of T tokens; every process (the one-process baseline and each cp
 rank) runs with one intra-op thread, so a cp rank stands for one device. Per T:

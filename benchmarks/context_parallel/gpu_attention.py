@@ -1,7 +1,7 @@
 """One cp rank's attention work through hfpar's fused-kernel path against SDPA flash over the whole row, on one GPU.
 
-    python -m benchmarks.context_parallel.gpu_attention --out DIR                      # one CUDA GPU, bf16: about 1-2 minutes
-    python -m benchmarks.context_parallel.gpu_attention --device cpu --lengths 256 512 --out /tmp/x   # the same code path, tiny, CPU
+    python -m benchmarks.context_parallel.gpu_attention --out DIR      # one CUDA GPU, bf16: about 1-2 minutes
+    python -m benchmarks.context_parallel.gpu_attention --device cpu --lengths 256 512 --out /tmp/x   # same path, CPU
 
 What a ring rank computes (hfpar/parallel/context_parallel/ring.py) minus the communication: its load-balanced
 (zigzag) query shard against each of the cp K / V shards it meets, each shard cut in `pieces` runs as the ring
@@ -282,7 +282,8 @@ def _fmt(x) -> str:
 
 def report(env: dict, res: list[dict]) -> str:
     lines = [f"# One cp rank's attention work on one {env['device_name']} (hfpar fused-kernel path), torch {env['torch']}",
-             "", f"Command: `python -m benchmarks.context_parallel.gpu_attention {env['argv']}`; {env['date']}; wall {env['wall_s']:.0f} s.",
+             "", f"Command: `python -m benchmarks.context_parallel.gpu_attention {env['argv']}`; {env['date']}; "
+             f"wall {env['wall_s']:.0f} s.",
              "Communication not included (one GPU: NCCL refuses two ranks per device).", "",
              "## Exactness (max abs difference; fp32 against SDPA with the dense mask, bf16 against fp32)", "",
              "| case | variant | window | out | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
@@ -327,7 +328,8 @@ def main() -> None:
     args = p.parse_args()
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/context_parallel/gpu_attention.py: no CUDA GPU here; --device cpu runs the same path on CPU")
+        raise SystemExit("benchmarks/context_parallel/gpu_attention.py: no CUDA GPU here; --device cpu runs the same path "
+                         "on CPU")
     lengths = args.lengths or ([4096, 8192, 16384, 32768] if dev == "cuda" else [256, 512])
     t0 = time.time()
     res = [] if args.skip_exact else exactness(dev, args.cps, args.pieces, args.heads, args.kv_heads, args.head_dim)

@@ -1,13 +1,14 @@
 """Context parallelism: activation memory per rank against sequence length, the longest sequence within a memory
 budget, communication bytes against theory (ring and Ulysses), and tokens/s, at cp = 1, 2, 4.
 
-    python -m benchmarks.context_parallel.scaling          # writes benchmarks/results/context_parallel/scaling_cpu.{json,md,png}
+    python -m benchmarks.context_parallel.scaling          # writes results/context_parallel/scaling_cpu.{json,md,png}
     python -m benchmarks.context_parallel.scaling attention [T ...] [--cp 1,2,4]   # attention alone (attention.py):
                                                    # benchmarks/results/context_parallel/attention_cpu.{json,md,png}
     python -m benchmarks.context_parallel.scaling recipe [T ...]      # recipe tokens/s at cp = 1, 2, 4 (recipe.py):
                                                    # benchmarks/results/context_parallel/recipe_cpu.{json,md,png}
 
-Activation memory is measured exactly, as tensor_parallel/activation_memory.py does: the bytes of every tensor autograd saves for
+Activation memory is measured exactly, as tensor_parallel/activation_memory.py does: the bytes of every tensor autograd
+saves for
 backward during one forward (saved_tensors_hooks; parameters excluded), on rank 0, for a Llama-style model (hidden
 256, 4 layers, 8 heads, 4 kv heads, fp32), one row of T tokens cut over cp gloo ranks on CPU; cp=1 is the stock
 model (transformers' SDPA with its own causal mask, nothing T x T kept), the baseline. Communication: the

@@ -58,8 +58,8 @@ def main() -> None:
     root, n = Path(tempfile.mkdtemp()), o["steps"] * o["batch"]
     model, data = make_case(root, pairs=n, config_updates=config, rows=B.long_pairs(n, o["seq"], o["prompt_len"]))
     for v in sys.argv[1:]:
-        p = subprocess.run(module_cmd("benchmarks.dpo.cudnn_diag", "child", model, data, json.dumps(opts), v), capture_output=True,
-                           text=True, check=False)
+        p = subprocess.run(module_cmd("benchmarks.dpo.cudnn_diag", "child", model, data, json.dumps(opts), v),
+                           capture_output=True, text=True, check=False)
         print([x for x in p.stdout.splitlines() if x.startswith("RESULT")] or p.stderr[-2000:], flush=True)
 
 

@@ -1,6 +1,6 @@
 """Host memory per rank: loading a real-size model under each sharded strategy, and the LM loss's peak.
 
-    python -m benchmarks.memory.host                   # both sections; writes benchmarks/results/memory/host_cpu.{json,md,png}
+    python -m benchmarks.memory.host                   # both sections; writes results/memory/host_cpu.{json,md,png}
     python -m benchmarks.memory.host --sections load   # one section (the other is kept from host_cpu.json)
 
 Takes about 7 minutes on 2 idle CPU cores (measured: load 4.6, loss 1.8; 13.8 for load on busy cores; `minutes` in the JSON).
@@ -99,7 +99,8 @@ def _tree_rss(proc: psutil.Process) -> int:
 
 def launch(config: str, n: int, flags: list[str], model: Path, out: Path, max_rss: int) -> dict:
     """One launch, its process tree's RSS polled every 0.2 s (stopped above max_rss) -> run_info + step record."""
-    cmd = accelerate_cmd(config, n, "sft", [*FLAGS, *flags, "--model_name_or_path", str(model), "--output_dir", str(out)])
+    cmd = accelerate_cmd(config, n, "sft", [*FLAGS, *flags, "--model_name_or_path", str(model),
+                                            "--output_dir", str(out)])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak, over = 0, False
     watched = psutil.Process(proc.pid)

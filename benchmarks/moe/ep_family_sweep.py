@@ -2,7 +2,7 @@
 unsharded model (loss and every gradient, one SGD step, again; float32, within 1e-4); tests/distributed/
 test_ep_family_sweep.py runs a representative subset through sweep_worker.
 
-    python -m benchmarks.moe.ep_family_sweep                      # all types -> benchmarks/results/moe/ep_family_sweep.json
+    python -m benchmarks.moe.ep_family_sweep                      # all types -> results/moe/ep_family_sweep.json
     python -m benchmarks.moe.ep_family_sweep olmo2 falcon         # some types, printed only
     EP_SWEEP_FP64=1 python -m benchmarks.moe.ep_family_sweep ...  # in float64
     res = run_ranks(sweep_worker, 2, ["deepseek_v3", "gpt_oss"])[0]   # {model_type: {"status": ..., ...}}

@@ -1,1 +1,2 @@
-"""Data-parallel strategies: throughput (speed.py), loss curves (loss_curves.py), bytes communicated (communication.py)."""
+"""Data-parallel strategies: throughput (speed.py), loss curves (loss_curves.py), bytes communicated
+(communication.py)."""

@@ -2,7 +2,8 @@
 
     python -m benchmarks.strategies.communication                     # 2 and 4 processes, CPU/gloo or GPUs, fp32
     python -m benchmarks.strategies.communication --nprocs 2 --strategies ddp,fsdp2
-    python -m benchmarks.strategies.communication --render benchmarks/results/strategies/communication_cpu.json   # .md/.png only
+    python -m benchmarks.strategies.communication --render benchmarks/results/strategies/communication_cpu.json
+                                                           # .md/.png only
 
 Each strategy runs `accelerate launch --config_file accelerate_configs/<config>.yaml recipes/sft.py
 --log_comm_bytes` (hfpar.observe.comm_stats counts what each rank hands to every collective; nothing is

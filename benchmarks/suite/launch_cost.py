@@ -3,8 +3,8 @@ with exactly the command and environment the launch tests use (tests/helpers/lau
 measured as wall seconds and CPU seconds of the whole process tree (launcher + ranks: resource.getrusage
 RUSAGE_CHILDREN, which sums every waited-for descendant), median of --repeats runs.
 
-    python -m benchmarks.suite.launch_cost                          # this tree -> benchmarks/results/suite/launch_cost.json
-    python -m benchmarks.suite.launch_cost --baseline /tmp/before   # also a checkout of another commit, runs interleaved
+    python -m benchmarks.suite.launch_cost                          # this tree -> results/suite/launch_cost.json
+    python -m benchmarks.suite.launch_cost --baseline /tmp/before   # also another commit's checkout, interleaved
 
 With --baseline the two trees' launches alternate (baseline, this tree, baseline, ...), so both see the same load on
 a shared machine; each tree is launched with its own launch_cmd / env (asked in a subprocess in that tree).

@@ -1,6 +1,6 @@
 """Activation memory per rank with and without sequence parallelism, and TP=1 layer overhead.
 
-    python -m benchmarks.tensor_parallel.activation_memory            # writes benchmarks/results/tensor_parallel/activation_memory.{md,png}
+    python -m benchmarks.tensor_parallel.activation_memory   # writes results/tensor_parallel/activation_memory.{md,png}
 
 Activation memory is measured exactly, not estimated: the bytes of every tensor autograd saves for
 backward during one forward (torch.autograd.graph.saved_tensors_hooks), per rank, for a Llama-style
