@@ -16,6 +16,7 @@ installed), so the processes they start run modules too, with the repository roo
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import sys
@@ -95,14 +96,17 @@ def _rank(rank: int, world_size: int, port: int, timeout: float, fn, args, out: 
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 1800.0) -> list:
-    """fn(rank, world_size, *args) on `world_size` fresh (spawned) processes in one gloo group, one torch thread
+    """fn(rank, world_size, *args) on `world_size` fresh processes in one gloo group, one torch thread
     each (fn may set more); their return values, by rank. A failing rank raises here with its traceback. fn must be
-    a module-level function (spawn pickles it by name); timeout: of each collective, seconds."""
+    a module-level function (pickled by name); timeout: of each collective, seconds."""
     store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))   # the parent hosts the rendezvous: no port race
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":   # one server imports torch once; every rank forks from it (no torch import per rank)
+        multiprocessing.get_context(method).set_forkserver_preload(["torch", "torch.distributed"])
     with tempfile.TemporaryDirectory() as out:
         torch.multiprocessing.start_processes(_rank, args=(world_size, store.port, timeout, fn, args, out),
-                                              nprocs=world_size, join=True, start_method="spawn")
+                                              nprocs=world_size, join=True, start_method=method)
         results = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
     del store
     return results
