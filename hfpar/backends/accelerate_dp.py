@@ -19,7 +19,7 @@ from .base import Backend, accelerate_clip
 from .optim import build_optimizer
 from .reshard import load_full_state_zero
 from .strategies import strategy_of
-from .zero import EngineSteps, skip_refusal
+from .zero import EngineSteps
 
 
 class AccelerateBackend(Backend):
@@ -60,10 +60,8 @@ class AccelerateBackend(Backend):
             (ckpt_dir / "optimizer_params.json").write_text(json.dumps(order))
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        if args.on_nonfinite == "skip" and strategy_of(strategy).deepspeed:
-            return [skip_refusal(strategy)]
-        return []
+    def optimizer_steps_in_backward(cls, strategy: str) -> bool:
+        return strategy_of(strategy).deepspeed
 
     def loss_scale(self) -> float:
         return EngineSteps.loss_scale(self) if self.steps_in_backward else super().loss_scale()

@@ -49,7 +49,7 @@ class ModelParallelBackend(Backend):
         return True
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         return cls.data_parallel.check(args, ctx, strategy, mixed_precision) if cls.data_parallel else []
 
     def autocast(self):

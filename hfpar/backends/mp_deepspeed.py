@@ -33,7 +33,7 @@ from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad
 
 from .base import Backend, accelerate_clip, hfpar_reduced
 from .optim import build_optimizer
-from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu, skip_refusal
+from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
 
 class ExpertsBesideZeRO:
@@ -179,10 +179,8 @@ class ModelParallelDeepSpeed(ExpertsBesideZeRO, EngineSteps, Backend):
         return True
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
-        if args.on_nonfinite == "skip":
-            p.append(skip_refusal(strategy))
         if ctx.ep > 1 and mixed_precision == "fp16":
             p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
                      "DeepSpeed's fp16 loss scale; use bf16 or fp32")

@@ -46,7 +46,7 @@ def test_estimate_matches_measured_bytes(runs, strategy):
     config = AutoConfig.from_pretrained(data.embedded_model_path())
     est = estimate(config, strategy, 2, mixed_precision="no")
     got = measured(runs[strategy])
-    record("plan_estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
+    record("planner/estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
                                                  "max_relative_error": max(abs(est[cat] - b) / b for b in got[cat])}
                                            for cat in ("params", "grads", "optimizer")},
            command="python -m pytest -q tests/launch/test_plan.py -k estimate")
