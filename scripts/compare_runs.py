@@ -36,6 +36,8 @@ CASES = {
     "dpo_precompute": ("dpo", None, 1, ["--precompute_ref_log_probs"]),
     "dpo_lora": ("dpo", None, 1, ["--use_peft", "--merge_adapter"]),
     "dpo_fsdp2": ("dpo", "fsdp2", 2, []),
+    "dpo_zero3": ("dpo", "zero3", 2, ["--precompute_ref_log_probs"]),
+    "dpo_pp2": ("dpo", "ddp", 2, ["--pp_size", "2"]),
     "sft_tp2": ("sft", "ddp", 2, ["--tp_size", "2"]),
     "sft_ep2": ("sft", "ddp", 2, ["--upcycle_experts", "4", "--ep_size", "2"]),
     "sft_pp2": ("sft", "ddp", 2, ["--pp_size", "2"]),
