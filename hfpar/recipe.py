@@ -189,7 +189,10 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     extra["loading"] = {k: v for k, v in load.items() if k != "index"}
     backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
     backend = backend_cls(accelerator, ctx, strategy, args, run_plan=plan, **backend_kw)
-    objective = recipe.objective(args, ctx, plan, model)   # owns its reference model, if any
+    try:
+        objective = recipe.objective(args, ctx, plan, model)   # owns its reference model, if any
+    except ValueError as exc:   # what only the loaded model reveals (e.g. a reference that cannot be built)
+        _fail(str(exc))
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, plan, objective,
                       run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel,
                                  "padding_free": plan.padding_free,

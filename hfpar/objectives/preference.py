@@ -300,7 +300,7 @@ class DPOObjective(Objective):
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
         try:
-            with self.reference():
+            with self.reference(backend):
                 backend.eval_loss(batch, scope, self, "lm")
             return self._capture
         finally:

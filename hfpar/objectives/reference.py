@@ -1,23 +1,27 @@
 """The reference model of a preference objective: a component the objective owns, built before the trainer.
 
-    reference = FrozenReference()        # or LoRABaseReference(), PrecomputedReference(); None: reference-free
-    objective = DPOObjective(model, ctx, reference=reference, ...)
+    reference = FrozenReference()        # or LoRABaseReference(), PrecomputedReference(), ZeRO3Reference(model)
+    objective = DPOObjective(model, ctx, reference=reference, ...)   # None: reference-free
     # the trainer: objective.bind(wrapped model) -> reference.bind; objective.prepare(...) -> reference.precompute
-    with reference():                    # the policy turned into the reference, for a no-grad forward
-        ...
+    with reference(backend):             # the backend's model turned into the reference, for a no-grad forward
+        backend.eval_loss(...)
 
-None of them holds grads or optimizer state: the reference is the policy's own modules with other values in them.
+None of them holds grads or optimizer state. The first three are the policy's own modules with other values in
+them; under ZeRO-3 (whose parameters live outside the module between forwards) the reference is a copy of the
+initial model partitioned by a DeepSpeed inference engine of its own (TRL's way), run in the policy's place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from hfpar.distributed import swapped
 from hfpar.objectives.base import Batches
 
 
@@ -31,7 +35,8 @@ class Reference:
         """The model as the backend prepared it (after the data-parallel wrap: FSDP2 replaced the parameters)."""
         self.model = model
 
-    def __call__(self) -> contextlib.AbstractContextManager:
+    def __call__(self, backend) -> contextlib.AbstractContextManager:
+        """Within: a forward of `backend` (backend.eval_loss) is the reference's."""
         raise NotImplementedError
 
     def precompute(self, logps: Callable, train_batches: Batches, eval_batches: Batches) -> None:
@@ -45,7 +50,7 @@ class LoRABaseReference(Reference):
     """LoRA: the base model is the reference (PEFT's BaseTunerLayer.enable_adapters, found through any wrap)."""
 
     @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self, backend):
         from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415  (peft is optional: LoRA runs only)
 
         layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
@@ -86,7 +91,7 @@ class FrozenReference(Reference):
         return held
 
     @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self, backend):
         self._reshard()
         with torch.no_grad():
             stash = [self._put(p, f) for p, f in zip(self.params, self.frozen)]
@@ -114,7 +119,7 @@ class PrecomputedReference(Reference):
         self.tables: dict[str, dict[int, tuple[float, float]]] = {}
         self.done = False
 
-    def __call__(self):
+    def __call__(self, backend):
         if self.done:
             raise RuntimeError("a precomputed reference runs no forward after precompute")
         return contextlib.nullcontext()   # the model has not been trained yet: it is the reference
@@ -141,3 +146,37 @@ class PrecomputedReference(Reference):
             return sample
         c, r = table.get(index, (math.nan, math.nan))
         return {**sample, "ref_chosen_logps": c, "ref_rejected_logps": r}
+
+
+class ZeRO3Reference(Reference):
+    """ZeRO-3: a copy of the initial model (made before the wrap, when its parameters are whole), partitioned by a
+    DeepSpeed engine of its own with the policy's DeepSpeed config and no optimizer (TRL's ref model under ZeRO-3):
+    each rank holds 1/dp of the reference, gathered layer by layer in its forward, as the policy's. Within the
+    context the backend's model is that engine."""
+
+    def __init__(self, model: torch.nn.Module):
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ValueError("the reference model under ZeRO-3: the policy was loaded partitioned (zero3_init_flag), "
+                             "so no whole copy of it exists to build the reference from; pass "
+                             "--precompute_ref_log_probs, or zero3_init_flag: false in the accelerate config")
+        self.copy = copy.deepcopy(model)
+        self.engine = None
+
+    def bind(self, model: torch.nn.Module) -> None:
+        import deepspeed  # noqa: PLC0415  (DeepSpeed runs only: its import is not hfpar's)
+        from accelerate.state import AcceleratorState  # noqa: PLC0415  (as above)
+
+        config = copy.deepcopy(AcceleratorState().deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        self.engine, *_ = deepspeed.initialize(model=self.copy, config=config, mpu=getattr(model, "mpu", None))
+        self.engine.eval()
+        self.copy = None
+        # what the reference costs each rank: its partition (ZeRO-3's ds_tensor), as the policy's parameters
+        self.bytes_per_rank = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.engine.module.parameters())
+        if self.engine.global_rank == 0:
+            print(f"[hfpar] reference model: a ZeRO-3 engine of its own, {self.bytes_per_rank / 2**20:.2f} MiB of "
+                  "parameters per rank", flush=True)
+
+    def __call__(self, backend):
+        return swapped(backend, "model", self.engine)

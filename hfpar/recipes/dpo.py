@@ -15,7 +15,7 @@ from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import preference
 from hfpar.objectives.preference import LOSS_TYPES, DPOObjective, loss_terms
-from hfpar.objectives.reference import FrozenReference, LoRABaseReference, PrecomputedReference
+from hfpar.objectives.reference import FrozenReference, LoRABaseReference, PrecomputedReference, ZeRO3Reference
 from hfpar.recipes import Recipe, RecipeData, register
 
 
@@ -60,11 +60,6 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
     if why_not_packed:
         p.append(f"dpo: each pair is one row of two documents told apart by their position ids, which needs "
                  f"packed-sequence attention: {why_not_packed}")
-    swap = not (args.reference_free or args.precompute_ref_log_probs or args.use_peft)
-    if swap and ctx.strategy.partitions_at_load:
-        p.append(f"the reference model with {ctx.strategy.name}: its parameters live outside the module between "
-                 "forwards, so no frozen copy can be swapped in; pass --precompute_ref_log_probs (the same values, "
-                 "the reference forward done once before training) or --use_peft")
     return p
 
 
@@ -116,13 +111,16 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
 
 def objective(args, ctx, plan, model) -> DPOObjective:
     """The DPO loss and the reference it owns: none (--reference_free), precomputed log-probs (the initial model,
-    before resume), the LoRA base (adapters disabled) or a frozen copy of this rank's shards."""
+    before resume), the LoRA base (adapters disabled), a frozen copy of this rank's shards, or under ZeRO-3 (its
+    parameters live outside the module between forwards) a copy of the initial model in a DeepSpeed engine of its own."""
     if args.reference_free:
         reference = None
     elif args.precompute_ref_log_probs:
         reference = PrecomputedReference()
     elif args.use_peft:
         reference = LoRABaseReference()
+    elif ctx.strategy.partitions_at_load:
+        reference = ZeRO3Reference(model)
     else:
         reference = FrozenReference()
     return DPOObjective(model, ctx, reference=reference, beta=args.beta,
