@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
 from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import preference
@@ -60,6 +62,13 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
     if why_not_packed:
         p.append(f"dpo: each pair is one row of two documents told apart by their position ids, which needs "
                  f"packed-sequence attention: {why_not_packed}")
+    live = not (args.reference_free or args.precompute_ref_log_probs or args.use_peft)
+    if live and ctx.strategy.partitions_at_load and args.model_name_or_path != data.EMBEDDED \
+            and is_deepspeed_zero3_enabled():
+        p.append(f"the reference model with {ctx.strategy.name} and zero3_init_flag: true: the model loads already "
+                 "partitioned, so no whole copy of it exists to build the reference from; pass "
+                 "--precompute_ref_log_probs (the same values, the reference forward done once before training), "
+                 "--use_peft, or zero3_init_flag: false in the accelerate config")
     return p
 
 
