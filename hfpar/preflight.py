@@ -165,7 +165,7 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     """Whether the model's attention goes through transformers' registry with nothing CP cannot honour (probed on
     the meta device: hfpar.parallel.context_parallel.probe), and --cp_mode ulysses against the heads (auto: see
-    hfpar.run_plan.resolve_cp_mode)."""
+    resolve_cp_mode)."""
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
     heads = getattr(config, "num_attention_heads", 0) // ctx.tp
     if args.cp_mode == "ulysses" and heads % ctx.cp:

@@ -5,7 +5,7 @@
     main("sft")        # or "clm", "classify", "dpo", a registered recipe's name, or a Recipe; reads sys.argv
 
 What differs between recipes is their record (hfpar.recipes: task, defaults, options, data, checks, objective);
-what the run derives from its options and model config is the preflight's RunPlan (hfpar.run_plan).
+what the run derives from its options and model config is the preflight's RunPlan (hfpar.context, resolved by hfpar.preflight.resolve_plan).
 
 User mistakes (bad options, bad data, an output_dir that holds someone's checkpoints) end with a
 one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the model is loaded.

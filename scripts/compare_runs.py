@@ -38,6 +38,8 @@ CASES = {
     "dpo_fsdp2": ("dpo", "fsdp2", 2, []),
     "dpo_zero3": ("dpo", "zero3", 2, ["--precompute_ref_log_probs"]),
     "dpo_pp2": ("dpo", "ddp", 2, ["--pp_size", "2"]),
+    "dpo_tp2": ("dpo", "ddp", 2, ["--tp_size", "2"]),
+    "dpo_cp2": ("dpo", "ddp", 2, ["--cp_size", "2"]),                       # --cp_mode auto, resolved in the plan
     "sft_tp2": ("sft", "ddp", 2, ["--tp_size", "2"]),
     "sft_ep2": ("sft", "ddp", 2, ["--upcycle_experts", "4", "--ep_size", "2"]),
     "sft_pp2": ("sft", "ddp", 2, ["--pp_size", "2"]),

@@ -3,7 +3,7 @@
     trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, plan, objective)
     trainer.train()
 
-plan: the run's RunPlan (hfpar.run_plan); objective: an hfpar.objectives.base.Objective, whose declared hooks the
+plan: the run's RunPlan (hfpar.context); objective: an hfpar.objectives.base.Objective, whose declared hooks the
 loop calls (the units the loss is normalized by, per-sample hooks, metrics, eval).
 
 Loss normalization (the parity contract): the optimized and logged loss of an optimizer step is
@@ -31,7 +31,6 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.observe import metrics as M
 from hfpar.observe.comm_stats import StepCommLog
 from hfpar.observe.recorder import RunRecorder
-from hfpar.objectives.base import Objective
 from hfpar.parallel.labels import IGNORE
 from hfpar.train.batch_plan import BatchPlan
 from hfpar.train.optim import implementation
@@ -56,8 +55,9 @@ def attention_kernels(device: torch.device):
 
 class Trainer:
     def __init__(self, args, accelerator, ctx, backend, model, tokenizer, train_dataset, eval_dataset, collator,
-                 plan, objective: Objective, run_extra: dict | None = None):
-        """plan: the RunPlan (hfpar.run_plan); objective: what the loop optimizes (hfpar.objectives)."""
+                 plan, objective, run_extra: dict | None = None):
+        """plan: the RunPlan (hfpar.context); objective: what the loop optimizes, an hfpar.objectives.base.Objective
+        (not imported here: objectives/ builds on train/'s losses; the loop calls only the hooks it declares)."""
         assert plan.task in ("lm", "classify")
         self.args, self.acc, self.ctx, self.backend = args, accelerator, ctx, backend
         self.tokenizer, self.collator, self.task = tokenizer, collator, plan.task
