@@ -190,3 +190,19 @@ def test_option_problems_are_one_line_each_before_loading():
     for bad in ("1", "0.8,x"):
         p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo", args_class=DPOArgs), ctx)
         assert p == [f"--loss_weights '{bad}': one number per --loss_type entry (2), comma-separated"]
+
+
+def test_moe_configs_never_pack_pairs():
+    """One helper reads a config's routed-expert count (config_num_experts, resolved once into the run plan): every
+    field name transformers' MoE configs use, Ernie-4.5-MoE's moe_num_experts included, so no MoE run packs pairs."""
+    from transformers import AutoConfig
+
+    from hfpar.config import parse_args
+    from hfpar.parallel.expert_parallel import config_num_experts
+    from hfpar.recipes.dpo import DPOArgs, packs_pairs
+
+    args = parse_args([], recipe="dpo", args_class=DPOArgs)
+    for model_type, experts in (("ernie4_5_moe", 64), ("mixtral", 8), ("qwen2_moe", 60), ("deepseek_v3", 256)):
+        n = config_num_experts(AutoConfig.for_model(model_type))
+        assert n == experts and not packs_pairs(args, SimpleNamespace(num_experts=n)), model_type
+    assert config_num_experts(AutoConfig.for_model("llama")) is None and packs_pairs(args, SimpleNamespace(num_experts=None))
