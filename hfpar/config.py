@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import re
@@ -108,18 +109,6 @@ class RecipeArgs:
     lora_dropout: float = 0.05  # dropout on the LoRA input (0 for exact parity between strategies)
     lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear (every linear but the output head)
     merge_adapter: bool = False  # final export: the merged full model instead of the adapter
-    # --- preference tuning (the dpo recipe; TRL DPOConfig's names) -------------------------------
-    beta: float = 0.1  # deviation from the reference (ipo: its tau)
-    loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas); comma-separated: their weighted sum
-    loss_weights: str | None = None  # comma-separated weights of the --loss_type list (TRL's; default 1 each)
-    label_smoothing: float = 0.0  # robust: probability that a preference label is flipped, in [0, 0.5)
-    reference_free: bool = False  # no reference model: its log-probs are 0
-    precompute_ref_log_probs: bool = False  # reference log-probs computed once before training (no reference forward per step)
-    max_length: int | None = None  # prompt + completion tokens per sequence, cut by --truncation_mode; unset = --max_seq_length
-    truncation_mode: str = "keep_start"  # keep_start | keep_end (TRL's)
-    max_prompt_length: int | None = None  # prompt tokens kept (its end), before --max_length
-    max_completion_length: int | None = None  # completion tokens kept (its start), before --max_length
-
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer_name_or_path or self.model_name_or_path
@@ -153,24 +142,26 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
     return str(value)
 
 
-def _fields() -> dict[str, Any]:
-    hints = get_type_hints(RecipeArgs)
-    return {f.name: hints[f.name] for f in dataclasses.fields(RecipeArgs)}
+def _fields(args_class: type = RecipeArgs) -> dict[str, Any]:
+    hints = get_type_hints(args_class)
+    return {f.name: hints[f.name] for f in dataclasses.fields(args_class)}
 
 
-def _field_help() -> dict[str, str]:
-    """Help text for --help, taken from the comment after each field in RecipeArgs (one source of truth)."""
-    import inspect
-
+def _field_help(args_class: type = RecipeArgs) -> dict[str, str]:
+    """Help text for --help, taken from the comment after each field in RecipeArgs and a recipe's subclass of it
+    (one source of truth)."""
     out = {}
-    for line in inspect.getsource(RecipeArgs).splitlines():
-        m = re.match(r"\s+(\w+): [^=]+= ([^#]+?)\s*(?:#\s*(.*))?$", line)
-        if m:
-            out[m.group(1)] = (m.group(3) or "") + f" (default: {m.group(2).strip()})"
+    for cls in reversed(args_class.__mro__):
+        if not dataclasses.is_dataclass(cls) or cls is object:
+            continue
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): [^=]+= ([^#]+?)\s*(?:#\s*(.*))?$", line)
+            if m:
+                out[m.group(1)] = (m.group(3) or "") + f" (default: {m.group(2).strip()})"
     return out
 
 
-def _build_parser(recipe: str) -> argparse.ArgumentParser:
+def _build_parser(recipe: str, args_class: type = RecipeArgs) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"recipes/{recipe}.py",
         description=f"hfpar {recipe} recipe. Options use HF TrainingArguments names; "
@@ -178,8 +169,8 @@ def _build_parser(recipe: str) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
-    helps = _field_help()
-    for f in dataclasses.fields(RecipeArgs):
+    helps = _field_help(args_class)
+    for f in dataclasses.fields(args_class):
         # every option takes a value as text; booleans may also be given bare (`--packing`)
         is_bool = "bool" in str(f.type)
         p.add_argument(f"--{f.name}", nargs="?" if is_bool else None, const="true" if is_bool else None,
@@ -187,12 +178,14 @@ def _build_parser(recipe: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None) -> RecipeArgs:
-    """Parse CLI + YAML into RecipeArgs; raise ConfigError listing every problem."""
+def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None,
+               args_class: type = RecipeArgs) -> RecipeArgs:
+    """Parse CLI + YAML into args_class (RecipeArgs, or a recipe's subclass with its own options: Recipe.args_class);
+    raise ConfigError listing every problem."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _build_parser(recipe)
+    parser = _build_parser(recipe, args_class)
     problems: list[str] = []
-    known = _fields()
+    known = _fields(args_class)
     # Unknown / misspelled flags: report them all with a suggestion instead of argparse's first-only exit.
     for tok in argv:
         if tok.startswith("--"):
@@ -236,7 +229,7 @@ def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: 
             problems.append(f"--{key} {val!r}: {exc}")
     if problems:
         raise ConfigError("\n".join(problems))
-    args = RecipeArgs(**kwargs)
+    args = args_class(**kwargs)
     problems += validate(args)
     if problems:
         raise ConfigError("\n".join(problems))

@@ -20,12 +20,17 @@ Everything downstream receives this object; nothing reads degrees back from mode
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from hfpar.parallel.groups import expert_rank_lists, new_groups
+from hfpar.parallel.expert_parallel import config_num_experts
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -43,7 +48,6 @@ class ParallelContext:
     cp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
-    cp_mode: str = "ring"                                       # ring | ulysses (auto resolved by the preflight)
     strategy: object = None       # the data-parallel strategy in effect (hfpar.backends.Strategy), resolved once by
                                   # the preflight; everything downstream reads its attributes from here
     groups: dict = field(default_factory=dict, repr=False)     # name -> this rank's group (after build_groups)
@@ -247,7 +251,26 @@ def model_config_problems(ctx: ParallelContext, config) -> list[str]:
     need("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads, ctx.tp, "--tp_size")
     need("intermediate_size", getattr(cfg, "intermediate_size", None), ctx.tp, "--tp_size")
     need("vocab_size", getattr(cfg, "vocab_size", None), ctx.tp, "--tp_size")
-    experts = next((getattr(cfg, f) for f in ("num_local_experts", "num_experts", "n_routed_experts")
-                    if isinstance(getattr(cfg, f, None), int)), None)
+    experts = config_num_experts(cfg)
     need("number of experts", experts, ctx.ep, "--ep_size")
     return p
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a run derives from its options and its model's config, resolved once by the preflight
+    (hfpar.preflight.resolve_plan) and passed down to parallelize, the backend and the trainer: nothing downstream
+    recomputes it."""
+
+    recipe: str                     # the recipe's name (hfpar.recipes)
+    task: str                       # "lm" | "classify": the model head, the default objective
+    model_config: Any               # the model's config.json, read once (transformers PretrainedConfig)
+    model_type: str | None
+    num_experts: int | None         # routed experts the config declares (None: dense; upcycling is args')
+    microbatches: int               # pipeline micro-batches per accumulation step (1 without a pipeline)
+    pipeline_stages: int            # stages the layers are cut into (pp, or pp x V interleaved)
+    chunks_per_rank: int            # model chunks a pipeline rank holds (V interleaved, else 1)
+    padding_free: bool              # the collator packs each micro-batch's samples into rows
+    padding_free_why_not: str | None
+    cp_mode: str                    # ring | ulysses (--cp_mode auto resolved)
+    recipe_values: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))

@@ -1,6 +1,6 @@
 """Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
 
-    model, info = parallelize(model, args, ctx, task)
+    model, info = parallelize(model, args, ctx, plan)   # plan: the preflight's RunPlan (hfpar.context)
         the strategy's adjustment (ctx.strategy.adjust_model) -> LoRA (PEFT adapters) -> MoE: upcycle + expert
         parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation checkpointing -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
@@ -20,8 +20,7 @@ from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.errors import ParallelError
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, has_moe_blocks,
                                             set_aux_loss_grad_scale, upcycle_to_moe)
-from hfpar.parallel.pipeline import (PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, microbatches,
-                                    parse_split, pipeline_stages)
+from hfpar.parallel.pipeline import PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, parse_split
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -29,10 +28,11 @@ def is_moe(model) -> bool:
     return has_moe_blocks(model)   # the library's detection (hfpar.parallel.expert_parallel), no family table
 
 
-def apply_moe(model, args, ctx) -> str | None:
+def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
     """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over ctx's EP groups. Any MoE model gets
     router statistics over all data-parallel ranks, so EP and DP do not change the aux loss; padding takes no
-    part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization. Without
+    part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization (microbatches: the
+    pipeline's per accumulation step, RunPlan.microbatches). Without
     --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None)."""
     if args.upcycle_experts:
         upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
@@ -71,8 +71,7 @@ def apply_moe(model, args, ctx) -> str | None:
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
     # every replicated grad: scale so the objective is main + coef * mean_m(aux_m), m over the micro-steps (x the
     # pipeline's micro-batches, each routed on its own: Megatron-LM's per-micro-batch load balancing)
-    m = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches) if ctx.pp > 1 else 1
-    set_aux_loss_grad_scale(ctx.grad_replicas / (args.gradient_accumulation_steps * max(m, 1)))
+    set_aux_loss_grad_scale(ctx.grad_replicas / (args.gradient_accumulation_steps * max(microbatches, 1)))
     attach_moe_token_mask(model)
     return None
 
@@ -101,16 +100,17 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def parallelize(model, args, ctx, task: str) -> tuple:
-    """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras)."""
-    info = {}
+def parallelize(model, args, ctx, plan) -> tuple:
+    """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras). plan: the RunPlan
+    (hfpar.context: the task, the pipeline's stages and micro-batches)."""
+    info, task = {}, plan.task
     if ctx.strategy is not None:   # e.g. FSDP2's wrap classes (hfpar.backends.strategies)
         ctx.strategy.adjust_model(model)
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
-    if task == "lm" and (note := apply_moe(model, args, ctx)):
+    if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches)):
         info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
@@ -125,10 +125,9 @@ def parallelize(model, args, ctx, task: str) -> tuple:
         # LoRA: the stage trims PEFT's base model (its layers hold the adapters); the PEFT model names the export
         peft_model = model if is_peft_model(model) else None
         hf = model.get_base_model() if peft_model is not None else model
-        n_layers, stages = len(decoder_layers(hf)), pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages)
+        n_layers, stages = len(decoder_layers(hf)), plan.pipeline_stages
         bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(hf, stages)
-        m = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches)
-        info.update(pp_schedule=args.pp_schedule, pp_microbatches=m,
+        info.update(pp_schedule=args.pp_schedule, pp_microbatches=plan.microbatches,
                     pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
         if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
             model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds, peft_model=peft_model)

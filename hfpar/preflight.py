@@ -1,6 +1,9 @@
 """One preflight before any model is loaded: every problem collected, printed once, exit 2.
 
-    ctx, backend_cls = preflight(args, accelerator, task="lm")     # raises ConfigError (one line per problem)
+    ctx, backend_cls, plan = preflight(args, accelerator, "lm", recipe)   # raises ConfigError (one line per problem)
+
+ctx: the ParallelContext (groups not built yet); plan: the RunPlan (hfpar.context), everything the run derives
+from its options and the model config, resolved here once. The recipe's own checks (Recipe.problems) run last.
 
 What it checks, reading only options, the accelerate config in effect, the model's config.json and the
 resumed checkpoint's trainer_state.json (never a weight):
@@ -15,7 +18,10 @@ resumed checkpoint's trainer_state.json (never a weight):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import types
+from typing import Any
 
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
@@ -23,13 +29,14 @@ from transformers import AutoConfig
 from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar import data
+from hfpar import recipes
 from hfpar.backends import resolve_strategy, select_backend
 from hfpar.backends.reshard import resume_mode
 from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
-from hfpar.context import ParallelContext, model_config_problems
+from hfpar.context import ParallelContext, RunPlan, model_config_problems
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
@@ -38,9 +45,10 @@ from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 
 
-def preflight(args, accelerator, task: str):
-    """-> (ParallelContext without groups yet, carrying the strategy in effect; backend class); ConfigError listing
-    every problem."""
+def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None):
+    """-> (ParallelContext without groups yet, carrying the strategy in effect; backend class; RunPlan);
+    ConfigError listing every problem. recipe: its own checks and resolved values (None: a plain one of `task`)."""
+    recipe = recipe if recipe is not None else recipes.Recipe(name=task, task=task)
     strategy = resolve_strategy(accelerator)   # once per run: ctx.strategy from here on
     ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
                           ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel,
@@ -62,15 +70,20 @@ def preflight(args, accelerator, task: str):
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
+    config, config_problem = read_model_config(args)   # config.json: read once per run, here
     if degrees_ok:  # what the model's config says about the degrees
-        problems += model_problems(args, ctx, task)
+        problems += [config_problem] if config is None else model_problems(args, ctx, task, config)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, backend_cls)
     if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
         problems += weights_problems(args.model_name_or_path) + data_file_problems(args.dataset_name)
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
-    return ctx, backend_cls
+    plan = resolve_plan(args, ctx, recipe, config)
+    problems = recipe.problems(args, ctx, plan)   # the recipe's own checks, on the resolved plan
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    return ctx, backend_cls, plan
 
 
 def fp16_loss_scaling(accelerator) -> bool:
@@ -92,15 +105,16 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
         p.append(f"--use_peft with {' and '.join(model_parallel)}: LoRA composes with the data-parallel strategies "
                  "only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
     if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
-        p.append("--sequence_parallel: needs a causal-LM recipe (sft, clm), whose vocab-parallel LM head gathers the "
-                 "sequence back; classify supports --tp_size without it")
+        p.append(f"--sequence_parallel: needs a causal-LM recipe ({recipes.names_of_task('lm')}), whose vocab-parallel "
+                 "LM head gathers the sequence back; classify supports --tp_size without it")
     if args.sequence_parallel and args.upcycle_experts:
         p.append(f"--sequence_parallel with --upcycle_experts {args.upcycle_experts}: the MoE blocks stay whole on every "
                  "TP rank and route the full sequence; drop --sequence_parallel")
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
-        p.append("--ep_size / --upcycle_experts: available for causal-LM recipes (sft, clm)")
+        p.append(f"--ep_size / --upcycle_experts: available for causal-LM recipes ({recipes.names_of_task('lm')})")
     if args.cp_size > 1 and task != "lm":
-        p.append(f"--cp_size {args.cp_size}: context parallelism is available for causal-LM recipes (sft, clm)")
+        p.append(f"--cp_size {args.cp_size}: context parallelism is available for causal-LM recipes "
+                 f"({recipes.names_of_task('lm')})")
     if args.cp_size > 1 and args.attn_implementation not in (None, "sdpa", "eager"):
         p.append(f"--cp_size {args.cp_size} with --attn_implementation {args.attn_implementation}: hfpar's context-"
                  "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa")
@@ -109,19 +123,12 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     return p
 
 
-def _model_config(args):
-    path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
-    try:
-        return AutoConfig.from_pretrained(path), None
-    except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return None, f"--model_name_or_path {args.model_name_or_path}: cannot read its config.json ({first})"
-
-
-def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
-    config, problem = _model_config(args)
+def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[str]:
+    """What the model's config says about the options (config: as the preflight read it; None: read here)."""
     if config is None:
-        return [problem]
+        config, problem = read_model_config(args)
+        if config is None:
+            return [problem]
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
     if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
@@ -155,34 +162,24 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     return p
 
 
-def padding_free_mode(args, task: str, packed: bool) -> tuple[bool, str | None]:
-    """(pack each micro-batch's samples into rows?, why not) for this run and model (hfpar.data.padding_free)."""
-    config, _ = _model_config(args)
-    return data.padding_free_mode(args, task, getattr(config, "model_type", None), packed=packed)
-
-
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     """Whether the model's attention goes through transformers' registry with nothing CP cannot honour (probed on
-    the meta device: hfpar.parallel.context_parallel.probe); resolves --cp_mode auto into ctx.cp_mode (ulysses
-    when the per-TP-rank heads and kv heads divide by cp, else ring)."""
+    the meta device: hfpar.parallel.context_parallel.probe), and --cp_mode ulysses against the heads (auto: see
+    resolve_cp_mode)."""
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
     heads = getattr(config, "num_attention_heads", 0) // ctx.tp
-    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)) // ctx.tp
-    mode = args.cp_mode
-    if mode == "auto":
-        mode = "ulysses" if heads % ctx.cp == 0 and kv % ctx.cp == 0 else "ring"
-    elif mode == "ulysses" and heads % ctx.cp:
+    if args.cp_mode == "ulysses" and heads % ctx.cp:
         p.append(f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
                  f"by --cp_size {ctx.cp}; use --cp_mode ring (or auto)")
-    ctx.cp_mode = mode
     return p
 
 
 def pp_feature_problems(args, task: str) -> list[str]:
     p = []
     if task != "lm":
-        p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes (sft, clm)")
-    m = microbatches(args.per_device_train_batch_size, args.pp_size, args.pp_schedule, args.pp_microbatches)
+        p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes "
+                 f"({recipes.names_of_task('lm')})")
+    m = pipeline_microbatches(args)
     if m == 0:  # interleaved_1f1b's default: no multiple of pp_size divides the batch
         p.append(f"--pp_schedule interleaved_1f1b: no multiple of --pp_size {args.pp_size} divides "
                  f"--per_device_train_batch_size {args.per_device_train_batch_size}; valid: a batch that is a multiple of {args.pp_size}")
@@ -207,7 +204,7 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     layers = getattr(config, "num_hidden_layers", 0)
     if layers < ctx.pp:
         return [f"--pp_size {ctx.pp}: {name} has {layers} decoder layers, fewer than the stages"]
-    stages = pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages)
+    stages = pipeline_stage_count(args)
     if layers < stages:
         return [f"--pp_virtual_stages {args.pp_virtual_stages} x --pp_size {ctx.pp}: {name} has {layers} decoder layers, "
                 f"fewer than the {stages} virtual stages; valid: "
@@ -231,7 +228,7 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     p = []
     if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
         p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
-    chunks = pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
+    chunks = pipeline_stage_count(args) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
     # the same mesh loads natively; another one through the checkpoint's full form, or is refused (naming both)
     mode, why = resume_mode(backend_cls, state, ctx, chunks)
     if mode is None:
@@ -244,3 +241,49 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
         p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
                  "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
     return p
+
+
+# ---------------------------------------------------------------------------------------- the run plan
+def read_model_config(args) -> tuple[Any, str | None]:
+    """-> (the model's config, None) or (None, the one-line problem)."""
+    path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
+    try:
+        return AutoConfig.from_pretrained(path), None
+    except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"--model_name_or_path {args.model_name_or_path}: cannot read its config.json ({first})"
+
+
+def pipeline_microbatches(args) -> int:
+    """Micro-batches per accumulation step through the pipeline (0: none fits, which the preflight reports)."""
+    if args.pp_size == 1:
+        return 1
+    return microbatches(args.per_device_train_batch_size, args.pp_size, args.pp_schedule, args.pp_microbatches)
+
+
+def pipeline_stage_count(args) -> int:
+    """Stages the decoder layers are cut into: pp, or pp x --pp_virtual_stages for interleaved_1f1b."""
+    return pipeline_stages(args.pp_size, args.pp_schedule, args.pp_virtual_stages)
+
+
+def resolve_cp_mode(args, tp: int, cp: int, config) -> str:
+    """--cp_mode auto: ulysses when the per-TP-rank heads and kv heads divide by cp, else ring."""
+    if args.cp_mode != "auto":
+        return args.cp_mode
+    heads = getattr(config, "num_attention_heads", 0) // tp
+    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)) // tp
+    return "ulysses" if heads % cp == 0 and kv % cp == 0 else "ring"
+
+
+def resolve_plan(args, ctx, recipe, config) -> RunPlan:
+    """The run plan of a run that passed the preflight (recipe: an hfpar.recipes.Recipe)."""
+    model_type = getattr(config, "model_type", None)
+    stages = pipeline_stage_count(args)
+    padding_free, why_not = data.padding_free_mode(args, recipe.task, model_type, packed=recipe.packed(args))
+    plan = RunPlan(recipe=recipe.name, task=recipe.task, model_config=config, model_type=model_type,
+                   num_experts=config_num_experts(config) if config is not None else None,
+                   microbatches=pipeline_microbatches(args), pipeline_stages=stages, chunks_per_rank=stages // ctx.pp,
+                   padding_free=padding_free, padding_free_why_not=why_not,
+                   cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring")
+    values = recipe.resolve(args, ctx, plan)
+    return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

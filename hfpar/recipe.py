@@ -2,7 +2,10 @@
 -> backend -> train -> export.
 
     from hfpar.recipe import main
-    main("sft")        # or "clm", "classify", "dpo"; reads sys.argv
+    main("sft")        # or "clm", "classify", "dpo", a registered recipe's name, or a Recipe; reads sys.argv
+
+What differs between recipes is their record (hfpar.recipes: task, defaults, options, data, checks, objective);
+what the run derives from its options and model config is the preflight's RunPlan (hfpar.context, resolved by hfpar.preflight.resolve_plan).
 
 User mistakes (bad options, bad data, an output_dir that holds someone's checkpoints) end with a
 one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the model is loaded.
@@ -11,6 +14,7 @@ one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the m
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import sys
@@ -21,27 +25,11 @@ from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.integrations import deepspeed as hf_ds
 
-from hfpar import data
+from hfpar import data, recipes
 from hfpar.checkpoint.layout import has_any_checkpoint, previous_run_files, resolve_resume, set_aside_previous_run
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
-from hfpar.data import preference
-from hfpar.preflight import padding_free_mode, preflight
-from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, packs_pairs, shares_prompt
-
-TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
-
-# Embedded defaults: what `python recipes/<kind>.py` with no arguments runs (tiny model, generated data).
-RECIPE_DEFAULTS = {
-    "sft": dict(output_dir="outputs/sft", max_steps=150, per_device_train_batch_size=16, learning_rate=1e-3,
-                warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
-    "clm": dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
-                warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128),
-    "dpo": dict(output_dir="outputs/dpo", max_steps=120, per_device_train_batch_size=16, learning_rate=3e-4,
-                warmup_ratio=0.05, logging_steps=10, max_seq_length=128, beta=0.1, lora_dropout=0.0),
-    "classify": dict(output_dir="outputs/classify", max_steps=150, per_device_train_batch_size=32,
-                     learning_rate=2e-3, warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=64),
-}
+from hfpar.preflight import preflight
 
 
 def _fail(problems: str) -> None:
@@ -102,7 +90,7 @@ def _without_zero3_init():
         yield
 
 
-def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None):
+def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, config=None):
     """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
     sharded / fsdp2 return a meta skeleton that hfpar.loading.sharded fills with this rank's slices (after LoRA, TP / EP
     and the pipeline stage split, or during the FSDP2 wrap)."""
@@ -111,7 +99,8 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
-        config = AutoConfig.from_pretrained(data.embedded_model_path())
+        # a copy of the preflight's (num_labels is set on it)
+        config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(data.embedded_model_path())
         if num_labels is not None:
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
@@ -120,7 +109,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
-        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        config = config if config is not None else AutoConfig.from_pretrained(args.model_name_or_path)
         mode, why = loading.loading_mode(args, ctx, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
@@ -155,44 +144,11 @@ def _keep_frozen(model, cls) -> None:
             p.requires_grad_(False)
 
 
-def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, padding_free: bool = False,
-               share_prompt: bool = False):
-    """-> train_ds, eval_ds, collator, info (dict for run_info), num_labels. padding_free: the collator packs each
-    batch's samples into rows of at most --max_seq_length tokens. share_prompt: dpo rows compute each pair's prompt
-    once (hfpar.data.preference.PairCollator)."""
-    if kind == "dpo":  # pairs, one row each (hfpar.data.preference)
-        train, stats = preference.load_preference(args, tokenizer)
-        evals = preference.load_preference_eval(args, tokenizer) if args.eval_steps != 0 else None
-        return (train, evals, preference.pair_collator(args, tokenizer, seq_multiple, share_prompt,
-                                                       share_prompt and packs_pairs(args)),
-                {"train_data": stats, "dpo_shared_prompt": share_prompt}, None)
-    splits = data.load_splits(args.dataset_name, kind, eval_split_fraction=args.eval_split_fraction, seed=args.seed)
-    info, num_labels = {}, None
-    out = {}
-    for name in ("train", "eval"):
-        ds = splits[name]
-        if kind == "sft":
-            ds, stats = data.cached(data.tokenize_sft, ds, tokenizer, args.max_seq_length,
-                                    completion_only_loss=args.completion_only_loss, truncation=args.truncation)
-            if args.packing:
-                ds = data.pack(ds, args.max_seq_length)
-        elif kind == "clm":
-            ds, stats = data.cached(data.tokenize_clm, ds, tokenizer, args.max_seq_length)
-        else:
-            ds, stats, num_labels = data.cached(data.tokenize_classify, ds, tokenizer, args.max_seq_length,
-                                                truncation=args.truncation)
-        out[name] = ds
-        info[f"{name}_data"] = {**stats, "rows": len(ds)}
-    # context / sequence parallelism cut T: pad every batch to a multiple of what they need (ParallelContext)
-    collator = data.DataCollator(tokenizer, task=TASK_OF[kind], pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
-                                 padding_free=padding_free, max_seq_length=args.max_seq_length)
-    return out["train"], out["eval"], collator, info, num_labels
-
-
-def main(kind: str, argv: list[str] | None = None) -> dict:
-    task = TASK_OF[kind]
+def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
+    recipe = recipes.get(recipe) if isinstance(recipe, str) else recipe
+    kind, task = recipe.name, recipe.task
     try:
-        args = parse_args(argv, recipe=kind, defaults=RECIPE_DEFAULTS[kind])
+        args = parse_args(argv, recipe=kind, defaults=recipe.defaults, args_class=recipe.args_class)
         check_output_dir(args)
     except ConfigError as exc:
         _fail(str(exc))
@@ -200,9 +156,8 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     try:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
         overwrite_previous_run(args, accelerator)
-        ctx, backend_cls = preflight(args, accelerator, task)  # every problem, before any weight is read
-        if kind == "dpo":
-            dpo_preflight(args, ctx)
+        # every problem (the recipe's own checks last), before any weight is read; plan: what the run derives
+        ctx, backend_cls, plan = preflight(args, accelerator, task, recipe)
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
         # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
         from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
@@ -213,12 +168,10 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         ctx.build_groups()
         set_seed(args.seed)
         tokenizer = data.load_tokenizer(args.tokenizer_path)
-        padding_free, why_not = padding_free_mode(args, task, packed=args.packing or kind in ("clm", "dpo"))
-        if why_not:
-            accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {why_not}")
+        if plan.padding_free_why_not:
+            accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {plan.padding_free_why_not}")
         with accelerator.main_process_first():
-            train_ds, eval_ds, collator, info, num_labels = build_data(
-                args, kind, tokenizer, ctx.seq_multiple, padding_free, kind == "dpo" and shares_prompt(args, ctx))
+            train_ds, eval_ds, collator, info, num_labels = recipe.build_data(args, tokenizer, ctx, plan)
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:
@@ -227,9 +180,9 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     if log_with:
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
     strategy = ctx.strategy   # resolved once, by the preflight
-    model, load = load_model(args, task, num_labels, ctx)
+    model, load = load_model(args, task, num_labels, ctx, plan.model_config)
     try:
-        model, extra = parallelize(model, args, ctx, task)
+        model, extra = parallelize(model, args, ctx, plan)
         if extra.get("moe_note"):
             accelerator.print(f"[hfpar] {extra['moe_note']}")
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
@@ -241,13 +194,15 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     accelerator.print(f"[hfpar] model loading: {load['mode']} ({load['why']})")
     extra["loading"] = {k: v for k, v in load.items() if k != "index"}
     backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
-    backend = backend_cls(accelerator, ctx, strategy, args, **backend_kw)
-    objective = dpo_objective(args, ctx, model) if kind == "dpo" else None
-    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task=task,
-                      loss_fn=objective, run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel, "padding_free": padding_free,
-                                 **({"cp_mode": ctx.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
-    if objective is not None:
-        attach_reference(objective, trainer, args)
+    backend = backend_cls(accelerator, ctx, strategy, args, run_plan=plan, **backend_kw)
+    try:
+        objective = recipe.objective(args, ctx, plan, model)   # owns its reference model, if any
+    except ValueError as exc:   # what only the loaded model reveals (e.g. a reference that cannot be built)
+        _fail(str(exc))
+    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, plan, objective,
+                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel,
+                                 "padding_free": plan.padding_free,
+                                 **({"cp_mode": plan.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line

@@ -19,7 +19,7 @@ import gc
 from hfpar.recipe import main
 
 # the imported stack (torch, transformers, accelerate, datasets: ~3e5 objects) lives until exit: frozen, the collector
-# no longer walks it, during the run nor at exit (-1 CPU-s per process, benchmarks/launch_cost.py)
+# no longer walks it, during the run nor at exit (-1 CPU-s per process, benchmarks/suite/launch_cost.py)
 gc.freeze()
 
 if __name__ == "__main__":

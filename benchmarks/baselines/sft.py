@@ -82,13 +82,17 @@ def fresh_model(seed: int = 0):
 
 def recipe_rows(flags: list[str], steps: int) -> tuple:
     """(train dataset, per-step row indices) exactly as `recipes/sft.py <flags>` builds and samples them."""
-    from hfpar import data
+    from types import SimpleNamespace
+
+    from hfpar import data, recipes
     from hfpar.config import parse_args
-    from hfpar.recipe import RECIPE_DEFAULTS, build_data
     from hfpar.train.sampler import GlobalBatchSampler
 
-    args = parse_args(flags, recipe="sft", defaults=RECIPE_DEFAULTS["sft"])
-    train, *_ = build_data(args, "sft", data.load_tokenizer(args.tokenizer_path))
+    recipe = recipes.get("sft")
+    args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
+    one_process = SimpleNamespace(seq_multiple=1)              # the data builder's view of the context and run plan
+    plan = SimpleNamespace(task="lm", padding_free=False)
+    train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), one_process, plan)
     sampler = GlobalBatchSampler(len(train), BS, 1, 0, 1, args.seed)
     return train, [[i for ix in micro for i in ix] for _, _, micro in sampler.iterate(0, steps)]
 

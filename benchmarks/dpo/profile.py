@@ -100,7 +100,8 @@ def _sync(device: str) -> None:
 def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, str, dict]:
     """hfpar's steps WARM+1..WARM+PROFILED under the profiler, its phases timed; -> (summary, op tables, batch)."""
     from hfpar.data import preference
-    from hfpar.train import batch_plan, dpo, trainer
+    from hfpar.objectives import preference as dpo
+    from hfpar.train import batch_plan, trainer
 
     device, clock, state, seen = opts["device"], {}, {}, {}
     _wrap(preference.PairCollator, "__call__", "collate", clock)

@@ -29,9 +29,10 @@ class Backend:
     name = "base"
     steps_in_backward = False       # the optimizer steps inside the last micro-batch's backward (zero.EngineSteps)
 
-    def __init__(self, accelerator, ctx, strategy, args):
-        """strategy: a Strategy of the table (ctx.strategy) or its name."""
-        self.acc, self.ctx, self.args = accelerator, ctx, args
+    def __init__(self, accelerator, ctx, strategy, args, run_plan=None):
+        """strategy: a Strategy of the table (ctx.strategy) or its name; run_plan: the preflight's RunPlan
+        (hfpar.context), None outside a recipe run."""
+        self.acc, self.ctx, self.args, self.run_plan = accelerator, ctx, args, run_plan
         self.spec = STRATEGY.get(str(strategy))     # what the strategy is (strategies.py); None: not in the table
         self.strategy = str(strategy)                # its name: run_info.json, trainer_state.json, messages
         self.model = self.optimizer = self.base_optimizer = None

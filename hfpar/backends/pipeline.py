@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hfpar.checkpoint.layout import rank_state_file
 from hfpar.parallel.context_parallel import cp_row_slice
 from hfpar.parallel.expert_parallel import moe_token_mask, set_aux_loss_loss_scale
-from hfpar.parallel.pipeline import PipelineRunner, microbatches, tied_embedding_group
+from hfpar.parallel.pipeline import PipelineRunner, tied_embedding_group
 from hfpar.parallel.sharding import full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, sync_partial_grads
 
 from .loss_scale import unscale_
@@ -61,8 +61,7 @@ class PipelineBackend(ModelParallelBackend):
         # every rank joins the collective group creation; the first and last stage of each pipeline get theirs
         self.tied_group = tied_embedding_group(self.ctx.rank_lists("pp")) if model.ties_embeddings else None
         a = self.args
-        m = microbatches(a.per_device_train_batch_size, a.pp_size, a.pp_schedule, a.pp_microbatches)
-        self.runner = PipelineRunner(model, self.ctx.pp_peers, a.pp_schedule, m, group=self.ctx.pp_group,
+        self.runner = PipelineRunner(model, self.ctx.pp_peers, a.pp_schedule, self.run_plan.microbatches, group=self.ctx.pp_group,
                                      autocast=self.autocast, micro_scope=micro_scope)
         return model
 

@@ -36,7 +36,7 @@ from .load import _load_raw
 
 N_TRAIN, N_EVAL = 2000, 100
 COLUMNS = ("prompt", "chosen", "rejected")
-IGNORE = -100
+from hfpar.parallel.labels import IGNORE
 _STRIDE = 1 << 32     # token ids below it (any vocabulary); (2 * row + side + 1) * _STRIDE above
 
 
@@ -243,7 +243,7 @@ class PairCollator:
     packs pairs: several to a row (first-fit decreasing, no row longer than the batch's longest pair, so no
     attention block grows), each pair seeing only itself, and `pairs` (P,) holds each pair's row (the embedded
     set: 44% fewer positions, the padding gone); pack=False keeps one pair per row (MoE models: see
-    hfpar.train.dpo_setup.packs_pairs). For attentions that take a custom mask (sdpa, eager) and neither
+    hfpar.recipes.dpo.packs_pairs). For attentions that take a custom mask (sdpa, eager) and neither
     context parallelism (its own attention, cut by position ids) nor a pipeline. Where truncation left the two
     prompts different (keep_end), the pair is the plain layout."""
 

@@ -11,7 +11,7 @@ from .chat import _check_messages, _render_chat
 from .errors import DataError
 from .load import FORMATS, label_names_of
 
-IGNORE = -100
+from hfpar.parallel.labels import IGNORE  # noqa: F401  (re-exported: hfpar.data.IGNORE)
 
 
 def _check_args(max_seq_length: int, truncation: str = "truncate") -> None:

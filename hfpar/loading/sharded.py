@@ -3,7 +3,7 @@ it will hold.
 
     index = checkpoint_index(resolve_checkpoint("path/or/hub-id"))    # {tensor name: file}, None: neither format
     model = build_skeleton(cls, path, index)    # parameters on meta (missing keys initialised), buffers computed
-    model, _ = parallelize(model, args, ctx, "lm")   # LoRA (adapters drawn on CPU as usual), TP / EP,
+    model, _ = parallelize(model, args, ctx, plan)   # LoRA (adapters drawn on CPU as usual), TP / EP,
                                                 # pipeline stage split: all on meta
     load_sharded(model, index)                  # this rank's TP rows / columns (each packed part), its experts, its
                                                 # stage's layers, everything else whole; = from_pretrained + same
@@ -53,9 +53,6 @@ from hfpar.parallel.sharding import set_shard_spec, shard_spec
 __all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sharded", "fsdp2_loader", "is_meta",
            "loading_mode"]
 
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def loading_mode(args, ctx, config) -> tuple[str, str]:
     """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices / the pipeline stage read on each
     rank before the wrap, (ctx.strategy.wrap_load, why) each rank's dim-0 shards read during the wrap ("fsdp2"),
@@ -66,8 +63,7 @@ def loading_mode(args, ctx, config) -> tuple[str, str]:
     sliced = ctx.tp > 1 or ctx.ep > 1   # each rank holds TP / EP slices of some weights
     if args.upcycle_experts and not sliced:
         return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
-    if (sliced or ctx.pp > 1) and (any(getattr(config, f, None) for f in _MOE_FIELDS)
-                                  or config_num_experts(config)):
+    if (sliced or ctx.pp > 1) and config_num_experts(config) is not None:
         if config.model_type not in MOE_FAMILIES:   # generic / HF MoE blocks are checked with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
     if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)

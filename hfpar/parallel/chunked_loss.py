@@ -37,7 +37,7 @@ from hfpar.parallel.comm import (
 )
 from hfpar.parallel.tensor_parallel import ColumnParallelLinear
 
-IGNORE = -100
+from hfpar.parallel.labels import IGNORE
 LOGITS_PER_CHUNK = 1 << 26   # default chunk: C x V/tp ~ 64M fp32 logits (256 MiB) -> C = 2048 tokens at V = 32k
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2",
             "starcoder2", "gpt2")

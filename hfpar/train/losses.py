@@ -17,7 +17,7 @@ from hfpar.parallel.chunked_loss import chunked_loss_state
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 
-IGNORE = -100
+from hfpar.parallel.labels import IGNORE
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """The one training loop behind every recipe and every composition (the backend holds what differs).
 
-    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, task="lm")
+    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, plan, objective)
     trainer.train()
+
+plan: the run's RunPlan (hfpar.context); objective: an hfpar.objectives.base.Objective, whose declared hooks the
+loop calls (the units the loss is normalized by, per-sample hooks, metrics, eval).
 
 Loss normalization (the parity contract): the optimized and logged loss of an optimizer step is
     sum of per-token losses over the whole global batch / number of real target tokens in it
@@ -28,9 +31,8 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.observe import metrics as M
 from hfpar.observe.comm_stats import StepCommLog
 from hfpar.observe.recorder import RunRecorder
-from hfpar.parallel.pipeline import microbatches, pipeline_stages
+from hfpar.parallel.labels import IGNORE
 from hfpar.train.batch_plan import BatchPlan
-from hfpar.train.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
 from hfpar.backends.optim import implementation
 from hfpar.train.sampler import GlobalBatchSampler, eval_shard
 from hfpar.train.schedules import get_scheduler
@@ -45,7 +47,7 @@ def attention_kernels(device: torch.device):
     cuDNN's on recent GPUs, and cuDNN builds an execution plan for every new (rows, length, mask) shape: hfpar's
     padding-free and packed-pair batches change shape from step to step, and each new shape cost 2.3-3.9 s
     (measured: an H200, torch 2.11, bf16, the DPO benchmark's packed rows, where the memory-efficient kernel took
-    76 ms a step; benchmarks/results/gpu/logs/dpo_cudnn_diag.log). CPU: SDPA's own choice."""
+    76 ms a step; benchmarks/results/dpo/logs/cudnn_diag.log). CPU: SDPA's own choice."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -53,23 +55,19 @@ def attention_kernels(device: torch.device):
 
 class Trainer:
     def __init__(self, args, accelerator, ctx, backend, model, tokenizer, train_dataset, eval_dataset, collator,
-                 task: str = "lm", run_extra: dict | None = None, loss_fn=None):
-        """loss_fn: the recipe's own objective (DPO: hfpar.train.dpo.DPOObjective), which may add hooks: count(batch)
-        (the units its loss is normalized by; default: target tokens), tokens(sample) (its real tokens), before_micro(backend, batch, replan) (before
-        each micro-batch's forward; replan() -> a fresh (batch, scope) of it) and step_sums(device) / metrics(sums) (extra fields of the step's record: device sums reduced
-        with the loss) or step_metrics(device)."""
-        assert task in ("lm", "classify")
+                 plan, objective, run_extra: dict | None = None):
+        """plan: the RunPlan (hfpar.context); objective: what the loop optimizes, an hfpar.objectives.base.Objective
+        (not imported here: objectives/ builds on train/'s losses; the loop calls only the hooks it declares)."""
+        assert plan.task in ("lm", "classify")
         self.args, self.acc, self.ctx, self.backend = args, accelerator, ctx, backend
-        self.tokenizer, self.collator, self.task = tokenizer, collator, task
+        self.tokenizer, self.collator, self.task = tokenizer, collator, plan.task
         self.train_ds, self.eval_ds = train_dataset, eval_dataset
-        self.loss_fn = loss_fn if loss_fn is not None else make_loss_fn(task, model)
-        self.count = getattr(self.loss_fn, "count", count_targets)
-        self.tokens = getattr(self.loss_fn, "tokens", lambda sample: len(sample["input_ids"]))  # real tokens of a sample
-        self.batch_plan = BatchPlan(task, ctx, ctx.cp_mode)
-        splits = microbatches(args.per_device_train_batch_size, ctx.pp, args.pp_schedule, args.pp_microbatches) \
-            if ctx.pp > 1 else 1   # a pipeline micro-batch over the dp ranks: one contiguous slice of the batch
+        self.objective = objective
+        self.batch_plan = BatchPlan(plan.task, ctx, plan.cp_mode)
+        # a pipeline micro-batch over the dp ranks: one contiguous slice of the batch
         self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
-                                          ctx.dp_rank, args.gradient_accumulation_steps, args.seed, splits=splits)
+                                          ctx.dp_rank, args.gradient_accumulation_steps, args.seed,
+                                          splits=plan.microbatches)
         if args.max_steps > 0:
             self.total_steps = args.max_steps
         else:
@@ -93,14 +91,34 @@ class Trainer:
         self.checkpointer = Checkpointer(
             accelerator, ctx, backend, args.output_dir, total_steps=self.total_steps, save_steps=args.save_steps,
             save_total_limit=args.save_total_limit, resume=args.resume_from_checkpoint, seed=args.seed,
-            global_batch=self.sampler.global_batch, pp_virtual_stages=pipeline_stages(ctx.pp, args.pp_schedule, args.pp_virtual_stages) // ctx.pp,
+            global_batch=self.sampler.global_batch, pp_virtual_stages=plan.chunks_per_rank,
             tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter, identity=run_identity(args))
         self.checkpointer.register(self.scheduler)
         self.start_step = 0
+        objective.bind(self.model)   # e.g. a frozen reference: a copy of the parameters as the backend holds them
 
     # ------------------------------------------------------------------ forward
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
+
+    def _train_batches(self):
+        """Every micro-batch of the run, in order: (dataset indices, plan() -> (planned batch, scope))."""
+        for _, _, micro in self.sampler.iterate(0, self.total_steps):
+            for ix in micro:
+                yield ix, lambda ix=ix: self.batch_plan(self._to_device(self.collator([self.train_ds[i] for i in ix])))
+
+    def _eval_indices(self):
+        """This rank's eval batches, by dataset index (None: a padding slot; every rank the same number)."""
+        if self.eval_ds is None or len(self.eval_ds) == 0:
+            return
+        n = min(len(self.eval_ds), self.args.max_eval_samples or len(self.eval_ds))
+        yield from eval_shard(n, self.args.per_device_eval_batch_size, self.ctx.dp, self.ctx.dp_rank)
+
+    def _eval_batches(self):
+        """The eval batches as they are, padding slots included: (indices, plan() -> (planned batch, scope))."""
+        for idx in self._eval_indices():
+            feats = [dict(self.eval_ds[i if i is not None else 0]) for i in idx]
+            yield idx, lambda feats=feats: self.batch_plan(self._to_device(self.collator(feats)))
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -108,26 +126,18 @@ class Trainer:
         if self.eval_ds is None or len(self.eval_ds) == 0:
             return {}
         self.model.eval()
-        n = min(len(self.eval_ds), self.args.max_eval_samples or len(self.eval_ds))
         stats = torch.zeros(3, dtype=torch.float64, device=self.acc.device)  # loss sum, targets, correct
-        before_micro = getattr(self.loss_fn, "before_micro", None)
-        if hasattr(self.loss_fn, "begin_eval"):
-            self.loss_fn.begin_eval()
-        for idx in eval_shard(n, self.args.per_device_eval_batch_size, self.ctx.dp, self.ctx.dp_rank):
+        obj = self.objective
+        obj.begin_eval()
+        for idx in self._eval_indices():
             feats = []
             for i in idx:
-                f = dict(self.eval_ds[i if i is not None else 0])
-                if i is None and "labels" not in f:  # padding slot of preference pairs: the collator's
-                    f["no_targets"] = True
-                elif i is None:  # padding slot: same shapes, no targets
-                    lab = f["labels"]
-                    f["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
-                feats.append(f)
+                f = dict(obj.sample("eval", i if i is not None else 0, self.eval_ds[i if i is not None else 0]))
+                feats.append(f if i is not None else obj.padding_sample(f))  # padding slot: same shapes, no targets
             raw = self._to_device(self.collator(feats))
             batch, scope = self.batch_plan(raw)
-            if before_micro is not None:
-                before_micro(self.backend, batch, lambda raw=raw: self.batch_plan(raw))
-            ls, cnt, logits = self.backend.eval_loss(batch, scope, self.loss_fn, self.task)
+            obj.before_micro(self.backend, batch, lambda raw=raw: self.batch_plan(raw))
+            ls, cnt, logits = self.backend.eval_loss(batch, scope, obj, self.task)
             stats[0] += ls.double()
             stats[1] += cnt.double()
             if self.task == "classify":
@@ -138,8 +148,7 @@ class Trainer:
         out = {"eval_loss": float(stats[0] / stats[1].clamp(min=1))}
         if self.task == "classify":
             out["eval_accuracy"] = float(stats[2] / stats[1].clamp(min=1))
-        if hasattr(self.loss_fn, "end_eval"):
-            out.update(self.loss_fn.end_eval(self.acc.device))
+        out.update(obj.end_eval(self.acc.device))
         return out
 
     # ------------------------------------------------------------------ train
@@ -149,28 +158,25 @@ class Trainer:
         t0, c0 = time.perf_counter(), time.process_time()
         if self.comm is not None:
             self.comm.reset()
-        feats = [[self.train_ds[i] for i in ix] for ix in micro]
+        obj = self.objective
+        feats = [[obj.sample("train", i, self.train_ds[i]) for i in ix] for ix in micro]
         raw = [self._to_device(self.collator(f)) for f in feats]
         batches = [self.batch_plan(b) for b in raw]
         # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples
-        real = sum(self.tokens(x) for f in feats for x in f) / ctx.cp
-        totals = all_reduce_sum([sum(self.count(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
+        real = sum(obj.tokens(x) for f in feats for x in f) / ctx.cp
+        totals = all_reduce_sum([sum(obj.count(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
             raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         loss_scale = self.backend.loss_scale()  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
-        before_micro = getattr(self.loss_fn, "before_micro", None)
         for (batch, scope), r in zip(batches, raw):
-            if before_micro is not None:   # replan: a scope is entered once, and the hook may run a forward
-                before_micro(self.backend, batch, lambda r=r: self.batch_plan(r))
+            # replan: a scope is entered once, and the hook may run a forward (a reference model's)
+            obj.before_micro(self.backend, batch, lambda r=r: self.batch_plan(r))
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
-            step_loss += self.backend.train_micro(batch, scope, self.loss_fn, ctx.grad_replicas / n_global,
-                                                  self.task).double()
+            step_loss += self.backend.train_micro(batch, scope, obj, ctx.grad_replicas / n_global, self.task).double()
         # the loss and the objective's metric sums (DPO's rewards): one collective and one host read a step
-        extra = self.loss_fn.step_sums(acc.device) if hasattr(self.loss_fn, "step_sums") else None
-        sums = all_reduce_sum(step_loss.view(1) if extra is None else torch.cat([step_loss.view(1), extra]),
-                              acc.device).tolist()
+        sums = all_reduce_sum(torch.cat([step_loss.view(1), obj.step_sums(acc.device)]), acc.device).tolist()
         loss = sums[0] / ctx.data_replicas / n_global
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = self.backend.clip(max_norm)
@@ -191,10 +197,7 @@ class Trainer:
                "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
                "step_cpu_s": time.process_time() - c0,   # this process's CPU seconds (all its threads)
                "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
-        if extra is not None:
-            rec.update(self.loss_fn.metrics(sums[1:]))
-        elif hasattr(self.loss_fn, "step_metrics"):
-            rec.update(self.loss_fn.step_metrics(acc.device))
+        rec.update(obj.metrics(sums[1:]))
         if bad or overflow:
             rec["skipped"] = True
         if loss_scale != 1.0:
@@ -210,6 +213,8 @@ class Trainer:
         if acc.is_main_process:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
+        # before resume loads a checkpoint: the model is still the initial one (e.g. a precomputed reference)
+        self.objective.prepare(self.backend, self._train_batches, self._eval_batches)
         self.start_step = self.checkpointer.resume()
         self.checkpointer.watch_signals(args.preempt_signals)  # SIGTERM / SIGUSR1: checkpoint at the next step, exit
         self.recorder.start(self.start_step)

@@ -11,7 +11,8 @@ Launched, each against its reference:
   ddp          2 processes x 2 pairs: Accelerate's DDP
   fsdp2        2 processes: the frozen copy is each rank's FSDP2 shards (checkpoint-4 resumed in `resumed`)
   zero2        2 processes: DeepSpeed ZeRO-2 (the frozen copy swapped into its partitioned module)
-  zero3        2 processes, --precompute_ref_log_probs (ZeRO-3 refuses the frozen copy: tests/unit/test_dpo.py)
+  zero3        2 processes, --precompute_ref_log_probs (the reference forward done once, before training)
+  zero3_live   2 processes, a live reference: a copy of the initial model in a ZeRO-3 engine of its own
   tp2          --tp_size 2 (ddp.yaml): per-token log-probs from the vocab-parallel logit shards
   cp2_ring     --cp_size 2 --cp_mode ring: each pair's two sequences packed in one row, split over 2 ranks
   cp2_ulysses  --cp_size 2 --cp_mode ulysses: the same rows, all-to-all over heads
@@ -64,6 +65,7 @@ CASES = {  # name: (config, processes, per-device pairs, extra flags, reference)
     "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "4"], "single"),   # its checkpoint-4: the resume test
     "zero2": ("zero2", 2, 2, [], "single"),
     "zero3": ("zero3", 2, 2, ["--precompute_ref_log_probs", "true"], "single"),
+    "zero3_live": ("zero3", 2, 2, [], "single"),   # the reference: a ZeRO-3 engine of its own (ZeRO3Reference)
     "tp2": ("ddp", 2, 4, ["--tp_size", "2"], "single"),
     "cp2_ring": ("ddp", 2, 4, ["--cp_size", "2", "--cp_mode", "ring"], "single"),
     "cp2_ulysses": ("ddp", 2, 4, ["--cp_size", "2", "--cp_mode", "ulysses"], "single"),

@@ -32,7 +32,8 @@ from hfpar.backends import ModelParallelDDP, ModelParallelDeepSpeed, ModelParall
 from hfpar.backends.wraps import fsdp2_settings
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
-from hfpar.train.losses import count_targets, shifted_lm_loss_sum
+from hfpar.objectives.base import Objective
+from hfpar.train.losses import shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineStage, balanced_split
@@ -196,7 +197,7 @@ def _pipeline(rank: int) -> dict:
     acc = _accelerator()
     acc.autocast = contextlib.nullcontext  # fp32 compute: what is under test is the scale, not fp16 rounding
     args = parse_args(["--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"], recipe="sft")
-    backend = PipelineDDP(acc, ctx, "ddp", args)
+    backend = PipelineDDP(acc, ctx, "ddp", args, run_plan=SimpleNamespace(microbatches=2))   # the RunPlan's
     backend.prepare(stage)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(3))
     batch = shift_labels({"input_ids": ids, "labels": ids.clone()})
@@ -348,8 +349,8 @@ def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
         ctx=SimpleNamespace(cp=1, data_replicas=1, grad_replicas=1), comm=None, train_ds=rows, task="lm",
         collator=lambda f: {"input_ids": torch.tensor([x["input_ids"] for x in f]),
                             "labels": torch.tensor([x["input_ids"] for x in f])},
-        batch_plan=lambda b: (b, contextlib.nullcontext()), _to_device=lambda b: b, loss_fn=None,
-        count=count_targets, tokens=lambda sample: len(sample["input_ids"]),   # the trainer's defaults (no loss_fn)
+        batch_plan=lambda b: (b, contextlib.nullcontext()), _to_device=lambda b: b,
+        objective=Objective(lambda out, labels: None),   # the default hooks (count: target tokens); the backend's fake
         backend=_OverflowingBackend(overflow), sampler=SimpleNamespace(steps_per_epoch=10),
         scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None))
     rec = Trainer._train_step(trainer, 0, [[0, 1]])

@@ -218,7 +218,8 @@ def test_context_parallel_refusals_and_mode(tmp_path):
     for heads, kv, mode in ((8, 4, "ulysses"), (8, 2, "ring"), (6, 6, "ring")):
         c = ParallelContext.plan(4, cp=4)
         cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8, num_hidden_layers=1)
-        assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and c.cp_mode == mode, (heads, kv, c.cp_mode)
+        got = pf.resolve_cp_mode(_args("--cp_size", "4"), c.tp, c.cp, cfg)   # the run plan's (no side effect on c)
+        assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and got == mode, (heads, kv, got)
     lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
     assert any("context parallelism is available for causal-LM recipes" in x for x in lines)
     assert any("--attn_implementation flash_attention_2" in x for x in lines)

@@ -22,8 +22,8 @@ from hfpar.data.preference import (
     truncate_pair,
     with_attention_mask,
 )
-from hfpar.train.dpo import pair_losses
-from hfpar.train.dpo_setup import LOSS_TYPES
+from hfpar.objectives.preference import pair_losses
+from hfpar.objectives.preference import LOSS_TYPES
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 
@@ -175,17 +175,34 @@ def test_bad_preference_data_refused_naming_the_example(tok):
 def test_option_problems_are_one_line_each_before_loading():
     from hfpar.backends.strategies import STRATEGY
     from hfpar.config import parse_args
-    from hfpar.train.dpo_setup import dpo_problems
+    from hfpar.recipes.dpo import DPOArgs, dpo_problems
 
     ctx = SimpleNamespace(strategy=STRATEGY["zero3"])
-    args = parse_args(["--loss_type", "kto", "--label_smoothing", "0.5"], recipe="dpo")
+    args = parse_args(["--loss_type", "kto", "--label_smoothing", "0.5"], recipe="dpo", args_class=DPOArgs)
     p = dpo_problems(args, ctx)
-    assert len(p) == 3 and p[0].startswith("--loss_type 'kto': valid values are sigmoid, hinge")
-    assert "--label_smoothing 0.5" in p[1] and "reference model with zero3" in p[2] and "--precompute_ref_log_probs" in p[2]
-    ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo")
+    # ZeRO-3 runs a live reference now (hfpar.objectives.reference.ZeRO3Reference): no third line refusing it
+    assert len(p) == 2 and p[0].startswith("--loss_type 'kto': valid values are sigmoid, hinge")
+    assert "--label_smoothing 0.5" in p[1]
+    ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo", args_class=DPOArgs)
     assert dpo_problems(ok, ctx) == []
     multi = ["--precompute_ref_log_probs", "true", "--loss_type", "sigmoid,sppo_hard"]   # TRL's multi-loss
-    assert dpo_problems(parse_args([*multi, "--loss_weights", "0.8,0.2"], recipe="dpo"), ctx) == []
+    assert dpo_problems(parse_args([*multi, "--loss_weights", "0.8,0.2"], recipe="dpo", args_class=DPOArgs), ctx) == []
     for bad in ("1", "0.8,x"):
-        p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo"), ctx)
+        p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo", args_class=DPOArgs), ctx)
         assert p == [f"--loss_weights '{bad}': one number per --loss_type entry (2), comma-separated"]
+
+
+def test_moe_configs_never_pack_pairs():
+    """One helper reads a config's routed-expert count (config_num_experts, resolved once into the run plan): every
+    field name transformers' MoE configs use, Ernie-4.5-MoE's moe_num_experts included, so no MoE run packs pairs."""
+    from transformers import AutoConfig
+
+    from hfpar.config import parse_args
+    from hfpar.parallel.expert_parallel import config_num_experts
+    from hfpar.recipes.dpo import DPOArgs, packs_pairs
+
+    args = parse_args([], recipe="dpo", args_class=DPOArgs)
+    for model_type, experts in (("ernie4_5_moe", 64), ("mixtral", 8), ("qwen2_moe", 60), ("deepseek_v3", 256)):
+        n = config_num_experts(AutoConfig.for_model(model_type))
+        assert n == experts and not packs_pairs(args, SimpleNamespace(num_experts=n)), model_type
+    assert config_num_experts(AutoConfig.for_model("llama")) is None and packs_pairs(args, SimpleNamespace(num_experts=None))

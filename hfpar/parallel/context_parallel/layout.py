@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-IGNORE = -100
+from ..labels import IGNORE
 
 
 @dataclass

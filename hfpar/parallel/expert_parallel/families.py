@@ -29,7 +29,8 @@ from .moe import MoELayer
 __all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "config_num_experts",
            "find_moe_blocks", "has_moe_blocks"]
 
-# the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config)
+# the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config;
+# Ernie-4.5-MoE: moe_num_experts); config_num_experts is the one reader of them in hfpar
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 

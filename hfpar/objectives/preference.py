@@ -1,6 +1,6 @@
-"""The DPO objective: TRL 1.16 DPOTrainer's losses, as a loss function of hfpar's one training loop.
+"""The DPO objective: TRL 1.16 DPOTrainer's losses, an Objective of hfpar's one training loop.
 
-    objective = DPOObjective(model, ctx, beta=0.1, loss_type="sigmoid")   # the Trainer's loss_fn (or [(type, w), ..])
+    objective = DPOObjective(model, ctx, reference=FrozenReference(), beta=0.1, loss_type="sigmoid")  # or [(type, w), ..]
     objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
     loss_sum, n_pairs = objective(logits, shifted_labels)
 
@@ -15,31 +15,44 @@ pairs of the whole global batch. The loss function returns the SUM of per-pair l
 which the trainer normalizes by the global pair count (count()); a cp rank reports 1/cp of both (every cp rank of
 a replica holds the whole pair loss), so sums over ranks count each pair once.
 
-Reference log-probs (before the policy forward of each micro-batch): --reference_free (zeros); precomputed
-(`ref_logps` in the batch, see precompute_reference); with LoRA, the policy with its adapters disabled; else a
-frozen copy of this rank's parameter shards, swapped in for a no-grad forward through the same backend (so it
-is sharded exactly as the policy: TP / EP / PP / FSDP2 shards alike, no grads, no optimizer state).
+Reference log-probs (before the policy forward of each micro-batch), from the reference component the objective
+owns (hfpar.objectives.reference): none (--reference_free: zeros); precomputed once before training (`ref_logps` in
+the batch); with LoRA, the policy with its adapters disabled; else a frozen copy of this rank's parameter shards,
+swapped in for a no-grad forward through the same backend (so it is sharded exactly as the policy: TP / EP / PP /
+FSDP2 shards alike, no grads, no optimizer state).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
-from hfpar.data.preference import IGNORE, decode_targets, with_attention_mask
+from hfpar.data.preference import decode_targets, with_attention_mask
 from hfpar.distributed import all_reduce_sum
+from hfpar.objectives.base import Batches, Objective
+from hfpar.objectives.reference import Reference
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
+from hfpar.parallel.labels import IGNORE
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from hfpar.train.dpo_setup import LOSS_TYPES
-from hfpar.train.sampler import eval_shard
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "sppo_hard")
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+
+
+def loss_terms(loss_type: str, loss_weights: str | None) -> list[tuple[str, float]] | None:
+    """[(loss type, weight), ...] of --loss_type / --loss_weights (TRL's multi-loss: the weighted sum of the per-pair
+    losses, e.g. MPO); None where the weights are not one number per type."""
+    types = loss_type.split(",")
+    try:
+        weights = [float(w) for w in loss_weights.split(",")] if loss_weights is not None else [1.0] * len(types)
+    except ValueError:
+        return None
+    return list(zip(types, weights)) if len(weights) == len(types) else None
 
 
 def pair_losses(loss_type: str, beta: float, label_smoothing: float, logps: torch.Tensor, ref: torch.Tensor,
@@ -99,20 +112,21 @@ class Targets:
         return labels is self.labels
 
 
-class DPOObjective:
-    def __init__(self, model, ctx, *, beta: float = 0.1, loss_type: str | list = "sigmoid", label_smoothing: float = 0.0,
-                 reference_free: bool = False):
+class DPOObjective(Objective):
+    def __init__(self, model, ctx, *, reference: Reference | None, beta: float = 0.1, loss_type: str | list = "sigmoid",
+                 label_smoothing: float = 0.0):
+        """reference: the reference component (hfpar.objectives.reference; None: reference-free, log-probs 0)."""
         self.ctx, self.beta, self.label_smoothing = ctx, beta, label_smoothing
         # [(loss type, weight), ...]: the per-pair loss is their weighted sum (TRL's multi-loss)
         self.terms = [(loss_type, 1.0)] if isinstance(loss_type, str) else list(loss_type)
-        self.reference_free = reference_free
+        self.reference = reference
+        self.reference_free = reference is None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         spec = shard_spec(head.weight) if head is not None else None
         self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
         self.ref = None             # (P, 2) reference log-probs of the current batch's pairs
         self.rows = 0               # pairs of the current batch
-        self.reference = None       # a context manager factory: the policy turned into the reference
         self._capture = None        # (P, 2) being filled by a reference forward
         self._targets = None        # the Targets of the labels of a forward (select_targets)
         self._plan = None           # the current micro-batch's Targets (before_micro)
@@ -179,6 +193,27 @@ class DPOObjective:
         n = mine.sum(dtype=torch.float64) / self.cp
         return losses.sum() / self.cp, n
 
+    # ------------------------------------------------------------------ the reference, before training
+    def bind(self, model) -> None:
+        if self.reference is not None:
+            self.reference.bind(model)
+
+    def prepare(self, backend, train_batches: Batches, eval_batches: Batches) -> None:
+        """A precomputed reference: its log-probs of every pair of the run, before training and before resume (the
+        model is the initial one: the reference)."""
+        if self.reference is not None and self.reference.precomputed:
+            self.reference.precompute(lambda batch, scope: self.reference_logps(backend, batch, scope),
+                                      train_batches, eval_batches)
+
+    def sample(self, split: str, index: int, sample: dict) -> dict:
+        """A pair with its precomputed reference log-probs (ref_chosen_logps, ref_rejected_logps), if any."""
+        return self.reference.sample(split, index, sample) if self.reference is not None else sample
+
+    def padding_sample(self, sample: dict) -> dict:
+        """An eval padding slot: the pair collator gives it no targets."""
+        sample["no_targets"] = True
+        return sample
+
     # ------------------------------------------------------------------ counts and metrics
     def count(self, batch: dict) -> float:
         """Pairs of a (planned) micro-batch, as the trainer sums them over ranks (1/cp per cp rank)."""
@@ -215,7 +250,7 @@ class DPOObjective:
         n = sums[-1]
         return {k: sums[i] / n for i, k in enumerate(METRICS)} if n else {}
 
-    def step_metrics(self, device) -> dict:
+    def _step_metrics(self, device) -> dict:
         """The metrics of the sums so far (collective: every rank calls it), then reset."""
         return self.metrics(all_reduce_sum(self.step_sums(device), device).tolist())
 
@@ -227,7 +262,7 @@ class DPOObjective:
 
     def end_eval(self, device) -> dict:
         """The eval's metrics with TRL's names (eval_rewards/chosen, ...; collective), the training sums restored."""
-        out = {f"eval_{k}": v for k, v in self.step_metrics(device).items()}
+        out = {f"eval_{k}": v for k, v in self._step_metrics(device).items()}
         self._sums = self._train_sums
         return out
 
@@ -240,7 +275,7 @@ class DPOObjective:
         self.rows = num_pairs(batch, pop=True)
         with_attention_mask(batch)
         self._plan = Targets(batch["labels"])
-        if self.reference_free:
+        if self.reference is None:
             self.ref = None
             return
         if ref is not None:
@@ -265,116 +300,10 @@ class DPOObjective:
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
         try:
-            with self.reference():
+            with self.reference(backend):
                 backend.eval_loss(batch, scope, self, "lm")
             return self._capture
         finally:
             self._capture = None
 
 
-# ---------------------------------------------------------------------------------------- references
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """LoRA: the base model is the reference (PEFT's BaseTunerLayer.enable_adapters, found through any wrap)."""
-    from peft.tuners.tuners_utils import (
-        BaseTunerLayer,  # peft is optional: LoRA runs only
-    )
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for m in layers:
-        m.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.enable_adapters(True)
-
-
-class FrozenCopy:
-    """A copy of this rank's parameter shards at the start (the reference), swapped into the policy's own
-    parameters for a no-grad forward: the reference is sharded exactly as the policy (no grads, no optimizer
-    state). A plain parameter's data is swapped (no copy: the frozen tensor is put in, the policy's put back); a
-    DTensor's local shard (FSDP2, which all-gathers from its own storage) is overwritten in place and restored."""
-
-    def __init__(self, model):
-        self.params = [p for p in model.parameters()]
-        self.frozen = [_local(p).detach().clone() for p in self.params]
-        # FSDP2 keeps the root's gathered parameters after a forward: resharded around the swap, so that the next
-        # forward gathers them again from the shards (the reference's, then the policy's)
-        self.sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-    def _reshard(self) -> None:
-        for m in self.sharded:
-            m.reshard()
-
-    @staticmethod
-    def _put(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Puts value in as p's data; returns what it held."""
-        if hasattr(p, "to_local"):
-            held = p.to_local().detach().clone()
-            p.to_local().copy_(value)
-            return held
-        held, p.data = p.data, value
-        return held
-
-    @contextlib.contextmanager
-    def __call__(self):
-        self._reshard()
-        with torch.no_grad():
-            stash = [self._put(p, f) for p, f in zip(self.params, self.frozen)]
-        try:
-            yield
-        finally:
-            self._reshard()
-            with torch.no_grad():
-                for p, s in zip(self.params, stash):
-                    self._put(p, s)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p.data
-
-
-def precompute_reference(objective: DPOObjective, trainer) -> dict[int, tuple[float, float]]:
-    """--precompute_ref_log_probs: before training (the policy IS the reference then), the reference log-probs of
-    every pair this rank's steps will use, from exactly the micro-batches of the run. -> {dataset index: (c, r)}."""
-    table = {}
-    for _, _, micro in trainer.sampler.iterate(0, trainer.total_steps):
-        for ix in micro:
-            if all(i in table for i in ix):
-                continue
-            batch, scope = trainer.batch_plan(trainer._to_device(trainer.collator([trainer.train_ds[i] for i in ix])))
-            ref = objective.reference_logps(trainer.backend, batch, scope).cpu()
-            for row, i in enumerate(ix):
-                table[i] = (float(ref[row, 0]), float(ref[row, 1]))
-    return table
-
-
-def precompute_eval_reference(objective: DPOObjective, trainer) -> dict[int, tuple[float, float]]:
-    """--precompute_ref_log_probs with evaluation: the eval pairs' reference log-probs, from the eval's own batches
-    (every rank the same number of them: sampler.eval_shard)."""
-    n = min(len(trainer.eval_ds), trainer.args.max_eval_samples or len(trainer.eval_ds))
-    table = {}
-    for idx in eval_shard(n, trainer.args.per_device_eval_batch_size, trainer.ctx.dp, trainer.ctx.dp_rank):
-        feats = [dict(trainer.eval_ds[i if i is not None else 0]) for i in idx]
-        batch, scope = trainer.batch_plan(trainer._to_device(trainer.collator(feats)))
-        ref = objective.reference_logps(trainer.backend, batch, scope).cpu()
-        for row, i in enumerate(idx):
-            if i is not None:   # a padding slot (None) has no targets in the eval: its reference is never read
-                table[i] = (float(ref[row, 0]), float(ref[row, 1]))
-    return table
-
-
-class WithReference:
-    """A tokenized pair dataset whose items carry precomputed reference log-probs (ref_chosen_logps,
-    ref_rejected_logps) from a table; what the trainer indexes."""
-
-    def __init__(self, ds, table: dict[int, tuple[float, float]]):
-        self.ds, self.table = ds, table
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> dict:
-        c, r = self.table.get(i, (math.nan, math.nan))
-        return {**self.ds[i], "ref_chosen_logps": c, "ref_rejected_logps": r}

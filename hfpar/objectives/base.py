@@ -1,0 +1,97 @@
+"""The objective: what the one training loop optimizes, and every hook it calls, declared here with its default
+(the token-normalized causal-LM / classification loss of hfpar.train.losses).
+
+    objective = Objective.for_task("lm", model)      # after parallelize (a vocab-parallel or chunked head)
+    loss_sum, n = objective(logits, shifted_labels)  # the trainer divides the step's sums by count() over ranks
+
+A recipe with another loss subclasses Objective and overrides what differs (hfpar.objectives.preference: DPO,
+whose unit is the pair and which owns a reference model). The trainer calls, in this order:
+    bind(model)                           after the data-parallel wrap (the parameters the run trains)
+    prepare(backend, batches)             before training and before resume (e.g. precomputed reference values)
+    sample(split, index, sample)          every dataset item the trainer reads ("train" / "eval")
+    padding_sample(sample)                an eval padding slot (same shapes, no targets)
+    count(batch), tokens(sample)          the normalization units of a micro-batch; real tokens of a sample
+    before_micro(backend, batch, replan)  before each micro-batch's forward (train and eval)
+    __call__(out, labels)                 (loss sum, units) of a forward; `scope(labels)` around it if not None
+    step_sums(device) / metrics(sums)     extra sums reduced with the step's loss -> fields of its record
+    begin_eval() / end_eval(device)       around an evaluation -> fields of the eval record
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from hfpar.parallel.labels import IGNORE
+from hfpar.train.losses import count_targets, make_loss_fn
+
+# the micro-batches a run will train on (or its eval batches), in order: (dataset indices (None: an eval padding
+# slot), plan) where plan() collates them onto the device -> (planned batch, scope)
+Batches = Callable[[], Iterator[tuple[list, Callable[[], tuple[dict, contextlib.AbstractContextManager]]]]]
+
+
+class Objective:
+    scope: Callable[[torch.Tensor], contextlib.AbstractContextManager] | None = None
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+        """loss(out, labels) -> (loss sum, units); its `scope` (a chunked LM head's) is the objective's."""
+        self.loss = loss
+        self.scope = getattr(loss, "scope", None)
+
+    @classmethod
+    def for_task(cls, task: str, model: torch.nn.Module) -> Objective:
+        """The task's token-summed loss (hfpar.train.losses.make_loss_fn: vocab-parallel / chunked where the
+        model's head is)."""
+        return cls(make_loss_fn(task, model))
+
+    def __call__(self, out: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss(out, labels)
+
+    # ------------------------------------------------------------------ the run's set-up
+    def bind(self, model: torch.nn.Module) -> None:
+        """The model as the backend prepared it (wrapped, sharded), before any step."""
+
+    def prepare(self, backend, train_batches: Batches, eval_batches: Batches) -> None:
+        """Before the first step and before resume loads a checkpoint (the model is still the initial one)."""
+
+    # ------------------------------------------------------------------ samples and units
+    def sample(self, split: str, index: int, sample: dict) -> dict:
+        """A dataset item as the collator gets it (split: "train" | "eval")."""
+        return sample
+
+    def padding_sample(self, sample: dict) -> dict:
+        """An eval padding slot made of `sample` (a copy): the same shapes, no targets."""
+        lab = sample["labels"]
+        sample["labels"] = [IGNORE] * len(lab) if isinstance(lab, list) else IGNORE
+        return sample
+
+    def count(self, batch: dict) -> float:
+        """The units the loss of a (planned) micro-batch is normalized by, as the trainer sums them over ranks."""
+        return count_targets(batch)
+
+    def tokens(self, sample: dict) -> int:
+        """Real tokens of a sample (tokens/s)."""
+        return len(sample["input_ids"])
+
+    # ------------------------------------------------------------------ the step
+    def before_micro(self, backend, batch: dict, replan: Callable[[], tuple[dict, object]]) -> None:
+        """Before a micro-batch's forward (in place on `batch`); replan() -> the same rows planned again with a
+        fresh scope, for a forward of its own (a reference model's)."""
+
+    def step_sums(self, device: torch.device) -> torch.Tensor:
+        """(k,) float64 sums of this rank's step, all-reduced with the loss (one collective a step), then reset."""
+        return torch.zeros(0, dtype=torch.float64, device=device)
+
+    def metrics(self, sums: Iterable[float]) -> dict:
+        """Fields of the step's record from the reduced step_sums."""
+        return {}
+
+    # ------------------------------------------------------------------ evaluation
+    def begin_eval(self) -> None:
+        """An evaluation starts (its sums apart from the training step's)."""
+
+    def end_eval(self, device: torch.device) -> dict:
+        """Fields of the eval record (collective: every rank calls it)."""
+        return {}
