@@ -112,7 +112,7 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
 def _model_config(args):
     path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
     try:
-        return AutoConfig.from_pretrained(path), None
+        return AutoConfig.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False)), None
     except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None, f"--model_name_or_path {args.model_name_or_path}: cannot read its config.json ({first})"

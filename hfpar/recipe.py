@@ -22,11 +22,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data
-from hfpar.checkpoint.layout import has_any_checkpoint, previous_run_files, resolve_resume, set_aside_previous_run
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.data import preference
+from hfpar.data.dropped import announce_data_loss
+from hfpar.loading.sources import check_sources
+from hfpar.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
 from hfpar.preflight import padding_free_mode, preflight
+from hfpar.refusal import fail as _fail, guarded
 from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, packs_pairs, shares_prompt
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
@@ -44,48 +47,11 @@ RECIPE_DEFAULTS = {
 }
 
 
-def _fail(problems: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        for line in str(problems).splitlines():
-            print(f"hfpar: error: {line}", file=sys.stderr)
-    sys.exit(2)
-
-
 def _is_collective_timeout(exc: BaseException) -> bool:
     """gloo: RuntimeError '... Timed out waiting Nms for recv ...'; torch wraps backend failures in
     DistBackendError (a RuntimeError). NCCL's watchdog aborts the process itself, with its own message."""
     text = str(exc).lower()
     return isinstance(exc, torch.distributed.DistBackendError) or "timed out" in text or "timeout" in text
-
-
-def check_output_dir(args: RecipeArgs) -> None:
-    """Never write over someone's run (checkpoints, or the final model and metrics of a finished one) without an
-    explicit flag. --overwrite_output_dir: the previous run is set aside (after the accelerator exists, by the main
-    process: overwrite_previous_run) and `latest` then means a fresh start, never the old run's checkpoints."""
-    if args.overwrite_output_dir:
-        if args.resume_from_checkpoint == "latest":
-            args.resume_from_checkpoint = None
-        return
-    if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint:
-        raise ConfigError(
-            f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to continue "
-            "or --overwrite_output_dir to start over there (or pick another --output_dir)")
-    path = resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
-    left = [f.name for f in previous_run_files(args.output_dir) if not f.name.startswith(("checkpoint-", ".checkpoint-"))]
-    if path is None and left:
-        raise ConfigError(f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "
-                          "to resume; pass --overwrite_output_dir to replace it (it is moved aside), or pick another "
-                          "--output_dir")
-
-
-def overwrite_previous_run(args: RecipeArgs, accelerator) -> None:
-    """--overwrite_output_dir: the main process moves the previous run aside, said in one line; every rank waits."""
-    if args.overwrite_output_dir and accelerator.is_main_process:
-        dest = set_aside_previous_run(args.output_dir)
-        if dest is not None:
-            print(f"hfpar: --overwrite_output_dir: the previous run's checkpoints and records in {args.output_dir} were "
-                  f"moved to {dest} (delete it to free the space)", file=sys.stderr)
-    accelerator.wait_for_everyone()
 
 
 @contextlib.contextmanager
@@ -105,7 +71,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
-        config = AutoConfig.from_pretrained(data.embedded_model_path())
+        config = AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
         if num_labels is not None:
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
@@ -114,7 +80,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
-        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         mode, why = loading.loading_mode(args, ctx, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
@@ -122,13 +88,15 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
                 "why": why if index or mode == "full" else "no *.safetensors or zip-format *.bin weights"}
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
-        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+                                    **kw, **extra)
         _keep_frozen(model, cls)
         if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
-            model = loading.build_skeleton(cls, path, index, config_updates=kw, **extra)
+            model = loading.build_skeleton(cls, path, index, config_updates=kw,
+                                           trust_remote_code=args.trust_remote_code, **extra)
         load["index"] = index
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -183,11 +151,13 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, pa
     return out["train"], out["eval"], collator, info, num_labels
 
 
+@guarded  # a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/refusal.py)
 def main(kind: str, argv: list[str] | None = None) -> dict:
     task = TASK_OF[kind]
     try:
         args = parse_args(argv, recipe=kind, defaults=RECIPE_DEFAULTS[kind])
-        check_output_dir(args)
+        lock = claim_output_dir(args)  # one run per --output_dir; nothing there that hfpar did not write is touched
+        check_sources(args)  # no code from a model dir without --trust_remote_code; bounded, parseable JSON
     except ConfigError as exc:
         _fail(str(exc))
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
@@ -206,13 +176,14 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)
-        tokenizer = data.load_tokenizer(args.tokenizer_path)
+        tokenizer = data.load_tokenizer(args.tokenizer_path, trust_remote_code=args.trust_remote_code)
         padding_free, why_not = padding_free_mode(args, task, packed=args.packing or kind in ("clm", "dpo"))
         if why_not:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {why_not}")
         with accelerator.main_process_first():
             train_ds, eval_ds, collator, info, num_labels = build_data(
                 args, kind, tokenizer, ctx.seq_multiple, padding_free, kind == "dpo" and shares_prompt(args, ctx))
+        announce_data_loss(info, args, accelerator.print)  # what truncation left out or cut: one line, or refused
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:
@@ -266,4 +237,5 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
     accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    release_output_dir(lock)
     return result

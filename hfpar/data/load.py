@@ -36,16 +36,16 @@ def embedded_model_path() -> str:
     return str(resources.files("hfpar") / "assets" / "tiny")
 
 
-def load_tokenizer(name_or_path: str | None = None):
+def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = False):
     """None or "hfpar-tiny" -> the embedded tokenizer, else AutoTokenizer.from_pretrained. Always has a pad token."""
     # lazy: +0.8 s (measured), paid by paths that import hfpar.data but load no tokenizer (recipe argument errors)
     from transformers import AutoTokenizer
 
     path = embedded_model_path() if name_or_path in (None, EMBEDDED) else name_or_path
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {_one_line(exc)}") from None
+    try:  # an untrusted file: whatever its parser raises (tokenizers' own Exception, RecursionError) is one line
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {type(exc).__name__}: {_one_line(exc)}") from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise DataError(f"tokenizer {name_or_path!r} has neither a pad nor an eos token; give one that has")

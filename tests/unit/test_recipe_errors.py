@@ -30,8 +30,10 @@ def test_bad_values_reported_together(capsys):
 def test_output_dir_with_checkpoints_is_never_overwritten(tmp_path, capsys):
     (tmp_path / "checkpoint-10").mkdir()
     (tmp_path / "checkpoint-10" / "keep.txt").write_text("user data")
-    err = _run(["--output_dir", str(tmp_path)], capsys)
-    assert "already holds checkpoints" in err[0] and "--overwrite_output_dir" in err[0]
+    err = _run(["--output_dir", str(tmp_path)], capsys)   # a user's folder of that name: never hfpar's to touch
+    assert "checkpoint-10 is a directory without hfpar's COMPLETE marker" in err[0] and "move or rename it" in err[0]
+    err = _run(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--save_steps", "10"], capsys)
+    assert len(err) == 1 and "not a checkpoint hfpar wrote" in err[0]
     assert (tmp_path / "checkpoint-10" / "keep.txt").read_text() == "user data"
 
 
