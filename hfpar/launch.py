@@ -15,6 +15,8 @@ in the worker's own output). A ZeRO config without DeepSpeed installed is said i
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 
@@ -26,8 +28,17 @@ def _fail(line: str, code: int) -> None:
     sys.exit(code)
 
 
+def _worker_code() -> int | None:
+    """75 when a worker of this launch recorded a preemption (hfpar.refusal.record_exit), else 2 for a refusal."""
+    from hfpar.refusal import recorded_exits  # noqa: PLC0415
+
+    codes = recorded_exits(os.getpid())
+    return next((c for c in QUIET_CODES[::-1] if c in codes), None)
+
+
 def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
     parser = launch_command_parser()
@@ -37,6 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         launch_command(args)
+    except SignalException as exc:  # the launcher itself signalled (SLURM / Kubernetes signal the whole job)
+        code = _worker_code() or 128 + int(exc.sigval)
+        if code in QUIET_CODES:
+            sys.exit(code)
+        _fail(f"the launch was stopped by {signal.Signals(exc.sigval).name}", code)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode

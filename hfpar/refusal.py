@@ -18,6 +18,7 @@ peer") sees that a refusal of this launch was said and exits with the same code,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -31,20 +32,27 @@ REFUSED_EXIT = 2
 _PRUNE_AFTER_S = 24 * 3600
 
 
+def agent_dir(agent_pid: int) -> Path:
+    """What the workers of the launcher (torchrun's agent) `agent_pid` on this node leave for each other and for it."""
+    return Path(tempfile.gettempdir()) / f"hfpar-{os.getuid()}-refusals" / f"{socket.gethostname()}-{agent_pid}"
+
+
+def _attempt() -> str:
+    """Refusals are shared within one attempt of a launch (a torchrun restart is a new attempt)."""
+    return f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+
+
 def _launch_dir() -> Path | None:
-    """This launch's refusals on this node: the torchrun agent (the workers' parent process), its port and restart
-    attempt name it. None outside a launcher (one process: nothing to share)."""
-    if "LOCAL_RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_PORT" not in os.environ:
+    """This launch's directory on this node: the torchrun agent (the workers' parent process) names it. None
+    outside a launcher (one process: nothing to share)."""
+    if "LOCAL_RANK" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
-    key = "-".join((socket.gethostname(), str(os.getppid()), os.environ.get("MASTER_PORT", ""),
-                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    root = Path(tempfile.gettempdir()) / f"hfpar-{os.getuid()}-refusals"
-    d = root / key
+    d = agent_dir(os.getppid())
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    _prune(root, keep=d)
+    _prune(d.parent, keep=d)
     return d
 
 
@@ -65,7 +73,7 @@ def _claim(d: Path | None, line: str) -> bool:
     """True for the first rank of this launch (on this node) to say `line`."""
     if d is None:
         return True
-    name = d / hashlib.sha1(line.encode()).hexdigest()
+    name = d / (_attempt() + hashlib.sha1(line.encode()).hexdigest())
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -96,9 +104,25 @@ def peer_refused() -> bool:
     """Whether a rank of this launch (on this node) has already said a refusal."""
     d = _launch_dir()
     try:
-        return d is not None and any(d.iterdir())
+        return d is not None and any(f.name.startswith(_attempt()) for f in d.iterdir())
     except OSError:
         return False
+
+
+def record_exit(code: int) -> None:
+    """A worker's exit code, for `hfpar launch` (which may itself be the one signalled: preemption)."""
+    d = _launch_dir()
+    if d is not None:
+        with contextlib.suppress(OSError):
+            (d / f"exit-{int(code)}").touch()
+
+
+def recorded_exits(agent_pid: int) -> set[int]:
+    """The exit codes the workers of launcher `agent_pid` recorded (hfpar launch asks for its own pid)."""
+    try:
+        return {int(f.name[5:]) for f in agent_dir(agent_pid).iterdir() if f.name.startswith("exit-")}
+    except (OSError, ValueError):
+        return set()
 
 
 def guarded(fn):
@@ -108,6 +132,10 @@ def guarded(fn):
     def run(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except SystemExit as exc:  # a refusal (2), a preemption (75): what `hfpar launch` exits with
+            if isinstance(exc.code, int) and exc.code:
+                record_exit(exc.code)
+            raise
         except Exception:
             time.sleep(0.2)   # the peer that refused writes its line before it exits: let a racing one finish
             if peer_refused():
