@@ -27,7 +27,7 @@ from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
 from hfpar.data import preference
 from hfpar.data.dropped import announce_data_loss
 from hfpar.loading.sources import check_sources
-from hfpar.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
+from hfpar.checkpoint.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
 from hfpar.preflight import padding_free_mode, preflight
 from hfpar.refusal import fail as _fail, guarded
 from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, packs_pairs, shares_prompt
