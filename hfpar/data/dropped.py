@@ -23,13 +23,16 @@ def _split_line(split: str, stats: dict, args) -> tuple[str | None, bool]:
     if not total:
         return None, False
     no_targets, dropped = stats.get("no_targets", 0), stats.get("dropped", 0)
-    lost, cut = no_targets + dropped, stats.get("truncated", 0)
+    cut_away = stats.get("cut_away", 0)
+    lost, cut = no_targets + dropped, stats.get("truncated", 0) - cut_away
     if not lost and not cut:
         return None, False
     limit = f"--max_seq_length {args.max_seq_length}"
     why = []
-    if no_targets:
-        why.append(f"{no_targets} with every target token past {limit} (or none at all)")
+    if cut_away:
+        why.append(f"{cut_away} with every target token past {limit}")
+    if no_targets - cut_away:
+        why.append(f"{no_targets - cut_away} with no target token at all")
     if dropped:
         why.append(f"{dropped} longer than {limit} under --truncation drop" if getattr(args, "truncation", "") == "drop"
                    else f"{dropped} empty")
@@ -42,8 +45,8 @@ def _split_line(split: str, stats: dict, args) -> tuple[str | None, bool]:
     refuse = lost / total > MAX_LOST_FRACTION
     fix = "raise --max_seq_length or shorten the prompts"
     if refuse:
-        return (f"{split} data: {', '.join(parts)}: more than {MAX_LOST_FRACTION:.0%} of the examples would not be "
-                f"trained on; {fix}"), True
+        return (f"{split} data: {', '.join(parts)}: more than {MAX_LOST_FRACTION:.0%} of the examples would be left "
+                f"out; {fix}"), True
     return f"{split} data: {', '.join(parts)}" + (f" ({fix} to keep them)" if lost else ""), False
 
 

@@ -185,14 +185,16 @@ def test_export_refuses_custom_code_and_a_non_empty_destination(tmp_path, capsys
 # ------------------------------------------------------------------------------------------ data loss
 def test_examples_lost_to_truncation_are_said_and_most_refused():
     args = SimpleNamespace(max_seq_length=128, truncation="truncate")
-    notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": 146, "truncated": 20}}, args)
+    notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": 146, "cut_away": 145,
+                                                      "truncated": 165}}, args)
     assert problems == [] and notes == [
-        "train data: 146 of 285 examples left out (146 with every target token past --max_seq_length 128 (or none at "
-        "all)), 20 of 285 cut to --max_seq_length 128 (raise --max_seq_length or shorten the prompts to keep them)"]
+        "train data: 146 of 285 examples left out (145 with every target token past --max_seq_length 128; 1 with no "
+        "target token at all), 20 of 285 cut to --max_seq_length 128 (raise --max_seq_length or shorten the prompts "
+        "to keep them)"]
     lost = int(285 * MAX_LOST_FRACTION) + 1
     notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": lost},
                                        "eval_data": {"examples": 10, "truncated": 0}}, args)
-    assert notes == [] and len(problems) == 1 and "more than 90% of the examples would not be trained on" in problems[0]
+    assert notes == [] and len(problems) == 1 and "more than 90% of the examples would be left out" in problems[0]
     assert data_loss_lines({"train_data": {"pairs": 8, "truncated": 2}}, args)[0] == [
         "train data: 2 of 8 pairs cut to --max_length"]
 
