@@ -26,6 +26,8 @@ import pytest
 from tests.helpers.launch import ROOT, env, launch, read_metrics
 from tests.unit.test_output_dir import custom_code_model
 
+pytestmark = pytest.mark.slow   # whole runs: 2-process launches, and single processes of ~10-25 s each
+
 REFUSE_ON_RANK = str(ROOT / "tests" / "helpers" / "refuse_on_rank.py")
 
 
