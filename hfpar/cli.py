@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__.strip())
         return
     if argv[:1] == ["launch"]:
-        from hfpar.launch import main as launch  # noqa: PLC0415
+        from hfpar.launch import main as launch  # noqa: PLC0415  (on use, as the other subcommands)
 
         launch(argv[1:])
         return

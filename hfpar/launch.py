@@ -29,8 +29,8 @@ def _fail(line: str, code: int) -> None:
 
 
 def _worker_code() -> int | None:
-    """75 when a worker of this launch recorded a preemption (hfpar.refusal.record_exit), else 2 for a refusal."""
-    from hfpar.refusal import recorded_exits  # noqa: PLC0415
+    """75 when a worker of this launch recorded a preemption (hfpar.observe.refusal.record_exit), else 2 for a refusal."""
+    from hfpar.observe.refusal import recorded_exits  # noqa: PLC0415  (the launcher imports no hfpar until it ends)
 
     codes = recorded_exits(os.getpid())
     return next((c for c in QUIET_CODES[::-1] if c in codes), None)

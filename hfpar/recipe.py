@@ -29,7 +29,7 @@ from hfpar.data.dropped import announce_data_loss
 from hfpar.loading.sources import check_sources
 from hfpar.checkpoint.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
 from hfpar.preflight import padding_free_mode, preflight
-from hfpar.refusal import fail as _fail, guarded
+from hfpar.observe.refusal import fail as _fail, guarded
 from hfpar.train.dpo_setup import attach_reference, dpo_objective, dpo_preflight, packs_pairs, shares_prompt
 
 TASK_OF = {"sft": "lm", "clm": "lm", "classify": "classify", "dpo": "lm"}
@@ -151,7 +151,7 @@ def build_data(args: RecipeArgs, kind: str, tokenizer, seq_multiple: int = 1, pa
     return out["train"], out["eval"], collator, info, num_labels
 
 
-@guarded  # a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/refusal.py)
+@guarded  # a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/observe/refusal.py)
 def main(kind: str, argv: list[str] | None = None) -> dict:
     task = TASK_OF[kind]
     try:

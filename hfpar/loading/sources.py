@@ -117,6 +117,6 @@ def check_sources(args) -> None:
     """run_source_problems as a ConfigError (one line each), before the accelerator exists."""
     problems = run_source_problems(args)
     if problems:
-        from hfpar.config import ConfigError  # noqa: PLC0415
+        from hfpar.config import ConfigError  # noqa: PLC0415  (hfpar.cli imports this module for plan, without the recipe stack)
 
         raise ConfigError("\n".join(problems))

@@ -24,7 +24,7 @@ from hfpar.config import ConfigError
 from hfpar.data.dropped import MAX_LOST_FRACTION, data_loss_lines
 from hfpar.loading import sources
 from hfpar.checkpoint.output_dir import LOCK_FILE, OutputDirLock, foreign_entries, held_by_another_launch
-from hfpar import refusal
+from hfpar.observe import refusal
 
 
 def _hfpar_checkpoint(path: Path) -> Path:

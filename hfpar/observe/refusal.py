@@ -1,6 +1,6 @@
 """A refusal reaches the user once, in one line, whichever rank finds it; the other ranks leave without a traceback.
 
-    from hfpar.refusal import fail, guarded
+    from hfpar.observe.refusal import fail, guarded
     @guarded                       # the recipe's main: an error that follows a peer's refusal is not news
     def main(...):
         ... fail("--tp_size 3 does not divide the world size 2")     # prints `hfpar: error: ...`, exits 2
