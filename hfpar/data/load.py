@@ -144,6 +144,8 @@ def _check_json(path: Path) -> None:
         except json.JSONDecodeError as exc:
             raise DataError(f"dataset file {path}: malformed JSON at line {exc.lineno} column {exc.colno}: "
                             f"{exc.msg}") from None
+        except RecursionError:
+            raise DataError(f"dataset file {path}: nested too deeply to be a dataset") from None
         if not isinstance(obj, list) or not all(isinstance(o, dict) for o in obj):
             raise DataError(f"dataset file {path}: expected a list of objects or JSON Lines, got a "
                             f"{type(obj).__name__}{' holding non-objects' if isinstance(obj, list) else ''}")
@@ -155,6 +157,8 @@ def _check_json(path: Path) -> None:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"dataset file {path}: malformed JSON Lines at line {lineno}: {exc.msg}") from None
+        except RecursionError:   # an untrusted file: [[[[...]]]] exhausts the parser's stack
+            raise DataError(f"dataset file {path}: line {lineno} is nested too deeply to be an example") from None
         if not isinstance(obj, dict):
             raise DataError(f"dataset file {path}: line {lineno} is not a JSON object")
 
@@ -163,7 +167,7 @@ def _is_json_lines(text: str) -> bool:
     """A .json file may hold JSON Lines: its first line is then a whole JSON object."""
     try:
         return isinstance(json.loads(text.lstrip().splitlines()[0]), dict)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
 
 

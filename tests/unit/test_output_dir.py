@@ -167,6 +167,13 @@ def test_a_deeply_nested_tokenizer_fails_in_one_line(tmp_path):
     assert "could not be loaded" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_deeply_nested_data_file_fails_in_one_line(tmp_path):
+    for name in ("deep.jsonl", "deep.json"):
+        (tmp_path / name).write_text('{"text": ' + "[" * 100000 + "]" * 100000 + "}\n")
+        with pytest.raises(data.DataError, match="nested too deeply"):
+            data.load_splits(str(tmp_path / name), "sft")
+
+
 def test_export_refuses_custom_code_and_a_non_empty_destination(tmp_path, capsys):
     from hfpar.cli import main as cli
 
