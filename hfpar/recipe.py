@@ -183,7 +183,7 @@ def main(kind: str, argv: list[str] | None = None) -> dict:
         with accelerator.main_process_first():
             train_ds, eval_ds, collator, info, num_labels = build_data(
                 args, kind, tokenizer, ctx.seq_multiple, padding_free, kind == "dpo" and shares_prompt(args, ctx))
-        announce_data_loss(info, args, accelerator.print)  # what truncation left out or cut: one line, or refused
+        announce_data_loss(info, args, accelerator.print, len(train_ds), ctx.dp)  # what truncation left out: said
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:

@@ -63,9 +63,15 @@ def data_loss_lines(info: dict, args) -> tuple[list[str], list[str]]:
     return notes, problems
 
 
-def announce_data_loss(info: dict, args, say=print) -> None:
-    """Every note said with `say` (the main process's print); a split that lost most of its examples: DataError."""
+def announce_data_loss(info: dict, args, say=print, train_rows: int | None = None, dp: int = 1) -> None:
+    """Every note said with `say` (the main process's print); a split that lost most of its examples, or a train
+    split of fewer rows than one global batch (the sampler's limit, found before the model loads): DataError."""
     notes, problems = data_loss_lines(info, args)
+    global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
+    if train_rows is not None and train_rows < global_batch:
+        problems.append(f"the training set has {train_rows} rows, fewer than one global batch of {global_batch} "
+                        f"(--per_device_train_batch_size {args.per_device_train_batch_size} x dp {dp} x "
+                        f"--gradient_accumulation_steps {args.gradient_accumulation_steps}): lower them or add data")
     if problems:
         raise DataError("\n".join(problems))
     for line in notes:

@@ -21,7 +21,7 @@ from hfpar.checkpoint.checkpointer import apply_retention, save_checkpoint
 from hfpar.checkpoint.layout import MARKER, is_hfpar_checkpoint
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.config import ConfigError
-from hfpar.data.dropped import MAX_LOST_FRACTION, data_loss_lines
+from hfpar.data.dropped import MAX_LOST_FRACTION, announce_data_loss, data_loss_lines
 from hfpar.loading import sources
 from hfpar.checkpoint.output_dir import LOCK_FILE, OutputDirLock, foreign_entries, held_by_another_launch
 from hfpar.observe import refusal
@@ -191,7 +191,8 @@ def test_export_refuses_custom_code_and_a_non_empty_destination(tmp_path, capsys
 
 # ------------------------------------------------------------------------------------------ data loss
 def test_examples_lost_to_truncation_are_said_and_most_refused():
-    args = SimpleNamespace(max_seq_length=128, truncation="truncate")
+    args = SimpleNamespace(max_seq_length=128, truncation="truncate", per_device_train_batch_size=16,
+                           gradient_accumulation_steps=2)
     notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": 146, "cut_away": 145,
                                                       "truncated": 165}}, args)
     assert problems == [] and notes == [
@@ -204,6 +205,9 @@ def test_examples_lost_to_truncation_are_said_and_most_refused():
     assert notes == [] and len(problems) == 1 and "more than 90% of the examples would be left out" in problems[0]
     assert data_loss_lines({"train_data": {"pairs": 8, "truncated": 2}}, args)[0] == [
         "train data: 2 of 8 pairs cut to --max_length"]
+    with pytest.raises(data.DataError, match=r"^the training set has 63 rows, fewer than one global batch of 64 "
+                                             r"\(--per_device_train_batch_size 16 x dp 2 x --gradient_accumulation_steps 2\)"):
+        announce_data_loss({}, args, train_rows=63, dp=2)   # (the sampler's limit, before the model loads)
 
 
 # ------------------------------------------------------------------------------------------- refusals
