@@ -41,7 +41,7 @@ from hfpar.checkpoint.manifest import MANIFEST
 from hfpar.config import ConfigError
 
 LOCK_FILE = ".hfpar.lock"
-_HELD: dict[str, "OutputDirLock"] = {}   # output dir (real path) -> the lock this process holds there
+_HELD: dict[str, OutputDirLock] = {}   # output dir (real path) -> the lock this process holds there
 _CKPT_PREFIXES = ("checkpoint-", ".checkpoint-")
 
 

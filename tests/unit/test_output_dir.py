@@ -20,10 +20,15 @@ from hfpar import data
 from hfpar.checkpoint.checkpointer import apply_retention, save_checkpoint
 from hfpar.checkpoint.layout import MARKER, is_hfpar_checkpoint
 from hfpar.checkpoint.manifest import write_manifest
+from hfpar.checkpoint.output_dir import (
+    LOCK_FILE,
+    OutputDirLock,
+    foreign_entries,
+    held_by_another_launch,
+)
 from hfpar.config import ConfigError
 from hfpar.data.dropped import MAX_LOST_FRACTION, announce_data_loss, data_loss_lines
 from hfpar.loading import sources
-from hfpar.checkpoint.output_dir import LOCK_FILE, OutputDirLock, foreign_entries, held_by_another_launch
 from hfpar.observe import refusal
 
 
@@ -190,6 +195,15 @@ def test_export_refuses_custom_code_and_a_non_empty_destination(tmp_path, capsys
 
 
 # ------------------------------------------------------------------------------------------ data loss
+def long_prompts(path: Path, lost: int, kept: int) -> Path:
+    """SFT prompt/completion rows: `lost` whose prompt alone fills --max_seq_length 128 (the reply is cut away)."""
+    n = lost + kept   # the kept ones spread evenly (whatever the train / eval split takes, each gets its share)
+    rows = [{"prompt": "hi", "completion": "hello there"} if i * kept // n != (i + 1) * kept // n
+            else {"prompt": "tell me " * 40, "completion": "ok"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def test_examples_lost_to_truncation_are_said_and_most_refused():
     args = SimpleNamespace(max_seq_length=128, truncation="truncate", per_device_train_batch_size=16,
                            gradient_accumulation_steps=2)
@@ -234,7 +248,7 @@ def test_only_the_verified_fsdp2_view_warnings_are_silenced():
     reads them out of place; the FSDP2 parity tests equal one process); a view from any other module still warns."""
     import warnings
 
-    import hfpar.backends.wraps  # noqa: F401  (installs the filter)
+    import hfpar.backends.wraps  # (installs the filter)
 
     def shown(cls: str) -> bool:
         with warnings.catch_warnings(record=True) as seen:

@@ -37,6 +37,16 @@ def test_output_dir_with_checkpoints_is_never_overwritten(tmp_path, capsys):
     assert (tmp_path / "checkpoint-10" / "keep.txt").read_text() == "user data"
 
 
+def test_almost_all_examples_lost_to_truncation_is_refused_per_split(tmp_path, capsys):
+    from tests.unit.test_output_dir import long_prompts
+
+    data = long_prompts(tmp_path / "almost_all.jsonl", lost=95, kept=5)
+    err = _run(["--dataset_name", str(data), "--eval_split_fraction", "0.5", "--output_dir", str(tmp_path / "o")], capsys)
+    assert [x.split(": ")[2] for x in err[:2]] == ["train data", "eval data"], err   # (then: under one global batch)
+    assert "49 of 50 examples left out (49 with every target token past --max_seq_length 128)" in err[0]
+    assert "more than 90% of the examples would be left out" in err[0]
+
+
 def test_resume_from_missing_path(tmp_path, capsys):
     err = _run(["--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint", str(tmp_path / "nope")], capsys)
     assert "no such directory" in err[0]
