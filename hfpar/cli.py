@@ -112,6 +112,8 @@ def plan_main(argv: list[str]) -> None:
                        loss_chunk_size=a.loss_chunk_size)
     except PlanError as e:
         fail(str(e))
+    except ValueError as e:  # transformers cannot build the config's model (e.g. custom code without a causal LM class)
+        fail(f"--model {a.model}: cannot be planned ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
     print(text)
 
 

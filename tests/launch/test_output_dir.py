@@ -101,7 +101,7 @@ def test_custom_code_never_runs_without_the_flag_under_a_terminal_answering_yes(
         ([*hfpar, "export", str(model), str(tmp_path / "exported")], "CHECKPOINT_DIR's files in"),
     ):
         proc = _under_a_terminal(cmd)
-        _only_the_line(proc, f"{option} {model}: config.json has auto_map (custom code: configuration_evil.py), which "
+        _only_the_line(proc, f"{option} {model}: config.json has auto_map (custom code: configuration_evil.py, modeling_evil.py), which "
                              "transformers would run; hfpar runs no code from a model directory unless you pass "
                              "--trust_remote_code (read that code first)")
         assert not (model / "CODE_RAN").exists(), cmd

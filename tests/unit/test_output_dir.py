@@ -132,18 +132,21 @@ def custom_code_model(root: Path) -> Path:
     """The embedded tiny model's files plus auto_map and a configuration file that, if run, leaves a mark."""
     shutil.copytree(data.embedded_model_path(), root)
     cfg = json.loads((root / "config.json").read_text())
-    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilLM"}
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "configuration_evil.py").write_text(
-        "from pathlib import Path\nPath(__file__).with_name('CODE_RAN').write_text('yes')\n"
+        f"from pathlib import Path\nPath({str(root / 'CODE_RAN')!r}).write_text('yes')\n"   # (transformers runs a copy)
         "from transformers import LlamaConfig\nclass EvilConfig(LlamaConfig):\n    pass\n")
+    (root / "modeling_evil.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_evil import EvilConfig\n"
+        "class EvilLM(LlamaForCausalLM):\n    config_class = EvilConfig\n")
     return root
 
 
 def test_custom_code_is_refused_without_the_flag(tmp_path):
     model = custom_code_model(tmp_path / "m")
     problems = sources.source_problems(str(model), trust_remote_code=False, option="--model_name_or_path")
-    assert len(problems) == 1 and "config.json has auto_map (custom code: configuration_evil.py)" in problems[0]
+    assert len(problems) == 1 and "config.json has auto_map (custom code: configuration_evil.py, modeling_evil.py)" in problems[0]
     assert "--trust_remote_code" in problems[0]
     assert sources.source_problems(str(model), trust_remote_code=True, option="--model_name_or_path") == []
     assert not (model / "CODE_RAN").exists()
@@ -260,3 +263,13 @@ def test_only_the_verified_fsdp2_view_warnings_are_silenced():
     assert not shown("FSDPLlamaRMSNorm, FSDPLinear") and not shown("FSDPLlamaForCausalLM")
     assert not shown("FSDPQwen3ForSequenceClassification")
     assert shown("FSDPLlamaDecoderLayer") and shown("FSDPLlamaAttention")
+
+
+def test_the_flag_lets_the_custom_code_run(tmp_path, capsys, monkeypatch):
+    """--trust_remote_code: the user asked, transformers imports the directory's code (here: hfpar plan)."""
+    from hfpar.cli import main as cli
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model = custom_code_model(tmp_path / "m")
+    cli(["plan", "--model", str(model), "--num_gpus", "2", "--gpu_memory_gb", "80", "--trust_remote_code"])
+    assert (model / "CODE_RAN").read_text() == "yes" and "ddp" in capsys.readouterr().out.lower()
