@@ -100,17 +100,17 @@ def load_config(model: str, trust_remote_code: bool = False):
 
 
 def plan_main(argv: list[str]) -> None:
-    from hfpar.plan.planner import PlanError, plan  # noqa: PLC0415  (subcommands import on use: see main)
+    from hfpar.planner.table import PlannerError, memory_table  # noqa: PLC0415  (subcommands import on use: see main)
 
     a = _plan_parser().parse_args(argv)
     config = load_config(a.model, a.trust_remote_code)
     try:
-        text, _ = plan(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb, num_nodes=a.num_nodes,
-                       seq_len=a.seq_len, batch_size=a.batch_size, mixed_precision=a.mixed_precision,
-                       lora_rank=a.lora_rank if a.lora else 0, tp_size=a.tp_size, ep_size=a.ep_size,
-                       attn_implementation=a.attn_implementation, cp_size=a.cp_size,
-                       loss_chunk_size=a.loss_chunk_size)
-    except PlanError as e:
+        text, _ = memory_table(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb,
+                               num_nodes=a.num_nodes, seq_len=a.seq_len, batch_size=a.batch_size,
+                               mixed_precision=a.mixed_precision, lora_rank=a.lora_rank if a.lora else 0,
+                               tp_size=a.tp_size, ep_size=a.ep_size, attn_implementation=a.attn_implementation,
+                               cp_size=a.cp_size, loss_chunk_size=a.loss_chunk_size)
+    except PlannerError as e:
         fail(str(e))
     except ValueError as e:  # transformers cannot build the config's model (e.g. custom code without a causal LM class)
         fail(f"--model {a.model}: cannot be planned ({str(e).splitlines()[0] if str(e) else type(e).__name__})")

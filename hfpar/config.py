@@ -29,7 +29,7 @@ PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.train.optim builds them
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.backends.optim builds them
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """ParallelContext: every parallel degree, validated once, and every process group, built once.
 
-    ctx = ParallelContext.plan(world=8, rank=r, tp=2, ep=2)    # validates; raises ContextError (all problems)
+    ctx = ParallelContext.from_degrees(world=8, rank=r, tp=2, ep=2)   # validates; raises ContextError (all problems)
     ctx.build_groups()                                         # collective: every rank, once
     apply_tensor_parallel(model, ctx); apply_expert_parallel(model, ctx)
     backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends
@@ -50,14 +50,17 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def plan(cls, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
-             sequence_parallel: bool = False, strategy=None) -> "ParallelContext":
+    def from_degrees(cls, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
+                     sequence_parallel: bool = False, strategy=None) -> "ParallelContext":
+        """The context of these degrees, validated (no groups yet: build_groups); ContextError with every problem."""
         ctx = cls(world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
                   strategy=strategy)
         problems = ctx.problems()
         if problems:
             raise ContextError("\n".join(problems))
         return ctx
+
+    plan = from_degrees   # the name before issue 38 (public API, kept): "plan" now names tensor-parallel plans only
 
     def problems(self) -> list[str]:
         """Every degree problem, one line each (no collective, no groups needed)."""
@@ -128,7 +131,8 @@ class ParallelContext:
 
     @property
     def model_parallel(self) -> bool:
-        """hfpar (not Accelerate) wraps and reduces: some parameter differs across the ranks of a dp replica."""
+        """A model-parallel dimension is in use (tp, ep, cp or pp: `parallelisms`), i.e. more than data parallelism;
+        which backend wraps and reduces then is the support table's choice (CP alone: Accelerate's)."""
         return bool(self.parallelisms)
 
     @property

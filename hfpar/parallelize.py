@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hfpar.train.chunked_loss import chunkable, install_chunked_loss
-from hfpar.loading.sharded import is_meta
 from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
+from hfpar.loading.sharded import is_meta
+from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import register_cp_attention
+from hfpar.parallel.errors import ParallelError
 from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, has_moe_blocks,
                                             set_aux_loss_grad_scale, upcycle_to_moe)
 from hfpar.parallel.pipeline import (PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, microbatches,
@@ -55,19 +56,18 @@ def apply_moe(model, args, ctx) -> str | None:
                                   check_replicated=not is_meta(model))
         else:
             apply_expert_parallel(model, aux_loss_coef=coef)
-    except ValueError as exc:
+    except ParallelError as exc:
         # no EP asked: nothing needs converting, the HF blocks train as they are; but an aux loss asked for
         # (output_router_logits) reaches the recipes' loss (computed from the logits) only through hfpar's router
-        why = str(exc).removeprefix("apply_expert_parallel: ")
         if args.upcycle_experts:
             raise
-        if coef:
+        if coef:  # the refusal's reasons, with this advice in place of its own hints (pass None: not a recipe option)
             raise ValueError(f"output_router_logits with router_aux_loss_coef {coef}: the recipes add the aux loss "
-                             f"through hfpar's MoE router only, and {why.split('; pass None')[0]}; set "
+                             f"through hfpar's MoE router only, and {exc.reasons}; set "
                              f"output_router_logits false in the model config (no aux loss)") from None
         if ctx.ep > 1:
             raise
-        return f"MoE blocks train as the HF model's own ({why})"
+        return f"MoE blocks train as the HF model's own ({exc.detail})"
     # the injected aux-loss gradient skips Accelerate's 1/accum and is averaged over dp by the backend like
     # every replicated grad: scale so the objective is main + coef * mean_m(aux_m), m over the micro-steps (x the
     # pipeline's micro-batches, each routed on its own: Megatron-LM's per-micro-batch load balancing)
@@ -78,7 +78,7 @@ def apply_moe(model, args, ctx) -> str | None:
 
 
 def chunk_loss(model, args, ctx):
-    """The chunked LM head + cross-entropy (hfpar.train.chunked_loss), after TP (its head may be vocab-parallel) and
+    """The chunked LM head + cross-entropy (hfpar.parallel.chunked_loss), after TP (its head may be vocab-parallel) and
     before the data-parallel wrap; unset = where exact; returns the chunk (tokens, "auto") or 0 when off."""
     if args.loss_chunk_size == 0 or ctx.pp > 1:  # the pipeline's last stage computes its loss from logits
         return 0

@@ -27,13 +27,13 @@ from hfpar.backends import resolve_strategy, select_backend
 from hfpar.backends.reshard import resume_mode
 from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.zero import deepspeed_fp16_problem
-from hfpar.train.chunked_loss import FAMILIES as CHUNK_FAMILIES
+from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, model_config_problems
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
-from hfpar.parallel.tensor_parallel import derived_plan_problem
+from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 
@@ -125,9 +125,9 @@ def model_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
     if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
-        why = derived_plan_problem(config)
-        if why:   # (--sequence_parallel on a derived / inferred plan: decided by apply_tensor_parallel's verification)
-            p.append(f"--tp_size {ctx.tp}: {why.removeprefix('apply_tensor_parallel: ').split('; pass plan=')[0]}")
+        refusal = derived_plan_refusal(config)
+        if refusal is not None:   # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
+            p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
     if ctx.pp > 1:

@@ -5,7 +5,8 @@ its per-rank state saved, for each (data-parallel strategy, model parallelism) p
     backend = backend_cls(accelerator, ctx, "fsdp2", args)
 
 SUPPORT is the support matrix: a class where the pair works (tested by the parity suites), a one-line
-reason where it is refused. A new composition is one backend module plus its rows here.
+reason where it is refused, generated from a rule (the family of the parallelism key, then the strategy's class in
+it) plus a table of exceptions. A new composition is one backend module plus its place in the rule.
 
 All strategy knowledge lives in this package: the strategy table (strategies.py: checkpoint layout, loading mode,
 what is sharded, wrap-class fix; resolved once per run into ctx.strategy), the data-parallel wrap components the
@@ -35,58 +36,32 @@ _FSDP1 = ("FSDP1 is not supported with hfpar's model parallelism: FSDP1 flattens
           "DTensors are); use fsdp2.yaml")
 _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
             "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
-_PP_MULTI = ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")   # a pipeline with two or three others
+
+# The rule: which family runs a pair follows from whether every rank holds the whole model (no parallelism, or
+# context parallelism alone: Accelerate wraps over the world), whether the key has a pipeline, and the strategy.
+#   model-parallel (tp, ep, cp with tp or ep): attention / dense MLPs tensor-parallel, MoE blocks whole on the TP
+#     ranks with their experts split over EP (drawn from the dp x cp ranks, each cp rank routing its own tokens)
+#   pipeline (any key with pp): each rank one stage, its grads reduced over its dp group by hfpar or FSDP2
+#     (fully_shard over dp only), each stage tensor / expert / context-parallel as in the pairs above; ZeRO-1 keeps
+#     each stage's optimizer state over its dp group, DeepSpeed's norm over the stages x TP ranks, experts beside it
+#     (pipeline_zero.py)
+_WHOLE_MODEL = dict.fromkeys(STRATEGIES, AccelerateBackend)
+_MODEL_PARALLEL = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
+                   "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed, "zero3": ModelParallelZeRO3,
+                   "fsdp1": _FSDP1}
+_PIPELINE = {"single": PipelineDDP, "ddp": PipelineDDP, "fsdp2": PipelineFSDP2, "zero1": PipelineZeRO1,
+             "zero2": _PP_ZERO, "zero3": _PP_ZERO, "fsdp1": _FSDP1}
+_EXCEPTIONS = {("fsdp1", "cp"): _FSDP1}   # the one pair whose whole-model row is refused
+
+
+def _family(key: str) -> dict:
+    if key in ("none", "cp"):
+        return _WHOLE_MODEL
+    return _PIPELINE if "pp" in key.split("+") else _MODEL_PARALLEL
+
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
-    **{(s, "none"): AccelerateBackend for s in STRATEGIES},
-    ("single", "tp"): ModelParallelDDP, ("ddp", "tp"): ModelParallelDDP, ("fsdp2", "tp"): ModelParallelFSDP2,
-    ("zero1", "tp"): ModelParallelDeepSpeed, ("zero2", "tp"): ModelParallelDeepSpeed,
-    ("zero3", "tp"): ModelParallelZeRO3, ("fsdp1", "tp"): _FSDP1,
-    ("single", "ep"): ModelParallelDDP, ("ddp", "ep"): ModelParallelDDP, ("fsdp2", "ep"): ModelParallelFSDP2,
-    ("zero1", "ep"): ModelParallelDeepSpeed, ("zero2", "ep"): ModelParallelDeepSpeed,
-    ("zero3", "ep"): ModelParallelZeRO3, ("fsdp1", "ep"): _FSDP1,
-    # TP x EP: attention (and dense MLPs) tensor-parallel, MoE blocks whole on the TP ranks, experts split over EP
-    ("single", "tp+ep"): ModelParallelDDP, ("ddp", "tp+ep"): ModelParallelDDP, ("fsdp2", "tp+ep"): ModelParallelFSDP2,
-    ("zero1", "tp+ep"): ModelParallelDeepSpeed, ("zero2", "tp+ep"): ModelParallelDeepSpeed,
-    ("zero3", "tp+ep"): ModelParallelZeRO3, ("fsdp1", "tp+ep"): _FSDP1,
-    # context parallelism alone: every rank of dp x cp holds the whole model, Accelerate wraps over the world
-    **{(s, "cp"): AccelerateBackend for s in ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")},
-    ("fsdp1", "cp"): _FSDP1,
-    ("single", "tp+cp"): ModelParallelDDP, ("ddp", "tp+cp"): ModelParallelDDP, ("fsdp2", "tp+cp"): ModelParallelFSDP2,
-    ("zero1", "tp+cp"): ModelParallelDeepSpeed, ("zero2", "tp+cp"): ModelParallelDeepSpeed,
-    ("zero3", "tp+cp"): ModelParallelZeRO3, ("fsdp1", "tp+cp"): _FSDP1,
-    # EP x CP: experts drawn from the dp x cp ranks (each cp rank routes its own tokens), attention context-parallel
-    ("single", "ep+cp"): ModelParallelDDP, ("ddp", "ep+cp"): ModelParallelDDP, ("fsdp2", "ep+cp"): ModelParallelFSDP2,
-    ("zero1", "ep+cp"): ModelParallelDeepSpeed, ("zero2", "ep+cp"): ModelParallelDeepSpeed,
-    ("zero3", "ep+cp"): ModelParallelZeRO3, ("fsdp1", "ep+cp"): _FSDP1,
-    ("single", "tp+ep+cp"): ModelParallelDDP, ("ddp", "tp+ep+cp"): ModelParallelDDP,
-    ("fsdp2", "tp+ep+cp"): ModelParallelFSDP2, ("zero1", "tp+ep+cp"): ModelParallelDeepSpeed,
-    ("zero2", "tp+ep+cp"): ModelParallelDeepSpeed, ("zero3", "tp+ep+cp"): ModelParallelZeRO3, ("fsdp1", "tp+ep+cp"): _FSDP1,
-    # pipeline parallelism: each rank one stage, its grads reduced over its dp group by hfpar or FSDP2 (fully_shard
-    # over dp only); under TP each stage is tensor-parallel and activations travel between ranks of one tp coordinate
-    ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2, ("fsdp1", "pp"): _FSDP1,
-    ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
-    ("fsdp1", "tp+pp"): _FSDP1,
-    ("zero1", "pp"): PipelineZeRO1, ("zero2", "pp"): _PP_ZERO, ("zero3", "pp"): _PP_ZERO,
-    # ZeRO-1: each stage's optimizer state over its dp group; DeepSpeed's norm over the stages x TP ranks, experts
-    # beside it (pipeline_zero.py)
-    ("zero1", "tp+pp"): PipelineZeRO1, ("zero2", "tp+pp"): _PP_ZERO, ("zero3", "tp+pp"): _PP_ZERO,
-    # EP x PP: each stage's MoE blocks expert-parallel over its dp group, routed per micro-batch (the sampler makes
-    # a micro-batch of the dp ranks one slice of the global batch); experts reduced by hfpar, outside FSDP2's units
-    ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
-    ("fsdp1", "ep+pp"): _FSDP1, ("zero1", "ep+pp"): PipelineZeRO1, ("zero2", "ep+pp"): _PP_ZERO, ("zero3", "ep+pp"): _PP_ZERO,
-    # PP x CP: each stage's attention context-parallel over its cp group, each micro-batch with its rows' layout
-    ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
-    ("fsdp1", "cp+pp"): _FSDP1, ("zero1", "cp+pp"): PipelineZeRO1, ("zero2", "cp+pp"): _PP_ZERO, ("zero3", "cp+pp"): _PP_ZERO,
-    # a pipeline with two or three other model parallelisms: each stage tensor-parallel and / or expert-parallel
-    # (experts drawn from its dp x cp ranks) and / or context-parallel, each as in the pairs above; ZeRO-1 as in its
-    # TP x PP and EP x PP pairs (pipeline_zero.py takes whatever groups a stage has)
-    **{(s, k): cls for k in _PP_MULTI for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP),
-                                                      ("fsdp2", PipelineFSDP2), ("fsdp1", _FSDP1),
-                                                      ("zero1", PipelineZeRO1),
-                                                      ("zero2", _PP_ZERO),
-                                                      ("zero3", _PP_ZERO))},
-}
+    (s, key): _EXCEPTIONS.get((s, key), _family(key)[s]) for key in PARALLELISMS for s in STRATEGIES}
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
 _WHAT = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",

@@ -13,12 +13,13 @@ import json
 from accelerate.utils import fsdp_utils
 
 from hfpar.distributed import swapped
-from hfpar.train.optim import build_optimizer
+from hfpar.loading.sharded import fsdp2_loader
 
 from .base import Backend, accelerate_clip
+from .optim import build_optimizer
 from .reshard import load_full_state_zero
 from .strategies import strategy_of
-from .zero import EngineSteps, skip_refusal
+from .zero import EngineSteps
 
 
 class AccelerateBackend(Backend):
@@ -59,10 +60,8 @@ class AccelerateBackend(Backend):
             (ckpt_dir / "optimizer_params.json").write_text(json.dumps(order))
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        if args.on_nonfinite == "skip" and strategy_of(strategy).deepspeed:
-            return [skip_refusal(strategy)]
-        return []
+    def optimizer_steps_in_backward(cls, strategy: str) -> bool:
+        return strategy_of(strategy).deepspeed
 
     def loss_scale(self) -> float:
         return EngineSteps.loss_scale(self) if self.steps_in_backward else super().loss_scale()
@@ -81,9 +80,6 @@ class AccelerateBackend(Backend):
         """Accelerate's cpu_ram_efficient_loading path (fully_shard on meta, then a sharded state dict assigned,
         non-persistent buffers re-registered, weights re-tied), with its rank-0 load + broadcast replaced by
         hfpar.loading.sharded's reader: every rank reads only its own dim-0 shards from the files."""
-        # here, not at the top: the backends are imported by the preflight, which a refusal must pass quickly
-        from hfpar.loading.sharded import fsdp2_loader  # noqa: PLC0415
-
         plugin = self.acc.state.fsdp_plugin
         # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which
         # is 0 for every meta tensor: its groups are rebuilt from the wrapped model (same order: same module tree)

@@ -65,8 +65,24 @@ class Backend:
 
     @classmethod
     def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        """Problems specific to this backend (before any model is loaded); one line each."""
+        """Problems of these options with this backend (before any model is loaded); one line each: the refusals
+        every backend shares, then its own (problems)."""
+        p = []
+        if args.on_nonfinite == "skip" and cls.optimizer_steps_in_backward(strategy):
+            p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, before "
+                     "the trainer sees the grad norm, so a step cannot be skipped; use --on_nonfinite error (stops "
+                     "at the bad step)")
+        return p + cls.problems(args, ctx, strategy, mixed_precision)
+
+    @classmethod
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:  # noqa: ARG003
+        """This backend's own problems with these options; one line each."""
         return []
+
+    @classmethod
+    def optimizer_steps_in_backward(cls, strategy: str) -> bool:  # noqa: ARG003
+        """Whether the optimizer steps inside the last micro-batch's backward under `strategy` (a DeepSpeed engine)."""
+        return cls.steps_in_backward
 
     def prepare(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
@@ -134,8 +150,9 @@ class Backend:
         """Collective: full tensors under HF names, or None to let Accelerate gather (get_state_dict)."""
         return None
 
-    def extra_state_bytes(self) -> int:
-        """Optimizer-state bytes held outside self.optimizer (run_info.json)."""
+    def other_optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state held by optimizers other than self.optimizer (run_info.json), e.g. the experts' one
+        beside ZeRO."""
         return 0
 
 

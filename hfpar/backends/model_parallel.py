@@ -18,10 +18,10 @@ import torch
 from hfpar.checkpoint.layout import rank_state_file, tp_state_file
 from hfpar.checkpoint.rank_state import load_local_state, load_optimizer_state, local_state
 from hfpar.config import ConfigError
-from hfpar.train.optim import build_optimizer
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, sync_partial_grads
 
 from .base import Backend, hfpar_reduced
+from .optim import build_optimizer
 from .reshard import pieces_of_module
 from .loss_scale import found_inf, fp16_scaler, step_, unscale_
 from .wraps import DataParallelWrap, FullyShard, TorchDDP
@@ -49,7 +49,7 @@ class ModelParallelBackend(Backend):
         return True
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         return cls.data_parallel.check(args, ctx, strategy, mixed_precision) if cls.data_parallel else []
 
     def autocast(self):

@@ -30,10 +30,10 @@ from hfpar.config import ConfigError
 from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
                                      scale_grads_to_norm_)
-from hfpar.train.optim import build_optimizer
 
 from .base import Backend, accelerate_clip, hfpar_reduced
-from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu, skip_refusal
+from .optim import build_optimizer
+from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
 
 class ExpertsBesideZeRO:
@@ -140,7 +140,7 @@ class ExpertsBesideZeRO:
         if self.experts:
             self.expert_optimizer.zero_grad(set_to_none=True)
 
-    def extra_state_bytes(self) -> int:
+    def other_optimizer_state_bytes(self) -> int:
         if not self.experts:
             return 0
         # here, not at the top: hfpar.observe.metrics imports `datasets` (0.6 s of `hfpar plan`'s start-up, measured
@@ -179,10 +179,8 @@ class ModelParallelDeepSpeed(ExpertsBesideZeRO, EngineSteps, Backend):
         return True
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
-        if args.on_nonfinite == "skip":
-            p.append(skip_refusal(strategy))
         if ctx.ep > 1 and mixed_precision == "fp16":
             p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
                      "DeepSpeed's fp16 loss scale; use bf16 or fp32")

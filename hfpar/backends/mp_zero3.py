@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import full_state_dict, partial_grad_hooks, shard_spec
-from hfpar.train.optim import build_optimizer
 
 from .base import Backend, hfpar_reduced
 from .mp_deepspeed import ModelParallelDeepSpeed
-from .zero import DeepSpeedMPU, deepspeed_with_mpu, skip_refusal
+from .optim import build_optimizer
+from .zero import DeepSpeedMPU, deepspeed_with_mpu
 
 EXPERT_FAMILY = "autoep_expert"  # DeepSpeed's placement family of expert shards (stage3.py, engine.py)
 
@@ -46,8 +46,8 @@ class ModelParallelZeRO3(ModelParallelDeepSpeed):
     short = "hfpar + DeepSpeed"
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
-        p = [skip_refusal(strategy)] if args.on_nonfinite == "skip" else []
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+        p = []
         if mixed_precision == "fp16":
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "ep", "cp") if getattr(ctx, k) > 1)
             p.append(f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "

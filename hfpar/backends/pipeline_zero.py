@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from hfpar.parallel.groups import new_groups
 from hfpar.parallel.sharding import sync_partial_grads
-from hfpar.train.optim import build_optimizer
 
 from .mp_deepspeed import ExpertsBesideZeRO
+from .optim import build_optimizer
 from .pipeline import PipelineBackend
 from .zero import DeepSpeedMPU, EngineSteps, deepspeed_with_mpu
 
@@ -51,15 +51,12 @@ class PipelineZeRO1(ExpertsBesideZeRO, EngineSteps, PipelineBackend):
         return False
 
     @classmethod
-    def check(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
+    def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
         if mixed_precision != "no":
             p.append(f"--pp_size {ctx.pp} with {strategy} and {mixed_precision}: DeepSpeed's {mixed_precision} "
                      "optimizer takes grads in its engine's backward, which the pipeline schedule bypasses; pass "
                      "--mixed_precision no, or use ddp.yaml / fsdp2.yaml for bf16")
-        if args.on_nonfinite == "skip":
-            p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer before the trainer sees "
-                     "the grad norm, so a step cannot be skipped; use --on_nonfinite error")
         return p
 
     def prepare(self, stage) -> None:

@@ -30,10 +30,10 @@ class Strategy:
     partitions_at_load: bool = False       # from_pretrained under DeepSpeed's zero.Init (ZeRO-3)
     offload: bool = False                  # states kept in host RAM (ZeRO-3 offload)
     holds_embedding_units: bool = False    # Accelerate's FSDP2 gives the input embedding a unit of its own
-    plans: str = ""                        # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
+    planner_with: str = ""                 # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
     tier: str | None = None                # `hfpar plan`'s recommendation order: first | fallback | last (None:
                                            # shown, not recommended)
-    planned: bool = False                  # a row of `hfpar plan`'s table
+    in_planner: bool = False               # a row of `hfpar plan`'s table
     runs: bool = True                      # an accelerate config resolves to it (zero3_offload runs as zero3)
 
     def __str__(self) -> str:
@@ -47,19 +47,21 @@ class Strategy:
 
 _TABLE = (
     Strategy("single", "single", "accelerate"),
-    Strategy("ddp", "DDP", "accelerate", planned=True, plans="tp ep cp pp", tier="first"),
-    Strategy("fsdp2", "FSDP2", "fsdp2", planned=True, shards=(True, True, True), buffers="gathered", wrap_load="fsdp2",
-             holds_embedding_units=True, plans="tp cp", tier="first"),
-    Strategy("zero1", "ZeRO-1", "deepspeed", planned=True, deepspeed=True, shards=(False, False, True), buffers="reduce_bucket"),
-    Strategy("zero2", "ZeRO-2", "deepspeed", planned=True, deepspeed=True, shards=(False, True, True), buffers="reduce_bucket"),
-    Strategy("zero3", "ZeRO-3", "deepspeed", planned=True, deepspeed=True, shards=(True, True, True), buffers="gathered",
-             partitions_at_load=True, tier="fallback"),
+    Strategy("ddp", "DDP", "accelerate", in_planner=True, planner_with="tp ep cp pp", tier="first"),
+    Strategy("fsdp2", "FSDP2", "fsdp2", in_planner=True, shards=(True, True, True), buffers="gathered",
+             wrap_load="fsdp2", holds_embedding_units=True, planner_with="tp cp", tier="first"),
+    Strategy("zero1", "ZeRO-1", "deepspeed", in_planner=True, deepspeed=True, shards=(False, False, True),
+             buffers="reduce_bucket"),
+    Strategy("zero2", "ZeRO-2", "deepspeed", in_planner=True, deepspeed=True, shards=(False, True, True),
+             buffers="reduce_bucket"),
+    Strategy("zero3", "ZeRO-3", "deepspeed", in_planner=True, deepspeed=True, shards=(True, True, True),
+             buffers="gathered", partitions_at_load=True, tier="fallback"),
     Strategy("fsdp1", "FSDP1", "fsdp1"),
-    Strategy("zero3_offload", "ZeRO-3 offload", "deepspeed", planned=True, deepspeed=True, shards=(True, True, True),
+    Strategy("zero3_offload", "ZeRO-3 offload", "deepspeed", in_planner=True, deepspeed=True, shards=(True, True, True),
              buffers="gathered", partitions_at_load=True, offload=True, tier="last", runs=False),
 )
 STRATEGY: dict[str, Strategy] = {s.name: s for s in _TABLE}
-PLANNED: tuple[Strategy, ...] = tuple(s for s in _TABLE if s.planned)   # ddp fsdp2 zero1 zero2 zero3 zero3_offload
+PLANNER_ROWS: tuple[Strategy, ...] = tuple(s for s in _TABLE if s.in_planner)   # ddp fsdp2 zero1/2/3 zero3_offload
 
 
 def strategy_of(name: str | Strategy) -> Strategy:

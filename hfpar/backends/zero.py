@@ -36,12 +36,6 @@ def deepspeed_fp16_problem() -> str | None:
             "bf16 or no")
 
 
-def skip_refusal(strategy: str) -> str:
-    """--on_nonfinite skip under a DeepSpeed engine, which steps inside backward."""
-    return (f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, so a step "
-            "cannot be skipped; use --on_nonfinite error (stops at the bad step)")
-
-
 class EngineSteps:
     """Mixin of the backends whose model is a DeepSpeed engine (self.model): the optimizer steps inside the last
     micro-batch's backward, and the engine scales the fp16 loss itself."""

@@ -17,12 +17,18 @@ through read pickles, and hfpar cannot change what they write:
 So inside safe_loading() every torch.load runs with weights_only=True (torch's own restricted unpickler: tensors,
 containers, numbers, strings and the allowlisted classes), whatever its caller asked, and DCP's metadata goes through
 the restricted Unpickler. A file outside those types is refused in one line naming it (CheckpointError).
+
+An enum member is pickled in one of two forms, depending on the build that wrote it: `Cls(value)` (REDUCE on the
+class) or `getattr(Cls, 'NAME')` (Python's enum.pickle_by_enum_name; seen in checkpoints written under PyPI's CUDA
+build of torch, issue #37). Both readers accept the second form through `enum_member` only: `builtins.getattr`
+resolves to it, and it returns a member of an allowlisted enum class, by name, and refuses anything else.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import io
 import pathlib
 import pickle
@@ -53,7 +59,24 @@ def _deepspeed_globals() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-_DCP_CLASSES = {("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "Path"): pathlib.Path,
+def _allowed_enums() -> frozenset:
+    """The enum classes a checkpoint may name a member of: DCP's own (its metadata's _MEM_FORMAT_ENCODING) and the
+    allowlisted DeepSpeed ones (ZeroStageEnum)."""
+    found = [*vars(dcp_metadata).values(), *_deepspeed_globals()]
+    return frozenset(c for c in found if isinstance(c, enum.EnumMeta) and c is not enum.Enum
+                     and c.__module__ != enum.__name__)
+
+
+def enum_member(cls, name):
+    """What `builtins.getattr` means in a checkpoint's pickle: getattr(<allowed enum class>, <member name>), nothing
+    else (a method, a dunder, a module's function, another class's attribute are refused)."""
+    if cls not in _allowed_enums() or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+                                     "allowed in a checkpoint (only a member of an allowlisted enum class)")
+    return cls.__members__[name]
+
+
+_DCP_CLASSES = {("builtins", "getattr"): enum_member,("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "Path"): pathlib.Path,
                 ("torch", "Size"): torch.Size, ("collections", "OrderedDict"): collections.OrderedDict,
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
                 ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
@@ -98,9 +121,8 @@ def first_line(exc: BaseException) -> str:
 
 def _dcp_refusal(exc: CheckpointException, where) -> CheckpointError:
     """DCP wraps each rank's failure (ours included) in a CheckpointException holding tracebacks: one line of it."""
-    text = str(exc)
-    ours = [x.split("CheckpointError: ", 1)[1] for x in text.splitlines() if "CheckpointError: " in x]
-    detail = ours[-1] if ours else first_line(exc)
+    ours = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointError)]   # {rank: (exception, trace)}
+    detail = first_line(ours[-1] if ours else exc)
     return CheckpointError(f"{where}: a torch.distributed.checkpoint shard refused: {detail[:240]}")
 
 
@@ -115,7 +137,7 @@ def safe_loading(where: str | Path = "checkpoint"):
         kwargs["weights_only"] = True  # whatever the library asked (Accelerate and DeepSpeed pass False)
         name = f if isinstance(f, (str, pathlib.PurePath)) else getattr(f, "name", "a file read from memory")
         try:
-            with torch.serialization.safe_globals(_deepspeed_globals()):
+            with torch.serialization.safe_globals([*_deepspeed_globals(), (enum_member, "builtins.getattr")]):
                 return original_load(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
             raise CheckpointError(f"{name}: refused to unpickle it: it holds more than tensors and plain values "

@@ -34,7 +34,7 @@ def parallelize(model: torch.nn.Module, *, tp_size: int = 1, ep_size: int = 1, s
     create it under torchrun / accelerate launch); without it, under a launcher, this refuses."""
     refuse_unlaunched("hfpar.integrations.parallelize")
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    ctx = ParallelContext.plan(world, rank, tp=tp_size, ep=ep_size, sequence_parallel=sequence_parallel)
+    ctx = ParallelContext.from_degrees(world, rank, tp=tp_size, ep=ep_size, sequence_parallel=sequence_parallel)
     problems = model_config_problems(ctx, getattr(model, "config", None))
     if problems:
         raise ContextError("; ".join(problems))

@@ -63,16 +63,16 @@ def loading_mode(args, ctx, config) -> tuple[str, str]:
     from_pretrained). The strategy's part comes from its attributes (hfpar.backends.strategies)."""
     if not args.sharded_loading:
         return "full", "--sharded_loading false"
-    model_parallel = ctx.tp > 1 or ctx.ep > 1
-    if args.upcycle_experts and not model_parallel:
+    sliced = ctx.tp > 1 or ctx.ep > 1   # each rank holds TP / EP slices of some weights
+    if args.upcycle_experts and not sliced:
         return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
-    if (model_parallel or ctx.pp > 1) and (any(getattr(config, f, None) for f in _MOE_FIELDS)
-                                          or config_num_experts(config)):
+    if (sliced or ctx.pp > 1) and (any(getattr(config, f, None) for f in _MOE_FIELDS)
+                                  or config_num_experts(config)):
         if config.model_type not in MOE_FAMILIES:   # generic / HF MoE blocks are checked with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
     if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
         return "sharded", f"each rank reads only its pipeline stage's tensors{' (its TP slices)' if ctx.tp > 1 else ''}"
-    if model_parallel:
+    if sliced:
         return "sharded", "each rank reads its TP / EP slices" + (
             " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else "")
     strategy = ctx.strategy

@@ -96,7 +96,7 @@ class RunRecorder:
     def write_run_info(self, **final) -> None:
         """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
         acc, backend = self.acc, self.backend
-        opt_bytes = M.optimizer_state_bytes(backend.optimizer) + backend.extra_state_bytes()
+        opt_bytes = M.optimizer_state_bytes(backend.optimizer) + backend.other_optimizer_state_bytes()
         local = torch.tensor([M.param_bytes(backend.model), opt_bytes, M.grad_bytes(backend.optimizer),
                               M.peak_memory_bytes(acc.device), self.rss_after_load, M.host_peak_rss_bytes()],
                              dtype=torch.float64)

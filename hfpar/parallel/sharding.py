@@ -47,7 +47,12 @@ class ShardSpec:
     partial_grad_group: object = None
     dp_reduce_group: object = None
     dp_size: int = 1
-    extra: dict | None = None                     # e.g. EP: {"num_experts": E, "start": first local expert}
+    experts: dict | None = None                   # EP: {"num_experts": E, "start": first local expert}
+
+    @property
+    def extra(self) -> dict | None:
+        """The name of `experts` before issue 38 (read-only; "extra" now means run_info.json's added fields only)."""
+        return self.experts
 
     @property
     def sharded(self) -> bool:
@@ -63,7 +68,7 @@ class ShardSpec:
 
 
 def _rebuild(fields: dict) -> ShardSpec:
-    return ShardSpec(**fields)
+    return ShardSpec(**{("experts" if k == "extra" else k): v for k, v in fields.items()})   # "extra": pickled before
 
 
 def shard_spec(t: torch.Tensor) -> ShardSpec | None:

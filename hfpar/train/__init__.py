@@ -3,9 +3,7 @@
     trainer.py       Trainer: accumulation, global-token loss normalization, backend clip / step, eval, logging;
                      calls the Checkpointer and the RunRecorder, never called back by them
     losses.py        the recipes' loss functions (token-summed, normalized by the global token count)
-    chunked_loss.py  the LM loss over vocabulary chunks (no full logits tensor)
     batch_plan.py    the global-token count of a step's micro-batches, known before the first forward
     sampler.py       the global-batch sampler by data-parallel rank
     schedules.py     learning-rate schedules (HF names)
-    optim.py         the optimizer and its parameter groups
 """

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from hfpar.train.chunked_loss import chunked_loss_state
+from hfpar.parallel.chunked_loss import chunked_loss_state
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 
@@ -55,7 +55,7 @@ def classify_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 
 
 class ChunkedLMLoss:
-    """The loss of a model whose LM head computes it chunk by chunk (hfpar.train.chunked_loss): forward runs inside
+    """The loss of a model whose LM head computes it chunk by chunk (hfpar.parallel.chunked_loss): forward runs inside
     `scope(shifted_labels)`, and the "logits" it returns are the loss sum."""
 
     def __init__(self, state):

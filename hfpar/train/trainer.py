@@ -31,7 +31,7 @@ from hfpar.observe.recorder import RunRecorder
 from hfpar.parallel.pipeline import microbatches, pipeline_stages
 from hfpar.train.batch_plan import BatchPlan
 from hfpar.train.losses import IGNORE, count_targets, lm_loss_sum, make_loss_fn  # noqa: F401
-from hfpar.train.optim import implementation
+from hfpar.backends.optim import implementation
 from hfpar.train.sampler import GlobalBatchSampler, eval_shard
 from hfpar.train.schedules import get_scheduler
 

@@ -1,4 +1,4 @@
-"""The chunked LM head + cross-entropy (hfpar.train.chunked_loss) against the model's own logits and F.cross_entropy.
+"""The chunked LM head + cross-entropy (hfpar.parallel.chunked_loss) against the model's own logits and F.cross_entropy.
 
     python -m pytest -q -p no:cacheprovider tests/distributed/test_chunked_loss.py
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hfpar.train.chunked_loss import (
+from hfpar.parallel.chunked_loss import (
     FAMILIES,
     ChunkedLoss,
     chunkable,

@@ -100,7 +100,7 @@ OPTS += [("packed", "ring", 4, 2, 512, (("overlap", False),)), ("uneven", "ring"
 
 
 def _check_all(rank, world, device="cpu", dtype=torch.float64):
-    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/gpu_attention.py
+    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/context_parallel/gpu_attention.py
     runs it on CUDA (gloo carries the CUDA tensors)."""
     res = {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
     return res | {c: _check(rank, world, *c[:5], device=device, dtype=dtype, **dict(c[5])) for c in OPTS}

@@ -1,4 +1,4 @@
-"""A representative subset of the EP family sweep (benchmarks/ep_family_sweep.py runs every MoE causal-LM type): a tiny
+"""A representative subset of the EP family sweep (benchmarks/moe/ep_family_sweep.py runs every MoE causal-LM type): a tiny
 model of each, EP=2 against the unsharded model in a plain loop (each rank's loss with the HF aux loss
 (output_router_logits on) and every gradient after the data-parallel reduction, one SGD step, again; float32, within
 1e-4), on 2 gloo ranks (one spawn). Each converted block first passed its own equality check against the HF block.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.moe.ep_family_sweep import sweep_worker
 from tests.helpers.dist import run_distributed
-from tests.helpers.ep_sweep import sweep_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 

@@ -143,7 +143,7 @@ def test_tp2_rank_loads_about_half_the_memory(tmp_path):
     print(f"LOADING memory: checkpoint {mb(size)} MB fp32; peak RSS growth per TP=2 rank: full load + shard "
           f"{[mb(f[0]) for f in full]} MB, sharded {[mb(s[0]) for s in sharded]} MB, ratio "
           f"{[round(r, 2) for r in ratios]} (each rank holds {[mb(s[1]) for s in sharded]} MB)")
-    record("sharded_loading", "tp2_llama_150MB", {
+    record("loading/sharded", "tp2_llama_150MB", {
         "checkpoint_mb": mb(size), "full_load_peak_rss_growth_mb_per_rank": [mb(f[0]) for f in full],
         "sharded_peak_rss_growth_mb_per_rank": [mb(s[0]) for s in sharded], "ratio_per_rank": ratios,
         "held_mb_per_rank": [mb(s[1]) for s in sharded]},

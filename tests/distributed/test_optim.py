@@ -1,4 +1,4 @@
-"""hfpar.train.optim: the AdamW implementation (--optim) changes speed, not results.
+"""hfpar.backends.optim: the AdamW implementation (--optim) changes speed, not results.
 
     python -m pytest -q tests/distributed/test_optim.py
 
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpar import data
-from hfpar.train import optim as O
+from hfpar.backends import optim as O
 from hfpar.config import OPTIMIZERS, ConfigError, RecipeArgs, parse_args
 from tests.helpers.dist import run_distributed
 

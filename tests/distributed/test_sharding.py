@@ -57,7 +57,7 @@ def _sharded_params(rank: int) -> tuple[dict, dict]:
              "experts": full["experts"][2 * rank:2 * rank + 2]}
     specs = {"tp_dim0": dict(kind="tp", group=w, size=s, dim=0), "tp_dim1": dict(kind="tp", group=w, size=s, dim=1),
              "tp_packed": dict(kind="tp", group=w, size=s, dim=0, packed_splits=PACKED),
-             "experts": dict(kind="ep", group=w, size=s, dim=0, extra={"num_experts": 4, "start": 2 * rank})}
+             "experts": dict(kind="ep", group=w, size=s, dim=0, experts={"num_experts": 4, "start": 2 * rank})}
     return {n: _param(t, t, **specs.get(n, {})) for n, t in local.items()}, full
 
 

@@ -1,4 +1,4 @@
-"""A representative subset of the family sweep (benchmarks/tp_family_sweep.py runs every causal-LM type): a tiny model
+"""A representative subset of the family sweep (benchmarks/tensor_parallel/family_sweep.py runs every causal-LM type): a tiny model
 of each, TP=2 against the unsharded model in a plain loop (loss and every gradient, one SGD step, again; float64,
 within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the other TP tests:
 
@@ -8,7 +8,7 @@ within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the other TP 
     persimmon            plan inferred from the modules (fused per-head query_key_value, per-head q/k LayerNorms)
     bloom                inferred; its ALiBi, built for all heads outside the attention, sliced to the rank's heads
     hunyuan_v1_moe       HF's plan names only experts: inferred instead (the former 2e-4 "mismatch": the reference's
-                         fp32 loss, see tests/helpers/tp_sweep.py)
+                         fp32 loss, see benchmarks/tensor_parallel/family_sweep.py)
     mimo_v2_flash        attention sinks in its sliding-window layers only (HF's sinks entry found in any layer)
     gpt_oss              inferred: attention sinks (H,) split by head (head_param), experts whole
     llama4_text          derived: the decoder under `model` while base_model_prefix names `language_model`
@@ -33,9 +33,9 @@ from unittest import mock
 
 import pytest
 
-from tests.helpers import tp_sweep
+from benchmarks.tensor_parallel import family_sweep as tp_sweep
+from benchmarks.tensor_parallel.family_sweep import sweep_worker
 from tests.helpers.dist import run_distributed
-from tests.helpers.tp_sweep import sweep_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
 

@@ -1,4 +1,4 @@
-"""Apply-time plan verification (hfpar.parallel.tensor_parallel.verify) and the partial-gradient hooks, on 2 gloo
+"""Apply-time plan verification (hfpar.parallel.tensor_parallel.block_check) and the partial-gradient hooks, on 2 gloo
 ranks (one spawn):
 
     python -m pytest tests/distributed/test_tp_verify.py -q

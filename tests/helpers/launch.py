@@ -16,30 +16,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.common.launch import accelerate_cmd
+from benchmarks.common.launch import env as launch_env
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE_RUNS = str(ROOT / "tests" / "helpers" / "recipe_runs.py")  # many recipe runs in one launch (its docstring)
 
 
 def env() -> dict:
-    e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-             TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", ACCELERATE_DISABLE_RICH="1")
-    # The suite's launches compare CPU + gloo runs with each other (the parity contract): on a machine with a GPU
-    # they are kept on the CPU too, since a 2-process launch on a one-GPU machine is refused (one CUDA device per
-    # process) and a GPU reference would add device-numerics noise. HFPAR_TEST_CUDA=1 launches on the GPUs instead.
-    if os.environ.get("HFPAR_TEST_CUDA") != "1":
-        e["CUDA_VISIBLE_DEVICES"] = ""
-    return e
+    """The suite's launches compare CPU + gloo runs with each other (the parity contract): on a machine with a GPU
+    they are kept on the CPU too, since a 2-process launch on a one-GPU machine is refused (one CUDA device per
+    process) and a GPU reference would add device-numerics noise. HFPAR_TEST_CUDA=1 launches on the GPUs instead."""
+    return launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1")
 
 
 def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None,
                launcher: str = "accelerate.commands.launch") -> list[str]:
     """recipe: a name of recipes/ ("sft"), or a script's path (ending .py), e.g. RECIPE_RUNS. launcher: the module
     run with -m, Accelerate's or hfpar.launch (the same launch, the workers' exit code, no launcher traceback)."""
-    script = recipe if recipe.endswith(".py") else str(ROOT / "recipes" / f"{recipe}.py")
-    return [sys.executable, "-m", launcher, "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-            "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", "0",
-            *(extra_launch or []), script, *args]
+    cmd = accelerate_cmd(config, nproc, recipe, args, extra_launch)   # [python, -m, accelerate.commands.launch, ...]
+    return [cmd[0], "-m", launcher, *cmd[3:]]
 
 
 class _Zygote:

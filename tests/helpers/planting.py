@@ -7,14 +7,20 @@ by one (a torch.save zip for *.pt / *.bin, a raw pickle otherwise), the manifest
 access would, and the file read the way its library reads it, inside hfpar's safe_loading(): Accelerate and DeepSpeed
 call torch.load(weights_only=False), DCP reads `.metadata` with pickle.load, hfpar reads its RNG with safetensors and
 its state as JSON. Every read must fail with a clear error and the marker must never appear.
+
+    assert_reads_in_both_pickle_forms(ckpt_dir, tmp_path)  # every pickle of a real checkpoint re-written with its
+                                                           # enum members as getattr(cls, name): still read (#37)
 """
 
 from __future__ import annotations
 
 import builtins
+import enum
+import io
 import json
 import pickle
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -34,6 +40,49 @@ class Payload:
 
     def __reduce__(self):
         return builtins.exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+class EnumByName(pickle.Pickler):
+    """Pickles every enum member as getattr(<class>, '<name>') (Python's enum.pickle_by_enum_name): the form the
+    checkpoints written under PyPI's CUDA build of torch hold, produced here whatever build runs the test."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return enum.pickle_by_enum_name(obj, 2)  # (getattr, (cls, name)) at any protocol
+        return NotImplemented
+
+
+BY_NAME = types.SimpleNamespace(Pickler=EnumByName, Unpickler=pickle.Unpickler, load=pickle.load, dump=pickle.dump,
+                                __name__="pickle")
+
+
+def _rewrite_by_name(path: Path) -> bool:
+    """Re-writes one file of our own (trusted) checkpoint with enum members pickled by name; True where its pickle
+    changed (it held an enum)."""
+    before = path.read_bytes()
+    if path.name == ".metadata":
+        buf = io.BytesIO()
+        EnumByName(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(pickle.loads(before))
+        path.write_bytes(buf.getvalue())
+    else:
+        torch.save(torch.load(path, map_location="cpu", weights_only=False), path, pickle_module=BY_NAME)
+    return b"getattr" in path.read_bytes() and b"getattr" not in before
+
+
+def assert_reads_in_both_pickle_forms(ckpt: Path, tmp_path: Path) -> int:
+    """Every pickle file of `ckpt` (DCP .metadata, torch.save zips) re-written in the by-name enum form, in a copy,
+    then read the way its library reads it inside safe_loading(): no refusal. Returns how many files held an enum."""
+    copy = tmp_path / f"{ckpt.name}_by_name"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(ckpt, copy)
+    changed = 0
+    for f in files_read(copy):
+        if f.name == ".metadata" or f.suffix in (".pt", ".bin"):
+            changed += _rewrite_by_name(f)
+            with safe_loading(copy):
+                read_as_its_library_does(f)
+    shutil.rmtree(copy, ignore_errors=True)
+    return changed
 
 
 def plant(path: Path, marker: Path) -> None:

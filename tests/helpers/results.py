@@ -1,8 +1,8 @@
 """Measured values the README and docs/ quote, written by the tests that measure (and assert on) them.
 
-    record("minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q tests/launch/test_minilm.py")
+    record("loading/minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q tests/launch/test_minilm.py")
 
-merges `key: value` into benchmarks/results/<name>.json (floats rounded to 3 significant digits, so a
+merges `key: value` into benchmarks/results/<topic>/<name>.json (floats rounded to 3 significant digits, so a
 rerun that measures the same thing leaves the file unchanged) next to the command that writes it.
 Tests record before they assert: a failing run leaves its numbers for inspection.
 """
@@ -16,9 +16,7 @@ import platform
 
 import torch
 
-from tests.helpers.launch import ROOT
-
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common.launch import RESULTS
 
 
 def _round(v):
@@ -34,8 +32,8 @@ def _round(v):
 def record(name: str, key: str, value, *, command: str) -> None:
     """Read, merge and replace under an exclusive lock (the suite runs on several pytest-xdist workers, which may
     record into one file), the new file written aside and renamed over the old one."""
-    path = RESULTS / f"{name}.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"   # name: "<topic>/<name>"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(path.read_text()) if path.exists() else {}

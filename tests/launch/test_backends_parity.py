@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers.parity import BACKENDS, RESUMED_BACKENDS, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
-from tests.helpers.planting import assert_no_planted_payload_runs
+from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +99,5 @@ def test_a_planted_pickle_never_runs(runs, strategy, tmp_path):
     """Each file of an FSDP2 (DCP) / ZeRO checkpoint replaced by a pickle payload, manifest re-signed: every reader a
     resume or an export uses refuses it in one line, no payload runs (tests/helpers/planting.py); export too."""
     assert assert_no_planted_payload_runs(runs[strategy] / "checkpoint-4", tmp_path, export=True) >= 6
+    # the same files with their enum members pickled by name (the CUDA build's form): still read (#37)
+    assert assert_reads_in_both_pickle_forms(runs[strategy] / "checkpoint-4", tmp_path) >= 1

@@ -24,7 +24,7 @@ loss of a step is the mean over its 8 pairs (num_target_tokens counts pairs).
 
 bf16: ddp, fsdp2, tp2, cp2_ring again in the same launches (ACCELERATE_MIXED_PRECISION=bf16 for those runs, what
 `accelerate launch --mixed_precision bf16` sets), against the in-process single run in bf16, each within BF16_TOL
-per step (the measured differences: BF16 lines with -s, benchmarks/results/dpo_bf16_cpu.json).
+per step (the measured differences: BF16 lines with -s, benchmarks/results/dpo/bf16_parity_cpu.json).
 
     python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16
 """
@@ -109,7 +109,7 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
     2-core machine spin 10x slower), Accelerate's singletons reset around it."""
     # the training stack: imported by the slow tests that run it, not at collection
     from hfpar.recipe import main
-    from tests.helpers.trl_dpo import _reset_accelerate
+    from benchmarks.dpo.trl_compare import _reset_accelerate
 
     threads, saved = torch.get_num_threads(), {k: os.environ.get(k) for k in env or {}}
     torch.set_num_threads(1)
@@ -237,7 +237,7 @@ def test_bf16_matches_single_bf16(runs, name):
     assert len(ref) == len(got) == 8 and read_run_info(root / f"{name}_bf16")["mixed_precision"] == "bf16"
     assert read_run_info(root / "single_bf16")["mixed_precision"] == "bf16"
     worst = {k: max(rel_diff(g[k], r[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}
-    record("dpo_bf16_cpu", name, worst, command=BF16_CMD)
+    record("dpo/bf16_parity_cpu", name, worst, command=BF16_CMD)
     print(f"BF16 {name}: loss {worst['loss']:.2e} grad_norm {worst['grad_norm']:.2e}")
     for k, tol in {**BF16_TOL, "loss": BF16_LOSS_TOL.get(name, BF16_TOL["loss"])}.items():
         assert worst[k] <= tol, f"bf16 {name}: {k} differs from single bf16 by {worst[k]:.2e} (> {tol:.0e})"

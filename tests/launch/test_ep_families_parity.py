@@ -38,7 +38,7 @@ def _save_tiny(model_type: str, over: dict, path) -> str:
     from transformers import AutoModelForCausalLM
 
     from hfpar import data
-    from tests.helpers.tp_sweep import tiny_config
+    from benchmarks.tensor_parallel.family_sweep import tiny_config
 
     cfg = tiny_config(model_type)
     for k, v in {**over, "vocab_size": 128, "max_position_embeddings": 512, "use_cache": False}.items():

@@ -24,7 +24,7 @@ from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, 
                                   assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
                                   assert_steps_match, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, read_metrics, read_run_info
-from tests.helpers.planting import assert_no_planted_payload_runs
+from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
 
@@ -225,3 +225,5 @@ def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
 def test_ep_planted_pickle_never_runs(ep_runs, case, tmp_path):
     """Per-rank expert files (and DeepSpeed's under ZeRO) each replaced by a pickle payload: refused, never run."""
     assert assert_no_planted_payload_runs(ep_runs[case] / "checkpoint-4", tmp_path) >= 6
+    # enum members pickled by name (the CUDA build's form): still read; DeepSpeed's files hold ZeroStageEnum (#37)
+    assert assert_reads_in_both_pickle_forms(ep_runs[case] / "checkpoint-4", tmp_path) >= ("zero" in case)

@@ -14,7 +14,7 @@ What is asserted, and why not the issue's literal figure. The issue's acceptance
 of the whole run, and the whole run cannot meet 0.65x by construction: after loading, each rank of a 2-way
 FSDP2 or TP run holds half the parameters, their gradients and two fp32 Adam moments, 0.5 x 4 = 2x the model's
 bytes (run_info: param 202 + grad 202 + optimizer 404 MiB per rank). Measured whole-run peaks above the baseline
-(benchmarks/results/loading_recipe_cpu.json, which this test writes): FSDP2 4.4-4.9x sharded, 4.3-4.4x full load;
+(benchmarks/results/loading/recipe_cpu.json, which this test writes): FSDP2 4.4-4.9x sharded, 4.3-4.4x full load;
 TP 3.2x sharded, 3.9-4.0x full load: training (gathered root parameters, unsharded gradients before the
 reduce-scatter, the allocator's retained pages), not loading, sets that peak. So the 0.65x bound is asserted on the loading peak,
 `host_peak_rss_after_load_bytes_per_rank` (ru_maxrss once the model is loaded and wrapped), minus the baseline's
@@ -114,7 +114,7 @@ def test_each_rank_loads_at_most_065x_of_the_model(big_model, runs):
             problems.append(f"{name} sharded: load peak - baseline = {row['load_sharded_x_model']} x model bytes")
         if not all(x > LOAD_BOUND for x in row["load_full_x_model"]):
             problems.append(f"{name} full load: {row['load_full_x_model']} x model bytes, not above the bound")
-    record("loading_recipe_cpu", "llama_106M_2proc", {"num_parameters": n, "model_fp32_mib": round(model_bytes / MIB, 1),
+    record("loading/recipe_cpu", "llama_106M_2proc", {"num_parameters": n, "model_fp32_mib": round(model_bytes / MIB, 1),
                                                       **table},
            command="python -m pytest -q -s tests/launch/test_loading_recipe.py")
     assert not problems, "\n".join(problems)

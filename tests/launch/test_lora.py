@@ -45,7 +45,7 @@ STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
 MERGED = ["fsdp2_merged", "pp2_merged"]
-RECORD_CMD = "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora_parity_cpu.json (docs/lora.md)
+RECORD_CMD = "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora/parity_cpu.json (docs/lora.md)
 # name -> (accelerate config, processes, recipe, extra args)
 RUNS = {
     "single": ("single", 1, "sft", []),
@@ -170,7 +170,7 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
     rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-12)
-    record("lora_parity_cpu", f"{strategy} max relative diff per step", {
+    record("lora/parity_cpu", f"{strategy} max relative diff per step", {
         k: max(rel(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}, command=RECORD_CMD)
     assert len(ref) == len(got) == 8 and ref[-1]["loss"] < ref[0]["loss"]
     assert_close_series(ref, got, "loss", TOL, strategy)
@@ -193,7 +193,7 @@ def test_lora_with_context_parallelism_matches_single(runs):
 def test_exported_adapter_matches_single(runs, strategy):
     ref, got = _adapter(runs["single"]), _adapter(runs[strategy])
     assert ref.keys() == got.keys() and len(ref) == 2 * 7 * 4  # A and B of 7 linear layers x 4 blocks
-    record("lora_parity_cpu", f"{strategy} max relative diff adapter", max(
+    record("lora/parity_cpu", f"{strategy} max relative diff adapter", max(
         float((ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)) for k in ref), command=RECORD_CMD)
     for k in ref:
         diff = (ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)

@@ -16,9 +16,11 @@ from transformers import Gemma2Config, LlamaConfig
 
 from hfpar import data
 from hfpar.cli import main as cli
-from hfpar.train.chunked_loss import LOGITS_PER_CHUNK
-from hfpar.plan.planner import Candidate, estimate, launch_command, model_stats, plan, PlanError, _pp_worst
-from hfpar.plan.memory import HOST_OVERHEAD, activation_bytes
+from hfpar.parallel.chunked_loss import LOGITS_PER_CHUNK
+from hfpar.planner.memory import HOST_OVERHEAD, activation_bytes
+from hfpar.planner.table import Candidate, _pp_worst, estimate, launch_command, model_stats
+from hfpar.planner.table import PlannerError as PlanError
+from hfpar.planner.table import memory_table as plan
 from tests.helpers.launch import read_run_info
 from tests.helpers.results import record
 
@@ -44,7 +46,7 @@ def test_estimate_matches_measured_bytes(runs, strategy):
     config = AutoConfig.from_pretrained(data.embedded_model_path())
     est = estimate(config, strategy, 2, mixed_precision="no")
     got = measured(runs[strategy])
-    record("plan_estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
+    record("planner/estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
                                                  "max_relative_error": max(abs(est[cat] - b) / b for b in got[cat])}
                                            for cat in ("params", "grads", "optimizer")},
            command="python -m pytest -q tests/launch/test_plan.py -k estimate")
@@ -211,8 +213,8 @@ def test_plan_pipeline_stages_schedules_and_recommendation():
     micro-batches in flight of each schedule (GPipe m, 1F1B p - s, interleaved Megatron's warm-up + 1 chunk
     micro-batches), the bubble (p - 1) / (m + p - 1), / V interleaved; recommended with one stage per node when
     DDP does not fit on several nodes, not on one node where FSDP2 / CP fit."""
-    from hfpar.plan.planner import model_stats, state_bytes_per_param
-    from hfpar.plan.pipeline import bubble_fraction, pipeline_estimate
+    from hfpar.planner.pipeline import bubble_fraction, pipeline_estimate
+    from hfpar.planner.table import model_stats, state_bytes_per_param
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000)

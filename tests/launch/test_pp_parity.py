@@ -39,7 +39,7 @@ from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_c
                                   assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
                                   assert_steps_match, export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
-from tests.helpers.planting import assert_no_planted_payload_runs
+from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +224,7 @@ def test_pp_planted_pickle_never_runs(pp_runs, case, tmp_path):
     """Per-stage files (FSDP2) / DeepSpeed's stage files (ZeRO-1) each replaced by a pickle payload: refused, never
     run."""
     assert assert_no_planted_payload_runs(pp_runs[case] / "checkpoint-4", tmp_path) >= 6
+    assert_reads_in_both_pickle_forms(pp_runs[case] / "checkpoint-4", tmp_path)  # raises where a reader refuses (#37)
 
 
 def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path, exports_checkpoint: bool = True) -> None:

@@ -28,7 +28,7 @@ def _run(recipe, cwd):
 @pytest.mark.parametrize("recipe", ["sft", "clm"])
 def test_lm_recipe_default_learns(recipe, tmp_path):
     elapsed, train, evals, out = _run(recipe, tmp_path)
-    record("recipes_default_cpu", recipe, {"first_train_loss": train[0]["loss"],
+    record("recipes/default_cpu", recipe, {"first_train_loss": train[0]["loss"],
                                            "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
            command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
     assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
@@ -67,7 +67,7 @@ def test_dpo_default_learns(tmp_path):
         return tuple(sum(r[key] for r in rows) / len(rows) for rows in (train[:20], train[-20:]))
 
     acc, margin = means("rewards/accuracies"), means("rewards/margins")
-    record("recipes_default_cpu", "dpo", {"rewards/accuracies steps 1-20, 101-120": acc,
+    record("recipes/default_cpu", "dpo", {"rewards/accuracies steps 1-20, 101-120": acc,
                                           "rewards/margins steps 1-20, 101-120": margin, "wall_s": elapsed},
            command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
     assert elapsed < 120, f"dpo took {elapsed:.0f}s"

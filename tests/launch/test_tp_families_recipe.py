@@ -11,7 +11,7 @@ export of each run: a normal HF checkpoint that loads with from_pretrained and e
 and TP=2 with --sequence_parallel where the family allows it (OLMo-2, Falcon, GPT-BigCode: sequence_plan.py; Qwen3.5's
 linear attention kept whole and DeepSeek-V2's MoE blocks see the full sequence, so hfpar refuses it for them).
 
-Tiny models built from configs (tests/helpers/tp_sweep.py tiny_config, vocab 128 = the embedded tokenizer's), one
+Tiny models built from configs (benchmarks/tensor_parallel/family_sweep.py tiny_config, vocab 128 = the embedded tokenizer's), one
 module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), in two launches.
 In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon, GPT-BigCode) is
 verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
@@ -46,7 +46,7 @@ def _save_tiny(model_type: str, layers: int, path: Path) -> str:
     from transformers import AutoModelForCausalLM
 
     from hfpar import data
-    from tests.helpers.tp_sweep import tiny_config
+    from benchmarks.tensor_parallel.family_sweep import tiny_config
     cfg = tiny_config(model_type, layers)
     cfg.max_position_embeddings = 512   # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
     torch.manual_seed(0)

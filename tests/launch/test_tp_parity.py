@@ -19,7 +19,7 @@ from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, 
                                   assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
                                   export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
-from tests.helpers.planting import assert_no_planted_payload_runs
+from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
 
@@ -159,3 +159,5 @@ def test_unsupported_mesh_change_is_refused_before_any_weight_is_read(tp_runs, b
 def test_tp_planted_pickle_never_runs(tp_runs, case, tmp_path):
     """Per-TP-rank files (and DeepSpeed's under ZeRO) each replaced by a pickle payload: refused, never run."""
     assert assert_no_planted_payload_runs(tp_runs[case] / "checkpoint-4", tmp_path) >= 6
+    # enum members pickled by name (the CUDA build's form): still read; DeepSpeed's files hold ZeroStageEnum (#37)
+    assert assert_reads_in_both_pickle_forms(tp_runs[case] / "checkpoint-4", tmp_path) >= ("zero" in case)

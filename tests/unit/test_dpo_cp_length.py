@@ -1,26 +1,19 @@
-"""benchmarks/dpo_cp_length.py's pieces that its figures rest on, without running it (it takes minutes): a pair of
+"""benchmarks/dpo/cp_length.py's pieces that its figures rest on, without running it (it takes minutes): a pair of
 "length L" is L tokens (prompt + chosen + rejected) through the dpo recipe's own tokenization, and the limits and
 the same-training comparison read the rows as the report says."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from benchmarks.dpo import cp_length
 from hfpar.data import load_tokenizer
 from hfpar.data.preference import tokenize_pair
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("dpo_cp_length", ROOT / "benchmarks" / "dpo_cp_length.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return cp_length
 
 
 def test_a_pair_of_length_l_is_l_tokens(bench):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.trl_dpo import make_case, run_hfpar, run_trl
+from benchmarks.dpo.trl_compare import make_case, run_hfpar, run_trl
 
 pytest.importorskip("trl")
 TOL = 1e-4

@@ -3,7 +3,8 @@
     python -m pytest -q tests/unit/test_layout.py
 
 - at the root of hfpar/ only the entry points, each named in the README's code map;
-- no import cycle between hfpar's modules (module-level imports, relative ones resolved);
+- no import cycle between hfpar's modules, nor between its folders (imports inside functions counted too:
+  hiding one there breaks no cycle of design; relative ones resolved);
 - an import of hfpar's own modules inside a function says why in a comment (start-up cost measured);
 - hfpar/parallel/ is the standalone library: it imports nothing else of hfpar.
 """
@@ -69,10 +70,13 @@ def test_only_entry_points_at_the_root_and_each_in_the_code_map():
     assert not missing, f"README's code map does not name {missing}"
 
 
-def test_no_import_cycle():
-    modules = _modules()
-    graph = {m: {t for t, _ in _imports(m, p, modules, in_functions=False) if t != m} for m, p in modules.items()}
-    # Tarjan's strongly connected components: any component of more than one module is a cycle
+# A cycle another change of issue 38 removes (the recipe restructure: train/dpo.py <-> train/dpo_setup.py); when it
+# lands, empty this set and the test holds every cycle again.
+BEING_REMOVED: set[tuple[str, ...]] = {("hfpar.train.dpo", "hfpar.train.dpo_setup")}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components: any component of more than one node is a cycle."""
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -101,7 +105,36 @@ def test_no_import_cycle():
     for v in graph:
         if v not in index:
             visit(v)
+    return cycles
+
+
+def _graph(modules: dict, node=lambda m: m) -> dict[str, set[str]]:
+    """node(importer) -> node(imported) for every import of hfpar, at module level or inside a function."""
+    graph: dict[str, set[str]] = {node(m): set() for m in modules}
+    for m, p in modules.items():
+        for inf in (False, True):
+            graph[node(m)] |= {node(t) for t, _ in _imports(m, p, modules, in_functions=inf) if node(t) != node(m)}
+    return graph
+
+
+def _folder(module: str) -> str:
+    """hfpar.train.trainer -> hfpar.train; an entry point at the root stays itself; the package root `hfpar` (its
+    lazy __init__ names the public API) is left out."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycle():
+    cycles = [c for c in _cycles(_graph(_modules())) if tuple(c) not in BEING_REMOVED]
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_import_cycle_between_folders():
+    """The layers read top-down: entry points, then train/, then what it builds on (backends/, checkpoint/, ...),
+    the standalone library parallel/ at the bottom; no folder imports one that imports it back."""
+    graph = _graph({m: p for m, p in _modules().items() if m != "hfpar"}, _folder)
+    graph = {a: {b for b in bs if b != "hfpar"} for a, bs in graph.items()}
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles between folders: {cycles}"
 
 
 def test_in_function_imports_of_hfpar_say_why():

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.tensor_parallel.family_sweep import tiny_config
 from hfpar.parallel.expert_parallel import config_num_experts, has_moe_blocks
 from hfpar.parallelize import apply_moe
-from tests.helpers.tp_sweep import tiny_config
 
 ARGS = SimpleNamespace(upcycle_experts=0, gradient_accumulation_steps=1, seed=0)
 CTX = SimpleNamespace(ep=1, pp=1, grad_replicas=1)

@@ -4,7 +4,7 @@
     attention.py  ring and Ulysses (all-to-all) attention, registered as "hfpar_cp"
     ring.py       the overlapped ring: K / V pieces passed by batched isend / irecv while a piece is computed
     fused.py      attention through the device's fused kernel per block, merged by log-sum-exp (kernels.py)
-    plan.py       which kernel calls (no mask / causal / window mask) cover a block's documents
+    kernel_calls.py  which kernel calls (no mask / causal / window mask) cover a block's documents
     probe.py      whether a model's attention goes through transformers' registry (the preflight's CP check)
     blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """

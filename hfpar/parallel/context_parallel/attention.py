@@ -17,7 +17,7 @@ Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's z
 Both compute every block with the device's fused kernel (fused.py / kernels.py: flash attention with its
 log-sum-exp on CPU and CUDA), one call per document part of a block, so packed documents never attend to each
 other; padding tokens attend to themselves only (no empty softmax row, no NaN). Sliding windows (the registry's
-`sliding_window=`, per layer) cut the block plans (plan.py). Logit soft-capping (`softcap=`, Gemma 2) has no
+`sliding_window=`, per layer) cut the blocks' kernel calls (kernel_calls.py). Logit soft-capping (`softcap=`, Gemma 2) has no
 fused kernel: those layers take the named fallback, blockwise.block_attention (ring: its all-gather form).
 """
 

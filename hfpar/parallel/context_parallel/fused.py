@@ -3,7 +3,7 @@
     out = fused_attention(q, k, v, rows, q_pos, k_pos, scaling, window)   # k, v: the keys at k_pos (Ulysses)
     ring.py runs the same per-block steps (add_blocks / blocks_backward) on K / V pieces passed around the ring.
 
-The kernel calls come from plan.py (one per document part of a block: no mask for blocks wholly in the causal
+The kernel calls come from kernel_calls.py (one per document part of a block: no mask for blocks wholly in the causal
 past, is_causal on the diagonal, a mask only where a sliding window cuts); padding queries attend to themselves
 (out = v). Forward keeps q, k, v, the output and one log-sum-exp per query; backward calls the kernel's own
 backward per block with the merged output and log-sum-exp (kernels.py). Exactness: the same softmax as unsharded
@@ -16,20 +16,20 @@ import torch
 
 from .kernels import attend, attend_backward
 from .layout import RowLayout
-from .plan import plan_pairs, segments
+from .kernel_calls import pair_calls, segments
 
 
-def row_plans(rows: RowLayout, q_segs, k_segs, window) -> list[tuple[slice, list]]:
-    """[(batch slice, ops), ...] for q_segs x k_segs: one plan for all rows when their documents agree, else one
+def row_calls(rows: RowLayout, q_segs, k_segs, window) -> list[tuple[slice, list]]:
+    """[(batch slice, ops), ...] for q_segs x k_segs: one list for all rows when their documents agree, else one
     per row. Cached on the RowLayout, so every layer of a forward (and backward) reuses it."""
     key = (tuple(q_segs), tuple(k_segs), window)
-    if key not in rows.plans:
+    if key not in rows.cache:
         docs = rows.doc_lists()
         if all(d == docs[0] for d in docs):
-            rows.plans[key] = [(slice(None), plan_pairs(docs[0], q_segs, k_segs, window))]
+            rows.cache[key] = [(slice(None), pair_calls(docs[0], q_segs, k_segs, window))]
         else:
-            rows.plans[key] = [(slice(b, b + 1), plan_pairs(d, q_segs, k_segs, window)) for b, d in enumerate(docs)]
-    return rows.plans[key]
+            rows.cache[key] = [(slice(b, b + 1), pair_calls(d, q_segs, k_segs, window)) for b, d in enumerate(docs)]
+    return rows.cache[key]
 
 
 def new_state(q: torch.Tensor):
@@ -44,9 +44,9 @@ def _self_block(q, k, v, scale):
     return v, (q.to(k.dtype) * k).sum(-1) * scale
 
 
-def add_blocks(out, lse, q, k, v, plans, scale) -> None:
-    """Merge the attention of q over the keys k, v (as the plans lay them out) into the running (out, lse)."""
-    for b, ops in plans:
+def add_blocks(out, lse, q, k, v, calls, scale) -> None:
+    """Merge the attention of q over the keys k, v (as the calls lay them out) into the running (out, lse)."""
+    for b, ops in calls:
         for op in ops:
             qs, ks, vs = q[b, :, op.qa:op.qb], k[b, :, op.ka:op.kb], v[b, :, op.ka:op.kb]
             if op.kind == "self":
@@ -61,10 +61,10 @@ def add_blocks(out, lse, q, k, v, plans, scale) -> None:
             torch.logaddexp(cur, blk, out=cur)
 
 
-def blocks_backward(dout, q, k, v, out, lse, plans, scale, dq, dk, dv) -> None:
+def blocks_backward(dout, q, k, v, out, lse, calls, scale, dq, dk, dv) -> None:
     """Add this key set's share of the gradients to dq (local queries) and dk, dv (these keys)."""
     n = q.shape[1] // k.shape[1]
-    for b, ops in plans:
+    for b, ops in calls:
         for op in ops:
             qsl, ksl = (b, slice(None), slice(op.qa, op.qb)), (b, slice(None), slice(op.ka, op.kb))
             if op.kind == "self":                          # out = v: only dv gets a gradient
@@ -80,20 +80,20 @@ def blocks_backward(dout, q, k, v, out, lse, plans, scale, dq, dk, dv) -> None:
 
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plans, scale):
+    def forward(ctx, q, k, v, calls, scale):
         out, lse = new_state(q)
-        add_blocks(out, lse, q, k, v, plans, scale)
+        add_blocks(out, lse, q, k, v, calls, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (plans, scale)
+        ctx.meta = (calls, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plans, scale = ctx.meta
+        calls, scale = ctx.meta
         dq, dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (q, k, v))
-        blocks_backward(dout.contiguous(), q, k, v, out, lse, plans, scale, dq, dk, dv)
+        blocks_backward(dout.contiguous(), q, k, v, out, lse, calls, scale, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -103,5 +103,5 @@ def fused_attention(q, k, v, rows: RowLayout, q_pos, k_pos, scaling=None, window
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    plans = row_plans(rows, segments(q_pos), segments(k_pos), window)
-    return _FusedAttention.apply(q, k, v, plans, scale)
+    calls = row_calls(rows, segments(q_pos), segments(k_pos), window)
+    return _FusedAttention.apply(q, k, v, calls, scale)

@@ -28,22 +28,22 @@ class RowLayout:
     local: torch.Tensor        # (T / cp,) global positions this rank holds, in its local order
     cp: int
     causal: bool = False       # every row is one document without padding: plain causal attention suffices
-    plans: dict = field(default_factory=dict, repr=False, compare=False)   # kernel-call plans (fused.row_plans)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)   # kernel calls (fused.row_calls), docs, layouts
 
     def row_slice(self, start: int, stop: int) -> RowLayout:
         """The layout of rows start:stop only (a pipeline micro-batch), made once per batch."""
         key = ("rows", start, stop)
-        if key not in self.plans:
+        if key not in self.cache:
             doc = self.doc[start:stop]
-            self.plans[key] = RowLayout(doc=doc, order=self.order, local=self.local, cp=self.cp,
+            self.cache[key] = RowLayout(doc=doc, order=self.order, local=self.local, cp=self.cp,
                                         causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()))
-        return self.plans[key]
+        return self.cache[key]
 
     def doc_lists(self) -> list[list[int]]:
-        """rows.doc as Python lists (made once per batch, for the kernel-call plans)."""
-        if "docs" not in self.plans:
-            self.plans["docs"] = self.doc.tolist()
-        return self.plans["docs"]
+        """rows.doc as Python lists (made once per batch, for the kernel calls)."""
+        if "docs" not in self.cache:
+            self.cache["docs"] = self.doc.tolist()
+        return self.cache["docs"]
 
 
 def zigzag_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.modeling_utils import set_zero3_state
 
 PROBE = "hfpar_cp_probe"
-SUPPORTED_KWARGS = ("sliding_window", "softcap")           # honoured (plan.py / blockwise.py)
+SUPPORTED_KWARGS = ("sliding_window", "softcap")           # honoured (kernel_calls.py / blockwise.py)
 REFUSED_KWARGS = {"s_aux": "attention sinks (s_aux)"}      # would be silently dropped: refused
 
 

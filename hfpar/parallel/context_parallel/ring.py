@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import comm_stats, group_rank, group_size
-from .fused import add_blocks, blocks_backward, new_state, row_plans
+from .fused import add_blocks, blocks_backward, new_state, row_calls
 from .layout import RowLayout, zigzag_indices
-from .plan import segments
+from .kernel_calls import segments
 
 
 def _bounds(n_tokens: int, pieces: int) -> list[tuple[int, int]]:
@@ -75,8 +75,8 @@ class _Ring(torch.autograd.Function):
                 reqs = []
                 if s < cp - 1:
                     reqs, nxt[i] = _exchange(list(hold[i]), list(hold[i]), peers)
-                plans = row_plans(rows, q_segs, segments(src_pos[src][a:b]), window)
-                add_blocks(out, lse, q, hold[i][0], hold[i][1], plans, scale)
+                calls = row_calls(rows, q_segs, segments(src_pos[src][a:b]), window)
+                add_blocks(out, lse, q, hold[i][0], hold[i][1], calls, scale)
                 _wait(reqs)
                 hold[i] = None                             # this piece has been computed and passed on
             hold = nxt
@@ -108,8 +108,8 @@ class _Ring(torch.autograd.Function):
                 reqs, bufs = _exchange(send, like, peers)
                 dk = torch.zeros(hold[i][0].shape, dtype=acc, device=k.device)
                 dv = torch.zeros(hold[i][1].shape, dtype=acc, device=v.device)
-                plans = row_plans(rows, q_segs, segments(src_pos[src][a:b]), window)
-                blocks_backward(dout, q, hold[i][0], hold[i][1], out, lse, plans, scale, dq, dk, dv)
+                calls = row_calls(rows, q_segs, segments(src_pos[src][a:b]), window)
+                blocks_backward(dout, q, hold[i][0], hold[i][1], out, lse, calls, scale, dq, dk, dv)
                 _wait(reqs)
                 if s < cp - 1:
                     nxt[i], bufs = tuple(bufs[:2]), bufs[2:]

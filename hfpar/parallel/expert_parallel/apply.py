@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import all_gather, group_rank, group_size
+from ..errors import ParallelError, Problem
 from ..groups import expert_rank_lists, new_groups
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import full_state_dict, set_shard_spec, shard_spec
@@ -159,9 +160,9 @@ def _check_same_weights(blocks: list[MoEBlock | HFExperts], group) -> None:
     for b, (lo, hi) in zip(blocks, spans):
         cols = every[:, lo:hi]
         if not torch.equal(cols, cols[:1].expand_as(cols)):
-            raise ValueError(f"apply_expert_parallel: {b.path} router / expert weights differ across the ranks of "
-                             f"the data-parallel group; load the same full weights (same seed / checkpoint) on "
-                             f"every rank before apply_expert_parallel")
+            raise ParallelError("apply_expert_parallel", [Problem(
+                f"{b.path} router / expert weights differ across the ranks of the data-parallel group",
+                "load the same full weights (same seed / checkpoint) on every rank before apply_expert_parallel")])
 
 
 def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[list[HFExperts], list[str]]:
@@ -172,15 +173,15 @@ def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[l
     return find_hf_experts(model)
 
 
-def _validate_hf(found: list[HFExperts], ep: int, aux_loss_coef, z_loss_coef, capacity_factor) -> list[str]:
+def _validate_hf(found: list[HFExperts], ep: int, aux_loss_coef, z_loss_coef, capacity_factor) -> list[str | Problem]:
     problems = [f"{x.path}: num_experts {x.E} is not divisible by ep_size {ep}" for x in found if x.E % ep]
     asked = {k: v for k, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                                ("capacity_factor", capacity_factor)) if v}
     if found and asked:
         x = found[0]
-        problems.append(f"{x.path} ({type(x.block).__name__}) keeps the HF block's own router, so "
-                        f"{', '.join(f'{k}={v}' for k, v in asked.items())} (hfpar's router) cannot apply; pass None "
-                        f"(the HF model's own aux loss comes with output_router_logits)")
+        problems.append(Problem(f"{x.path} ({type(x.block).__name__}) keeps the HF block's own router, so "
+                                f"{', '.join(f'{k}={v}' for k, v in asked.items())} (hfpar's router) cannot apply",
+                                "pass None (the HF model's own aux loss comes with output_router_logits)"))
     return problems
 
 
@@ -268,7 +269,7 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     aux_loss_coef: None = the HF model's objective (aux loss only with output_router_logits, computed by the
     model; upcycled layers keep their coefficient); a number = hfpar's global aux loss with that coefficient,
     injected in backward (module docstring). z_loss_coef: None = keep (HF blocks: 0); capacity_factor: None =
-    dropless. Every problem is collected and raised as one ValueError before any collective; then
+    dropless. Every problem is collected and raised as one ParallelError (a ValueError) before any collective; then
     (check_replicated) one all-gather over dp_group checks that every rank loaded the same router / expert
     weights. Every rank of dp_group must then run every MoE forward (their statistics are all-reduced).
     """
@@ -291,7 +292,7 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
         if not set(ep_ranks) <= set(dp_ranks):
             problems.append(f"the EP group (ranks {ep_ranks}) is not inside the data-parallel group (ranks {dp_ranks})")
     if problems:
-        raise ValueError("apply_expert_parallel: " + "; ".join(problems))
+        raise ParallelError("apply_expert_parallel", problems)
     if check_replicated:
         _check_same_weights([*blocks, *hf], dp_group)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -302,7 +303,7 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
             shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size),
                              vocab_size=getattr(text, "vocab_size", None))
         except ValueError as exc:                                       # a failed equality check: nothing sharded
-            raise ValueError(f"apply_expert_parallel: {exc}") from None
+            raise ParallelError("apply_expert_parallel", [str(exc)]) from None
         for x in hf:
             for p in x.module.parameters(recurse=False):
                 set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)

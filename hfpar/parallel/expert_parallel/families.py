@@ -13,7 +13,7 @@ tokens in eval mode and must agree (fp32 / fp64: 1e-4 relative; 16-bit: 5e-2). W
 bias-corrected / sigmoid / group-limited routing of DeepSeek-V3, GPT-OSS's transposed clamped experts, Phi-MoE's
 sparsemixer) goes through hf_experts.py instead (the HF block's own code, only its experts sharded), which
 apply_expert_parallel tries when these problems are found. Tested generically: flex_olmo, minimax, granitemoe
-(tests/distributed/test_ep_hf_semantics.py); every family: benchmarks/ep_family_sweep.py.
+(tests/distributed/test_ep_hf_semantics.py); every family: benchmarks/moe/ep_family_sweep.py.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def _shard(x: HFExperts, ep_group) -> None:
     for n, p in saved.items():
         local = nn.Parameter(p.detach()[start:start + count].clone(), requires_grad=p.requires_grad)
         set_shard_spec(local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
-                                        extra={"num_experts": x.E, "start": start}))
+                                        experts={"num_experts": x.E, "start": start}))
         setattr(m, n, local)
     attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) == x.E}
     for a in attrs:

@@ -64,7 +64,7 @@ def _activation(name: str):
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Fused grouped GEMM: on CUDA sm90+ in bf16 with 16-byte aligned rows; on CPU in fp32 where torch has
     the public F.grouped_mm (torch 2.13: measured at least as fast as transformers' grouped_mm and faster
-    than the expert loop; numbers in benchmarks/results/moe_block_speed.md)."""
+    than the expert loop; numbers in benchmarks/results/moe/block_speed.md)."""
     if x.device.type == "cpu":
         return hasattr(F, "grouped_mm") and x.dtype == w.dtype == torch.float32
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -218,7 +218,7 @@ class MoELayer(nn.Module):
         if ep > 1:
             for p in experts.parameters():
                 set_shard_spec(p, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
-                                            extra={"num_experts": E, "start": self.local_expert_start}))
+                                            experts={"num_experts": E, "start": self.local_expert_start}))
         # registered under the HF block's names (mlp.gate or mlp.router, mlp.experts, mlp.shared_expert(s)), so the
         # state-dict keys stay HF's; self.gate / self.router and self.shared_expert reach them whatever the name
         self.router_name, self.shared_name = router_name, shared_name

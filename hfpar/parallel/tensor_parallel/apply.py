@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import all_reduce, group_rank, group_size
+from ..errors import ParallelError
 from ..guard import mark_parallel, refuse_unlaunched
 from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
                         shard_spec, shard_tensor, sync_partial_grads)
@@ -63,9 +64,9 @@ from .loss import vocab_parallel_cross_entropy
 from .norms import ShardedRMSNorm
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
 from .sequence_plan import sequence_parallel_plan
-from .validate import REGIONS as _REGIONS
-from .validate import match_plan, moe_block_names, validate_degrees
-from .verify import verify_first_block
+from .shape_check import REGIONS as _REGIONS
+from .shape_check import match_plan, moe_block_names, validate_degrees
+from .block_check import verify_first_block
 
 __all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
            "gather_full_state_dict", "RegionColumnParallelLinear"]
@@ -94,9 +95,10 @@ def _check_replicated(model: nn.Module, group) -> None:
     bad = (~torch.isclose(hi, lo, rtol=1e-9, atol=0.0, equal_nan=True)).any(dim=1).tolist()
     names = [n for (n, _), b in zip(named, bad) if b]
     if names:
-        raise ValueError(f"apply_tensor_parallel: the full weights differ across the ranks of the TP group "
-                         f"(every rank must load the same model: same checkpoint, or the same seed before "
-                         f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+        raise ParallelError("apply_tensor_parallel", [
+            f"the full weights differ across the ranks of the TP group "
+            f"(every rank must load the same model: same checkpoint, or the same seed before "
+            f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"])
 
 
 # ----------------------------------------------------------------------------- apply
@@ -118,7 +120,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     by vocab_parallel_cross_entropy (installed as model.loss_function), generate() gathers them
     (gather_vocab_logits does it for your own code). No written plan for the model type: one is derived
     from config.base_model_tp_plan (derived.py), or inferred from the modules when the config has none (infer.py),
-    or refused in one line. Every plan is verified on a copy of the first decoder block (verify.py; verify_plan).
+    or refused in one line. Every plan is verified on a copy of the first decoder block (block_check.py; verify_plan).
     sequence_parallel=True: activations between TP regions are (B, T/tp, H); T must be divisible by tp.
     Replicated parameters whose gradient covers this rank's heads or tokens only (q/k norms on local heads, norms
     under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
@@ -131,19 +133,20 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         tp_group = dist.group.WORLD   # named: ShardSpecs with group None are skipped by export and grad norm
     tp = group_size(tp_group)
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
-        raise ValueError("apply_tensor_parallel: the model is already tensor-parallel")
+        raise ParallelError("apply_tensor_parallel", ["the model is already tensor-parallel"])
     if tp == 1:   # nothing to shard; logits stay full
         return model
     config = getattr(model, "config", None)
     moe = moe_block_names(model)
     if moe and sequence_parallel:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
-                         "whole on every TP rank and route the full sequence; use TP without sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+            "whole on every TP rank and route the full sequence; use TP without sequence_parallel"])
     optional: tuple[str, ...] = ()
     derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
         if config is None or not getattr(config, "model_type", None):
-            raise ValueError("apply_tensor_parallel: the model has no config.model_type; pass plan=")
+            raise ParallelError("apply_tensor_parallel", ["the model has no config.model_type; pass plan="])
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
         elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(model,
@@ -175,13 +178,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel needs a vocab-parallel LM head to gather the "
-                         f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
-                         "--sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel needs a vocab-parallel LM head to gather the "
+            f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
+            "--sequence_parallel"])
     unpadded = getattr(config, "unpadded_vocab_size", None)
     if lm_head and isinstance(unpadded, int) and unpadded < model.get_output_embeddings().out_features:
-        raise ValueError(f"apply_tensor_parallel: config.unpadded_vocab_size {unpadded} (the forward slices the "
-                         "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'")
+        raise ParallelError("apply_tensor_parallel", [
+            f"config.unpadded_vocab_size {unpadded} (the forward slices the "
+            "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'"])
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -191,7 +196,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         _check_replicated(model, tp_group)
 
     shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (verify.py)
+    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
         model._hfpar_tp_verify_rel = verify_first_block(model, assigned, shard, tp_group,
                                                         sequence_parallel=sequence_parallel,
                                                         model_type=getattr(config, "model_type", None))
@@ -291,11 +296,12 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     mt = config.model_type
     candidates = infer_plans(model)
     if not candidates:
-        raise ValueError(f"apply_tensor_parallel: model_type {mt!r} has no hfpar plan and no usable "
-                         f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}")
+        raise ParallelError("apply_tensor_parallel", [
+            f"model_type {mt!r} has no hfpar plan and no usable "
+            f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}"])
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and out.weight is inp.weight
-    why = ""
+    last: ValueError | None = None
     checked = False
     for plan in candidates:
         try:
@@ -304,7 +310,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
             validate_degrees(model, matched, config, tp, sequence_parallel, tied)
         except ValueError as e:
-            why = str(e)
+            last = e
             continue
         if verify_weights and not checked:
             _check_replicated(model, tp_group)
@@ -315,13 +321,16 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
                                                             tp_group, sequence_parallel=sequence_parallel,
                                                             model_type=mt, probe_meta=True)
         except ValueError as e:
-            why = str(e)
+            last = e
             continue
         warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
                       "verified on its first block", stacklevel=3)
         return plan
-    raise ValueError(f"apply_tensor_parallel: no sound tensor-parallel plan could be inferred for model_type {mt!r} "
-                     f"({len(candidates)} candidate(s); last: {why.removeprefix('apply_tensor_parallel: ')})")
+    # the last refusal without the `apply_tensor_parallel: ` this message repeats (another `where` stays whole)
+    why = last.detail if isinstance(last, ParallelError) and last.where == "apply_tensor_parallel" else str(last)
+    raise ParallelError("apply_tensor_parallel", [
+        f"no sound tensor-parallel plan could be inferred for model_type {mt!r} ({len(candidates)} candidate(s); last: "
+        f"{why})"])
 
 
 def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:

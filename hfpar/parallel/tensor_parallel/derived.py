@@ -44,10 +44,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..errors import ParallelError, Problem
 from .plans import TP_PLANS, compile_pattern
-from .validate import lookup_only
+from .shape_check import lookup_only
 
-__all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem"]
+__all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem", "derived_plan_refusal"]
 
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
              "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
@@ -56,10 +57,13 @@ _MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "loc
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
-def _refuse(model_type: str, key: str, style: str, why: str) -> ValueError:
-    return ValueError(f"apply_tensor_parallel: cannot derive a tensor-parallel plan for model_type {model_type!r} "
-                      f"from its base_model_tp_plan: entry {key!r}: {style!r} has no hfpar equivalent ({why}); "
-                      f"pass plan={{module pattern: style}}")
+_OWN_PLAN = "pass plan={module pattern: style}"
+
+
+def _refuse(model_type: str, key: str, style: str, why: str) -> ParallelError:
+    return ParallelError("apply_tensor_parallel", [Problem(
+        f"cannot derive a tensor-parallel plan for model_type {model_type!r} from its base_model_tp_plan: entry "
+        f"{key!r}: {style!r} has no hfpar equivalent ({why})", _OWN_PLAN)])
 
 
 def _packed_rule(key: str) -> str | None:
@@ -73,24 +77,31 @@ def _dense(hf: Mapping[str, str]) -> dict[str, str]:
     return {k: s for k, s in hf.items() if "experts" not in k.split(".") and not s.startswith("moe_")}
 
 
-def _problem(model_type, hf: Mapping[str, str]) -> str | None:
+def _refusal(model_type, hf: Mapping[str, str]) -> ParallelError | None:
     if not hf:
-        return (f"apply_tensor_parallel: model_type {model_type!r} has no hfpar plan and its config no "
-                f"base_model_tp_plan (written plans: {', '.join(sorted(TP_PLANS))}; others derived from "
-                f"base_model_tp_plan); pass plan={{module pattern: style}}")
+        return ParallelError("apply_tensor_parallel", [Problem(
+            f"model_type {model_type!r} has no hfpar plan and its config no base_model_tp_plan (written plans: "
+            f"{', '.join(sorted(TP_PLANS))}; others derived from base_model_tp_plan)", _OWN_PLAN)])
     for key, style in _dense(hf).items():
         if style not in HF_STYLES and style not in _MAPPED:
-            return str(_refuse(model_type, key, style, _WHY.get(style, "unknown to hfpar")))
+            return _refuse(model_type, key, style, _WHY.get(style, "unknown to hfpar"))
         if style == "packed_colwise" and _packed_rule(key) is None:
-            return str(_refuse(model_type, key, style, "packed parts of an unknown layout"))
+            return _refuse(model_type, key, style, "packed parts of an unknown layout")
     return None
 
 
-def derived_plan_problem(config) -> str | None:
-    """Why no plan can be derived from this config (None: it can, or the config has no base_model_tp_plan and
-    apply_tensor_parallel infers one from the modules, verified or refused there: infer.py). Needs no model."""
+def derived_plan_refusal(config) -> ParallelError | None:
+    """Why no plan can be derived from this config, as the error derive_plan would raise (None: it can, or the config
+    has no base_model_tp_plan and apply_tensor_parallel infers one from the modules, verified or refused there:
+    infer.py). Needs no model."""
     hf = getattr(config, "base_model_tp_plan", None) or {}
-    return _problem(getattr(config, "model_type", None), hf) if hf else None
+    return _refusal(getattr(config, "model_type", None), hf) if hf else None
+
+
+def derived_plan_problem(config) -> str | None:
+    """derived_plan_refusal's one-line message, or None."""
+    refusal = derived_plan_refusal(config)
+    return None if refusal is None else str(refusal)
 
 
 def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
@@ -116,9 +127,9 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     config = model.config
     model_type = getattr(config, "model_type", None)
     hf = dict(hf_plan if hf_plan is not None else getattr(config, "base_model_tp_plan", None) or {})
-    problem = _problem(model_type, hf)
-    if problem is not None:
-        raise ValueError(problem)
+    refusal = _refusal(model_type, hf)
+    if refusal is not None:
+        raise refusal
     prefix = _prefix(model, hf)
     plan: dict[str, str] = {}
     parents: dict[str, list[str]] = {}
@@ -156,9 +167,9 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     for parent, leaves in parents.items():   # each parent of column/row layers is one TP region
         tail = parent.rpartition(".")[2].lower()
         if tail in ("*", "") or tail.isdigit():   # a decoder layer: its input also feeds the residual
-            raise ValueError(f"apply_tensor_parallel: cannot derive a tensor-parallel plan for model_type "
-                             f"{model_type!r}: {leaves} sit directly in {parent!r} (hfpar needs the attention / MLP "
-                             f"module around them as the TP region); pass plan={{module pattern: style}}")
+            raise ParallelError("apply_tensor_parallel", [Problem(
+                f"cannot derive a tensor-parallel plan for model_type {model_type!r}: {leaves} sit directly in "
+                f"{parent!r} (hfpar needs the attention / MLP module around them as the TP region)", _OWN_PLAN)])
         attn = "attn" in tail or "attention" in tail or any(leaf in _ATTN_LEAVES for leaf in leaves)
         plan[parent] = "attention" if attn else "mlp"
     names = {id(m): n for n, m in model.named_modules()}
@@ -205,7 +216,7 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
     the other Linears (q_a_proj), and anywhere the Linears of a nested submodule (DeepSeek-V3.2's sparse-attention
     indexer, whose output is integer token indices): replicated_heads. That is a proposal: replicated with its
     gradient summed over TP is exact only when the Linear feeds this rank's heads (q_a_proj) or no gradient at all
-    (the indexer); the apply-time verification (verify.py) refuses the plan otherwise."""
+    (the indexer); the apply-time verification (block_check.py) refuses the plan otherwise."""
     mla = {prefix + k.rpartition(".")[0] for k, s in dense.items() if s == "mla_kv_a_proj"}
     names = [n for n, _ in model.named_modules()]
     for parent, leaves in parents.items():

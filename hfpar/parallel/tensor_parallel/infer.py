@@ -23,7 +23,7 @@ from torch import nn
 
 from .conv1d import is_conv1d
 from .plans import compile_pattern
-from .validate import lookup_only
+from .shape_check import lookup_only
 
 __all__ = ["infer_plans", "unrecognised"]
 

@@ -52,6 +52,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+from ..errors import ParallelError
+
 __all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES",
            "PACKED_SPLIT_RULES",
            "get_plan", "compile_pattern", "packed_splits"]
@@ -168,10 +170,11 @@ TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimm
 def get_plan(model_type: str) -> dict[str, str]:
     """A copy of the built-in plan for `model_type`; ValueError naming it and the supported ones."""
     if model_type not in TP_PLANS:
-        raise ValueError(f"apply_tensor_parallel: no written tensor-parallel plan for model_type {model_type!r}; "
-                         f"written: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}); "
-                         f"others are derived from the config's base_model_tp_plan (derived.py). "
-                         f"Pass plan={{module pattern: style}} for other architectures.")
+        raise ParallelError("apply_tensor_parallel", [
+            f"no written tensor-parallel plan for model_type {model_type!r}; "
+            f"written: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}); "
+            f"others are derived from the config's base_model_tp_plan (derived.py). "
+            f"Pass plan={{module pattern: style}} for other architectures."])
     return dict(TP_PLANS[model_type])
 
 

@@ -12,7 +12,7 @@ the entries a written plan names by hand, read from the model's structure.
 
 What this cannot see (a block child that mixes tokens, such as linear attention kept whole; a block of another
 structure) the apply-time verification catches: every distinct block structure runs sharded on T/tp tokens against
-the unsharded block (verify.py), and the plan is refused in one line if any differs. MoE blocks are refused with
+the unsharded block (block_check.py), and the plan is refused in one line if any differs. MoE blocks are refused with
 sequence parallelism by apply_tensor_parallel (their experts route the full sequence).
 """
 
@@ -22,8 +22,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from .validate import REGIONS, match_plan
-from .verify import first_block_name
+from ..errors import ParallelError
+from .shape_check import REGIONS, match_plan
+from .block_check import first_block_name
 
 __all__ = ["sequence_parallel_plan"]
 
@@ -38,8 +39,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     assigned = {n: s for n, (s, _) in match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True).items()}
     first = first_block_name(assigned)
     if first is None:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel for model_type {mt!r}: its plan shards no "
-                         "decoder block (no attention / MLP region); use TP without sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel for model_type {mt!r}: its plan shards no "
+            "decoder block (no attention / MLP region); use TP without sequence_parallel"])
     blocks, base = first.rpartition(".")[0], first.rpartition(".")[0].rpartition(".")
     out = dict(plan)
     out[first] = "sequence_scatter"
@@ -52,7 +54,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     root = model.get_submodule(base[0]) if base[0] else model
     tail = [n for n, m in root.named_children() if n != base[2] and not isinstance(m, nn.Embedding) and _has_params(m)]
     if len(tail) != 1:
-        raise ValueError(f"apply_tensor_parallel: sequence_parallel for model_type {mt!r}: expected one module with "
-                         f"parameters after {blocks} (the final norm), found {tail}; use TP without sequence_parallel")
+        raise ParallelError("apply_tensor_parallel", [
+            f"sequence_parallel for model_type {mt!r}: expected one module with "
+            f"parameters after {blocks} (the final norm), found {tail}; use TP without sequence_parallel"])
     out[f"{base[0]}.{tail[0]}" if base[0] else tail[0]] = "sequence_gather"
     return out

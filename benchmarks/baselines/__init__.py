@@ -1,0 +1,1 @@
+"""The sft recipe against transformers.Trainer, a plain loop and TRL (sft.py)."""

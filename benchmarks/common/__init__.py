@@ -1,0 +1,1 @@
+"""Shared by the benchmarks: the launcher (launch.py) and the saved-tensor byte counter (activation_bytes.py)."""

@@ -1,0 +1,125 @@
+"""Where the sft recipe's eager step spends its time on one GPU: torch.profiler over a few steps of the recipe.
+
+    python -m benchmarks.gpu.profile --out /tmp/prof [--steps 12 --profile_from 8 -- <extra recipe options>]
+
+The model is benchmarks/gpu/sft.py's (~0.9B Llama-style, random init, saved once so the recipe loads it with from_pretrained),
+trained in this process through hfpar.recipe.main with bf16 autocast (what `accelerate launch` with single.yaml
+sets). Steps profile_from .. profile_from+3 are recorded; each phase of hfpar's step is a named range (batch,
+forward+loss, backward, clip, optimizer, zero_grad), so GPU time is split between the phases and hfpar's share
+(batch building, loss, clip, optimizer) is visible next to the model's own. Writes OUT/profile_<tag>.txt (the
+phase table and the top kernels by GPU time) and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmarks.common.launch import ROOT
+from benchmarks.gpu.sft import build_model
+from hfpar.backends import base as B
+from hfpar.recipe import main as recipe_main
+from hfpar.train import trainer as T
+
+PHASES = {"forward_loss": "forward+loss", "clip": "clip", "step": "optimizer", "zero_grad": "zero_grad"}
+
+
+def _ranged(fn, name):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        with record_function(f"hfpar::{name}"):
+            return fn(*a, **k)
+    return wrapper
+
+
+def instrument(prof_box: dict, start: int, n: int) -> None:
+    for meth, name in PHASES.items():
+        for cls in [B.Backend, *B.Backend.__subclasses__()]:
+            if meth in vars(cls):
+                setattr(cls, meth, _ranged(vars(cls)[meth], name))
+    orig_backward = B.Backend.train_micro
+
+    def train_micro(self, batch, scope, loss_fn, scale, task="lm"):
+        orig = self.acc.backward
+
+        def backward(loss, **kw):
+            with record_function("hfpar::backward"):
+                return orig(loss, **kw)
+        self.acc.backward = backward
+        try:
+            return orig_backward(self, batch, scope, loss_fn, scale, task)
+        finally:
+            self.acc.backward = orig
+    B.Backend.train_micro = train_micro
+    orig_collate = T.Trainer._to_device
+    T.Trainer._to_device = _ranged(orig_collate, "batch_to_device")
+    orig_step = T.Trainer._train_step
+
+    def train_step(self, step, micro):
+        if step == start:
+            torch.cuda.synchronize()
+            prof_box["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
+            prof_box["prof"].__enter__()
+        with record_function("hfpar::train_step"):
+            rec = orig_step(self, step, micro)
+        if step == start + n - 1:
+            torch.cuda.synchronize()
+            prof_box["prof"].__exit__(None, None, None)
+        return rec
+    T.Trainer._train_step = train_step
+
+
+def report(prof, n: int) -> str:
+    ev = prof.key_averages()
+    dev = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+    rows = sorted((e for e in ev if e.key.startswith("hfpar::")), key=dev, reverse=True)
+    lines = [f"phases, per step (mean over {n} steps): GPU ms of the kernels launched inside / CPU ms", ""]
+    for e in rows:
+        lines.append(f"{e.key:28s} gpu {dev(e) / 1e3 / n:9.2f} ms   cpu {e.cpu_time_total / 1e3 / n:9.2f} ms")
+    kernels = sorted((e for e in ev if dev(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=dev, reverse=True)
+    total = sum(dev(e) for e in kernels)
+    lines += ["", f"top GPU kernels (total {total / 1e3 / n:.1f} ms/step)", ""]
+    for e in kernels[:40]:
+        lines.append(f"{dev(e) / 1e3 / n:8.2f} ms/step {100 * dev(e) / total:5.1f}%  x{e.count // n:<5d} {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--tag", default="eager")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--profile_from", type=int, default=8)
+    p.add_argument("--profile_steps", type=int, default=3)
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--batch_size", type=int, default=8)
+    args, extra = p.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(tempfile.mkdtemp(prefix="hfpar-prof-model-"))
+    ns = argparse.Namespace(hidden=2048, intermediate=5632, layers=16, heads=16, kv_heads=8)
+    build_model(model_dir, ns)
+    os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16")
+    box: dict = {}
+    instrument(box, args.profile_from, args.profile_steps)
+    argv = ["--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
+                str(ROOT / "hfpar" / "assets" / "tiny"), "--packing", "--max_seq_length", str(args.seq_len),
+                "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(args.steps),
+                "--eval_steps", "0", "--logging_steps", "4", "--save_final_model", "false",
+                "--output_dir", tempfile.mkdtemp(prefix="hfpar-prof-run-"), *extra]
+    recipe_main("sft", argv)
+    text = report(box["prof"], args.profile_steps)
+    (out / f"profile_{args.tag}.txt").write_text(f"options: {' '.join(extra)}\n\n{text}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: bubble, activation memory, p2p bytes and tokens/s per schedule (schedules.py)."""

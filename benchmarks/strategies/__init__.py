@@ -1,0 +1,2 @@
+"""Data-parallel strategies: throughput (speed.py), loss curves (loss_curves.py), bytes communicated
+(communication.py)."""

@@ -1,0 +1,1 @@
+"""The test suite's own costs: one launch (launch_cost.py)."""

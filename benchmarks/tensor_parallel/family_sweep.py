@@ -1,0 +1,267 @@
+"""Tensor parallelism over every causal-LM model type transformers ships: a tiny model of each, TP=2 against the
+unsharded model (loss and every gradient, one SGD step, again; float64, within 1e-4); tests/distributed/
+test_tp_family_sweep.py runs a representative subset through sweep_worker.
+
+    python -m benchmarks.tensor_parallel.family_sweep                 # all types -> results/tensor_parallel/family_sweep.json
+    python -m benchmarks.tensor_parallel.family_sweep olmo2 falcon    # some types, printed only
+    TP_SWEEP_FP32=1 python -m benchmarks.tensor_parallel.family_sweep ...   # in float32
+    TP_SWEEP_SP=1 python -m benchmarks.tensor_parallel.family_sweep ...     # with sequence parallelism (its own JSON)
+    res = run_ranks(sweep_worker, 2, ["olmo2", "falcon"])[0]          # {model_type: {"status": ..., ...}}
+
+Counts: exact / refused (one line naming the module or entry) / mismatched / skipped (with the reason), the share
+exact among those in scope (exact + refused + mismatched), how many of the exact ones have their decoder blocks
+sharded, and the wall time.
+
+A plain user loop: apply_tensor_parallel, model(input_ids, labels=).loss, backward, SGD step; nothing else is called
+(replicated parameters that see part of the heads are summed by apply_tensor_parallel's own hooks). Loss and every
+gradient against the unsharded model, before and after one SGD step, within 1e-4 relative (max |a - b| / max |b| per
+tensor), in float64 by default: some families' fp32 rounding floor is above 1e-4 on their q/k-norm gradients
+(Gemma-4 unified text: the unsharded fp32 model differs from its own fp64 run by 5e-5 at step 0), which is no TP bug.
+The reference's loss is transformers' ForCausalLMLoss without its `logits.float()` (ref_loss): that cast turns
+float64 logits into float32, so an "fp64" reference had fp32 loss rounding (~1e-8 relative) in every gradient, and
+on HunYuan-MoE's top-1 router, whose gradient is zero in exact arithmetic (one renormalised weight is 1), two
+different fp32 noise patterns (~2e-10 apart) read as a 2e-4 "mismatch" against the 1e-6 floor below.
+Each type ends exact, refused (apply_tensor_parallel's one-line ValueError), mismatched, or skipped (tiny config not
+buildable, encoder-style, pure state-space: the reason kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from benchmarks.common.launch import results_dir, run_ranks
+
+TOL = 1e-4
+LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
+DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64   # see below
+SP = bool(os.environ.get("TP_SWEEP_SP"))   # with sequence_parallel=True
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
+SHRINK = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 32,
+          "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16,
+          "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+          "num_kv_shared_layers": 0, "sliding_window": 4, "hidden_size_per_layer_input": 16,
+          "vocab_size_per_layer_input": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+          "d_model": 64, "ffn_dim": 128, "n_heads": 4, "n_layers": 2, "num_layers": 2, "ffn_hidden_size": 128,
+          "n_inner": 128, "multi_query": False, "d_ff": 128, "word_embed_proj_dim": 64, "max_seq_len": 64,
+          "attention_chunk_size": 4, "rotary_dim": 8, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0}
+ENCODER_STYLE = ("bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
+                 "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "mvp",
+                 "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+                 "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod", "reformer",
+                 "musicgen", "musicgen_melody", "moshi", "git", "mllama", "got_ocr2", "emu3", "fuyu",
+                 "phi4_multimodal", "moss_transcribe_diarize")
+STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
+
+
+def _no_dropout(cfg) -> None:
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):   # PhiMoE's router noise
+            setattr(cfg, k, 0.0)
+
+
+def tiny_config(model_type: str, layers: int = 2):
+    """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
+    layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
+    from transformers import AutoConfig
+    base = AutoConfig.for_model(model_type)
+    text = base.get_text_config() if hasattr(base, "get_text_config") else base
+    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
+    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    if "qk_rope_head_dim" in over:   # MLA: rotary runs on the rope part of each head; one k/v per head
+        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
+    if text is base:
+        cfg = AutoConfig.for_model(model_type, **over)
+    else:
+        sub = {"text_config": {**text.to_dict(), **over}}
+        cfg = AutoConfig.for_model(model_type, **sub)
+    _no_dropout(cfg)
+    if cfg.get_text_config() is not cfg:
+        _no_dropout(cfg.get_text_config())
+    return cfg
+
+
+def build(model_type: str, seed: int = 0, layers: int = 2):
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(model_type, layers)
+    with torch.device("meta"):   # a size field no shrink rule knows (BLT's hash embeddings): skip, do not OOM
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > 20_000_000:
+        raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters")
+    torch.manual_seed(seed)
+    kw = {"attn_implementation": "eager"}
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", **kw)
+    except (TypeError, ValueError):
+        model = AutoModelForCausalLM.from_config(cfg, **kw)
+    return model.to(DTYPE).train()
+
+
+def batch(vocab: int = 128, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
+    return ids, ids.clone()
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max(max |b|, 1e-6): the floor keeps a gradient that is zero in exact arithmetic (a key bias under
+    softmax's shift invariance: ~1e-9 of rounding on both sides) from reading as a 100 % difference."""
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def ref_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+             **kwargs):
+    """transformers' ForCausalLMLoss in the logits' own dtype (it casts them to float32 first); the TP model's
+    vocab_parallel_cross_entropy keeps float64 as float64, so both sides of the sweep compute the same math."""
+    import torch.nn.functional as F
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    red = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten().to(logits.device), ignore_index=ignore_index,
+                           reduction=red)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def _full_grads(model) -> dict:
+    from hfpar.parallel.sharding import shard_spec
+    from hfpar.parallel.tensor_parallel import gather_shards
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        s = shard_spec(p)
+        sharded = s is not None and s.kind == "tp" and s.sharded
+        out[n] = gather_shards(p.grad, s.dim, s.group, s.packed_splits) if sharded else p.grad
+    return out
+
+
+def worst_then_sgd(model, ref, loss, ref_loss, got: dict, want: dict, lr: float) -> tuple[float, str]:
+    """The largest relative difference (loss, then every gradient by name), then one SGD step on both models."""
+    worst = max([(rel(loss.detach(), ref_loss.detach()), "loss")] + [(rel(got[n], want[n]), n) for n in want])
+    for m in (model, ref):
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+    return worst
+
+
+def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
+    """(worst relative difference, its name) over the loss and every gradient (names must match)."""
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    ref_loss.backward()
+    got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"grad names differ: {sorted(set(got) ^ set(want))[:4]}")
+    return worst_then_sgd(model, ref, loss, ref_loss, got, want, LR)
+
+
+def check(model_type: str, sp: bool = SP) -> dict:
+    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+    if model_type in ENCODER_STYLE:
+        return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
+    if model_type in STATE_SPACE:
+        return {"status": "skipped", "why": "pure state-space / recurrent model"}
+    for layers in (2, 4):
+        try:
+            model = build(model_type, layers=layers)
+        except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
+            why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
+            continue
+        ref = copy.deepcopy(model)
+        if getattr(ref, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration"):   # as hf_loss.py
+            ref.loss_function = ref_loss
+        ids, labels = batch(model.get_input_embeddings().num_embeddings)
+        try:
+            ref(input_ids=ids, labels=labels).loss.backward()
+            ref.zero_grad(set_to_none=True)
+            break
+        except Exception as e:  # noqa: BLE001
+            why = f"unsharded tiny model does not train: {type(e).__name__}: {str(e)[:160]}"
+    else:
+        return {"status": "skipped", "why": why}
+    t0 = time.perf_counter()
+    try:
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+    except ValueError as e:
+        return {"status": "refused", "why": str(e)}
+    apply_s = time.perf_counter() - t0
+    try:
+        (worst, name) = max(_step_compare(model, ref, ids, labels), _step_compare(model, ref, ids, labels))
+    except Exception as e:  # noqa: BLE001
+        return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
+                "trace": traceback.format_exc()[-600:]}
+    from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    head = model.get_output_embeddings()
+    blocks = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m is not head for m in model.modules())
+    return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name,
+            "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
+            "blocks_sharded": blocks}   # False: HF's plan shards only the embedding and the LM head
+
+
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
+    """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    res = {}
+    for mt in types:
+        t0 = time.perf_counter()
+        res[mt] = check(mt, sp)
+        res[mt]["s"] = round(time.perf_counter() - t0, 2)
+        if rank == 0 and verbose:
+            r = res[mt]
+            blocks = {True: "blocks", False: "flat"}.get(r.get("blocks_sharded"), "")
+            print(f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
+                  f"{r.get('why', '')[:600]}", flush=True)
+        dist.barrier()
+    return res
+
+
+def sweep(worker, argv: list[str], statuses: tuple[str, ...]) -> dict:
+    """`worker` over argv's model types (none: every causal-LM type) on 2 ranks -> counts, exact share, wall time,
+    results."""
+    types = argv or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    t0 = time.perf_counter()
+    res = run_ranks(worker, 2, types, True, timeout=7200)[0]
+    counts = {s: sum(r["status"] == s for r in res.values()) for s in statuses}
+    tested = counts["exact"] + counts["refused"] + counts["mismatched"]
+    return {"counts": counts, "in_scope": tested, "exact_share": round(counts["exact"] / max(tested, 1), 4),
+            "wall_s": round(time.perf_counter() - t0, 1), "results": res}
+
+
+def report(summary: dict, out, argv: list[str]) -> dict:
+    """Print the summary; write it to `out` when every type ran (no argv)."""
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    if not argv:
+        out.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> dict:
+    summary = sweep(sweep_worker, argv, ("exact", "refused", "mismatched", "skipped"))
+    blocks = sum(r["status"] == "exact" and bool(r.get("blocks_sharded")) for r in summary["results"].values())
+    summary.update(blocks_sharded=blocks, blocks_sharded_share=round(blocks / max(summary["in_scope"], 1), 4), tol=TOL)
+    out = results_dir("tensor_parallel") / ("family_sweep_sp.json" if SP else "family_sweep.json")
+    return report(summary, out, argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
