@@ -4,7 +4,9 @@
     accelerate launch --config_file accelerate_configs/fsdp2.yaml -m hfpar.cli sft [options]
     hfpar plan --model ID_OR_DIR --num_gpus 8 --gpu_memory_gb 80     memory per GPU of every strategy
     hfpar plot RUN_DIR [RUN_DIR ...] -o runs.png                     loss / lr / tokens/s of runs overlaid
-    hfpar export CHECKPOINT_DIR OUT_DIR                              a checkpoint-<step> as an HF model
+    hfpar export CHECKPOINT_DIR OUT_DIR [--overwrite]                a checkpoint-<step> as an HF model
+    hfpar launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py ...   accelerate launch, with the
+                                                                     workers' exit code (2 refused, 75 preempted)
     hfpar --version
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import hfpar
 
 RECIPES = ("sft", "clm", "classify", "dpo")
-TOOLS = ("plan", "plot", "export")
+TOOLS = ("plan", "plot", "export", "launch")
 
 
 def fail(message: str) -> None:
@@ -66,22 +68,33 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss_chunk_size", type=int, default=None,
                    help="the recipe's option: tokens per chunk of the fused LM head + cross-entropy; unset = auto "
                         "where the recipe applies it, 0 = off (full fp32 logits)")
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="run the Python files of a model directory whose config has auto_map (default: refused)")
     return p
 
 
-def load_config(model: str):
-    """A transformers config from a local directory (offline) or a hub id; one-line error otherwise."""
+def load_config(model: str, trust_remote_code: bool = False):
+    """A transformers config from a local directory (offline) or a hub id; one-line error otherwise. No code of
+    the directory runs without trust_remote_code (hfpar.loading.sources)."""
     from transformers import AutoConfig  # noqa: PLC0415  (plan only; see main)
+
+    from hfpar.loading.sources import source_problems  # noqa: PLC0415
 
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             fail(f"--model {model}: directory has no config.json")
-        return AutoConfig.from_pretrained(str(path))
+        problems = source_problems(str(path), trust_remote_code=trust_remote_code, option="--model")
+        if problems:
+            fail(problems[0])
+        try:
+            return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - an unknown model_type, a bad value: the user's file, one line
+            fail(f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep in model.replace("/", ""):
         fail(f"--model {model}: no such model directory (give a directory with config.json or a hub id)")
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as e:  # network, unknown id, gated repo: one line with the cause
         fail(f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
@@ -90,7 +103,7 @@ def plan_main(argv: list[str]) -> None:
     from hfpar.planner.table import PlannerError, memory_table  # noqa: PLC0415  (subcommands import on use: see main)
 
     a = _plan_parser().parse_args(argv)
-    config = load_config(a.model)
+    config = load_config(a.model, a.trust_remote_code)
     try:
         text, _ = memory_table(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb,
                                num_nodes=a.num_nodes, seq_len=a.seq_len, batch_size=a.batch_size,
@@ -99,6 +112,8 @@ def plan_main(argv: list[str]) -> None:
                                cp_size=a.cp_size, loss_chunk_size=a.loss_chunk_size)
     except PlannerError as e:
         fail(str(e))
+    except ValueError as e:  # transformers cannot build the config's model (e.g. custom code without a causal LM class)
+        fail(f"--model {a.model}: cannot be planned ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
     print(text)
 
 
@@ -121,11 +136,16 @@ def export_main(argv: list[str]) -> None:
                 "ZeRO run) into a Hugging Face model directory that from_pretrained loads.")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a checkpoint-<step> directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write config.json, model.safetensors, tokenizer")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into OUT_DIR even if it is not empty (files of the same names are replaced)")
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="a config with auto_map: run (and copy) its code (default: refused)")
     a = p.parse_args(argv)
     from hfpar.checkpoint.export import ExportError, export_checkpoint  # noqa: PLC0415  (subcommands import on use: see main)
 
     try:
-        print(export_checkpoint(a.checkpoint_dir, a.out_dir))
+        print(export_checkpoint(a.checkpoint_dir, a.out_dir, overwrite=a.overwrite,
+                                trust_remote_code=a.trust_remote_code))
     except ExportError as e:
         fail(str(e))
 
@@ -134,6 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         print(f"hfpar {hfpar.__version__}")
+        return
+    if argv[:1] in (["--help"], ["-h"]):
+        print(__doc__.strip())
+        return
+    if argv[:1] == ["launch"]:
+        from hfpar.launch import main as launch  # noqa: PLC0415  (on use, as the other subcommands)
+
+        launch(argv[1:])
         return
     if argv[:1] and argv[0] in TOOLS:
         {"plan": plan_main, "plot": plot_main, "export": export_main}[argv[0]](argv[1:])

@@ -50,6 +50,7 @@ class RecipeArgs:
     truncation: str = "truncate"  # what to do with samples longer than max_seq_length: truncate | drop
     eval_split_fraction: float = 0.05  # carved from train when the dataset has no eval split
     attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2
+    trust_remote_code: bool = False  # run the Python files of a model / tokenizer dir whose config has auto_map (transformers' name); without it such a model is refused
     # --- HF TrainingArguments names -------------------------------------------------------------
     output_dir: str = "outputs/run"
     overwrite_output_dir: bool = False

@@ -248,7 +248,7 @@ def read_model_config(args) -> tuple[Any, str | None]:
     """-> (the model's config, None) or (None, the one-line problem)."""
     path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
     try:
-        return AutoConfig.from_pretrained(path), None
+        return AutoConfig.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False)), None
     except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None, f"--model_name_or_path {args.model_name_or_path}: cannot read its config.json ({first})"

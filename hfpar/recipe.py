@@ -26,17 +26,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data, recipes
-from hfpar.checkpoint.layout import has_any_checkpoint, previous_run_files, resolve_resume, set_aside_previous_run
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
+from hfpar.data.dropped import announce_data_loss
+from hfpar.loading.sources import check_sources
+from hfpar.checkpoint.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
 from hfpar.preflight import preflight
+from hfpar.observe.refusal import fail as _fail, guarded
 
 
-def _fail(problems: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        for line in str(problems).splitlines():
-            print(f"hfpar: error: {line}", file=sys.stderr)
-    sys.exit(2)
 
 
 def _is_collective_timeout(exc: BaseException) -> bool:
@@ -52,34 +50,8 @@ def _is_collective_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def check_output_dir(args: RecipeArgs) -> None:
-    """Never write over someone's run (checkpoints, or the final model and metrics of a finished one) without an
-    explicit flag. --overwrite_output_dir: the previous run is set aside (after the accelerator exists, by the main
-    process: overwrite_previous_run) and `latest` then means a fresh start, never the old run's checkpoints."""
-    if args.overwrite_output_dir:
-        if args.resume_from_checkpoint == "latest":
-            args.resume_from_checkpoint = None
-        return
-    if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint:
-        raise ConfigError(
-            f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to continue "
-            "or --overwrite_output_dir to start over there (or pick another --output_dir)")
-    path = resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
-    left = [f.name for f in previous_run_files(args.output_dir) if not f.name.startswith(("checkpoint-", ".checkpoint-"))]
-    if path is None and left:
-        raise ConfigError(f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "
-                          "to resume; pass --overwrite_output_dir to replace it (it is moved aside), or pick another "
-                          "--output_dir")
 
 
-def overwrite_previous_run(args: RecipeArgs, accelerator) -> None:
-    """--overwrite_output_dir: the main process moves the previous run aside, said in one line; every rank waits."""
-    if args.overwrite_output_dir and accelerator.is_main_process:
-        dest = set_aside_previous_run(args.output_dir)
-        if dest is not None:
-            print(f"hfpar: --overwrite_output_dir: the previous run's checkpoints and records in {args.output_dir} were "
-                  f"moved to {dest} (delete it to free the space)", file=sys.stderr)
-    accelerator.wait_for_everyone()
 
 
 @contextlib.contextmanager
@@ -100,7 +72,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
         # a copy of the preflight's (num_labels is set on it)
-        config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(data.embedded_model_path())
+        config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
         if num_labels is not None:
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
@@ -109,7 +81,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
-        config = config if config is not None else AutoConfig.from_pretrained(args.model_name_or_path)
+        config = config if config is not None else AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         mode, why = loading.loading_mode(args, ctx, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
@@ -117,13 +89,15 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
                 "why": why if index or mode == "full" else "no *.safetensors or zip-format *.bin weights"}
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
-        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, **kw, **extra)
+        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+                                    **kw, **extra)
         _keep_frozen(model, cls)
         if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
-            model = loading.build_skeleton(cls, path, index, config_updates=kw, **extra)
+            model = loading.build_skeleton(cls, path, index, config_updates=kw,
+                                           trust_remote_code=args.trust_remote_code, **extra)
         load["index"] = index
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -144,12 +118,14 @@ def _keep_frozen(model, cls) -> None:
             p.requires_grad_(False)
 
 
+@guarded  # a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/observe/refusal.py)
 def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     recipe = recipes.get(recipe) if isinstance(recipe, str) else recipe
     kind, task = recipe.name, recipe.task
     try:
         args = parse_args(argv, recipe=kind, defaults=recipe.defaults, args_class=recipe.args_class)
-        check_output_dir(args)
+        lock = claim_output_dir(args)  # one run per --output_dir; nothing there that hfpar did not write is touched
+        check_sources(args)  # no code from a model dir without --trust_remote_code; bounded, parseable JSON
     except ConfigError as exc:
         _fail(str(exc))
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
@@ -167,11 +143,12 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
         set_seed(args.seed)
-        tokenizer = data.load_tokenizer(args.tokenizer_path)
+        tokenizer = data.load_tokenizer(args.tokenizer_path, trust_remote_code=args.trust_remote_code)
         if plan.padding_free_why_not:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {plan.padding_free_why_not}")
         with accelerator.main_process_first():
             train_ds, eval_ds, collator, info, num_labels = recipe.build_data(args, tokenizer, ctx, plan)
+        announce_data_loss(info, args, accelerator.print, len(train_ds), ctx.dp)  # what truncation left out: said
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
     if accelerator.is_main_process:
@@ -227,4 +204,5 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    release_output_dir(lock)
     return result

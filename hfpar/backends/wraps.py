@@ -20,6 +20,7 @@ the world, which would average different TP shards / experts / stages together):
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from accelerate.utils import str_to_bool
@@ -28,6 +29,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hfpar.parallel.guard import release
 from hfpar.parallel.sharding import carry_shard_specs, set_shard_spec, shard_spec
+
+# torch 2.13's FSDP2 warns, once per forward, when a wrapped module returns a view ("An in-place op on this view
+# ... will silently drop the pre-backward hook"). Here the views are the logits: F.linear of a 3-D input returns its
+# 2-D matmul reshaped (a view), from the lm_head (grouped with the final norm) and from the CausalLM root that returns
+# it; hfpar's loss reads them out of place only. That is verified, not assumed: every FSDP2 composition equals the
+# one-process run within 1e-4 in loss, grad norm and weights (tests/launch/test_backends_parity.py and the TP / EP /
+# CP / PP parity files). Silenced for those modules only: a view from any other module still warns.
+VIEW_WARNING = r"FSDP2-wrapped module \((FSDP\w*Norm, )?FSDP\w*(ForCausalLM|ForSequenceClassification|Linear)\) returned a view"
+warnings.filterwarnings("ignore", category=UserWarning, message=VIEW_WARNING)
 
 
 class DataParallelWrap:

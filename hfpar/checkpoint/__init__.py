@@ -2,6 +2,7 @@
 
     checkpointer.py  Checkpointer (what the trainer calls): trainer state, cadence, save / retention, resume
     layout.py        the output dir's layout and what is read of it without a tensor (latest, trainer_state.json)
+    output_dir.py    the output dir's lock (one run at a time) and ownership (only what hfpar wrote is touched)
     rank_state.py    per-rank tensors the backends' save_rank_state / load_rank_state write and read; each rank's RNG
     manifest.py      MANIFEST.json: every file's size and SHA-256, written last, verified before a resume / export
     safe_load.py     safe_loading(): every torch.load weights_only, DCP metadata through a restricted unpickler

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from hfpar.checkpoint.layout import (
     MARKER,
     STATE_FILE,
     checkpoint_dir,
+    is_hfpar_checkpoint,
     list_checkpoints,
     read_trainer_state,
     resolve_resume,
@@ -212,8 +214,10 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
     final = checkpoint_dir(output_dir, step)
     tmp = staging_dir(output_dir, step)
     if accelerator.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # our own leftover from a killed save, never user data
+        if tmp.is_symlink():
+            tmp.unlink()  # the link only, never what it points to
+        elif tmp.exists():
+            shutil.rmtree(tmp)  # our own leftover from a killed save (the name is hfpar's staging dir)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     with _disk_full_reported(tmp, step, accelerator.is_main_process):
@@ -224,8 +228,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
     if accelerator.is_main_process:
         with _disk_full_reported(tmp, step, True):
             _finish_staging(accelerator, tmp, trainer_state, tokenizer)
-        if final.exists():  # same step saved again (e.g. resumed run re-saving): replace our own old copy
-            shutil.rmtree(final)
+        if final.exists() or final.is_symlink():
+            if not is_hfpar_checkpoint(final):  # appeared during the run: never deleted nor written through
+                shutil.rmtree(tmp)
+                print(f"hfpar: warning: {final} is not a checkpoint hfpar wrote (a user's folder, a link or a file): "
+                      f"left as it is, step {step} not saved", file=sys.stderr)
+                accelerator.wait_for_everyone()
+                return final
+            shutil.rmtree(final)  # same step saved again (e.g. resumed run re-saving): replace our own old copy
         os.replace(tmp, final)
         with open(final / MARKER, "w") as fh:
             fh.write(str(step))
@@ -264,7 +274,7 @@ def apply_retention(output_dir: str, limit: int | None) -> None:
             keep.add(path)
             break
     for old in ckpts:
-        if old not in keep:
+        if old not in keep and is_hfpar_checkpoint(old):
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ from hfpar.checkpoint import layout
 from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.manifest import MANIFEST, verify
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
+from hfpar.loading.sources import source_problems
 
 
 class ExportError(ValueError):
@@ -57,14 +58,32 @@ def _find(ckpt: Path, name: str) -> Path | None:
     return None
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> str:
-    """Write config.json, model.safetensors and tokenizer files to out_dir; returns a one-line summary."""
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
+                      trust_remote_code: bool = False) -> str:
+    """Write config.json, model.safetensors and tokenizer files to out_dir; returns a one-line summary. A non-empty
+    out_dir is refused without overwrite; a config / tokenizer with auto_map (custom code) without
+    trust_remote_code (no code of the checkpoint runs, none is copied)."""
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        what = "is not a directory" if not out.is_dir() else f"is not empty ({', '.join(sorted(p.name for p in out.iterdir())[:3])})"
+        raise ExportError(f"{out} {what}: pass --overwrite to write into it (files of the same names are replaced), "
+                          "or pick an empty or new OUT_DIR")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: not a directory")
+    cfg_dir = _find(ckpt, "config.json") if ckpt.is_dir() else None
+    tok_dir = _find(ckpt, "tokenizer_config.json") if ckpt.is_dir() else None
+    for d in {cfg_dir, tok_dir} - {None}:
+        problems = source_problems(str(d), trust_remote_code=trust_remote_code, option="CHECKPOINT_DIR's files in")
+        if problems:
+            raise ExportError(problems[0])
     state = load_checkpoint_state_dict(ckpt)
-    cfg_dir = _find(ckpt, "config.json")
     if cfg_dir is None:
         raise ExportError(f"{ckpt}: no config.json in the checkpoint nor in {ckpt.parent} (the run's output dir)")
-    config = AutoConfig.from_pretrained(str(cfg_dir))
+    try:
+        config = AutoConfig.from_pretrained(str(cfg_dir), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - a config hfpar did not write (unknown model_type, bad values): one line
+        raise ExportError(f"{cfg_dir / 'config.json'}: cannot be read ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     arch = (config.architectures or [None])[0]
     if arch and arch.startswith("FSDP") and not hasattr(transformers, arch):
         arch = arch[len("FSDP"):]  # FSDP2's wrapper subclass name
@@ -82,9 +101,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> str:
         model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    tok_dir = _find(ckpt, "tokenizer_config.json")
     if tok_dir is not None:
-        AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - an untrusted file's parser: one line
+            raise ExportError(f"{tok_dir}: the tokenizer cannot be read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        tokenizer.save_pretrained(str(out))
     step = layout.read_trainer_state(ckpt).get("global_step") if (ckpt / layout.STATE_FILE).is_file() else "?"
     n = sum(t.numel() for t in state.values())
     return (f"exported {ckpt} (step {step}, {n:,} parameters) to {out}"

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from hfpar.checkpoint.manifest import verify
+from hfpar.checkpoint.manifest import MANIFEST, verify
 from hfpar.config import ConfigError
 
 MARKER = "COMPLETE"
@@ -71,6 +71,14 @@ def escaping_links(output_dir: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(c for c in root.iterdir() if _CKPT_RE.match(c.name) and not _inside(c, root))
+
+
+def is_hfpar_checkpoint(path: str | os.PathLike) -> bool:
+    """A checkpoint hfpar wrote: a real directory (not a symlink) with its COMPLETE marker and MANIFEST.json. Only
+    these are ever deleted (retention), replaced (a step saved again) or moved by hfpar."""
+    path = Path(path)
+    return (not path.is_symlink() and path.is_dir() and (path / MARKER).is_file()
+            and (path / MANIFEST).is_file())
 
 
 def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:

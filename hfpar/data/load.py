@@ -36,16 +36,16 @@ def embedded_model_path() -> str:
     return str(resources.files("hfpar") / "assets" / "tiny")
 
 
-def load_tokenizer(name_or_path: str | None = None):
+def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = False):
     """None or "hfpar-tiny" -> the embedded tokenizer, else AutoTokenizer.from_pretrained. Always has a pad token."""
     # lazy: +0.8 s (measured), paid by paths that import hfpar.data but load no tokenizer (recipe argument errors)
     from transformers import AutoTokenizer
 
     path = embedded_model_path() if name_or_path in (None, EMBEDDED) else name_or_path
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {_one_line(exc)}") from None
+    try:  # an untrusted file: whatever its parser raises (tokenizers' own Exception, RecursionError) is one line
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {type(exc).__name__}: {_one_line(exc)}") from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise DataError(f"tokenizer {name_or_path!r} has neither a pad nor an eos token; give one that has")
@@ -144,6 +144,8 @@ def _check_json(path: Path) -> None:
         except json.JSONDecodeError as exc:
             raise DataError(f"dataset file {path}: malformed JSON at line {exc.lineno} column {exc.colno}: "
                             f"{exc.msg}") from None
+        except RecursionError:
+            raise DataError(f"dataset file {path}: nested too deeply to be a dataset") from None
         if not isinstance(obj, list) or not all(isinstance(o, dict) for o in obj):
             raise DataError(f"dataset file {path}: expected a list of objects or JSON Lines, got a "
                             f"{type(obj).__name__}{' holding non-objects' if isinstance(obj, list) else ''}")
@@ -155,6 +157,8 @@ def _check_json(path: Path) -> None:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"dataset file {path}: malformed JSON Lines at line {lineno}: {exc.msg}") from None
+        except RecursionError:   # an untrusted file: [[[[...]]]] exhausts the parser's stack
+            raise DataError(f"dataset file {path}: line {lineno} is nested too deeply to be an example") from None
         if not isinstance(obj, dict):
             raise DataError(f"dataset file {path}: line {lineno} is not a JSON object")
 
@@ -163,7 +167,7 @@ def _is_json_lines(text: str) -> bool:
     """A .json file may hold JSON Lines: its first line is then a whole JSON object."""
     try:
         return isinstance(json.loads(text.lstrip().splitlines()[0]), dict)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
 
 

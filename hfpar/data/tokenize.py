@@ -104,12 +104,14 @@ def tokenize_sft(ds: Dataset, tokenizer, max_seq_length: int, *, completion_only
     are cut (truncation="truncate") or left out ("drop"); rows left without any target are left out.
     """
     _check_args(max_seq_length, truncation)
-    stats = {"examples": len(ds), "truncated": 0, "dropped": 0, "no_targets": 0, "tokens": 0, "target_tokens": 0}
+    stats = {"examples": len(ds), "truncated": 0, "dropped": 0, "no_targets": 0, "cut_away": 0, "tokens": 0,
+             "target_tokens": 0}   # cut_away: of no_targets, those whose targets truncation removed
     input_ids, labels = [], []
     for ids, mask in _sft_examples(ds, tokenizer):
         if not completion_only_loss:
             mask = [True] * len(ids)
-        if len(ids) > max_seq_length:
+        cut = len(ids) > max_seq_length
+        if cut:
             if truncation == "drop":
                 stats["dropped"] += 1
                 continue
@@ -118,6 +120,7 @@ def tokenize_sft(ds: Dataset, tokenizer, max_seq_length: int, *, completion_only
         n_targets = sum(mask[1:])  # the first token is never a target (nothing precedes it)
         if n_targets == 0:
             stats["no_targets"] += 1
+            stats["cut_away"] += cut
             continue
         input_ids.append(ids)
         labels.append([t if m else IGNORE for t, m in zip(ids, mask)])

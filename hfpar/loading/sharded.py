@@ -216,15 +216,15 @@ def _tensor_names(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]
 
 # ----------------------------------------------------------------------------- skeleton, missing keys
 def build_skeleton(cls, path: str, index: dict[str, str], dtype=torch.float32, config_updates: dict | None = None,
-                   **kwargs) -> nn.Module:
+                   trust_remote_code: bool = False, **kwargs) -> nn.Module:
     """cls.from_config on meta (buffers computed on CPU), in eval mode like from_pretrained; parameters the
     checkpoint lacks are initialised whole on CPU now by the model's own initialize_weights (a classification
     head on a causal-LM checkpoint), so sharding treats them like loaded ones."""
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for k, v in (config_updates or {}).items():
         setattr(config, k, v)
     with init_empty_weights(include_buffers=False):
-        model = cls.from_config(config, dtype=dtype, **kwargs)
+        model = cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     # init_empty_weights re-creates every Parameter registered under it, the tied lm_head's included: tie again
     model.tie_weights()
     model.eval()

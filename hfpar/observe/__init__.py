@@ -5,4 +5,5 @@
     metrics.py     per-rank bytes, peak memory, library versions, the JSONL writer
     comm_stats.py  CommCounter: bytes and calls per collective (benchmarks, tests)
     plot.py        report.png and `hfpar plot`
+    refusal.py     a refusal said once, in one line, by whichever rank finds it; its peers leave quietly
 """

@@ -107,7 +107,8 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
     fields = json.loads(config_json)
     config = config_cls.from_dict(fields)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        # a config of custom code (auto_map) exists only if its code was trusted: `hfpar plan --trust_remote_code`
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
     total = replicated = expert = lora = 0
     per_layer: dict[str, int] = {}
     for name, p in model.named_parameters():  # unique parameters: a tied lm_head is counted once

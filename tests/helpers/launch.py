@@ -30,9 +30,12 @@ def env() -> dict:
     return launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1")
 
 
-def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None) -> list[str]:
-    """recipe: a name of recipes/ ("sft"), or a script's path (ending .py), e.g. RECIPE_RUNS."""
-    return accelerate_cmd(config, nproc, recipe, args, extra_launch)
+def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None,
+               launcher: str = "accelerate.commands.launch") -> list[str]:
+    """recipe: a name of recipes/ ("sft"), or a script's path (ending .py), e.g. RECIPE_RUNS. launcher: the module
+    run with -m, Accelerate's or hfpar.launch (the same launch, the workers' exit code, no launcher traceback)."""
+    cmd = accelerate_cmd(config, nproc, recipe, args, extra_launch)   # [python, -m, accelerate.commands.launch, ...]
+    return [cmd[0], "-m", launcher, *cmd[3:]]
 
 
 class _Zygote:
@@ -61,12 +64,12 @@ class _Zygote:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        assert cmd[1:3] == ["-m", "accelerate.commands.launch"], cmd
+        assert cmd[1] == "-m" and cmd[2] in ("accelerate.commands.launch", "hfpar.launch"), cmd
         with self._lock:
             self._n += 1
             base = os.path.join(self._tmp, str(self._n))
             req = {"argv": cmd[3:], "env": env, "cwd": str(ROOT), "out": base + ".out", "err": base + ".err",
-                   "rc": base + ".rc"}
+                   "rc": base + ".rc", "module": cmd[2]}
             server = self._server()
             server.stdin.write(json.dumps(req) + "\n")
             server.stdin.flush()
@@ -89,8 +92,9 @@ _ZYGOTE = _Zygote()
 
 
 def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool = True, timeout: int = 600,
-           extra_launch: list[str] | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = launch_cmd(config, nproc, recipe, args, extra_launch)
+           extra_launch: list[str] | None = None, extra_env: dict | None = None,
+           launcher: str = "accelerate.commands.launch") -> subprocess.CompletedProcess:
+    cmd = launch_cmd(config, nproc, recipe, args, extra_launch, launcher)
     run_env = {**env(), **(extra_env or {})}
     if os.environ.get("HFPAR_TEST_LAUNCHER") == "subprocess":
         proc = subprocess.run(cmd, check=False, cwd=ROOT, env=run_env, capture_output=True, text=True,

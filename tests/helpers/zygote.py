@@ -10,7 +10,8 @@ environment and working directory, stdout / stderr to the files named, its exit 
 workers it starts are fresh interpreters, exactly as under the command. Nothing here touches torch before the
 fork (no thread pool, no CUDA context), so the child starts from a clean state.
 
-A request: {"argv": [...], "env": {...}, "cwd": "...", "out": path, "err": path, "rc": path}; the reply line:
+A request: {"argv": [...], "env": {...}, "cwd": "...", "out": path, "err": path, "rc": path[, "module":
+"hfpar.launch"]} (module: `python -m hfpar.launch ARGS`, hfpar's wrapper of the same launch); the reply line:
 {"pid": child pid}. The child leads its own session (its process group is its pid), so a timeout kills the
 launcher and its workers together.
 """
@@ -49,7 +50,12 @@ def _run_child(req: dict) -> None:
         os.close(f)
     sys.argv = ["accelerate-launch", *req["argv"]]
     try:
-        accelerate_launch.main()
+        if req.get("module") == "hfpar.launch":   # `hfpar launch`: the same launch, the workers' exit code
+            from hfpar.launch import main as hfpar_launch  # noqa: PLC0415  (in the child: hfpar as the launch's env has it)
+
+            hfpar_launch(req["argv"])
+        else:
+            accelerate_launch.main()
         rc = 0
     except SystemExit as e:
         rc = _exit_status(e)

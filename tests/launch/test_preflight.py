@@ -21,7 +21,7 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig
 from hfpar.checkpoint.layout import MARKER, STATE_FILE, run_identity
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.config import ConfigError
-from hfpar.recipe import check_output_dir
+from hfpar.checkpoint.output_dir import check_output_dir
 from hfpar import preflight as pf
 from hfpar.backends import STRATEGY, AccelerateBackend, ModelParallelDDP
 from hfpar.config import parse_args

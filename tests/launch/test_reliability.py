@@ -278,12 +278,13 @@ def _tail(proc) -> str:
 
 def test_sigterm_saves_at_the_next_step_and_the_relaunch_resumes(reference, base_model, tmp_path):
     """SIGTERM to the whole job (what SLURM and Kubernetes send): every rank saves a checkpoint at the next step
-    boundary and exits (75 from the workers); the same command relaunched resumes there and ends like the
+    boundary and exits (75 from the workers, and from `hfpar launch`, itself signalled); the same command relaunched
+    resumes there and ends like the
     uninterrupted run. Checkpoints every 100 steps: the one found can only be the preemption's."""
     out = tmp_path / "preempted"
     args = [*_args(base_model, out), "--save_steps", "100"]
-    proc = subprocess.Popen(launch_cmd("ddp", 2, "sft", args), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(launch_cmd("ddp", 2, "sft", args, launcher="hfpar.launch"), cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(out / "metrics.jsonl", proc)  # the first step is logged: training is under way
         os.killpg(proc.pid, signal.SIGTERM)  # the launcher and both ranks, as SLURM signals a job step
@@ -292,7 +293,8 @@ def test_sigterm_saves_at_the_next_step_and_the_relaunch_resumes(reference, base
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     ckpts = sorted(out.glob("checkpoint-*"))
-    assert proc.returncode != 0 and len(ckpts) == 1, (proc.returncode, ckpts, err[-3000:])
+    assert proc.returncode == 75 and len(ckpts) == 1, (proc.returncode, ckpts, err[-3000:])   # hfpar launch: the workers' 75
+    assert "Traceback" not in err, err[-3000:]
     step = int(ckpts[0].name.split("-")[1])
     assert 1 <= step < 16 and f"hfpar: preempted: SIGTERM received: saved checkpoint-{step}" in err, err[-3000:]
     assert [x["step"] for x in read_metrics(out)[0]][-1] == step

@@ -103,7 +103,8 @@ def test_messages_loss_only_on_assistant_turns(tok):
             in_reply = False
     assert row["labels"] == expected
     assert _trained(tok, row) == ["y", "o", "</s>", "a", "b", "c", "</s>"]
-    assert stats == {"examples": 1, "truncated": 0, "dropped": 0, "no_targets": 0, "tokens": len(tokens), "target_tokens": 7}
+    assert stats == {"examples": 1, "truncated": 0, "dropped": 0, "no_targets": 0, "cut_away": 0, "tokens": len(tokens),
+                     "target_tokens": 7}
     full, _ = data.tokenize_sft(Dataset.from_dict({"messages": [chat]}), tok, 64, completion_only_loss=False)
     assert full[0]["labels"] == full[0]["input_ids"] == row["input_ids"]
 
@@ -141,7 +142,7 @@ def test_prompt_completion_and_text_formats(tok):
 def test_truncate_vs_drop(tok):
     ds = Dataset.from_dict({"prompt": ["p", "p", "p" * 30], "completion": ["short", "x" * 40, "late"]})
     out, stats = data.tokenize_sft(ds, tok, 16)  # row 3: the completion starts after the cut -> no targets
-    assert stats == {"examples": 3, "truncated": 2, "dropped": 0, "no_targets": 1, "tokens": 8 + 16,
+    assert stats == {"examples": 3, "truncated": 2, "dropped": 0, "no_targets": 1, "cut_away": 1, "tokens": 8 + 16,
                      "target_tokens": 6 + 14}
     assert [len(x) for x in out["input_ids"]] == [8, 16]
     out, stats = data.tokenize_sft(ds, tok, 16, truncation="drop")

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "hfpar"
 ENTRY_POINTS = {"__init__.py", "cli.py", "recipe.py", "config.py", "context.py", "preflight.py", "parallelize.py",
-                "distributed.py"}
+                "distributed.py", "launch.py"}
 
 
 def _modules() -> dict[str, Path]:

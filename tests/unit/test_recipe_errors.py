@@ -30,9 +30,21 @@ def test_bad_values_reported_together(capsys):
 def test_output_dir_with_checkpoints_is_never_overwritten(tmp_path, capsys):
     (tmp_path / "checkpoint-10").mkdir()
     (tmp_path / "checkpoint-10" / "keep.txt").write_text("user data")
-    err = _run(["--output_dir", str(tmp_path)], capsys)
-    assert "already holds checkpoints" in err[0] and "--overwrite_output_dir" in err[0]
+    err = _run(["--output_dir", str(tmp_path)], capsys)   # a user's folder of that name: never hfpar's to touch
+    assert "checkpoint-10 is a directory without hfpar's COMPLETE marker" in err[0] and "move or rename it" in err[0]
+    err = _run(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--save_steps", "10"], capsys)
+    assert len(err) == 1 and "not a checkpoint hfpar wrote" in err[0]
     assert (tmp_path / "checkpoint-10" / "keep.txt").read_text() == "user data"
+
+
+def test_almost_all_examples_lost_to_truncation_is_refused_per_split(tmp_path, capsys):
+    from tests.unit.test_output_dir import long_prompts
+
+    data = long_prompts(tmp_path / "almost_all.jsonl", lost=95, kept=5)
+    err = _run(["--dataset_name", str(data), "--eval_split_fraction", "0.5", "--output_dir", str(tmp_path / "o")], capsys)
+    assert [x.split(": ")[2] for x in err[:2]] == ["train data", "eval data"], err   # (then: under one global batch)
+    assert "49 of 50 examples left out (49 with every target token past --max_seq_length 128)" in err[0]
+    assert "more than 90% of the examples would be left out" in err[0]
 
 
 def test_resume_from_missing_path(tmp_path, capsys):

@@ -1,0 +1,122 @@
+"""What hfpar checks of a model / tokenizer / checkpoint directory before transformers reads it: no code runs
+from it unless the user passes --trust_remote_code, and its JSON files are bounded and parse, each problem one line.
+
+    problems = source_problems("path/to/model", trust_remote_code=False, option="--model_name_or_path")
+
+A config (or tokenizer_config) with `auto_map` names Python files of the directory (configuration_*.py,
+modeling_*.py, tokenization_*.py) that transformers imports, i.e. runs, when trust_remote_code=True; with the
+argument unset it asks `Do you wish to run the custom code? [y/N]` on a terminal. hfpar passes the flag
+explicitly everywhere it loads (never the prompt) and refuses such a directory without --trust_remote_code, naming
+the files. A hub id is not read here (no download before the preflight): transformers refuses its custom code
+itself, since trust_remote_code=False is passed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG_FILES = ("config.json", "tokenizer_config.json", "adapter_config.json")
+MAX_CONFIG_BYTES = 16 << 20        # a config is kilobytes; 16 MiB leaves room for huge vocab maps
+MAX_TOKENIZER_BYTES = 1 << 30      # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
+MAX_JSON_DEPTH = 64                # real configs nest a few levels; deep nesting exhausts recursive parsers
+
+
+def _depth(text: str) -> int:
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def read_json(path: Path, limit: int = MAX_CONFIG_BYTES) -> tuple[object, str | None]:
+    """(parsed, None) or (None, one line): size bounded, nesting bounded, syntax checked."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return None, f"{path}: unreadable ({exc.strerror})"
+    if size > limit:
+        return None, f"{path}: {size:,} bytes, over the {limit:,} hfpar reads for such a file"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{path}: unreadable ({type(exc).__name__})"
+    if _depth(text) > MAX_JSON_DEPTH:
+        return None, f"{path}: nested deeper than {MAX_JSON_DEPTH} levels, not a file transformers writes"
+    try:
+        return json.loads(text), None
+    except ValueError as exc:
+        return None, f"{path}: not valid JSON ({str(exc).splitlines()[0]})"
+
+
+def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -> list[str]:
+    """One line per problem of a local model / tokenizer / checkpoint directory (nothing for a hub id)."""
+    if not path:
+        return []
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return []
+    problems = []
+    for name in CONFIG_FILES:
+        f = root / name
+        if not f.is_file():
+            continue
+        data, problem = read_json(f)
+        if problem:
+            problems.append(f"{option} {path}: {problem}")
+            continue
+        if isinstance(data, dict) and data.get("auto_map") and not trust_remote_code:
+            code = sorted(p.name for p in root.glob("*.py"))
+            problems.append(f"{option} {path}: {name} has auto_map (custom code{': ' + ', '.join(code[:4]) if code else ''}),"
+                            " which transformers would run; hfpar runs no code from a model directory unless you pass "
+                            "--trust_remote_code (read that code first)")
+    tok = root / "tokenizer.json"
+    if tok.is_file():
+        try:
+            size = tok.stat().st_size
+            head = tok.open("rb").read(1 << 20).decode("utf-8", errors="replace")
+        except OSError as exc:
+            problems.append(f"{option} {path}: {tok.name} unreadable ({exc.strerror})")
+        else:
+            if size > MAX_TOKENIZER_BYTES:
+                problems.append(f"{option} {path}: {tok.name} has {size:,} bytes, over the {MAX_TOKENIZER_BYTES:,} "
+                                "hfpar reads for a tokenizer")
+            elif _depth(head) > MAX_JSON_DEPTH:
+                problems.append(f"{option} {path}: {tok.name} is nested deeper than {MAX_JSON_DEPTH} levels, not a "
+                                "tokenizer transformers writes")
+    return problems
+
+
+def run_source_problems(args) -> list[str]:
+    """The recipe's model and tokenizer directories, and the checkpoint it resumes from (its config.json)."""
+    trust = bool(getattr(args, "trust_remote_code", False))
+    p = source_problems(args.model_name_or_path, trust_remote_code=trust, option="--model_name_or_path")
+    if args.tokenizer_name_or_path and args.tokenizer_name_or_path != args.model_name_or_path:
+        p += source_problems(args.tokenizer_name_or_path, trust_remote_code=trust, option="--tokenizer_name_or_path")
+    resume = args.resume_from_checkpoint
+    if resume and resume != "latest":
+        p += source_problems(resume, trust_remote_code=trust, option="--resume_from_checkpoint")
+    return p
+
+
+def check_sources(args) -> None:
+    """run_source_problems as a ConfigError (one line each), before the accelerator exists."""
+    problems = run_source_problems(args)
+    if problems:
+        from hfpar.config import ConfigError  # noqa: PLC0415  (hfpar.cli imports this module for plan, without the recipe stack)
+
+        raise ConfigError("\n".join(problems))

@@ -1,0 +1,145 @@
+"""A refusal reaches the user once, in one line, whichever rank finds it; the other ranks leave without a traceback.
+
+    from hfpar.observe.refusal import fail, guarded
+    @guarded                       # the recipe's main: an error that follows a peer's refusal is not news
+    def main(...):
+        ... fail("--tp_size 3 does not divide the world size 2")     # prints `hfpar: error: ...`, exits 2
+
+Why a file and not rank 0: under `accelerate launch` every worker is a separate process and the launcher kills
+the others as soon as one exits. Printing on rank 0 only loses the line whenever another rank exits first (the
+user then sees torchrun's ChildFailedError and nothing else), and a problem found by rank 1 alone is never said.
+So the rank that finds a problem prints it itself; ranks that find the same line (most refusals: every rank parses
+the same options) claim it first in a directory of this launch on this node (`O_EXCL`: one winner), so it is
+printed once per node. A rank that then fails in a collective because its peer left (gloo: "Connection closed by
+peer") sees that a refusal of this launch was said and exits with the same code, quietly.
+
+`hfpar launch` (hfpar/launch.py) is `accelerate launch` with the workers' exit code and no launcher traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REFUSED_EXIT = 2
+_PRUNE_AFTER_S = 24 * 3600
+
+
+def agent_dir(agent_pid: int) -> Path:
+    """What the workers of the launcher (torchrun's agent) `agent_pid` on this node leave for each other and for it."""
+    return Path(tempfile.gettempdir()) / f"hfpar-{os.getuid()}-refusals" / f"{socket.gethostname()}-{agent_pid}"
+
+
+def _attempt() -> str:
+    """Refusals are shared within one attempt of a launch (a torchrun restart is a new attempt)."""
+    return f"{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+
+
+def _launch_dir() -> Path | None:
+    """This launch's directory on this node: the torchrun agent (the workers' parent process) names it. None
+    outside a launcher (one process: nothing to share)."""
+    if "LOCAL_RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    d = agent_dir(os.getppid())
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    _prune(d.parent, keep=d)
+    return d
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Old launches' directories (a day old) go; they hold a few bytes each."""
+    now = time.time()
+    try:
+        for d in root.iterdir():
+            if d != keep and now - d.stat().st_mtime > _PRUNE_AFTER_S:
+                for f in d.iterdir():
+                    f.unlink()
+                d.rmdir()
+    except OSError:
+        pass
+
+
+def _claim(d: Path | None, line: str) -> bool:
+    """True for the first rank of this launch (on this node) to say `line`."""
+    if d is None:
+        return True
+    name = d / (_attempt() + hashlib.sha1(line.encode()).hexdigest())
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    with os.fdopen(fd, "w") as fh:
+        fh.write(line)
+    return True
+
+
+def say(problems: str, prefix: str = "hfpar: error: ") -> None:
+    """Each line of `problems` printed to stderr once per launch and node, by whichever rank gets there first."""
+    d = _launch_dir()
+    for line in str(problems).splitlines() or [""]:
+        if _claim(d, line):
+            print(f"{prefix}{line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def fail(problems: str, code: int = REFUSED_EXIT):
+    """One `hfpar: error:` line per problem (from this rank, once per launch), then exit `code`."""
+    say(problems)
+    sys.exit(code)
+
+
+def peer_refused() -> bool:
+    """Whether a rank of this launch (on this node) has already said a refusal."""
+    d = _launch_dir()
+    try:
+        return d is not None and any(f.name.startswith(_attempt()) for f in d.iterdir())
+    except OSError:
+        return False
+
+
+def record_exit(code: int) -> None:
+    """A worker's exit code, for `hfpar launch` (which may itself be the one signalled: preemption)."""
+    d = _launch_dir()
+    if d is not None:
+        with contextlib.suppress(OSError):
+            (d / f"exit-{int(code)}").touch()
+
+
+def recorded_exits(agent_pid: int) -> set[int]:
+    """The exit codes the workers of launcher `agent_pid` recorded (hfpar launch asks for its own pid)."""
+    try:
+        return {int(f.name[5:]) for f in agent_dir(agent_pid).iterdir() if f.name.startswith("exit-")}
+    except (OSError, ValueError):
+        return set()
+
+
+def guarded(fn):
+    """The recipe's entry: an exception raised after a peer refused (the collective it was in lost that peer) ends
+    this rank with the refusal's exit code and no traceback; any other exception propagates as it is."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as exc:  # a refusal (2), a preemption (75): what `hfpar launch` exits with
+            if isinstance(exc.code, int) and exc.code:
+                record_exit(exc.code)
+            raise
+        except Exception:
+            time.sleep(0.2)   # the peer that refused writes its line before it exits: let a racing one finish
+            if peer_refused():
+                sys.stderr.flush()
+                os._exit(REFUSED_EXIT)   # the process group is broken: no clean shutdown is possible
+            raise
+    return run
