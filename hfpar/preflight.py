@@ -97,12 +97,12 @@ def fp16_loss_scaling(accelerator) -> bool:
 
 def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     p = []
-    model_parallel = [f"--{k} {getattr(args, k)}" for k in ("tp_size", "ep_size") if getattr(args, k) > 1]
-    model_parallel += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
+    sharding_flags = [f"--{k} {getattr(args, k)}" for k in ("tp_size", "ep_size") if getattr(args, k) > 1]
+    sharding_flags += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
     if args.use_peft and importlib.util.find_spec("peft") is None:
         p.append("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
-    if args.use_peft and model_parallel:
-        p.append(f"--use_peft with {' and '.join(model_parallel)}: LoRA composes with the data-parallel strategies "
+    if args.use_peft and sharding_flags:
+        p.append(f"--use_peft with {' and '.join(sharding_flags)}: LoRA composes with the data-parallel strategies "
                  "only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
     if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
         p.append(f"--sequence_parallel: needs a causal-LM recipe ({recipes.names_of_task('lm')}), whose vocab-parallel "

@@ -69,7 +69,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     from hfpar.loading import sharded as loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
 
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
-    extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+    model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
         # a copy of the preflight's (num_labels is set on it)
         config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
@@ -77,7 +77,7 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
         with _without_zero3_init():
-            return cls.from_config(config, **extra), {"mode": "embedded", "why": "tiny random-init default"}
+            return cls.from_config(config, **model_kwargs), {"mode": "embedded", "why": "tiny random-init default"}
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
@@ -90,14 +90,14 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
         model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-                                    **kw, **extra)
+                                    **kw, **model_kwargs)
         _keep_frozen(model, cls)
         if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
             model = loading.build_skeleton(cls, path, index, config_updates=kw,
-                                           trust_remote_code=args.trust_remote_code, **extra)
+                                           trust_remote_code=args.trust_remote_code, **model_kwargs)
         load["index"] = index
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
