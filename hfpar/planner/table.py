@@ -23,7 +23,7 @@ from hfpar.planner.memory import (
     HOST_OVERHEAD,
     ModelStats,
     PlannerError,
-    activation_bytes,
+    activation_bytes,  # also re-exported: hfpar.planner.table's API
     chunk_tokens,
     host_ram_bytes,
     model_stats,
