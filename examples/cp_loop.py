@@ -31,10 +31,14 @@ from hfpar.parallel.context_parallel import cp_rows, register_cp_attention
 
 def global_batch(step: int, rows: int = 2, seq: int = 16, vocab: int = 256) -> dict:
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(3, vocab, (rows, seq), generator=g)                            # (B, T)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g)  # (B, T)
     lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100),
+    }
 
 
 def train(mode: str, steps: int, device, cp: int, rank: int) -> None:
@@ -43,45 +47,59 @@ def train(mode: str, steps: int, device, cp: int, rank: int) -> None:
         from accelerate import Accelerator  # (the Accelerate variant only: it adopts the process group made here)
 
         acc, mode = Accelerator(cpu=device.type == "cpu"), mode[4:]
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
     if cp > 1:
-        model.set_attn_implementation(register_cp_attention())       # "hfpar_cp", from transformers' registry
+        model.set_attn_implementation(register_cp_attention())  # "hfpar_cp", from transformers' registry
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     if acc is not None:
-        model, opt = acc.prepare(model, opt)                           # DDP over the world (= the cp group)
+        model, opt = acc.prepare(model, opt)  # DDP over the world (= the cp group)
     for step in range(1, steps + 1):
-        batch = {k: v.to(device) for k, v in global_batch(step % 2).items()}   # two batches, in turn
-        n_items = count_targets(batch)                                 # real targets of the whole batch
+        batch = {k: v.to(device) for k, v in global_batch(step % 2).items()}  # two batches, in turn
+        n_items = count_targets(batch)  # real targets of the whole batch
         if cp > 1 and acc is not None:
             local, rows = cp_batch(batch, rank, cp)
             with cp_rows(rows, dist.group.WORLD, mode):
                 loss = model(**local, num_items_in_batch=n_items).loss
-                acc.backward(loss * cp)                                # DDP's mean over cp ranks -> their sum
+                acc.backward(loss * cp)  # DDP's mean over cp ranks -> their sum
             loss = acc.reduce(loss.detach(), reduction="sum")
         elif cp > 1:
-            local, rows = cp_batch(batch, rank, cp)                    # (B, T / cp): this rank's zigzag part
-            with cp_rows(rows, dist.group.WORLD, mode):                # cp group: the whole world here
-                loss = model(**local, num_items_in_batch=n_items).loss   # my targets' sum / global count
+            local, rows = cp_batch(batch, rank, cp)  # (B, T / cp): this rank's zigzag part
+            with cp_rows(rows, dist.group.WORLD, mode):  # cp group: the whole world here
+                loss = model(**local, num_items_in_batch=n_items).loss  # my targets' sum / global count
                 loss.backward()
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)                                      # SUM: each cp rank holds part of the tokens
+            dist.all_reduce(flat)  # SUM: each cp rank holds part of the tokens
             for g, f in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(f.view_as(g))
             loss = loss.detach()
-            dist.all_reduce(loss)                                      # the whole batch's loss
+            dist.all_reduce(loss)  # the whole batch's loss
         else:
             loss = model(**batch, num_items_in_batch=n_items).loss
             (loss.backward() if acc is None else acc.backward(loss))
-        norm = (clip_grad_norm_(model.parameters(), 1.0) if acc is None     # replicated params: the plain norm
-                else acc.clip_grad_norm_(model.parameters(), 1.0))
+        norm = (
+            clip_grad_norm_(model.parameters(), 1.0)
+            if acc is None  # replicated params: the plain norm
+            else acc.clip_grad_norm_(model.parameters(), 1.0)
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0:
-            print(f"{'acc-' if acc is not None else ''}{mode} step {step} loss {loss.item():.8f} grad_norm {float(norm):.8f}", flush=True)
+            print(
+                f"{'acc-' if acc is not None else ''}{mode} step {step} loss {loss.item():.8f} grad_norm "
+                f"{float(norm):.8f}",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -44,22 +44,30 @@ def main() -> None:
     parser.add_argument("--aux_loss_coef", type=float, default=0.02)
     args = parser.parse_args()
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())    # process group: gloo on CPU, NCCL on GPUs
+    acc = Accelerator(cpu=not torch.cuda.is_available())  # process group: gloo on CPU, NCCL on GPUs
     world, rank = acc.num_processes, acc.process_index
-    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)                                    # the same full weights on every process
+    cfg = MixtralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)  # the same full weights on every process
     model = MixtralForCausalLM(cfg).to(acc.device).train()
-    apply_expert_parallel(model, aux_loss_coef=args.aux_loss_coef)   # EP over all processes: E / world each
-    set_aux_loss_grad_scale(world)                          # injected aux grad: survives the dp mean below
+    apply_expert_parallel(model, aux_loss_coef=args.aux_loss_coef)  # EP over all processes: E / world each
+    set_aux_loss_grad_scale(world)  # injected aux grad: survives the dp mean below
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, cfg.vocab_size, (2, args.global_batch, args.seq_len), generator=gen)  # 2 global batches
     for step in range(1, args.steps + 1):
-        ids = data[step % 2]                                # (B, T), the global batch of this step
+        ids = data[step % 2]  # (B, T), the global batch of this step
         batch = {"input_ids": ids[rank::world].to(acc.device), "labels": ids[rank::world].to(acc.device)}
-        loss = model(**batch).loss                          # mean over this process's rows (equal lengths)
+        loss = model(**batch).loss  # mean over this process's rows (equal lengths)
         acc.backward(loss)
         sync_grads(model, world)
         opt.step()

@@ -22,10 +22,14 @@ from hfpar.parallel.pipeline.stage import tied_embedding_group
 
 def global_batch(step: int, rows: int = 4, seq: int = 16, vocab: int = 256) -> dict:
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(3, vocab, (rows, seq), generator=g)                            # (B, T)
+    ids = torch.randint(3, vocab, (rows, seq), generator=g)  # (B, T)
     lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100),
+    }
 
 
 def main() -> None:
@@ -39,24 +43,32 @@ def main() -> None:
     if pp > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank() if pp > 1 else 0
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
     peers = list(range(pp))
     if pp > 1:
-        stage = PipelineStage(model, rank, balanced_split(model, pp))      # this rank's layers (trimmed in place)
+        stage = PipelineStage(model, rank, balanced_split(model, pp))  # this rank's layers (trimmed in place)
         runner = PipelineRunner(stage, peers, schedule="1f1b", microbatches=2)
-        tied = tied_embedding_group([peers])                               # first + last stage: the tied weight
+        tied = tied_embedding_group([peers])  # first + last stage: the tied weight
         params = stage.parameters()
     else:
         params = model.parameters()
     opt = torch.optim.SGD(params, lr=0.3, momentum=0.9)
     for step in range(1, args.steps + 1):
         batch = {k: v.to(device) for k, v in global_batch(step % 2).items()}
-        n = (batch["labels"][:, 1:] != -100).sum()                         # real targets of the global batch
+        n = (batch["labels"][:, 1:] != -100).sum()  # real targets of the global batch
         if pp > 1:
-            loss_sum, _ = runner.train(batch, causal_lm_loss_fn, scale=1 / n.item())   # every stage's backward
+            loss_sum, _ = runner.train(batch, causal_lm_loss_fn, scale=1 / n.item())  # every stage's backward
             norm = pipeline_clip_grad_norm_(stage, 1.0, tied_group=tied)
         else:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -68,7 +80,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {(loss_sum / n).item():.8f} grad_norm {float(norm):.8f}", flush=True)
     if args.output_dir and pp > 1:
-        save_pipeline_pretrained(stage, args.output_dir, peers)            # collective: the merged HF checkpoint
+        save_pipeline_pretrained(stage, args.output_dir, peers)  # collective: the merged HF checkpoint
     elif args.output_dir:
         model.save_pretrained(args.output_dir)
     if pp > 1:

@@ -55,24 +55,43 @@ def build_tokenizer():
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab["<s>"])])
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab["<s>"])]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        model_max_length=512, padding_side="right", clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE)
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=512,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_config(tokenizer):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, initializer_range=0.02, dtype="float32",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        dtype="float32",
         # transformers only detects packed rows (position_ids restarting at 0) when no KV cache is built;
         # use_cache=False makes a plain model(input_ids=..., position_ids=...) call safe for packing.
-        use_cache=False)
+        use_cache=False,
+    )
 
 
 def write(out: Path) -> None:

@@ -104,18 +104,50 @@ def _rate(tokens: list[int], times: list[float]) -> float:
 
 def run_hfpar(flags: list[str], steps: int, max_grad_norm: str = "0") -> dict:
     out = Path(tempfile.mkdtemp(prefix="hfpar-base-"))
-    common = ["--max_steps", str(steps), "--per_device_train_batch_size", str(BS), "--learning_rate", str(LR),
-              "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--warmup_ratio", "0",
-              "--max_grad_norm", max_grad_norm, "--max_seq_length", str(SEQ), "--seed", str(SEED)]
-    cmd = [sys.executable, str(ROOT / "recipes" / "sft.py"), "--output_dir", str(out), *common, "--eval_steps", "0",
-           "--logging_steps", "1000", "--save_final_model", "false", *flags]
+    common = [
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        str(BS),
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+        "--warmup_steps",
+        "0",
+        "--warmup_ratio",
+        "0",
+        "--max_grad_norm",
+        max_grad_norm,
+        "--max_seq_length",
+        str(SEQ),
+        "--seed",
+        str(SEED),
+    ]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "sft.py"),
+        "--output_dir",
+        str(out),
+        *common,
+        "--eval_steps",
+        "0",
+        "--logging_steps",
+        "1000",
+        "--save_final_model",
+        "false",
+        *flags,
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env(cpu=False, threads=None))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps_ = [r for r in rows if "loss" in r]
     train, per_step = recipe_rows(common + flags, steps)
     tokens = [sum(len(train[i]["input_ids"]) for i in ix) for ix in per_step]
-    return {"tokens_per_s": _rate(tokens, [r["step_time_s"] for r in steps_]),
-            "final_loss": statistics.mean(r["loss"] for r in steps_[-10:]), "losses": [r["loss"] for r in steps_]}
+    return {
+        "tokens_per_s": _rate(tokens, [r["step_time_s"] for r in steps_]),
+        "final_loss": statistics.mean(r["loss"] for r in steps_[-10:]),
+        "losses": [r["loss"] for r in steps_],
+    }
 
 
 def _tokens(ds, n_samples: int) -> int:
@@ -133,17 +165,32 @@ def run_trainer(steps: int) -> dict:
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BS, max_steps=steps,
-                             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-                             save_strategy="no", report_to="none", max_grad_norm=0.0, dataloader_num_workers=0,
-                             use_cpu=not torch.cuda.is_available(), seed=SEED, remove_unused_columns=False,
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=BS,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        max_grad_norm=0.0,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        seed=SEED,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=fresh_model(), args=args, train_dataset=ds, data_collator=collate, callbacks=[Losses()])
     t0 = time.perf_counter()
     trainer.train()
     dt = time.perf_counter() - t0
-    return {"tokens_per_s": _tokens(ds, BS * steps) / dt, "final_loss": statistics.mean(losses[-10:]),
-            "note": "tokens estimated as the first batch x steps samples' lengths (the sampler shuffles)"}
+    return {
+        "tokens_per_s": _tokens(ds, BS * steps) / dt,
+        "final_loss": statistics.mean(losses[-10:]),
+        "note": "tokens estimated as the first batch x steps samples' lengths (the sampler shuffles)",
+    }
 
 
 def run_accelerate_loop(steps: int) -> dict:
@@ -217,27 +264,48 @@ def trl_worker(case: str, steps: int, out: str) -> None:
             losses.append(float(loss))
             return loss
 
-    config = SFTConfig(output_dir=tempfile.mkdtemp(prefix="trl-base-"), per_device_train_batch_size=BS,
-                       max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-                       logging_steps=10, save_strategy="no", eval_strategy="no", report_to="none",
-                       seed=SEED, disable_tqdm=True, bf16=False, fp16=False, gradient_checkpointing=False,
-                       use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-                       train_sampling_strategy="random" if overrides.get("packing") else "sequential",
-                       **{"max_length": SEQ, **overrides})
-    trainer = Counting(model=fresh_model(SEED), args=config, train_dataset=train,
-                       processing_class=data.load_tokenizer(None), callbacks=[StepEnds()])
+    config = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-base-"),
+        per_device_train_batch_size=BS,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=10,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        seed=SEED,
+        disable_tqdm=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        train_sampling_strategy="random" if overrides.get("packing") else "sequential",
+        **{"max_length": SEQ, **overrides},
+    )
+    trainer = Counting(
+        model=fresh_model(SEED),
+        args=config,
+        train_dataset=train,
+        processing_class=data.load_tokenizer(None),
+        callbacks=[StepEnds()],
+    )
     t0 = time.perf_counter()
     trainer.train()
     times = [b - a for a, b in zip([t0, *ends[:-1]], ends)]
-    Path(out).write_text(json.dumps({"tokens_per_s": _rate(tokens, times), "losses": losses,
-                                     "final_loss": statistics.mean(losses[-10:])}))
+    Path(out).write_text(
+        json.dumps(
+            {"tokens_per_s": _rate(tokens, times), "losses": losses, "final_loss": statistics.mean(losses[-10:])}
+        )
+    )
 
 
 def run_trl(case: str, steps: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix="trl-base-")) / "result.json"
     cmd = module_cmd("benchmarks.baselines.sft", "--trl_case", case, "--steps", steps, "--trl_out", out)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
-                          env=env(cpu=False, threads=None))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=env(cpu=False, threads=None))
     if proc.returncode:
         raise RuntimeError(f"{case} failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -254,56 +322,96 @@ def compare_trl(steps: int, rounds: int) -> dict:
     per_round = []
     for r in range(rounds):
         res = {}
-        for name, tool, flags in (order if r % 2 == 0 else order[::-1]):
+        for name, tool, flags in order if r % 2 == 0 else order[::-1]:
             print(f"[baselines] round {r + 1}/{rounds}: {name}", flush=True)
             res[name] = run_hfpar(flags, steps, max_grad_norm="1.0") if tool == "hfpar" else run_trl(name, steps)
         per_round.append(res)
-    summary = {name: {"tokens_per_s": _spread([rr[name]["tokens_per_s"] for rr in per_round]),
-                      "final_loss": statistics.median(rr[name]["final_loss"] for rr in per_round)}
-               for name, _, _ in cases}
-    ratios = {f"{a} / {b}": _spread([rr[a]["tokens_per_s"] / rr[b]["tokens_per_s"] for rr in per_round])
-              for a, b in PAIRS}
+    summary = {
+        name: {
+            "tokens_per_s": _spread([rr[name]["tokens_per_s"] for rr in per_round]),
+            "final_loss": statistics.median(rr[name]["final_loss"] for rr in per_round),
+        }
+        for name, _, _ in cases
+    }
+    ratios = {
+        f"{a} / {b}": _spread([rr[a]["tokens_per_s"] / rr[b]["tokens_per_s"] for rr in per_round]) for a, b in PAIRS
+    }
     same = per_round[0]
-    loss_diff = {name: max(abs(x - y) / abs(y) for x, y in zip(same[name]["losses"], same[PAIRS[0][1]]["losses"]))
-                 for name in (PAIRS[0][0], "TRL padding_free", "hfpar --padding_free false") if name in same}
-    return {"steps": steps, "rounds": rounds, "summary": summary, "ratios": ratios,
-            "max_rel_step_loss_diff_vs_trl_padded": loss_diff,
-            "per_round": [{k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in rr.items()}
-                          for rr in per_round]}
+    loss_diff = {
+        name: max(abs(x - y) / abs(y) for x, y in zip(same[name]["losses"], same[PAIRS[0][1]]["losses"]))
+        for name in (PAIRS[0][0], "TRL padding_free", "hfpar --padding_free false")
+        if name in same
+    }
+    return {
+        "steps": steps,
+        "rounds": rounds,
+        "summary": summary,
+        "ratios": ratios,
+        "max_rel_step_loss_diff_vs_trl_padded": loss_diff,
+        "per_round": [
+            {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in rr.items()} for rr in per_round
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------------------------- report
 def markdown(res: dict, dev: str) -> str:
     meta = res["meta"]
-    lines = [f"# hfpar vs transformers.Trainer, a plain Accelerate loop and TRL's SFTTrainer ({dev}, one process, fp32)",
-             "", f"Command: `{meta['command']}`; {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}"
-             + (f", TRL {meta['trl']}" if meta.get("trl") else "") + f". Embedded tiny Llama and SFT data, batch {BS}, "
-             f"constant lr {LR}, max_seq_length {SEQ}. tokens/s: real (non-padding) input tokens per second of "
-             "training steps, counted from the rows each step used.", ""]
+    lines = [
+        f"# hfpar vs transformers.Trainer, a plain Accelerate loop and TRL's SFTTrainer ({dev}, one process, fp32)",
+        "",
+        f"Command: `{meta['command']}`; {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}"
+        + (f", TRL {meta['trl']}" if meta.get("trl") else "")
+        + f". Embedded tiny Llama and SFT data, batch {BS}, "
+        f"constant lr {LR}, max_seq_length {SEQ}. tokens/s: real (non-padding) input tokens per second of "
+        "training steps, counted from the rows each step used.",
+        "",
+    ]
     if "frameworks" in res:
-        lines += [f"{meta['steps']} steps, no clipping:", "", "| run | tokens/s | loss (mean of last 10 steps) |", "|---|---|---|"]
+        lines += [
+            f"{meta['steps']} steps, no clipping:",
+            "",
+            "| run | tokens/s | loss (mean of last 10 steps) |",
+            "|---|---|---|",
+        ]
         lines += [f"| {k} | {v['tokens_per_s']:.0f} | {v['final_loss']:.4f} |" for k, v in res["frameworks"].items()]
         lines.append("")
     if "packing" in res:
-        lines += ["Packing (hfpar sft recipe, same batch and max_seq_length):", "",
-                  "| mode | padding tokens per batch | tokens/s (real tokens) | loss (last 10) |", "|---|---|---|---|"]
-        lines += [f"| {k} | {v['padding_fraction']:.1%} | {v['tokens_per_s']:.0f} | {v['final_loss']:.4f} |"
-                  for k, v in res["packing"].items()]
+        lines += [
+            "Packing (hfpar sft recipe, same batch and max_seq_length):",
+            "",
+            "| mode | padding tokens per batch | tokens/s (real tokens) | loss (last 10) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['padding_fraction']:.1%} | {v['tokens_per_s']:.0f} | {v['final_loss']:.4f} |"
+            for k, v in res["packing"].items()
+        ]
         lines.append("")
     if "trl" in res:
         t = res["trl"]
-        lines += [f"## hfpar vs TRL SFTTrainer: {t['steps']} steps, clipping at 1.0, {t['rounds']} alternating rounds", "",
-                  "| run | tokens/s median (min-max) | loss (last 10, median) |", "|---|---|---|"]
-        lines += [f"| {k} | {v['tokens_per_s']['median']:.0f} ({v['tokens_per_s']['min']:.0f}-"
-                  f"{v['tokens_per_s']['max']:.0f}) | {v['final_loss']:.4f} |" for k, v in t["summary"].items()]
+        lines += [
+            f"## hfpar vs TRL SFTTrainer: {t['steps']} steps, clipping at 1.0, {t['rounds']} alternating rounds",
+            "",
+            "| run | tokens/s median (min-max) | loss (last 10, median) |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['tokens_per_s']['median']:.0f} ({v['tokens_per_s']['min']:.0f}-"
+            f"{v['tokens_per_s']['max']:.0f}) | {v['final_loss']:.4f} |"
+            for k, v in t["summary"].items()
+        ]
         lines += ["", "| ratio of real tokens/s | median | min | max |", "|---|---|---|---|"]
         lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in t["ratios"].items()]
-        lines += ["", "Same batches, per-step loss vs TRL (default: padded), max relative difference (round 1): "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in t["max_rel_step_loss_diff_vs_trl_padded"].items())
-                  + ". The packed runs see different rows per step (each tool packs its own way), so their losses "
-                  "are comparable only in level. Step time: hfpar's own step_time_s (collate to optimizer step); "
-                  "TRL's, the time between consecutive step ends (data loading, step, callbacks; it logs every 10 "
-                  "steps, its default). Ratios are taken within each round, then summarized."]
+        lines += [
+            "",
+            "Same batches, per-step loss vs TRL (default: padded), max relative difference (round 1): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in t["max_rel_step_loss_diff_vs_trl_padded"].items())
+            + ". The packed runs see different rows per step (each tool packs its own way), so their losses "
+            "are comparable only in level. Step time: hfpar's own step_time_s (collate to optimizer step); "
+            "TRL's, the time between consecutive step ends (data loading, step, callbacks; it logs every 10 "
+            "steps, its default). Ratios are taken within each round, then summarized.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -322,25 +430,41 @@ def main() -> None:
     if bad := [s for s in sections if s not in SECTIONS]:
         p.error(f"--sections {','.join(bad)}: valid sections are {', '.join(SECTIONS)}")
     if "trl" in sections and importlib.util.find_spec("trl") is None:
-        sys.exit("baselines: TRL is not installed; `pip install trl` into this environment for the benchmark "
-                 "(hfpar does not depend on it), or run --sections frameworks,packing")
+        sys.exit(
+            "baselines: TRL is not installed; `pip install trl` into this environment for the benchmark "
+            "(hfpar does not depend on it), or run --sections frameworks,packing"
+        )
     steps = a.steps or STEPS
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     path = Path(a.out) / f"sft_{dev}.json"
     res = json.loads(path.read_text()) if path.is_file() else {}
-    res["meta"] = {**res.get("meta", {}), "command": command(), "machine": platform.platform(),
-                   "cpus": os.cpu_count(), "torch": torch.__version__, "batch": BS, "lr": LR, "max_seq_length": SEQ}
+    res["meta"] = {
+        **res.get("meta", {}),
+        "command": command(),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "batch": BS,
+        "lr": LR,
+        "max_seq_length": SEQ,
+    }
     if sections != ["trl"]:
         res["meta"]["steps"] = steps
     if "frameworks" in sections:
-        res["frameworks"] = {"hfpar sft recipe": run_hfpar([], steps), "transformers Trainer": run_trainer(steps),
-                             "hand-written Accelerate loop": run_accelerate_loop(steps)}
+        res["frameworks"] = {
+            "hfpar sft recipe": run_hfpar([], steps),
+            "transformers Trainer": run_trainer(steps),
+            "hand-written Accelerate loop": run_accelerate_loop(steps),
+        }
     if "packing" in sections:
         res["packing"] = {
-            "padded (--padding_free false)": {"padding_fraction": padding_fraction("padded"),
-                                              **run_hfpar(["--padding_free", "false"], steps)},
+            "padded (--padding_free false)": {
+                "padding_fraction": padding_fraction("padded"),
+                **run_hfpar(["--padding_free", "false"], steps),
+            },
             "padding-free (default)": {"padding_fraction": padding_fraction("padding_free"), **run_hfpar([], steps)},
-            "--packing": {"padding_fraction": padding_fraction("packing"), **run_hfpar(["--packing"], steps)}}
+            "--packing": {"padding_fraction": padding_fraction("packing"), **run_hfpar(["--packing"], steps)},
+        }
     if "trl" in sections:
         import trl
 

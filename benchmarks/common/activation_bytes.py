@@ -38,7 +38,7 @@ class LiveSavedBytes(contextlib.AbstractContextManager):
 
     def __init__(self, model: torch.nn.Module):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.live: dict[int, list[int]] = {}                     # storage ptr -> [references, bytes]
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [references, bytes]
         self.current = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.common.launch import run_ranks
 from hfpar.parallel.context_parallel import (
     ring_attention,
     shard_batch,
     ulysses_attention,
     zigzag_indices,
 )
-from benchmarks.common.launch import run_ranks
 
 H, HKV, D = 8, 8, 64
 
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: 
         out.backward(torch.ones_like(out))
 
     if memory:
-        step()                                                          # warm-up (kernel calls cached on rows)
+        step()  # warm-up (kernel calls cached on rows)
         dist.barrier(group)
         return {"peak_bytes": _peak_bytes(step)}
     best, base, cpu, base_cpu = (float("inf"),) * 4
@@ -92,7 +92,7 @@ def _rank(rank: int, world: int, seq_len: int, mode: str, packed: bool, memory: 
         t0, c0 = time.perf_counter(), time.process_time()
         step()
         dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)          # the slowest rank
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank
         best, cpu = min(best, dt[0].item()), min(cpu, dt[1].item())
     return {"seconds": best, "sdpa_seconds": base, "cpu_seconds": cpu, "sdpa_cpu_seconds": base_cpu}
 
@@ -116,16 +116,27 @@ def measure(lengths, cps=(1, 2, 4), progress=None) -> dict:
     """Every row and (when cp=4 is measured) the memory figures, with the machine's load average before and after
     (it may be shared); progress: a path the rows so far are written to after each one."""
     rows, memory = [], []
-    load = {"start": os.getloadavg(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    load = {
+        "start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     for seq_len in lengths:
         for cp in cps:
             for mode in ("ring", "ulysses") if cp > 1 else ("ring",):
                 for packed in (False, True) if cp > 1 else (False,):
                     r = run_ranks(_rank, cp, seq_len, mode, packed, False, timeout=3000)[0]
-                    rows.append({"seq_len": seq_len, "cp": cp, "mode": mode, "row": "packed" if packed else "single",
-                                 **r, "vs_sdpa": r["seconds"] / r["sdpa_seconds"],
-                                 "cpu_vs_sdpa": r["cpu_seconds"] / r["sdpa_cpu_seconds"]})
+                    rows.append(
+                        {
+                            "seq_len": seq_len,
+                            "cp": cp,
+                            "mode": mode,
+                            "row": "packed" if packed else "single",
+                            **r,
+                            "vs_sdpa": r["seconds"] / r["sdpa_seconds"],
+                            "cpu_vs_sdpa": r["cpu_seconds"] / r["sdpa_cpu_seconds"],
+                        }
+                    )
                     print(rows[-1], flush=True)
                     if progress is not None:
                         progress.write_text(json.dumps({"rows": rows, "load": load}, indent=2))
@@ -139,37 +150,72 @@ def measure(lengths, cps=(1, 2, 4), progress=None) -> dict:
 
 
 def report(res: dict) -> list[str]:
-    md = ["# Context-parallel attention (CPU, gloo, fp32, one thread per process)", "",
-          ("Command: `python -m benchmarks.context_parallel.scaling attention "
-           + " ".join(str(t) for t in sorted({r["seq_len"] for r in res["rows"]}))
-           + ("" if (cps := sorted({r["cp"] for r in res["rows"]})) == [1, 2, 4] else f" --cp {','.join(map(str, cps))}")
-           + "` (B=1, H=8, 8 kv heads, D=64; forward + backward of the attention alone; cp ranks: the slowest rank, "
-           "best of 2; sdpa: one process, whole row, timed between the cp runs; CPU: the process's CPU seconds, "
-           "less sensitive than wall time to other work on the machine)"), ""]
+    md = [
+        "# Context-parallel attention (CPU, gloo, fp32, one thread per process)",
+        "",
+        (
+            "Command: `python -m benchmarks.context_parallel.scaling attention "
+            + " ".join(str(t) for t in sorted({r["seq_len"] for r in res["rows"]}))
+            + (
+                ""
+                if (cps := sorted({r["cp"] for r in res["rows"]})) == [1, 2, 4]
+                else f" --cp {','.join(map(str, cps))}"
+            )
+            + "` (B=1, H=8, 8 kv heads, D=64; forward + backward of the attention alone; cp ranks: the slowest rank, "
+            "best of 2; sdpa: one process, whole row, timed between the cp runs; CPU: the process's CPU seconds, "
+            "less sensitive than wall time to other work on the machine)"
+        ),
+        "",
+    ]
     if "load" in res:
         ld = res["load"]
-        md += [f"{ld['date']}, {ld['cpus']} CPUs; load average (1, 5, 15 min) at the start "
-               f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
-               + (" (the machine was shared: other processes ran beside this benchmark)"
-                  if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"] else ""), ""]
-    md += [("| T | cp | mode | row | seconds per rank | SDPA whole row, seconds | ratio | CPU s per rank | SDPA CPU s "
-            "| CPU ratio |"), "|---|---|---|---|---|---|---|---|---|---|"]
+        md += [
+            f"{ld['date']}, {ld['cpus']} CPUs; load average (1, 5, 15 min) at the start "
+            f"{', '.join(f'{x:.1f}' for x in ld['start'])}, at the end {', '.join(f'{x:.1f}' for x in ld['end'])}"
+            + (
+                " (the machine was shared: other processes ran beside this benchmark)"
+                if max(ld["start"][0], ld["end"][0]) > 0.5 * ld["cpus"]
+                else ""
+            ),
+            "",
+        ]
+    md += [
+        (
+            "| T | cp | mode | row | seconds per rank | SDPA whole row, seconds | ratio | CPU s per rank | SDPA CPU s "
+            "| CPU ratio |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        md.append(f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['row']} | {r['seconds']:.3f} | "
-                  f"{r['sdpa_seconds']:.3f} | {r['vs_sdpa']:.2f} | {r.get('cpu_seconds', float('nan')):.3f} | "
-                  f"{r.get('sdpa_cpu_seconds', float('nan')):.3f} | {r.get('cpu_vs_sdpa', float('nan')):.2f} |")
+        md.append(
+            f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['row']} | {r['seconds']:.3f} | "
+            f"{r['sdpa_seconds']:.3f} | {r['vs_sdpa']:.2f} | {r.get('cpu_seconds', float('nan')):.3f} | "
+            f"{r.get('sdpa_cpu_seconds', float('nan')):.3f} | {r.get('cpu_vs_sdpa', float('nan')):.2f} |"
+        )
     md += [""]
     by = {(r["seq_len"], r["cp"], r["mode"], r["row"]): r for r in res["rows"]}
     for (t, cp, mode, row), r in by.items():  # the acceptance: cp=2 <= 0.6x SDPA at 8k+, packed <= 1.3x single
         if cp == 2 and row == "single" and t >= 8192 and (t, 2, mode, "packed") in by:
             p = by[t, 2, mode, "packed"]
-            md.append(f"T={t}, cp=2 {mode}: single-document row {r['vs_sdpa']:.2f}x SDPA (CPU {r['cpu_vs_sdpa']:.2f}x), "
-                      f"packed row {p['vs_sdpa']:.2f}x (CPU {p['cpu_vs_sdpa']:.2f}x); packed / single "
-                      f"{p['seconds'] / r['seconds']:.2f} (CPU {p['cpu_seconds'] / r['cpu_seconds']:.2f}).")
+            md.append(
+                f"T={t}, cp=2 {mode}: single-document row {r['vs_sdpa']:.2f}x SDPA (CPU {r['cpu_vs_sdpa']:.2f}x), "
+                f"packed row {p['vs_sdpa']:.2f}x (CPU {p['cpu_vs_sdpa']:.2f}x); packed / single "
+                f"{p['seconds'] / r['seconds']:.2f} (CPU {p['cpu_seconds'] / r['cpu_seconds']:.2f})."
+            )
     m = {r["mode"]: r["peak_bytes"] for r in res["memory"]}
-    md += [] if not m else ["", (f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
-           f"packed row (peak bytes allocated beyond the inputs): overlapped ring {m['ring'] / 1e6:.1f} MB, all-gather "
-           f"form {m['ring_allgather'] / 1e6:.1f} MB, ratio {m['ring'] / m['ring_allgather']:.2f}.")]
+    md += (
+        []
+        if not m
+        else [
+            "",
+            (
+                f"Working memory of attention forward + backward on rank 0 at cp=4, T={res['memory'][0]['seq_len']}, "
+                f"packed row (peak bytes allocated beyond the inputs): overlapped ring {m['ring'] / 1e6:.1f} MB, "
+                "all-gather "
+                f"form {m['ring_allgather'] / 1e6:.1f} MB, ratio {m['ring'] / m['ring_allgather']:.2f}."
+            ),
+        ]
+    )
     return md
 
 
@@ -182,10 +228,15 @@ def plot(res: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     sdpa = sorted({r["seq_len"]: r["sdpa_seconds"] for r in res["rows"] if r["cp"] == 2}.items())
     ax.plot(*zip(*sdpa), "k-o", label="SDPA, one process, whole row")
-    for (cp, mode, row), style in {(1, "ring", "single"): "m-o", (2, "ring", "single"): "b-o",
-                                   (2, "ring", "packed"): "b:^", (2, "ulysses", "single"): "c--s",
-                                   (4, "ring", "single"): "g-o", (4, "ring", "packed"): "g:^",
-                                   (4, "ulysses", "single"): "y--s"}.items():
+    for (cp, mode, row), style in {
+        (1, "ring", "single"): "m-o",
+        (2, "ring", "single"): "b-o",
+        (2, "ring", "packed"): "b:^",
+        (2, "ulysses", "single"): "c--s",
+        (4, "ring", "single"): "g-o",
+        (4, "ring", "packed"): "g:^",
+        (4, "ulysses", "single"): "y--s",
+    }.items():
         pts = [(r["seq_len"], r["seconds"]) for r in res["rows"] if (r["cp"], r["mode"], r["row"]) == (cp, mode, row)]
         ax.plot(*zip(*pts), style, label=f"cp={cp} {mode} {row}")
     ax.set_xscale("log", base=2)

@@ -23,8 +23,8 @@ measures the whole ring, communication included, on CPU ranks).
      hfpar cp=c r=i  rank i's attention work at cp = c (ranks 0 and c-1: the zigzag balance shows as equal times)
      varlen          torch.nn.attention.varlen.varlen_attn on the packed row's documents (if importable)
    on a single-document row and on packed rows: "packed" (documents of T/8 .. 3T/8 tokens, as
-   benchmarks/context_parallel/scaling.py) and "packed_1k" (documents of 256 .. 1792 tokens). Peak memory: bytes allocated
-   beyond the inputs during the call. The kernel calls are cached per batch (RowLayout.cache) and reused by
+   benchmarks/context_parallel/scaling.py) and "packed_1k" (documents of 256 .. 1792 tokens). Peak memory: bytes
+   allocated beyond the inputs during the call. The kernel calls are cached per batch (RowLayout.cache) and reused by
    every layer, so they are built in the warm-up here, as in training.
 Writes DIR/gpu_attention.{json,md}.
 """
@@ -108,7 +108,7 @@ class RankWork:
         q_segs = segments(rows.local)
         bounds = _bounds(t // cp, pieces)
         src_pos = [zigzag_indices(t, j, cp) for j in range(cp)]
-        self.steps = []                                    # (src, a, b, calls) in ring order
+        self.steps = []  # (src, a, b, calls) in ring order
         for s in range(cp):
             src = (rank - s) % cp
             for a, b in bounds:
@@ -118,8 +118,10 @@ class RankWork:
         """(out, dq, {src: (dk, dv)}) of forward then backward, as the ring computes them."""
         scale = q.shape[-1] ** -0.5
         out, lse = new_state(q)
-        pieces = {(src, a): (kv[src][0][:, :, a:b].contiguous(), kv[src][1][:, :, a:b].contiguous())
-                  for src, a, b, _ in self.steps}          # received ring pieces are contiguous buffers
+        pieces = {
+            (src, a): (kv[src][0][:, :, a:b].contiguous(), kv[src][1][:, :, a:b].contiguous())
+            for src, a, b, _ in self.steps
+        }  # received ring pieces are contiguous buffers
         for src, a, b, calls in self.steps:
             add_blocks(out, lse, q, *pieces[src, a], calls, scale)
         out = out.to(q.dtype)
@@ -139,7 +141,7 @@ def exactness(dev: str, cps, pieces: int, heads: int, kv_heads: int, d: int) -> 
     b, t = 2, 1024
     pos = torch.stack([positions(t, "packed_1k", 1), positions(t, "packed", 2)])
     amask = torch.ones(b, t, dtype=torch.long)
-    amask[1, 900:] = 0                                     # right padding: attends to itself only
+    amask[1, 900:] = 0  # right padding: attends to itself only
     base = [torch.randn(b, n, t, d, generator=gen, dtype=torch.float64).to(dev) for n in (heads, kv_heads, kv_heads)]
     w = torch.randn(b, heads, t, d, generator=gen, dtype=torch.float64).to(dev)
     doc = layout(pos, 0, 1, dev, amask).doc
@@ -160,13 +162,19 @@ def exactness(dev: str, cps, pieces: int, heads: int, kv_heads: int, d: int) -> 
     def rank_path(dt, cp, window):
         """Every rank's work at cp, its dq and dk / dv shares put back in place: [out, dq, dk, dv] of the row."""
         q, k, v = (x.to(dt) for x in base)
-        res = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k, dtype=torch.float32),
-               torch.zeros_like(v, dtype=torch.float32)]
+        res = [
+            torch.zeros_like(q),
+            torch.zeros_like(q),
+            torch.zeros_like(k, dtype=torch.float32),
+            torch.zeros_like(v, dtype=torch.float32),
+        ]
         for r in range(cp):
             rows = layout(pos, r, cp, dev, amask)
             loc = rows.local
-            kv = {j: (k[:, :, zigzag_indices(t, j, cp).to(dev)], v[:, :, zigzag_indices(t, j, cp).to(dev)])
-                  for j in range(cp)}
+            kv = {
+                j: (k[:, :, zigzag_indices(t, j, cp).to(dev)], v[:, :, zigzag_indices(t, j, cp).to(dev)])
+                for j in range(cp)
+            }
             o, dq, grads = RankWork(rows, t, r, cp, pieces, window)(q[:, :, loc], kv, w[:, :, loc].to(dt))
             res[0][:, :, loc], res[1][:, :, loc] = o, dq.to(dt)
             for (src, a, bb), (dk, dv) in grads.items():
@@ -187,18 +195,39 @@ def exactness(dev: str, cps, pieces: int, heads: int, kv_heads: int, d: int) -> 
         ref = sdpa(torch.float32)
         row("exact_fp32", "sdpa_mask_fp32_vs_float64", window, ref, lambda: sdpa(torch.float64))
         for cp in cps:
-            row("exact_fp32", f"hfpar_rank_path_cp{cp}", window, lambda cp=cp, window=window: rank_path(torch.float32, cp, window), ref)
+            row(
+                "exact_fp32",
+                f"hfpar_rank_path_cp{cp}",
+                window,
+                lambda cp=cp, window=window: rank_path(torch.float32, cp, window),
+                ref,
+            )
         row("exact_bf16", "sdpa_mask_bf16_vs_fp32", window, lambda: sdpa(torch.bfloat16), ref)
-        row("exact_bf16", "hfpar_rank_path_cp2_vs_fp32", window, lambda window=window: rank_path(torch.bfloat16, 2, window), ref)
+        row(
+            "exact_bf16",
+            "hfpar_rank_path_cp2_vs_fp32",
+            window,
+            lambda window=window: rank_path(torch.bfloat16, 2, window),
+            ref,
+        )
     # one document: SDPA's flash kernel (the timing baseline) against the fp32 reference, as a scale for the above
     q, k, v = base
 
     def flash():
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
-            return [F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True,
-                                                   enable_gqa=True)]
-    row("exact_bf16", "sdpa_flash_single_doc_vs_fp32", None, flash,
-        lambda: [F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)])
+            return [
+                F.scaled_dot_product_attention(
+                    q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True
+                )
+            ]
+
+    row(
+        "exact_bf16",
+        "sdpa_flash_single_doc_vs_fp32",
+        None,
+        flash,
+        lambda: [F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)],
+    )
     return out
 
 
@@ -223,13 +252,15 @@ def varlen_fn(q, k, v, pos):
 
     def run():
         kk, vv = (k, v) if gqa else (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
-        qf, kf, vf = (x[0].transpose(0, 1) for x in (q, kk, vv))          # (T, heads, D)
+        qf, kf, vf = (x[0].transpose(0, 1) for x in (q, kk, vv))  # (T, heads, D)
         return varlen_attn(qf, kf, vf, cu, cu, mx, mx, **kw).transpose(0, 1)[None]
+
     return run
 
 
-def speed_at(dev: str, t: int, rows_kinds, cps, pieces: int, heads: int, kv_heads: int, d: int, reps: int,
-             deadline: float) -> list[dict]:
+def speed_at(
+    dev: str, t: int, rows_kinds, cps, pieces: int, heads: int, kv_heads: int, d: int, reps: int, deadline: float
+) -> list[dict]:
     """The timing rows at length t (rows not started after `deadline`, a time.time(), are recorded as skipped)."""
     dt, out = torch.bfloat16, []
 
@@ -260,18 +291,25 @@ def speed_at(dev: str, t: int, rows_kinds, cps, pieces: int, heads: int, kv_head
         pos = positions(t, row, t)
         docs = int((pos == 0).sum())
         if row != "single" and (vfn := varlen_fn(q, k, v, pos)) is not None:
-            run("varlen", row, 1, 0, lambda vfn=vfn: (lambda: vfn().backward(g)), docs=docs)
+            run("varlen", row, 1, 0, lambda vfn=vfn: lambda: vfn().backward(g), docs=docs)
         for cp in cps:
             for r in sorted({0, cp - 1}):
+
                 def make(r=r, cp=cp, pos=pos):
                     rl = layout(pos[None], r, cp, dev)
-                    if cp == 1:                            # what ring_attention runs at cp = 1
+                    if cp == 1:  # what ring_attention runs at cp = 1
                         return lambda: fused_attention(q, k, v, rl, rl.local, rl.local).backward(g)
                     work = RankWork(rl, t, r, cp, pieces)
-                    kv = {j: (k.detach()[:, :, zigzag_indices(t, j, cp).to(dev)].contiguous(),
-                              v.detach()[:, :, zigzag_indices(t, j, cp).to(dev)].contiguous()) for j in range(cp)}
+                    kv = {
+                        j: (
+                            k.detach()[:, :, zigzag_indices(t, j, cp).to(dev)].contiguous(),
+                            v.detach()[:, :, zigzag_indices(t, j, cp).to(dev)].contiguous(),
+                        )
+                        for j in range(cp)
+                    }
                     ql, gl = q.detach()[:, :, rl.local].contiguous(), g[:, :, rl.local].contiguous()
                     return lambda: work(ql, kv, gl)
+
                 run("hfpar", row, cp, r, make, docs=docs)
     return out
 
@@ -281,33 +319,54 @@ def _fmt(x) -> str:
 
 
 def report(env: dict, res: list[dict]) -> str:
-    lines = [f"# One cp rank's attention work on one {env['device_name']} (hfpar fused-kernel path), torch {env['torch']}",
-             "", f"Command: `python -m benchmarks.context_parallel.gpu_attention {env['argv']}`; {env['date']}; "
-             f"wall {env['wall_s']:.0f} s.",
-             "Communication not included (one GPU: NCCL refuses two ranks per device).", "",
-             "## Exactness (max abs difference; fp32 against SDPA with the dense mask, bf16 against fp32)", "",
-             "| case | variant | window | out | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# One cp rank's attention work on one {env['device_name']} (hfpar fused-kernel path), torch {env['torch']}",
+        "",
+        f"Command: `python -m benchmarks.context_parallel.gpu_attention {env['argv']}`; {env['date']}; "
+        f"wall {env['wall_s']:.0f} s.",
+        "Communication not included (one GPU: NCCL refuses two ranks per device).",
+        "",
+        "## Exactness (max abs difference; fp32 against SDPA with the dense mask, bf16 against fp32)",
+        "",
+        "| case | variant | window | out | dq | dk | dv |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res:
         if r.get("case", "").startswith("exact") and "error" in r:
-            lines.append(f"| {r['case']} | {r['variant']} | {r.get('window') or ''} | failed: {r['error'][:150]} | | | |")
+            lines.append(
+                f"| {r['case']} | {r['variant']} | {r.get('window') or ''} | failed: {r['error'][:150]} | | | |"
+            )
         elif r.get("case", "").startswith("exact"):
-            lines.append(f"| {r['case']} | {r['variant']} | {r.get('window') or ''} | {_fmt(r.get('out'))} | "
-                         f"{_fmt(r.get('dq'))} | {_fmt(r.get('dk'))} | {_fmt(r.get('dv'))} |")
-    lines += ["", (f"## Forward + backward, {env['dtype']}, B=1, H={env['heads']}, Hkv={env['kv_heads']}, "
-                   f"D={env['head_dim']}, ring pieces {env['pieces']}"), "",
-              "| T | row | docs | variant | cp | rank | ms | x sdpa_flash (whole row) | peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {r['case']} | {r['variant']} | {r.get('window') or ''} | {_fmt(r.get('out'))} | "
+                f"{_fmt(r.get('dq'))} | {_fmt(r.get('dk'))} | {_fmt(r.get('dv'))} |"
+            )
+    lines += [
+        "",
+        (
+            f"## Forward + backward, {env['dtype']}, B=1, H={env['heads']}, Hkv={env['kv_heads']}, "
+            f"D={env['head_dim']}, ring pieces {env['pieces']}"
+        ),
+        "",
+        "| T | row | docs | variant | cp | rank | ms | x sdpa_flash (whole row) | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {r["seq"]: r["ms"] for r in res if r.get("variant") == "sdpa_flash" and "ms" in r}
     for r in res:
         if "seq" not in r:
             continue
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['row']} | | {r['variant']} | {r['cp']} | {r['rank']} | failed: "
-                         f"{r['error'][:150]} | | |")
+            lines.append(
+                f"| {r['seq']} | {r['row']} | | {r['variant']} | {r['cp']} | {r['rank']} | failed: "
+                f"{r['error'][:150]} | | |"
+            )
             continue
         ratio = f"{r['ms'] / base[r['seq']]:.2f}" if r["seq"] in base else ""
         mib = "" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"| {r['seq']} | {r['row']} | {r.get('docs', '')} | {r['variant']} | {r['cp']} | {r['rank']} | "
-                     f"{r['ms']:.2f} | {ratio} | {mib} |")
+        lines.append(
+            f"| {r['seq']} | {r['row']} | {r.get('docs', '')} | {r['variant']} | {r['cp']} | {r['rank']} | "
+            f"{r['ms']:.2f} | {ratio} | {mib} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -328,18 +387,38 @@ def main() -> None:
     args = p.parse_args()
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/context_parallel/gpu_attention.py: no CUDA GPU here; --device cpu runs the same path "
-                         "on CPU")
+        raise SystemExit(
+            "benchmarks/context_parallel/gpu_attention.py: no CUDA GPU here; --device cpu runs the same path on CPU"
+        )
     lengths = args.lengths or ([4096, 8192, 16384, 32768] if dev == "cuda" else [256, 512])
     t0 = time.time()
     res = [] if args.skip_exact else exactness(dev, args.cps, args.pieces, args.heads, args.kv_heads, args.head_dim)
     for t in lengths:
-        res += speed_at(dev, t, args.rows, args.cps, args.pieces, args.heads, args.kv_heads, args.head_dim, args.reps,
-                        t0 + args.budget_s)
-    env = {"device_name": torch.cuda.get_device_name(0) if dev == "cuda" else "CPU", "torch": torch.__version__,
-           "argv": " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "wall_s": time.time() - t0, "dtype": "bf16", "heads": args.heads, "kv_heads": args.kv_heads,
-           "head_dim": args.head_dim, "pieces": args.pieces, "lengths": lengths}
+        res += speed_at(
+            dev,
+            t,
+            args.rows,
+            args.cps,
+            args.pieces,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            args.reps,
+            t0 + args.budget_s,
+        )
+    env = {
+        "device_name": torch.cuda.get_device_name(0) if dev == "cuda" else "CPU",
+        "torch": torch.__version__,
+        "argv": " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": time.time() - t0,
+        "dtype": "bf16",
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "pieces": args.pieces,
+        "lengths": lengths,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_attention.json").write_text(json.dumps({"env": env, "results": res}, indent=2))

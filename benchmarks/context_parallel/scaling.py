@@ -46,8 +46,16 @@ from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shar
 RESULTS = results_dir("context_parallel")
 
 LENGTHS = (1024, 2048, 4096, 8192)
-CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-           num_key_value_heads=4, max_position_embeddings=16384, use_cache=False)
+CFG = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=16384,
+    use_cache=False,
+)
 
 
 def _model(cp: bool):
@@ -70,7 +78,8 @@ def _measure(rank: int, world: int, mode: str, seq_len: int) -> dict:
     t0 = time.perf_counter()
     with cp_rows(rows, group, mode):
         saved, logits = saved_tensor_bytes(
-            model, lambda: model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits)
+            model, lambda: model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        )
     with cp_rows(rows, group, mode):
         logits.float().square().mean().backward()
     dt = time.perf_counter() - t0
@@ -87,7 +96,7 @@ def theory_wire(mode: str, cp: int, seq_len: int) -> float:
     layers, h, hkv = CFG["num_hidden_layers"], CFG["num_attention_heads"], CFG["num_key_value_heads"]
     if mode == "ring":  # the overlapped ring (the default): K, V (cp-1) x forward; K, V (cp-1) x, dK, dV cp x backward
         return layers * (4 * (cp - 1) + 2 * cp) * hkv * (seq_len // cp) * d * 4
-    kv = hkv if hkv % cp == 0 else h                                     # kv heads repeated when fewer than cp
+    kv = hkv if hkv % cp == 0 else h  # kv heads repeated when fewer than cp
     return layers * 2 * (2 * h + 2 * kv) * (seq_len // cp) * d * 4 * (cp - 1) / cp
 
 
@@ -100,34 +109,63 @@ def main() -> None:
         for cp in (2, 4):
             for mode in ("ring", "ulysses"):
                 r = run_ranks(_measure, cp, mode, seq_len, timeout=1800)[0]
-                rows.append({"seq_len": seq_len, "cp": cp, "mode": mode, **r,
-                             "theory_wire_bytes": theory_wire(mode, cp, seq_len)})
+                rows.append(
+                    {
+                        "seq_len": seq_len,
+                        "cp": cp,
+                        "mode": mode,
+                        **r,
+                        "theory_wire_bytes": theory_wire(mode, cp, seq_len),
+                    }
+                )
                 print(rows[-1], flush=True)
     longest = rows[-1]["seq_len"]
     base = {r["seq_len"]: r["saved_bytes"] for r in rows if r["cp"] == 1}
     budget = base[LENGTHS[1]]  # the cp=1 activation bytes at 2k tokens
-    fits = {f"cp{cp}_{m}": max([r["seq_len"] for r in rows if r["cp"] == cp and r["mode"] == m
-                                and r["saved_bytes"] <= budget] or [0])
-            for cp, m in ((1, "-"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "ulysses"))}
-    (RESULTS / "scaling_cpu.json").write_text(json.dumps({"rows": rows, "budget_bytes": budget,
-                                                                     "longest_within_budget": fits}, indent=2))
-    md = ["# Context parallelism (CPU, gloo, fp32)", "",
-          "Command: `python -m benchmarks.context_parallel.scaling` (Llama hidden 256, 4 layers, 8 heads / 4 kv heads, one row "
-          "of T tokens; rank 0's numbers)", "",
-          "| T | cp | mode | activation MB | vs cp=1 | wire MB | theory MB | wire / theory | tokens/s |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    fits = {
+        f"cp{cp}_{m}": max(
+            [r["seq_len"] for r in rows if r["cp"] == cp and r["mode"] == m and r["saved_bytes"] <= budget] or [0]
+        )
+        for cp, m in ((1, "-"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "ulysses"))
+    }
+    (RESULTS / "scaling_cpu.json").write_text(
+        json.dumps({"rows": rows, "budget_bytes": budget, "longest_within_budget": fits}, indent=2)
+    )
+    md = [
+        "# Context parallelism (CPU, gloo, fp32)",
+        "",
+        "Command: `python -m benchmarks.context_parallel.scaling` (Llama hidden 256, 4 layers, 8 heads / 4 kv heads, "
+        "one row "
+        "of T tokens; rank 0's numbers)",
+        "",
+        "| T | cp | mode | activation MB | vs cp=1 | wire MB | theory MB | wire / theory | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = r["wire_bytes"] / r["theory_wire_bytes"] if r["theory_wire_bytes"] else float("nan")
-        md.append(f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['saved_bytes'] / 1e6:.1f} | "
-                  f"{r['saved_bytes'] / base[r['seq_len']]:.2f} | {r['wire_bytes'] / 1e6:.1f} | "
-                  f"{r['theory_wire_bytes'] / 1e6:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} |")
-    md += ["", f"Longest T (of {', '.join(map(str, LENGTHS))}) whose activations fit the cp=1 bytes at "
-           f"{LENGTHS[1]} tokens ({budget / 1e6:.1f} MB): " + ", ".join(f"{k} {v}" for k, v in fits.items()) + ".",
-           f"At T={longest}: activation bytes per rank cp=2 / cp=1 = "
-           + ", ".join(f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}" for r in rows
-                       if r["seq_len"] == longest and r["cp"] == 2)
-           + "; cp=4 / cp=1 = " + ", ".join(f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}" for r in rows
-                                            if r["seq_len"] == longest and r["cp"] == 4) + "."]
+        md.append(
+            f"| {r['seq_len']} | {r['cp']} | {r['mode']} | {r['saved_bytes'] / 1e6:.1f} | "
+            f"{r['saved_bytes'] / base[r['seq_len']]:.2f} | {r['wire_bytes'] / 1e6:.1f} | "
+            f"{r['theory_wire_bytes'] / 1e6:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} |"
+        )
+    md += [
+        "",
+        f"Longest T (of {', '.join(map(str, LENGTHS))}) whose activations fit the cp=1 bytes at "
+        f"{LENGTHS[1]} tokens ({budget / 1e6:.1f} MB): " + ", ".join(f"{k} {v}" for k, v in fits.items()) + ".",
+        f"At T={longest}: activation bytes per rank cp=2 / cp=1 = "
+        + ", ".join(
+            f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}"
+            for r in rows
+            if r["seq_len"] == longest and r["cp"] == 2
+        )
+        + "; cp=4 / cp=1 = "
+        + ", ".join(
+            f"{r['mode']} {r['saved_bytes'] / base[longest]:.2f}"
+            for r in rows
+            if r["seq_len"] == longest and r["cp"] == 4
+        )
+        + ".",
+    ]
     (RESULTS / "scaling_cpu.md").write_text("\n".join(md) + "\n")
     import matplotlib  # noqa: PLC0415  (an optional extra, for the plot only)
 
@@ -135,8 +173,13 @@ def main() -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for cp, m, style in ((1, "-", "k-o"), (2, "ring", "b-o"), (2, "ulysses", "b--s"), (4, "ring", "g-o"),
-                         (4, "ulysses", "g--s")):
+    for cp, m, style in (
+        (1, "-", "k-o"),
+        (2, "ring", "b-o"),
+        (2, "ulysses", "b--s"),
+        (4, "ring", "g-o"),
+        (4, "ulysses", "g--s"),
+    ):
         pts = [(r["seq_len"], r["saved_bytes"] / 1e6) for r in rows if r["cp"] == cp and r["mode"] == m]
         ax.plot(*zip(*pts), style, label=f"cp={cp}" + (f" {m}" if cp > 1 else ""))
     ax.axhline(budget / 1e6, color="gray", lw=0.8, ls=":", label="budget (cp=1 at 2k)")
@@ -160,14 +203,14 @@ def _write(module, stem: str, res: dict) -> None:
 
 
 def attention(lengths, cps) -> None:
-    progress = RESULTS / "attention_cpu.partial.json"   # the rows so far, should a run die
+    progress = RESULTS / "attention_cpu.partial.json"  # the rows so far, should a run die
     res = cp_attention.measure(lengths, cps, progress=progress)
     progress.unlink()
     _write(cp_attention, "attention_cpu", res)
 
 
 def recipe(lengths) -> None:
-    progress = RESULTS / "recipe_cpu.partial.json"      # the lengths so far, should a run die
+    progress = RESULTS / "recipe_cpu.partial.json"  # the lengths so far, should a run die
     _write(cp_recipe, "recipe_cpu", cp_recipe.measure(lengths, progress=progress))
     progress.unlink()
 
@@ -178,7 +221,7 @@ if __name__ == "__main__":
         cps = (1, 2, 4)
         if "--cp" in argv:
             i = argv.index("--cp")
-            cps, argv = tuple(int(c) for c in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]
+            cps, argv = tuple(int(c) for c in argv[i + 1].split(",")), argv[:i] + argv[i + 2 :]
         attention([int(x) for x in argv] or [4096, 8192, 16384], cps)
     elif sys.argv[1:2] == ["recipe"]:
         recipe([int(x) for x in sys.argv[2:]] or [2048, 4096, 8192])

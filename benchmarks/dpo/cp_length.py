@@ -24,8 +24,8 @@ forward and backward, clipping and the optimizer step included: the peak of the 
 allocator hands out during the step minus those of them it takes back (the profiler reports no free of a block
 allocated before it started), i.e. the step's peak of live tensor bytes above what it started with. Exact, and
 for cp1 and ring the same bytes at the same length whatever else runs on the machine (Ulysses' peaks differ
-between ranks by up to a quarter and from run to run, timing-dependent around its all-to-alls), which RSS is not: glibc keeps
-freed blocks for reuse, so RSS after the first step already holds the first step's free space and a later step's
+between ranks by up to a quarter and from run to run, timing-dependent around its all-to-alls), which RSS is not: glibc
+keeps freed blocks for reuse, so RSS after the first step already holds the first step's free space and a later step's
 growth hides in it. As a cross-check the process's RSS high-water mark over the same step (reset before it through
 /proc/self/clear_refs, minus the RSS at its start; glibc's mmap threshold fixed at 64 KiB so that tensor buffers
 are returned at free) is recorded too; it differs both ways: it adds the allocator's, gloo's and the profiler's
@@ -57,18 +57,49 @@ from benchmarks.dpo.trl_compare import _reset_accelerate, make_case
 from hfpar.observe.plot import human_bytes
 
 RESULTS = results_dir("dpo")
-CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1 << 16}
-RUNS = {"cp1": ("single", 1, []),
-        "cp2_ring": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ring"]),
-        "cp4_ring": ("ddp", 4, ["--cp_size", "4", "--cp_mode", "ring"]),
-        "cp2_ulysses": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ulysses"]),
-        "cp4_ulysses": ("ddp", 4, ["--cp_size", "4", "--cp_mode", "ulysses"])}
-FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
-         "--learning_rate", "1e-3", "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0", "--beta", "0.1",
-         "--eval_steps", "0", "--save_final_model", "false", "--logging_steps", "1", "--max_length", "65536",
-         "--max_seq_length", "65536"]
-MEASURED_STEP = 1          # the second step (0-based): the model, reference and optimizer state exist at its start
+CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1 << 16,
+}
+RUNS = {
+    "cp1": ("single", 1, []),
+    "cp2_ring": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ring"]),
+    "cp4_ring": ("ddp", 4, ["--cp_size", "4", "--cp_mode", "ring"]),
+    "cp2_ulysses": ("ddp", 2, ["--cp_size", "2", "--cp_mode", "ulysses"]),
+    "cp4_ulysses": ("ddp", 4, ["--cp_size", "4", "--cp_mode", "ulysses"]),
+}
+FLAGS = [
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "1",
+    "--gradient_accumulation_steps",
+    "1",
+    "--learning_rate",
+    "1e-3",
+    "--lr_scheduler_type",
+    "constant",
+    "--max_grad_norm",
+    "1.0",
+    "--beta",
+    "0.1",
+    "--eval_steps",
+    "0",
+    "--save_final_model",
+    "false",
+    "--logging_steps",
+    "1",
+    "--max_length",
+    "65536",
+    "--max_seq_length",
+    "65536",
+]
+MEASURED_STEP = 1  # the second step (0-based): the model, reference and optimizer state exist at its start
 BISECT, ROUND = 3, 16
 TOL = 1e-4
 
@@ -85,8 +116,9 @@ def pairs(length: int, n: int = 2, seed: int = 0) -> list[dict]:
     def text(k: int) -> str:
         return "".join(rng.choice(string.ascii_lowercase + "     ") for _ in range(k))
 
-    return [{"prompt": text(prompt_n - 1), "chosen": text(chosen_n - 1), "rejected": text(rejected_n - 1)}
-            for _ in range(n)]
+    return [
+        {"prompt": text(prompt_n - 1), "chosen": text(chosen_n - 1), "rejected": text(rejected_n - 1)} for _ in range(n)
+    ]
 
 
 def data_file(root: Path, length: int) -> str:
@@ -113,7 +145,7 @@ def _measure(fn):
     from torch.profiler import ProfilerActivity, profile
 
     rss0 = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")   # resets VmHWM to the current RSS (Linux >= 4.0)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
     hwm = _rss_kib("VmHWM")
@@ -150,34 +182,54 @@ def child(spec_path: str) -> None:
 
     Trainer._train_step = measured
     destroy = dist.destroy_process_group
-    dist.destroy_process_group = lambda *a, **k: None   # the recipe's call at its end: the group serves every run
+    dist.destroy_process_group = lambda *a, **k: None  # the recipe's call at its end: the group serves every run
     done: dict[int, dict] = {}
     known = {r["length"]: r for r in spec.get("known", [])}
 
     def run(length: int) -> bool:
         if length in done:
             return done[length]["fits"]
-        if length in known:     # measured by an earlier attempt of this launch
+        if length in known:  # measured by an earlier attempt of this launch
             done[length] = known[length]
             return done[length]["fits"]
         steps.clear()
         _reset_accelerate()
         out = root / f"{spec['name']}_{spec['attempt']}" / str(length)
         t0 = time.perf_counter()
-        recipe.main("dpo", [*FLAGS, "--model_name_or_path", spec["model"], "--dataset_name", data_file(root, length),
-                            "--output_dir", str(out), *spec["flags"]])
+        recipe.main(
+            "dpo",
+            [
+                *FLAGS,
+                "--model_name_or_path",
+                spec["model"],
+                "--dataset_name",
+                data_file(root, length),
+                "--output_dir",
+                str(out),
+                *spec["flags"],
+            ],
+        )
         mine = steps[MEASURED_STEP]
         peaks = torch.tensor([[mine["peak_bytes"], mine["rss_peak_bytes"]]], dtype=torch.float64)
-        if dist.is_initialized():   # every rank's figures (ranks = cp: dp = 1)
+        if dist.is_initialized():  # every rank's figures (ranks = cp: dp = 1)
             every = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
             dist.all_gather(every, peaks)
             peaks = torch.cat(every)
         per_rank = [[int(x) for x in col] for col in peaks.T.tolist()]
-        row = {"run": spec["name"], "length": length, "row_tokens": round(steps[0]["tokens_per_s"] * steps[0]["step_time_s"]),
-               "peak_bytes": max(per_rank[0]), "rss_peak_bytes": max(per_rank[1]), "fits": max(per_rank[0]) <= budget,
-               "peak_bytes_per_rank": per_rank[0], "rss_peak_bytes_per_rank": per_rank[1],
-               "losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
-               "step_time_s": [s["step_time_s"] for s in steps], "wall_s": time.perf_counter() - t0}
+        row = {
+            "run": spec["name"],
+            "length": length,
+            "row_tokens": round(steps[0]["tokens_per_s"] * steps[0]["step_time_s"]),
+            "peak_bytes": max(per_rank[0]),
+            "rss_peak_bytes": max(per_rank[1]),
+            "fits": max(per_rank[0]) <= budget,
+            "peak_bytes_per_rank": per_rank[0],
+            "rss_peak_bytes_per_rank": per_rank[1],
+            "losses": [s["loss"] for s in steps],
+            "grad_norms": [s["grad_norm"] for s in steps],
+            "step_time_s": [s["step_time_s"] for s in steps],
+            "wall_s": time.perf_counter() - t0,
+        }
         done[length] = row
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("RESULT " + json.dumps(row), flush=True)
@@ -185,7 +237,7 @@ def child(spec_path: str) -> None:
 
     try:
         length, last_fit, first_fail = spec["base"], None, None
-        while True:     # doubling
+        while True:  # doubling
             if run(length):
                 last_fit = length
                 if length * 2 > spec["cap"]:
@@ -200,7 +252,7 @@ def child(spec_path: str) -> None:
             if mid <= lo or mid >= hi:
                 break
             lo, hi = (mid, hi) if run(mid) else (lo, mid)
-        for extra in spec["also"]:     # cp1's lengths that fit: every one compared
+        for extra in spec["also"]:  # cp1's lengths that fit: every one compared
             run(extra)
     finally:
         dist.destroy_process_group = destroy
@@ -216,7 +268,7 @@ def launch(name: str, spec: dict, root: Path, bar, attempt: int = 0) -> tuple[li
     path = root / f"{name}_{attempt}.json"
     path.write_text(json.dumps({**spec, "name": name, "flags": flags, "attempt": attempt}))
     cmd = accelerate_cmd(config, nproc, "benchmarks.dpo.cp_length", ["--child", str(path)])
-    e = dict(env(), MALLOC_MMAP_THRESHOLD_="65536")   # tensor buffers mmap'd, returned at free: RSS follows them
+    e = dict(env(), MALLOC_MMAP_THRESHOLD_="65536")  # tensor buffers mmap'd, returned at free: RSS follows them
     rows, log_path = [], root / f"{name}_{attempt}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -255,8 +307,11 @@ def limits(rows: list[dict], names: list[str], cap: int) -> dict:
         mine = [r for r in rows if r["run"] == n]
         fit = [r["length"] for r in mine if r["fits"]]
         over = [r["length"] for r in mine if not r["fits"] and r["length"] > max(fit, default=0)]
-        out[n] = {"longest_fit": max(fit, default=None), "shortest_over": min(over, default=None),
-                  "capped": not over and max(fit, default=0) * 2 > cap}
+        out[n] = {
+            "longest_fit": max(fit, default=None),
+            "shortest_over": min(over, default=None),
+            "capped": not over and max(fit, default=0) * 2 > cap,
+        }
     return out
 
 
@@ -283,38 +338,68 @@ def row_width(r: dict) -> int:
 
 def report(res: dict) -> str:
     mib = res["budget_bytes"] / 2**20
-    md = ["# DPO under context parallelism: per-rank step memory against pair length (CPU, gloo, fp32)", "",
-          (f"`{res['command']}`; {res['date']}, {res['cpus']} CPUs, load average {res['load'][0]:.1f} at the start, "
-          f"{res['load'][1]:.1f} at the end; {res['minutes']:.1f} min. Model: Llama {res['model']}. Per rank, the "
-          "second optimizer step's peak of live tensor bytes above those live at its start (torch.profiler memory "
-          "events: activations, gradients, the reference forward, collation); largest over the ranks. Pair length "
-          "= prompt + chosen + rejected tokens (L/4, 3L/8, 3L/8); row = the width of its row: cp1 L + 1 (prompt + "
-          "chosen | the prompt's last token + rejected, a block mask), under CP 5L/4 (prompt + chosen | prompt + "
-          "rejected, padded to a multiple of 2 cp)."), "",
-          (f"Budget: **{mib:.0f} MiB per rank**. Longest pair that trains within it (doubling from {res['base']}, then "
-          f"{BISECT} bisection steps, lengths rounded to {ROUND} tokens):"), "",
-          "| configuration | processes | longest pair within budget | first over budget | vs cp1 |", "|---|---|---|---|---|"]
+    md = [
+        "# DPO under context parallelism: per-rank step memory against pair length (CPU, gloo, fp32)",
+        "",
+        (
+            f"`{res['command']}`; {res['date']}, {res['cpus']} CPUs, load average {res['load'][0]:.1f} at the start, "
+            f"{res['load'][1]:.1f} at the end; {res['minutes']:.1f} min. Model: Llama {res['model']}. Per rank, the "
+            "second optimizer step's peak of live tensor bytes above those live at its start (torch.profiler memory "
+            "events: activations, gradients, the reference forward, collation); largest over the ranks. Pair length "
+            "= prompt + chosen + rejected tokens (L/4, 3L/8, 3L/8); row = the width of its row: cp1 L + 1 (prompt + "
+            "chosen | the prompt's last token + rejected, a block mask), under CP 5L/4 (prompt + chosen | prompt + "
+            "rejected, padded to a multiple of 2 cp)."
+        ),
+        "",
+        (
+            f"Budget: **{mib:.0f} MiB per rank**. Longest pair that trains within it (doubling from {res['base']}, "
+            "then "
+            f"{BISECT} bisection steps, lengths rounded to {ROUND} tokens):"
+        ),
+        "",
+        "| configuration | processes | longest pair within budget | first over budget | vs cp1 |",
+        "|---|---|---|---|---|",
+    ]
     base = res["limits"].get("cp1", {}).get("longest_fit")
     for n, lim in res["limits"].items():
         f = lim["longest_fit"]
-        md.append(f"| {n} | {RUNS[n][1]} | {f if f else 'none'}{' (cap)' if lim['capped'] else ''} | "
-                  f"{lim['shortest_over'] or ''} | {f / base:.2f}x |" if f and base else
-                  f"| {n} | {RUNS[n][1]} | {f or 'none'} | {lim['shortest_over'] or ''} | |")
-    md += ["", "Memory against length (every run; `*` over budget):", "",
-           ("| configuration | pair tokens | row tokens | step peak (tensors) | RSS high-water growth | step s |"
-           " losses (step 1, 2) |"), "|---|---|---|---|---|---|---|"]
+        md.append(
+            f"| {n} | {RUNS[n][1]} | {f if f else 'none'}{' (cap)' if lim['capped'] else ''} | "
+            f"{lim['shortest_over'] or ''} | {f / base:.2f}x |"
+            if f and base
+            else f"| {n} | {RUNS[n][1]} | {f or 'none'} | {lim['shortest_over'] or ''} | |"
+        )
+    md += [
+        "",
+        "Memory against length (every run; `*` over budget):",
+        "",
+        (
+            "| configuration | pair tokens | row tokens | step peak (tensors) | RSS high-water growth | step s |"
+            " losses (step 1, 2) |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(res["rows"], key=lambda r: (list(RUNS).index(r["run"]), r["length"])):
-        md.append(f"| {r['run']} | {r['length']} | {row_width(r)} | {human_bytes(r['peak_bytes'])}"
-                  f"{'' if r['fits'] else ' *'} | {human_bytes(r['rss_peak_bytes'])} | "
-                  f"{' / '.join(f'{t:.1f}' for t in r['step_time_s'])} | "
-                  f"{' / '.join(f'{x:.6f}' for x in r['losses'])} |")
+        md.append(
+            f"| {r['run']} | {r['length']} | {row_width(r)} | {human_bytes(r['peak_bytes'])}"
+            f"{'' if r['fits'] else ' *'} | {human_bytes(r['rss_peak_bytes'])} | "
+            f"{' / '.join(f'{t:.1f}' for t in r['step_time_s'])} | "
+            f"{' / '.join(f'{x:.6f}' for x in r['losses'])} |"
+        )
     p = res["parity"]
     worst = max((x["max_rel_diff"] for x in p), default=0.0)
-    md += ["", (f"Same training: {len(p)} (configuration, length) runs against cp1's at the same length (losses and grad "
-           f"norms of both steps): largest relative difference {worst:.1e} (tolerance {TOL:g}).")]
+    md += [
+        "",
+        (
+            f"Same training: {len(p)} (configuration, length) runs against cp1's at the same length (losses and grad "
+            f"norms of both steps): largest relative difference {worst:.1e} (tolerance {TOL:g})."
+        ),
+    ]
     for f in res["failed_launches"]:
-        md.append(f"\nLaunch {f['attempt']} of {f['run']} failed after lengths {f['lengths_done']} and was launched "
-                  f"again, those lengths kept: `{f['error'][-200:]}`")
+        md.append(
+            f"\nLaunch {f['attempt']} of {f['run']} failed after lengths {f['lengths_done']} and was launched "
+            f"again, those lengths kept: `{f['error'][-200:]}`"
+        )
     return "\n".join(md) + "\n"
 
 
@@ -331,8 +416,11 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(*zip(*pts), styles[n], label=n.replace("_", " "), ms=4)
     ax.axhline(res["budget_bytes"] / 2**20, color="r", lw=1, ls=":", label="budget")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="pair length (prompt + chosen + rejected tokens)", ylabel="per-rank step peak above its start (MiB)",
-           title="DPO step memory per rank vs pair length (CPU, fp32)")
+    ax.set(
+        xlabel="pair length (prompt + chosen + rejected tokens)",
+        ylabel="per-rank step peak above its start (MiB)",
+        title="DPO step memory per rank vs pair length (CPU, fp32)",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -345,8 +433,12 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=16384, help="no length above it")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma separated, of {', '.join(RUNS)} (cp1 first)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of cp_length_cpu.{json,md,png}")
-    ap.add_argument("--workdir", help="keep the model, pairs, runs and launch logs there (default: a temporary directory)")
-    ap.add_argument("--report", action="store_true", help="only rewrite the .md and .png from the --out directory's .json")
+    ap.add_argument(
+        "--workdir", help="keep the model, pairs, runs and launch logs there (default: a temporary directory)"
+    )
+    ap.add_argument(
+        "--report", action="store_true", help="only rewrite the .md and .png from the --out directory's .json"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -377,11 +469,24 @@ def main() -> None:
                 rows += search(n, spec, root, bar, failures)
                 if n == "cp1":
                     spec["also"] = sorted(r["length"] for r in rows if r["fits"])
-    res = {"command": command(), "model": CONFIG,
-           "budget_bytes": budget, "base": a.base, "cap": a.cap, "bisect_steps": BISECT, "measured_step": MEASURED_STEP + 1,
-           "flags": FLAGS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-           "load": [load0[0], os.getloadavg()[0]], "minutes": (time.perf_counter() - t0) / 60,
-           "limits": limits(rows, names, a.cap), "parity": parity(rows), "rows": rows, "failed_launches": failures}
+    res = {
+        "command": command(),
+        "model": CONFIG,
+        "budget_bytes": budget,
+        "base": a.base,
+        "cap": a.cap,
+        "bisect_steps": BISECT,
+        "measured_step": MEASURED_STEP + 1,
+        "flags": FLAGS,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "load": [load0[0], os.getloadavg()[0]],
+        "minutes": (time.perf_counter() - t0) / 60,
+        "limits": limits(rows, names, a.cap),
+        "parity": parity(rows),
+        "rows": rows,
+        "failed_launches": failures,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "cp_length_cpu.json").write_text(json.dumps(res, indent=1) + "\n")
     md = report(res)

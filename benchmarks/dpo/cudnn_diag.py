@@ -1,11 +1,11 @@
-"""GPU diagnosis of the DPO step's time: per-step wall of hfpar's recipe on the GPU case of benchmarks/dpo/speed.py, with
-SDPA's default kernels and with cuDNN attention off.
+"""GPU diagnosis of the DPO step's time: per-step wall of hfpar's recipe on the GPU case of benchmarks/dpo/speed.py,
+with SDPA's default kernels and with cuDNN attention off.
 
     python -m benchmarks.dpo.cudnn_diag default nocudnn      # one CUDA GPU; DIAG_OPTS='{"steps": 10}' overrides sizes
 
 Run once on an H200 (2026-11-26, the dpo branch at a82377f, before the trainer chose the kernels itself):
-benchmarks/results/dpo/logs/cudnn_diag.log. It found the 2.3-3.9 s steps at new row shapes (cuDNN attention builds a plan
-per shape) that hfpar.train.trainer.attention_kernels now avoids (since then "default" means without cuDNN).
+benchmarks/results/dpo/logs/cudnn_diag.log. It found the 2.3-3.9 s steps at new row shapes (cuDNN attention builds a
+plan per shape) that hfpar.train.trainer.attention_kernels now avoids (since then "default" means without cuDNN).
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def main() -> None:
     root, n = Path(tempfile.mkdtemp()), o["steps"] * o["batch"]
     model, data = make_case(root, pairs=n, config_updates=config, rows=B.long_pairs(n, o["seq"], o["prompt_len"]))
     for v in sys.argv[1:]:
-        p = subprocess.run(module_cmd("benchmarks.dpo.cudnn_diag", "child", model, data, json.dumps(opts), v),
-                           capture_output=True, text=True, check=False)
+        p = subprocess.run(
+            module_cmd("benchmarks.dpo.cudnn_diag", "child", model, data, json.dumps(opts), v),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         print([x for x in p.stdout.splitlines() if x.startswith("RESULT")] or p.stderr[-2000:], flush=True)
 
 

@@ -1,6 +1,7 @@
 """Where a DPO step's time goes: hfpar's recipe and TRL 1.16's DPOTrainer (no gradient checkpointing) under
-torch.profiler for a few steps, on the model, pairs and batches of benchmarks/dpo/speed.py. Run by benchmarks/dpo/speed.py
-(on CUDA by default, --profile on CPU) in fresh subprocesses; writes DIR/profile_<device>.md (and .json).
+torch.profiler for a few steps, on the model, pairs and batches of benchmarks/dpo/speed.py. Run by
+benchmarks/dpo/speed.py (on CUDA by default, --profile on CPU) in fresh subprocesses; writes DIR/profile_<device>.md
+(and .json).
 
 Per profiled step, for each trainer: wall time; device (kernel) time, i.e. how busy the GPU is; kernel launches;
 device -> host copies (each a host sync: .item(), .cpu(), nonzero, boolean indexing); the host time spent waiting
@@ -36,11 +37,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks.dpo import trl_compare
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-WARM, PROFILED = 3, 3        # steps before the profiler starts, steps profiled
-PHASES = ("collate", "plan (shift labels)", "reductions + host reads (counts; loss and metrics)",
-          "before_micro (mask, targets, reference forward)", "  attention mask from the pair layout",
-          "  targets (one nonzero: host sync)", "  reference forward", "policy forward + backward",
-          "clip (grad norm: host read)", "optimizer step")
+WARM, PROFILED = 3, 3  # steps before the profiler starts, steps profiled
+PHASES = (
+    "collate",
+    "plan (shift labels)",
+    "reductions + host reads (counts; loss and metrics)",
+    "before_micro (mask, targets, reference forward)",
+    "  attention mask from the pair layout",
+    "  targets (one nonzero: host sync)",
+    "  reference forward",
+    "policy forward + backward",
+    "clip (grad norm: host read)",
+    "optimizer step",
+)
 
 
 def _wrap(obj, name: str, label: str, clock: dict) -> None:
@@ -64,7 +73,7 @@ def _summary(prof, steps: int, wall_s: float) -> dict:
     sdpa, spans = {}, {}
     for a in prof.key_averages():
         if a.key in PHASES:
-            if a.device_type == torch.autograd.DeviceType.CUDA:   # a phase's range mirrored on the GPU timeline
+            if a.device_type == torch.autograd.DeviceType.CUDA:  # a phase's range mirrored on the GPU timeline
                 spans[a.key.strip()] = round(a.device_time_total / 1e3 / steps, 2)
             continue
         if "scaled_dot_product" in a.key and a.key.startswith("aten::_"):
@@ -78,14 +87,21 @@ def _summary(prof, steps: int, wall_s: float) -> dict:
         if a.key.startswith("Memcpy HtoD"):
             h2d += a.count
         if a.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += a.self_device_time_total     # the kernels (and copies) themselves
+            kernel_us += a.self_device_time_total  # the kernels (and copies) themselves
         else:
-            op_us += a.self_device_time_total         # the same time, attributed to the ops that launched it
+            op_us += a.self_device_time_total  # the same time, attributed to the ops that launched it
     ms = lambda us: round(us / 1e3 / steps, 2)
-    return {"wall_ms": round(wall_s * 1e3 / steps, 2), "device_busy_ms": ms(kernel_us), "device_ms_by_ops": ms(op_us),
-            "sync_wait_ms": ms(sync_us), "kernel_launches": round(launches / steps, 1),
-            "device_to_host_copies": round(d2h / steps, 1), "host_to_device_copies": round(h2d / steps, 1),
-            "sdpa_kernels_per_step": sdpa, "phase_device_spans_ms": spans}
+    return {
+        "wall_ms": round(wall_s * 1e3 / steps, 2),
+        "device_busy_ms": ms(kernel_us),
+        "device_ms_by_ops": ms(op_us),
+        "sync_wait_ms": ms(sync_us),
+        "kernel_launches": round(launches / steps, 1),
+        "device_to_host_copies": round(d2h / steps, 1),
+        "host_to_device_copies": round(h2d / steps, 1),
+        "sdpa_kernels_per_step": sdpa,
+        "phase_device_spans_ms": spans,
+    }
 
 
 def _activities(device: str):
@@ -122,7 +138,7 @@ def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, s
     preference.PairCollator.__call__ = first_batch
 
     def stepped(self, i, micro):
-        if "wrapped" not in state:   # the backend's calls: on this trainer's instance
+        if "wrapped" not in state:  # the backend's calls: on this trainer's instance
             state["wrapped"] = True
             _wrap(self.backend, "train_micro", "policy forward + backward", clock)
             _wrap(self.backend, "clip", "clip (grad norm: host read)", clock)
@@ -142,16 +158,19 @@ def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, s
         return rec
 
     trainer.Trainer._train_step = stepped
-    trl_compare.run_hfpar(model, data, tempfile.mkdtemp(), steps=WARM + PROFILED, batch=opts["batch"],
-              max_length=opts["max_length"])
+    trl_compare.run_hfpar(
+        model, data, tempfile.mkdtemp(), steps=WARM + PROFILED, batch=opts["batch"], max_length=opts["max_length"]
+    )
     trainer.Trainer._train_step = step
     prof = state["prof"]
     summary = _summary(prof, PROFILED, state["wall"])
-    summary["host_phases_ms"] = {k: round(state["phases"][k] * 1e3 / PROFILED, 2) for k in PHASES if k in state["phases"]}
+    summary["host_phases_ms"] = {
+        k: round(state["phases"][k] * 1e3 / PROFILED, 2) for k in PHASES if k in state["phases"]
+    }
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as src, gzip.open(out / "dpo_trace_hfpar.json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)   # chrome://tracing or ui.perfetto.dev open it
+        shutil.copyfileobj(src, dst)  # chrome://tracing or ui.perfetto.dev open it
     return summary, _tables(prof, device), seen["batch"]
 
 
@@ -176,6 +195,7 @@ def profile_trl(model: str, data: str, opts: dict, out: Path) -> tuple[dict, str
                 state["prof"].__exit__(None, None, None)
 
     from trl import DPOTrainer
+
     init = DPOTrainer.__init__
 
     def with_callback(self, *a, **k):
@@ -183,16 +203,25 @@ def profile_trl(model: str, data: str, opts: dict, out: Path) -> tuple[dict, str
         init(self, *a, **k)
 
     DPOTrainer.__init__ = with_callback
-    trl_compare.run_trl(model, data, tempfile.mkdtemp(), steps=WARM + PROFILED, batch=opts["batch"],
-                    max_length=opts["max_length"], device=device, bf16=opts["dtype"] == "bfloat16")
+    trl_compare.run_trl(
+        model,
+        data,
+        tempfile.mkdtemp(),
+        steps=WARM + PROFILED,
+        batch=opts["batch"],
+        max_length=opts["max_length"],
+        device=device,
+        bf16=opts["dtype"] == "bfloat16",
+    )
     DPOTrainer.__init__ = init
     return _summary(state["prof"], PROFILED, state["wall"]), _tables(state["prof"], device)
 
 
 def _tables(prof, device: str) -> str:
     keys = ["self_cpu_time_total"] + (["self_device_time_total"] if device == "cuda" else [])
-    return "\n\n".join(f"sorted by {k}:\n" + prof.key_averages().table(sort_by=k, row_limit=25, max_name_column_width=60)
-                       for k in keys)
+    return "\n\n".join(
+        f"sorted by {k}:\n" + prof.key_averages().table(sort_by=k, row_limit=25, max_name_column_width=60) for k in keys
+    )
 
 
 def attention_check(batch: dict, config: dict, device: str, dtype: torch.dtype, reps: int = 10) -> dict:
@@ -212,8 +241,10 @@ def attention_check(batch: dict, config: dict, device: str, dtype: torch.dtype, 
 
     def timed(rows: int, length: int, attn_mask, backends, causal: bool):
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(rows, H, length, D, device=device, dtype=dtype, generator=g, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(rows, H, length, D, device=device, dtype=dtype, generator=g, requires_grad=True)
+            for _ in range(3)
+        )
         try:
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 for i in range(reps + 2):

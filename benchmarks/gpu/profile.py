@@ -2,10 +2,10 @@
 
     python -m benchmarks.gpu.profile --out /tmp/prof [--steps 12 --profile_from 8 -- <extra recipe options>]
 
-The model is benchmarks/gpu/sft.py's (~0.9B Llama-style, random init, saved once so the recipe loads it with from_pretrained),
-trained in this process through hfpar.recipe.main with bf16 autocast (what `accelerate launch` with single.yaml
-sets). Steps profile_from .. profile_from+3 are recorded; each phase of hfpar's step is a named range (batch,
-forward+loss, backward, clip, optimizer, zero_grad), so GPU time is split between the phases and hfpar's share
+The model is benchmarks/gpu/sft.py's (~0.9B Llama-style, random init, saved once so the recipe loads it with
+from_pretrained), trained in this process through hfpar.recipe.main with bf16 autocast (what `accelerate launch` with
+single.yaml sets). Steps profile_from .. profile_from+3 are recorded; each phase of hfpar's step is a named range
+(batch, forward+loss, backward, clip, optimizer, zero_grad), so GPU time is split between the phases and hfpar's share
 (batch building, loss, clip, optimizer) is visible next to the model's own. Writes OUT/profile_<tag>.txt (the
 phase table and the top kernels by GPU time) and prints them.
 """
@@ -35,6 +35,7 @@ def _ranged(fn, name):
     def wrapper(*a, **k):
         with record_function(f"hfpar::{name}"):
             return fn(*a, **k)
+
     return wrapper
 
 
@@ -51,11 +52,13 @@ def instrument(prof_box: dict, start: int, n: int) -> None:
         def backward(loss, **kw):
             with record_function("hfpar::backward"):
                 return orig(loss, **kw)
+
         self.acc.backward = backward
         try:
             return orig_backward(self, batch, scope, loss_fn, scale, task)
         finally:
             self.acc.backward = orig
+
     B.Backend.train_micro = train_micro
     orig_collate = T.Trainer._to_device
     T.Trainer._to_device = _ranged(orig_collate, "batch_to_device")
@@ -72,6 +75,7 @@ def instrument(prof_box: dict, start: int, n: int) -> None:
             torch.cuda.synchronize()
             prof_box["prof"].__exit__(None, None, None)
         return rec
+
     T.Trainer._train_step = train_step
 
 
@@ -82,8 +86,9 @@ def report(prof, n: int) -> str:
     lines = [f"phases, per step (mean over {n} steps): GPU ms of the kernels launched inside / CPU ms", ""]
     for e in rows:
         lines.append(f"{e.key:28s} gpu {dev(e) / 1e3 / n:9.2f} ms   cpu {e.cpu_time_total / 1e3 / n:9.2f} ms")
-    kernels = sorted((e for e in ev if dev(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=dev, reverse=True)
+    kernels = sorted(
+        (e for e in ev if dev(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA), key=dev, reverse=True
+    )
     total = sum(dev(e) for e in kernels)
     lines += ["", f"top GPU kernels (total {total / 1e3 / n:.1f} ms/step)", ""]
     for e in kernels[:40]:
@@ -110,11 +115,28 @@ def main() -> None:
     os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16")
     box: dict = {}
     instrument(box, args.profile_from, args.profile_steps)
-    argv = ["--model_name_or_path", str(model_dir), "--tokenizer_name_or_path",
-                str(ROOT / "hfpar" / "assets" / "tiny"), "--packing", "--max_seq_length", str(args.seq_len),
-                "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(args.steps),
-                "--eval_steps", "0", "--logging_steps", "4", "--save_final_model", "false",
-                "--output_dir", tempfile.mkdtemp(prefix="hfpar-prof-run-"), *extra]
+    argv = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--tokenizer_name_or_path",
+        str(ROOT / "hfpar" / "assets" / "tiny"),
+        "--packing",
+        "--max_seq_length",
+        str(args.seq_len),
+        "--per_device_train_batch_size",
+        str(args.batch_size),
+        "--max_steps",
+        str(args.steps),
+        "--eval_steps",
+        "0",
+        "--logging_steps",
+        "4",
+        "--save_final_model",
+        "false",
+        "--output_dir",
+        tempfile.mkdtemp(prefix="hfpar-prof-run-"),
+        *extra,
+    ]
     recipe_main("sft", argv)
     text = report(box["prof"], args.profile_steps)
     (out / f"profile_{args.tag}.txt").write_text(f"options: {' '.join(extra)}\n\n{text}\n")

@@ -51,27 +51,63 @@ def build_model(path: Path, args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=4096, tie_word_embeddings=False, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
     n_total = sum(p.numel() for p in model.parameters())
     n_embed = model.model.embed_tokens.weight.numel()
-    return {"params": n_total, "matmul_params": n_total - n_embed, "layers": cfg.num_hidden_layers,
-            "hidden": cfg.hidden_size}
+    return {
+        "params": n_total,
+        "matmul_params": n_total - n_embed,
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+    }
 
 
 def run_variant(name: str, model_dir: Path, out: Path, args) -> dict:
     cfg_file, launch_extra, recipe_extra = VARIANTS[name]
     run_dir = Path(tempfile.mkdtemp(prefix=f"hfpar-{name}-"))
-    cmd = accelerate_cmd(Path(cfg_file).stem, 1, "sft", [
-        "--model_name_or_path", str(model_dir), "--tokenizer_name_or_path", str(ROOT / "hfpar" / "assets" / "tiny"),
-        "--packing", "--max_seq_length", str(args.seq_len), "--per_device_train_batch_size", str(args.batch_size),
-        "--max_steps", str(args.steps), "--eval_steps", "0", "--logging_steps", "5", "--save_final_model", "false",
-        "--output_dir", str(run_dir), *recipe_extra], launch_extra, mixed_precision=None)
+    cmd = accelerate_cmd(
+        Path(cfg_file).stem,
+        1,
+        "sft",
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--tokenizer_name_or_path",
+            str(ROOT / "hfpar" / "assets" / "tiny"),
+            "--packing",
+            "--max_seq_length",
+            str(args.seq_len),
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--max_steps",
+            str(args.steps),
+            "--eval_steps",
+            "0",
+            "--logging_steps",
+            "5",
+            "--save_final_model",
+            "false",
+            "--output_dir",
+            str(run_dir),
+            *recipe_extra,
+        ],
+        launch_extra,
+        mixed_precision=None,
+    )
     log = out / f"{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:  # streamed, so a run that is stopped still leaves its output
@@ -84,11 +120,16 @@ def run_variant(name: str, model_dir: Path, out: Path, args) -> dict:
         return {"variant": name, "error": " | ".join(tail)[-400:], "wall_s": wall}
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in recs if "loss" in r and "eval_loss" not in r]
-    timed = steps[args.warmup:]
-    return {"variant": name, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "peak_mem_gib": max(r["peak_mem_bytes"] for r in steps) / 2**30,
-            "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"], "wall_s": wall}
+    timed = steps[args.warmup :]
+    return {
+        "variant": name,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "peak_mem_gib": max(r["peak_mem_bytes"] for r in steps) / 2**30,
+        "first_loss": steps[0]["loss"],
+        "last_loss": steps[-1]["loss"],
+        "wall_s": wall,
+    }
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
@@ -140,10 +181,20 @@ def main() -> None:
     import accelerate
     import transformers
 
-    env = {"gpu": gpu, "peak_bf16_flops": peak, "torch": torch.__version__, "transformers": transformers.__version__,
-           "accelerate": accelerate.__version__, "command": command(), **info,
-           "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-           "flops_per_token": flops_per_token}
+    env = {
+        "gpu": gpu,
+        "peak_bf16_flops": peak,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "command": command(),
+        **info,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "flops_per_token": flops_per_token,
+    }
     print(json.dumps(env), flush=True)
     results = []
     for name in args.variants.split(","):
@@ -159,19 +210,26 @@ def main() -> None:
 def write_results(out: Path, env: dict, info: dict, results: list[dict], args) -> None:
     gpu, peak, flops_per_token = env["gpu"], env["peak_bf16_flops"], env["flops_per_token"]
     (out / "sft.json").write_text(json.dumps({"env": env, "results": results}, indent=2))
-    lines = [f"# sft recipe on one {gpu} (bf16 autocast, fp32 master weights)", "",
-             f"Command: `{env['command']}`; torch {env['torch']}, transformers {env['transformers']}, accelerate "
-             f"{env['accelerate']}. Llama-style model from config: {info['params'] / 1e9:.2f}B parameters "
-             f"({info['layers']} layers, hidden {info['hidden']}), packed sequences of {args.seq_len}, batch "
-             f"{args.batch_size}, {args.steps} steps, medians after {args.warmup} warm-up steps. MFU against "
-             f"{peak / 1e12:.0f} TFLOP/s dense bf16, {flops_per_token / 1e9:.2f} GFLOP/token.", "",
-             "| variant | tokens/s | step s | MFU | peak mem GiB | loss first→last | wall s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# sft recipe on one {gpu} (bf16 autocast, fp32 master weights)",
+        "",
+        f"Command: `{env['command']}`; torch {env['torch']}, transformers {env['transformers']}, accelerate "
+        f"{env['accelerate']}. Llama-style model from config: {info['params'] / 1e9:.2f}B parameters "
+        f"({info['layers']} layers, hidden {info['hidden']}), packed sequences of {args.seq_len}, batch "
+        f"{args.batch_size}, {args.steps} steps, medians after {args.warmup} warm-up steps. MFU against "
+        f"{peak / 1e12:.0f} TFLOP/s dense bf16, {flops_per_token / 1e9:.2f} GFLOP/token.",
+        "",
+        "| variant | tokens/s | step s | MFU | peak mem GiB | loss first→last | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | {r['wall_s']:.0f} |")
         else:
-            lines.append(f"| {r['variant']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} | {r['mfu']:.1%} | "
-                         f"{r['peak_mem_gib']:.1f} | {r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['wall_s']:.0f} |")
+            lines.append(
+                f"| {r['variant']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} | {r['mfu']:.1%} | "
+                f"{r['peak_mem_gib']:.1f} | {r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['wall_s']:.0f} |"
+            )
     (out / "sft.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "sft.png", f"hfpar sft, {info['params'] / 1e9:.2f}B Llama, {gpu}")
 

@@ -36,7 +36,7 @@ CASES = ((32_000, 4096), (32_000, 8192), (128_256, 4096), (128_256, 8192), (151_
 
 
 def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def one_case(mode: str, v: int, n: int) -> dict:
@@ -46,7 +46,7 @@ def one_case(mode: str, v: int, n: int) -> dict:
     w = (torch.randn(v, H, generator=g) * 0.02).requires_grad_()
     t = torch.randint(0, v, (n,), generator=g)
     t[::20] = -100
-    w.grad = torch.zeros_like(w)                       # the weight's gradient exists in both modes
+    w.grad = torch.zeros_like(w)  # the weight's gradient exists in both modes
     h.grad = torch.zeros_like(h)
     base = _peak_bytes()
 
@@ -64,13 +64,21 @@ def one_case(mode: str, v: int, n: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"mode": mode, "vocab": v, "tokens": n, "loss": loss, "peak_bytes": _peak_bytes() - base,
-            "s": statistics.median(times), "tokens_per_s": n / statistics.median(times)}
+    return {
+        "mode": mode,
+        "vocab": v,
+        "tokens": n,
+        "loss": loss,
+        "peak_bytes": _peak_bytes() - base,
+        "s": statistics.median(times),
+        "tokens_per_s": n / statistics.median(times),
+    }
 
 
 def run(mode: str, v: int, n: int) -> dict:
-    out = subprocess.run(module_cmd("benchmarks.memory.loss", "--case", mode, v, n), cwd=ROOT, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        module_cmd("benchmarks.memory.loss", "--case", mode, v, n), cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -80,8 +88,12 @@ def draw(ax, rows: list[dict]) -> None:
     cases = list(dict.fromkeys((r["vocab"], r["tokens"]) for r in rows))
     for off, mode in ((-0.2, "unchunked"), (0.2, "chunked")):
         got = {(r["vocab"], r["tokens"]): r["peak_bytes"] / 2**30 for r in rows if r["mode"] == mode}
-        ax.bar([i + off for i, c in enumerate(cases) if c in got], [got[c] for c in cases if c in got], width=0.4,
-               label=mode)
+        ax.bar(
+            [i + off for i, c in enumerate(cases) if c in got],
+            [got[c] for c in cases if c in got],
+            width=0.4,
+            label=mode,
+        )
     ax.set_xticks(range(len(cases)), [f"V={v // 1000}k\nN={n}" for v, n in cases], fontsize=8)
     ax.set_ylabel("peak memory above inputs (GiB)")
     ax.set_title(f"LM head + cross-entropy, fp32, hidden {H} (CPU RSS)")
@@ -112,15 +124,22 @@ def main() -> None:
         print(json.dumps(pair), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "loss_cpu.json").write_text(json.dumps({"hidden": H, "rows": rows}, indent=2))
-    lines = ["# LM head + cross-entropy: chunked vs unchunked (CPU, fp32)", "",
-             f"`python -m benchmarks.memory.loss`: hidden {H}, forward + backward of the summed loss, peak RSS "
-             "above the inputs, median of 3 timed repetitions, each case in a fresh process.", "",
-             "| vocab | tokens | unchunked peak | chunked peak | ratio | unchunked tok/s | chunked tok/s | speed ratio |"
-             " loss rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# LM head + cross-entropy: chunked vs unchunked (CPU, fp32)",
+        "",
+        f"`python -m benchmarks.memory.loss`: hidden {H}, forward + backward of the summed loss, peak RSS "
+        "above the inputs, median of 3 timed repetitions, each case in a fresh process.",
+        "",
+        "| vocab | tokens | unchunked peak | chunked peak | ratio | unchunked tok/s | chunked tok/s | speed ratio |"
+        " loss rel diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for u, c in zip(rows[::2], rows[1::2]):
-        lines.append(f"| {u['vocab']} | {u['tokens']} | {human_bytes(u['peak_bytes'])} | {human_bytes(c['peak_bytes'])}"
-                     f" | {c['peak_bytes'] / u['peak_bytes']:.2f} | {u['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} |"
-                     f" {c['tokens_per_s'] / u['tokens_per_s']:.2f} | {abs(c['loss'] - u['loss']) / u['loss']:.1e} |")
+        lines.append(
+            f"| {u['vocab']} | {u['tokens']} | {human_bytes(u['peak_bytes'])} | {human_bytes(c['peak_bytes'])}"
+            f" | {c['peak_bytes'] / u['peak_bytes']:.2f} | {u['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} |"
+            f" {c['tokens_per_s'] / u['tokens_per_s']:.2f} | {abs(c['loss'] - u['loss']) / u['loss']:.1e} |"
+        )
     (RESULTS / "loss_cpu.md").write_text("\n".join(lines) + "\n")
     plot(rows, RESULTS / "loss_cpu.png")
     print("\n".join(lines))

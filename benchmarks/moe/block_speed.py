@@ -62,9 +62,16 @@ def main() -> None:
     p.add_argument("--name", default="block_speed", help="results file stem under benchmarks/results/moe/")
     a = p.parse_args()
     dtype, dev = getattr(torch, a.dtype), torch.device(a.device)
-    cfg = MixtralConfig(vocab_size=128, hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=a.experts,
-                        num_experts_per_tok=a.top_k)
+    cfg = MixtralConfig(
+        vocab_size=128,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+    )
     torch.manual_seed(0)
     base = MixtralForCausalLM(cfg).to(dev, dtype)
     x = torch.randn(4, a.tokens // 4, a.hidden, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
@@ -89,10 +96,16 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     (RESULTS / f"{a.name}.json").write_text(json.dumps({"device": where, "args": vars(a), "ms": res}, indent=2))
-    lines = [f"# MoE block forward+backward ({where}, {a.dtype})", "",
-             f"Command: `{command()}` (torch {torch.__version__}); B=4, T={a.tokens // 4}, "
-             f"H={a.hidden}, {a.experts} experts, I={a.intermediate}, top-{a.top_k}; median of {a.iters} after 2 "
-             "warm-up.", "", "| block | ms |", "|---|---|"]
+    lines = [
+        f"# MoE block forward+backward ({where}, {a.dtype})",
+        "",
+        f"Command: `{command()}` (torch {torch.__version__}); B=4, T={a.tokens // 4}, "
+        f"H={a.hidden}, {a.experts} experts, I={a.intermediate}, top-{a.top_k}; median of {a.iters} after 2 "
+        "warm-up.",
+        "",
+        "| block | ms |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.1f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in res.items()]
     (RESULTS / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

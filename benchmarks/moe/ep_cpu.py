@@ -21,11 +21,12 @@ it every step (the benchmark, like training, sets .grad to None after each step)
 Before timing, hfpar's output and input gradient are compared with transformers' on the same tokens (max over ranks).
 
 All-to-all bytes: hfpar's comm counter (hfpar.observe.comm_stats.CommCounter, the trainer's --log_comm_bytes: the
-all-to-all bytes each rank addresses to OTHER ranks) over one forward + backward, against the routed-token minimum computed independently from transformers' router on the same
-tokens: the copies this rank sends to experts on other ranks plus the copies it receives for its own experts, each
-crossing once in dispatch and once in combine, forward and backward: 2 x (sent + received) x H x 4 bytes. The
-per-expert count exchange (E int64 per forward) comes on top and is shown apart. Timings on this shared machine are
-inflated by other processes' load; the ratios within one run are the result.
+all-to-all bytes each rank addresses to OTHER ranks) over one forward + backward, against the routed-token minimum
+computed independently from transformers' router on the same tokens: the copies this rank sends to experts on other
+ranks plus the copies it receives for its own experts, each crossing once in dispatch and once in combine, forward and
+backward: 2 x (sent + received) x H x 4 bytes. The per-expert count exchange (E int64 per forward) comes on top and is
+shown apart. Timings on this shared machine are inflated by other processes' load; the ratios within one run are the
+result.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from benchmarks.moe.shapes import (
     moe_block,
     step_block,
 )
-
 from hfpar.observe.comm_stats import CommCounter
 from hfpar.parallel.expert_parallel import apply_expert_parallel
 
@@ -84,10 +84,10 @@ def _sum(v: int, ep: int) -> int:
 def routed_minimum(hf_block, x: torch.Tensor, ep: int, rank: int) -> dict:
     """Token copies this rank sends to other ranks' experts and receives for its own, from transformers' router."""
     with torch.no_grad():
-        _, _, idx = hf_block.gate(x.reshape(-1, x.shape[-1]))           # (N, k) expert ids
+        _, _, idx = hf_block.gate(x.reshape(-1, x.shape[-1]))  # (N, k) expert ids
     E = hf_block.experts.gate_up_proj.shape[0]
-    counts = torch.bincount(idx.reshape(-1), minlength=E)               # (E,) copies per expert, this rank
-    owner = torch.arange(E) // (E // ep)                                 # (E,) the rank holding each expert
+    counts = torch.bincount(idx.reshape(-1), minlength=E)  # (E,) copies per expert, this rank
+    owner = torch.arange(E) // (E // ep)  # (E,) the rank holding each expert
     every = [torch.zeros_like(counts) for _ in range(ep)]
     if ep > 1:
         dist.all_gather(every, counts)
@@ -105,7 +105,7 @@ def run_shape(shape: str, a, ep: int, rank: int, best_impl: str | None) -> dict:
     ep_model = build_model(cfg, "cpu", torch.float32)
     hf = moe_block(hf_model)
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(2, a.tokens // 2, cfg.hidden_size, generator=g)      # this rank's tokens
+    x = torch.randn(2, a.tokens // 2, cfg.hidden_size, generator=g)  # this rank's tokens
     apply_expert_parallel(ep_model, dist.group.WORLD if ep > 1 else None)
     ours = moe_block(ep_model)
     row = {"shape": describe(cfg), "tokens_per_rank": a.tokens, "ep": ep}
@@ -127,31 +127,37 @@ def run_shape(shape: str, a, ep: int, rank: int, best_impl: str | None) -> dict:
         step_block(ours, x)
     finally:
         counter.uninstall()
-    a2a = int(counter.snapshot().get("all_to_all", {}).get("wire", 0))   # bytes addressed to OTHER ranks
+    a2a = int(counter.snapshot().get("all_to_all", {}).get("wire", 0))  # bytes addressed to OTHER ranks
     E = row["shape"]["experts"]
-    counts_bytes = E * 8 * (ep - 1) // ep                                # the per-expert count exchange (int64)
+    counts_bytes = E * 8 * (ep - 1) // ep  # the per-expert count exchange (int64)
     minimum = 2 * (m["sent_rows"] + m["received_rows"]) * cfg.hidden_size * 4
-    row["bytes"] = {"all_to_all_total": _sum(a2a, ep), "count_exchange": _sum(counts_bytes, ep),
-                    "routed_minimum": _sum(minimum, ep), "sent_rows": _sum(m["sent_rows"], ep),
-                    "max_over_mean_expert_load": m["max_over_mean_expert_load"]}
+    row["bytes"] = {
+        "all_to_all_total": _sum(a2a, ep),
+        "count_exchange": _sum(counts_bytes, ep),
+        "routed_minimum": _sum(minimum, ep),
+        "sent_rows": _sum(m["sent_rows"], ep),
+        "max_over_mean_expert_load": m["max_over_mean_expert_load"],
+    }
     b = row["bytes"]
-    b["tokens_over_minimum"] = ((b["all_to_all_total"] - b["count_exchange"]) / b["routed_minimum"]
-                                if b["routed_minimum"] else None)
+    b["tokens_over_minimum"] = (
+        (b["all_to_all_total"] - b["count_exchange"]) / b["routed_minimum"] if b["routed_minimum"] else None
+    )
     # timing, interleaved round by round
     impls = list(IMPLS) if best_impl is None else [best_impl]
     variants = {}
     expert_bytes = sum(p.numel() * 4 for p in hf.experts.parameters())
     for impl in impls:
         if impl == "batched_mm" and (need := batched_mm_bytes(cfg, a.tokens, torch.float32)) > a.batched_mm_gib * 2**30:
-            row.setdefault("skipped", {})[f"transformers {impl}"] = (f"its forward gathers one copy of the selected "
-                                                                     f"expert's weights per token copy, "
-                                                                     f"{need / 2**30:.1f} GiB")
+            row.setdefault("skipped", {})[f"transformers {impl}"] = (
+                f"its forward gathers one copy of the selected expert's weights per token copy, {need / 2**30:.1f} GiB"
+            )
             continue
         if impl == "eager" and (need := E * expert_bytes) > a.eager_gib * 2**30:
             row.setdefault("skipped", {})[f"transformers {impl}"] = (
                 f"its backward adds a full-size gradient of every expert tensor per expert hit ({E} x "
                 f"{expert_bytes / 2**30:.2f} GiB = {need / 2**30:.0f} GiB of memory traffic per step; one step of "
-                "the Qwen3 layer at 128 tokens took 335 s here)")
+                "the Qwen3 layer at 128 tokens took 335 s here)"
+            )
             continue
         variants[f"transformers {impl}"] = (hf, impl)
     variants[f"hfpar ep={ep}"] = (ours, None)
@@ -165,7 +171,7 @@ def run_shape(shape: str, a, ep: int, rank: int, best_impl: str | None) -> dict:
             t0, c0 = time.perf_counter(), time.process_time()
             step_block(block, x)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            dt, dc = _max(dt, ep), _max(dc, ep)                          # the slowest rank's step
+            dt, dc = _max(dt, ep), _max(dc, ep)  # the slowest rank's step
             if r >= a.warmup:
                 wall[name].append(dt)
                 cpu[name].append(dc)
@@ -203,8 +209,14 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.bar([i + 0.2 for i in xs], ours, 0.4, label="hfpar block (expert-parallel over ep ranks)")
         for i, r in zip(xs, rs):
             ratio = r["bytes"]["tokens_over_minimum"]
-            ax.text(i, max(best[i], ours[i]), f"{r['hfpar_over_best']:.2f}x\nbytes/min "
-                    f"{'-' if ratio is None else f'{ratio:.2f}'}", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                i,
+                max(best[i], ours[i]),
+                f"{r['hfpar_over_best']:.2f}x\nbytes/min {'-' if ratio is None else f'{ratio:.2f}'}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(list(xs), [f"ep={e}" for e in eps])
         ax.set_ylabel("forward + backward, CPU ms (slowest rank)")
         ax.set_title(f"{shape}: {rs[0]['tokens_per_rank']} tokens per rank")
@@ -215,35 +227,62 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write(rows: list[dict], a, path: Path) -> None:
-    path.with_suffix(".json").write_text(json.dumps({"command": a.command, "torch": torch.__version__,
-                                                     "args": {k: v for k, v in vars(a).items() if k != "command"},
-                                                     "rows": rows}, indent=2))
+    path.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "command": a.command,
+                "torch": torch.__version__,
+                "args": {k: v for k, v in vars(a).items() if k != "command"},
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     eps = ", ".join(str(e) for e in dict.fromkeys(r["ep"] for r in rows))
-    L = [f"# MoE block forward + backward at ep = {eps} (CPU, fp32, gloo)", "",
-         (f"Command: `{a.command}` (torch {torch.__version__}, {a.threads} torch thread(s) per rank). The 2 cores were "
-         "shared with other jobs (load average 15 to 170 during these runs): wall times are inflated many-fold and noisy, so the primary measure is "
-         "the CPU time of the step (process time, the slowest rank's; it includes gloo's threads, not the time spent "
-         "waiting for a peer); wall times, slowest rank, are shown too. Median of "
-         f"{a.rounds} interleaved rounds after {a.warmup}."), ""]
+    L = [
+        f"# MoE block forward + backward at ep = {eps} (CPU, fp32, gloo)",
+        "",
+        (
+            f"Command: `{a.command}` (torch {torch.__version__}, {a.threads} torch thread(s) per rank). The 2 cores "
+            "were "
+            "shared with other jobs (load average 15 to 170 during these runs): wall times are inflated many-fold and "
+            "noisy, so the primary measure is "
+            "the CPU time of the step (process time, the slowest rank's; it includes gloo's threads, not the time "
+            "spent "
+            "waiting for a peer); wall times, slowest rank, are shown too. Median of "
+            f"{a.rounds} interleaved rounds after {a.warmup}."
+        ),
+        "",
+    ]
     for shape in dict.fromkeys(r["name"] for r in rows):
         rs = [r for r in rows if r["name"] == shape]
         s = rs[0]["shape"]
-        L += [(f"## {shape}: H {s['hidden']}, {s['experts']} experts of {s['expert_intermediate']}, top-{s['top_k']}, "
-              f"{s['router']}; {rs[0]['tokens_per_rank']} tokens per rank"), "",
-              ("| ep | transformers CPU ms | hfpar CPU ms | hfpar / best (CPU) | wall ms: transformers, hfpar (ratio) "
-              "| all-to-all token bytes / routed minimum | all-to-all bytes (+ counts) | output / input-grad rel. diff |"),
-              "|---|---|---|---|---|---|---|---|"]
+        L += [
+            (
+                f"## {shape}: H {s['hidden']}, {s['experts']} experts of {s['expert_intermediate']}, top-{s['top_k']}, "
+                f"{s['router']}; {rs[0]['tokens_per_rank']} tokens per rank"
+            ),
+            "",
+            (
+                "| ep | transformers CPU ms | hfpar CPU ms | hfpar / best (CPU) | wall ms: transformers, hfpar (ratio) "
+                "| all-to-all token bytes / routed minimum | all-to-all bytes (+ counts) | output / input-grad rel. "
+                "diff |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in rs:
             b = r["bytes"]
             hf = ", ".join(f"{k.split()[1]} {v:.0f}" for k, v in r["cpu_ms"].items() if k.startswith("transformers"))
             hfw = ", ".join(f"{k.split()[1]} {v:.0f}" for k, v in r["ms"].items() if k.startswith("transformers"))
             ratio = "- (ep 1: none)" if b["tokens_over_minimum"] is None else f"{b['tokens_over_minimum']:.2f}"
             ours, oursw = r["cpu_ms"][f"hfpar ep={r['ep']}"], r["ms"][f"hfpar ep={r['ep']}"]
-            L.append(f"| {r['ep']} | {hf} | {ours:.0f} | "
-                     f"{r['hfpar_over_best']:.2f}x ({r['best_transformers'].split()[1]}) | {hfw}, {oursw:.0f} "
-                     f"({r['hfpar_over_best_wall']:.2f}x) | {ratio} | "
-                     f"{b['all_to_all_total'] - b['count_exchange']} (+ {b['count_exchange']}) | "
-                     f"{r['rel_diff_output']:.1e} / {r['rel_diff_input_grad']:.1e} |")
+            L.append(
+                f"| {r['ep']} | {hf} | {ours:.0f} | "
+                f"{r['hfpar_over_best']:.2f}x ({r['best_transformers'].split()[1]}) | {hfw}, {oursw:.0f} "
+                f"({r['hfpar_over_best_wall']:.2f}x) | {ratio} | "
+                f"{b['all_to_all_total'] - b['count_exchange']} (+ {b['count_exchange']}) | "
+                f"{r['rel_diff_output']:.1e} / {r['rel_diff_input_grad']:.1e} |"
+            )
         skipped = {k: v for r in rs for k, v in r.get("skipped", {}).items()}
         L += [""] + [f"{k} skipped: {v}." for k, v in skipped.items()] + [""]
     path.with_suffix(".md").write_text("\n".join(L) + "\n")
@@ -266,9 +305,14 @@ def main() -> None:
     a = p.parse_args()
     a.command = command()
     a.shapes = a.shapes.split(",")
-    a.overrides = ({"qwen3": {}, "deepseek_v3": {}} if a.scale == "tiny" else
-                   {"qwen3": {"moe_intermediate_size": a.qwen3_intermediate},
-                    "deepseek_v3": {"moe_intermediate_size": a.dsv3_intermediate}})
+    a.overrides = (
+        {"qwen3": {}, "deepseek_v3": {}}
+        if a.scale == "tiny"
+        else {
+            "qwen3": {"moe_intermediate_size": a.qwen3_intermediate},
+            "deepseek_v3": {"moe_intermediate_size": a.dsv3_intermediate},
+        }
+    )
     rows, best = [], {}
     path = RESULTS / a.name
     for ep in [int(e) for e in a.eps.split(",")]:
@@ -276,9 +320,12 @@ def main() -> None:
         for shape, r in zip(a.shapes, run_ranks(worker, ep, a, best)[0]):
             rows.append({"name": shape, **r})
             best.setdefault(shape, r["best_transformers"].split()[1])
-            print(f"ep={ep} {shape}: cpu {json.dumps(r['cpu_ms'])} wall {json.dumps(r['ms'])} bytes/min "
-                  f"{r['bytes']['tokens_over_minimum']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        write(rows, a, path)                                         # after every ep: partial results kept
+            print(
+                f"ep={ep} {shape}: cpu {json.dumps(r['cpu_ms'])} wall {json.dumps(r['ms'])} bytes/min "
+                f"{r['bytes']['tokens_over_minimum']} ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+        write(rows, a, path)  # after every ep: partial results kept
         plot(rows, path.with_suffix(".png"))
     print(path.with_suffix(".md").read_text())
 

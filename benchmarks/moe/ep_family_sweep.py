@@ -32,20 +32,34 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common.launch import results_dir
-from benchmarks.tensor_parallel.family_sweep import (ENCODER_STYLE, STATE_SPACE, batch, report, sweep, tiny_config,
-                                                     worst_then_sgd)
+from benchmarks.tensor_parallel.family_sweep import (
+    ENCODER_STYLE,
+    STATE_SPACE,
+    batch,
+    report,
+    sweep,
+    tiny_config,
+    worst_then_sgd,
+)
 
 TOL = 1e-4
 LR = 0.1
 DTYPE = torch.float64 if os.environ.get("EP_SWEEP_FP64") else torch.float32
 # MoE size fields the TP sweep's shrink rules do not know (LongCat, Ernie), shrunk on the text config
-EXTRA = {"expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2, "ffn_hidden_size": 128, "moe_k": 2,
-         "moe_num_experts": 4}
+EXTRA = {
+    "expert_ffn_hidden_size": 32,
+    "moe_topk": 2,
+    "zero_expert_num": 2,
+    "ffn_hidden_size": 128,
+    "moe_k": 2,
+    "moe_num_experts": 4,
+}
 
 
 def build(model_type: str, layers: int = 2):
     """The TP sweep's tiny model (eager attention and experts, seed 0) with EXTRA applied, in DTYPE, train mode."""
     from transformers import AutoModelForCausalLM
+
     cfg = tiny_config(model_type, layers)
     text = cfg.get_text_config()
     for k, v in EXTRA.items():
@@ -66,24 +80,27 @@ def build(model_type: str, layers: int = 2):
 def _is_moe(model) -> bool:
     from hfpar.parallel.expert_parallel.hf_experts import find_hf_experts
     from hfpar.parallel.expert_parallel.moe import MoELayer
+
     found, problems = find_hf_experts(model)
-    return bool(found or problems) or any(isinstance(m, MoELayer) or "moe" in type(m).__name__.lower()
-                                          for m in model.modules())
+    return bool(found or problems) or any(
+        isinstance(m, MoELayer) or "moe" in type(m).__name__.lower() for m in model.modules()
+    )
 
 
 def _reduced_grads(model, ref) -> tuple[dict, dict]:
     """(EP model's grads after the dp reduction, the reference's grads averaged over the ranks, expert slices)."""
     from hfpar.parallel.sharding import reduce_dp_grads, shard_spec
+
     ws = dist.get_world_size()
     got, want = {}, {}
-    for m in (model, ref):                                   # the same collectives on every rank: a parameter no
-        for p in m.parameters():                             # token of this rank reached has a zero grad here
+    for m in (model, ref):  # the same collectives on every rank: a parameter no
+        for p in m.parameters():  # token of this rank reached has a zero grad here
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     experts = [p for p in model.parameters() if shard_spec(p) is not None and shard_spec(p).kind == "ep"]
     reduce_dp_grads(experts)
     refp = dict(ref.named_parameters())
-    for p in refp.values():                                  # the reference's data-parallel mean, in place
+    for p in refp.values():  # the reference's data-parallel mean, in place
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad.div_(ws)
@@ -96,7 +113,7 @@ def _reduced_grads(model, ref) -> tuple[dict, dict]:
             p.grad.div_(ws)
         g = refp[n].grad
         if g is not None and s is not None and s.kind == "ep":
-            g = g[s.extra["start"]:s.extra["start"] + p.shape[0]]
+            g = g[s.extra["start"] : s.extra["start"] + p.shape[0]]
         got[n], want[n] = p.grad, g
     return got, want
 
@@ -119,6 +136,7 @@ def check(model_type: str) -> dict:
         apply_expert_parallel,
         expert_parallel_groups,
     )
+
     if model_type in ENCODER_STYLE or model_type in STATE_SPACE:
         return {"status": "skipped", "why": "encoder-style / multimodal / pure state-space"}
     for layers in (2, 4):
@@ -144,30 +162,41 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": why}
     t0 = time.perf_counter()
     try:
-        ep_group, edp_group = expert_parallel_groups(dist.get_world_size())   # collective
+        ep_group, edp_group = expert_parallel_groups(dist.get_world_size())  # collective
         apply_expert_parallel(model, ep_group, edp_group=edp_group)
     except ValueError as e:
         return {"status": "refused", "why": str(e)}
     apply_s = time.perf_counter() - t0
-    how = "hf_block" if any(hasattr(m, "_hfpar_ep") and m._hfpar_ep is not None for m in model.modules()) else "moe_layer"
+    how = (
+        "hf_block" if any(hasattr(m, "_hfpar_ep") and m._hfpar_ep is not None for m in model.modules()) else "moe_layer"
+    )
     try:
         (worst, name) = max(_step_compare(model, ref, ids, labels), _step_compare(model, ref, ids, labels))
     except Exception as e:  # noqa: BLE001
-        return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
-                "trace": traceback.format_exc()[-600:]}
-    return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name, "how": how,
-            "apply_s": round(apply_s, 3)}
+        return {
+            "status": "mismatched",
+            "why": f"{type(e).__name__}: {str(e)[:300]}",
+            "trace": traceback.format_exc()[-600:],
+        }
+    return {
+        "status": "exact" if worst < TOL else "mismatched",
+        "worst_rel": worst,
+        "worst": name,
+        "how": how,
+        "apply_s": round(apply_s, 3),
+    }
 
 
 def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
     """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
     import warnings
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     res = {}
     for mt in types:
         t0 = time.perf_counter()
-        if rank == 0 and os.environ.get("EP_SWEEP_LOG"):        # where a run is, while it runs
+        if rank == 0 and os.environ.get("EP_SWEEP_LOG"):  # where a run is, while it runs
             with open(os.environ["EP_SWEEP_LOG"], "a") as f:
                 f.write(f"{mt}\n")
         res[mt] = check(mt)
@@ -175,8 +204,11 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
         if rank == 0 and verbose and res[mt]["status"] != "dense":
             r = res[mt]
             worst = f"{r['worst_rel']:.1e}" if "worst_rel" in r else ""
-            print(f"{mt:28s} {r['status']:10s} {r.get('how', '')!s:9s} {worst:8s} "
-                  f"{r.get('worst', '')} {r.get('why', '')[:260]}", flush=True)
+            print(
+                f"{mt:28s} {r['status']:10s} {r.get('how', '')!s:9s} {worst:8s} "
+                f"{r.get('worst', '')} {r.get('why', '')[:260]}",
+                flush=True,
+            )
         dist.barrier()
     return res
 

@@ -24,15 +24,45 @@ import torch
 SCALES = ("real", "cpu", "tiny")
 
 # overrides of the transformers defaults, per scale (None: keep the default)
-_QWEN3 = {"real": {}, "cpu": {},
-          "tiny": {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}}
-_DSV3 = {"real": {}, "cpu": {"hidden_size": 1024, "moe_intermediate_size": 256, "num_attention_heads": 8,
-                             "q_lora_rank": 256, "kv_lora_rank": 128},
-         "tiny": {"hidden_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
-                  "n_group": 4, "topk_group": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-                  "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                  "v_head_dim": 8, "head_dim": 8}}
+_QWEN3 = {
+    "real": {},
+    "cpu": {},
+    "tiny": {
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
+}
+_DSV3 = {
+    "real": {},
+    "cpu": {
+        "hidden_size": 1024,
+        "moe_intermediate_size": 256,
+        "num_attention_heads": 8,
+        "q_lora_rank": 256,
+        "kv_lora_rank": 128,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "head_dim": 8,
+    },
+}
 
 
 def layer_config(shape: str, scale: str = "real", layers: int = 1, vocab: int = 256, **overrides):
@@ -46,8 +76,13 @@ def layer_config(shape: str, scale: str = "real", layers: int = 1, vocab: int = 
     elif shape == "deepseek_v3":
         from transformers import DeepseekV3Config
 
-        cfg = DeepseekV3Config(num_hidden_layers=layers, vocab_size=vocab, first_k_dense_replace=0, use_cache=False,
-                               **{**_DSV3[scale], **overrides})
+        cfg = DeepseekV3Config(
+            num_hidden_layers=layers,
+            vocab_size=vocab,
+            first_k_dense_replace=0,
+            use_cache=False,
+            **{**_DSV3[scale], **overrides},
+        )
     else:
         raise ValueError(f"shape={shape!r}: expected 'qwen3' or 'deepseek_v3'")
     return cfg
@@ -55,11 +90,21 @@ def layer_config(shape: str, scale: str = "real", layers: int = 1, vocab: int = 
 
 def describe(cfg) -> dict:
     E = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
-    out = {"model_type": cfg.model_type, "hidden": cfg.hidden_size, "experts": E,
-           "expert_intermediate": cfg.moe_intermediate_size, "top_k": cfg.num_experts_per_tok}
+    out = {
+        "model_type": cfg.model_type,
+        "hidden": cfg.hidden_size,
+        "experts": E,
+        "expert_intermediate": cfg.moe_intermediate_size,
+        "top_k": cfg.num_experts_per_tok,
+    }
     if cfg.model_type == "deepseek_v3":
-        out.update(shared_experts=cfg.n_shared_experts, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                   routed_scaling_factor=cfg.routed_scaling_factor, router="sigmoid + e_score_correction_bias")
+        out.update(
+            shared_experts=cfg.n_shared_experts,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            router="sigmoid + e_score_correction_bias",
+        )
     else:
         out.update(router="softmax", norm_topk_prob=cfg.norm_topk_prob)
     return out
@@ -111,8 +156,15 @@ def time_block(block, x: torch.Tensor, iters: int = 5, warmup: int = 2) -> float
 
 def batched_mm_bytes(cfg, tokens: int, dtype) -> int:
     """transformers' batched_mm gathers one copy of the selected expert's weights per (token, expert) pair."""
-    return tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * \
-        torch.finfo(dtype).bits // 8
+    return (
+        tokens
+        * cfg.num_experts_per_tok
+        * 3
+        * cfg.hidden_size
+        * cfg.moe_intermediate_size
+        * torch.finfo(dtype).bits
+        // 8
+    )
 
 
 def set_hf_experts(model, impl: str) -> None:

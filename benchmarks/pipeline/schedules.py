@@ -35,8 +35,16 @@ from hfpar.train.losses import shifted_lm_loss_sum
 
 RESULTS = results_dir("pipeline")
 
-CFG = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-           num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
+CFG = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    use_cache=False,
+)
 T = 256
 V = 2  # chunks per rank of the interleaved schedule
 
@@ -60,7 +68,7 @@ def _pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
         stage = PipelineStage(model, rank, balanced_split(model, world))
     runner = PipelineRunner(stage, list(range(world)), schedule, m)
     batch = _batch(m)
-    runner.train(batch, shifted_lm_loss_sum, 1.0)                       # warm-up step
+    runner.train(batch, shifted_lm_loss_sum, 1.0)  # warm-up step
     stage.zero_grad(set_to_none=True)
     runner.wait_s, runner.sent_bytes = 0.0, 0
     dist.barrier()
@@ -68,8 +76,13 @@ def _pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
     with LiveSavedBytes(stage) as live:
         runner.train(batch, shifted_lm_loss_sum, 1.0)
     dt = time.perf_counter() - t0
-    return {"stage": rank, "idle": runner.wait_s / dt, "peak_bytes": live.peak, "sent_bytes": runner.sent_bytes,
-            "seconds": dt}
+    return {
+        "stage": rank,
+        "idle": runner.wait_s / dt,
+        "peak_bytes": live.peak,
+        "sent_bytes": runner.sent_bytes,
+        "seconds": dt,
+    }
 
 
 def _ddp(rank: int, world: int, m: int) -> dict:
@@ -79,9 +92,10 @@ def _ddp(rank: int, world: int, m: int) -> dict:
     for _ in range(2):
         dist.barrier()
         t0 = time.perf_counter()
-        for row in range(batch["input_ids"].shape[0]):                 # one row at a time, as the pipeline
-            loss, _ = shifted_lm_loss_sum(model(input_ids=batch["input_ids"][row:row + 1]).logits,
-                                          batch["labels"][row:row + 1])
+        for row in range(batch["input_ids"].shape[0]):  # one row at a time, as the pipeline
+            loss, _ = shifted_lm_loss_sum(
+                model(input_ids=batch["input_ids"][row : row + 1]).logits, batch["labels"][row : row + 1]
+            )
             loss.backward()
         dt = time.perf_counter() - t0
     return {"seconds": dt}
@@ -90,7 +104,7 @@ def _ddp(rank: int, world: int, m: int) -> dict:
 def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows = []
-    act = T * CFG["hidden_size"] * 4                                    # one row's boundary tensor, bytes
+    act = T * CFG["hidden_size"] * 4  # one row's boundary tensor, bytes
     for p in (2, 4):
         for mult in (1, 2, 4):
             m = mult * p
@@ -100,32 +114,65 @@ def main() -> None:
                 step_s = max(s["seconds"] for s in stages)
                 v = V if schedule == "interleaved_1f1b" else 1
                 for s in stages:
-                    virtual = range(s["stage"], v * p, p)   # the rank's (virtual) stages
+                    virtual = range(s["stage"], v * p, p)  # the rank's (virtual) stages
                     boundaries = sum((u > 0) + (u < v * p - 1) for u in virtual)
-                    rows.append({"pp": p, "m": m, "schedule": schedule, **s, "theory_idle": (p - 1) / (v * (m + p - 1)),
-                                 "theory_sent_bytes": boundaries * m * act, "tokens_per_s": m * T / step_s,
-                                 "ddp_tokens_per_s": m * T / ddp_s})
-                print(rows[-len(stages):], flush=True)
+                    rows.append(
+                        {
+                            "pp": p,
+                            "m": m,
+                            "schedule": schedule,
+                            **s,
+                            "theory_idle": (p - 1) / (v * (m + p - 1)),
+                            "theory_sent_bytes": boundaries * m * act,
+                            "tokens_per_s": m * T / step_s,
+                            "ddp_tokens_per_s": m * T / ddp_s,
+                        }
+                    )
+                print(rows[-len(stages) :], flush=True)
     (RESULTS / "schedules_cpu.json").write_text(json.dumps(rows, indent=2))
-    md = ["# Pipeline parallelism (CPU, gloo, fp32)", "",
-          "Command: `python -m benchmarks.pipeline.schedules` (Llama hidden 256, 8 layers, micro-batches of 1 x 256 tokens; "
-          "2 cores: at p=4 four processes share them)", "",
-          "| p | m | schedule | stage | idle | theory | peak activations MB | sent MB | theory MB | tokens/s | DDP tokens/s |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        "# Pipeline parallelism (CPU, gloo, fp32)",
+        "",
+        "Command: `python -m benchmarks.pipeline.schedules` (Llama hidden 256, 8 layers, micro-batches of 1 x 256 "
+        "tokens; "
+        "2 cores: at p=4 four processes share them)",
+        "",
+        "| p | m | schedule | stage | idle | theory | peak activations MB | sent MB | theory MB | tokens/s | DDP "
+        "tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        md.append(f"| {r['pp']} | {r['m']} | {r['schedule']} | {r['stage']} | {r['idle']:.2f} | {r['theory_idle']:.2f} | "
-                  f"{r['peak_bytes'] / 1e6:.1f} | {r['sent_bytes'] / 1e6:.2f} | {r['theory_sent_bytes'] / 1e6:.2f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['ddp_tokens_per_s']:.0f} |")
+        md.append(
+            f"| {r['pp']} | {r['m']} | {r['schedule']} | {r['stage']} | {r['idle']:.2f} | {r['theory_idle']:.2f} | "
+            f"{r['peak_bytes'] / 1e6:.1f} | {r['sent_bytes'] / 1e6:.2f} | {r['theory_sent_bytes'] / 1e6:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r['ddp_tokens_per_s']:.0f} |"
+        )
     first = {(r["pp"], r["m"], r["schedule"]): r for r in rows if r["stage"] == 0}
-    md += ["", "Stage 0 at m = 4p, peak activations 1F1B / GPipe: " + ", ".join(
-        f"p={p} {first[(p, 4 * p, '1f1b')]['peak_bytes'] / first[(p, 4 * p, 'gpipe')]['peak_bytes']:.2f}"
-        for p in (2, 4)) + "; interleaved 1F1B / 1F1B: " + ", ".join(
-        f"p={p} {first[(p, 4 * p, 'interleaved_1f1b')]['peak_bytes'] / first[(p, 4 * p, '1f1b')]['peak_bytes']:.2f}"
-        for p in (2, 4)) + "."]
+    md += [
+        "",
+        "Stage 0 at m = 4p, peak activations 1F1B / GPipe: "
+        + ", ".join(
+            f"p={p} {first[(p, 4 * p, '1f1b')]['peak_bytes'] / first[(p, 4 * p, 'gpipe')]['peak_bytes']:.2f}"
+            for p in (2, 4)
+        )
+        + "; interleaved 1F1B / 1F1B: "
+        + ", ".join(
+            f"p={p} {first[(p, 4 * p, 'interleaved_1f1b')]['peak_bytes'] / first[(p, 4 * p, '1f1b')]['peak_bytes']:.2f}"
+            for p in (2, 4)
+        )
+        + ".",
+    ]
     mean_idle = {k: sum(r["idle"] for r in rows if (r["pp"], r["m"], r["schedule"]) == k) / k[0] for k in first}
-    md += ["", "Mean idle over stages at m = 4p, measured (theory): " + "; ".join(
-        f"p={p} {s} {mean_idle[(p, 4 * p, s)]:.3f} ({first[(p, 4 * p, s)]['theory_idle']:.3f})"
-        for p in (2, 4) for s in ("1f1b", "interleaved_1f1b")) + "."]
+    md += [
+        "",
+        "Mean idle over stages at m = 4p, measured (theory): "
+        + "; ".join(
+            f"p={p} {s} {mean_idle[(p, 4 * p, s)]:.3f} ({first[(p, 4 * p, s)]['theory_idle']:.3f})"
+            for p in (2, 4)
+            for s in ("1f1b", "interleaved_1f1b")
+        )
+        + ".",
+    ]
     (RESULTS / "schedules_cpu.md").write_text("\n".join(md) + "\n")
     import matplotlib  # noqa: PLC0415  (an optional extra, for the plot only)
 
@@ -135,11 +182,17 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for p, color in ((2, "b"), (4, "g")):
         for schedule, style in (("gpipe", "o--"), ("1f1b", "s-"), ("interleaved_1f1b", "^-.")):
-            pts = [(r["m"], sum(x["idle"] for x in rows if (x["pp"], x["m"], x["schedule"]) == (p, r["m"], schedule)) / p)
-                   for r in rows if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0]
+            pts = [
+                (r["m"], sum(x["idle"] for x in rows if (x["pp"], x["m"], x["schedule"]) == (p, r["m"], schedule)) / p)
+                for r in rows
+                if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0
+            ]
             axes[0].plot(*zip(*pts), color + style, label=f"p={p} {schedule} (mean over stages)")
-            mem = [(r["m"], r["peak_bytes"] / 1e6) for r in rows
-                   if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0]
+            mem = [
+                (r["m"], r["peak_bytes"] / 1e6)
+                for r in rows
+                if r["pp"] == p and r["schedule"] == schedule and r["stage"] == 0
+            ]
             axes[1].plot(*zip(*mem), color + style, label=f"p={p} {schedule}, stage 0")
         for v, schedule, mark in ((1, "1f1b", ":"), (V, "interleaved_1f1b", "x:")):
             theory = sorted({(r["m"], r["theory_idle"]) for r in rows if r["pp"] == p and r["schedule"] == schedule})

@@ -73,29 +73,38 @@ from benchmarks.common.launch import ROOT, accelerate_cmd, command, env, results
 
 RESULTS = results_dir("strategies")
 STRATEGIES = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "tp", "tp_ddp", "tp_fsdp2", "ep", "ep_fsdp2"]
-MODEL = dict(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+MODEL = dict(
+    vocab_size=512,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
 SEQ, STEPS = 128, 4
-TP = 2                      # tensor-parallel degree of tp_ddp / tp_fsdp2
-EXPERTS, TOP_K = 4, 2       # --upcycle_experts / --moe_top_k of ep / ep_fsdp2
-EP_FSDP2 = 2                # --ep_size of ep_fsdp2
+TP = 2  # tensor-parallel degree of tp_ddp / tp_fsdp2
+EXPERTS, TOP_K = 4, 2  # --upcycle_experts / --moe_top_k of ep / ep_fsdp2
+EP_FSDP2 = 2  # --ep_size of ep_fsdp2
 MOE_FLAGS = ["--upcycle_experts", str(EXPERTS), "--moe_top_k", str(TOP_K)]
 
 # Why measured / theory > 1.05, for the rows where that happens (from the measured collectives; the
 # markdown prints the line only for rows over the threshold, and says so when a row has no entry).
 WHY = {
     "zero1": "DeepSpeed's ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, v{ds}) never calls a reduce-scatter: "
-             "with the defaults `reduce_scatter: true` and `use_multi_rank_bucket_allreduce: true`, "
-             "`average_tensor` puts every gradient slice into one (\"allreduce\", dp group) bucket and "
-             "`allreduce_and_scatter` -> `allreduce_bucket` calls `dist.all_reduce` on the whole bucket, then "
-             "keeps this rank's partition: 2 Phi (N-1)/N (measured all_reduce) instead of Phi (N-1)/N; the "
-             "parameter all-gather after the step matches theory. No DeepSpeed setting makes stage 1/2 call a "
-             "reduce-scatter collective; `zero_optimization.use_multi_rank_bucket_allreduce: false` (a DeepSpeed "
-             "JSON key, not one of Accelerate's yaml keys) sends each partition's slice to its owner with "
-             "`dist.reduce` instead (checked once by hand with ZeRO-2, N=2: no gradient all-reduce, two "
-             "`dist.reduce` per step whose payloads sum to Phi), which is the Phi (N-1)/N of the ZeRO paper "
-             "with a bandwidth-optimal reduce. hfpar keeps DeepSpeed's default, which DeepSpeed's docs prefer "
-             "for small models on many GPUs.",
+    "with the defaults `reduce_scatter: true` and `use_multi_rank_bucket_allreduce: true`, "
+    '`average_tensor` puts every gradient slice into one ("allreduce", dp group) bucket and '
+    "`allreduce_and_scatter` -> `allreduce_bucket` calls `dist.all_reduce` on the whole bucket, then "
+    "keeps this rank's partition: 2 Phi (N-1)/N (measured all_reduce) instead of Phi (N-1)/N; the "
+    "parameter all-gather after the step matches theory. No DeepSpeed setting makes stage 1/2 call a "
+    "reduce-scatter collective; `zero_optimization.use_multi_rank_bucket_allreduce: false` (a DeepSpeed "
+    "JSON key, not one of Accelerate's yaml keys) sends each partition's slice to its owner with "
+    "`dist.reduce` instead (checked once by hand with ZeRO-2, N=2: no gradient all-reduce, two "
+    "`dist.reduce` per step whose payloads sum to Phi), which is the Phi (N-1)/N of the ZeRO paper "
+    "with a bandwidth-optimal reduce. hfpar keeps DeepSpeed's default, which DeepSpeed's docs prefer "
+    "for small models on many GPUs.",
 }
 WHY["zero2"] = WHY["zero1"]
 
@@ -117,8 +126,8 @@ def moe_split(path: Path) -> dict[str, int]:
     """Phi_dense / Phi_expert (bytes) of the saved model upcycled as the recipe does it, one process."""
     from transformers import LlamaForCausalLM
 
-    from hfpar.parallel.expert_parallel.moe import GroupedExperts
     from hfpar.parallel.expert_parallel import upcycle_to_moe
+    from hfpar.parallel.expert_parallel.moe import GroupedExperts
 
     model = upcycle_to_moe(LlamaForCausalLM.from_pretrained(path), EXPERTS, TOP_K)
     expert = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
@@ -147,8 +156,11 @@ def plan(strategy: str, n: int, global_batch: int) -> dict | None:
     raise ValueError(strategy)
 
 
-SKIP_REASON = {"tp_ddp": f"needs tp={TP} x dp>=2 processes", "tp_fsdp2": f"needs tp={TP} x dp>=2 processes",
-               "ep_fsdp2": f"run at {EP_FSDP2} processes only, --ep_size {EP_FSDP2} as planned in issue #7"}
+SKIP_REASON = {
+    "tp_ddp": f"needs tp={TP} x dp>=2 processes",
+    "tp_fsdp2": f"needs tp={TP} x dp>=2 processes",
+    "ep_fsdp2": f"run at {EP_FSDP2} processes only, --ep_size {EP_FSDP2} as planned in issue #7",
+}
 
 
 def tp_activation_bytes(per_device: int, tp: int) -> float:
@@ -162,8 +174,16 @@ def phi_local(info: dict, strategy: str, tp: int) -> int:
     return sum(per_rank[0::tp]) if strategy == "tp_fsdp2" else per_rank[0]
 
 
-def comm_theory(strategy: str, n: int, phi: int, per_device: int, *, info: dict | None = None,
-                moe: dict | None = None, a2a_min: float = 0.0) -> dict[str, float]:
+def comm_theory(
+    strategy: str,
+    n: int,
+    phi: int,
+    per_device: int,
+    *,
+    info: dict | None = None,
+    moe: dict | None = None,
+    a2a_min: float = 0.0,
+) -> dict[str, float]:
     f = (n - 1) / n
     if strategy == "ddp":
         return {"all_reduce": 2 * phi * f}
@@ -186,16 +206,42 @@ def comm_theory(strategy: str, n: int, phi: int, per_device: int, *, info: dict 
         expert = 2 * moe["expert"] / ep * (edp - 1) / edp
         if strategy == "ep":
             return {"all_reduce": 2 * moe["dense"] * f + expert, "all_to_all": a2a_min}
-        return {"all_gather": 2 * moe["dense"] * f, "reduce_scatter": moe["dense"] * f, "all_reduce": expert,
-                "all_to_all": a2a_min}
+        return {
+            "all_gather": 2 * moe["dense"] * f,
+            "reduce_scatter": moe["dense"] * f,
+            "all_reduce": expert,
+            "all_to_all": a2a_min,
+        }
     raise ValueError(strategy)
 
 
 def launch(config: str, extra: list[str], n: int, model: Path, out: Path, per_device: int) -> dict:
-    cmd = accelerate_cmd(config, n, "sft", [
-        "--model_name_or_path", str(model), "--output_dir", str(out), "--max_steps", str(STEPS),
-        "--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", "1", "--eval_steps", "0",
-        "--packing", "--max_seq_length", str(SEQ), "--log_comm_bytes", "--save_final_model", "false", *extra])
+    cmd = accelerate_cmd(
+        config,
+        n,
+        "sft",
+        [
+            "--model_name_or_path",
+            str(model),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(per_device),
+            "--gradient_accumulation_steps",
+            "1",
+            "--eval_steps",
+            "0",
+            "--packing",
+            "--max_seq_length",
+            str(SEQ),
+            "--log_comm_bytes",
+            "--save_final_model",
+            "false",
+            *extra,
+        ],
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(cpu=False), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{config} {' '.join(extra)} x{n} failed:\n{proc.stderr[-3000:]}")
@@ -203,16 +249,24 @@ def launch(config: str, extra: list[str], n: int, model: Path, out: Path, per_de
     steps = [r for r in rows if "comm" in r][1:]  # step 1 builds optimizer state / first gathers
     kinds = sorted({k for r in steps for k in r["comm"]})
     measured = {k: statistics.median(r["comm"].get(k, {"wire": 0})["wire"] for r in steps) for k in kinds}
-    return {"measured": measured, "info": json.loads((out / "run_info.json").read_text()), "steps": steps,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps)}
+    return {
+        "measured": measured,
+        "info": json.loads((out / "run_info.json").read_text()),
+        "steps": steps,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+    }
 
 
-def held_expectations(s: str, n: int, p: dict, full: dict, info: dict, tp_ref: dict | None,
-                      moe: dict | None, moe_full: dict | None) -> dict:
+def held_expectations(
+    s: str, n: int, p: dict, full: dict, info: dict, tp_ref: dict | None, moe: dict | None, moe_full: dict | None
+) -> dict:
     """{category: {"per_rank", "theory" (rank 0's, or None), "max_ratio" (or None)}}."""
     out = {}
-    for cat, key in (("params", "param_bytes_per_rank"), ("grads", "grad_bytes_per_rank"),
-                     ("optimizer", "optimizer_state_bytes_per_rank")):
+    for cat, key in (
+        ("params", "param_bytes_per_rank"),
+        ("grads", "grad_bytes_per_rank"),
+        ("optimizer", "optimizer_state_bytes_per_rank"),
+    ):
         per_rank = info[key]
         if s in ("tp_ddp", "tp_fsdp2"):
             if tp_ref is None:
@@ -225,11 +279,17 @@ def held_expectations(s: str, n: int, p: dict, full: dict, info: dict, tp_ref: d
             frac = (dense + moe["expert"] / p["ep"]) / (moe["dense"] + moe["expert"])
             expect = [moe_full[cat] * frac] * n
         else:
-            shard = {"params": s in ("fsdp2", "zero3", "tp"), "grads": s in ("fsdp2", "zero2", "zero3", "tp"),
-                     "optimizer": s != "ddp"}
+            shard = {
+                "params": s in ("fsdp2", "zero3", "tp"),
+                "grads": s in ("fsdp2", "zero2", "zero3", "tp"),
+                "optimizer": s != "ddp",
+            }
             expect = [full[cat] / n if shard[cat] else full[cat]] * n
-        out[cat] = {"per_rank": per_rank, "theory": None if expect is None else expect[0],
-                    "max_ratio": None if expect is None else max(b / e for b, e in zip(per_rank, expect))}
+        out[cat] = {
+            "per_rank": per_rank,
+            "theory": None if expect is None else expect[0],
+            "max_ratio": None if expect is None else max(b / e for b, e in zip(per_rank, expect)),
+        }
     return out
 
 
@@ -252,16 +312,22 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hfpar-comm-"))
     phi = build_model(tmp / "model")
     single = launch("ddp", [], 1, tmp / "model", tmp / "single", a.global_batch)["info"]  # one process: no comm
-    full = {"params": single["param_bytes_per_rank"][0], "grads": single["grad_bytes_per_rank"][0],
-            "optimizer": single["optimizer_state_bytes_per_rank"][0]}
+    full = {
+        "params": single["param_bytes_per_rank"][0],
+        "grads": single["grad_bytes_per_rank"][0],
+        "optimizer": single["optimizer_state_bytes_per_rank"][0],
+    }
     moe = moe_full = None
     if any(s.startswith("ep") for s in strategies):
         moe = moe_split(tmp / "model")
         info = launch("ddp", MOE_FLAGS, 1, tmp / "model", tmp / "single_moe", a.global_batch)["info"]
-        moe_full = {"params": info["param_bytes_per_rank"][0], "grads": info["grad_bytes_per_rank"][0],
-                    "optimizer": info["optimizer_state_bytes_per_rank"][0]}
+        moe_full = {
+            "params": info["param_bytes_per_rank"][0],
+            "grads": info["grad_bytes_per_rank"][0],
+            "optimizer": info["optimizer_state_bytes_per_rank"][0],
+        }
         print(json.dumps({"moe_phi": moe, "single_upcycled_run": moe_full}), flush=True)
-    tp_refs: dict[int, dict] = {}   # tp degree -> run_info of the plain `tp` run (reference for tp_ddp / tp_fsdp2)
+    tp_refs: dict[int, dict] = {}  # tp degree -> run_info of the plain `tp` run (reference for tp_ddp / tp_fsdp2)
     results, skipped = [], []
     nprocs = [int(x) for x in a.nprocs.split(",")]
     for n in nprocs:
@@ -285,27 +351,59 @@ def main() -> None:
                 mid = sorted(range(len(minimum)), key=minimum.__getitem__)[(len(minimum) - 1) // 2]  # median step
                 a2a_min = minimum[mid]
                 tokens = a.global_batch * SEQ // n
-                uniform = 4 * MODEL["num_hidden_layers"] * tokens * TOP_K * (pl["ep"] - 1) / pl["ep"] \
-                    * MODEL["hidden_size"] * 4
+                uniform = (
+                    4
+                    * MODEL["num_hidden_layers"]
+                    * tokens
+                    * TOP_K
+                    * (pl["ep"] - 1)
+                    / pl["ep"]
+                    * MODEL["hidden_size"]
+                    * 4
+                )
                 a2a_steps = [st["comm"]["all_to_all"]["wire"] for st in r["steps"]]
-                moe_rows = {"routed_per_step": routed, "received_per_step": received,
-                            "all_to_all_wire_per_step": a2a_steps, "routed_min_bytes_per_step": minimum,
-                            "median_step": mid + 2, "routed": routed[mid], "received": received[mid],
-                            "all_to_all_wire": a2a_steps[mid], "routed_min_bytes": a2a_min,
-                            "tokens_per_rank": tokens, "uniform_bytes": uniform}
+                moe_rows = {
+                    "routed_per_step": routed,
+                    "received_per_step": received,
+                    "all_to_all_wire_per_step": a2a_steps,
+                    "routed_min_bytes_per_step": minimum,
+                    "median_step": mid + 2,
+                    "routed": routed[mid],
+                    "received": received[mid],
+                    "all_to_all_wire": a2a_steps[mid],
+                    "routed_min_bytes": a2a_min,
+                    "tokens_per_rank": tokens,
+                    "uniform_bytes": uniform,
+                }
             theory = comm_theory(s, n, phi, per_device, info=info, moe=moe, a2a_min=a2a_min)
             total_m, total_t = sum(r["measured"].values()), sum(theory.values())
             ref = None
             if s in ("tp_ddp", "tp_fsdp2"):
                 if pl["tp"] not in tp_refs:  # the `tp` run at this degree was not part of this invocation
-                    tp_refs[pl["tp"]] = launch("ddp", ["--tp_size", str(pl["tp"])], pl["tp"], tmp / "model",
-                                               tmp / f"tp_ref_{pl['tp']}", a.global_batch)["info"]
+                    tp_refs[pl["tp"]] = launch(
+                        "ddp",
+                        ["--tp_size", str(pl["tp"])],
+                        pl["tp"],
+                        tmp / "model",
+                        tmp / f"tp_ref_{pl['tp']}",
+                        a.global_batch,
+                    )["info"]
                 ref = tp_refs[pl["tp"]]
             held = held_expectations(s, n, pl, full, info, ref, moe, moe_full)
-            row = {"strategy": s, "n": n, "tp": pl["tp"], "dp": pl["dp"], "ep": pl["ep"],
-                   "per_device_batch": per_device, "measured": r["measured"], "theory": theory,
-                   "ratio": total_m / total_t, "held": held, "tokens_per_s": r["tokens_per_s"],
-                   "peak_mem_bytes_per_rank": info["peak_mem_bytes_per_rank"]}
+            row = {
+                "strategy": s,
+                "n": n,
+                "tp": pl["tp"],
+                "dp": pl["dp"],
+                "ep": pl["ep"],
+                "per_device_batch": per_device,
+                "measured": r["measured"],
+                "theory": theory,
+                "ratio": total_m / total_t,
+                "held": held,
+                "tokens_per_s": r["tokens_per_s"],
+                "peak_mem_bytes_per_rank": info["peak_mem_bytes_per_rank"],
+            }
             if s in ("tp_ddp", "tp_fsdp2"):
                 row["phi_local"] = phi_local(info, s, pl["tp"])
             if moe_rows is not None:
@@ -321,10 +419,25 @@ def main() -> None:
         ds_version = deepspeed.__version__
     except Exception:  # optional extra
         ds_version = "?"
-    meta = {"command": command(), "machine": platform.platform(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "deepspeed": ds_version, "model": MODEL, "phi_bytes": phi, "seq": SEQ,
-            "steps": STEPS, "global_batch": a.global_batch, "tp": TP, "experts": EXPERTS, "top_k": TOP_K,
-            "moe_phi_bytes": moe, "nprocs": nprocs, "device": dev, "skipped": skipped}
+    meta = {
+        "command": command(),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "deepspeed": ds_version,
+        "model": MODEL,
+        "phi_bytes": phi,
+        "seq": SEQ,
+        "steps": STEPS,
+        "global_batch": a.global_batch,
+        "tp": TP,
+        "experts": EXPERTS,
+        "top_k": TOP_K,
+        "moe_phi_bytes": moe,
+        "nprocs": nprocs,
+        "device": dev,
+        "skipped": skipped,
+    }
     out_dir = Path(a.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"communication_{dev}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -336,63 +449,87 @@ def write_report(meta: dict, results: list[dict], out_dir: Path) -> None:
     dev, phi, moe, nprocs, skipped = (meta[k] for k in ("device", "phi_bytes", "moe_phi_bytes", "nprocs", "skipped"))
     out_dir.mkdir(parents=True, exist_ok=True)
     mb = 1 / 2**20
-    lines = [f"# Communication per optimizer step and bytes held per rank ({dev})", "",
-             f"Command: `{meta['command']}`; {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}. "
-             f"Llama hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}: "
-             f"Phi = {phi * mb:.2f} MiB of fp32 parameters; global batch {meta['global_batch']} x {SEQ} tokens (packed), "
-             "accumulation 1; medians of steps 2-4, rank 0. Wire bytes = what this rank sends with ring algorithms. "
-             f"tp_ddp / tp_fsdp2: tp = {TP}, dp = N / {TP}. ep / ep_fsdp2: `--upcycle_experts {EXPERTS} "
-             f"--moe_top_k {TOP_K}`"
-             + (f" (Phi_dense = {moe['dense'] * mb:.2f} MiB, Phi_expert = {moe['expert'] * mb:.2f} MiB)" if moe else "")
-             + f", ep = N (ep), {EP_FSDP2} (ep_fsdp2). Theory formulas: the docstring of benchmarks/strategies/communication.py. "
-             "tokens/s: median of steps 2-4 of one run with the byte counter on, indicative only ("
-             + (f"{max(nprocs)} processes share {meta['cpus']} CPUs here, so not scaling numbers; "
-                if dev == "cpu" and (meta["cpus"] or 1) < max(nprocs) else "")
-             + "benchmarks/strategies/speed.py measures throughput); peak mem: largest per-rank peak "
-             + ("allocated CUDA memory." if dev != "cpu" else "RSS of the process."),
-             "", "| strategy | N | measured MiB/step (by collective) | theory MiB/step | measured / theory "
-             "| tokens/s | peak mem / rank MiB |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Communication per optimizer step and bytes held per rank ({dev})",
+        "",
+        f"Command: `{meta['command']}`; {meta['machine']}, {meta['cpus']} CPUs, torch {meta['torch']}. "
+        f"Llama hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}: "
+        f"Phi = {phi * mb:.2f} MiB of fp32 parameters; global batch {meta['global_batch']} x {SEQ} tokens (packed), "
+        "accumulation 1; medians of steps 2-4, rank 0. Wire bytes = what this rank sends with ring algorithms. "
+        f"tp_ddp / tp_fsdp2: tp = {TP}, dp = N / {TP}. ep / ep_fsdp2: `--upcycle_experts {EXPERTS} "
+        f"--moe_top_k {TOP_K}`"
+        + (f" (Phi_dense = {moe['dense'] * mb:.2f} MiB, Phi_expert = {moe['expert'] * mb:.2f} MiB)" if moe else "")
+        + f", ep = N (ep), {EP_FSDP2} (ep_fsdp2). Theory formulas: the docstring of "
+        "benchmarks/strategies/communication.py. "
+        "tokens/s: median of steps 2-4 of one run with the byte counter on, indicative only ("
+        + (
+            f"{max(nprocs)} processes share {meta['cpus']} CPUs here, so not scaling numbers; "
+            if dev == "cpu" and (meta["cpus"] or 1) < max(nprocs)
+            else ""
+        )
+        + "benchmarks/strategies/speed.py measures throughput); peak mem: largest per-rank peak "
+        + ("allocated CUDA memory." if dev != "cpu" else "RSS of the process."),
+        "",
+        "| strategy | N | measured MiB/step (by collective) | theory MiB/step | measured / theory "
+        "| tokens/s | peak mem / rank MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         m = ", ".join(f"{k} {v * mb:.2f}" for k, v in r["measured"].items() if v > 1024)
         t = ", ".join(f"{k} {v * mb:.2f}" for k, v in r["theory"].items() if v > 0)
-        lines.append(f"| {r['strategy']} | {r['n']} | {m} | {t} | {r['ratio']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{max(r['peak_mem_bytes_per_rank']) * mb:.0f} |")
+        lines.append(
+            f"| {r['strategy']} | {r['n']} | {m} | {t} | {r['ratio']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{max(r['peak_mem_bytes_per_rank']) * mb:.0f} |"
+        )
     over = [r for r in results if r["ratio"] > 1.05]
     if over:
         lines += ["", "Rows with measured / theory > 1.05:", ""]
         groups: dict[str, list[str]] = {}
         for r in over:
-            excess = ", ".join(f"{k} {(r['measured'].get(k, 0) - r['theory'].get(k, 0)) * mb:+.2f} MiB"
-                               for k in sorted(set(r["measured"]) | set(r["theory"]))
-                               if abs(r["measured"].get(k, 0) - r["theory"].get(k, 0)) > 1024)
+            excess = ", ".join(
+                f"{k} {(r['measured'].get(k, 0) - r['theory'].get(k, 0)) * mb:+.2f} MiB"
+                for k in sorted(set(r["measured"]) | set(r["theory"]))
+                if abs(r["measured"].get(k, 0) - r["theory"].get(k, 0)) > 1024
+            )
             why = WHY.get(r["strategy"], "not explained by this harness; see the excess by collective.")
             groups.setdefault(why, []).append(f"{r['strategy']} N={r['n']} ({r['ratio']:.3f}; {excess})")
         for why, rows in groups.items():
             lines.append("- **" + "; ".join(rows) + "**. Why: " + why.format(ds=meta["deepspeed"]))
     moe_rows = [r for r in results if "moe" in r]
     if moe_rows:
-        lines += ["", "MoE all-to-all, rank 0 (rows = token copies of H floats, summed over "
-                  f"{MODEL['num_hidden_layers']} MoE layers, counted by MoELayer, not by the comm counter; routing "
-                  "changes every step, so each step's rows go with that step's bytes: the step shown is the one "
-                  "with the median routed-token minimum, which is the theory in the table above). Routed-token "
-                  "minimum = 2 x (routed + received) x H x 4 bytes (dispatch + combine, forward and backward); "
-                  "measured - minimum = the per-expert count exchange. Uniform = what uniform routing would send: "
-                  "4 x layers x tokens/rank x top_k x (ep-1)/ep rows x H x 4 bytes:", "",
-                  "| strategy | N | ep | step | rows routed to other ranks | rows received | all_to_all measured "
-                  "bytes | routed-token minimum bytes | measured / minimum | uniform routing bytes | measured / uniform |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "MoE all-to-all, rank 0 (rows = token copies of H floats, summed over "
+            f"{MODEL['num_hidden_layers']} MoE layers, counted by MoELayer, not by the comm counter; routing "
+            "changes every step, so each step's rows go with that step's bytes: the step shown is the one "
+            "with the median routed-token minimum, which is the theory in the table above). Routed-token "
+            "minimum = 2 x (routed + received) x H x 4 bytes (dispatch + combine, forward and backward); "
+            "measured - minimum = the per-expert count exchange. Uniform = what uniform routing would send: "
+            "4 x layers x tokens/rank x top_k x (ep-1)/ep rows x H x 4 bytes:",
+            "",
+            "| strategy | N | ep | step | rows routed to other ranks | rows received | all_to_all measured "
+            "bytes | routed-token minimum bytes | measured / minimum | uniform routing bytes | measured / uniform |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in moe_rows:
             mo = r["moe"]
             a2a = mo["all_to_all_wire"]
-            lines.append(f"| {r['strategy']} | {r['n']} | {r['ep']} | {mo['median_step']} | {mo['routed']} | "
-                         f"{mo['received']} | {a2a:.0f} | {mo['routed_min_bytes']:.0f} | "
-                         f"{a2a / mo['routed_min_bytes']:.5f} | {mo['uniform_bytes']:.0f} | "
-                         f"{a2a / mo['uniform_bytes']:.3f} |")
-    lines += ["", "Bytes held per rank vs theory (single-process bytes, / N where the strategy shards them; tp_ddp / "
-              "tp_fsdp2: the `tp` run's per-rank bytes at the same tp, / dp under FSDP2; ep / ep_fsdp2: the "
-              "single-process upcycled run x (Phi_dense [/ N under FSDP2] + Phi_expert / ep) / Phi); worst rank's "
-              "ratio, — where no expectation is defined:", "",
-              "| strategy | N | params | grads | optimizer state |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {r['strategy']} | {r['n']} | {r['ep']} | {mo['median_step']} | {mo['routed']} | "
+                f"{mo['received']} | {a2a:.0f} | {mo['routed_min_bytes']:.0f} | "
+                f"{a2a / mo['routed_min_bytes']:.5f} | {mo['uniform_bytes']:.0f} | "
+                f"{a2a / mo['uniform_bytes']:.3f} |"
+            )
+    lines += [
+        "",
+        "Bytes held per rank vs theory (single-process bytes, / N where the strategy shards them; tp_ddp / "
+        "tp_fsdp2: the `tp` run's per-rank bytes at the same tp, / dp under FSDP2; ep / ep_fsdp2: the "
+        "single-process upcycled run x (Phi_dense [/ N under FSDP2] + Phi_expert / ep) / Phi); worst rank's "
+        "ratio, — where no expectation is defined:",
+        "",
+        "| strategy | N | params | grads | optimizer state |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         h = r["held"]
         cells = []

@@ -1,4 +1,5 @@
-"""Loss curves of the embedded sft recipe under DDP, FSDP2 and ZeRO-3: docs/strategies_loss.png (shown in docs/recipes.md).
+"""Loss curves of the embedded sft recipe under DDP, FSDP2 and ZeRO-3: docs/strategies_loss.png (shown in
+docs/recipes.md).
 
     python -m benchmarks.strategies.loss_curves      # writes docs/strategies_loss.png and
                                               # benchmarks/results/strategies/loss_curves_cpu_2p.{md,json}
@@ -52,25 +53,38 @@ def main() -> None:
             out = Path(tmp) / s
             run(s, a.nproc, out)
             train, evals, info = read_run(out)
-            results[s] = {"strategy_in_effect": info.get("strategy"),
-                          "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals},
-                          "final_train_loss": train[-1]["loss"]}
+            results[s] = {
+                "strategy_in_effect": info.get("strategy"),
+                "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals},
+                "final_train_loss": train[-1]["loss"],
+            }
             dirs.append(out)
         plot_runs(dirs, a.plot)
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = launch.command()
-    stem.with_suffix(".json").write_text(json.dumps({"command": command, "torch": torch.__version__,
-                                                     "recipe_args": RECIPE_ARGS, "runs": results}, indent=2) + "\n")
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {"command": command, "torch": torch.__version__, "recipe_args": RECIPE_ARGS, "runs": results}, indent=2
+        )
+        + "\n"
+    )
     steps = sorted({int(k) for r in results.values() for k in r["eval_loss_by_step"]})
-    lines = [f"# sft recipe loss under {', '.join(results)} ({a.nproc} processes, {device}, fp32)", "",
-             f"Command: `{command}` (torch {torch.__version__}); each run: `recipes/sft.py {' '.join(RECIPE_ARGS)}`; "
-             f"plot: {Path(a.plot).resolve().relative_to(ROOT) if Path(a.plot).resolve().is_relative_to(ROOT) else a.plot}", "",
-             "| strategy | " + " | ".join(f"eval loss @ {s}" for s in steps) + " | final train loss |",
-             "|---|" + "---|" * (len(steps) + 1)]
+    lines = [
+        f"# sft recipe loss under {', '.join(results)} ({a.nproc} processes, {device}, fp32)",
+        "",
+        f"Command: `{command}` (torch {torch.__version__}); each run: `recipes/sft.py {' '.join(RECIPE_ARGS)}`; "
+        f"plot: {Path(a.plot).resolve().relative_to(ROOT) if Path(a.plot).resolve().is_relative_to(ROOT) else a.plot}",
+        "",
+        "| strategy | " + " | ".join(f"eval loss @ {s}" for s in steps) + " | final train loss |",
+        "|---|" + "---|" * (len(steps) + 1),
+    ]
     for s, r in results.items():
         ev = r["eval_loss_by_step"]
-        lines.append(f"| {s} | " + " | ".join(f"{ev[str(k)]:.4f}" if str(k) in ev else "" for k in steps)
-                     + f" | {r['final_train_loss']:.4f} |")
+        lines.append(
+            f"| {s} | "
+            + " | ".join(f"{ev[str(k)]:.4f}" if str(k) in ev else "" for k in steps)
+            + f" | {r['final_train_loss']:.4f} |"
+        )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

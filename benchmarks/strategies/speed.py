@@ -37,11 +37,30 @@ def theory(strategy: str, n: int, param_bytes: int, opt_bytes: int) -> tuple[flo
 def run(strategy: str, nproc: int, a, out: Path) -> dict:
     n = 1 if strategy == "single" else nproc
     per_device = a.global_batch // (n * a.accum)
-    cmd = accelerate_cmd(strategy, n, "sft", [
-        "--output_dir", str(out), "--max_steps", str(a.steps), "--per_device_train_batch_size", str(per_device),
-        "--gradient_accumulation_steps", str(a.accum), "--eval_steps", "0", "--logging_steps", "1000",
-        "--max_seq_length", str(a.max_seq_length), "--model_name_or_path", a.model_name_or_path],
-        mixed_precision=a.mixed_precision)
+    cmd = accelerate_cmd(
+        strategy,
+        n,
+        "sft",
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(a.steps),
+            "--per_device_train_batch_size",
+            str(per_device),
+            "--gradient_accumulation_steps",
+            str(a.accum),
+            "--eval_steps",
+            "0",
+            "--logging_steps",
+            "1000",
+            "--max_seq_length",
+            str(a.max_seq_length),
+            "--model_name_or_path",
+            a.model_name_or_path,
+        ],
+        mixed_precision=a.mixed_precision,
+    )
     threads = max(1, (os.cpu_count() or 2) // n)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(cpu=False, threads=threads), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -50,7 +69,8 @@ def run(strategy: str, nproc: int, a, out: Path) -> dict:
     steps = [r for r in rows if "loss" in r][5:]
     info = json.loads((out / "run_info.json").read_text())
     return {
-        "strategy": strategy, "processes": n,
+        "strategy": strategy,
+        "processes": n,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
         "step_time_s": statistics.median(r["step_time_s"] for r in steps),
         "final_loss": rows[-1]["loss"] if "loss" in rows[-1] else [r for r in rows if "loss" in r][-1]["loss"],
@@ -76,7 +96,9 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     w = 0.4
     xs = range(len(ok))
     axes[1].bar([x - w / 2 for x in xs], [r["param_bytes_per_rank"][0] / 1e6 for r in ok], w, label="params")
-    axes[1].bar([x + w / 2 for x in xs], [r["optimizer_state_bytes_per_rank"][0] / 1e6 for r in ok], w, label="optimizer state")
+    axes[1].bar(
+        [x + w / 2 for x in xs], [r["optimizer_state_bytes_per_rank"][0] / 1e6 for r in ok], w, label="optimizer state"
+    )
     axes[1].set_xticks(list(xs), names)
     axes[1].set_ylabel("MB held by rank 0")
     axes[1].set_title("memory held per rank")
@@ -111,21 +133,37 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stem = RESULTS / f"speed_{device}_{a.nproc}p"
     single = next((r for r in results if r["strategy"] == "single" and "error" not in r), None)
-    lines = [f"# Strategies on {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {device}), {a.nproc} processes",
-             "", f"Command: `{command()}`  ",
-             f"torch {torch.__version__}; global batch {a.global_batch}, seq <= {a.max_seq_length}, {a.steps} steps, "
-             f"mixed precision {a.mixed_precision}; tokens/s = median after 5 warm-up steps.", "",
-             "| strategy | procs | tokens/s | step s | final loss | param bytes/rank (theory) | optimizer bytes/rank (theory) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Strategies on {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {device}), {a.nproc} "
+        "processes",
+        "",
+        f"Command: `{command()}`  ",
+        f"torch {torch.__version__}; global batch {a.global_batch}, seq <= {a.max_seq_length}, {a.steps} steps, "
+        f"mixed precision {a.mixed_precision}; tokens/s = median after 5 warm-up steps.",
+        "",
+        "| strategy | procs | tokens/s | step s | final loss | param bytes/rank (theory) | optimizer bytes/rank "
+        "(theory) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['strategy']} | | failed: {r['error']} | | | | |")
             continue
-        tp, to = theory(r["strategy"], r["processes"], single["param_bytes_per_rank"][0],
-                        single["optimizer_state_bytes_per_rank"][0]) if single else (float("nan"),) * 2
-        lines.append(f"| {r['strategy']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} | "
-                     f"{r['final_loss']:.4f} | {r['param_bytes_per_rank'][0]:,} ({tp:,.0f}) | "
-                     f"{r['optimizer_state_bytes_per_rank'][0]:,} ({to:,.0f}) |")
+        tp, to = (
+            theory(
+                r["strategy"],
+                r["processes"],
+                single["param_bytes_per_rank"][0],
+                single["optimizer_state_bytes_per_rank"][0],
+            )
+            if single
+            else (float("nan"),) * 2
+        )
+        lines.append(
+            f"| {r['strategy']} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} | "
+            f"{r['final_loss']:.4f} | {r['param_bytes_per_rank'][0]:,} ({tp:,.0f}) | "
+            f"{r['optimizer_state_bytes_per_rank'][0]:,} ({to:,.0f}) |"
+        )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"), f"hfpar strategies, {a.nproc} processes on {device}")

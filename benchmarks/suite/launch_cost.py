@@ -29,9 +29,30 @@ from benchmarks.common.launch import ROOT, results_dir
 
 OUT = results_dir("suite") / "launch_cost.json"
 # the parity tests' 8-step schedule (tests/helpers/parity.py COMMON) on the embedded default model and data
-ARGS = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3", "--warmup_steps", "2",
-        "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_steps", "4", "--per_device_eval_batch_size", "8",
-        "--max_eval_samples", "48", "--weight_decay", "0.01", "--per_device_train_batch_size", "2"]
+ARGS = [
+    "--max_steps",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "2e-3",
+    "--warmup_steps",
+    "2",
+    "--max_grad_norm",
+    "1.0",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "4",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_eval_samples",
+    "48",
+    "--weight_decay",
+    "0.01",
+    "--per_device_train_batch_size",
+    "2",
+]
 # printed by a subprocess in the measured tree (its working directory: `python -c` imports from there), that tree's
 # test launcher's command and environment for the run above (what is measured is the tests' launch, in any commit)
 _ASK = """import json, sys
@@ -40,8 +61,13 @@ print(json.dumps({"cmd": launch_cmd("ddp", 2, "sft", json.loads(sys.argv[1])), "
 
 
 def command_of(tree: Path, out_dir: str) -> tuple[list[str], dict]:
-    asked = subprocess.run([sys.executable, "-c", _ASK, json.dumps([*ARGS, "--output_dir", out_dir])],
-                           cwd=tree, capture_output=True, text=True, check=True)
+    asked = subprocess.run(
+        [sys.executable, "-c", _ASK, json.dumps([*ARGS, "--output_dir", out_dir])],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     spec = json.loads(asked.stdout)
     # the tree's own hfpar, whatever the editable install points at
     spec["env"]["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -64,15 +90,21 @@ def measure(tree: Path) -> dict:
 
 
 def summary(runs: list[dict], tree: Path) -> dict:
-    return {"median_wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),
-            "median_cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
-            "wall_s": [r["wall_s"] for r in runs], "cpu_s": [r["cpu_s"] for r in runs],
-            "command": " ".join(Path(c).name if c == sys.executable else c for c in runs[0]["cmd"])
-            .replace(str(tree), "<tree>")}
+    return {
+        "median_wall_s": round(statistics.median(r["wall_s"] for r in runs), 2),
+        "median_cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
+        "wall_s": [r["wall_s"] for r in runs],
+        "cpu_s": [r["cpu_s"] for r in runs],
+        "command": " ".join(Path(c).name if c == sys.executable else c for c in runs[0]["cmd"]).replace(
+            str(tree), "<tree>"
+        ),
+    }
 
 
 def git_commit(tree: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main() -> None:
@@ -86,12 +118,19 @@ def main() -> None:
     for i in range(a.repeats):
         for name in reversed(trees):  # baseline first in each round
             runs[name].append(measure(trees[name]))
-            print(f"round {i + 1} {name}: wall {runs[name][-1]['wall_s']} s, cpu {runs[name][-1]['cpu_s']} s", flush=True)
-    result = {"what": "2-process DDP launch (CPU + gloo) of 8 steps of the embedded sft recipe, "
-                      "wall and CPU seconds of the whole process tree, median of the repeats",
-              "torch": metadata.version("torch"), "python": platform.python_version(), "cpus": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": a.repeats,
-              **{name: {"commit": git_commit(tree), **summary(runs[name], tree)} for name, tree in trees.items()}}
+            print(
+                f"round {i + 1} {name}: wall {runs[name][-1]['wall_s']} s, cpu {runs[name][-1]['cpu_s']} s", flush=True
+            )
+    result = {
+        "what": "2-process DDP launch (CPU + gloo) of 8 steps of the embedded sft recipe, "
+        "wall and CPU seconds of the whole process tree, median of the repeats",
+        "torch": metadata.version("torch"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "repeats": a.repeats,
+        **{name: {"commit": git_commit(tree), **summary(runs[name], tree)} for name, tree in trees.items()},
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k in trees}, indent=2))

@@ -5,8 +5,8 @@
 Activation memory is measured exactly, not estimated: the bytes of every tensor autograd saves for
 backward during one forward (torch.autograd.graph.saved_tensors_hooks), per rank, for a Llama-style
 model (hidden 256, 4 layers, 8 heads, batch 4 x 512 tokens, fp32) unsharded, with TP=2, and with
-TP=2 + sequence parallelism (2 gloo ranks on CPU). Tensors saved twice (same storage) count once; parameters are excluded.
-The overhead part times forward+backward of hfpar's Column/Row layers at group size 1 against the
+TP=2 + sequence parallelism (2 gloo ranks on CPU). Tensors saved twice (same storage) count once; parameters are
+excluded. The overhead part times forward+backward of hfpar's Column/Row layers at group size 1 against the
 nn.Linear MLP they replace (median of 20 after 5 warm-up iterations).
 """
 
@@ -27,8 +27,16 @@ RESULTS = results_dir("tensor_parallel")
 def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -89,15 +97,22 @@ def main() -> None:
     over = mlp_overhead()
     res = {"unsharded": full, "tp2": tp, "tp2_sp": sp, **over}
     (RESULTS / "activation_memory.json").write_text(json.dumps(res, indent=2))
-    md = ["# Activation memory per rank (bytes saved for backward, one forward)", "",
-          "Command: `python -m benchmarks.tensor_parallel.activation_memory` (CPU, gloo, fp32; Llama hidden 256, 4 layers, "
-          "8 heads, vocab 512, batch 4 x 512 tokens)", "",
-          "| setup | rank 0 MB | vs unsharded |", "|---|---|---|",
-          f"| 1 process, no TP | {full / 1e6:.1f} | 1.00 |",
-          f"| TP=2 | {tp[0] / 1e6:.1f} | {tp[0] / full:.2f} |",
-          f"| TP=2 + sequence parallel | {sp[0] / 1e6:.1f} | {sp[0] / full:.2f} |", "",
-          "TP=1 overhead of hfpar's Column/Row layers vs nn.Linear (MLP 1024->4096->1024, batch 8x256, fwd+bwd, median):",
-          f"{over['nn_linear_ms']:.1f} ms vs {over['hfpar_tp1_ms']:.1f} ms ({over['overhead_pct']:+.1f}%)."]
+    md = [
+        "# Activation memory per rank (bytes saved for backward, one forward)",
+        "",
+        "Command: `python -m benchmarks.tensor_parallel.activation_memory` (CPU, gloo, fp32; Llama hidden 256, 4 "
+        "layers, "
+        "8 heads, vocab 512, batch 4 x 512 tokens)",
+        "",
+        "| setup | rank 0 MB | vs unsharded |",
+        "|---|---|---|",
+        f"| 1 process, no TP | {full / 1e6:.1f} | 1.00 |",
+        f"| TP=2 | {tp[0] / 1e6:.1f} | {tp[0] / full:.2f} |",
+        f"| TP=2 + sequence parallel | {sp[0] / 1e6:.1f} | {sp[0] / full:.2f} |",
+        "",
+        "TP=1 overhead of hfpar's Column/Row layers vs nn.Linear (MLP 1024->4096->1024, batch 8x256, fwd+bwd, median):",
+        f"{over['nn_linear_ms']:.1f} ms vs {over['hfpar_tp1_ms']:.1f} ms ({over['overhead_pct']:+.1f}%).",
+    ]
     (RESULTS / "activation_memory.md").write_text("\n".join(md) + "\n")
     import matplotlib
 
@@ -105,7 +120,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(["no TP", "TP=2", "TP=2 + SP"], [full / 1e6, tp[0] / 1e6, sp[0] / 1e6], color=["gray", "tab:blue", "tab:green"])
+    ax.bar(
+        ["no TP", "TP=2", "TP=2 + SP"], [full / 1e6, tp[0] / 1e6, sp[0] / 1e6], color=["gray", "tab:blue", "tab:green"]
+    )
     ax.set_ylabel("MB saved for backward (rank 0)")
     ax.set_title("activation memory per rank")
     fig.tight_layout()

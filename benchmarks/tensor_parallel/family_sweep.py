@@ -2,9 +2,9 @@
 unsharded model (loss and every gradient, one SGD step, again; float64, within 1e-4); tests/distributed/
 test_tp_family_sweep.py runs a representative subset through sweep_worker.
 
-    python -m benchmarks.tensor_parallel.family_sweep                 # all types -> results/tensor_parallel/family_sweep.json
-    python -m benchmarks.tensor_parallel.family_sweep olmo2 falcon    # some types, printed only
-    TP_SWEEP_FP32=1 python -m benchmarks.tensor_parallel.family_sweep ...   # in float32
+    python -m benchmarks.tensor_parallel.family_sweep                 # all types ->
+    results/tensor_parallel/family_sweep.json python -m benchmarks.tensor_parallel.family_sweep olmo2 falcon    # some
+    types, printed only TP_SWEEP_FP32=1 python -m benchmarks.tensor_parallel.family_sweep ...   # in float32
     TP_SWEEP_SP=1 python -m benchmarks.tensor_parallel.family_sweep ...     # with sequence parallelism (its own JSON)
     res = run_ranks(sweep_worker, 2, ["olmo2", "falcon"])[0]          # {model_type: {"status": ..., ...}}
 
@@ -42,34 +42,116 @@ from benchmarks.common.launch import results_dir, run_ranks
 
 TOL = 1e-4
 LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
-DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64   # see below
-SP = bool(os.environ.get("TP_SWEEP_SP"))   # with sequence_parallel=True
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64  # see below
+SP = bool(os.environ.get("TP_SWEEP_SP"))  # with sequence_parallel=True
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 # other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
-SHRINK = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
-          "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "kv_lora_rank": 32,
-          "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16,
-          "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-          "linear_value_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-          "num_kv_shared_layers": 0, "sliding_window": 4, "hidden_size_per_layer_input": 16,
-          "vocab_size_per_layer_input": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-          "d_model": 64, "ffn_dim": 128, "n_heads": 4, "n_layers": 2, "num_layers": 2, "ffn_hidden_size": 128,
-          "n_inner": 128, "multi_query": False, "d_ff": 128, "word_embed_proj_dim": 64, "max_seq_len": 64,
-          "attention_chunk_size": 4, "rotary_dim": 8, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0}
-ENCODER_STYLE = ("bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
-                 "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "mvp",
-                 "pegasus", "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
-                 "roformer", "trocr", "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod", "reformer",
-                 "musicgen", "musicgen_melody", "moshi", "git", "mllama", "got_ocr2", "emu3", "fuyu",
-                 "phi4_multimodal", "moss_transcribe_diarize")
+SHRINK = {
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_head_dim": 16,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_kv_shared_layers": 0,
+    "sliding_window": 4,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 128,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "d_model": 64,
+    "ffn_dim": 128,
+    "n_heads": 4,
+    "n_layers": 2,
+    "num_layers": 2,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "multi_query": False,
+    "d_ff": 128,
+    "word_embed_proj_dim": 64,
+    "max_seq_len": 64,
+    "attention_chunk_size": 4,
+    "rotary_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "num_nextn_predict_layers": 0,
+}
+ENCODER_STYLE = (
+    "bart",
+    "bert",
+    "bert-generation",
+    "big_bird",
+    "bigbird_pegasus",
+    "blenderbot",
+    "blenderbot-small",
+    "camembert",
+    "data2vec-text",
+    "electra",
+    "ernie",
+    "marian",
+    "mbart",
+    "megatron-bert",
+    "mvp",
+    "pegasus",
+    "plbart",
+    "prophetnet",
+    "rembert",
+    "roberta",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "roformer",
+    "trocr",
+    "whisper",
+    "xlm",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "xlnet",
+    "xmod",
+    "reformer",
+    "musicgen",
+    "musicgen_melody",
+    "moshi",
+    "git",
+    "mllama",
+    "got_ocr2",
+    "emu3",
+    "fuyu",
+    "phi4_multimodal",
+    "moss_transcribe_diarize",
+)
 STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
 
 
 def _no_dropout(cfg) -> None:
     for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):   # PhiMoE's router noise
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):  # PhiMoE's router noise
             setattr(cfg, k, 0.0)
 
 
@@ -77,11 +159,12 @@ def tiny_config(model_type: str, layers: int = 2):
     """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
     layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
     from transformers import AutoConfig
+
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
     over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
     over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
-    if "qk_rope_head_dim" in over:   # MLA: rotary runs on the rope part of each head; one k/v per head
+    if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
         over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
     if text is base:
         cfg = AutoConfig.for_model(model_type, **over)
@@ -96,8 +179,9 @@ def tiny_config(model_type: str, layers: int = 2):
 
 def build(model_type: str, seed: int = 0, layers: int = 2):
     from transformers import AutoModelForCausalLM
+
     cfg = tiny_config(model_type, layers)
-    with torch.device("meta"):   # a size field no shrink rule knows (BLT's hash embeddings): skip, do not OOM
+    with torch.device("meta"):  # a size field no shrink rule knows (BLT's hash embeddings): skip, do not OOM
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     if n > 20_000_000:
         raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters")
@@ -112,7 +196,7 @@ def build(model_type: str, seed: int = 0, layers: int = 2):
 
 def batch(vocab: int = 128, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
+    ids = torch.randint(3, vocab, (2, 8), generator=g)  # (B, T)
     return ids, ids.clone()
 
 
@@ -123,22 +207,24 @@ def rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def ref_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-             **kwargs):
+def ref_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     """transformers' ForCausalLMLoss in the logits' own dtype (it casts them to float32 first); the TP model's
     vocab_parallel_cross_entropy keeps float64 as float64, so both sides of the sweep compute the same math."""
     import torch.nn.functional as F
+
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     red = "sum" if num_items_in_batch is not None else "mean"
-    loss = F.cross_entropy(logits.flatten(0, -2), shift_labels.flatten().to(logits.device), ignore_index=ignore_index,
-                           reduction=red)
+    loss = F.cross_entropy(
+        logits.flatten(0, -2), shift_labels.flatten().to(logits.device), ignore_index=ignore_index, reduction=red
+    )
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 def _full_grads(model) -> dict:
     from hfpar.parallel.sharding import shard_spec
     from hfpar.parallel.tensor_parallel import gather_shards
+
     out = {}
     for n, p in model.named_parameters():
         if p.grad is None:
@@ -175,6 +261,7 @@ def _step_compare(model, ref, ids, labels) -> tuple[float, str]:
 
 def check(model_type: str, sp: bool = SP) -> dict:
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+
     if model_type in ENCODER_STYLE:
         return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
     if model_type in STATE_SPACE:
@@ -186,7 +273,7 @@ def check(model_type: str, sp: bool = SP) -> dict:
             why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
             continue
         ref = copy.deepcopy(model)
-        if getattr(ref, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration"):   # as hf_loss.py
+        if getattr(ref, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration"):  # as hf_loss.py
             ref.loss_function = ref_loss
         ids, labels = batch(model.get_input_embeddings().num_embeddings)
         try:
@@ -206,19 +293,29 @@ def check(model_type: str, sp: bool = SP) -> dict:
     try:
         (worst, name) = max(_step_compare(model, ref, ids, labels), _step_compare(model, ref, ids, labels))
     except Exception as e:  # noqa: BLE001
-        return {"status": "mismatched", "why": f"{type(e).__name__}: {str(e)[:300]}",
-                "trace": traceback.format_exc()[-600:]}
+        return {
+            "status": "mismatched",
+            "why": f"{type(e).__name__}: {str(e)[:300]}",
+            "trace": traceback.format_exc()[-600:],
+        }
     from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
     head = model.get_output_embeddings()
     blocks = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m is not head for m in model.modules())
-    return {"status": "exact" if worst < TOL else "mismatched", "worst_rel": worst, "worst": name,
-            "apply_s": round(apply_s, 3), "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
-            "blocks_sharded": blocks}   # False: HF's plan shards only the embedding and the LM head
+    return {
+        "status": "exact" if worst < TOL else "mismatched",
+        "worst_rel": worst,
+        "worst": name,
+        "apply_s": round(apply_s, 3),
+        "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
+        "blocks_sharded": blocks,
+    }  # False: HF's plan shards only the embedding and the LM head
 
 
 def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
     """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
     import warnings
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     res = {}
@@ -229,8 +326,11 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
         if rank == 0 and verbose:
             r = res[mt]
             blocks = {True: "blocks", False: "flat"}.get(r.get("blocks_sharded"), "")
-            print(f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
-                  f"{r.get('why', '')[:600]}", flush=True)
+            print(
+                f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
+                f"{r.get('why', '')[:600]}",
+                flush=True,
+            )
         dist.barrier()
     return res
 
@@ -243,8 +343,13 @@ def sweep(worker, argv: list[str], statuses: tuple[str, ...]) -> dict:
     res = run_ranks(worker, 2, types, True, timeout=7200)[0]
     counts = {s: sum(r["status"] == s for r in res.values()) for s in statuses}
     tested = counts["exact"] + counts["refused"] + counts["mismatched"]
-    return {"counts": counts, "in_scope": tested, "exact_share": round(counts["exact"] / max(tested, 1), 4),
-            "wall_s": round(time.perf_counter() - t0, 1), "results": res}
+    return {
+        "counts": counts,
+        "in_scope": tested,
+        "exact_share": round(counts["exact"] / max(tested, 1), 4),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "results": res,
+    }
 
 
 def report(summary: dict, out, argv: list[str]) -> dict:

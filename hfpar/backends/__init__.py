@@ -27,15 +27,35 @@ from .pipeline import PipelineBackend, PipelineDDP, PipelineFSDP2
 from .pipeline_zero import PipelineZeRO1
 from .strategies import STRATEGY, Strategy, checkpoint_layout, resolve_strategy, strategy_of
 
-STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)   # single ddp fsdp2 zero1 zero2 zero3 fsdp1
-PARALLELISMS = ("none", "tp", "ep", "cp", "tp+cp", "tp+ep", "ep+cp", "tp+ep+cp", "pp", "tp+pp", "ep+pp", "cp+pp",
-                "tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
+STRATEGIES = tuple(name for name, s in STRATEGY.items() if s.runs)  # single ddp fsdp2 zero1 zero2 zero3 fsdp1
+PARALLELISMS = (
+    "none",
+    "tp",
+    "ep",
+    "cp",
+    "tp+cp",
+    "tp+ep",
+    "ep+cp",
+    "tp+ep+cp",
+    "pp",
+    "tp+pp",
+    "ep+pp",
+    "cp+pp",
+    "tp+ep+pp",
+    "tp+cp+pp",
+    "ep+cp+pp",
+    "tp+ep+cp+pp",
+)
 
-_FSDP1 = ("FSDP1 is not supported with hfpar's model parallelism: FSDP1 flattens each wrapped unit's parameters into "
-          "one FlatParameter, while hfpar's shards are per parameter (TP / EP shards with their own groups, as FSDP2's "
-          "DTensors are); use fsdp2.yaml")
-_PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
-            "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml")
+_FSDP1 = (
+    "FSDP1 is not supported with hfpar's model parallelism: FSDP1 flattens each wrapped unit's parameters into "
+    "one FlatParameter, while hfpar's shards are per parameter (TP / EP shards with their own groups, as FSDP2's "
+    "DTensors are); use fsdp2.yaml"
+)
+_PP_ZERO = (
+    "pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (DeepSpeed refuses them with its own "
+    "pipeline: they reduce grads inside every backward); use zero1.yaml, ddp.yaml or fsdp2.yaml"
+)
 
 # The rule: which family runs a pair follows from whether every rank holds the whole model (no parallelism, or
 # context parallelism alone: Accelerate wraps over the world), whether the key has a pipeline, and the strategy.
@@ -46,12 +66,25 @@ _PP_ZERO = ("pipeline parallelism with DeepSpeed ZeRO-2/3 is not supported (Deep
 #     each stage's optimizer state over its dp group, DeepSpeed's norm over the stages x TP ranks, experts beside it
 #     (pipeline_zero.py)
 _WHOLE_MODEL = dict.fromkeys(STRATEGIES, AccelerateBackend)
-_MODEL_PARALLEL = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
-                   "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed, "zero3": ModelParallelZeRO3,
-                   "fsdp1": _FSDP1}
-_PIPELINE = {"single": PipelineDDP, "ddp": PipelineDDP, "fsdp2": PipelineFSDP2, "zero1": PipelineZeRO1,
-             "zero2": _PP_ZERO, "zero3": _PP_ZERO, "fsdp1": _FSDP1}
-_EXCEPTIONS = {("fsdp1", "cp"): _FSDP1}   # the one pair whose whole-model row is refused
+_MODEL_PARALLEL = {
+    "single": ModelParallelDDP,
+    "ddp": ModelParallelDDP,
+    "fsdp2": ModelParallelFSDP2,
+    "zero1": ModelParallelDeepSpeed,
+    "zero2": ModelParallelDeepSpeed,
+    "zero3": ModelParallelZeRO3,
+    "fsdp1": _FSDP1,
+}
+_PIPELINE = {
+    "single": PipelineDDP,
+    "ddp": PipelineDDP,
+    "fsdp2": PipelineFSDP2,
+    "zero1": PipelineZeRO1,
+    "zero2": _PP_ZERO,
+    "zero3": _PP_ZERO,
+    "fsdp1": _FSDP1,
+}
+_EXCEPTIONS = {("fsdp1", "cp"): _FSDP1}  # the one pair whose whole-model row is refused
 
 
 def _family(key: str) -> dict:
@@ -61,11 +94,16 @@ def _family(key: str) -> dict:
 
 
 SUPPORT: dict[tuple[str, str], type[Backend] | str] = {
-    (s, key): _EXCEPTIONS.get((s, key), _family(key)[s]) for key in PARALLELISMS for s in STRATEGIES}
+    (s, key): _EXCEPTIONS.get((s, key), _family(key)[s]) for key in PARALLELISMS for s in STRATEGIES
+}
 
 _FLAG = {"tp": "--tp_size", "ep": "--ep_size", "cp": "--cp_size", "pp": "--pp_size"}
-_WHAT = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",
-         "pp": "pipeline parallelism"}
+_WHAT = {
+    "tp": "tensor parallelism",
+    "ep": "expert parallelism",
+    "cp": "context parallelism",
+    "pp": "pipeline parallelism",
+}
 
 
 def parallelism_key(parallelisms: tuple[str, ...]) -> str:
@@ -100,8 +138,26 @@ def support_table_markdown() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SUPPORT", "STRATEGIES", "PARALLELISMS", "select_backend", "support_table_markdown", "Backend",
-           "ModelParallelBackend", "AccelerateBackend", "ModelParallelDDP", "ModelParallelFSDP2",
-           "ModelParallelDeepSpeed", "ModelParallelZeRO3", "PipelineBackend", "PipelineDDP", "PipelineFSDP2",
-           "PipelineZeRO1",
-           "STRATEGY", "Strategy", "checkpoint_layout", "resolve_strategy", "strategy_of"]
+__all__ = [
+    "SUPPORT",
+    "STRATEGIES",
+    "PARALLELISMS",
+    "select_backend",
+    "support_table_markdown",
+    "Backend",
+    "ModelParallelBackend",
+    "AccelerateBackend",
+    "ModelParallelDDP",
+    "ModelParallelFSDP2",
+    "ModelParallelDeepSpeed",
+    "ModelParallelZeRO3",
+    "PipelineBackend",
+    "PipelineDDP",
+    "PipelineFSDP2",
+    "PipelineZeRO1",
+    "STRATEGY",
+    "Strategy",
+    "checkpoint_layout",
+    "resolve_strategy",
+    "strategy_of",
+]

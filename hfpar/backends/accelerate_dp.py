@@ -29,7 +29,7 @@ class AccelerateBackend(Backend):
     def __init__(self, *a, checkpoint_index: dict | None = None, **kw):
         super().__init__(*a, **kw)
         self.checkpoint_index = checkpoint_index  # plain FSDP2 from a checkpoint: a meta model comes to prepare
-        self.steps_in_backward = self.spec.deepspeed   # ZeRO: Accelerate's model is DeepSpeed's engine
+        self.steps_in_backward = self.spec.deepspeed  # ZeRO: Accelerate's model is DeepSpeed's engine
 
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:
@@ -84,8 +84,10 @@ class AccelerateBackend(Backend):
         # Accelerate wants the optimizer prepared with the model, and maps its params to FSDP2's by data_ptr, which
         # is 0 for every meta tensor: its groups are rebuilt from the wrapped model (same order: same module tree)
         self.base_optimizer = build_optimizer(model, self.args)
-        with swapped(plugin, "cpu_ram_efficient_loading", True), \
-                swapped(fsdp_utils, "fsdp2_load_full_state_dict", fsdp2_loader(self.checkpoint_index)):
+        with (
+            swapped(plugin, "cpu_ram_efficient_loading", True),
+            swapped(fsdp_utils, "fsdp2_load_full_state_dict", fsdp2_loader(self.checkpoint_index)),
+        ):
             self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
         real = build_optimizer(self.model, self.args)
         self.base_optimizer.param_groups[:] = real.param_groups

@@ -43,7 +43,7 @@ def launcher_config_file(pid: int | None = None) -> Path | None:
         if arg.startswith("--config_file"):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             try:
-                return Path(os.readlink(proc / "cwd")) / value   # an absolute value stays itself
+                return Path(os.readlink(proc / "cwd")) / value  # an absolute value stays itself
             except OSError:
                 return Path(value)
     from accelerate.commands.config import default_config_file  # noqa: PLC0415  (as above)
@@ -65,8 +65,10 @@ def config_problems(path: Path) -> list[str]:
             if name not in known[section]:
                 close = difflib.get_close_matches(name, sorted(known[section]), n=1, cutoff=0.6)
                 hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known[section]))}"
-                p.append(f"accelerate config {shlex.quote(str(path))}: {section}: unknown key {key!r} (Accelerate would "
-                         f"ignore it); {hint}")
+                p.append(
+                    f"accelerate config {shlex.quote(str(path))}: {section}: unknown key {key!r} (Accelerate would "
+                    f"ignore it); {hint}"
+                )
     return p
 
 

@@ -21,9 +21,9 @@ from hfpar.config import ConfigError
 from hfpar.parallel.sharding import clip_grads_, full_state_dict, reduce_dp_grads, sync_partial_grads
 
 from .base import Backend, hfpar_reduced
+from .loss_scale import found_inf, fp16_scaler, step_, unscale_
 from .optim import build_optimizer
 from .reshard import pieces_of_module
-from .loss_scale import found_inf, fp16_scaler, step_, unscale_
 from .wraps import DataParallelWrap, FullyShard, TorchDDP
 
 
@@ -62,9 +62,13 @@ class ModelParallelBackend(Backend):
         self.scaler = fp16_scaler(self.acc)  # fp16: the optimizer is ours, so unscaling and skipping are too
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.dp_wrap.wrap(self.acc, self.ctx, model,
-                                 layer_types=set(getattr(model, "_no_split_modules", None) or []),
-                                 ignored=[p for p in model.parameters() if hfpar_reduced(p)])
+        return self.dp_wrap.wrap(
+            self.acc,
+            self.ctx,
+            model,
+            layer_types=set(getattr(model, "_no_split_modules", None) or []),
+            ignored=[p for p in model.parameters() if hfpar_reduced(p)],
+        )
 
     def clip(self, max_norm: float) -> float:
         params = list(self.model.parameters())
@@ -92,14 +96,21 @@ class ModelParallelBackend(Backend):
     def save_rank_state(self, ckpt_dir: Path) -> None:
         f, writes = self._rank_file(ckpt_dir)
         if writes:
-            torch.save({"model": local_state(self.model.state_dict()),
-                        "optimizer": local_state(self.optimizer.state_dict()),
-                        **pieces_of_module(self.model, self.optimizer, self.hf_name)}, f)  # joined offline by it
+            torch.save(
+                {
+                    "model": local_state(self.model.state_dict()),
+                    "optimizer": local_state(self.optimizer.state_dict()),
+                    **pieces_of_module(self.model, self.optimizer, self.hf_name),
+                },
+                f,
+            )  # joined offline by it
 
     def load_rank_state(self, ckpt_dir: Path) -> None:
         f, _ = self._rank_file(ckpt_dir)
         if not f.is_file():
-            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size")
+            raise ConfigError(
+                f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --tp_size"
+            )
         state = torch.load(f, map_location=self.acc.device, weights_only=True)  # tensors and plain values only
         with torch.no_grad():
             load_local_state(self.model.state_dict(), state["model"])

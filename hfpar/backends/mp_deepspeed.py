@@ -28,8 +28,13 @@ import torch.distributed as dist
 from hfpar.checkpoint.layout import rank_state_file
 from hfpar.config import ConfigError
 from hfpar.parallel.guard import release
-from hfpar.parallel.sharding import (full_state_dict, grad_sq_norm, partial_grad_hooks, reduce_dp_grads,
-                                     scale_grads_to_norm_)
+from hfpar.parallel.sharding import (
+    full_state_dict,
+    grad_sq_norm,
+    partial_grad_hooks,
+    reduce_dp_grads,
+    scale_grads_to_norm_,
+)
 
 from .base import Backend, accelerate_clip, hfpar_reduced
 from .optim import build_optimizer
@@ -45,8 +50,8 @@ class ExpertsBesideZeRO:
         ... acc.prepare under hfpar's mpu ...; self._setup_experts(experts, saved)
     """
 
-    experts: tuple | list = ()   # none until _setup_experts
-    expert_norm_group = None    # a group the experts' squared norm is also summed over (the pipeline's stages)
+    experts: tuple | list = ()  # none until _setup_experts
+    expert_norm_group = None  # a group the experts' squared norm is also summed over (the pipeline's stages)
 
     def _take_experts(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the experts, copies of them): DeepSpeed broadcasts every module parameter from dp rank 0 at initialize."""
@@ -60,8 +65,10 @@ class ExpertsBesideZeRO:
         with torch.no_grad():
             for p, s in zip(self.experts, saved):
                 p.copy_(s)
-        self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32))
-                        for p, s in zip(self.experts, saved)]
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32))
+            for p, s in zip(self.experts, saved)
+        ]
         self.expert_optimizer = build_optimizer(self.masters, self.args)
         zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2), or BF16_Optimizer (bf16 + stage 1)
         if getattr(zopt, "compute_grad_norm", True) and hasattr(zopt, "scaled_global_norm"):
@@ -69,8 +76,10 @@ class ExpertsBesideZeRO:
         elif hasattr(zopt, "get_grads_for_norm"):
             self._join_bf16_norm(zopt)
         else:
-            raise ConfigError(f"--ep_size with {self.strategy}: DeepSpeed's {type(zopt).__name__} computes no "
-                              "global grad norm hfpar can join the experts to; use fp32 or bf16 with zero2")
+            raise ConfigError(
+                f"--ep_size with {self.strategy}: DeepSpeed's {type(zopt).__name__} computes no "
+                "global grad norm hfpar can join the experts to; use fp32 or bf16 with zero2"
+            )
 
     def _join_zero_norm(self, zopt) -> None:
         """DeepSpeedZeroOptimizer: its global norm (of the dense partitions, summed over dp) wrapped."""
@@ -148,19 +157,28 @@ class ExpertsBesideZeRO:
         from hfpar.observe.metrics import optimizer_state_bytes  # noqa: PLC0415
 
         return optimizer_state_bytes(self.expert_optimizer) + sum(
-            m.numel() * m.element_size() for p, m in zip(self.experts, self.masters) if m is not p)
+            m.numel() * m.element_size() for p, m in zip(self.experts, self.masters) if m is not p
+        )
 
     def save_rank_state(self, ckpt_dir) -> None:
         if self.experts:  # DeepSpeed's checkpoint holds rank 0's experts only
-            torch.save({"experts": [p.detach() for p in self.experts], "masters": [m.detach() for m in self.masters],
-                        "optimizer": self.expert_optimizer.state_dict()}, rank_state_file(ckpt_dir, self.ctx))
+            torch.save(
+                {
+                    "experts": [p.detach() for p in self.experts],
+                    "masters": [m.detach() for m in self.masters],
+                    "optimizer": self.expert_optimizer.state_dict(),
+                },
+                rank_state_file(ckpt_dir, self.ctx),
+            )
 
     def load_rank_state(self, ckpt_dir) -> None:
         if not self.experts:
             return
         f = rank_state_file(ckpt_dir, self.ctx)
         if not f.is_file():
-            raise ConfigError(f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --ep_size")
+            raise ConfigError(
+                f"checkpoint {ckpt_dir} has no {f.name}: it was written with another world size / --ep_size"
+            )
         state = torch.load(f, map_location=self.acc.device, weights_only=True)  # tensors and plain values only
         with torch.no_grad():  # after DeepSpeed's load, which put rank 0's experts everywhere
             for p, t in zip(self.experts, state["experts"]):
@@ -182,12 +200,16 @@ class ModelParallelDeepSpeed(ExpertsBesideZeRO, EngineSteps, Backend):
     def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
         if ctx.ep > 1 and mixed_precision == "fp16":
-            p.append(f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
-                     "DeepSpeed's fp16 loss scale; use bf16 or fp32")
+            p.append(
+                f"--ep_size {ctx.ep} with {strategy} and fp16: the experts' optimizer does not unscale "
+                "DeepSpeed's fp16 loss scale; use bf16 or fp32"
+            )
         elif mixed_precision == "fp16":  # TP / CP with TP: DeepSpeed's own loss scale, with hfpar's mpu not verified
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "cp") if getattr(ctx, k) > 1)
-            p.append(f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
-                     "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)")
+            p.append(
+                f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
+                "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"
+            )
         return p
 
     def prepare(self, model) -> None:

@@ -50,13 +50,15 @@ class ModelParallelZeRO3(ModelParallelDeepSpeed):
         p = []
         if mixed_precision == "fp16":
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "ep", "cp") if getattr(ctx, k) > 1)
-            p.append(f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
-                     "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)")
+            p.append(
+                f"{flags} with {strategy} and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
+                "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"
+            )
         return p
 
     def prepare(self, model) -> None:
         experts = [p for p in model.parameters() if hfpar_reduced(p)]
-        self.base_optimizer = build_optimizer(model, self.args)   # experts too: DeepSpeed partitions and steps them
+        self.base_optimizer = build_optimizer(model, self.args)  # experts too: DeepSpeed partitions and steps them
         partial_grad_hooks(model.parameters())  # a no-op without partial grads
         saved = [p.detach().clone() for p in experts]
         if experts:

@@ -54,22 +54,24 @@ class PipelineZeRO1(ExpertsBesideZeRO, EngineSteps, PipelineBackend):
     def problems(cls, args, ctx, strategy: str, mixed_precision: str) -> list[str]:
         p = []
         if mixed_precision != "no":
-            p.append(f"--pp_size {ctx.pp} with {strategy} and {mixed_precision}: DeepSpeed's {mixed_precision} "
-                     "optimizer takes grads in its engine's backward, which the pipeline schedule bypasses; pass "
-                     "--mixed_precision no, or use ddp.yaml / fsdp2.yaml for bf16")
+            p.append(
+                f"--pp_size {ctx.pp} with {strategy} and {mixed_precision}: DeepSpeed's {mixed_precision} "
+                "optimizer takes grads in its engine's backward, which the pipeline schedule bypasses; pass "
+                "--mixed_precision no, or use ddp.yaml / fsdp2.yaml for bf16"
+            )
         return p
 
     def prepare(self, stage) -> None:
         stage.to(self.acc.device)
         experts, saved = self._take_experts(stage)
         first_tp = self.ctx.tp_rank == 0
-        for p in stage.parameters():   # what DeepSpeed's norm counts, and where (module docstring)
+        for p in stage.parameters():  # what DeepSpeed's norm counts, and where (module docstring)
             p.tensor_model_parallel = bool(getattr(p, "tensor_model_parallel", False)) or first_tp
         if stage.tied is not None and stage.is_last:
-            stage.tied.tensor_model_parallel = False   # the first stage counts it
+            stage.tied.tensor_model_parallel = False  # the first stage counts it
         # collective, every rank in the same order: the stages x TP ranks of each replica (the pipeline group at tp 1)
         mp_group = new_groups(self.ctx.rank_lists("pp", "tp")) if self.ctx.tp > 1 else self.ctx.pp_group
-        self.expert_norm_group = self.ctx.pp_group   # a stage's experts are not on the other stages
+        self.expert_norm_group = self.ctx.pp_group  # a stage's experts are not on the other stages
         self.base_optimizer = build_optimizer(stage, self.args, skip=frozenset(id(p) for p in experts))
         with deepspeed_with_mpu(DeepSpeedMPU(mp_group, self.ctx.replica_group)):
             self.model, self.optimizer = self.acc.prepare(stage, self.base_optimizer)
@@ -83,14 +85,14 @@ class PipelineZeRO1(ExpertsBesideZeRO, EngineSteps, PipelineBackend):
         if self.tied_group is not None:
             stage.sync_tied_grads(self.tied_group)
         engine.set_gradient_accumulation_boundary(True)
-        engine.optimizer.reduce_gradients(pipeline_parallel=True)   # the stage's dense grads over its dp group
-        engine.step()   # DeepSpeed's norm (the experts' joined: ExpertsBesideZeRO), clip and step of the dense part
+        engine.optimizer.reduce_gradients(pipeline_parallel=True)  # the stage's dense grads over its dp group
+        engine.step()  # DeepSpeed's norm (the experts' joined: ExpertsBesideZeRO), clip and step of the dense part
         if self.experts:
             return float(self._clip_experts(max_norm))
         return float(engine.get_global_grad_norm())
 
     def step(self, lr: float) -> None:
-        self._step_experts(lr)   # DeepSpeed stepped the rest in clip()
+        self._step_experts(lr)  # DeepSpeed stepped the rest in clip()
 
     def zero_grad(self) -> None:
         self.model.optimizer.zero_grad(set_to_none=True)

@@ -27,7 +27,9 @@ MESH = ("world_size", "dp", "tp", "ep", "cp", "pp")
 
 
 def mesh_text(strategy: str, sizes: dict) -> str:
-    return f"{strategy} x {sizes['world_size']} processes (" + " ".join(f"{k} {sizes.get(k, 1)}" for k in MESH[1:]) + ")"
+    return (
+        f"{strategy} x {sizes['world_size']} processes (" + " ".join(f"{k} {sizes.get(k, 1)}" for k in MESH[1:]) + ")"
+    )
 
 
 def resume_mode(backend_cls, state: dict, ctx, chunks: int) -> tuple[str | None, str | None]:
@@ -36,8 +38,9 @@ def resume_mode(backend_cls, state: dict, ctx, chunks: int) -> tuple[str | None,
     theirs = {k: state.get(k, 1) for k in MESH}
     mine = {"world_size": ctx.world, **{k: getattr(ctx, k) for k in MESH[1:]}}
     same_layout = checkpoint_layout(state.get("strategy")) in (None, strategy.layout)
-    same_split = (all(theirs[k] == mine[k] for k in ("tp", "ep", "pp"))
-                  and (ctx.pp == 1 or state.get("pp_virtual_stages", 1) == chunks))
+    same_split = all(theirs[k] == mine[k] for k in ("tp", "ep", "pp")) and (
+        ctx.pp == 1 or state.get("pp_virtual_stages", 1) == chunks
+    )
     same_world = theirs["world_size"] == mine["world_size"] or not backend_cls.resume_needs_same_world(strategy.name)
     if same_layout and same_split and same_world:
         return "native", None
@@ -45,12 +48,17 @@ def resume_mode(backend_cls, state: dict, ctx, chunks: int) -> tuple[str | None,
         return "reshard", None
     a, b = mesh_text(state.get("strategy", "?"), theirs), mesh_text(strategy.name, mine)
     if not state.get("reshardable"):
-        why = (f"its writer ({state.get('strategy', '?')}{' with model parallelism' if theirs['tp'] > 1 or theirs['pp'] > 1 else ''}"
-               f"{', LoRA' if state.get('peft') else ''}) records no full form to reshard from")
+        why = (
+            "its writer "
+            f"({state.get('strategy', '?')}{' with model parallelism' if theirs['tp'] > 1 or theirs['pp'] > 1 else ''}"
+            f"{', LoRA' if state.get('peft') else ''}) records no full form to reshard from"
+        )
     else:
         why = f"this run ({strategy.name}, {backend_cls.name} backend) cannot load a resharded state yet"
-    return None, (f"checkpoint written on {a}, this run is {b}: {why}; resume on the checkpoint's mesh (see "
-                  "docs/reliability.md, 'Resume on another mesh', for the supported changes)")
+    return None, (
+        f"checkpoint written on {a}, this run is {b}: {why}; resume on the checkpoint's mesh (see "
+        "docs/reliability.md, 'Resume on another mesh', for the supported changes)"
+    )
 
 
 def _state_piece(v, p: torch.Tensor, group: dict):
@@ -68,7 +76,8 @@ def _state_piece(v, p: torch.Tensor, group: dict):
 @torch.no_grad()
 def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, full, hf_name) -> None:
     """Every tensor of module's state dict (and every AdamW state of optimizer's parameters) set to this rank's piece
-    of the full tensor (hf_name: state-dict name -> HF name). Collective-free. CheckpointError when a name is missing."""
+    of the full tensor (hf_name: state-dict name -> HF name). Collective-free. CheckpointError when a name is
+    missing."""
     missing = []
     for key, t in module.state_dict(keep_vars=True).items():
         name = hf_name(key)
@@ -85,8 +94,10 @@ def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | 
                 continue
             optimizer.state[p] = {k: _state_piece(v, p, group) for k, v in st.items()}
     if missing:
-        raise CheckpointError(f"the checkpoint's full state has no {', '.join(missing[:3])}"
-                              f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: another model?")
+        raise CheckpointError(
+            f"the checkpoint's full state has no {', '.join(missing[:3])}"
+            f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: another model?"
+        )
 
 
 @torch.no_grad()
@@ -101,10 +112,13 @@ def load_full_state_zero(engine, full) -> None:
     load_full_state(module, None, full, lambda k: k)  # the module's (bit16 / fp32) weights
     step = next(iter(full.optim.values()))["step"] if full.optim else 0
     for group, flat in zip(zopt.optimizer.param_groups, zopt.single_partition_of_fp32_groups):
-        zopt.optimizer.state[flat] = {"step": _state_piece(step, flat, group), "exp_avg": torch.zeros_like(flat),
-                                      "exp_avg_sq": torch.zeros_like(flat)}
+        zopt.optimizer.state[flat] = {
+            "step": _state_piece(step, flat, group),
+            "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat),
+        }
     zopt._hp_optimizer_states_linked = False
-    zopt._lazy_init_hp_params_optimizer_state()   # each parameter's optimizer fragments point into those states
+    zopt._lazy_init_hp_params_optimizer_state()  # each parameter's optimizer fragments point into those states
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue

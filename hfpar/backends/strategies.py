@@ -18,23 +18,23 @@ from accelerate.utils import DistributedType
 
 @dataclass(frozen=True)
 class Strategy:
-    name: str                              # the accelerate config's name (single | ddp | fsdp2 | zero1 ...)
-    label: str                             # how `hfpar plan` names it
-    layout: str                            # checkpoint family: training states resume only within one family
-    deepspeed: bool = False                # DeepSpeed's engine: it steps inside backward, owns its fp16 loss scale,
-                                           # and its ZeRO partitions resume on the world size that wrote them only
-    shards: tuple[bool, bool, bool] = (False, False, False)   # params, grads, optimizer states split over dp
-    buffers: str = "bucket"                # transient bytes (planner): bucket (DDP's grad copy), gathered (one
-                                           # layer all-gathered + prefetched), reduce_bucket (ZeRO-1/2's)
-    wrap_load: str | None = None           # loading mode in which the wrap reads each rank's shards (FSDP2)
-    partitions_at_load: bool = False       # from_pretrained under DeepSpeed's zero.Init (ZeRO-3)
-    offload: bool = False                  # states kept in host RAM (ZeRO-3 offload)
-    holds_embedding_units: bool = False    # Accelerate's FSDP2 gives the input embedding a unit of its own
-    planner_with: str = ""                 # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
-    tier: str | None = None                # `hfpar plan`'s recommendation order: first | fallback | last (None:
-                                           # shown, not recommended)
-    in_planner: bool = False               # a row of `hfpar plan`'s table
-    runs: bool = True                      # an accelerate config resolves to it (zero3_offload runs as zero3)
+    name: str  # the accelerate config's name (single | ddp | fsdp2 | zero1 ...)
+    label: str  # how `hfpar plan` names it
+    layout: str  # checkpoint family: training states resume only within one family
+    deepspeed: bool = False  # DeepSpeed's engine: it steps inside backward, owns its fp16 loss scale,
+    # and its ZeRO partitions resume on the world size that wrote them only
+    shards: tuple[bool, bool, bool] = (False, False, False)  # params, grads, optimizer states split over dp
+    buffers: str = "bucket"  # transient bytes (planner): bucket (DDP's grad copy), gathered (one
+    # layer all-gathered + prefetched), reduce_bucket (ZeRO-1/2's)
+    wrap_load: str | None = None  # loading mode in which the wrap reads each rank's shards (FSDP2)
+    partitions_at_load: bool = False  # from_pretrained under DeepSpeed's zero.Init (ZeRO-3)
+    offload: bool = False  # states kept in host RAM (ZeRO-3 offload)
+    holds_embedding_units: bool = False  # Accelerate's FSDP2 gives the input embedding a unit of its own
+    planner_with: str = ""  # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
+    tier: str | None = None  # `hfpar plan`'s recommendation order: first | fallback | last (None:
+    # shown, not recommended)
+    in_planner: bool = False  # a row of `hfpar plan`'s table
+    runs: bool = True  # an accelerate config resolves to it (zero3_offload runs as zero3)
 
     def __str__(self) -> str:
         return self.name
@@ -48,20 +48,64 @@ class Strategy:
 _TABLE = (
     Strategy("single", "single", "accelerate"),
     Strategy("ddp", "DDP", "accelerate", in_planner=True, planner_with="tp ep cp pp", tier="first"),
-    Strategy("fsdp2", "FSDP2", "fsdp2", in_planner=True, shards=(True, True, True), buffers="gathered",
-             wrap_load="fsdp2", holds_embedding_units=True, planner_with="tp cp", tier="first"),
-    Strategy("zero1", "ZeRO-1", "deepspeed", in_planner=True, deepspeed=True, shards=(False, False, True),
-             buffers="reduce_bucket"),
-    Strategy("zero2", "ZeRO-2", "deepspeed", in_planner=True, deepspeed=True, shards=(False, True, True),
-             buffers="reduce_bucket"),
-    Strategy("zero3", "ZeRO-3", "deepspeed", in_planner=True, deepspeed=True, shards=(True, True, True),
-             buffers="gathered", partitions_at_load=True, tier="fallback"),
+    Strategy(
+        "fsdp2",
+        "FSDP2",
+        "fsdp2",
+        in_planner=True,
+        shards=(True, True, True),
+        buffers="gathered",
+        wrap_load="fsdp2",
+        holds_embedding_units=True,
+        planner_with="tp cp",
+        tier="first",
+    ),
+    Strategy(
+        "zero1",
+        "ZeRO-1",
+        "deepspeed",
+        in_planner=True,
+        deepspeed=True,
+        shards=(False, False, True),
+        buffers="reduce_bucket",
+    ),
+    Strategy(
+        "zero2",
+        "ZeRO-2",
+        "deepspeed",
+        in_planner=True,
+        deepspeed=True,
+        shards=(False, True, True),
+        buffers="reduce_bucket",
+    ),
+    Strategy(
+        "zero3",
+        "ZeRO-3",
+        "deepspeed",
+        in_planner=True,
+        deepspeed=True,
+        shards=(True, True, True),
+        buffers="gathered",
+        partitions_at_load=True,
+        tier="fallback",
+    ),
     Strategy("fsdp1", "FSDP1", "fsdp1"),
-    Strategy("zero3_offload", "ZeRO-3 offload", "deepspeed", in_planner=True, deepspeed=True, shards=(True, True, True),
-             buffers="gathered", partitions_at_load=True, offload=True, tier="last", runs=False),
+    Strategy(
+        "zero3_offload",
+        "ZeRO-3 offload",
+        "deepspeed",
+        in_planner=True,
+        deepspeed=True,
+        shards=(True, True, True),
+        buffers="gathered",
+        partitions_at_load=True,
+        offload=True,
+        tier="last",
+        runs=False,
+    ),
 )
 STRATEGY: dict[str, Strategy] = {s.name: s for s in _TABLE}
-PLANNER_ROWS: tuple[Strategy, ...] = tuple(s for s in _TABLE if s.in_planner)   # ddp fsdp2 zero1/2/3 zero3_offload
+PLANNER_ROWS: tuple[Strategy, ...] = tuple(s for s in _TABLE if s.in_planner)  # ddp fsdp2 zero1/2/3 zero3_offload
 
 
 def strategy_of(name: str | Strategy) -> Strategy:

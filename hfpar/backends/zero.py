@@ -31,9 +31,11 @@ def deepspeed_fp16_problem() -> str | None:
     accel = get_accelerator()
     if accel.is_fp16_supported():
         return None
-    return (f"--mixed_precision fp16 with DeepSpeed ZeRO: DeepSpeed's {accel.device_name()} accelerator has no fp16 on "
-            "this machine (DeepSpeed would refuse it at initialize, after the model loaded); use --mixed_precision "
-            "bf16 or no")
+    return (
+        f"--mixed_precision fp16 with DeepSpeed ZeRO: DeepSpeed's {accel.device_name()} accelerator has no fp16 on "
+        "this machine (DeepSpeed would refuse it at initialize, after the model loaded); use --mixed_precision "
+        "bf16 or no"
+    )
 
 
 class EngineSteps:

@@ -17,11 +17,32 @@ Trainer or fully_shard without these calls is refused in one line (hfpar.paralle
 
 from .accelerator import prepare_accelerator
 from .context_parallel import count_targets, cp_batch
-from .model import (clip_grad_norm_, context_of, finish_grads, gathered_grads, gathered_state_dict, parallelize,
-                    save_pretrained)
+from .model import (
+    clip_grad_norm_,
+    context_of,
+    finish_grads,
+    gathered_grads,
+    gathered_state_dict,
+    parallelize,
+    save_pretrained,
+)
 from .pipeline import causal_lm_loss_fn, pipeline_clip_grad_norm_, pipeline_state_dict, save_pipeline_pretrained
 from .trainer import prepare_trainer
 
-__all__ = ["causal_lm_loss_fn", "clip_grad_norm_", "context_of", "count_targets", "cp_batch", "finish_grads",
-           "gathered_grads", "gathered_state_dict", "parallelize", "pipeline_clip_grad_norm_", "pipeline_state_dict", "prepare_accelerator", "prepare_trainer",
-           "save_pipeline_pretrained", "save_pretrained"]
+__all__ = [
+    "causal_lm_loss_fn",
+    "clip_grad_norm_",
+    "context_of",
+    "count_targets",
+    "cp_batch",
+    "finish_grads",
+    "gathered_grads",
+    "gathered_state_dict",
+    "parallelize",
+    "pipeline_clip_grad_norm_",
+    "pipeline_state_dict",
+    "prepare_accelerator",
+    "prepare_trainer",
+    "save_pipeline_pretrained",
+    "save_pretrained",
+]

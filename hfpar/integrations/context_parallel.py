@@ -27,13 +27,15 @@ def cp_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, object]:
     attention_mask / position_ids as usual and HF's unshifted `labels` (-100 = ignored). The local batch has explicit
     position_ids; padding and packed documents are in the RowLayout the attention reads."""
     if "shift_labels" in batch:
-        raise ValueError("cp_batch: the batch already has shift_labels; pass HF's unshifted labels only (hfpar shifts "
-                         "them once, before the cut)")
+        raise ValueError(
+            "cp_batch: the batch already has shift_labels; pass HF's unshifted labels only (hfpar shifts "
+            "them once, before the cut)"
+        )
     if "labels" not in batch:
         raise ValueError("cp_batch: the batch has no labels (HF's unshifted labels, -100 = ignored)")
-    shifted = shift_labels(batch)["labels"]                       # (B, T): the target of each position, with it
+    shifted = shift_labels(batch)["labels"]  # (B, T): the target of each position, with it
     local, rows = shard_batch({**batch, "shift_labels": shifted}, cp_rank, cp)
-    local["labels"] = local["shift_labels"]                       # HF computes a loss only when labels are given
+    local["labels"] = local["shift_labels"]  # HF computes a loss only when labels are given
     return local, rows
 
 

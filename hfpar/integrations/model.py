@@ -16,18 +16,38 @@ import torch.distributed as dist
 from hfpar.context import ContextError, ParallelContext, model_config_problems
 from hfpar.parallel.expert_parallel import apply_expert_parallel
 from hfpar.parallel.guard import refuse_unlaunched
-from hfpar.parallel.sharding import (clip_grads_, full_state_dict, gather_shards, reduce_dp_grads, shard_spec,
-                                    sync_partial_grads, unique_params)
+from hfpar.parallel.sharding import (
+    clip_grads_,
+    full_state_dict,
+    gather_shards,
+    reduce_dp_grads,
+    shard_spec,
+    sync_partial_grads,
+    unique_params,
+)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["clip_grad_norm_", "context_of", "finish_grads", "gathered_grads", "gathered_state_dict", "parallelize",
-           "save_pretrained"]
+__all__ = [
+    "clip_grad_norm_",
+    "context_of",
+    "finish_grads",
+    "gathered_grads",
+    "gathered_state_dict",
+    "parallelize",
+    "save_pretrained",
+]
 
 _CTX = "_hfpar_context"
 
 
-def parallelize(model: torch.nn.Module, *, tp_size: int = 1, ep_size: int = 1, sequence_parallel: bool = False,
-                aux_loss_coef: float | None = None) -> ParallelContext:
+def parallelize(
+    model: torch.nn.Module,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    sequence_parallel: bool = False,
+    aux_loss_coef: float | None = None,
+) -> ParallelContext:
     """Shard `model` in place (experts over ep_size ranks, then tensor parallelism over tp_size consecutive ranks) on
     the launched world, and return its ParallelContext (dp = world / tp; EP drawn from the dp ranks). Every rank must
     hold the same full weights on entry. The process group must exist (TrainingArguments(...) or Accelerator()

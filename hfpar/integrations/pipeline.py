@@ -30,7 +30,7 @@ __all__ = ["causal_lm_loss_fn", "pipeline_clip_grad_norm_", "pipeline_state_dict
 
 def causal_lm_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the cross-entropy of every target, number of targets): labels (b, T) unshifted, -100 ignored."""
-    targets = labels[:, 1:]                                                      # position t predicts t + 1
+    targets = labels[:, 1:]  # position t predicts t + 1
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
     return loss, (targets != -100).sum()
 
@@ -52,7 +52,7 @@ def pipeline_clip_grad_norm_(stage, max_norm: float, *, tied_group=None, pp_grou
 def pipeline_state_dict(stage, peers: list[int], pp_group=None) -> dict[str, torch.Tensor] | None:
     """Collective: every stage's full tensors under the FULL model's names, merged on peers[0] (None elsewhere)."""
     mine = {stage.hf_name(k): v.detach().cpu() for k, v in full_state_dict(stage).items()}
-    if stage.tied is not None and stage.is_last:          # a tied LM head is the first stage's embedding
+    if stage.tied is not None and stage.is_last:  # a tied LM head is the first stage's embedding
         for name, p in stage.named_parameters(remove_duplicate=False):
             if p is stage.tied:
                 mine.pop(stage.hf_name(name), None)

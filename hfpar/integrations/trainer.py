@@ -42,18 +42,22 @@ def prepare_trainer(trainer) -> None:
     """Make a transformers Trainer (or a TRL trainer) train, clip and save a model sharded by parallelize()."""
     ctx = context_of(trainer.model)
     if ctx is None:
-        raise ValueError("prepare_trainer: trainer.model was not sharded by hfpar.integrations.parallelize(model, "
-                         "tp_size=..., ep_size=...)")
+        raise ValueError(
+            "prepare_trainer: trainer.model was not sharded by hfpar.integrations.parallelize(model, "
+            "tp_size=..., ep_size=...)"
+        )
     args = trainer.args
     if str(args.save_strategy) not in ("no", "SaveStrategy.NO") and not args.save_only_model:
-        raise ValueError(f"prepare_trainer: save_strategy={args.save_strategy!s} would write rank 0's optimizer shards "
-                         "only (a resume would be silently wrong); set save_only_model=True (checkpoints then hold "
-                         "the gathered model) or save_strategy='no'")
+        raise ValueError(
+            f"prepare_trainer: save_strategy={args.save_strategy!s} would write rank 0's optimizer shards "
+            "only (a resume would be silently wrong); set save_only_model=True (checkpoints then hold "
+            "the gathered model) or save_strategy='no'"
+        )
     prepare_accelerator(trainer.accelerator, ctx)
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             _gather_fused_head(model)
-    if hasattr(trainer, "_tp_size"):   # TRL: token-count metrics gathered over the world count TP ranks once each
+    if hasattr(trainer, "_tp_size"):  # TRL: token-count metrics gathered over the world count TP ranks once each
         trainer._tp_size = ctx.tp
     trainer.save_model = types.MethodType(_save_model, trainer)
     train = trainer.train
@@ -61,8 +65,10 @@ def prepare_trainer(trainer) -> None:
     @functools.wraps(train)
     def _train(resume_from_checkpoint=None, **kwargs):
         if resume_from_checkpoint:
-            raise ValueError("prepare_trainer: resume_from_checkpoint is not supported with hfpar's TP / EP layers in "
-                             "a Trainer (its checkpoints hold one rank's optimizer state); use hfpar's recipes")
+            raise ValueError(
+                "prepare_trainer: resume_from_checkpoint is not supported with hfpar's TP / EP layers in "
+                "a Trainer (its checkpoints hold one rank's optimizer state); use hfpar's recipes"
+            )
         return train(**kwargs)
 
     trainer.train = _train
@@ -93,14 +99,16 @@ def _gather_fused_head(model: torch.nn.Module) -> None:
             return fused(*args, **kwargs)
         full = types.SimpleNamespace(
             weight=gather_from_sequence_parallel_region(head.weight, 0, spec.group, reduce_grad=False),
-            bias=None if head.bias is None else gather_from_sequence_parallel_region(head.bias, 0, spec.group,
-                                                                                      reduce_grad=False))
+            bias=None
+            if head.bias is None
+            else gather_from_sequence_parallel_region(head.bias, 0, spec.group, reduce_grad=False),
+        )
         model.get_output_embeddings = lambda: full
         try:
             out = fused(*args, fused_lm_head=True, **kwargs)
         finally:
             del model.get_output_embeddings
-        loss_fn = model.loss_function   # the TP guard checks the loss went through it: it was computed on full rows
+        loss_fn = model.loss_function  # the TP guard checks the loss went through it: it was computed on full rows
         if hasattr(loss_fn, "calls"):
             loss_fn.calls += 1
         return out

@@ -9,11 +9,11 @@
 `payload` is the size of the collective's full tensor (all-reduce: the tensor; all-gather: the gathered
 output; reduce-scatter: the input; all-to-all: what this rank sends). `wire` is what this rank sends
 with the bandwidth-optimal (ring / pairwise) algorithm: all-reduce 2(N-1)/N x payload, all-gather and
-reduce-scatter (N-1)/N x payload, reduce (reduce-scatter + gather to the root) (N-1)/N x payload, all-to-all the bytes addressed to other ranks, broadcast the payload
-on the source rank. That is the quantity the textbook formulas give (DDP 2 Phi (N-1)/N per step, ...).
-Point to point, "send": the tensors this rank sends in `batch_isend_irecv` (context parallelism's overlapped
-ring), payload = wire (what it receives are its peers' sends). The lone isend / irecv are not wrapped: P2POp
-checks its op by identity against torch's own functions.
+reduce-scatter (N-1)/N x payload, reduce (reduce-scatter + gather to the root) (N-1)/N x payload, all-to-all the bytes
+addressed to other ranks, broadcast the payload on the source rank. That is the quantity the textbook formulas give (DDP
+2 Phi (N-1)/N per step, ...). Point to point, "send": the tensors this rank sends in `batch_isend_irecv` (context
+parallelism's overlapped ring), payload = wire (what it receives are its peers' sends). The lone isend / irecv are not
+wrapped: P2POp checks its op by identity against torch's own functions.
 
 Why by hand: torch has no per-collective byte counter (the profiler records kernels, not bytes, and
 nothing on gloo). Python-level collectives (FSDP2, DeepSpeed, hfpar's TP/EP layers, Accelerate) go
@@ -48,8 +48,12 @@ _KIND = {  # torch.distributed function -> (collective type, how to size it)
     "reduce": ("reduce", "first"),
     "batch_isend_irecv": ("send", "p2p"),  # point to point (context parallelism's overlapped ring): the sends
 }
-_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "reduce": lambda n: (n - 1) / n}
+_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+}
 
 
 def _nbytes(t) -> int:
@@ -94,8 +98,11 @@ class CommCounter:
     def _count(self, name: str, args, kwargs) -> None:
         kind, how = _KIND[name]
         if how == "p2p":  # batch_isend_irecv(p2p_op_list): what this rank sends goes on the wire whole
-            sent = sum(_nbytes(op.tensor) for op in _arg(args, kwargs, 0, "p2p_op_list") or []
-                       if getattr(op.op, "__name__", "") == "isend")
+            sent = sum(
+                _nbytes(op.tensor)
+                for op in _arg(args, kwargs, 0, "p2p_op_list") or []
+                if getattr(op.op, "__name__", "") == "isend"
+            )
             if sent:
                 self.add(kind, sent, float(sent))
             return
@@ -153,10 +160,11 @@ class CommCounter:
                 return fn(*args, **kwargs)
             finally:
                 self._local.depth = depth
+
         counted._hfpar_counted = True
         return counted
 
-    def install(self) -> "CommCounter":
+    def install(self) -> CommCounter:
         for module in (dist, c10d):
             for name in _KIND:
                 fn = getattr(module, name, None)

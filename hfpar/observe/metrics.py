@@ -144,8 +144,12 @@ def run_metadata(optimizer, implementation) -> dict:
     """What run_info.json says of the run besides measurements: library versions, the command line and the
     optimizer implementation that steps the parameters (`implementation(torch_optimizer)`: hfpar.backends.optim's,
     handed in by the trainer so that observe imports nothing of train). Gathered once, before the first step."""
-    return {"optimizer": implementation(_base_optimizer(optimizer)), "optimizer_wrappers": _wrappers(optimizer),
-            "versions": library_versions(), "command": command_line()}
+    return {
+        "optimizer": implementation(_base_optimizer(optimizer)),
+        "optimizer_wrappers": _wrappers(optimizer),
+        "versions": library_versions(),
+        "command": command_line(),
+    }
 
 
 def _wrappers(opt) -> list[str]:

@@ -1,7 +1,7 @@
 """Plots and a text summary of runs, from their metrics.jsonl and run_info.json.
 
-    hfpar plot out/ddp out/fsdp2 -o runs.png      curves of several runs overlaid (2x2: loss, eval loss, lr, tokens/s)
-    python -c "from hfpar.observe.plot import write_report, summary_table; write_report('out'); print(summary_table('out'))"
+hfpar plot out/ddp out/fsdp2 -o runs.png      curves of several runs overlaid (2x2: loss, eval loss, lr, tokens/s)
+python -c "from hfpar.observe.plot import write_report, summary_table; write_report('out'); print(summary_table('out'))"
 """
 
 from __future__ import annotations
@@ -40,16 +40,25 @@ def _figure(**kw):
 def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title: str) -> Path:
     fig = _figure(figsize=(11, 7.5))
     axes = fig.subplots(2, 2)
-    panels = [(axes[0, 0], "loss", "train loss"), (axes[0, 1], "eval_loss", "eval loss"),
-              (axes[1, 0], "lr", "learning rate"), (axes[1, 1], "tokens_per_s", "tokens / s")]
+    panels = [
+        (axes[0, 0], "loss", "train loss"),
+        (axes[0, 1], "eval_loss", "eval loss"),
+        (axes[1, 0], "lr", "learning rate"),
+        (axes[1, 1], "tokens_per_s", "tokens / s"),
+    ]
     for i, (label, train, evals) in enumerate(runs):
         color = f"C{i % 10}"
         for ax, key, _ in panels:
             rows = evals if key == "eval_loss" else train
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), color=color, label=label, marker="o" if key == "eval_loss" or len(pts) < 3 else None,
-                        markersize=3)
+                ax.plot(
+                    *zip(*pts),
+                    color=color,
+                    label=label,
+                    marker="o" if key == "eval_loss" or len(pts) < 3 else None,
+                    markersize=3,
+                )
     for ax, _, name in panels:
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -92,7 +101,7 @@ def human_bytes(n: float) -> str:
     1.50 KiB, 18.3 MiB, 512 MiB, 1.00 GiB. A non-zero count never reads 0.00."""
     value, unit = float(n), 0
     while True:
-        for digits in ((2, 1, 0) if unit else (0,)):  # 9.996 KiB rounds to 10.00: say 10.0 KiB
+        for digits in (2, 1, 0) if unit else (0,):  # 9.996 KiB rounds to 10.00: say 10.0 KiB
             text = f"{value:.{digits}f}"
             if abs(float(text)) < 10 ** (3 - digits):
                 break
@@ -104,17 +113,23 @@ def human_bytes(n: float) -> str:
 def summary_table(output_dir: str | Path) -> str:
     """A short text table: final loss, final eval loss, median tokens/s, peak memory per rank, wall time."""
     train, evals, info = read_run(output_dir)
-    rows = [("run", _label(output_dir, info)), ("steps", str(train[-1]["step"]) if train else "-"),
-            ("final loss", f"{train[-1]['loss']:.4f}" if train else "-"),
-            ("final eval loss", f"{evals[-1]['eval_loss']:.4f}" if evals else "-")]
+    rows = [
+        ("run", _label(output_dir, info)),
+        ("steps", str(train[-1]["step"]) if train else "-"),
+        ("final loss", f"{train[-1]['loss']:.4f}" if train else "-"),
+        ("final eval loss", f"{evals[-1]['eval_loss']:.4f}" if evals else "-"),
+    ]
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     rows.append(("median tokens/s", f"{statistics.median(tps):,.0f}" if tps else "-"))
     if info.get("peak_mem_bytes_per_rank"):
         rows.append(("peak memory/rank", ", ".join(human_bytes(b) for b in info["peak_mem_bytes_per_rank"])))
     elif any("peak_mem_bytes" in r for r in train):
         rows.append(("peak memory (rank 0)", human_bytes(max(r.get("peak_mem_bytes", 0) for r in train))))
-    for key, name in (("param_bytes_per_rank", "param bytes/rank"), ("grad_bytes_per_rank", "grad bytes/rank"),
-                      ("optimizer_state_bytes_per_rank", "optimizer bytes/rank")):
+    for key, name in (
+        ("param_bytes_per_rank", "param bytes/rank"),
+        ("grad_bytes_per_rank", "grad bytes/rank"),
+        ("optimizer_state_bytes_per_rank", "optimizer bytes/rank"),
+    ):
         if info.get(key):
             rows.append((name, ", ".join(human_bytes(b) for b in info[key])))
     wall = info.get("wall_time_s")

@@ -26,8 +26,19 @@ from hfpar.observe import plot
 
 
 class RunRecorder:
-    def __init__(self, accelerator, ctx, output_dir: str | Path, model: torch.nn.Module, *, total_steps: int,
-                 global_batch: int, logging_steps: int, report_to: str, run_extra: dict | None = None):
+    def __init__(
+        self,
+        accelerator,
+        ctx,
+        output_dir: str | Path,
+        model: torch.nn.Module,
+        *,
+        total_steps: int,
+        global_batch: int,
+        logging_steps: int,
+        report_to: str,
+        run_extra: dict | None = None,
+    ):
         self.acc, self.ctx, self.out = accelerator, ctx, Path(output_dir)
         self.total_steps, self.global_batch, self.logging_steps = total_steps, global_batch, logging_steps
         self.trackers = report_to != "none"
@@ -39,7 +50,8 @@ class RunRecorder:
 
     def model_ready(self, backend, implementation) -> None:
         """After backend.prepare: the model is loaded and wrapped on every path. Versions, command and optimizer
-        (`implementation(torch_optimizer) -> str`) are gathered here, never inside the loop (no import stalls a step)."""
+        (`implementation(torch_optimizer) -> str`) are gathered here, never inside the loop (no import stalls a
+        step)."""
         self.backend = backend
         self.rss_after_load = M.host_peak_rss_bytes()
         self.run_meta = M.run_metadata(backend.optimizer, implementation)
@@ -52,8 +64,13 @@ class RunRecorder:
         if start_step > 0 and main:
             truncate_metrics(self.out / "metrics.jsonl", start_step)
         self.writer = M.MetricsWriter(self.out / "metrics.jsonl", main, append=start_step > 0)
-        self.bar = tqdm(total=self.total_steps, initial=start_step, disable=not self.acc.is_local_main_process,
-                        desc=f"hfpar {self.backend.strategy}", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.total_steps,
+            initial=start_step,
+            disable=not self.acc.is_local_main_process,
+            desc=f"hfpar {self.backend.strategy}",
+            dynamic_ncols=True,
+        )
 
     def step(self, rec: dict) -> None:
         """Collective on the first step of this launch (run_info.json gathers every rank's bytes)."""
@@ -66,8 +83,10 @@ class RunRecorder:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}")
         if (done % self.logging_steps == 0 or done == self.total_steps) and self.acc.is_local_main_process:
-            self.bar.write(f"step {done}/{self.total_steps} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
-                           f"lr {rec['lr']:.3e} tok/s {rec['tokens_per_s']:.0f}")
+            self.bar.write(
+                f"step {done}/{self.total_steps} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
+                f"lr {rec['lr']:.3e} tok/s {rec['tokens_per_s']:.0f}"
+            )
 
     def eval(self, step: int, ev: dict) -> None:
         if not ev:
@@ -97,9 +116,17 @@ class RunRecorder:
         """Collective. After the first step (optimizer state exists) and again at the end (peak memory, wall time)."""
         acc, backend = self.acc, self.backend
         opt_bytes = M.optimizer_state_bytes(backend.optimizer) + backend.other_optimizer_state_bytes()
-        local = torch.tensor([M.param_bytes(backend.model), opt_bytes, M.grad_bytes(backend.optimizer),
-                              M.peak_memory_bytes(acc.device), self.rss_after_load, M.host_peak_rss_bytes()],
-                             dtype=torch.float64)
+        local = torch.tensor(
+            [
+                M.param_bytes(backend.model),
+                opt_bytes,
+                M.grad_bytes(backend.optimizer),
+                M.peak_memory_bytes(acc.device),
+                self.rss_after_load,
+                M.host_peak_rss_bytes(),
+            ],
+            dtype=torch.float64,
+        )
         gathered = acc.gather(local.to(acc.device)).view(-1, 6).cpu()
         info = {
             "strategy": backend.strategy,

@@ -60,14 +60,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
             total = torch.zeros((), dtype=acc, device=h.device)
             for s in range(0, h.shape[0], chunk):
-                hc, t = h[s:s + chunk].to(cdt), target[s:s + chunk]
-                z = F.linear(hc, w, b).to(acc)                                   # (C, V_l) this chunk's logits
+                hc, t = h[s : s + chunk].to(cdt), target[s : s + chunk]
+                z = F.linear(hc, w, b).to(acc)  # (C, V_l) this chunk's logits
                 m = z.detach().max(dim=-1).values
                 if tp > 1:
                     m = all_reduce(m, group, op=dist.ReduceOp.MAX)
                 z.sub_(m.unsqueeze(-1))
                 valid = t != IGNORE
-                mine = valid & (t >= start) & (t < start + z.shape[1])           # the target's row is local
+                mine = valid & (t >= start) & (t < start + z.shape[1])  # the target's row is local
                 lt = (t - start).masked_fill(~mine, 0)
                 z_t = z.gather(1, lt.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
                 z.exp_()
@@ -78,19 +78,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 total += ((sum_exp.log() - z_t) * valid).sum()
                 if grad_h is None and grad_w is None and grad_b is None:
                     continue
-                z.div_(sum_exp.unsqueeze(-1))                                    # softmax shard
+                z.div_(sum_exp.unsqueeze(-1))  # softmax shard
                 z[torch.arange(z.shape[0], device=z.device), lt] -= mine.to(acc)  # - one-hot
-                z.mul_(valid.to(acc).unsqueeze(-1))                              # d loss_sum / d logits
+                z.mul_(valid.to(acc).unsqueeze(-1))  # d loss_sum / d logits
                 dz = z.to(cdt)
                 if grad_h is not None:
-                    grad_h[s:s + chunk] = (dz @ w).to(h.dtype)
+                    grad_h[s : s + chunk] = (dz @ w).to(h.dtype)
                 if grad_w is not None:
                     if dz.dtype == acc:
                         grad_w.addmm_(dz.t(), hc)
-                    else:   # (V_l, H) product in cdt, then an acc copy: in row blocks no larger than the chunk's
-                        rows = max(1, dz.numel() // hc.shape[1])   # logits, or the two would be V_l x H x 6 bytes
+                    else:  # (V_l, H) product in cdt, then an acc copy: in row blocks no larger than the chunk's
+                        rows = max(1, dz.numel() // hc.shape[1])  # logits, or the two would be V_l x H x 6 bytes
                         for r in range(0, grad_w.shape[0], rows):
-                            grad_w[r:r + rows] += (dz[:, r:r + rows].t() @ hc).to(acc)
+                            grad_w[r : r + rows] += (dz[:, r : r + rows].t() @ hc).to(acc)
                 if grad_b is not None:
                     grad_b += z.sum(0)
         ctx.grads = [grad_h, grad_w, grad_b]
@@ -109,8 +109,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None
 
 
-def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 target: torch.Tensor, *, group=None, chunk: int | None = None) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    group=None,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Sum of the cross-entropy of F.linear(h, weight, bias) against target (IGNORE = -100 skipped), chunked over
     tokens. h (..., H) and target (...) flattened alike; weight the local vocab rows of a vocab-parallel head when
     group is its tensor-parallel group. Under autocast the matmuls run in the autocast dtype, the softmax in fp32."""
@@ -141,7 +148,7 @@ class ChunkedLoss:
 
     def _head_input(self, x: torch.Tensor) -> torch.Tensor:
         h = self.head
-        if isinstance(h, ColumnParallelLinear) and not h.in_region:     # as ColumnParallelLinear.forward
+        if isinstance(h, ColumnParallelLinear) and not h.in_region:  # as ColumnParallelLinear.forward
             if h.sequence_parallel:
                 return gather_from_sequence_parallel_region(x, h.sequence_dim, h.group)
             return copy_to_parallel_region(x, h.group)
@@ -152,10 +159,13 @@ class ChunkedLoss:
             return self._forward(x)
         x = self._head_input(x)
         if x.shape[:-1] != self._target.shape:
-            raise ValueError(f"chunked LM loss: the head's input {tuple(x.shape)} does not match the targets "
-                             f"{tuple(self._target.shape)}; pass --loss_chunk_size 0")
-        loss = chunked_linear_cross_entropy(x, self.head.weight, self.head.bias, self._target, group=self.group,
-                                            chunk=self.chunk)
+            raise ValueError(
+                f"chunked LM loss: the head's input {tuple(x.shape)} does not match the targets "
+                f"{tuple(self._target.shape)}; pass --loss_chunk_size 0"
+            )
+        loss = chunked_linear_cross_entropy(
+            x, self.head.weight, self.head.bias, self._target, group=self.group, chunk=self.chunk
+        )
         return loss.reshape(1, 1, 1)
 
 

@@ -35,18 +35,28 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CommStats", "comm_stats", "group_size", "group_rank",
-    "copy_to_parallel_region", "reduce_from_parallel_region",
-    "scatter_to_parallel_region", "gather_from_parallel_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "all_to_all_single_autograd",
-    "all_reduce", "all_gather", "reduce_scatter", "split",
+    "CommStats",
+    "comm_stats",
+    "group_size",
+    "group_rank",
+    "copy_to_parallel_region",
+    "reduce_from_parallel_region",
+    "scatter_to_parallel_region",
+    "gather_from_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "all_to_all_single_autograd",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "split",
 ]
 
 
@@ -113,6 +123,8 @@ def _all_gather_base(out: torch.Tensor, x: torch.Tensor, group=None):
 
 def _reduce_scatter_base(out: torch.Tensor, x: torch.Tensor, group=None):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 # Flipped to True (with one warning) the first time a backend rejects reduce-scatter (old gloo builds
 # had no reduce_scatter_tensor on CPU; torch 2.13's gloo does). The rejection happens before any data is
 # exchanged, so falling back to all-reduce + slice is safe (it moves ~2x the bytes).
@@ -138,7 +150,7 @@ def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tenso
 def all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order)."""
     ws = group_size(group)
-    x0 = x.movedim(dim, 0).contiguous()                       # gather dim in front
+    x0 = x.movedim(dim, 0).contiguous()  # gather dim in front
     out = x0.new_empty((ws * x0.shape[0], *x0.shape[1:]))
     if comm_stats.enabled:
         comm_stats.record("all_gather", _nbytes(out))
@@ -163,10 +175,14 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
             if "support" not in str(e).lower() and "implement" not in str(e).lower():
                 raise
             _reduce_scatter_unsupported = True
-            warnings.warn(f"hfpar: the {dist.get_backend(group)} backend rejected reduce_scatter ({e}); this "
-                          "process now uses all_reduce + slice instead for every reduce-scatter (same result, "
-                          "about 2x the bytes)", RuntimeWarning, stacklevel=2)
-    full = all_reduce(x0, group)                              # fallback: (ws*n, ...) summed
+            warnings.warn(
+                f"hfpar: the {dist.get_backend(group)} backend rejected reduce_scatter ({e}); this "
+                "process now uses all_reduce + slice instead for every reduce-scatter (same result, "
+                "about 2x the bytes)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    full = all_reduce(x0, group)  # fallback: (ws*n, ...) summed
     return full.narrow(0, group_rank(group) * n, n).movedim(0, dim).contiguous()
 
 
@@ -286,8 +302,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = 1, group=Non
     return x if group_size(group) == 1 else _Split.apply(x, dim % x.dim(), group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = 1, group=None, *,
-                                         reduce_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, dim: int = 1, group=None, *, reduce_grad: bool = True
+) -> torch.Tensor:
     """(B, T/tp, H) -> (B, T, H) all-gather along `dim`.
 
     Backward reduce-scatters the gradient (right when the gathered tensor feeds a tensor-parallel
@@ -311,9 +328,12 @@ def _as_splits(s, n: int, ws: int, what: str) -> list[int]:
     return s
 
 
-def all_to_all_single_autograd(x: torch.Tensor, output_split_sizes: Sequence[int] | torch.Tensor | None,
-                               input_split_sizes: Sequence[int] | torch.Tensor | None,
-                               group=None) -> torch.Tensor:
+def all_to_all_single_autograd(
+    x: torch.Tensor,
+    output_split_sizes: Sequence[int] | torch.Tensor | None,
+    input_split_sizes: Sequence[int] | torch.Tensor | None,
+    group=None,
+) -> torch.Tensor:
     """All-to-all along dim 0 with (possibly uneven) splits, differentiable.
 
     x: (sum(input_split_sizes), *rest); row block i goes to rank i. Returns
@@ -326,8 +346,9 @@ def all_to_all_single_autograd(x: torch.Tensor, output_split_sizes: Sequence[int
         return x
     in_splits = _as_splits(input_split_sizes, x.shape[0], ws, "input_split_sizes")
     if sum(in_splits) != x.shape[0]:
-        raise ValueError(f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, "
-                         f"but x has {x.shape[0]} rows")
+        raise ValueError(
+            f"all_to_all: input_split_sizes {in_splits} sum to {sum(in_splits)}, but x has {x.shape[0]} rows"
+        )
     out_splits = _as_splits(output_split_sizes, x.shape[0], ws, "output_split_sizes")
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
@@ -335,9 +356,9 @@ def all_to_all_single_autograd(x: torch.Tensor, output_split_sizes: Sequence[int
 def _demo(rank: int, world_size: int) -> None:
     """The module docstring's example, checked."""
     torch.manual_seed(0)
-    x = torch.randn(4, 2 * world_size, requires_grad=True)   # (B, H)
-    y = scatter_to_parallel_region(x)                         # (B, H/tp)
-    z = gather_from_parallel_region(y * 2)                    # (B, H)
+    x = torch.randn(4, 2 * world_size, requires_grad=True)  # (B, H)
+    y = scatter_to_parallel_region(x)  # (B, H/tp)
+    z = gather_from_parallel_region(y * 2)  # (B, H)
     z.sum().backward()
     assert torch.allclose(z, 2 * x) and torch.equal(x.grad, torch.full_like(x, 2.0))
     if rank == 0:

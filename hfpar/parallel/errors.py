@@ -22,8 +22,8 @@ __all__ = ["ParallelError", "Problem"]
 
 @dataclass(frozen=True)
 class Problem:
-    reason: str      # what is wrong, naming the module and the values
-    hint: str = ""   # what to do about it ("pass None ...", "pass plan={...}"); "" where the reason says it all
+    reason: str  # what is wrong, naming the module and the values
+    hint: str = ""  # what to do about it ("pass None ...", "pass plan={...}"); "" where the reason says it all
 
     def __str__(self) -> str:
         return f"{self.reason}; {self.hint}" if self.hint else self.reason

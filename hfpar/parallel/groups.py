@@ -9,7 +9,7 @@ the lists that contains this rank (None if none does, or when torch.distributed 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -31,6 +31,6 @@ def expert_rank_lists(dp_lists: Sequence[Sequence[int]], ep: int) -> tuple[list[
     ep_lists, edp_lists = [], []
     for d in dp_lists:
         d = list(d)
-        ep_lists += [d[i:i + ep] for i in range(0, len(d), ep)]
+        ep_lists += [d[i : i + ep] for i in range(0, len(d), ep)]
         edp_lists += [d[j::ep] for j in range(ep)]
     return ep_lists, edp_lists

@@ -33,22 +33,26 @@ import sys
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY as _REGISTRY_KEY  # composable APIs applied
-from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY   # where fully_shard keeps its state
+from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY  # where fully_shard keeps its state
 
 __all__ = ["SAFE_CALLS", "mark_parallel", "parallel_record", "refuse_unlaunched", "release"]
 
 _RECORD = "_hfpar_parallel"
 _DDP_KEY = "_ddp_params_and_buffers_to_ignore"
 _ENGINE_HOOK = "_hfpar_engine_hook"
-_ENGINE_DEPTH = 6   # frames between a DeepSpeedEngine's forward and the model's pre-hook (Module._call_impl's)
-SAFE_CALLS = ("hfpar.integrations.prepare_trainer(trainer) before trainer.train() (Trainer, TRL), or "
-              "hfpar.integrations.prepare_accelerator(accelerator) before accelerator.prepare(model) "
-              "(docs/own-code.md)")
+_ENGINE_DEPTH = 6  # frames between a DeepSpeedEngine's forward and the model's pre-hook (Module._call_impl's)
+SAFE_CALLS = (
+    "hfpar.integrations.prepare_trainer(trainer) before trainer.train() (Trainer, TRL), or "
+    "hfpar.integrations.prepare_accelerator(accelerator) before accelerator.prepare(model) "
+    "(docs/own-code.md)"
+)
 
 
 def _message(what: str, record: list[str]) -> str:
-    return (f"hfpar: {what} of a model that is {' and '.join(record)} would wrap it over the whole world (rank 0's "
-            f"shards broadcast or different shards averaged: silently wrong); use {SAFE_CALLS}")
+    return (
+        f"hfpar: {what} of a model that is {' and '.join(record)} would wrap it over the whole world (rank 0's "
+        f"shards broadcast or different shards averaged: silently wrong); use {SAFE_CALLS}"
+    )
 
 
 class _RefuseDDP:
@@ -113,7 +117,8 @@ def _refuse_engine(module: nn.Module, args) -> None:
                 f"hfpar: deepspeed.initialize (a DeepSpeedEngine, also what accelerator.prepare / Trainer build from a "
                 f"DeepSpeed config) of a model that is {' and '.join(guard.record)} broadcast rank 0's shards over the "
                 "whole world (silently wrong); ZeRO over hfpar's TP / EP is hfpar's recipes' path (zero1.yaml / "
-                "zero2.yaml with --tp_size / --ep_size), in your own code use a DDP config with " + SAFE_CALLS)
+                "zero2.yaml with --tp_size / --ep_size), in your own code use a DDP config with " + SAFE_CALLS
+            )
         frame = frame.f_back
 
 
@@ -126,7 +131,7 @@ def mark_parallel(model: nn.Module, what: str) -> None:
         model.__dict__[_ENGINE_HOOK] = True
     holders = {""}
     for name, p in model.named_parameters(remove_duplicate=False):
-        spec = getattr(p, "_hfpar_shard", None)                    # hfpar.parallel.sharding's record
+        spec = getattr(p, "_hfpar_shard", None)  # hfpar.parallel.sharding's record
         if spec is not None and spec.size > 1:
             parts = name.split(".")[:-1]
             holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
@@ -162,6 +167,8 @@ def refuse_unlaunched(what: str) -> None:
     one and say nothing: refuse."""
     world = os.environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what}: WORLD_SIZE={world} but torch.distributed is not initialized, so this would "
-                           "shard over a world of one; call dist.init_process_group(...) (or create the Accelerator "
-                           "/ TrainingArguments) first, or pass a process group")
+        raise RuntimeError(
+            f"{what}: WORLD_SIZE={world} but torch.distributed is not initialized, so this would "
+            "shard over a world of one; call dist.init_process_group(...) (or create the Accelerator "
+            "/ TrainingArguments) first, or pass a process group"
+        )

@@ -51,8 +51,8 @@ def _place(out: torch.Tensor, piece: torch.Tensor, offset: list[int]) -> None:
 def join_pieces(pieces: Iterable[tuple[dict, torch.Tensor]]) -> torch.Tensor:
     """The full tensor from its pieces (each (piece_layout, local tensor)); repeated pieces (data-parallel replicas)
     are taken once. Raises ValueError when a TP rank's pieces do not cover its shape."""
-    out: dict[int, torch.Tensor] = {}        # tp rank -> its TP-local tensor, being filled
-    seen: dict[int, set] = {}                # tp rank -> offsets placed
+    out: dict[int, torch.Tensor] = {}  # tp rank -> its TP-local tensor, being filled
+    seen: dict[int, set] = {}  # tp rank -> offsets placed
     covered: dict[int, int] = {}
     tp = None
     for desc, t in pieces:

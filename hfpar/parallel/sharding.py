@@ -20,8 +20,8 @@ that from the DTensor placements, so one implementation covers plain, DTensor an
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,24 +30,40 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .comm import all_gather, all_reduce, group_size
 
-__all__ = ["ShardSpec", "shard_spec", "set_shard_spec", "carry_shard_specs", "shard_tensor", "gather_shards",
-           "unpack_parts", "local_tensor", "grad_sq_norm", "grad_norm", "scale_grads_to_norm_", "clip_grads_", "sync_partial_grads",
-           "partial_grad_hooks", "reduce_dp_grads", "full_state_dict", "unique_params"]
+__all__ = [
+    "ShardSpec",
+    "shard_spec",
+    "set_shard_spec",
+    "carry_shard_specs",
+    "shard_tensor",
+    "gather_shards",
+    "unpack_parts",
+    "local_tensor",
+    "grad_sq_norm",
+    "grad_norm",
+    "scale_grads_to_norm_",
+    "clip_grads_",
+    "sync_partial_grads",
+    "partial_grad_hooks",
+    "reduce_dp_grads",
+    "full_state_dict",
+    "unique_params",
+]
 
 _ATTR = "_hfpar_shard"
 
 
 @dataclass(eq=False)
 class ShardSpec:
-    kind: str = "replicated"                      # "tp" | "ep" | "replicated" (for messages and filters)
-    group: object = None                          # process group the parameter is sharded over
+    kind: str = "replicated"  # "tp" | "ep" | "replicated" (for messages and filters)
+    group: object = None  # process group the parameter is sharded over
     dim: int = 0
     size: int = 1
     packed_splits: list[int] | None = None
     partial_grad_group: object = None
     dp_reduce_group: object = None
     dp_size: int = 1
-    experts: dict | None = None                   # EP: {"num_experts": E, "start": first local expert}
+    experts: dict | None = None  # EP: {"num_experts": E, "start": first local expert}
 
     @property
     def extra(self) -> dict | None:
@@ -68,7 +84,7 @@ class ShardSpec:
 
 
 def _rebuild(fields: dict) -> ShardSpec:
-    return ShardSpec(**{("experts" if k == "extra" else k): v for k, v in fields.items()})   # "extra": pickled before
+    return ShardSpec(**{("experts" if k == "extra" else k): v for k, v in fields.items()})  # "extra": pickled before
 
 
 def shard_spec(t: torch.Tensor) -> ShardSpec | None:
@@ -102,8 +118,9 @@ def _part_sizes(total: int, packed_splits: Sequence[int] | None) -> list[int]:
     return [total] if packed_splits is None else [int(s) for s in packed_splits]
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int,
-                 packed_splits: Sequence[int] | None = None) -> torch.Tensor:
+def shard_tensor(
+    full: torch.Tensor, dim: int, rank: int, size: int, packed_splits: Sequence[int] | None = None
+) -> torch.Tensor:
     """This rank's shard along `dim`; with packed_splits, its slice of EACH part, concatenated.
     E.g. fused qkv (q+k+v, H) with packed_splits=[q, k, v] -> (q/tp + k/tp + v/tp, H). A fresh tensor."""
     sizes = _part_sizes(full.shape[dim], packed_splits)
@@ -122,7 +139,9 @@ def unpack_parts(x: torch.Tensor, dim: int, size: int, packed_splits: Sequence[i
     return torch.cat([per_rank[r][i] for i in range(len(local)) for r in range(size)], dim)
 
 
-def gather_shards(shard: torch.Tensor, dim: int, group=None, packed_splits: Sequence[int] | None = None) -> torch.Tensor:
+def gather_shards(
+    shard: torch.Tensor, dim: int, group=None, packed_splits: Sequence[int] | None = None
+) -> torch.Tensor:
     """Inverse of shard_tensor over `group` (collective: every rank calls it, every rank gets the full
     tensor). Not differentiable; for export and for checking weights / grads."""
     size = group_size(group)
@@ -158,7 +177,7 @@ def grad_sq_norm(parameters: Iterable[torch.Tensor], device=None) -> torch.Tenso
     params = unique_params(parameters)
     if device is None:
         device = local_tensor(params[0]).device if params else torch.device("cpu")
-    buckets: dict[tuple, list] = {}                          # groups to sum over -> [sq, groups]
+    buckets: dict[tuple, list] = {}  # groups to sum over -> [sq, groups]
     for p in params:
         groups = _sum_groups(p)
         key = tuple(id(g) for g in groups)
@@ -167,7 +186,7 @@ def grad_sq_norm(parameters: Iterable[torch.Tensor], device=None) -> torch.Tenso
         if p.grad is not None:
             buckets[key][0] += local_tensor(p.grad).detach().double().square().sum().to(device)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for sq, groups in buckets.values():                      # first-appearance order: the same on every rank
+    for sq, groups in buckets.values():  # first-appearance order: the same on every rank
         for g in groups:
             sq = all_reduce(sq, g)
         total = total + sq
@@ -215,11 +234,12 @@ def _sum_grads_over(params: list[torch.Tensor], group_of) -> None:
 
 def _with_grad(parameters: Iterable[torch.Tensor], keep) -> list[torch.Tensor]:
     """The unique parameters that have a grad and a ShardSpec for which keep(spec) holds."""
-    return [p for p in unique_params(parameters)
-            if p.grad is not None and shard_spec(p) is not None and keep(shard_spec(p))]
+    return [
+        p for p in unique_params(parameters) if p.grad is not None and shard_spec(p) is not None and keep(shard_spec(p))
+    ]
 
 
-_HOOKED = "_hfpar_partial_grad_hook"   # set on a Parameter whose grad a partial_grad_hooks hook already sums
+_HOOKED = "_hfpar_partial_grad_hook"  # set on a Parameter whose grad a partial_grad_hooks hook already sums
 
 
 def sync_partial_grads(parameters: Iterable[torch.Tensor]) -> int:
@@ -242,8 +262,13 @@ def partial_grad_hooks(parameters: Iterable[torch.Tensor]) -> int:
     n = 0
     for p in unique_params(parameters):
         spec = shard_spec(p)
-        if (spec is None or spec.partial_grad_group is None or group_size(spec.partial_grad_group) == 1
-                or not p.requires_grad or getattr(p, _HOOKED, False)):
+        if (
+            spec is None
+            or spec.partial_grad_group is None
+            or group_size(spec.partial_grad_group) == 1
+            or not p.requires_grad
+            or getattr(p, _HOOKED, False)
+        ):
             continue
 
         def hook(grad, group=spec.partial_grad_group):
@@ -279,8 +304,9 @@ def full_state_dict(model: nn.Module, base: dict[str, torch.Tensor] | None = Non
     done: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in done:
-            full = base[name] if base is not None and name in base else (
-                t.full_tensor() if isinstance(t, DTensor) else t)
+            full = (
+                base[name] if base is not None and name in base else (t.full_tensor() if isinstance(t, DTensor) else t)
+            )
             spec = shard_spec(t)
             if spec is not None and spec.sharded and spec.group is not None:
                 full = gather_shards(full, spec.dim, spec.group, spec.packed_splits)

@@ -43,9 +43,20 @@ def _split(costs: list[float], stages: int) -> list[int]:
     return split_by_cost(costs, stages)
 
 
-def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", microbatches: int = 0,
-                      virtual_stages: int = 2, seq_len: int = 2048, batch_size: int = 1, mixed_precision: str = "bf16",
-                      checkpointing: bool = False, attn_implementation: str = "sdpa") -> tuple[list[dict], float]:
+def pipeline_estimate(
+    stats,
+    pp: int,
+    world: int,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 0,
+    virtual_stages: int = 2,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    mixed_precision: str = "bf16",
+    checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> tuple[list[dict], float]:
     """([bytes per rank of stage s, by category, + "layers" and "in_flight"] for s in stages, bubble fraction);
     PlannerError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
 
@@ -58,16 +69,25 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
         raise PlannerError(f"--pp_size {pp} x {v} chunks: the model has {stats.n_layers} layers, fewer than the stages")
     m = microbatches or default_microbatches(pp, batch_size, schedule)
     if not m:
-        raise PlannerError(f"--batch_size {batch_size}: interleaved 1F1B needs micro-batches in multiples of --pp_size {pp}")
+        raise PlannerError(
+            f"--batch_size {batch_size}: interleaved 1F1B needs micro-batches in multiples of --pp_size {pp}"
+        )
     if batch_size % m or (v > 1 and m % pp):
-        raise PlannerError(f"--pp_microbatches {m}: must divide --batch_size {batch_size}"
-                        + (f" and be a multiple of --pp_size {pp} (interleaved)" if v > 1 else ""))
+        raise PlannerError(
+            f"--pp_microbatches {m}: must divide --batch_size {batch_size}"
+            + (f" and be a multiple of --pp_size {pp} (interleaved)" if v > 1 else "")
+        )
     bp, bg, bo = state_bytes_per_param(mixed_precision)
     act = 2 if mixed_precision == "bf16" else 4
     rows_mb = batch_size // m
     # activations of one micro-batch: kept per layer, and the one layer recomputed at a time under checkpointing
-    one = dict(seq_len=seq_len, batch_size=rows_mb, checkpointing=checkpointing, act_bytes=act,
-               attn_implementation=attn_implementation)
+    one = dict(
+        seq_len=seq_len,
+        batch_size=rows_mb,
+        checkpointing=checkpointing,
+        act_bytes=act,
+        attn_implementation=attn_implementation,
+    )
     transient = activation_bytes(replace(stats, n_layers=0, vocab=0), **one) if checkpointing else 0
     per_layer = activation_bytes(replace(stats, n_layers=1, vocab=0), **one) - transient
     logits = 4 * seq_len * rows_mb * stats.vocab
@@ -91,9 +111,13 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
             live, count = (live + b, count + 1) if kind == "F" else (live - b, count - 1)
             peak, peak_count = max(peak, live), max(peak_count, count)
         dp = world // pp
-        row = {"params": params * bp, "grads": params * bg, "optimizer": params * bo,
-               "buffers": params * bg if dp > 1 else 0,   # the flat bucket of hfpar's dp all-reduce
-               "activations": peak + transient}
+        row = {
+            "params": params * bp,
+            "grads": params * bg,
+            "optimizer": params * bo,
+            "buffers": params * bg if dp > 1 else 0,  # the flat bucket of hfpar's dp all-reduce
+            "activations": peak + transient,
+        }
         row = {key: int(val) for key, val in row.items()}
         row["total"] = sum(row.values())
         out.append({**row, "layers": layers, "in_flight": peak_count})
@@ -103,8 +127,11 @@ def pipeline_estimate(stats, pp: int, world: int, *, schedule: str = "1f1b", mic
 def pipeline_section(stats, pp: int, world: int, budget: float, **kw) -> list[str]:
     """Lines of the table: the stages of pp under each schedule (GiB per GPU of the stage's ranks) and the bubble."""
 
-    lines = [f"", f"pipeline, pp {pp} (DDP over {world // pp} rank(s) per stage): GiB per GPU of each stage, "
-             "micro-batches in flight (interleaved: chunk micro-batches), bubble"]
+    lines = [
+        "",
+        f"pipeline, pp {pp} (DDP over {world // pp} rank(s) per stage): GiB per GPU of each stage, "
+        "micro-batches in flight (interleaved: chunk micro-batches), bubble",
+    ]
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         try:
             rows, bubble = pipeline_estimate(stats, pp, world, schedule=schedule, **kw)

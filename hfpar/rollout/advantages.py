@@ -34,8 +34,9 @@ def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Ten
     return rewards
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO: reward minus its group's mean, divided by the group's std (group), the batch's std (batch) or 1 (none).
     -> (advantages (N,), {"std": the std used or logged per row, "std_is_zero": (N,) bool})."""
     if scale_rewards not in SCALE_REWARDS:

@@ -26,14 +26,14 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss_type: str = "dapo"               # TRL's default
+    loss_type: str = "dapo"  # TRL's default
     importance_sampling_level: str = "token"
-    epsilon: float = 0.2                  # epsilon_low
-    epsilon_high: float | None = None     # None: epsilon (cispo: its clip, TRL's default 5.0 is set by the recipe)
-    delta: float | None = None            # two-sided clipping's upper bound on the ratio
-    beta: float = 0.0                     # KL coefficient (0: no reference)
-    use_bias_correction_kl: bool = True   # TRL 1.16's default: the KL term times the importance ratio
-    max_completion_length: int = 256      # dr_grpo's constant
+    epsilon: float = 0.2  # epsilon_low
+    epsilon_high: float | None = None  # None: epsilon (cispo: its clip, TRL's default 5.0 is set by the recipe)
+    delta: float | None = None  # two-sided clipping's upper bound on the ratio
+    beta: float = 0.0  # KL coefficient (0: no reference)
+    use_bias_correction_kl: bool = True  # TRL 1.16's default: the KL term times the importance ratio
+    max_completion_length: int = 256  # dr_grpo's constant
 
     @property
     def eps_high(self) -> float:
@@ -42,13 +42,19 @@ class PolicyLossConfig:
 
 @dataclass
 class PolicyTerms:
-    per_token_loss: torch.Tensor          # (B, T), or (B, 1) with sequence-level weights and no KL term
-    ratio: torch.Tensor                   # coef_1: (B, T) token level, (B, 1) sequence level
-    kl: torch.Tensor | None               # (B, T) per-token k3 KL, None where beta == 0
+    per_token_loss: torch.Tensor  # (B, T), or (B, 1) with sequence-level weights and no KL term
+    ratio: torch.Tensor  # coef_1: (B, T) token level, (B, 1) sequence level
+    kl: torch.Tensor | None  # (B, T) per-token k3 KL, None where beta == 0
 
 
-def policy_terms(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                 advantages: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig) -> PolicyTerms:
+def policy_terms(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> PolicyTerms:
     """logps / old_logps / ref_logps: (B, T) log-probs of the completion tokens under the policy (with grad), the
     policy that generated them, the reference; advantages (B,); mask (B, T) 1 for completion tokens."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -72,8 +78,9 @@ def policy_terms(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.
     return PolicyTerms(per_token, coef_1, kl)
 
 
-def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (loss sum, units) of this micro-batch (see the module docstring); the step's loss is their global ratio."""
     masked = per_token_loss * mask
     rows = torch.tensor(float(mask.size(0)), device=mask.device)
@@ -84,8 +91,9 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossC
     return masked.sum(), mask.sum().to(masked.dtype)
 
 
-def clip_stats(terms: PolicyTerms, advantages: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
-               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def clip_stats(
+    terms: PolicyTerms, advantages: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Clip indicators as (sum, count) over completion tokens (one per sequence at sequence level), for TRL's
     clip_ratio/low_mean, high_mean, region_mean (cispo: cispo_clip_ratio), reduced globally by the caller."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -99,5 +107,8 @@ def clip_stats(terms: PolicyTerms, advantages: torch.Tensor, mask: torch.Tensor,
         return {"cispo_clip_ratio": share((ratio > cfg.eps_high) & (adv > 0))}
     low = (ratio < 1 - cfg.epsilon) & (adv < 0)
     high = (ratio > 1 + cfg.eps_high) & (adv > 0)
-    return {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-            "clip_ratio/region_mean": share(low | high)}
+    return {
+        "clip_ratio/low_mean": share(low),
+        "clip_ratio/high_mean": share(high),
+        "clip_ratio/region_mean": share(low | high),
+    }

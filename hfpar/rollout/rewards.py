@@ -20,9 +20,9 @@ import importlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -62,9 +62,9 @@ BUILTINS: dict[str, Callable] = {"exact_match": exact_match, "numeric_match": nu
 
 @dataclass
 class RewardFunc:
-    name: str            # TRL's: the function's __name__, or the model directory's name (rewards/<name>/mean)
-    spec: str            # as given on the command line
-    func: Callable | None = None     # a callable; None for a reward model until load_reward_model
+    name: str  # TRL's: the function's __name__, or the model directory's name (rewards/<name>/mean)
+    spec: str  # as given on the command line
+    func: Callable | None = None  # a callable; None for a reward model until load_reward_model
     model_dir: Path | None = None
 
 
@@ -82,12 +82,16 @@ def resolve_reward_func(spec: str) -> RewardFunc:
     path = Path(spec)
     if path.is_dir():
         if not _is_reward_model_dir(path):
-            raise RewardError(f"--reward_funcs {spec}: a directory, but not a sequence-classification model (its "
-                              "config.json names no *ForSequenceClassification architecture)")
+            raise RewardError(
+                f"--reward_funcs {spec}: a directory, but not a sequence-classification model (its "
+                "config.json names no *ForSequenceClassification architecture)"
+            )
         return RewardFunc(path.name, spec, model_dir=path)
     if ":" not in spec:
-        raise RewardError(f"--reward_funcs {spec!r}: not a built-in ({', '.join(BUILTINS)}), a `module.path:function` "
-                          "or a reward model directory")
+        raise RewardError(
+            f"--reward_funcs {spec!r}: not a built-in ({', '.join(BUILTINS)}), a `module.path:function` "
+            "or a reward model directory"
+        )
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -101,8 +105,10 @@ def resolve_reward_func(spec: str) -> RewardFunc:
 
 def resolve_reward_funcs(specs: list[str], weights: list[float] | None = None) -> list[RewardFunc]:
     if not specs:
-        raise RewardError("--reward_funcs: at least one reward function is needed (a built-in: "
-                          f"{', '.join(BUILTINS)}; a `module.path:function`; a reward model directory)")
+        raise RewardError(
+            "--reward_funcs: at least one reward function is needed (a built-in: "
+            f"{', '.join(BUILTINS)}; a `module.path:function`; a reward model directory)"
+        )
     if weights is not None and len(weights) != len(specs):
         raise RewardError(f"--reward_weights {weights}: one weight per --reward_funcs entry ({len(specs)})")
     return [resolve_reward_func(s) for s in specs]
@@ -111,8 +117,10 @@ def resolve_reward_funcs(specs: list[str], weights: list[float] | None = None) -
 def _checked(rf: RewardFunc, values, n: int, step: int) -> list[float]:
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-        raise RewardError(f"step {step}: reward function {rf.name!r} returned {got} rewards for {n} completions "
-                          "(one float or None per completion)")
+        raise RewardError(
+            f"step {step}: reward function {rf.name!r} returned {got} rewards for {n} completions "
+            "(one float or None per completion)"
+        )
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -121,17 +129,27 @@ def _checked(rf: RewardFunc, values, n: int, step: int) -> list[float]:
         try:
             f = float(v)
         except (TypeError, ValueError):
-            raise RewardError(f"step {step}: reward function {rf.name!r} returned {v!r} for completion {i}: not a "
-                              "number or None") from None
+            raise RewardError(
+                f"step {step}: reward function {rf.name!r} returned {v!r} for completion {i}: not a number or None"
+            ) from None
         if not math.isfinite(f):
-            raise RewardError(f"step {step}: reward function {rf.name!r} returned {f} for completion {i}: rewards "
-                              "must be finite (None marks a completion it cannot score)")
+            raise RewardError(
+                f"step {step}: reward function {rf.name!r} returned {f} for completion {i}: rewards "
+                "must be finite (None marks a completion it cannot score)"
+            )
         out.append(f)
     return out
 
 
-def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], step: int, trainer_state=None) -> torch.Tensor:
+def score(
+    funcs: list[RewardFunc],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    step: int,
+    trainer_state=None,
+) -> torch.Tensor:
     """(N, F) rewards of the callables (reward models are scored by their own component, which fills their
     column); an exception inside a function becomes one line naming it."""
     n = len(completions)
@@ -140,12 +158,19 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_
         if rf.func is None:
             continue
         try:
-            values = rf.func(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                             trainer_state=trainer_state, **columns)
+            values = rf.func(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                trainer_state=trainer_state,
+                **columns,
+            )
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is said in one line
-            raise RewardError(f"step {step}: reward function {rf.name!r} raised {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+            raise RewardError(
+                f"step {step}: reward function {rf.name!r} raised {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
         out[:, j] = torch.tensor(_checked(rf, values, n, step), dtype=torch.float32)
     return out

@@ -17,8 +17,13 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 def row_key(seed: int, step: int, prompt_index: int, generation: int) -> int:
@@ -35,8 +40,9 @@ class RowGumbelNoise(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         vocab = scores.size(-1)
-        u = torch.stack([torch.rand(vocab, generator=g, device=scores.device, dtype=torch.float32)
-                         for g in self.gens])                                       # (B, V)
+        u = torch.stack(
+            [torch.rand(vocab, generator=g, device=scores.device, dtype=torch.float32) for g in self.gens]
+        )  # (B, V)
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1 - 1e-7)))
         return scores.float() + gumbel
 
@@ -54,24 +60,45 @@ def warpers(temperature: float, top_k: int, top_p: float) -> list[LogitsProcesso
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, keys: list[int], *, max_new_tokens: int,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None,
-           pad_token_id=None) -> torch.Tensor:
+def sample(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    keys: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_id=None,
+    pad_token_id=None,
+) -> torch.Tensor:
     """prompt_ids / prompt_mask: (B, P) left-padded; keys: one row_key per row. -> (B, P + new) token ids, rows that
     stopped at EOS padded with pad_token_id after it."""
     if len(keys) != prompt_ids.size(0):
         raise ValueError(f"sample: {len(keys)} row keys for {prompt_ids.size(0)} rows")
     processors = LogitsProcessorList([*warpers(temperature, top_k, top_p), RowGumbelNoise(keys, prompt_ids.device)])
-    return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, logits_processor=processors,
-                          do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                          pad_token_id=pad_token_id, num_beams=1, temperature=None, top_p=None, top_k=None,
-                          use_cache=True)
+    return model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        logits_processor=processors,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        num_beams=1,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        use_cache=True,
+    )
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """(B, C) -> (B, C) 1 up to and including each row's first EOS, 0 after (TRL's completion_mask); a row with no
     EOS (truncated at max_new_tokens) keeps every token."""
     is_eos = completion_ids == eos_token_id
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], completion_ids.size(1),
-                                                                               dtype=torch.long))
+    first = torch.where(
+        is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], completion_ids.size(1), dtype=torch.long)
+    )
     return (torch.arange(completion_ids.size(1), device=completion_ids.device)[None] <= first[:, None]).long()

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hfpar.config import ConfigError, parse_args
+from hfpar.context import ParallelContext
 from hfpar.parallel.chunked_loss import (
     FAMILIES,
     ChunkedLoss,
@@ -31,11 +33,9 @@ from hfpar.parallel.chunked_loss import (
     chunked_linear_cross_entropy,
     install_chunked_loss,
 )
-from hfpar.config import ConfigError, parse_args
-from hfpar.context import ParallelContext
-from hfpar.train.losses import make_loss_fn, shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.preflight import model_problems
+from hfpar.train.losses import make_loss_fn, shifted_lm_loss_sum
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import rel_close
 from tests.helpers.tiny_configs import CONFIGS
@@ -67,8 +67,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("chunk", [1, 8, 37, 1000])
 def test_chunked_linear_cross_entropy_is_exact_in_fp32(chunk):
     x, w, b, t = _case()
-    ref, ref_g = _grads(lambda x, w, b: F.cross_entropy(F.linear(x, w, b), t, ignore_index=IGNORE, reduction="sum"),
-                        x, w, b)
+    ref, ref_g = _grads(
+        lambda x, w, b: F.cross_entropy(F.linear(x, w, b), t, ignore_index=IGNORE, reduction="sum"), x, w, b
+    )
     got, got_g = _grads(lambda x, w, b: chunked_linear_cross_entropy(x, w, b, t, chunk=chunk), x, w, b)
     assert rel_close(float(got), float(ref), 1e-6)
     for a, r in zip(got_g, ref_g):
@@ -184,9 +185,12 @@ def _tp_worker(rank, world, sp):
     from hfpar.parallel.comm import all_gather
 
     full_head = all_gather(head.weight.grad, dim=0)
-    norm = model.model.norm.weight.grad   # complete: apply_tensor_parallel sums the sequence-parallel partial grads
-    return {"loss": abs(loss - ref_loss) / ref_loss, "head": _rel(full_head, ref_g["lm_head.weight"]),
-            "norm": _rel(norm, ref_g["model.norm.weight"])}
+    norm = model.model.norm.weight.grad  # complete: apply_tensor_parallel sums the sequence-parallel partial grads
+    return {
+        "loss": abs(loss - ref_loss) / ref_loss,
+        "head": _rel(full_head, ref_g["lm_head.weight"]),
+        "norm": _rel(norm, ref_g["model.norm.weight"]),
+    }
 
 
 @pytest.mark.parametrize("sp", [False, True])

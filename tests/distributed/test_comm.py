@@ -14,10 +14,17 @@ import torch
 import torch.distributed as dist
 
 from hfpar.parallel import comm
-from hfpar.parallel.comm import (all_to_all_single_autograd, comm_stats, copy_to_parallel_region,
-                                 gather_from_parallel_region, gather_from_sequence_parallel_region,
-                                 reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                                 scatter_to_parallel_region, scatter_to_sequence_parallel_region)
+from hfpar.parallel.comm import (
+    all_to_all_single_autograd,
+    comm_stats,
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from tests.helpers.dist import run_distributed
 
 SHAPE = (4, 8, 12)  # (B, T, H): every dim divisible by 2 and 4
@@ -47,11 +54,11 @@ def _comm_checks(rank: int, ws: int) -> int:
     group = dist.group.WORLD
     n = 0
     for seed, dim in enumerate([1, 0, 2, -1], start=1):
-        xs = [_t(seed, r) for r in range(ws)]                   # every rank's input
-        gs = [_t(seed + 50, r) for r in range(ws)]              # every rank's upstream grad (full shape)
+        xs = [_t(seed, r) for r in range(ws)]  # every rank's input
+        gs = [_t(seed + 50, r) for r in range(ws)]  # every rank's upstream grad (full shape)
         x, g = xs[rank], gs[rank]
         d = dim % 3
-        chunk = lambda t: t.chunk(ws, d)[rank]                  # noqa: E731
+        chunk = lambda t: t.chunk(ws, d)[rank]  # noqa: E731
 
         # copy_to (fwd identity / bwd all-reduce)
         if dim == 1:
@@ -66,12 +73,12 @@ def _comm_checks(rank: int, ws: int) -> int:
             _close(_run(y, g, xl), g, "reduce_from bwd")
             assert torch.equal(x, xs[rank]), "input modified in place"
             # scatter_to (last dim) / gather_from (last dim)
-            xl = _leaf(xs[0])                                    # replicated input
+            xl = _leaf(xs[0])  # replicated input
             y = scatter_to_parallel_region(xl, group)
             _close(y, xs[0].chunk(ws, -1)[rank], "scatter_to fwd")
             gl = [gg.chunk(ws, -1)[r] for r, gg in enumerate(gs)]
             _close(_run(y, gl[rank], xl), torch.cat(gl, -1), "scatter_to bwd (all-gather)")
-            xl = _leaf(x.chunk(ws, -1)[0])                       # (B, T, H/tp), differs per rank
+            xl = _leaf(x.chunk(ws, -1)[0])  # (B, T, H/tp), differs per rank
             y = gather_from_parallel_region(xl, group)
             _close(y, torch.cat([t.chunk(ws, -1)[0] for t in xs], -1), "gather_from fwd")
             _close(_run(y, g, xl), g.chunk(ws, -1)[rank], "gather_from bwd (split)")
@@ -84,7 +91,7 @@ def _comm_checks(rank: int, ws: int) -> int:
         gl = [gg.chunk(ws, d)[r] for r, gg in enumerate(gs)]
         _close(_run(y, gl[rank], xl), torch.cat(gl, d), f"scatter_to_sequence dim={dim} bwd")
 
-        xl = _leaf(chunk(x))                                    # (B, T/tp, H) per rank
+        xl = _leaf(chunk(x))  # (B, T/tp, H) per rank
         y = gather_from_sequence_parallel_region(xl, dim, group)
         _close(y, torch.cat([xs[r].chunk(ws, d)[r] for r in range(ws)], d), f"gather_from_sequence dim={dim} fwd")
         _close(_run(y, g, xl), chunk(sum(gs)), f"gather_from_sequence dim={dim} bwd (reduce-scatter)")
@@ -92,7 +99,7 @@ def _comm_checks(rank: int, ws: int) -> int:
         y = gather_from_sequence_parallel_region(xl, dim, group, reduce_grad=False)
         _close(_run(y, g, xl), chunk(g), f"gather_from_sequence dim={dim} reduce_grad=False bwd (split)")
 
-        xl = _leaf(x)                                           # partial sums
+        xl = _leaf(x)  # partial sums
         y = reduce_scatter_to_sequence_parallel_region(xl, dim, group)
         _close(y, chunk(sum(xs)), f"reduce_scatter_to_sequence dim={dim} fwd")
         gl = [gg.chunk(ws, d)[r] for r, gg in enumerate(gs)]
@@ -107,19 +114,23 @@ def _comm_checks(rank: int, ws: int) -> int:
         _close(y, sum(_t(6, r) for r in range(ws)).chunk(ws, 1)[rank], "reduce_scatter fallback fwd")
         xl = _leaf(_t(6, rank).chunk(ws, 1)[rank])
         y = gather_from_sequence_parallel_region(xl, 1, group)
-        _close(_run(y, _t(8, rank), xl), sum(_t(8, r) for r in range(ws)).chunk(ws, 1)[rank],
-               "reduce_scatter fallback bwd")
+        _close(
+            _run(y, _t(8, rank), xl), sum(_t(8, r) for r in range(ws)).chunk(ws, 1)[rank], "reduce_scatter fallback bwd"
+        )
     finally:
         comm._reduce_scatter_unsupported = False
     n += 2
 
     # non-contiguous input (a transpose) is gathered / reduce-scattered correctly
-    xt = _leaf(_t(7, rank, (12, 2, 8))).transpose(0, 2)           # (8, 2, 12) non-contiguous view
+    xt = _leaf(_t(7, rank, (12, 2, 8))).transpose(0, 2)  # (8, 2, 12) non-contiguous view
     y = gather_from_sequence_parallel_region(xt, 0, group)
     _close(y, torch.cat([_t(7, r, (12, 2, 8)).transpose(0, 2) for r in range(ws)], 0), "gather non-contiguous")
     y = reduce_scatter_to_sequence_parallel_region(xt, 2, group)
-    _close(y, sum(_t(7, r, (12, 2, 8)).transpose(0, 2) for r in range(ws)).chunk(ws, 2)[rank],
-           "reduce_scatter non-contiguous")
+    _close(
+        y,
+        sum(_t(7, r, (12, 2, 8)).transpose(0, 2) for r in range(ws)).chunk(ws, 2)[rank],
+        "reduce_scatter non-contiguous",
+    )
     n += 2
 
     # all_to_all with uneven splits (zeros included): S[i][j] rows go from rank i to rank j
@@ -149,25 +160,35 @@ def _comm_checks(rank: int, ws: int) -> int:
     reduce_from_parallel_region(torch.ones(4, dtype=torch.float64), group)
     assert not comm_stats.calls, "CommStats recorded while disabled"
     with comm_stats.track() as s:
-        reduce_from_parallel_region(torch.ones(4, dtype=torch.float64), group)           # 32 bytes
-        gather_from_sequence_parallel_region(torch.ones(2, 3), 0, group)               # ws*24 bytes out
-        reduce_scatter_to_sequence_parallel_region(torch.ones(2 * ws, 1), 0, group)    # ws*8 bytes in
-        all_to_all_single_autograd(torch.ones(ws, 2), None, None, group)               # ws*8 bytes sent
-    assert s.snapshot() == {"all_reduce": {"bytes": 32, "calls": 1}, "all_gather": {"bytes": 24 * ws, "calls": 1},
-                            "reduce_scatter": {"bytes": 8 * ws, "calls": 1},
-                            "all_to_all": {"bytes": 8 * ws, "calls": 1}}, s.snapshot()
+        reduce_from_parallel_region(torch.ones(4, dtype=torch.float64), group)  # 32 bytes
+        gather_from_sequence_parallel_region(torch.ones(2, 3), 0, group)  # ws*24 bytes out
+        reduce_scatter_to_sequence_parallel_region(torch.ones(2 * ws, 1), 0, group)  # ws*8 bytes in
+        all_to_all_single_autograd(torch.ones(ws, 2), None, None, group)  # ws*8 bytes sent
+    assert s.snapshot() == {
+        "all_reduce": {"bytes": 32, "calls": 1},
+        "all_gather": {"bytes": 24 * ws, "calls": 1},
+        "reduce_scatter": {"bytes": 8 * ws, "calls": 1},
+        "all_to_all": {"bytes": 8 * ws, "calls": 1},
+    }, s.snapshot()
     assert not comm_stats.enabled
     n += 1
 
     # size-1 sub-groups: every function returns its input object unchanged
-    singles = [dist.new_group([r]) for r in range(ws)]          # every rank creates every group
+    singles = [dist.new_group([r]) for r in range(ws)]  # every rank creates every group
     one = singles[rank]
     x = _leaf(_t(30, rank))
-    for f in (copy_to_parallel_region, reduce_from_parallel_region, scatter_to_parallel_region,
-              gather_from_parallel_region):
+    for f in (
+        copy_to_parallel_region,
+        reduce_from_parallel_region,
+        scatter_to_parallel_region,
+        gather_from_parallel_region,
+    ):
         assert f(x, one) is x, f.__name__
-    for f in (scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region,
-              reduce_scatter_to_sequence_parallel_region):
+    for f in (
+        scatter_to_sequence_parallel_region,
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    ):
         assert f(x, 1, one) is x, f.__name__
     assert all_to_all_single_autograd(x, [2], [2], one) is x
     n += 1
@@ -200,9 +221,15 @@ def test_comm_pairs(world_size):
 def test_no_process_group_is_noop():
     assert not dist.is_initialized()
     x = torch.randn(2, 4, 6, requires_grad=True)
-    for f in (comm.copy_to_parallel_region, comm.reduce_from_parallel_region, comm.scatter_to_parallel_region,
-              comm.gather_from_parallel_region, comm.scatter_to_sequence_parallel_region,
-              comm.gather_from_sequence_parallel_region, comm.reduce_scatter_to_sequence_parallel_region):
+    for f in (
+        comm.copy_to_parallel_region,
+        comm.reduce_from_parallel_region,
+        comm.scatter_to_parallel_region,
+        comm.gather_from_parallel_region,
+        comm.scatter_to_sequence_parallel_region,
+        comm.gather_from_sequence_parallel_region,
+        comm.reduce_scatter_to_sequence_parallel_region,
+    ):
         assert f(x) is x, f.__name__
     assert comm.all_to_all_single_autograd(x, [2], [2]) is x
     assert comm.group_size() == 1 and comm.group_rank() == 0
@@ -211,6 +238,7 @@ def test_no_process_group_is_noop():
 def test_reduce_scatter_fallback_warns_once_naming_the_backend(monkeypatch, tmp_path):
     """A backend that rejects reduce-scatter: one RuntimeWarning naming the backend and the all-reduce
     fallback, then the fallback without another warning; other errors still raise. One in-process rank."""
+
     def rejected(*args, **kwargs):
         raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
 

@@ -1,6 +1,6 @@
 """hfpar.observe.comm_stats counts what each rank hands to collectives, exactly, on 2 gloo ranks.
 
-    python -m pytest tests/distributed/test_comm_stats.py -q
+python -m pytest tests/distributed/test_comm_stats.py -q
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ def _worker(rank: int, world_size: int) -> dict:
 
     c = CommCounter().install()
     try:
-        t = torch.ones(1000)                                                 # 4000 bytes
+        t = torch.ones(1000)  # 4000 bytes
         dist.all_reduce(t)
         out = torch.empty(2000)
-        dist.all_gather_into_tensor(out, torch.ones(1000))                  # gathered: 8000 bytes
-        dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))      # input: 4000 bytes
-        splits = [3, 1] if rank == 0 else [2, 2]                            # rows of 10 floats
+        dist.all_gather_into_tensor(out, torch.ones(1000))  # gathered: 8000 bytes
+        dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))  # input: 4000 bytes
+        splits = [3, 1] if rank == 0 else [2, 2]  # rows of 10 floats
         recv = [3, 2] if rank == 0 else [1, 2]
         dist.all_to_all_single(torch.empty(sum(recv), 10), torch.ones(sum(splits), 10), recv, splits)
         first = c.snapshot()
@@ -29,7 +29,7 @@ def _worker(rank: int, world_size: int) -> dict:
         c.reset()
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 10))
         c.watch_ddp(model)
-        c.reset()   # DDP's constructor broadcasts the parameters
+        c.reset()  # DDP's constructor broadcasts the parameters
         model(torch.ones(4, 10)).sum().backward()
         ddp = c.snapshot()
     finally:
@@ -42,14 +42,14 @@ def test_counts_match_the_tensors_handed_over():
     res = run_distributed(_worker, 2, timeout=120)
     for rank, r in enumerate(res):
         f = r["first"]
-        assert f["all_reduce"] == {"calls": 1, "payload": 4000, "wire": 4000.0}              # 2 (N-1)/N
-        assert f["all_gather"] == {"calls": 1, "payload": 8000, "wire": 4000.0}              # (N-1)/N
+        assert f["all_reduce"] == {"calls": 1, "payload": 4000, "wire": 4000.0}  # 2 (N-1)/N
+        assert f["all_gather"] == {"calls": 1, "payload": 8000, "wire": 4000.0}  # (N-1)/N
         assert f["reduce_scatter"] == {"calls": 1, "payload": 4000, "wire": 2000.0}
-        sent_to_other = (1 if rank == 0 else 2) * 10 * 4                                     # rows for the other rank
+        sent_to_other = (1 if rank == 0 else 2) * 10 * 4  # rows for the other rank
         assert f["all_to_all"]["wire"] == sent_to_other, f["all_to_all"]
         grads = (10 * 10 + 10) * 4
         assert r["ddp"] == {"all_reduce": {"calls": 1, "payload": grads, "wire": float(grads)}}, r["ddp"]
-        assert r["after_uninstall"] == r["ddp"]   # uninstalled: the last all-reduce was not counted
+        assert r["after_uninstall"] == r["ddp"]  # uninstalled: the last all-reduce was not counted
 
 
 def _moe_worker(rank: int, world_size: int) -> dict:
@@ -59,9 +59,9 @@ def _moe_worker(rank: int, world_size: int) -> dict:
     from hfpar.parallel.expert_parallel.moe import GroupedExperts, MoELayer, TopKRouter
 
     H, E = 16, 4
-    torch.manual_seed(0)                                                 # same weights on both ranks
+    torch.manual_seed(0)  # same weights on both ranks
     moe = MoELayer(TopKRouter(H, E, 2, aux_loss_coef=0.0), GroupedExperts(E, H, 24), ep_group=dist.group.WORLD)
-    torch.manual_seed(1 + rank)                                          # different tokens: uneven routing
+    torch.manual_seed(1 + rank)  # different tokens: uneven routing
     x = torch.randn(3, 5 + 4 * rank, H, requires_grad=True)
     c = CommCounter().install()
     try:
@@ -77,18 +77,18 @@ def _moe_worker(rank: int, world_size: int) -> dict:
 def test_moe_routed_rows_match_all_to_all_bytes():
     H, E = 16, 4
     res = run_distributed(_moe_worker, 2, timeout=120)
-    counts_wire = (E // 2) * 8                       # per-expert counts (int64) for the other rank's experts
+    counts_wire = (E // 2) * 8  # per-expert counts (int64) for the other rank's experts
     for r in res:
         assert isinstance(r["routed"], int) and isinstance(r["received"], int)
         a2a = r["fwd"]["all_to_all"]
-        assert a2a["calls"] == 3, a2a                # counts, dispatch, combine
+        assert a2a["calls"] == 3, a2a  # counts, dispatch, combine
         # dispatch sends the copies routed to the other rank's experts, combine sends back the received ones
         assert a2a["wire"] - counts_wire == (r["routed"] + r["received"]) * H * 4, (a2a, r)
         # backward sends both again (the counts exchange has no backward)
         assert r["both"]["all_to_all"]["wire"] - counts_wire == 2 * (a2a["wire"] - counts_wire), r
     # 2 ranks: what rank 0 routes away rank 1 receives and vice versa
     assert res[0]["routed"] == res[1]["received"] and res[1]["routed"] == res[0]["received"]
-    assert res[0]["routed"] != res[1]["routed"]      # uneven token counts: the per-rank check is not trivial
+    assert res[0]["routed"] != res[1]["routed"]  # uneven token counts: the per-rank check is not trivial
     # the brief's form: summed over ranks, routed rows = forward token wire bytes / (H * 4) / 2
     token_wire = sum(r["fwd"]["all_to_all"]["wire"] - counts_wire for r in res)
     assert sum(r["routed"] for r in res) == token_wire / (H * 4) / 2
@@ -115,7 +115,7 @@ def _p2p_worker(rank: int, world_size: int) -> dict:
         c.reset()
         T, H, HKV, D = 32, 4, 2, 8
         g = torch.Generator().manual_seed(0)
-        pos = torch.cat([torch.arange(12), torch.arange(20)])[None]          # two documents
+        pos = torch.cat([torch.arange(12), torch.arange(20)])[None]  # two documents
         _, rows = shard_batch({"input_ids": torch.zeros(1, T, dtype=torch.long), "position_ids": pos}, rank, 2)
         idx = zigzag_indices(T, rank, 2)
         q, k, v = (torch.randn(1, n, T, D, generator=g)[:, :, idx].requires_grad_() for n in (H, HKV, HKV))
@@ -131,7 +131,7 @@ def _p2p_worker(rank: int, world_size: int) -> dict:
 def test_counts_point_to_point_sends_of_the_ring():
     res = run_distributed(_p2p_worker, 2, timeout=120)
     for rank, r in enumerate(res):
-        sent = (1000 + 500 * rank) * 4                                  # what this rank sends, not what it receives
+        sent = (1000 + 500 * rank) * 4  # what this rank sends, not what it receives
         assert r["direct"] == {"send": {"calls": 1, "payload": sent, "wire": float(sent)}}, r["direct"]
         # cp = 2, per rank (ring.py): K and V once forward (cp - 1); backward K and V once and dK and dV twice (cp)
         ring = r["ring"]

@@ -30,21 +30,21 @@ def _rows(case: str, b: int = 2):
     """position_ids and attention_mask of `case` (B, T)."""
     pos = torch.arange(T).repeat(b, 1)
     mask = torch.ones(b, T, dtype=torch.long)
-    if case == "packed":        # documents of 5, 11, 9 tokens then 7 of padding; row 2: 13 + 19
+    if case == "packed":  # documents of 5, 11, 9 tokens then 7 of padding; row 2: 13 + 19
         pos[0] = torch.cat([torch.arange(5), torch.arange(11), torch.arange(9), torch.arange(7)])
         mask[0, 25:] = 0
         pos[1] = torch.cat([torch.arange(13), torch.arange(19)])
-    if case == "uneven":        # 1-token documents next to long ones
+    if case == "uneven":  # 1-token documents next to long ones
         pos[0] = torch.cat([torch.arange(1), torch.arange(1), torch.arange(29), torch.arange(1)])
         pos[1] = torch.cat([torch.arange(3), torch.arange(28), torch.arange(1)])
     return pos, mask
 
 
 def _reference_mask(pos, mask, window=None):
-    doc = document_ids(pos, mask)                                               # (B, T)
+    doc = document_ids(pos, mask)  # (B, T)
     same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    if window is not None:                                                      # transformers: q - w < k <= q
+    if window is not None:  # transformers: q - w < k <= q
         causal = causal & ~torch.ones(T, T, dtype=torch.bool, device=doc.device).tril(-window)
     pad_self = (doc[:, :, None] < 0) & torch.eye(T, dtype=torch.bool, device=doc.device)
     return ((same & causal) | pad_self)[:, None]
@@ -62,17 +62,26 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     group = torch.distributed.group.WORLD
     g = torch.Generator().manual_seed(0)
     pos, mask = (x.to(device) for x in _rows(case))
-    q, k, v, w = (torch.randn(2, n, T, D, generator=g, dtype=torch.float64).to(device, dtype)
-                  for n in (h, hkv, hkv, h))                                    # w: d loss / d out
+    q, k, v, w = (
+        torch.randn(2, n, T, D, generator=g, dtype=torch.float64).to(device, dtype) for n in (h, hkv, hkv, h)
+    )  # w: d loss / d out
     # reference: the whole row on one rank
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
     rep = h // hkv
-    out_ref = _reference(qf, kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1),
-                         _reference_mask(pos, mask, opts.get("window")), opts.get("softcap"))
+    out_ref = _reference(
+        qf,
+        kf.repeat_interleave(rep, 1),
+        vf.repeat_interleave(rep, 1),
+        _reference_mask(pos, mask, opts.get("window")),
+        opts.get("softcap"),
+    )
     (out_ref * w).sum().backward()
     # this rank's shard
-    batch = {"input_ids": torch.zeros(2, T, dtype=torch.long, device=device), "position_ids": pos,
-             "attention_mask": mask}
+    batch = {
+        "input_ids": torch.zeros(2, T, dtype=torch.long, device=device),
+        "position_ids": pos,
+        "attention_mask": mask,
+    }
     _, rows = shard_batch(batch, rank, world)
     idx = zigzag_indices(T, rank, world).to(device)
     ql, kl, vl = (x[:, :, idx].clone().requires_grad_() for x in (q, k, v))
@@ -82,26 +91,32 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     res = {"out": (out - out_ref[:, :, idx]).abs().max().item()}
     order = gathered_order(T, world)
     for name, got, ref in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
-        full = all_gather(got.grad, dim=2, group=group)                         # gathered order
+        full = all_gather(got.grad, dim=2, group=group)  # gathered order
         res[name] = (full - ref.grad[:, :, order.to(device)]).abs().max().item()
     return res
 
 
 CASES = [(case, mode, 4, 2) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
-CASES += [("packed", mode, 4, 1) for mode in ("ring", "ulysses")]              # one kv head (< cp)
+CASES += [("packed", mode, 4, 1) for mode in ("ring", "ulysses")]  # one kv head (< cp)
 # blocks of 3 rows: many partial blocks merged by the log-sum-exp rule, cuts inside documents and chunks
 CASES += [(case, mode, 4, 2, 3) for case in ("causal", "packed", "uneven") for mode in ("ring", "ulysses")]
 # (case, mode, h, hkv, block, options): sliding windows shorter and longer than a shard, soft-capping (alone and
 # with a window), the ring's all-gather form and a one-piece overlapped ring
-OPTS = [(case, mode, 4, 2, 512, (("window", w),)) for case in ("causal", "packed", "uneven")
-        for mode in ("ring", "ulysses") for w in (3, 11)]
-OPTS += [("packed", mode, 4, 2, 5, (("softcap", 2.0),) + w) for mode in ("ring", "ulysses") for w in ((), (("window", 6),))]
+OPTS = [
+    (case, mode, 4, 2, 512, (("window", w),))
+    for case in ("causal", "packed", "uneven")
+    for mode in ("ring", "ulysses")
+    for w in (3, 11)
+]
+OPTS += [
+    ("packed", mode, 4, 2, 5, (("softcap", 2.0),) + w) for mode in ("ring", "ulysses") for w in ((), (("window", 6),))
+]
 OPTS += [("packed", "ring", 4, 2, 512, (("overlap", False),)), ("uneven", "ring", 4, 1, 512, (("pieces", 1),))]
 
 
 def _check_all(rank, world, device="cpu", dtype=torch.float64):
-    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds). benchmarks/context_parallel/gpu_attention.py
-    runs it on CUDA (gloo carries the CUDA tensors)."""
+    """Every case in one set of ranks (a spawn costs seconds; the cases milliseconds).
+    benchmarks/context_parallel/gpu_attention.py runs it on CUDA (gloo carries the CUDA tensors)."""
     res = {c: _check(rank, world, *c, device=device, dtype=dtype) for c in CASES}
     return res | {c: _check(rank, world, *c[:5], device=device, dtype=dtype, **dict(c[5])) for c in OPTS}
 

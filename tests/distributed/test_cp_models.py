@@ -22,20 +22,42 @@ from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from tests.helpers.dist import run_distributed
 
 T = 24
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 64,
-        "sliding_window": None, "use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-WINDOW = 5   # shorter than a row (24) and than a shard (12): the window cuts blocks on every rank
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "sliding_window": None,
+    "use_cache": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+WINDOW = 5  # shorter than a row (24) and than a shard (12): the window cuts blocks on every rank
 FAMILIES = {  # name: (model_type, config overrides, reference attention)
-    "llama": ("llama", {}, "sdpa"), "mistral": ("mistral", {}, "sdpa"), "qwen2": ("qwen2", {}, "sdpa"),
-    "qwen3": ("qwen3", {}, "sdpa"), "gemma": ("gemma", {}, "sdpa"),
-    "olmo2": ("olmo2", {}, "sdpa"), "phi3": ("phi3", {}, "sdpa"), "granite": ("granite", {}, "sdpa"),
-    "cohere": ("cohere", {}, "sdpa"), "stablelm": ("stablelm", {}, "sdpa"), "smollm3": ("smollm3", {}, "sdpa"),
+    "llama": ("llama", {}, "sdpa"),
+    "mistral": ("mistral", {}, "sdpa"),
+    "qwen2": ("qwen2", {}, "sdpa"),
+    "qwen3": ("qwen3", {}, "sdpa"),
+    "gemma": ("gemma", {}, "sdpa"),
+    "olmo2": ("olmo2", {}, "sdpa"),
+    "phi3": ("phi3", {}, "sdpa"),
+    "granite": ("granite", {}, "sdpa"),
+    "cohere": ("cohere", {}, "sdpa"),
+    "stablelm": ("stablelm", {}, "sdpa"),
+    "smollm3": ("smollm3", {}, "sdpa"),
     "mistral_window": ("mistral", {"sliding_window": WINDOW}, "sdpa"),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}, "sdpa"),
     "cohere2_window": ("cohere2", {"sliding_window": WINDOW}, "sdpa"),
-    "gemma2_softcap_window": ("gemma2", {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
-                                         "query_pre_attn_scalar": 8}, "eager"),
+    "gemma2_softcap_window": (
+        "gemma2",
+        {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8},
+        "eager",
+    ),
 }
 
 
@@ -54,7 +76,7 @@ def _check(rank: int, world: int) -> dict:
     ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
     w = torch.randn(2, T, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     for name in FAMILIES:
-        assert cp_attention_problems(_config(name)) == [], name               # the preflight's behaviour probe
+        assert cp_attention_problems(_config(name)) == [], name  # the preflight's behaviour probe
         ref = _model(name)
         (ref(input_ids=ids).logits * w).sum().backward()
         ref_logits = ref(input_ids=ids).logits.detach()
@@ -68,13 +90,13 @@ def _check(rank: int, world: int) -> dict:
             worst = (logits.detach() - ref_logits[:, rows.local]).abs().max().item()
             for (_, p), q in zip(model.named_parameters(), ref.parameters()):
                 g = p.grad.clone()
-                dist.all_reduce(g)                                              # each cp rank: its tokens' part
+                dist.all_reduce(g)  # each cp rank: its tokens' part
                 worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item())
             out[(name, mode)] = worst
     return out
 
 
-@pytest.mark.slow   # 28 s of the fast subset: still in the README test command
+@pytest.mark.slow  # 28 s of the fast subset: still in the README test command
 def test_cp_attention_in_every_supported_family():
     for per_rank in run_distributed(_check, 2, timeout=600):
         # float32 inside a float64 model: Gemma's RMSNorm (x.float()), Gemma 2's eager softmax, Cohere's LayerNorm

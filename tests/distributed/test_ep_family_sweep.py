@@ -1,5 +1,5 @@
-"""A representative subset of the EP family sweep (benchmarks/moe/ep_family_sweep.py runs every MoE causal-LM type): a tiny
-model of each, EP=2 against the unsharded model in a plain loop (each rank's loss with the HF aux loss
+"""A representative subset of the EP family sweep (benchmarks/moe/ep_family_sweep.py runs every MoE causal-LM type): a
+tiny model of each, EP=2 against the unsharded model in a plain loop (each rank's loss with the HF aux loss
 (output_router_logits on) and every gradient after the data-parallel reduction, one SGD step, again; float32, within
 1e-4), on 2 gloo ranks (one spawn). Each converted block first passed its own equality check against the HF block.
 Families whose blocks keep their own HF code, only the experts sharded (hfpar.parallel.expert_parallel.hf_experts):
@@ -25,7 +25,7 @@ from torch import nn
 from benchmarks.moe.ep_family_sweep import sweep_worker
 from tests.helpers.dist import run_distributed
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
 EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text")
 
@@ -73,6 +73,7 @@ class _Model(nn.Module):
 
 def _sensitivity(rank: int, world_size: int) -> str:
     from hfpar.parallel.expert_parallel import apply_expert_parallel
+
     model = _Model()
     try:
         apply_expert_parallel(model, dist.group.WORLD)

@@ -28,25 +28,43 @@ import torch.distributed as dist
 from tests.helpers.dist import run_distributed
 
 TOL = 1e-4
-TINY = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 64, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 2,
-        "router_aux_loss_coef": 0.1}                       # large enough to move one SGD step visibly
-MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-       "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                     "shared_expert_intermediate_size": 40, "norm_topk_prob": False},
-       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True},
-       "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
-       # detected generically (no MOE_FAMILIES entry)
-       "flex_olmo": {"num_experts": 4, "num_experts_per_tok": 2},
-       "minimax": {"num_local_experts": 4, "num_experts_per_tok": 2},
-       "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2}}
-ORL = [False, True, "config"]                              # output_router_logits: call kwarg False / True; config True
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "router_aux_loss_coef": 0.1,
+}  # large enough to move one SGD step visibly
+MOE = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+        "norm_topk_prob": False,
+    },
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    # detected generically (no MOE_FAMILIES entry)
+    "flex_olmo": {"num_experts": 4, "num_experts_per_tok": 2},
+    "minimax": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+ORL = [False, True, "config"]  # output_router_logits: call kwarg False / True; config True
 LR = 0.5
 
 
 def _build(mt: str, **over):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     cfg = AutoConfig.for_model(mt, **{**TINY, **MOE[mt], **over})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").float().train()
@@ -57,8 +75,12 @@ def _batch(seed: int) -> dict:
     g = torch.Generator().manual_seed(100 + seed)
     ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, 4 + seed % 3:] = 0
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    mask[1, 4 + seed % 3 :] = 0
+    return {
+        "input_ids": ids.masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100),
+    }
 
 
 def _rel(a, b) -> float:
@@ -76,7 +98,8 @@ def _sgd(model, lr: float = LR) -> None:
 def _dp_reduce(model, world: int) -> None:
     from hfpar.parallel.expert_parallel import expert_parameters, non_expert_parameters
     from hfpar.parallel.sharding import reduce_dp_grads
-    reduce_dp_grads(expert_parameters(model))             # experts: their grads hold both ranks' tokens; / dp
+
+    reduce_dp_grads(expert_parameters(model))  # experts: their grads hold both ranks' tokens; / dp
     for p in non_expert_parameters(model):
         if p.grad is not None:
             dist.all_reduce(p.grad)
@@ -85,7 +108,8 @@ def _dp_reduce(model, world: int) -> None:
 
 def _weights_rel(model, ref) -> tuple[float, str]:
     from hfpar.parallel.expert_parallel import gather_expert_state_dict
-    sd, want = gather_expert_state_dict(model), gather_expert_state_dict(ref)   # ref: HF (full) or EP
+
+    sd, want = gather_expert_state_dict(model), gather_expert_state_dict(ref)  # ref: HF (full) or EP
     assert sorted(sd) == sorted(want)
     return max((_rel(sd[k], want[k]), k) for k in want)
 
@@ -104,6 +128,7 @@ def _reference(hf, batches, kw) -> tuple:
 def _hf_case(rank: int, world: int, mt: str, orl) -> dict:
     from hfpar.parallel.expert_parallel import apply_expert_parallel
     from hfpar.parallel.expert_parallel.moe import MoELayer
+
     hf = _build(mt, output_router_logits=orl == "config")
     kw = {} if orl == "config" else {"output_router_logits": orl}
     batches = [_batch(r) for r in range(world)]
@@ -112,7 +137,7 @@ def _hf_case(rank: int, world: int, mt: str, orl) -> dict:
     other, _, _ = _reference(_build(mt, output_router_logits=orl is False), batches, {})
     res = {"aux_effect": max(_rel(a, b) for a, b in zip(ref.state_dict().values(), other.state_dict().values()))}
 
-    model = apply_expert_parallel(copy.deepcopy(hf))      # EP=2 over the world, the HF objective
+    model = apply_expert_parallel(copy.deepcopy(hf))  # EP=2 over the world, the HF objective
     res["n_moe"] = sum(isinstance(m, MoELayer) for m in model.modules())
     res["local_experts"] = next(m for m in model.modules() if isinstance(m, MoELayer)).experts.gate_up_proj.shape[0]
     out = model(**batches[rank], **kw)
@@ -135,6 +160,7 @@ def _global_aux_case(rank: int, world: int) -> dict:
         apply_expert_parallel,
         attach_moe_token_mask,
     )
+
     res, models = {}, []
     for orl in (False, True):
         model = apply_expert_parallel(_build("mixtral", output_router_logits=True), aux_loss_coef=0.1)
@@ -158,6 +184,7 @@ def _checkpointing_case(rank: int, world: int, coef, orl: bool) -> dict:
         apply_expert_parallel,
         attach_moe_token_mask,
     )
+
     models = {}
     for gc in (None, "non_reentrant", "reentrant"):
         model = apply_expert_parallel(_build("mixtral"), aux_loss_coef=coef)
@@ -178,8 +205,10 @@ def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {"hf": {f"{mt}-{orl}": _hf_case(rank, world, mt, orl) for mt in MOE for orl in ORL}}
     out["global_aux"] = _global_aux_case(rank, world)
-    out["checkpointing"] = {"global_aux": _checkpointing_case(rank, world, 0.1, False),
-                            "hf_aux": _checkpointing_case(rank, world, None, True)}
+    out["checkpointing"] = {
+        "global_aux": _checkpointing_case(rank, world, 0.1, False),
+        "hf_aux": _checkpointing_case(rank, world, None, True),
+    }
     return out
 
 
@@ -227,6 +256,7 @@ def test_checkpointing_grads_match_hf_model(reentrant):
     """output_router_logits=True under activation checkpointing: the grads of HF's own model (with reentrant
     checkpointing HF's router logits come from a no-grad forward, so its aux term has no gradient: so has ours)."""
     from hfpar.parallel.expert_parallel import apply_expert_parallel, attach_moe_token_mask
+
     hf = _build("mixtral")
     model = apply_expert_parallel(copy.deepcopy(hf))
     attach_moe_token_mask(model)
@@ -239,17 +269,40 @@ def test_checkpointing_grads_match_hf_model(reentrant):
     assert worst[0] <= TOL, worst
 
 
-@pytest.mark.parametrize("mt, over, kw, message", [
-    ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_group": 1,
-                     "topk_group": 1, "first_k_dense_replace": 0, "kv_lora_rank": 16, "q_lora_rank": None,
-                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4},
-     {"aux_loss_coef": 0.1},
-     (r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(DeepseekV3MoE\) keeps the HF block's own router, "
-      r"so aux_loss_coef=0\.1 \(hfpar's router\) cannot apply; pass None")),
-    ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention"] * 2},
-     {"capacity_factor": 1.25},
-     r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(GptOssMLP\) keeps .* so capacity_factor=1\.25"),
-])
+@pytest.mark.parametrize(
+    "mt, over, kw, message",
+    [
+        (
+            "deepseek_v3",
+            {
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 0,
+                "kv_lora_rank": 16,
+                "q_lora_rank": None,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 8,
+                "num_key_value_heads": 4,
+            },
+            {"aux_loss_coef": 0.1},
+            (
+                r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(DeepseekV3MoE\) keeps the HF block's own "
+                r"router, "
+                r"so aux_loss_coef=0\.1 \(hfpar's router\) cannot apply; pass None"
+            ),
+        ),
+        (
+            "gpt_oss",
+            {"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention"] * 2},
+            {"capacity_factor": 1.25},
+            r"^apply_expert_parallel: model\.layers\.0\.mlp\.experts \(GptOssMLP\) keeps .* so capacity_factor=1\.25",
+        ),
+    ],
+)
 def test_hf_blocks_without_ep_stay_hf_and_refusals_are_one_line(mt, over, kw, message):
     """Blocks hfpar's MoELayer does not reproduce (a bias-corrected sigmoid router, biased transposed experts) keep
     the HF block's own code (hf_experts.py; EP=2 parity: tests/distributed/test_ep_family_sweep.py): in one process
@@ -259,6 +312,7 @@ def test_hf_blocks_without_ep_stay_hf_and_refusals_are_one_line(mt, over, kw, me
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar.parallel.expert_parallel import apply_expert_parallel
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **{**TINY, **over}))
     experts = type(model.model.layers[0].mlp.experts)
@@ -329,4 +383,4 @@ def test_global_aux_loss_is_the_sum_of_per_layer_losses():
     for orl in (False, True):
         assert rel(got[orl], want_sum, gate) <= 1e-5, (orl, rel(got[orl], want_sum, gate))
         assert rel(got[orl], want_sum, [n for n in want_sum if n not in gate and n in got[orl]]) <= 1e-5
-    assert rel(want_pooled, want_sum, gate) > 100 * 1e-5   # the pooled loss is a different objective
+    assert rel(want_pooled, want_sum, gate) > 100 * 1e-5  # the pooled loss is a different objective

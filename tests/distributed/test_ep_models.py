@@ -30,29 +30,50 @@ import torch.nn.functional as F
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed, value_error_message
 
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, vocab_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-       "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                         shared_expert_intermediate_size=40, norm_topk_prob=False),
-       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
-       "olmoe": dict(num_experts=4, num_experts_per_tok=2)}
-AUX, Z = 0.1, 0.01                       # large enough to show in the gradients
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+}
+AUX, Z = 0.1, 0.01  # large enough to show in the gradients
 TOL = {"float64": 1e-5, "float32": 1e-4}  # routing is always fp32 (router.py): ~1e-7 seen in fp64, not 1e-15
 # (name, model_type, ep, dp groups (None = the world), dtype, export)
-CASES = [("mixtral-ep4", "mixtral", 4, None, "float64", True),
-         ("mixtral-ep2-dp4", "mixtral", 2, None, "float64", False),
-         ("mixtral-ep4-fp32", "mixtral", 4, None, "float32", False),
-         ("qwen2_moe-ep2-dp4", "qwen2_moe", 2, None, "float64", True),
-         ("qwen2_moe-ep2-dp2x2", "qwen2_moe", 2, [[0, 1], [2, 3]], "float64", False),
-         ("upcycled-llama-ep2", "llama", 2, None, "float64", True)]
+CASES = [
+    ("mixtral-ep4", "mixtral", 4, None, "float64", True),
+    ("mixtral-ep2-dp4", "mixtral", 2, None, "float64", False),
+    ("mixtral-ep4-fp32", "mixtral", 4, None, "float32", False),
+    ("qwen2_moe-ep2-dp4", "qwen2_moe", 2, None, "float64", True),
+    ("qwen2_moe-ep2-dp2x2", "qwen2_moe", 2, [[0, 1], [2, 3]], "float64", False),
+    ("upcycled-llama-ep2", "llama", 2, None, "float64", True),
+]
 
 
 def _build(model_type: str, dtype: str = "float64", seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
-    kw = {"experts_implementation": "eager"} if model_type in MOE else {}   # HF's grouped_mm has no fp64
+    kw = {"experts_implementation": "eager"} if model_type in MOE else {}  # HF's grouped_mm has no fp64
     return AutoModelForCausalLM.from_config(cfg, **kw).to(getattr(torch, dtype)).train()
 
 
@@ -61,7 +82,7 @@ def _batch(seed: int):
     g = torch.Generator().manual_seed(100 + seed)
     ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, 4 + seed % 3:] = 0
+    mask[1, 4 + seed % 3 :] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 
@@ -78,6 +99,7 @@ def _rel(a, b) -> float:
 def _forward(model, ids, mask, explicit_mask: bool):
     """logits, embedding output (grad retained); with explicit_mask the MoE mask is set by hand."""
     from hfpar.parallel.expert_parallel import moe_token_mask
+
     emb = model.get_input_embeddings()(ids)
     emb.retain_grad()
     if explicit_mask:
@@ -88,15 +110,25 @@ def _forward(model, ids, mask, explicit_mask: bool):
 
 def _routers(model):
     from hfpar.parallel.expert_parallel.moe import MoELayer
+
     return [m.gate for m in model.modules() if isinstance(m, MoELayer)]
 
 
 # ----------------------------------------------------------------------------- one parity case
 def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     from hfpar.parallel.comm import all_reduce
-    from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, expert_parallel_groups,
-                                          expert_parameters, gather_expert_state_dict, non_expert_parameters,
-                                          save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config)
+    from hfpar.parallel.expert_parallel import (
+        apply_expert_parallel,
+        attach_moe_token_mask,
+        expert_parallel_groups,
+        expert_parameters,
+        gather_expert_state_dict,
+        non_expert_parameters,
+        save_upcycled_pretrained,
+        upcycle_to_moe,
+        upcycled_hf_config,
+    )
+
     name, mt, ep, dp_lists, dtype, export = case
     world = dist.get_world_size()
     dp_lists = dp_lists or [list(range(world))]
@@ -107,15 +139,16 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     res: dict = {}
 
     base = _build(mt, dtype)
-    batches = [_batch(r) for r in dp_ranks]                       # the dp group's batches; mine at my index
+    batches = [_batch(r) for r in dp_ranks]  # the dp group's batches; mine at my index
     ids, mask = batches[dp_ranks.index(rank)]
     ids_all, mask_all = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    if mt in MOE:       # reference: hfpar layers at ep=1, statistics over this process's tokens only
+    if mt in MOE:  # reference: hfpar layers at ep=1, statistics over this process's tokens only
         hf = copy.deepcopy(base)
-        ref = apply_expert_parallel(copy.deepcopy(base), self_group, dp_group=self_group, aux_loss_coef=AUX,
-                                    z_loss_coef=Z)
+        ref = apply_expert_parallel(
+            copy.deepcopy(base), self_group, dp_group=self_group, aux_loss_coef=AUX, z_loss_coef=Z
+        )
         coefs = dict(aux_loss_coef=AUX, z_loss_coef=Z)
-    else:               # upcycled dense model; ref is the upcycled model itself (ep=1, router group None)
+    else:  # upcycled dense model; ref is the upcycled model itself (ep=1, router group None)
         dense = base
         with torch.no_grad():
             dense_logits = dense(ids, attention_mask=mask).logits
@@ -129,18 +162,24 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
 
     # ---- reference: one process, all of the dp group's tokens, grad_scale 1 (coef * aux added once)
     ref_logits, ref_emb = _forward(ref, ids_all, mask_all, explicit_mask=True)
-    ref_losses = [_sum_ce(ref_logits[2 * i:2 * i + 2], ids_all[2 * i:2 * i + 2], mask_all[2 * i:2 * i + 2])
-                  for i in range(dp)]
+    ref_losses = [
+        _sum_ce(ref_logits[2 * i : 2 * i + 2], ids_all[2 * i : 2 * i + 2], mask_all[2 * i : 2 * i + 2])
+        for i in range(dp)
+    ]
     torch.stack(ref_losses).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     me = slice(2 * dp_ranks.index(rank), 2 * dp_ranks.index(rank) + 2)
-    if mt in MOE:       # the ep=1 hfpar model IS the HF model, aux loss included
+    if mt in MOE:  # the ep=1 hfpar model IS the HF model, aux loss included
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
         with torch.no_grad():
             out = hf(ids_all, attention_mask=mask_all, output_router_logits=True)
         res["hf_logits_rel"] = _rel(ref_logits.detach(), out.logits)
-        res["hf_aux_rel"] = max(abs(load_balancing_loss_func((rl,), 4, 2, mask_all).item() - r.last_aux_loss.item())
-                                / r.last_aux_loss.item() for rl, r in zip(out.router_logits, _routers(ref)))
+        res["hf_aux_rel"] = max(
+            abs(load_balancing_loss_func((rl,), 4, 2, mask_all).item() - r.last_aux_loss.item())
+            / r.last_aux_loss.item()
+            for rl, r in zip(out.router_logits, _routers(ref))
+        )
 
     # ---- expert-parallel model: my tokens only
     logits, emb = _forward(model, ids, mask, explicit_mask=False)
@@ -150,17 +189,22 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
     res["logits_rel"] = _rel(logits.detach(), ref_logits[me].detach())
     res["loss_rel"] = abs(loss.item() - ref_losses[dp_ranks.index(rank)].item()) / ref_losses[0].item()
     res["input_grad_rel"] = _rel(emb.grad, ref_emb.grad[me])
-    res["aux_rel"] = max(abs(a.last_aux_loss.item() - b.last_aux_loss.item()) / b.last_aux_loss.item()
-                         for a, b in zip(_routers(model), _routers(ref)))
-    res["z_rel"] = max(abs(a.last_z_loss.item() - b.last_z_loss.item()) / b.last_z_loss.item()
-                       for a, b in zip(_routers(model), _routers(ref)))
+    res["aux_rel"] = max(
+        abs(a.last_aux_loss.item() - b.last_aux_loss.item()) / b.last_aux_loss.item()
+        for a, b in zip(_routers(model), _routers(ref))
+    )
+    res["z_rel"] = max(
+        abs(a.last_z_loss.item() - b.last_z_loss.item()) / b.last_z_loss.item()
+        for a, b in zip(_routers(model), _routers(ref))
+    )
     res["n_moe"] = len(_routers(model))
     spec = shard_spec(model.model.layers[0].mlp.experts.gate_up_proj)
     res["ep_meta"] = (model.model.layers[0].mlp.ep_size, spec.dp_size if spec is not None else dp)
     experts = {id(p) for p in expert_parameters(model)}
     res["n_expert_params"] = len(experts)
-    res["partition_ok"] = len(experts) + sum(1 for _ in non_expert_parameters(model)) == \
-        sum(1 for _ in model.parameters())
+    res["partition_ok"] = len(experts) + sum(1 for _ in non_expert_parameters(model)) == sum(
+        1 for _ in model.parameters()
+    )
     res["local_experts"] = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
 
     # ---- reduction: replicated grads SUM over dp, expert grads SUM over the expert-data-parallel group
@@ -171,7 +215,7 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
             g, want = all_reduce(p.grad, dp_group), ref_grads[n]
         else:
             g = all_reduce(p.grad, meta.dp_reduce_group) if dp // ep > 1 else p.grad.clone()
-            want = ref_grads[n][meta.extra["start"]:meta.extra["start"] + p.shape[0]]
+            want = ref_grads[n][meta.extra["start"] : meta.extra["start"] + p.shape[0]]
         reduced[n] = g
         worst = max(worst, (_rel(g, want), n))
     res["grad_worst"] = worst
@@ -195,30 +239,39 @@ def _parity_case(rank: int, case, self_group, outdir: str) -> dict:
             model.save_pretrained(path, state_dict=sd)
     else:
         cfg = upcycled_hf_config(model)
-        res["export_cfg"] = (cfg.model_type, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.router_aux_loss_coef,
-                             cfg.intermediate_size)
-        save_upcycled_pretrained(model, path)                    # collective gather; rank 0 writes
+        res["export_cfg"] = (
+            cfg.model_type,
+            cfg.num_local_experts,
+            cfg.num_experts_per_tok,
+            cfg.router_aux_loss_coef,
+            cfg.intermediate_size,
+        )
+        save_upcycled_pretrained(model, path)  # collective gather; rank 0 writes
     if rank == 0:
         from transformers import AutoModelForCausalLM
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                      experts_implementation="eager").eval()
+
+        loaded = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), experts_implementation="eager"
+        ).eval()
         ref.eval()
         with torch.no_grad():
             res["export_class"] = type(loaded).__name__
-            res["export_logits_rel"] = _rel(loaded(ids, attention_mask=mask).logits,
-                                            ref(ids, attention_mask=mask).logits)
+            res["export_logits_rel"] = _rel(
+                loaded(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+            )
     dist.barrier()
     return res
 
 
 def _worker(rank: int, world_size: int, outdir: str) -> dict:
     from hfpar.parallel.expert_parallel import apply_expert_parallel
+
     torch.set_num_threads(1)
-    self_groups = [dist.new_group([r]) for r in range(world_size)]   # every rank creates every group
+    self_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     results = {"parity": {c[0]: _parity_case(rank, c, self_groups[rank], outdir) for c in CASES}}
     # validation for real (ep=4): every rank raises before any collective, so ranks stay in step
     results["err_div"] = value_error_message(lambda: apply_expert_parallel(_build("mixtral", num_local_experts=6)))
-    model = _build("mixtral")                                      # different weights on one rank
+    model = _build("mixtral")  # different weights on one rank
     if rank == 1:
         with torch.no_grad():
             model.model.layers[1].mlp.gate.weight[2, 3] += 1e-3
@@ -271,17 +324,21 @@ def test_errors_on_ranks(ranks):
 
 # ----------------------------------------------------------------------------- one process
 def _fake_world(n):
-    return mock.patch.object(dist, "is_initialized", return_value=True), \
-        mock.patch.object(dist, "get_world_size", return_value=n)
+    return mock.patch.object(dist, "is_initialized", return_value=True), mock.patch.object(
+        dist, "get_world_size", return_value=n
+    )
 
 
 def _refused(model, n, match):
     from hfpar.parallel.expert_parallel import apply_expert_parallel
+
     before = {k: type(m) for k, m in model.named_modules()}
     a, b = _fake_world(n)
     with a, b, pytest.raises(ValueError, match=match) as e:
         apply_expert_parallel(model)
-    assert {k: type(m) for k, m in model.named_modules()} == before and not any(shard_spec(p) is not None for p in model.parameters())
+    assert {k: type(m) for k, m in model.named_modules()} == before and not any(
+        shard_spec(p) is not None for p in model.parameters()
+    )
     return str(e.value)
 
 
@@ -289,19 +346,29 @@ def test_validation_before_any_collective():
     """No process group exists here: a collective would raise 'not initialized', not these messages."""
     msg = _refused(_build("mixtral", "float32"), 3, r"num_experts 4 is not divisible by ep_size 3")
     assert "model.layers.0.mlp" in msg and "model.layers.1.mlp" in msg
-    _refused(_build("mixtral", "float32", num_experts_per_tok=5), 2,
-             r"model\.layers\.0\.mlp: top_k 5 must be in \[1, num_experts 4\]")
+    _refused(
+        _build("mixtral", "float32", num_experts_per_tok=5),
+        2,
+        r"model\.layers\.0\.mlp: top_k 5 must be in \[1, num_experts 4\]",
+    )
     _refused(_build("llama", "float32"), 2, r"'llama' has no sparse MoE blocks .*upcycle_to_moe")
     from transformers import GPT2Config, GPT2LMHeadModel
+
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
-    msg = _refused(gpt2, 2, r"'gpt2' is not a supported MoE architecture "
-                            r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe, or any block with 3-D experts")
+    msg = _refused(
+        gpt2,
+        2,
+        r"'gpt2' is not a supported MoE architecture "
+        r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe, or any block with 3-D experts",
+    )
     assert "upcycle_to_moe" in msg
 
 
 def test_upcycle_refusals():
-    from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
+
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama, mistral, qwen3\)"):
         upcycle_to_moe(gpt2, 4)
@@ -312,7 +379,7 @@ def test_upcycle_refusals():
     m = upcycle_to_moe(_build("llama", "float32", attention_bias=True), 4)
     with pytest.raises(ValueError, match=r"mixtral cannot represent this llama model: attention_bias=True"):
         upcycled_hf_config(m)
-    apply_expert_parallel(m)                                      # no process group: ep=1, fine
+    apply_expert_parallel(m)  # no process group: ep=1, fine
     with pytest.raises(ValueError, match="already expert-parallel"):
         apply_expert_parallel(m)
 
@@ -320,8 +387,9 @@ def test_upcycle_refusals():
 @pytest.mark.parametrize("mt", ["qwen3_moe", "olmoe"])
 def test_other_families_match_hf(mt):
     """Families in the table beyond the distributed cases: same logits and state-dict keys at ep=1."""
-    from hfpar.parallel.expert_parallel.moe import MoELayer
     from hfpar.parallel.expert_parallel import apply_expert_parallel
+    from hfpar.parallel.expert_parallel.moe import MoELayer
+
     hf = _build(mt).eval()
     ids, mask = _batch(0)
     with torch.no_grad():
@@ -337,19 +405,22 @@ def test_other_families_match_hf(mt):
 @pytest.mark.parametrize("mt, target", [("mistral", "MixtralForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM")])
 def test_upcycle_export_single_process(tmp_path, mt, target):
     from transformers import AutoModelForCausalLM
+
     from hfpar.parallel.expert_parallel import save_upcycled_pretrained, upcycle_to_moe
+
     dense = _build(mt).eval()
     ids, mask = _batch(1)
     with torch.no_grad():
         want = dense(ids, attention_mask=mask).logits
         model = upcycle_to_moe(copy.deepcopy(dense), 4, top_k=2, seed=3)
         got = model(ids, attention_mask=mask).logits
-        assert _rel(got, want) < TOL["float64"]                  # renormalized top-k of identical experts
+        assert _rel(got, want) < TOL["float64"]  # renormalized top-k of identical experts
         again = upcycle_to_moe(copy.deepcopy(dense), 4, top_k=2, seed=3)
         assert torch.equal(again.model.layers[1].mlp.gate.weight, model.model.layers[1].mlp.gate.weight)
     save_upcycled_pretrained(model, str(tmp_path))
-    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float64,
-                                                  experts_implementation="eager").eval()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float64, experts_implementation="eager"
+    ).eval()
     assert type(loaded).__name__ == target
     with torch.no_grad():
         assert _rel(loaded(ids, attention_mask=mask).logits, got) < TOL["float64"]

@@ -1,4 +1,5 @@
-"""Sharded loading (hfpar.loading.sharded): each rank reads only its slices, and holds exactly what a full load + shard holds.
+"""Sharded loading (hfpar.loading.sharded): each rank reads only its slices, and holds exactly what a full load + shard
+holds.
 
     python -m pytest -q -s tests/distributed/test_loading.py
 
@@ -28,16 +29,23 @@ pytestmark = pytest.mark.slow
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {  # (config, parallelism, save_pretrained kwargs)
-    "llama_tp2_tied_index": (LlamaConfig(**SMALL, intermediate_size=128, tie_word_embeddings=True), "tp",
-                             {"max_shard_size": "40KB"}),               # a model.safetensors.index.json, 5+ files
+    "llama_tp2_tied_index": (
+        LlamaConfig(**SMALL, intermediate_size=128, tie_word_embeddings=True),
+        "tp",
+        {"max_shard_size": "40KB"},
+    ),  # a model.safetensors.index.json, 5+ files
     "phi3_tp2_packed": (Phi3Config(**SMALL, intermediate_size=128, pad_token_id=0), "tp", {}),
     "mixtral_ep2": (MixtralConfig(**SMALL, intermediate_size=96, num_local_experts=4), "ep", {}),
-    "qwen3_moe_ep2": (Qwen3MoeConfig(**SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                                    num_experts_per_tok=2), "ep",
-                      {}),
-    "qwen3_moe_tp2": (Qwen3MoeConfig(**SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                                    num_experts_per_tok=2), "tp",
-                      {}),
+    "qwen3_moe_ep2": (
+        Qwen3MoeConfig(**SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+        "ep",
+        {},
+    ),
+    "qwen3_moe_tp2": (
+        Qwen3MoeConfig(**SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+        "tp",
+        {},
+    ),
 }
 
 
@@ -73,8 +81,13 @@ def _same_as_full_load(rank, world, cases: dict):
             rs, gs = shard_spec(r[k]), shard_spec(g[k])
             assert (rs is None) == (gs is None), (name, k)
             if rs is not None:
-                assert (rs.kind, rs.dim, rs.size, rs.packed_splits, rs.group) == (gs.kind, gs.dim, gs.size,
-                                                                                  gs.packed_splits, gs.group), (name, k)
+                assert (rs.kind, rs.dim, rs.size, rs.packed_splits, rs.group) == (
+                    gs.kind,
+                    gs.dim,
+                    gs.size,
+                    gs.packed_splits,
+                    gs.group,
+                ), (name, k)
             assert r[k].requires_grad == g[k].requires_grad, (name, k)
         assert worst == 0.0, (name, worst)
         if got.config.tie_word_embeddings:
@@ -99,10 +112,12 @@ def test_sharded_load_equals_full_load_then_shard(tmp_path):
     per_rank = run_distributed(_same_as_full_load, 2, cases)
     for name in CONFIGS:
         worst, read, full = per_rank[0][name]
-        print(f"LOADING {name}: max |sharded - full+shard| {worst}, rank 0 read {read} of {full} bytes "
-              f"({read / full:.2f})")
+        print(
+            f"LOADING {name}: max |sharded - full+shard| {worst}, rank 0 read {read} of {full} bytes "
+            f"({read / full:.2f})"
+        )
         assert all(r[name][0] == 0.0 for r in per_rank)
-        assert all(r[name][1] < full for r in per_rank), name   # each rank read less than the whole model
+        assert all(r[name][1] < full for r in per_rank), name  # each rank read less than the whole model
 
 
 def _rss() -> int:
@@ -131,25 +146,41 @@ def load_sharded_tp(path, index):
 
 def test_tp2_rank_loads_about_half_the_memory(tmp_path):
     """~150 MB fp32 Llama: each TP=2 rank's peak RSS growth while loading, sharded vs from_pretrained + shard."""
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    full = run_distributed(_load_growth, 2, str(tmp_path / "m"), False)   # fresh processes for each: own peaks
+    full = run_distributed(_load_growth, 2, str(tmp_path / "m"), False)  # fresh processes for each: own peaks
     sharded = run_distributed(_load_growth, 2, str(tmp_path / "m"), True)
     size = checkpoint_bytes(checkpoint_index(str(tmp_path / "m")))
     ratios = [s[0] / f[0] for s, f in zip(sharded, full)]
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
-    print(f"LOADING memory: checkpoint {mb(size)} MB fp32; peak RSS growth per TP=2 rank: full load + shard "
-          f"{[mb(f[0]) for f in full]} MB, sharded {[mb(s[0]) for s in sharded]} MB, ratio "
-          f"{[round(r, 2) for r in ratios]} (each rank holds {[mb(s[1]) for s in sharded]} MB)")
-    record("loading/sharded", "tp2_llama_150MB", {
-        "checkpoint_mb": mb(size), "full_load_peak_rss_growth_mb_per_rank": [mb(f[0]) for f in full],
-        "sharded_peak_rss_growth_mb_per_rank": [mb(s[0]) for s in sharded], "ratio_per_rank": ratios,
-        "held_mb_per_rank": [mb(s[1]) for s in sharded]},
-        command="python -m pytest -q -s tests/distributed/test_loading.py -k half_the_memory")
+    print(
+        f"LOADING memory: checkpoint {mb(size)} MB fp32; peak RSS growth per TP=2 rank: full load + shard "
+        f"{[mb(f[0]) for f in full]} MB, sharded {[mb(s[0]) for s in sharded]} MB, ratio "
+        f"{[round(r, 2) for r in ratios]} (each rank holds {[mb(s[1]) for s in sharded]} MB)"
+    )
+    record(
+        "loading/sharded",
+        "tp2_llama_150MB",
+        {
+            "checkpoint_mb": mb(size),
+            "full_load_peak_rss_growth_mb_per_rank": [mb(f[0]) for f in full],
+            "sharded_peak_rss_growth_mb_per_rank": [mb(s[0]) for s in sharded],
+            "ratio_per_rank": ratios,
+            "held_mb_per_rank": [mb(s[1]) for s in sharded],
+        },
+        command="python -m pytest -q -s tests/distributed/test_loading.py -k half_the_memory",
+    )
     assert all(s[1] == f[1] for s, f in zip(sharded, full))
-    assert all(r < 0.75 for r in ratios), ratios        # about half (measured ratio in the print line)
+    assert all(r < 0.75 for r in ratios), ratios  # about half (measured ratio in the print line)
 
 
 def test_run_info_records_loading_and_host_rss(backend_runs):
@@ -160,8 +191,10 @@ def test_run_info_records_loading_and_host_rss(backend_runs):
         info = read_run_info(backend_runs[name])
         for key in ("host_peak_rss_bytes_per_rank", "host_peak_rss_after_load_bytes_per_rank"):
             assert len(info[key]) == 2 and all(isinstance(v, int) and v > 0 for v in info[key]), (name, key, info[key])
-        assert all(e >= a for e, a in zip(info["host_peak_rss_bytes_per_rank"],
-                                          info["host_peak_rss_after_load_bytes_per_rank"])), name
+        assert all(
+            e >= a
+            for e, a in zip(info["host_peak_rss_bytes_per_rank"], info["host_peak_rss_after_load_bytes_per_rank"])
+        ), name
     assert read_run_info(backend_runs["fsdp2"])["loading"]["mode"] == "fsdp2"
     zero3 = read_run_info(backend_runs["zero3"])["loading"]
     assert zero3["mode"] == "full" and zero3["partitioned_at_load"] is True, zero3
@@ -175,14 +208,18 @@ def test_base_model_checkpoint_into_a_model_with_a_head(tmp_path):
     missing, and every other tensor equals from_pretrained's."""
     from transformers import AutoModelForSequenceClassification, BertConfig, BertModel, LlamaModel
 
-    bases = {"bert": BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          intermediate_size=64, vocab_size=128)),
-             "llama": LlamaModel(LlamaConfig(**SMALL, intermediate_size=128))}
+    bases = {
+        "bert": BertModel(
+            BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=128)
+        ),
+        "llama": LlamaModel(LlamaConfig(**SMALL, intermediate_size=128)),
+    }
     for name, base in bases.items():
         path = tmp_path / name
         base.save_pretrained(path)
-        got = build_skeleton(AutoModelForSequenceClassification, str(path), checkpoint_index(str(path)),
-                             config_updates={"num_labels": 4})
+        got = build_skeleton(
+            AutoModelForSequenceClassification, str(path), checkpoint_index(str(path)), config_updates={"num_labels": 4}
+        )
         head = "classifier" if name == "bert" else "score"
         assert got.hfpar_missing_keys == sorted(k for k in (f"{head}.weight", f"{head}.bias") if k in got.state_dict())
         load_sharded(got, checkpoint_index(str(path)))

@@ -32,8 +32,15 @@ from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.outputs import checkpoint_bytes
 
-LAYERS4 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=128, pad_token_id=0)
+LAYERS4 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    pad_token_id=0,
+)
 LORA = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear", seed=3)
 
 
@@ -94,6 +101,7 @@ def test_pipeline_stage_reads_only_its_tensors(tmp_path, tied):
             if interleaved:
                 return PipelineChunks(hf, s, pp, [0, 1, 2, 3, 4])
             return PipelineStage(hf, s, balanced_split(hf, pp), peft_model=peft)
+
         return split
 
     cases = [(pp, s, False, False) for pp in (2, 3) for s in range(pp)]
@@ -105,7 +113,7 @@ def test_pipeline_stage_reads_only_its_tensors(tmp_path, tied):
         info = load_sharded(got, index)
         _assert_same(ref, got, what)
         assert info["bytes_read"] < whole * 0.75, (what, info["bytes_read"], whole)
-        if tied and got.tied is not None:     # first: its embedding, last: its LM head (each its own copy)
+        if tied and got.tied is not None:  # first: its embedding, last: its LM head (each its own copy)
             assert torch.equal(got.tied, _full(path).model.embed_tokens.weight), what
         if lora:
             assert any("lora_A" in n and p.abs().sum() > 0 for n, p in got.named_parameters()), what
@@ -118,7 +126,8 @@ def test_lora_base_model_loaded_sharded_keeps_adapters(tmp_path):
     lm = _save(tmp_path / "lm", LlamaConfig(**LAYERS4, tie_word_embeddings=True))
     ref, got = _lora(_full(lm)), _lora(_skeleton(lm))
     assert any(p.is_meta for p in got.parameters()) and not any(
-        p.is_meta for n, p in got.named_parameters() if "lora_" in n)
+        p.is_meta for n, p in got.named_parameters() if "lora_" in n
+    )
     load_sharded(got, checkpoint_index(lm))
     _assert_same(ref, got, "lora lm")
     cls = _save(tmp_path / "cls", LlamaConfig(**LAYERS4, num_labels=3), AutoModelForSequenceClassification)
@@ -168,7 +177,7 @@ def _lora_fsdp2(rank, world, path):
     got.tie_weights()
     _shard(got, mesh)
     fsdp2_loader(checkpoint_index(path))(SimpleNamespace(device=torch.device("cpu")), got, full_sd)
-    for name, buf in buffers.items():   # accelerate re-registers the non-persistent buffers (rotary inv_freq)
+    for name, buf in buffers.items():  # accelerate re-registers the non-persistent buffers (rotary inv_freq)
         owner, _, leaf = name.rpartition(".")
         got.get_submodule(owner)._buffers[leaf] = buf
     _assert_same(ref, got, "lora x fsdp2")
@@ -189,7 +198,7 @@ def test_bin_checkpoint_read_through_mmap(tmp_path):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg)
         model.config.save_pretrained(path)
-        if kw:   # transformers 5 writes safetensors only: shards and their index by hand, as older versions did
+        if kw:  # transformers 5 writes safetensors only: shards and their index by hand, as older versions did
             _save_bin_shards(model.state_dict(), path)
         else:
             torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
@@ -211,7 +220,7 @@ def test_bin_checkpoint_read_through_mmap(tmp_path):
 
 def _save_bin_shards(state: dict, path: str) -> None:
     names = sorted(state)
-    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
     weight_map = {}
     for i, part in enumerate(parts):
         file = f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin"
@@ -225,12 +234,14 @@ def _upcycled(rank, world, path):
     """--upcycle_experts 4 under EP 2 (each rank 2 experts) and under TP 2 (MoE blocks whole: 4 experts on each TP
     rank, EP groups of one rank): equal to from_pretrained + upcycle + EP (+ TP), routers included."""
     index = checkpoint_index(path)
-    singles = [dist.new_group([r]) for r in range(world)]          # every rank creates every group
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     for how, ep_group in (("ep2", None), ("tp2", singles[rank])):
+
         def build(model, meta: bool):
             upcycle_to_moe(model, 4, 2, seed=5)
             apply_expert_parallel(model, ep_group, check_replicated=not meta)
             return apply_tensor_parallel(model) if how == "tp2" else model
+
         ref, got = build(_full(path), False), build(_skeleton(path), True)
         info = load_sharded(got, index)
         _assert_same(ref, got, f"upcycled {how}")
@@ -253,8 +264,9 @@ def test_loading_mode_of_compositions():
         args = SimpleNamespace(use_peft=peft, upcycle_experts=upcycle, sharded_loading=True)
         return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp, strategy=STRATEGY[strategy]), config)[0]
 
-    assert [mode(pp=2), mode("fsdp2", pp=2), mode("zero1", pp=2), mode(pp=2, tp=2), mode(pp=2, peft=True)] == \
-        ["sharded"] * 5
+    assert [mode(pp=2), mode("fsdp2", pp=2), mode("zero1", pp=2), mode(pp=2, tp=2), mode(pp=2, peft=True)] == [
+        "sharded"
+    ] * 5
     assert mode("fsdp2", peft=True) == "fsdp2" and mode("fsdp2") == "fsdp2" and mode(tp=2) == "sharded"
     assert mode(ep=2, upcycle=4) == mode(tp=2, upcycle=4) == "sharded"
     assert [mode(peft=True), mode("zero3", peft=True), mode(upcycle=4), mode("fsdp2", upcycle=4)] == ["full"] * 4

@@ -23,10 +23,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hfpar.parallel.comm import all_gather, all_reduce, comm_stats
-from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.expert_parallel.kernels import grouped_linear
-from hfpar.parallel.expert_parallel.moe import (AuxLossBackprop, GroupedExperts, MoELayer, TopKRouter, moe_token_mask,
-                                set_aux_loss_grad_scale)
+from hfpar.parallel.expert_parallel.moe import (
+    AuxLossBackprop,
+    GroupedExperts,
+    MoELayer,
+    TopKRouter,
+    moe_token_mask,
+    set_aux_loss_grad_scale,
+)
+from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -43,7 +49,7 @@ def grad_scale(s):
 
 
 def naive_route(x, W, k, renorm):
-    logits = x.float() @ W.float().T                                     # (N, E)
+    logits = x.float() @ W.float().T  # (N, E)
     probs = logits.softmax(-1)
     w, i = probs.sort(dim=-1, descending=True)
     w, i = w[:, :k], i[:, :k]
@@ -70,13 +76,27 @@ def naive_experts(x, expert_of_row, gate_up, down):
     rows = []
     for t in range(x.shape[0]):
         e = int(expert_of_row[t])
-        h = gate_up[e] @ x[t]                                            # (2I,)
+        h = gate_up[e] @ x[t]  # (2I,)
         rows.append(down[e] @ (F.silu(h[:I]) * h[I:]))
     return torch.stack(rows) if rows else x.new_zeros(0, down.shape[1])
 
 
-def make_moe(E=6, H=16, I=12, k=2, *, seed=0, shared=False, group=None, ep_group=None, capacity_factor=None,
-             aux=0.0, z=0.0, norm=True, dtype=torch.float32):
+def make_moe(
+    E=6,
+    H=16,
+    I=12,
+    k=2,
+    *,
+    seed=0,
+    shared=False,
+    group=None,
+    ep_group=None,
+    capacity_factor=None,
+    aux=0.0,
+    z=0.0,
+    norm=True,
+    dtype=torch.float32,
+):
     torch.manual_seed(seed)
     router = TopKRouter(H, E, k, norm_topk_prob=norm, aux_loss_coef=aux, z_loss_coef=z, group=group)
     experts = GroupedExperts(E, H, I)
@@ -86,8 +106,10 @@ def make_moe(E=6, H=16, I=12, k=2, *, seed=0, shared=False, group=None, ep_group
         experts.down_proj.normal_(0, 0.3)
     kw = {}
     if shared:
-        kw = dict(shared_expert=nn.Sequential(nn.Linear(H, 8, bias=False), nn.SiLU(), nn.Linear(8, H, bias=False)),
-                  shared_expert_gate=nn.Linear(H, 1, bias=False))
+        kw = dict(
+            shared_expert=nn.Sequential(nn.Linear(H, 8, bias=False), nn.SiLU(), nn.Linear(8, H, bias=False)),
+            shared_expert_gate=nn.Linear(H, 1, bias=False),
+        )
     return MoELayer(router, experts, ep_group=ep_group, capacity_factor=capacity_factor, **kw).to(dtype)
 
 
@@ -119,7 +141,7 @@ def test_router_losses_vs_naive_and_transformers():
         torch.testing.assert_close(r.last_aux_loss, aux.detach(), **TOL)
         torch.testing.assert_close(r.last_z_loss, z.detach(), **TOL)
         hf = load_balancing_loss_func((logits.detach(),), 8, 2, None if m is None else m.long())
-        torch.testing.assert_close(r.last_aux_loss, hf, **TOL)      # same normalization as HF
+        torch.testing.assert_close(r.last_aux_loss, hf, **TOL)  # same normalization as HF
     counts = torch.bincount(torch.topk(logits, 2).indices[mask.view(-1)].view(-1), minlength=8).float()
     assert torch.equal(r.last_load, counts)
     with pytest.raises(ValueError, match="top_k=9"):
@@ -137,7 +159,7 @@ def test_aux_loss_gradient_injection(scale):
         w, _, _ = r(x)
         (w * c).sum().backward()
     injected, r.weight.grad = r.weight.grad.clone(), None
-    with grad_scale(0.0):                     # no injection; add the losses by hand
+    with grad_scale(0.0):  # no injection; add the losses by hand
         w, _, _ = r(x)
         aux, z = naive_losses(x, r.weight, 2)
         ((w * c).sum() + scale * (0.3 * aux + 0.05 * z)).backward()
@@ -146,7 +168,7 @@ def test_aux_loss_gradient_injection(scale):
     with grad_scale(0.0):
         w, _, _ = r(x)
         (w * c).sum().backward()
-    assert (injected - r.weight.grad).abs().max() > 1e-2     # the aux term really contributed
+    assert (injected - r.weight.grad).abs().max() > 1e-2  # the aux term really contributed
 
 
 # ----------------------------------------------------------------------------- experts
@@ -156,8 +178,8 @@ def test_grouped_experts_vs_naive(backend):
         pytest.skip("no grouped_mm in this torch")
     torch.manual_seed(3)
     ex = GroupedExperts(5, 16, 8)
-    ex.backend = backend                     # instance override; "grouped_mm" runs on CPU fp32 in torch >= 2.10
-    counts = torch.tensor([3, 0, 5, 0, 2])   # experts 1 and 3 get no token
+    ex.backend = backend  # instance override; "grouped_mm" runs on CPU fp32 in torch >= 2.10
+    counts = torch.tensor([3, 0, 5, 0, 2])  # experts 1 and 3 get no token
     x = torch.randn(10, 16, requires_grad=True)
     g = torch.randn(10, 16)
     y = ex(x, counts)
@@ -191,17 +213,17 @@ def test_grouped_linear_reuses_the_weight_grad_buffer_only_when_nothing_holds_it
     ref = w.detach().clone().requires_grad_()
     torch.cat([x[:2] @ ref[0].T, x[2:] @ ref[2].T]).square().sum().backward()
     torch.testing.assert_close(g1, ref.grad, **TOL)
-    assert g1[1].abs().sum() == 0                                        # the unhit expert
-    step()                                                               # accumulation: .grad holds the buffer
+    assert g1[1].abs().sum() == 0  # the unhit expert
+    step()  # accumulation: .grad holds the buffer
     torch.testing.assert_close(w.grad, 2 * g1, **TOL)
     assert w.grad.data_ptr() == first
     w.grad = None
-    step()                                                               # free again: reused, overwritten
+    step()  # free again: reused, overwritten
     assert w.grad.data_ptr() == first
     torch.testing.assert_close(w.grad, g1, **TOL)
     held = w.grad
     w.grad = None
-    step()                                                               # still held: fresh memory
+    step()  # still held: fresh memory
     assert w.grad.data_ptr() != first and held.data_ptr() == first
     torch.testing.assert_close(held, g1, **TOL)
     torch.testing.assert_close(w.grad, g1, **TOL)
@@ -209,7 +231,7 @@ def test_grouped_linear_reuses_the_weight_grad_buffer_only_when_nothing_holds_it
 
 # ----------------------------------------------------------------------------- vs transformers
 def _compare_with_hf(hf_block, ours, H, seed):
-    ours.load_state_dict(hf_block.state_dict())            # same names and layouts, strict
+    ours.load_state_dict(hf_block.state_dict())  # same names and layouts, strict
     torch.manual_seed(seed)
     x = torch.randn(3, 7, H)
     g = torch.randn(3, 7, H)
@@ -229,8 +251,9 @@ def test_moe_layer_matches_mixtral():
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    cfg = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-                        router_jitter_noise=0.0)
+    cfg = MixtralConfig(
+        hidden_size=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
+    )
     torch.manual_seed(0)
     hf = MixtralSparseMoeBlock(cfg)
     with torch.no_grad():
@@ -245,16 +268,25 @@ def test_moe_layer_matches_qwen2_moe_with_shared_expert():
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP, Qwen2MoeSparseMoeBlock
 
-    cfg = Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=12, shared_expert_intermediate_size=20,
-                         num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)
+    cfg = Qwen2MoeConfig(
+        hidden_size=16,
+        moe_intermediate_size=12,
+        shared_expert_intermediate_size=20,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
     torch.manual_seed(0)
     hf = Qwen2MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.3)
-    ours = MoELayer(TopKRouter(16, 6, 2, norm_topk_prob=False, aux_loss_coef=0.0), GroupedExperts(6, 16, 12),
-                    shared_expert=Qwen2MoeMLP(cfg, intermediate_size=20),
-                    shared_expert_gate=nn.Linear(16, 1, bias=False))
+    ours = MoELayer(
+        TopKRouter(16, 6, 2, norm_topk_prob=False, aux_loss_coef=0.0),
+        GroupedExperts(6, 16, 12),
+        shared_expert=Qwen2MoeMLP(cfg, intermediate_size=20),
+        shared_expert_gate=nn.Linear(16, 1, bias=False),
+    )
     _compare_with_hf(hf, ours, 16, seed=2)
 
 
@@ -274,7 +306,7 @@ def naive_capacity_moe(layer: MoELayer, x, mask=None):
             if not m[t] or used[e] >= C:
                 continue
             used[e] += 1
-            y = naive_experts(x[t:t + 1], [e], layer.experts.gate_up_proj, layer.experts.down_proj)[0]
+            y = naive_experts(x[t : t + 1], [e], layer.experts.gate_up_proj, layer.experts.down_proj)[0]
             out[t] = out[t] + w[t, s] * y
     return out
 
@@ -328,8 +360,12 @@ def _ep_checks(rank, world):
     group = dist.group.WORLD
     E, H = 8, 16
     # ---- validation before any collective
-    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the expert-parallel size ep=4"
-                       if world == 4 else r"num_experts=3 is not divisible .* ep=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_experts=6 is not divisible by the expert-parallel size ep=4"
+        if world == 4
+        else r"num_experts=3 is not divisible .* ep=2",
+    ):
         MoELayer(TopKRouter(H, 6 if world == 4 else 3, 2), GroupedExperts(6 if world == 4 else 3, H, 8), ep_group=group)
     with pytest.raises(ValueError, match="needs router.group"):
         MoELayer(TopKRouter(H, E, 2), GroupedExperts(E, H, 8), ep_group=group, capacity_factor=1.0)
@@ -337,34 +373,36 @@ def _ep_checks(rank, world):
     for case in ("dropless", "skewed", "capacity"):
         cf = 0.7 if case == "capacity" else None
         kw = dict(E=E, H=H, k=2, shared=True, aux=0.02, z=0.001, capacity_factor=cf)
-        ep = make_moe(group=group, ep_group=group, **kw)                # only this rank's E/world experts
-        ref = make_moe(group=None, **kw)                                 # all experts, single process
-        if case == "skewed":                                             # every token picks experts 0 and 1:
-            with torch.no_grad():                                        # the other ranks receive nothing
+        ep = make_moe(group=group, ep_group=group, **kw)  # only this rank's E/world experts
+        ref = make_moe(group=None, **kw)  # all experts, single process
+        if case == "skewed":  # every token picks experts 0 and 1:
+            with torch.no_grad():  # the other ranks receive nothing
                 for layer in (ep, ref):
                     layer.gate.weight[0], layer.gate.weight[1] = 3.0, 2.7
         assert ep.experts.gate_up_proj.shape[0] == E // world
         assert all(shard_spec(p) is not None and shard_spec(p).kind == "ep" for p in ep.experts.parameters())
-        torch.testing.assert_close(ep.experts.gate_up_proj, ref.experts.gate_up_proj[rank * E // world:(rank + 1) * E // world])
+        torch.testing.assert_close(
+            ep.experts.gate_up_proj, ref.experts.gate_up_proj[rank * E // world : (rank + 1) * E // world]
+        )
 
         xs, gs = _full_tokens(world, H, seed=10)
         if case == "skewed":
-            xs = [x.abs() for x in xs]                                   # positive inputs -> experts 0, 1
+            xs = [x.abs() for x in xs]  # positive inputs -> experts 0, 1
         x = xs[rank].clone().requires_grad_()
         with comm_stats.track() as st:
             y = ep(x)
         (y * gs[rank]).sum().backward()
-        assert st.calls["all_to_all"] == 3                  # forward: counts, tokens out, results back
+        assert st.calls["all_to_all"] == 3  # forward: counts, tokens out, results back
 
         # global reference: ep=1, no group, all ranks' tokens at once
-        x_all = torch.cat([t.reshape(-1, H) for t in xs])[None].requires_grad_()   # (1, N_total, H)
+        x_all = torch.cat([t.reshape(-1, H) for t in xs])[None].requires_grad_()  # (1, N_total, H)
         g_all = torch.cat([t.reshape(-1, H) for t in gs])[None]
         y_all = ref(x_all)
         (y_all * g_all).sum().backward()
         n_before = sum(t.shape[0] * t.shape[1] for t in xs[:rank])
         n_mine = x.shape[0] * x.shape[1]
-        torch.testing.assert_close(y.reshape(-1, H), y_all[0, n_before:n_before + n_mine], **TOL)
-        torch.testing.assert_close(x.grad.reshape(-1, H), x_all.grad[0, n_before:n_before + n_mine], **TOL)
+        torch.testing.assert_close(y.reshape(-1, H), y_all[0, n_before : n_before + n_mine], **TOL)
+        torch.testing.assert_close(x.grad.reshape(-1, H), x_all.grad[0, n_before : n_before + n_mine], **TOL)
         # aux / z losses over all ranks' tokens == single process on all tokens
         torch.testing.assert_close(ep.gate.last_aux_loss, ref.gate.last_aux_loss, **TOL)
         torch.testing.assert_close(ep.gate.last_z_loss, ref.gate.last_z_loss, **TOL)
@@ -377,8 +415,8 @@ def _ep_checks(rank, world):
         full = ep.full_expert_state()
         torch.testing.assert_close(full["gate_up_proj"], ref.experts.gate_up_proj.detach())
 
-        if case == "dropless":   # vs a full-expert layer on this rank's tokens only (no communication);
-            local = make_moe(group=None, **kw)          # aux losses differ (local stats): leave them out
+        if case == "dropless":  # vs a full-expert layer on this rank's tokens only (no communication);
+            local = make_moe(group=None, **kw)  # aux losses differ (local stats): leave them out
             x1, x2 = xs[rank].clone().requires_grad_(), xs[rank].clone().requires_grad_()
             with grad_scale(0.0):
                 y1, y2 = ep(x1), local(x2)

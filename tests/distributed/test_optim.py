@@ -157,7 +157,9 @@ def _fsdp2_run(mesh, optim: str, shard_all: bool, rank: int):
                 p.grad /= torch.distributed.get_world_size()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()) for n, p in model.named_parameters()}
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()) for n, p in model.named_parameters()
+    }
     return O.implementation(opt), full, sorted({type(p).__name__ for p in model.parameters()})
 
 

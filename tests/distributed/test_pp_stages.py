@@ -3,8 +3,8 @@ interleaved 1F1B.
 
 Each rank holds one stage of a 4-layer model (Llama, Mistral, Qwen2, Qwen3, Gemma with its scaled embeddings,
 untied, and Gemma and Llama with tied input / output embeddings: first and last stage each hold the weight, its
-grads summed over the two); a batch of packed rows (documents from the position ids) with right padding runs through the runner in
-4 micro-batches. The loss summed over targets and the evaluation loss equal the unsplit model's, and every
+grads summed over the two); a batch of packed rows (documents from the position ids) with right padding runs through the
+runner in 4 micro-batches. The loss summed over targets and the evaluation loss equal the unsplit model's, and every
 stage's parameter gradients equal the unsplit model's gradients of the same (HF-named) parameters.
 
 Interleaved 1F1B (PipelineChunks, 2 chunks per rank: virtual stages r and r + p): a 4-layer model at pp=2 (Llama,
@@ -23,7 +23,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hfpar.train.losses import shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.parallel.pipeline import (
     PipelineChunks,
@@ -35,6 +34,7 @@ from hfpar.parallel.pipeline import (
     schedule_order,
     tied_embedding_group,
 )
+from hfpar.train.losses import shifted_lm_loss_sum
 from tests.helpers.dist import run_distributed
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -50,10 +50,21 @@ EXTRA = {  # special tokens inside the tiny vocabulary (Phi-3's default pad id i
 
 
 def _model(model_type: str, layers: int = 4, tied: bool = False):
-    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
-                               max_position_embeddings=64, sliding_window=None, use_cache=False,
-                               tie_word_embeddings=tied, **EXTRA.get(model_type, {}))
+    cfg = AutoConfig.for_model(
+        model_type,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        max_position_embeddings=64,
+        sliding_window=None,
+        use_cache=False,
+        tie_word_embeddings=tied,
+        **EXTRA.get(model_type, {}),
+    )
     torch.manual_seed(0)
     # experts: the eager loop (grouped_mm has no float64 kernel)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", experts_implementation="eager").double()
@@ -75,11 +86,12 @@ def _batch() -> dict:
 def _check(rank: int, world: int) -> dict:
     out = {}
     batch = _batch()
-    tied_group = tied_embedding_group([list(range(world))])        # collective: every rank, once
+    tied_group = tied_embedding_group([list(range(world))])  # collective: every rank, once
     for model_type, tied in [(f, False) for f in FAMILIES] + [("gemma", True), ("llama", True)]:
         ref = _model(model_type, tied=tied)
-        logits = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                     attention_mask=batch["attention_mask"]).logits
+        logits = ref(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"]
+        ).logits
         ref_loss, ref_n = shifted_lm_loss_sum(logits, batch["labels"])
         (ref_loss * 0.1).backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}  # a tied weight once, as the embedding
@@ -129,7 +141,8 @@ def test_split_and_schedule_rules():
 # (family, layers, tied, schedule) of the interleaved spawn, by world size
 INTERLEAVED = {
     2: [(f, 4, False, "interleaved_1f1b") for f in ("llama", "gemma", "phi3", "mixtral", "qwen3_moe")]
-       + [("llama", 4, True, "interleaved_1f1b")] + [(f, 4, False, "1f1b") for f in ("phi3", "mixtral", "qwen3_moe")],
+    + [("llama", 4, True, "interleaved_1f1b")]
+    + [(f, 4, False, "1f1b") for f in ("phi3", "mixtral", "qwen3_moe")],
     4: [("llama", 8, False, "interleaved_1f1b"), ("llama", 8, True, "interleaved_1f1b")],
 }
 
@@ -140,8 +153,9 @@ def _check_interleaved(rank: int, world: int) -> dict:
     tied_group = tied_embedding_group([list(range(world))])
     for model_type, layers, tied, schedule in INTERLEAVED[world]:
         ref = _model(model_type, layers, tied)
-        ref_logits = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=batch["attention_mask"]).logits             # (4, T, V)
+        ref_logits = ref(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"]
+        ).logits  # (4, T, V)
         ref_loss, ref_n = shifted_lm_loss_sum(ref_logits, batch["labels"])
         (ref_loss * 0.1).backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -149,7 +163,9 @@ def _check_interleaved(rank: int, world: int) -> dict:
         if schedule == "interleaved_1f1b":
             bounds = balanced_split(model, 2 * world)
             stage = PipelineChunks(model, rank, world, bounds)
-            assert [[a, b] for a, b in zip(bounds[rank::world], bounds[rank + 1::world])] == chunk_layers(bounds, world)[rank]
+            assert [[a, b] for a, b in zip(bounds[rank::world], bounds[rank + 1 :: world])] == chunk_layers(
+                bounds, world
+            )[rank]
             assert stage.is_first == (rank == 0) and stage.is_last == (rank == world - 1)
         else:
             stage = PipelineStage(model, rank, balanced_split(model, world))
@@ -174,8 +190,10 @@ def _check_interleaved(rank: int, world: int) -> dict:
             q = ref_grads[hf]
             worst = max(worst, ((p.grad - q).abs().max() / q.abs().max().clamp_min(1e-30)).item())
         ev, _ = runner.evaluate(batch, shifted_lm_loss_sum)
-        out[(model_type, layers, tied, schedule)] = (max(worst, abs(ev.item() - ref_loss.item()) / ref_loss.item()),
-                                                     sorted(names))
+        out[(model_type, layers, tied, schedule)] = (
+            max(worst, abs(ev.item() - ref_loss.item()) / ref_loss.item()),
+            sorted(names),
+        )
     return out
 
 
@@ -183,9 +201,9 @@ def _check_interleaved(rank: int, world: int) -> dict:
 def test_interleaved_and_more_families_match_the_unsplit_model(world):
     per_rank = run_distributed(_check_interleaved, world, timeout=600)
     for key in per_rank[0]:
-        tol = 1e-6 if key[0] == "gemma" else 1e-9   # Gemma's RMSNorm computes in float32 (x.float())
+        tol = 1e-6 if key[0] == "gemma" else 1e-9  # Gemma's RMSNorm computes in float32 (x.float())
         assert all(r[key][0] <= tol for r in per_rank), (key, [r[key][0] for r in per_rank])
-        held = [set(r[key][1]) for r in per_rank]   # every parameter of the model on exactly one rank (tied: two)
+        held = [set(r[key][1]) for r in per_rank]  # every parameter of the model on exactly one rank (tied: two)
         ref = {n for n, _ in _model(key[0], key[1], key[2]).named_parameters()}
         assert set.union(*held) == ref and sum(map(len, held)) == len(ref) + (1 if key[2] else 0), key
     assert len(per_rank[0]) == len(INTERLEAVED[world])
@@ -204,7 +222,7 @@ def _replay(p: int, v: int, schedule: str, m: int) -> list[int]:
                 continue
             kind, i, c = orders[r][pos[r]]
             vs = c * p + r
-            src = vs - 1 if kind == "F" else vs + 1   # the virtual stage this op receives from
+            src = vs - 1 if kind == "F" else vs + 1  # the virtual stage this op receives from
             if 0 <= src <= last:
                 queue = channels.setdefault((src % p, r), deque())
                 if not queue:

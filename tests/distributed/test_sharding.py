@@ -8,8 +8,8 @@ grad_norm against the norm of the full grad for (a) replicated parameters (count
 DTensor model vs its unsharded replica, (e) all of them together (sum of squares). Then: sync_partial_grads
 sums over partial_grad_group, reduce_dp_grads sums over dp_reduce_group and divides by dp_size, clip_grads_
 scales to max_norm (and not below it), full_state_dict gathers TP / packed / EP / FSDP2 shards back under the
-original names, and a ShardSpec survives torch.save / torch.load of a parameter (groups come back None). The same shards as
-pieces (hfpar.parallel.pieces): joined offline from every rank's piece layout, and cut back out of the full tensors.
+original names, and a ShardSpec survives torch.save / torch.load of a parameter (groups come back None). The same shards
+as pieces (hfpar.parallel.pieces): joined offline from every rank's piece layout, and cut back out of the full tensors.
 """
 
 from __future__ import annotations
@@ -26,13 +26,22 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from hfpar.parallel.pieces import join_pieces, piece_layout, piece_of
-from hfpar.parallel.sharding import local_tensor
-from hfpar.parallel.sharding import (clip_grads_, full_state_dict, grad_norm, grad_sq_norm, reduce_dp_grads,
-                                     set_shard_spec, shard_spec, shard_tensor, sync_partial_grads)
+from hfpar.parallel.sharding import (
+    clip_grads_,
+    full_state_dict,
+    grad_norm,
+    grad_sq_norm,
+    local_tensor,
+    reduce_dp_grads,
+    set_shard_spec,
+    shard_spec,
+    shard_tensor,
+    sync_partial_grads,
+)
 from tests.helpers.dist import run_distributed
 
 RTOL = 1e-10
-PACKED = [4, 2, 2]   # e.g. fused q / k / v rows
+PACKED = [4, 2, 2]  # e.g. fused q / k / v rows
 
 
 def _full(shape, seed: int) -> torch.Tensor:
@@ -48,16 +57,28 @@ def _param(value: torch.Tensor, grad: torch.Tensor | None = None, **spec) -> nn.
 def _sharded_params(rank: int) -> tuple[dict, dict]:
     """name -> parameter (this rank's part, grad set); name -> full grad. Values equal grads (for state dicts)."""
     w, s = dist.group.WORLD, 2
-    full = {"rep_a": _full((3, 4), 1), "rep_b": _full((5,), 2), "tp_dim0": _full((6, 4), 3),
-            "tp_dim1": _full((4, 6), 4), "tp_packed": _full((8, 3), 5), "experts": _full((4, 3, 2), 6)}
-    local = {"rep_a": full["rep_a"], "rep_b": full["rep_b"],
-             "tp_dim0": shard_tensor(full["tp_dim0"], 0, rank, s),
-             "tp_dim1": shard_tensor(full["tp_dim1"], 1, rank, s),
-             "tp_packed": shard_tensor(full["tp_packed"], 0, rank, s, PACKED),
-             "experts": full["experts"][2 * rank:2 * rank + 2]}
-    specs = {"tp_dim0": dict(kind="tp", group=w, size=s, dim=0), "tp_dim1": dict(kind="tp", group=w, size=s, dim=1),
-             "tp_packed": dict(kind="tp", group=w, size=s, dim=0, packed_splits=PACKED),
-             "experts": dict(kind="ep", group=w, size=s, dim=0, experts={"num_experts": 4, "start": 2 * rank})}
+    full = {
+        "rep_a": _full((3, 4), 1),
+        "rep_b": _full((5,), 2),
+        "tp_dim0": _full((6, 4), 3),
+        "tp_dim1": _full((4, 6), 4),
+        "tp_packed": _full((8, 3), 5),
+        "experts": _full((4, 3, 2), 6),
+    }
+    local = {
+        "rep_a": full["rep_a"],
+        "rep_b": full["rep_b"],
+        "tp_dim0": shard_tensor(full["tp_dim0"], 0, rank, s),
+        "tp_dim1": shard_tensor(full["tp_dim1"], 1, rank, s),
+        "tp_packed": shard_tensor(full["tp_packed"], 0, rank, s, PACKED),
+        "experts": full["experts"][2 * rank : 2 * rank + 2],
+    }
+    specs = {
+        "tp_dim0": dict(kind="tp", group=w, size=s, dim=0),
+        "tp_dim1": dict(kind="tp", group=w, size=s, dim=1),
+        "tp_packed": dict(kind="tp", group=w, size=s, dim=0, packed_splits=PACKED),
+        "experts": dict(kind="ep", group=w, size=s, dim=0, experts={"num_experts": 4, "start": 2 * rank}),
+    }
     return {n: _param(t, t, **specs.get(n, {})) for n, t in local.items()}, full
 
 
@@ -67,10 +88,10 @@ def _norm(*tensors: torch.Tensor) -> float:
 
 def _fsdp_model(world: int):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()   # 3 rows: uneven shards
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()  # 3 rows: uneven shards
     ref = copy.deepcopy(model)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    x = _full((5, 4), 7)                                                          # same batch on every rank
+    x = _full((5, 4), 7)  # same batch on every rank
     for m in (model, ref):
         m(x).square().sum().backward()
     return model, ref
@@ -80,11 +101,14 @@ def _norms(rank: int, world: int) -> dict:
     params, full = _sharded_params(rank)
     model, ref = _fsdp_model(world)
     res = {"fsdp_dtensors": all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in model.parameters())}
-    cases = {"replicated": (["rep_a", "rep_b"], ["rep_a", "rep_b"]),
-             "tp_dim0": (["tp_dim0"], ["tp_dim0"]), "tp_dim1": (["tp_dim1"], ["tp_dim1"]),
-             "tp_packed": (["tp_packed"], ["tp_packed"]),
-             "tp_tied_twice": (["tp_dim0", "tp_dim0", "tp_packed"], ["tp_dim0", "tp_packed"]),
-             "ep": (["experts"], ["experts"])}
+    cases = {
+        "replicated": (["rep_a", "rep_b"], ["rep_a", "rep_b"]),
+        "tp_dim0": (["tp_dim0"], ["tp_dim0"]),
+        "tp_dim1": (["tp_dim1"], ["tp_dim1"]),
+        "tp_packed": (["tp_packed"], ["tp_packed"]),
+        "tp_tied_twice": (["tp_dim0", "tp_dim0", "tp_packed"], ["tp_dim0", "tp_packed"]),
+        "ep": (["experts"], ["experts"]),
+    }
     for case, (names, want) in cases.items():
         res[case] = (float(grad_norm([params[n] for n in names])), _norm(*(full[n] for n in want)))
     res["fsdp2"] = (float(grad_norm(model.parameters())), _norm(*(p.grad for p in ref.parameters())))
@@ -98,15 +122,18 @@ def _norms(rank: int, world: int) -> dict:
 
 def _reductions(rank: int) -> dict:
     w, base = dist.group.WORLD, _full((3, 2), 8)
-    scaled = (rank + 1) * base                                                    # rank 0: base, rank 1: 2 base
+    scaled = (rank + 1) * base  # rank 0: base, rank 1: 2 base
     partial = _param(base, scaled, partial_grad_group=w)
     plain = _param(base, scaled)
     no_grad = _param(base, None, partial_grad_group=w)
-    res = {"partial_n": sync_partial_grads([partial, plain, no_grad, partial]),
-           "partial": torch.equal(partial.grad, base + 2 * base), "partial_plain": torch.equal(plain.grad, scaled),
-           "partial_no_grad": no_grad.grad is None}
+    res = {
+        "partial_n": sync_partial_grads([partial, plain, no_grad, partial]),
+        "partial": torch.equal(partial.grad, base + 2 * base),
+        "partial_plain": torch.equal(plain.grad, scaled),
+        "partial_no_grad": no_grad.grad is None,
+    }
     expert = _param(base, scaled, kind="ep", group=w, size=2, dp_reduce_group=w, dp_size=2)
-    div_only = _param(base, scaled, kind="ep", dp_size=2)                       # dp_size without a group: / only
+    div_only = _param(base, scaled, kind="ep", dp_size=2)  # dp_size without a group: / only
     plain = _param(base, scaled)
     res["dp_n"] = reduce_dp_grads([expert, div_only, plain])
     res["dp"] = torch.equal(expert.grad, (base + 2 * base) / 2)
@@ -119,10 +146,13 @@ def _clipping(rank: int) -> dict:
     params, full = _sharded_params(rank)
     n = _norm(*full.values())
     before = {k: p.grad.clone() for k, p in params.items()}
-    res = {"clip_returned": (float(clip_grads_(params.values(), n / 2)), n),
-           "clip_after": (float(grad_norm(params.values())), n / 2),
-           "clip_uniform": all(torch.allclose(p.grad, before[k] * (n / 2) / n, rtol=1e-6, atol=0)
-                               for k, p in params.items())}
+    res = {
+        "clip_returned": (float(clip_grads_(params.values(), n / 2)), n),
+        "clip_after": (float(grad_norm(params.values())), n / 2),
+        "clip_uniform": all(
+            torch.allclose(p.grad, before[k] * (n / 2) / n, rtol=1e-6, atol=0) for k, p in params.items()
+        ),
+    }
     params, _ = _sharded_params(rank)
     before = {k: p.grad.clone() for k, p in params.items()}
     res["below_returned"] = (float(clip_grads_(params.values(), 2 * n)), n)
@@ -135,12 +165,14 @@ def _state(rank: int) -> dict:
     m = nn.Module()
     for name, p in params.items():
         m.register_parameter(name, p)
-    m.register_parameter("tied", params["tp_packed"])                            # a second name, one tensor
+    m.register_parameter("tied", params["tp_packed"])  # a second name, one tensor
     sd = full_state_dict(m)
-    res = {"sd_names": sorted(sd) == sorted([*full, "tied"]),
-           "sd_values": {k: torch.equal(sd[k], full[k]) for k in full},
-           "sd_tied": sd["tied"] is sd["tp_packed"],
-           "sd_local_untouched": tuple(params["tp_packed"].shape) == (4, 3)}
+    res = {
+        "sd_names": sorted(sd) == sorted([*full, "tied"]),
+        "sd_values": {k: torch.equal(sd[k], full[k]) for k in full},
+        "sd_tied": sd["tied"] is sd["tp_packed"],
+        "sd_local_untouched": tuple(params["tp_packed"].shape) == (4, 3),
+    }
     p = params["tp_packed"]
     set_shard_spec(p, partial_grad_group=dist.group.WORLD, dp_reduce_group=dist.group.WORLD, dp_size=2)
     buf = io.BytesIO()
@@ -149,7 +181,13 @@ def _state(rank: int) -> dict:
     q = torch.load(buf, weights_only=False)
     a, b = shard_spec(p), shard_spec(q)
     res["saved_fields"] = (b.kind, b.dim, b.size, b.packed_splits, b.dp_size, b.extra) == (
-        a.kind, a.dim, a.size, a.packed_splits, a.dp_size, a.extra) and torch.equal(q, p)
+        a.kind,
+        a.dim,
+        a.size,
+        a.packed_splits,
+        a.dp_size,
+        a.extra,
+    ) and torch.equal(q, p)
     res["saved_groups_none"] = (b.group, b.partial_grad_group, b.dp_reduce_group) == (None, None, None)
     res["saved_tp_tag"] = getattr(q, "tensor_model_parallel", None) is True
     res["original_groups_kept"] = a.group is dist.group.WORLD and a.dp_reduce_group is dist.group.WORLD
@@ -167,8 +205,10 @@ def _pieces(rank: int, world: int) -> dict:
     mine = {n: (piece_layout(p), local_tensor(p).detach().clone()) for n, p in live.items()}
     every = [None] * world
     dist.all_gather_object(every, mine)
-    return {"pieces_join": {n: torch.equal(join_pieces([r[n] for r in every]), fulls[n]) for n in live},
-            "pieces_cut": {n: torch.equal(piece_of(fulls[n], p), local_tensor(p).detach()) for n, p in live.items()}}
+    return {
+        "pieces_join": {n: torch.equal(join_pieces([r[n] for r in every]), fulls[n]) for n in live},
+        "pieces_cut": {n: torch.equal(piece_of(fulls[n], p), local_tensor(p).detach()) for n, p in live.items()},
+    }
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -185,13 +225,14 @@ def _rel(got: float, want: float) -> float:
     return abs(got - want) / abs(want)
 
 
-@pytest.mark.parametrize("case", ["replicated", "tp_dim0", "tp_dim1", "tp_packed", "tp_tied_twice", "ep", "fsdp2",
-                                  "mixture"])
+@pytest.mark.parametrize(
+    "case", ["replicated", "tp_dim0", "tp_dim1", "tp_packed", "tp_tied_twice", "ep", "fsdp2", "mixture"]
+)
 def test_grad_norm_equals_full_grad_norm(ranks, case):
     for rank, res in enumerate(ranks):
         got, want = res[case]
         assert _rel(got, want) < RTOL, (rank, case, got, want)
-    assert ranks[0][case][0] == ranks[1][case][0]                                 # the same on every rank
+    assert ranks[0][case][0] == ranks[1][case][0]  # the same on every rank
 
 
 def test_fsdp2_params_are_dtensors_and_state_dict_gathers(ranks):

@@ -17,14 +17,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hfpar.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards,
-                                   shard_tensor, tp_sharded_parameters,
-                                   vocab_parallel_cross_entropy)
 from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_shards,
+    shard_tensor,
+    tp_sharded_parameters,
+    vocab_parallel_cross_entropy,
+)
 from tests.helpers.dist import run_distributed
 
-B, T, H, OUT, V = 2, 8, 8, 16, 16   # T, OUT, V divisible by 4
-PACKED = [8, 4, 4]                  # e.g. q, k, v parts of a fused (16, H) weight
+B, T, H, OUT, V = 2, 8, 8, 16, 16  # T, OUT, V divisible by 4
+PACKED = [8, 4, 4]  # e.g. q, k, v parts of a fused (16, H) weight
 TOL = 1e-5
 
 
@@ -52,27 +58,29 @@ def _check_output_and_backward(y, y_ref, w_out, sp, rank, tp, what):
 
 def _check_column(rank, tp, group, dt):
     n = 0
-    for bias, gather_output, sp, packed in itertools.product((True, False), (False, True), (False, True),
-                                                             (None, PACKED)):
+    for bias, gather_output, sp, packed in itertools.product(
+        (True, False), (False, True), (False, True), (None, PACKED)
+    ):
         what = f"Column(bias={bias}, gather_output={gather_output}, sp={sp}, packed={packed})"
         torch.manual_seed(10)
         ref = nn.Linear(H, OUT, bias=bias, dtype=dt)
         x = torch.randn(B, T, H, dtype=dt)
-        w_out = torch.randn(B, T, OUT, dtype=dt)                  # loss = sum(y * w_out)
-        layer = ColumnParallelLinear.from_linear(ref, group, packed_splits=packed, gather_output=gather_output,
-                                                 sequence_parallel=sp)
+        w_out = torch.randn(B, T, OUT, dtype=dt)  # loss = sum(y * w_out)
+        layer = ColumnParallelLinear.from_linear(
+            ref, group, packed_splits=packed, gather_output=gather_output, sequence_parallel=sp
+        )
         xr = x.clone().requires_grad_()
         y_ref = ref(xr)
         (y_ref * w_out).sum().backward()
 
-        xl = (_seq_chunk(x, rank, tp) if sp else x).clone().requires_grad_()   # (B, T/tp, H) under SP
+        xl = (_seq_chunk(x, rank, tp) if sp else x).clone().requires_grad_()  # (B, T/tp, H) under SP
         y = layer(xl)
         if gather_output:
             _close(y, y_ref, f"{what} output")
-            (y * w_out).sum().backward()                           # replicated loss
+            (y * w_out).sum().backward()  # replicated loss
         else:
             _close(y, shard_tensor(y_ref.detach(), -1, rank, tp, packed), f"{what} output shard")
-            (y * shard_tensor(w_out, -1, rank, tp, packed)).sum().backward()    # partial loss per rank
+            (y * shard_tensor(w_out, -1, rank, tp, packed)).sum().backward()  # partial loss per rank
         _close(xl.grad, _seq_chunk(xr.grad, rank, tp) if sp else xr.grad, f"{what} input grad")
         _close(gather_shards(layer.weight.grad, 0, group, packed), ref.weight.grad, f"{what} weight grad")
         if bias:
@@ -121,7 +129,7 @@ def _check_mlp_sp(rank, tp, group, dt):
         p_emb = VocabParallelEmbedding.from_embedding(emb, group, sequence_parallel=sp)
         p_up = ColumnParallelLinear.from_linear(up, group, sequence_parallel=sp)
         p_down = RowParallelLinear.from_linear(down, group, sequence_parallel=sp)
-        y = p_down(F.gelu(p_up(p_emb(ids))))                      # (B, T/tp, H) under SP
+        y = p_down(F.gelu(p_up(p_emb(ids))))  # (B, T/tp, H) under SP
         (y * (_seq_chunk(w_out, rank, tp) if sp else w_out)).sum().backward()
         for name, p_mod, mod, dim in (("emb", p_emb, emb, 0), ("up", p_up, up, 0), ("down", p_down, down, 1)):
             _close(gather_shards(p_mod.weight.grad, dim, group), mod.weight.grad, f"mlp sp={sp} {name} weight grad")
@@ -161,19 +169,21 @@ def _check_cross_entropy(rank, tp, group):
         torch.manual_seed(14)
         logits = (3 * torch.randn(B, T, V)).to(dt)
         target = torch.randint(0, V, (B, T))
-        target[0, :2] = ignore_index                               # ignored positions
-        target[1, 0] = 3                                           # ignored too when ignore_index == 3
+        target[0, :2] = ignore_index  # ignored positions
+        target[1, 0] = 3  # ignored too when ignore_index == 3
         lr = logits.clone().requires_grad_()
-        ref = F.cross_entropy(lr.flatten(0, 1), target.flatten(), ignore_index=ignore_index,
-                              label_smoothing=eps, reduction=reduction)
+        ref = F.cross_entropy(
+            lr.flatten(0, 1), target.flatten(), ignore_index=ignore_index, label_smoothing=eps, reduction=reduction
+        )
         if reduction == "none":
             ref = ref.view(B, T)
         g = torch.randn(ref.shape, dtype=dt)
-        (ref * g).sum().backward()   # (not ref.backward(g): lazily imports sympy, ~3 s per rank)
+        (ref * g).sum().backward()  # (not ref.backward(g): lazily imports sympy, ~3 s per rank)
 
-        ls = logits.chunk(tp, -1)[rank].clone().requires_grad_()   # (B, T, V/tp)
-        loss = vocab_parallel_cross_entropy(ls, target, group=group, ignore_index=ignore_index,
-                                            label_smoothing=eps, reduction=reduction)
+        ls = logits.chunk(tp, -1)[rank].clone().requires_grad_()  # (B, T, V/tp)
+        loss = vocab_parallel_cross_entropy(
+            ls, target, group=group, ignore_index=ignore_index, label_smoothing=eps, reduction=reduction
+        )
         _close(loss, ref, f"{what} loss")
         (loss * g).sum().backward()
         assert ls.grad.dtype == dt
@@ -204,10 +214,13 @@ def _check_construction(rank, tp, group):
     torch.manual_seed(0)
     emb = VocabParallelEmbedding(V, H, padding_idx=2, group=group)
     _close(emb.full_weight(), ref_e.weight.detach(), "Embedding init", 0.0)
-    assert all(p.requires_grad for m in (col, row, emb, RowParallelLinear(H, OUT, group=group, device="meta"))
-               for p in m.parameters())
+    assert all(
+        p.requires_grad
+        for m in (col, row, emb, RowParallelLinear(H, OUT, group=group, device="meta"))
+        for p in m.parameters()
+    )
     frozen = nn.Linear(H, OUT)
-    frozen.weight.requires_grad_(False)                            # a frozen base weight stays frozen
+    frozen.weight.requires_grad_(False)  # a frozen base weight stays frozen
     col_f = ColumnParallelLinear.from_linear(frozen, group)
     assert not col_f.weight.requires_grad and col_f.bias.requires_grad
     # TP tags: sharded params carry dim + group; the row bias is replicated (no tag)
@@ -219,7 +232,7 @@ def _check_construction(rank, tp, group):
     found = {n: i.dim for n, _, i in tp_sharded_parameters(model)}
     assert found == {"0.weight": 0, "1.weight": 0, "1.bias": 0, "2.weight": 1}, found
     buf = io.BytesIO()
-    torch.save(col.weight, buf)                                    # the tag pickles (without the group)
+    torch.save(col.weight, buf)  # the tag pickles (without the group)
     assert shard_spec(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)).dim == 0
     # packed weights: each rank takes its slice of EACH part; export restores the original order
     fused = nn.Linear(H, OUT)
@@ -249,12 +262,17 @@ def _check_construction(rank, tp, group):
 def _tp_checks(rank, tp):
     group = dist.group.WORLD
     dt = torch.float64
-    return (_check_column(rank, tp, group, dt) + _check_row(rank, tp, group, dt) + _check_mlp_sp(rank, tp, group, dt)
-            + _check_embedding(rank, tp, group, dt) + _check_cross_entropy(rank, tp, group)
-            + _check_construction(rank, tp, group))
+    return (
+        _check_column(rank, tp, group, dt)
+        + _check_row(rank, tp, group, dt)
+        + _check_mlp_sp(rank, tp, group, dt)
+        + _check_embedding(rank, tp, group, dt)
+        + _check_cross_entropy(rank, tp, group)
+        + _check_construction(rank, tp, group)
+    )
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])   # 4 ranks: 15-25 s, out of the fast subset
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 15-25 s, out of the fast subset
 def test_tensor_parallel_layers(tp):
     counts = run_distributed(_tp_checks, tp)
     assert counts[0] > 50 and len(set(counts)) == 1, counts

@@ -23,7 +23,7 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.tp_models import DERIVED, MOE_TINY, batch, build, rel
 
 CASES = [(mt, False) for mt in DERIVED] + [("gpt2", False), ("gpt2", True)]
-TOL = 1e-10   # float64
+TOL = 1e-10  # float64
 # OLMo-2's q/k norms run in float32 even in a float64 model (its own RMSNorm casts); sharded, their sum of squares is
 # added in another order (norms.py), so they agree to fp32 rounding, not to fp64's. MiniCPM3 likewise: its latent
 # kv_a_layernorm (float32) is back-propagated per rank's heads and the partial gradients summed after it.
@@ -32,39 +32,48 @@ FAMILY_TOL = {"olmo2": 1e-6, "minicpm3": 1e-6}
 
 def _derive(model_type: str, **overrides):
     from hfpar.parallel.tensor_parallel import derive_plan
+
     return derive_plan(build(model_type, **overrides))
 
 
 def test_llama_derived_plan_equals_the_written_tp_entries():
     from hfpar.parallel.tensor_parallel import get_plan
+
     written = {k: v for k, v in get_plan("llama").items() if v not in ("sequence_scatter", "replicated_sp")}
     assert _derive("llama") == written
 
 
 def test_derived_styles():
-    plan = _derive("qwen3")                                       # per-head q/k norms
+    plan = _derive("qwen3")  # per-head q/k norms
     assert plan["model.layers.*.self_attn.q_norm"] == "replicated_heads"
-    plan = _derive("starcoder2")                                  # c_fc / c_proj MLP
+    plan = _derive("starcoder2")  # c_fc / c_proj MLP
     assert plan["model.layers.*.mlp"] == "mlp" and plan["model.layers.*.mlp.c_fc"] == "colwise"
     assert plan["model.layers.*.self_attn"] == "attention" and plan["model.embed_tokens"] == "vocab_embedding"
     assert _derive("phi")["model.layers.*.self_attn.dense"] == "rowwise"
 
 
-@pytest.mark.parametrize("model_type, entry, style", [
-    # qwen4_exp's real entry (an n-gram embedding split by columns), in a tiny granite's plan: building a tiny
-    # qwen4_exp costs seconds (inkling_text's all_reduce, formerly here, is mapped now: the region sums)
-    ("granite", "layers.*.ple.ple_embedding.ngram_embedding", "embedding_colwise"),
-])
+@pytest.mark.parametrize(
+    "model_type, entry, style",
+    [
+        # qwen4_exp's real entry (an n-gram embedding split by columns), in a tiny granite's plan: building a tiny
+        # qwen4_exp costs seconds (inkling_text's all_reduce, formerly here, is mapped now: the region sums)
+        ("granite", "layers.*.ple.ple_embedding.ngram_embedding", "embedding_colwise"),
+    ],
+)
 def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
     from hfpar.parallel.tensor_parallel import (
         apply_tensor_parallel,
         derived_plan_problem,
     )
+
     model = build(model_type)
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, entry: style}
-    with mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2), pytest.raises(ValueError) as e:
-        apply_tensor_parallel(model)                                  # refused before any collective
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_world_size", return_value=2),
+        pytest.raises(ValueError) as e,
+    ):
+        apply_tensor_parallel(model)  # refused before any collective
     msg = str(e.value)
     assert "\n" not in msg and f"model_type {model_type!r}" in msg and f"{entry!r}: {style!r}" in msg, msg
     assert derived_plan_problem(model.config) == msg
@@ -72,38 +81,47 @@ def test_unmappable_entry_is_refused_in_one_line(model_type, entry, style):
 
 
 def test_head_spanning_norms_latent_and_linear_attention():
-    plan = _derive("olmo2")                                       # colwise_gather_output: heads stay sharded
+    plan = _derive("olmo2")  # colwise_gather_output: heads stay sharded
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.self_attn.o_proj"] == "rowwise"
     assert plan["model.layers.*.self_attn.q_norm"] == plan["model.layers.*.self_attn.k_norm"] == "sharded_rmsnorm"
     assert _derive("glm4")["model.layers.*.mlp.gate_up_proj"] == "colwise_packed:gate_up"
-    plan = _derive("minicpm3")                                    # MLA: latent down-projections replicated
-    assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == plan["model.layers.*.self_attn.q_a_proj"] \
-        == "replicated_heads" and plan["model.layers.*.self_attn.kv_b_proj"] == "colwise"
+    plan = _derive("minicpm3")  # MLA: latent down-projections replicated
+    assert (
+        plan["model.layers.*.self_attn.kv_a_proj_with_mqa"]
+        == plan["model.layers.*.self_attn.q_a_proj"]
+        == "replicated_heads"
+        and plan["model.layers.*.self_attn.kv_b_proj"] == "colwise"
+    )
 
 
 def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     from transformers import AutoConfig
 
     from hfpar.parallel.tensor_parallel import derived_plan_problem
-    assert derived_plan_problem(AutoConfig.for_model("mixtral")) is None       # attention only: experts left to EP
+
+    assert derived_plan_problem(AutoConfig.for_model("mixtral")) is None  # attention only: experts left to EP
     plan = _derive("mixtral")
     assert plan["model.layers.*.self_attn"] == "attention" and not any("experts" in k for k in plan), plan
     assert "model.layers.*.mlp" not in plan
-    assert derived_plan_problem(AutoConfig.for_model("bitnet")) is None   # no base_model_tp_plan: inferred at apply
+    assert derived_plan_problem(AutoConfig.for_model("bitnet")) is None  # no base_model_tp_plan: inferred at apply
     assert derived_plan_problem(AutoConfig.for_model("granite")) is None
 
 
 def test_sequence_parallel_refused_with_moe_blocks_before_any_collective():
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
-    with mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2), \
-            pytest.raises(ValueError, match=r"sequence_parallel with MoE blocks \(model.layers.0.mlp, ...\)"):
+
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_world_size", return_value=2),
+        pytest.raises(ValueError, match=r"sequence_parallel with MoE blocks \(model.layers.0.mlp, ...\)"),
+    ):
         apply_tensor_parallel(build("mixtral"), sequence_parallel=True)
 
 
 # ----------------------------------------------------------------------------- 2 ranks
 def _full_grads(model) -> dict:
     from hfpar.parallel.tensor_parallel import gather_shards
+
     out = {}
     for n, p in model.named_parameters():
         s = shard_spec(p)
@@ -121,24 +139,30 @@ def _case(rank: int, case, outdir: str) -> dict:
         sync_sequence_parallel_grads,
         tp_grad_norm,
     )
+
     mt, sp = case
     model = build(mt).double()
     ref = copy.deepcopy(model)
     ids, mask, labels = batch()
-    ref_logits = ref(input_ids=ids, attention_mask=mask).logits                          # (B, T, V) float64
-    F.cross_entropy(ref_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()   # (HF's loss: fp32)
+    ref_logits = ref(input_ids=ids, attention_mask=mask).logits  # (B, T, V) float64
+    F.cross_entropy(ref_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()  # (HF's loss: fp32)
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     sync_sequence_parallel_grads(model)
     got, want = _full_grads(model), {n: p.grad for n, p in ref.named_parameters()}
-    res = {"names": sorted(got) == sorted(want), "grad_worst": max((rel(got[n], want[n]), n) for n in want),
-           "norm_rel": rel(tp_grad_norm(model.parameters()), torch.nn.utils.get_total_norm(list(want.values()))),
-           "sharded": sorted(n for n, p in model.named_parameters() if shard_spec(p) is not None
-                             and shard_spec(p).kind == "tp"),
-           "heads": sorted({m.config.num_attention_heads for n, m in model.named_modules()
-                            if n.endswith(("self_attn", ".attn"))})}                # as each attention sees it
-    head = shard_spec(model.get_output_embeddings().weight)                               # tied or not
+    res = {
+        "names": sorted(got) == sorted(want),
+        "grad_worst": max((rel(got[n], want[n]), n) for n in want),
+        "norm_rel": rel(tp_grad_norm(model.parameters()), torch.nn.utils.get_total_norm(list(want.values()))),
+        "sharded": sorted(
+            n for n, p in model.named_parameters() if shard_spec(p) is not None and shard_spec(p).kind == "tp"
+        ),
+        "heads": sorted(
+            {m.config.num_attention_heads for n, m in model.named_modules() if n.endswith(("self_attn", ".attn"))}
+        ),
+    }  # as each attention sees it
+    head = shard_spec(model.get_output_embeddings().weight)  # tied or not
     res["head_vocab_parallel"] = head is not None and head.sharded and head.dim == 0
     sd, ref_sd = gather_full_state_dict(model), ref.state_dict()
     res["sd"] = sorted(sd) == sorted(ref_sd) and all(sd[k].shape == ref_sd[k].shape for k in ref_sd)
@@ -146,11 +170,12 @@ def _case(rank: int, case, outdir: str) -> dict:
     if rank == 0 and not sp:
         path = f"{outdir}/{mt}"
         model.save_pretrained(path, state_dict=sd)
-        kw = {"experts_implementation": "eager"} if mt in MOE_TINY else {}            # HF's grouped_mm has no fp64
+        kw = {"experts_implementation": "eager"} if mt in MOE_TINY else {}  # HF's grouped_mm has no fp64
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **kw).eval()
         with torch.no_grad():
-            res["export_rel"] = rel(loaded(input_ids=ids, attention_mask=mask).logits,
-                                    ref.eval()(input_ids=ids, attention_mask=mask).logits)
+            res["export_rel"] = rel(
+                loaded(input_ids=ids, attention_mask=mask).logits, ref.eval()(input_ids=ids, attention_mask=mask).logits
+            )
     dist.barrier()
     return res
 
@@ -173,12 +198,15 @@ def test_gradients_and_export_match_unsharded(ranks, case):
         assert r["names"] and r["grad_worst"][0] < tol, (rank, r["grad_worst"])
         assert r["norm_rel"] < tol, r["norm_rel"]
         assert r["sd"] and r["sd_max_abs"] == 0.0, r["sd_max_abs"]
-        assert r["heads"] == [2], r["heads"]                                            # 4 heads / tp 2
-        proj = {"gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "wte"),
-                "phi": ("self_attn.dense", "fc2"),
-                "starcoder2": ("mlp.c_fc", "mlp.c_proj"),
-                "mixtral": ("o_proj",), "qwen3_moe": ("o_proj",),
-                "qwen2_moe": ("o_proj", "layers.1.mlp.down_proj")}.get(case[0], ("o_proj", "down_proj"))
+        assert r["heads"] == [2], r["heads"]  # 4 heads / tp 2
+        proj = {
+            "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "wte"),
+            "phi": ("self_attn.dense", "fc2"),
+            "starcoder2": ("mlp.c_fc", "mlp.c_proj"),
+            "mixtral": ("o_proj",),
+            "qwen3_moe": ("o_proj",),
+            "qwen2_moe": ("o_proj", "layers.1.mlp.down_proj"),
+        }.get(case[0], ("o_proj", "down_proj"))
         assert all(any(p in n for n in r["sharded"]) for p in proj), r["sharded"]
         # MoE blocks (router, experts, shared expert) stay whole on every TP rank: expert parallelism splits them
         moe_layers = {"mixtral": (0, 1), "qwen3_moe": (0, 1), "qwen2_moe": (0,)}.get(case[0], ())
@@ -191,8 +219,11 @@ def test_gradients_and_export_match_unsharded(ranks, case):
 def test_untested_derived_family_warns():
     """A derived family not parity-tested here says so (then it stops on the odd vocab, before any collective)."""
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
-    with mock.patch.object(dist, "is_initialized", return_value=True), \
-            mock.patch.object(dist, "get_world_size", return_value=2), \
-            pytest.warns(UserWarning, match=r"'helium' .*not parity-tested"), \
-            pytest.raises(ValueError, match=r"vocab_size 129 is not divisible by tp_size 2"):
+
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_world_size", return_value=2),
+        pytest.warns(UserWarning, match=r"'helium' .*not parity-tested"),
+        pytest.raises(ValueError, match=r"vocab_size 129 is not divisible by tp_size 2"),
+    ):
         apply_tensor_parallel(build("helium", vocab_size=129))

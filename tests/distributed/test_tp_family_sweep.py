@@ -1,6 +1,6 @@
-"""A representative subset of the family sweep (benchmarks/tensor_parallel/family_sweep.py runs every causal-LM type): a tiny model
-of each, TP=2 against the unsharded model in a plain loop (loss and every gradient, one SGD step, again; float64,
-within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the other TP tests:
+"""A representative subset of the family sweep (benchmarks/tensor_parallel/family_sweep.py runs every causal-LM type): a
+tiny model of each, TP=2 against the unsharded model in a plain loop (loss and every gradient, one SGD step, again;
+float64, within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the other TP tests:
 
     gemma4_unified_text  per-head q/k norms (the partial-gradient hooks; the former 1.6e-4 mismatch)
     qwen3_5_text         gated-DeltaNet linear attention kept whole, full attention and MLP sharded (4 layers)
@@ -37,17 +37,31 @@ from benchmarks.tensor_parallel import family_sweep as tp_sweep
 from benchmarks.tensor_parallel.family_sweep import sweep_worker
 from tests.helpers.dist import run_distributed
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
-EXACT = ("gemma4_unified_text", "qwen3_5_text", "deepseek_v2", "persimmon", "bloom", "hunyuan_v1_moe",
-         "mimo_v2_flash", "gpt_oss", "llama4_text", "afmoe", "ctrl", "modernbert-decoder", "bitnet",
-         "gpt_neox_japanese", "doge")
-SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")   # sequence parallelism on derived / inferred plans
+EXACT = (
+    "gemma4_unified_text",
+    "qwen3_5_text",
+    "deepseek_v2",
+    "persimmon",
+    "bloom",
+    "hunyuan_v1_moe",
+    "mimo_v2_flash",
+    "gpt_oss",
+    "llama4_text",
+    "afmoe",
+    "ctrl",
+    "modernbert-decoder",
+    "bitnet",
+    "gpt_neox_japanese",
+    "doge",
+)
+SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")  # sequence parallelism on derived / inferred plans
 
 
 def _both(rank: int, world_size: int) -> tuple[dict, dict]:
     res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
-    with mock.patch.dict(tp_sweep.TINY, num_key_value_heads=4):   # DiffLlama's pairs: 2 kv heads per half
+    with mock.patch.dict(tp_sweep.TINY, num_key_value_heads=4):  # DiffLlama's pairs: 2 kv heads per half
         res.update({"diffllama_kv4": sweep_worker(rank, world_size, ["diffllama"])["diffllama"]})
     return res, sweep_worker(rank, world_size, [*SP_EXACT, "qwen3_5_text"], sp=True)
 
@@ -69,7 +83,7 @@ def test_sequence_parallel_exact(both, model_type):
 
 
 def test_sequence_parallel_refused_where_a_block_mixes_tokens_outside_the_regions(both):
-    r = both[1]["qwen3_5_text"]   # its gated-DeltaNet layers are kept whole: on T/tp tokens they would be wrong
+    r = both[1]["qwen3_5_text"]  # its gated-DeltaNet layers are kept whole: on T/tp tokens they would be wrong
     assert r["status"] == "refused" and "\n" not in r["why"], r
     assert "does not reproduce the unsharded model.layers.0" in r["why"], r
 

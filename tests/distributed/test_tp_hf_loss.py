@@ -25,14 +25,15 @@ from tests.helpers.tp_models import DERIVED, batch, build, rel
 
 ROOT = Path(__file__).resolve().parents[2]
 WRITTEN = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"]
-CASES = [(mt, False) for mt in WRITTEN + DERIVED] + [("llama", True), ("qwen3", True), ("gpt2", True)]   # (type, SP)
+CASES = [(mt, False) for mt in WRITTEN + DERIVED] + [("llama", True), ("qwen3", True), ("gpt2", True)]  # (type, SP)
 TOL = 1e-4
 
 
 def _step(model, loss, lr=0.5):
     from hfpar.parallel.tensor_parallel import sync_sequence_parallel_grads
+
     loss.backward()
-    sync_sequence_parallel_grads(model)              # SP norms / q-k norms on local heads (no-op otherwise)
+    sync_sequence_parallel_grads(model)  # SP norms / q-k norms on local heads (no-op otherwise)
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
@@ -45,6 +46,7 @@ def _loss_step_case(case) -> dict:
         VocabParallelCausalLMLoss,
         apply_tensor_parallel,
     )
+
     mt, sp = case
     model = build(mt)
     ref = copy.deepcopy(model)
@@ -52,13 +54,15 @@ def _loss_step_case(case) -> dict:
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
     res = {"ours": isinstance(model.loss_function, VocabParallelCausalLMLoss)}
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss              # HF's ForCausalLMLoss
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss  # HF's ForCausalLMLoss
     res["logits_v"] = out.logits.shape[-1]
     res["before"] = (out.loss.item(), ref_loss.item())
     _step(model, out.loss)
     _step(ref, ref_loss)
-    res["after"] = (model(input_ids=ids, attention_mask=mask, labels=labels).loss.item(),
-                    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.item())
+    res["after"] = (
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.item(),
+        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.item(),
+    )
     return res
 
 
@@ -68,22 +72,30 @@ def _kwargs_cases() -> dict:
         apply_tensor_parallel,
         gather_vocab_logits,
     )
+
     model = build("llama")
     ref = copy.deepcopy(model)
     ids, mask, labels = batch()
     apply_tensor_parallel(model, dist.group.WORLD)
     res = {}
-    n = torch.tensor(23)                                           # e.g. the global batch's target count
-    res["num_items"] = (model(input_ids=ids, labels=labels, num_items_in_batch=n).loss.item(),
-                        ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss.item(),
-                        ref(input_ids=ids, labels=labels).loss.item())
-    shift = torch.roll(labels, 2, dims=1)                          # anything: taken as is, not shifted again
-    res["shift_labels"] = (model(input_ids=ids, labels=labels, shift_labels=shift).loss.item(),
-                           ref(input_ids=ids, labels=labels, shift_labels=shift).loss.item())
+    n = torch.tensor(23)  # e.g. the global batch's target count
+    res["num_items"] = (
+        model(input_ids=ids, labels=labels, num_items_in_batch=n).loss.item(),
+        ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss.item(),
+        ref(input_ids=ids, labels=labels).loss.item(),
+    )
+    shift = torch.roll(labels, 2, dims=1)  # anything: taken as is, not shifted again
+    res["shift_labels"] = (
+        model(input_ids=ids, labels=labels, shift_labels=shift).loss.item(),
+        ref(input_ids=ids, labels=labels, shift_labels=shift).loss.item(),
+    )
     logits = model(input_ids=ids, attention_mask=mask).logits
     full = gather_vocab_logits(logits, dist.group.WORLD)
-    res["gather"] = (tuple(logits.shape), tuple(full.shape),
-                     rel(full.detach(), ref(input_ids=ids, attention_mask=mask).logits.detach()))
+    res["gather"] = (
+        tuple(logits.shape),
+        tuple(full.shape),
+        rel(full.detach(), ref(input_ids=ids, attention_mask=mask).logits.detach()),
+    )
     torch.manual_seed(0)
     manual = ManualLossLlama(copy.deepcopy(ref.config))
     apply_tensor_parallel(manual, dist.group.WORLD)
@@ -96,13 +108,14 @@ class ManualLossLlama(LlamaForCausalLM):
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         out = super().forward(input_ids=input_ids, **kwargs)
-        v = out.logits.shape[-1]                                   # (vocab shards: the ids wrapped to fit)
+        v = out.logits.shape[-1]  # (vocab shards: the ids wrapped to fit)
         out.loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten() % v)
         return out
 
 
 def _generate_cases() -> dict:
     from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+
     res = {}
     for mt in ("llama", "gpt2"):
         model = build(mt).eval()
@@ -110,8 +123,11 @@ def _generate_cases() -> dict:
         prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(7))
         apply_tensor_parallel(model, dist.group.WORLD)
         kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(prompt)}
-        res[mt] = (model.generate(prompt, **kw).tolist(), ref.generate(prompt, **kw).tolist(),
-                   model(input_ids=prompt).logits.shape[-1])   # the shards are back after generate()
+        res[mt] = (
+            model.generate(prompt, **kw).tolist(),
+            ref.generate(prompt, **kw).tolist(),
+            model(input_ids=prompt).logits.shape[-1],
+        )  # the shards are back after generate()
     sp = apply_tensor_parallel(build("llama").eval(), dist.group.WORLD, sequence_parallel=True)
     res["err_sp"] = value_error_message(lambda: sp.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=2))
     return res
@@ -124,9 +140,19 @@ def _bert_case() -> dict:
         VocabParallelCausalLMLoss,
         apply_tensor_parallel,
     )
-    cfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                     max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     num_labels=3, pad_token_id=0)
+
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="sdpa").train()
     ref = copy.deepcopy(model)
@@ -139,15 +165,21 @@ def _bert_case() -> dict:
     res["before"] = (out.loss.item(), ref_out.loss.item())
     _step(model, out.loss)
     _step(ref, ref_out.loss)
-    res["after"] = (model(input_ids=ids, attention_mask=mask, labels=y).loss.item(),
-                    ref(input_ids=ids, attention_mask=mask, labels=y).loss.item())
+    res["after"] = (
+        model(input_ids=ids, attention_mask=mask, labels=y).loss.item(),
+        ref(input_ids=ids, attention_mask=mask, labels=y).loss.item(),
+    )
     return res
 
 
 def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
-    return {"loss": {c: _loss_step_case(c) for c in CASES}, "kwargs": _kwargs_cases(), "bert": _bert_case(),
-            "generate": _generate_cases()}
+    return {
+        "loss": {c: _loss_step_case(c) for c in CASES},
+        "kwargs": _kwargs_cases(),
+        "bert": _bert_case(),
+        "generate": _generate_cases(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -159,17 +191,17 @@ def ranks():
 def test_model_loss_and_one_step(ranks, case):
     for res in ranks:
         r = res["loss"][case]
-        assert r["ours"] and r["logits_v"] == 64                                       # vocab shards kept
+        assert r["ours"] and r["logits_v"] == 64  # vocab shards kept
         assert rel(*r["before"]) < TOL, r["before"]
         assert rel(*r["after"]) < TOL, r["after"]
-        assert abs(r["after"][1] - r["before"][1]) > 1e-2, r                            # the step changed the loss
-    assert ranks[0]["loss"][case] == ranks[1]["loss"][case]                             # same numbers on both ranks
+        assert abs(r["after"][1] - r["before"][1]) > 1e-2, r  # the step changed the loss
+    assert ranks[0]["loss"][case] == ranks[1]["loss"][case]  # same numbers on both ranks
 
 
 def test_num_items_in_batch_and_shift_labels(ranks):
     for res in ranks:
         got, want, mean = res["kwargs"]["num_items"]
-        assert rel(got, want) < TOL and abs(want - mean) > 1e-2, (got, want, mean)      # sum / 23, not the mean
+        assert rel(got, want) < TOL and abs(want - mean) > 1e-2, (got, want, mean)  # sum / 23, not the mean
         assert rel(*res["kwargs"]["shift_labels"]) < TOL, res["kwargs"]["shift_labels"]
 
 

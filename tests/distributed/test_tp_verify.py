@@ -23,16 +23,22 @@ from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed
 from tests.helpers.tp_models import batch, build, rel
 
-_OLMO2_PER_HEAD = {   # wrong on purpose: olmo2's q_norm / k_norm span every head (HF: colwise_gather_output)
-    "model.embed_tokens": "vocab_embedding", "model.layers.*.self_attn": "attention",
-    "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.self_attn.q_norm": "replicated_heads", "model.layers.*.self_attn.k_norm": "replicated_heads",
-    "lm_head": "colwise_lm_head"}
+_OLMO2_PER_HEAD = {  # wrong on purpose: olmo2's q_norm / k_norm span every head (HF: colwise_gather_output)
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.q_norm": "replicated_heads",
+    "model.layers.*.self_attn.k_norm": "replicated_heads",
+    "lm_head": "colwise_lm_head",
+}
 
 
 def _full_grads(model) -> dict:
     from hfpar.parallel.tensor_parallel import gather_shards
+
     out = {}
     for n, p in model.named_parameters():
         s = shard_spec(p)
@@ -48,6 +54,7 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
         gather_full_state_dict,
         sync_sequence_parallel_grads,
     )
+
     torch.set_num_threads(1)
     res = {}
     model = build("qwen3").double()
@@ -55,7 +62,7 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
     ids, mask, labels = batch()
     ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     apply_tensor_parallel(model, dist.group.WORLD)
-    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()   # a plain loop: nothing else
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # a plain loop: nothing else
     got = _full_grads(model)
     res["qwen3_worst"] = max((rel(got[n], p.grad), n) for n, p in ref.named_parameters())
     res["qwen3_synced"] = sync_sequence_parallel_grads(model)
@@ -69,12 +76,15 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
     except ValueError as e:
         res["olmo2"] = str(e)
     res["olmo2_untouched"] = all(torch.equal(p, before[n]) for n, p in olmo.named_parameters()) and not any(
-        shard_spec(p) is not None for p in olmo.parameters())
-    llama = build("llama")   # a plan that sums a full gradient over TP: input_layernorm sees all heads / tokens
+        shard_spec(p) is not None for p in olmo.parameters()
+    )
+    llama = build("llama")  # a plan that sums a full gradient over TP: input_layernorm sees all heads / tokens
     from hfpar.parallel.tensor_parallel import get_plan
+
     try:
-        apply_tensor_parallel(llama, dist.group.WORLD,
-                              plan={**get_plan("llama"), "model.layers.*.input_layernorm": "replicated_heads"})
+        apply_tensor_parallel(
+            llama, dist.group.WORLD, plan={**get_plan("llama"), "model.layers.*.input_layernorm": "replicated_heads"}
+        )
         res["llama"] = "accepted"
     except ValueError as e:
         res["llama"] = str(e)
@@ -98,14 +108,18 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
     big(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     got = _full_grads(big)
     res["bigcode_worst"] = max((rel(got[n], p.grad), n) for n, p in ref.named_parameters())
-    res["bigcode_c_attn"] = type(big.transformer.h[0].attn.c_attn).__name__, big.transformer.h[0].attn.c_attn.packed_splits
+    res["bigcode_c_attn"] = (
+        type(big.transformer.h[0].attn.c_attn).__name__,
+        big.transformer.h[0].attn.c_attn.packed_splits,
+    )
     sd = gather_full_state_dict(big)
     if rank == 0:
         big.save_pretrained(f"{outdir}/bigcode", state_dict=sd)
         loaded = AutoModelForCausalLM.from_pretrained(f"{outdir}/bigcode", dtype=torch.float64).eval()
         with torch.no_grad():
-            res["bigcode_export"] = rel(loaded(input_ids=ids, attention_mask=mask).logits,
-                                        ref.eval()(input_ids=ids, attention_mask=mask).logits)
+            res["bigcode_export"] = rel(
+                loaded(input_ids=ids, attention_mask=mask).logits, ref.eval()(input_ids=ids, attention_mask=mask).logits
+            )
     dist.barrier()
     return res
 
@@ -117,17 +131,17 @@ def ranks(tmp_path_factory):
 
 def test_partial_grads_summed_once_without_any_call(ranks):
     for r in ranks:
-        assert r["qwen3_worst"][0] < 1e-6, r["qwen3_worst"]   # HF's loss: fp32 logits; unsummed q/k norms: ~1
+        assert r["qwen3_worst"][0] < 1e-6, r["qwen3_worst"]  # HF's loss: fp32 logits; unsummed q/k norms: ~1
         assert r["qwen3_synced"] == 0 and r["qwen3_after_sync"][0] < 1e-6, (r["qwen3_synced"], r["qwen3_after_sync"])
 
 
 def test_wrong_plan_refused_naming_the_module(ranks):
     for r in ranks:
-        msg = r["olmo2"]   # the all-heads norm weight meets local heads: the forward breaks
+        msg = r["olmo2"]  # the all-heads norm weight meets local heads: the forward breaks
         assert "\n" not in msg and "breaks model.layers.0.self_attn.q_norm (RuntimeError" in msg, msg
         assert "'replicated_heads'" in msg and "left unsharded" in msg, msg
         assert r["olmo2_untouched"]
-        msg = r["llama"]   # runs, but a gradient is doubled
+        msg = r["llama"]  # runs, but a gradient is doubled
         assert "\n" not in msg and "does not reproduce the unsharded model.layers.0" in msg, msg
         assert "model.layers.0.input_layernorm.weight gradient differs by 1 relative" in msg, msg
 
@@ -141,6 +155,6 @@ def test_a_2e_4_error_is_refused(ranks):
 
 def test_inferred_plan_exact_and_exported(ranks):
     for r in ranks:
-        assert r["bigcode_worst"][0] < 1e-6, r["bigcode_worst"]   # HF's loss: fp32 logits
-        assert r["bigcode_c_attn"] == ("RegionColumnParallelLinear", None), r["bigcode_c_attn"]   # per-head q|k|v
+        assert r["bigcode_worst"][0] < 1e-6, r["bigcode_worst"]  # HF's loss: fp32 logits
+        assert r["bigcode_c_attn"] == ("RegionColumnParallelLinear", None), r["bigcode_c_attn"]  # per-head q|k|v
     assert ranks[0]["bigcode_export"] < 1e-10, ranks[0]["bigcode_export"]

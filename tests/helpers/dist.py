@@ -41,16 +41,21 @@ _HOST = "127.0.0.1"
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, results, environ: dict) -> None:
-    os.environ.clear()                      # the caller's environment now, not the forkserver's
+    os.environ.clear()  # the caller's environment now, not the forkserver's
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR=_HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(_HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         out = fn(rank, world_size, *args)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         # Report before tearing the group down: closing it makes the peers fail with
@@ -65,8 +70,10 @@ def _worker(rank: int, world_size: int, port: int, fn, args, results, environ: d
 
 def _secondary(msg: str) -> bool:
     """A failure caused by another rank going away (not the root cause)."""
-    return any(s in msg for s in ("Connection closed by peer", "remote worker", "Connection reset by peer",
-                                  "died without reporting"))
+    return any(
+        s in msg
+        for s in ("Connection closed by peer", "remote worker", "Connection reset by peer", "died without reporting")
+    )
 
 
 def _context(start_method: str | None):
@@ -92,11 +99,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, start_me
     """
     ctx = _context(start_method)
     # The parent hosts the store: the OS picks a free port and keeps it bound, so no race.
-    store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        _HOST, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, results, dict(os.environ)), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, results, dict(os.environ)), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

@@ -1,7 +1,7 @@
 """Reading what runs and checkpoints leave on disk, for tests at every level.
 
-    tensorboard_scalars(out, "loss")   # [(step, value)] from Accelerate's tensorboard event files
-    checkpoint_bytes(index)            # fp32 bytes of every tensor a checkpoint index names
+tensorboard_scalars(out, "loss")   # [(step, value)] from Accelerate's tensorboard event files
+checkpoint_bytes(index)            # fp32 bytes of every tensor a checkpoint index names
 """
 
 from __future__ import annotations

@@ -22,13 +22,32 @@ TOL = 1e-4  # the parity contract (docs/testing.md)
 # weight updated 1% wrong gives 1e-2 here but only ~4e-5 under TOL's magnitude-relative check.
 UPDATE_TOL = 1e-3
 # fp32, 8 optimizer steps, global batch 8 = per-device x dp x 2 accumulation steps
-COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
-          "--warmup_steps", "2", "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_steps", "4",
-          "--per_device_eval_batch_size", "8", "--max_eval_samples", "48", "--weight_decay", "0.01"]
+COMMON = [
+    "--max_steps",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "2e-3",
+    "--warmup_steps",
+    "2",
+    "--max_grad_norm",
+    "1.0",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "4",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_eval_samples",
+    "48",
+    "--weight_decay",
+    "0.01",
+]
 
 
 BACKENDS = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
-RESUMED_BACKENDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")   # also resumed from checkpoint-4 in their launch
+RESUMED_BACKENDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")  # also resumed from checkpoint-4 in their launch
 
 
 def launch_cases(cases: dict, base_model: str, root, common: list[str] = COMMON, resume: tuple = ()) -> dict:
@@ -38,16 +57,45 @@ def launch_cases(cases: dict, base_model: str, root, common: list[str] = COMMON,
     resume: names of cases also resumed from their checkpoint-4 in the same launch (a fresh output dir, the same
     flags): {f"{name}/resumed": its output dir} added (assert_resumed_like_uninterrupted compares the two)."""
     outs = {name: root / name for name in cases}
-    jobs = {name: (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                          str(outs[name]), "--per_device_train_batch_size", bs])
-            for name, (config, nproc, bs, extra) in cases.items()}
+    jobs = {
+        name: (
+            config,
+            nproc,
+            "sft",
+            [
+                *common,
+                *extra,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(outs[name]),
+                "--per_device_train_batch_size",
+                bs,
+            ],
+        )
+        for name, (config, nproc, bs, extra) in cases.items()
+    }
     for name in resume:
         config, nproc, bs, extra = cases[name]
         outs[f"{name}/resumed"] = out = root / f"{name}_resumed"
-        jobs[f"{name}/resumed"] = (config, nproc, "sft", [
-            *common, *extra, "--model_name_or_path", base_model, "--output_dir", str(out),
-            "--per_device_train_batch_size", bs, "--resume_from_checkpoint", "latest"],
-            (outs[name] / "checkpoint-4", out / "checkpoint-4"))
+        jobs[f"{name}/resumed"] = (
+            config,
+            nproc,
+            "sft",
+            [
+                *common,
+                *extra,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                bs,
+                "--resume_from_checkpoint",
+                "latest",
+            ],
+            (outs[name] / "checkpoint-4", out / "checkpoint-4"),
+        )
     launch_all(jobs)
     return outs
 
@@ -72,8 +120,9 @@ def assert_steps_match(ref_dir, got_dir, what: str, steps: int = 8, tokens: bool
         assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got], what
 
 
-def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, initial: dict | None = None,
-                          update_tol: float | None = None):
+def assert_export_matches(
+    ref_dir, got_dir, what: str, tol: float = TOL, *, initial: dict | None = None, update_tol: float | None = None
+):
     """Exported weights equal the reference's: per tensor ||got - ref|| / ||ref|| <= tol; and, given the
     weights training started from (`initial`), relative to the training update: ||got - ref|| / ||ref -
     initial|| <= update_tol (UPDATE_TOL). The first alone would hide an update error on weights near 1.0
@@ -100,8 +149,14 @@ def assert_export_matches(ref_dir, got_dir, what: str, tol: float = TOL, *, init
         ratio = float((r - g).norm()) / update
         worst_update = max(worst_update, (ratio, k))
         assert ratio <= update_tol, f"{what}: {k} diff / training update {ratio:.2e} (relative diff {diff:.2e})"
-    print(f"EXPORT {what}: max |got - ref| / |ref| {worst[0]:.2e} ({worst[1]})"
-          + (f", max |got - ref| / |ref - initial| {worst_update[0]:.2e} ({worst_update[1]})" if initial is not None else ""))
+    print(
+        f"EXPORT {what}: max |got - ref| / |ref| {worst[0]:.2e} ({worst[1]})"
+        + (
+            f", max |got - ref| / |ref - initial| {worst_update[0]:.2e} ({worst_update[1]})"
+            if initial is not None
+            else ""
+        )
+    )
 
 
 def export_eval_loss(out, n: int = 48) -> float:
@@ -124,8 +179,9 @@ def export_eval_loss(out, n: int = 48) -> float:
     return tot / cnt
 
 
-def assert_resume_from_step_4(case: tuple, src: Path, base_model: str, tmp_path: Path, what: str,
-                              resumed: Path | None = None) -> None:
+def assert_resume_from_step_4(
+    case: tuple, src: Path, base_model: str, tmp_path: Path, what: str, resumed: Path | None = None
+) -> None:
     """`case` (config, processes, per-device batch, extra flags) resumed from src's checkpoint-4 in a fresh output
     dir: steps 5-8 reproduce src's per step within 1e-6, and so do the final weights. resumed: that run when the
     fixture's launch already made it (launch_cases(resume=...)); else it is launched here."""
@@ -135,8 +191,23 @@ def assert_resume_from_step_4(case: tuple, src: Path, base_model: str, tmp_path:
         out = tmp_path / "resumed"
         out.mkdir()
         shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-        launch(config, nproc, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                      "--per_device_train_batch_size", bs, *extra, "--resume_from_checkpoint", "latest"])
+        launch(
+            config,
+            nproc,
+            "sft",
+            [
+                *COMMON,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                bs,
+                *extra,
+                "--resume_from_checkpoint",
+                "latest",
+            ],
+        )
     ref, got = read_metrics(src)[0], read_metrics(out)[0]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     assert_close_series(ref[4:], got, "loss", 1e-6, f"{what} resumed")
@@ -166,9 +237,25 @@ def resume_on_other_meshes(cases: dict, base_model: str, root: Path, common: lis
         out = root / name
         out.mkdir(parents=True)
         shutil.copytree(src / "checkpoint-4", out / "checkpoint-4")
-        jobs[name] = (config, nproc, "sft", [*common, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                             str(out), "--per_device_train_batch_size", bs, "--save_steps", "0",
-                                             "--resume_from_checkpoint", "latest"])
+        jobs[name] = (
+            config,
+            nproc,
+            "sft",
+            [
+                *common,
+                *extra,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                bs,
+                "--save_steps",
+                "0",
+                "--resume_from_checkpoint",
+                "latest",
+            ],
+        )
     launch_all(jobs)
     return {name: root / name for name in cases}
 

@@ -52,8 +52,9 @@ class EnumByName(pickle.Pickler):
         return NotImplemented
 
 
-BY_NAME = types.SimpleNamespace(Pickler=EnumByName, Unpickler=pickle.Unpickler, load=pickle.load, dump=pickle.dump,
-                                __name__="pickle")
+BY_NAME = types.SimpleNamespace(
+    Pickler=EnumByName, Unpickler=pickle.Unpickler, load=pickle.load, dump=pickle.dump, __name__="pickle"
+)
 
 
 def _rewrite_by_name(path: Path) -> bool:
@@ -110,7 +111,9 @@ def read_as_its_library_does(path: Path, rank: int = 0) -> None:
 
 def files_read(ckpt: Path) -> list[Path]:
     """Every file a resume or an export could read (not DeepSpeed's helper scripts, never executed)."""
-    return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.suffix != ".py" and p.name not in ("COMPLETE", MANIFEST))
+    return sorted(
+        p for p in ckpt.rglob("*") if p.is_file() and p.suffix != ".py" and p.name not in ("COMPLETE", MANIFEST)
+    )
 
 
 PICKLE_CAPABLE = (".pt", ".bin", ".pkl", ".distcp")
@@ -122,7 +125,7 @@ def assert_no_planted_payload_runs(ckpt: Path, tmp_path: Path, export: bool = Fa
     never run; export never reads the optimizer's)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     marker = tmp_path / "PAYLOAD_RAN"
-    live = tmp_path / "live.pkl"   # the payload is live: plain pickle runs it
+    live = tmp_path / "live.pkl"  # the payload is live: plain pickle runs it
     plant(live, marker)
     pickle.loads(live.read_bytes())
     assert marker.exists()

@@ -12,13 +12,36 @@ from pathlib import Path
 from tests.helpers.launch import read_metrics
 from tests.helpers.parity import assert_close_series, assert_resumed_like_uninterrupted
 
-RUN = ["--max_steps", "16", "--save_steps", "2", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-3",
-       "--warmup_steps", "2", "--logging_steps", "1", "--eval_steps", "0", "--resume_from_checkpoint", "latest"]
+RUN = [
+    "--max_steps",
+    "16",
+    "--save_steps",
+    "2",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "2e-3",
+    "--warmup_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "0",
+    "--resume_from_checkpoint",
+    "latest",
+]
 
 
 def run_args(base_model: str, out: Path, per_device: int = 2) -> list[str]:
-    return [*RUN, "--model_name_or_path", base_model, "--output_dir", str(out), "--per_device_train_batch_size",
-            str(per_device)]
+    return [
+        *RUN,
+        "--model_name_or_path",
+        base_model,
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        str(per_device),
+    ]
 
 
 def assert_same_training(ref: Path, got: Path, what: str) -> None:

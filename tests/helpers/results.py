@@ -1,6 +1,7 @@
 """Measured values the README and docs/ quote, written by the tests that measure (and assert on) them.
 
-    record("loading/minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q tests/launch/test_minilm.py")
+    record("loading/minilm_cpu", "ddp", {"eval_accuracy": [0.9, 0.95]}, command="python -m pytest -q
+    tests/launch/test_minilm.py")
 
 merges `key: value` into benchmarks/results/<topic>/<name>.json (floats rounded to 3 significant digits, so a
 rerun that measures the same thing leaves the file unchanged) next to the command that writes it.
@@ -32,7 +33,7 @@ def _round(v):
 def record(name: str, key: str, value, *, command: str) -> None:
     """Read, merge and replace under an exclusive lock (the suite runs on several pytest-xdist workers, which may
     record into one file), the new file written aside and renamed over the old one."""
-    path = RESULTS / f"{name}.json"   # name: "<topic>/<name>"
+    path = RESULTS / f"{name}.json"  # name: "<topic>/<name>"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -1,20 +1,31 @@
 """Tiny configs of the decoder families the tests build from scratch (no weights downloaded).
 
-    CONFIGS[model_type] -> (config kwargs, attention implementations): every family of
-    hfpar.data.padding_free.FAMILIES (tests/unit/test_padding_free.py, tests/distributed/test_chunked_loss.py)
+CONFIGS[model_type] -> (config kwargs, attention implementations): every family of
+hfpar.data.padding_free.FAMILIES (tests/unit/test_padding_free.py, tests/distributed/test_chunked_loss.py)
 """
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 64, "use_cache": False,
-        "pad_token_id": 0}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+    "pad_token_id": 0,
+}
 WINDOW = {"sliding_window": 5}  # shorter than most samples: the window is really cut
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 CONFIGS = {  # every family of hfpar.data.padding_free.FAMILIES: (config kwargs, attention implementations)
     "llama": (TINY, ("eager", "sdpa")),
     "mistral": ({**TINY, **WINDOW}, ("eager", "sdpa")),
     "mixtral": ({**TINY, **WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}, ("eager", "sdpa")),
-    "qwen2": ({**TINY, **WINDOW, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
-              ("eager", "sdpa")),
+    "qwen2": (
+        {**TINY, **WINDOW, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+        ("eager", "sdpa"),
+    ),
     "qwen2_moe": ({**TINY, **MOE, "shared_expert_intermediate_size": 32}, ("eager", "sdpa")),
     "qwen3": (TINY, ("eager", "sdpa")),
     "qwen3_moe": ({**TINY, **MOE}, ("eager", "sdpa")),
@@ -24,6 +35,8 @@ CONFIGS = {  # every family of hfpar.data.padding_free.FAMILIES: (config kwargs,
     "phi3": ({**TINY, **WINDOW}, ("eager", "sdpa")),
     "olmo2": (TINY, ("eager", "sdpa")),
     "starcoder2": ({**TINY, **WINDOW}, ("eager", "sdpa")),
-    "gpt2": ({"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 64, "use_cache": False},
-             ("eager", "sdpa")),  # learned absolute positions, from the position ids
+    "gpt2": (
+        {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 64, "use_cache": False},
+        ("eager", "sdpa"),
+    ),  # learned absolute positions, from the position ids
 }

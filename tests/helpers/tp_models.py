@@ -12,19 +12,43 @@ from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
 from hfpar.parallel.tensor_parallel.plans import TESTED_DERIVED_MODEL_TYPES
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 2}
-DERIVED = list(TESTED_DERIVED_MODEL_TYPES)   # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+DERIVED = list(TESTED_DERIVED_MODEL_TYPES)  # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
 # MoE families: 4 small experts; Qwen MoE with a dense MLP in layer 1 (TP-sharded next to whole MoE blocks)
-MOE_TINY = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-            "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                          "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}}
+MOE_TINY = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [1],
+    },
+}
 ATTN = {"gemma2": "eager", "granite_swa": "eager"}
 # multi-head latent attention (MiniCPM3): latent ranks, rope / nope parts of each head, one k/v per head
-MLA_TINY = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-            "head_dim": 8, "num_key_value_heads": 4}
+MLA_TINY = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "head_dim": 8,
+    "num_key_value_heads": 4,
+}
 FAMILY_TINY = {**MOE_TINY, "minicpm3": MLA_TINY}
 
 
@@ -41,19 +65,19 @@ def build(model_type: str, seed: int = 0, **overrides):
     else:
         cfg = AutoConfig.for_model(model_type, **{**TINY, **FAMILY_TINY.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
-    kw = {"experts_implementation": "eager"} if model_type in MOE_TINY else {}     # HF's grouped_mm has no fp64
+    kw = {"experts_implementation": "eager"} if model_type in MOE_TINY else {}  # HF's grouped_mm has no fp64
     model = AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation=ATTN.get(model_type, "sdpa"), **kw)
     return model.float().train()
 
 
 def batch(vocab: int = 128, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, 8), generator=g)                                  # (B, T)
+    ids = torch.randint(3, vocab, (2, 8), generator=g)  # (B, T)
     mask = torch.ones_like(ids)
-    mask[1, 5:] = 0                                                                     # right padding
+    mask[1, 5:] = 0  # right padding
     ids[1, 5:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    labels[0, :3] = -100                                                                # a masked prompt
+    labels[0, :3] = -100  # a masked prompt
     return ids, mask, labels
 
 

@@ -28,9 +28,16 @@ from hfpar.integrations import parallelize, prepare_trainer
 from tests.helpers.tp_models import TINY, _no_dropout
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "hfpar" / "assets" / "tiny"
-MOE = {"qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                     "shared_expert_intermediate_size": 64, "router_aux_loss_coef": 0.0},
-       "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0}}
+MOE = {
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "router_aux_loss_coef": 0.0,
+    },
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0},
+}
 # name: (trainer, model_type, tp, ep[, "bf16"]); the world is tp x dp, dp = world / tp; fp32 unless "bf16" (autocast,
 # fp32 master weights: Trainer's bf16=True)
 CASES = {
@@ -49,7 +56,7 @@ STEPS, ACCUM, ROWS, MAX_NORM = 8, 2, 32, 0.05
 
 def tiny(model_type: str):
     cfg = _no_dropout(AutoConfig.for_model(model_type, **{**TINY, **MOE.get(model_type, {})}))
-    torch.manual_seed(0)                                           # the same full weights on every rank
+    torch.manual_seed(0)  # the same full weights on every rank
     kw = {"experts_implementation": "eager"} if model_type in MOE else {}
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", **kw).float()
 
@@ -72,31 +79,65 @@ def padded(r: dict, length: int = 16) -> dict:
 
 
 def config_kwargs(out: Path, per_device: int, bf16: bool = False) -> dict:
-    return {"output_dir": str(out), "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ACCUM,
-            "max_steps": STEPS, "optim": "sgd", "learning_rate": 0.5, "lr_scheduler_type": "constant",
-            "max_grad_norm": MAX_NORM, "logging_steps": 1, "save_strategy": "no", "report_to": [], "use_cpu": True,
-            "seed": 0, "disable_tqdm": True, "bf16": bf16}  # fp32 unless asked (TRL's configs default to bf16)
+    return {
+        "output_dir": str(out),
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": ACCUM,
+        "max_steps": STEPS,
+        "optim": "sgd",
+        "learning_rate": 0.5,
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": MAX_NORM,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "bf16": bf16,
+    }  # fp32 unless asked (TRL's configs default to bf16)
 
 
 def build_trainer(kind: str, model, ref_model, out: Path, per_device: int, bf16: bool = False):
     if kind == "trainer":
         from transformers import default_data_collator  # (per kind: TRL imports are heavy)
-        return Trainer(model=model, args=TrainingArguments(**config_kwargs(out, per_device, bf16)),
-                       train_dataset=[padded(r) for r in rows()], data_collator=default_data_collator)
+
+        return Trainer(
+            model=model,
+            args=TrainingArguments(**config_kwargs(out, per_device, bf16)),
+            train_dataset=[padded(r) for r in rows()],
+            data_collator=default_data_collator,
+        )
     from datasets import Dataset  # (TRL cases only)
+
     tok = PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer  # (TRL cases only)
+
         data = Dataset.from_list([{"input_ids": r["ids"]} for r in rows()])
-        return SFTTrainer(model=model, args=SFTConfig(**config_kwargs(out, per_device), max_length=None),
-                          train_dataset=data, processing_class=tok)
+        return SFTTrainer(
+            model=model,
+            args=SFTConfig(**config_kwargs(out, per_device), max_length=None),
+            train_dataset=data,
+            processing_class=tok,
+        )
     from trl import DPOConfig, DPOTrainer  # (TRL cases only)
+
     rs = rows()
     text = lambda ids: tok.decode([i for i in ids if i >= 10])  # (printable characters)
-    data = Dataset.from_list([{"prompt": text(a["ids"][:4]), "chosen": text(a["ids"][4:]), "rejected": text(b["ids"][5:])}
-                              for a, b in zip(rs, rs[1:] + rs[:1])])
-    return DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**config_kwargs(out, per_device), beta=0.5,
-                      max_length=None), train_dataset=data, processing_class=tok)
+    data = Dataset.from_list(
+        [
+            {"prompt": text(a["ids"][:4]), "chosen": text(a["ids"][4:]), "rejected": text(b["ids"][5:])}
+            for a, b in zip(rs, rs[1:] + rs[:1])
+        ]
+    )
+    return DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=DPOConfig(**config_kwargs(out, per_device), beta=0.5, max_length=None),
+        train_dataset=data,
+        processing_class=tok,
+    )
 
 
 def run_case(name: str, out: Path, reference_world: int) -> None:
@@ -136,15 +177,17 @@ def refusals(out: Path) -> None:
         except Exception as e:  # noqa: BLE001 (the message is the result)
             errors[what] = f"{type(e).__name__}: {e}"
 
-    attempt("unlaunched", lambda: apply_tensor_parallel(tiny("qwen2")))      # before any process group exists
-    args = TrainingArguments(**config_kwargs(out / "refused", 2))              # creates the process group
+    attempt("unlaunched", lambda: apply_tensor_parallel(tiny("qwen2")))  # before any process group exists
+    args = TrainingArguments(**config_kwargs(out / "refused", 2))  # creates the process group
     for kind, (tp, ep, model_type) in {"tp": (2, 1, "qwen2"), "ep": (1, 2, "olmoe")}.items():
         model = tiny(model_type)
         parallelize(model, tp_size=tp, ep_size=ep)
         attempt(f"{kind}_ddp", lambda m=model: DistributedDataParallel(m))
         attempt(f"{kind}_accelerate", lambda m=model: Accelerator(cpu=True).prepare(m))
-        attempt(f"{kind}_trainer", lambda m=model: Trainer(model=m, args=args, train_dataset=[padded(r) for r in rows()]
-                                                           ).train())
+        attempt(
+            f"{kind}_trainer",
+            lambda m=model: Trainer(model=m, args=args, train_dataset=[padded(r) for r in rows()]).train(),
+        )
         attempt(f"{kind}_fully_shard", lambda m=model: fully_shard(m.model.layers[0]))
         attempt(f"{kind}_fsdp1", lambda m=model: FullyShardedDataParallel(m))
     if dist.get_rank() == 0:
@@ -162,7 +205,7 @@ def main() -> None:
     if a.refusals:
         refusals(a.out)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        PartialState(cpu=True)                                     # the process group (TrainingArguments' own)
+        PartialState(cpu=True)  # the process group (TrainingArguments' own)
     for name in a.cases.split(","):
         run_case(name, a.out, a.reference_world)
 

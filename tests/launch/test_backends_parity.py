@@ -4,19 +4,26 @@ fp32, sft recipe, tiny Llama, 8 optimizer steps, global batch 8:
   single: 1 process x batch 4 x accumulation 2
   ddp / fsdp2 / zero1 / zero2 / zero3: 2 gloo processes x batch 2 x accumulation 2
 Each must match `single` per step (loss, grad_norm) and in the exported weights within 1e-4
-relative (and within UPDATE_TOL of the training update, ||got - ref|| / ||ref - base||); the export must load with from_pretrained and reproduce the trainer's eval loss;
-run_info.json must name the strategy really used and show the sharding in per-rank bytes;
-every run uses the default padding-free batches (tests/unit/test_padding_free.py: the same as padded ones);
-resuming from checkpoint-4 must reproduce steps 5..8. Launches are shared between assertions.
+relative (and within UPDATE_TOL of the training update, ||got - ref|| / ||ref - base||); the export must load with
+from_pretrained and reproduce the trainer's eval loss; run_info.json must name the strategy really used and show the
+sharding in per-rank bytes; every run uses the default padding-free batches (tests/unit/test_padding_free.py: the same
+as padded ones); resuming from checkpoint-4 must reproduce steps 5..8. Launches are shared between assertions.
 """
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.helpers.parity import BACKENDS, RESUMED_BACKENDS, TOL, assert_close_series, assert_resumed_like_uninterrupted, assert_export_matches, export_eval_loss
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
+from tests.helpers.parity import (
+    BACKENDS,
+    RESUMED_BACKENDS,
+    TOL,
+    assert_close_series,
+    assert_export_matches,
+    assert_resumed_like_uninterrupted,
+    export_eval_loss,
+)
 from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,22 @@ from tests.helpers.parity import COMMON
 @pytest.mark.slow
 def test_recipe_default_chunked_equals_unchunked(single_run, base_model, tmp_path):
     out = tmp_path / "unchunked"
-    launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                "--per_device_train_batch_size", "4", "--loss_chunk_size", "0"])
+    launch(
+        "single",
+        1,
+        "sft",
+        [
+            *COMMON,
+            "--model_name_or_path",
+            base_model,
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "4",
+            "--loss_chunk_size",
+            "0",
+        ],
+    )
     assert read_run_info(single_run)["loss_chunk_size"] == "auto" and read_run_info(out)["loss_chunk_size"] == 0
     chunked, chunked_eval = read_metrics(single_run)
     plain, plain_eval = read_metrics(out)

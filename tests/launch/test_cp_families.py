@@ -1,7 +1,8 @@
 """Context parallelism through the sft recipe on families outside the original five, accepted by the preflight's
 behaviour probe alone (no name list), parity contract: fp32, 8 steps, accumulation 2, clipping active, cp=2 ring
 and cp=2 Ulysses (ddp.yaml, 2 processes) against the family's single-process run: per-step loss and grad_norm
-within 1e-4 (clipping at 0.5, below every norm), the same target tokens, exported weights within 1e-4 (and relative to the training update).
+within 1e-4 (clipping at 0.5, below every norm), the same target tokens, exported weights within 1e-4 (and relative to
+the training update).
 
     family     what it does that CP must honour
     gemma2     sliding-window layers (window 8, shorter than the rows) and logit soft-capping (cap 1.0); its
@@ -37,27 +38,61 @@ from tests.helpers.launch import (
 )
 from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
-TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "use_cache": False}
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": False,
+}
 LAYERS = {"layer_types": ["sliding_attention", "full_attention"]}
 FAMILIES = {  # name: (model_type, config overrides, the reference's attention implementation)
-    "gemma2": ("gemma2", {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "query_pre_attn_scalar": 16,
-                          "sliding_window": 8, "attn_logit_softcapping": 1.0, **LAYERS}, "eager"),
+    "gemma2": (
+        "gemma2",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 1.0,
+            **LAYERS,
+        },
+        "eager",
+    ),
     "cohere2": ("cohere2", {"sliding_window": 8, "logit_scale": 0.5, **LAYERS}, "sdpa"),
     "olmo2": ("olmo2", {}, "sdpa"),
     "phi3": ("phi3", {}, "sdpa"),
-    "granite": ("granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
-                            "logits_scaling": 2.0}, "sdpa"),
+    "granite": (
+        "granite",
+        {"embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5, "logits_scaling": 2.0},
+        "sdpa",
+    ),
     "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "qk_layernorm": True, "use_qkv_bias": True}, "sdpa"),
 }
 MODES = ("ring", "ulysses")
 # no evaluation, no intermediate checkpoint: what the contract compares is the training and the export; clipping
 # below every family's grad norms (the smallest measured: granite 0.67, cohere2 0.85), active at every step (checked)
-FLAGS = [*COMMON, "--eval_steps", "0", "--save_steps", "0", "--per_device_train_batch_size", "4",
-         "--max_grad_norm", "0.5"]
+FLAGS = [
+    *COMMON,
+    "--eval_steps",
+    "0",
+    "--save_steps",
+    "0",
+    "--per_device_train_batch_size",
+    "4",
+    "--max_grad_norm",
+    "0.5",
+]
 
 
 def _save_model(name: str, path) -> str:
@@ -77,14 +112,26 @@ def family_runs(tmp_path_factory) -> dict:
 
     def argv(name: str, mode: str) -> list[str]:
         cp = [] if mode == "single" else ["--cp_size", "2", "--cp_mode", mode]
-        return [*FLAGS, "--model_name_or_path", models[name], "--attn_implementation", FAMILIES[name][2], *cp,
-                "--output_dir", str(out[name, mode])]
+        return [
+            *FLAGS,
+            "--model_name_or_path",
+            models[name],
+            "--attn_implementation",
+            FAMILIES[name][2],
+            *cp,
+            "--output_dir",
+            str(out[name, mode]),
+        ]
 
     specs = {"single": [argv(n, "single") for n in FAMILIES], "cp2": [argv(n, m) for n in FAMILIES for m in MODES]}
     for key, runs in specs.items():
         (root / f"{key}.json").write_text(json.dumps({"kind": "sft", "runs": runs}))
-    launch_all({"single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
-                "cp2": ("ddp", 2, RECIPE_RUNS, [str(root / "cp2.json")])})
+    launch_all(
+        {
+            "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+            "cp2": ("ddp", 2, RECIPE_RUNS, [str(root / "cp2.json")]),
+        }
+    )
     return {"models": models, "out": out}
 
 
@@ -99,9 +146,11 @@ def test_cp_family_matches_single(family_runs, family, mode):
     assert_close_series(ref, got, "loss", TOL, what)
     assert_close_series(ref, got, "grad_norm", TOL, what)
     assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got], what
-    assert min(r["grad_norm"] for r in ref) > 0.5, what                # clipping active at every step
-    print(f"PARITY {what}: max relative diff loss {max(rel_diff(g['loss'], r['loss']) for r, g in zip(ref, got)):.1e}, "
-          f"grad_norm {max(rel_diff(g['grad_norm'], r['grad_norm']) for r, g in zip(ref, got)):.1e}")
+    assert min(r["grad_norm"] for r in ref) > 0.5, what  # clipping active at every step
+    print(
+        f"PARITY {what}: max relative diff loss {max(rel_diff(g['loss'], r['loss']) for r, g in zip(ref, got)):.1e}, "
+        f"grad_norm {max(rel_diff(g['grad_norm'], r['grad_norm']) for r, g in zip(ref, got)):.1e}"
+    )
     initial = load_file(str(family_runs["models"][family] + "/model.safetensors"))
     assert_export_matches(single, got_dir, what, initial=initial)
     info, ref_info = read_run_info(got_dir), read_run_info(single)

@@ -24,11 +24,17 @@ from tests.helpers.launch import RECIPE_RUNS, launch_all, read_run_info
 from tests.helpers.parity import COMMON, assert_export_matches, assert_steps_match
 from tests.helpers.shared import built_once
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
 FAMILIES = {
-    "deepseek_v3": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-                    "n_shared_experts": 1, "norm_topk_prob": True},
+    "deepseek_v3": {
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+    },
     "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"]},
     "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
 }
@@ -37,15 +43,15 @@ FAMILIES = {
 def _save_tiny(model_type: str, over: dict, path) -> str:
     from transformers import AutoModelForCausalLM
 
-    from hfpar import data
     from benchmarks.tensor_parallel.family_sweep import tiny_config
+    from hfpar import data
 
     cfg = tiny_config(model_type)
     for k, v in {**over, "vocab_size": 128, "max_position_embeddings": 512, "use_cache": False}.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():                                  # a bias-corrected router that really corrects
+    with torch.no_grad():  # a bias-corrected router that really corrects
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
@@ -53,36 +59,53 @@ def _save_tiny(model_type: str, over: dict, path) -> str:
     data.load_tokenizer(None).save_pretrained(path)
     return str(path)
 
-EP_CP = ("deepseek_v3", "ernie4_5_moe")   # GPT-OSS: its attention sinks are refused by context parallelism
+
+EP_CP = ("deepseek_v3", "ernie4_5_moe")  # GPT-OSS: its attention sinks are refused by context parallelism
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two launches in all, running their families one after the other in the same workers
     (tests/helpers/recipe_runs.py: the start-up paid once)."""
+
     def build(root):
         cases, specs = {}, {"single": [], "ep2": []}
         for mt, over in FAMILIES.items():
             model = _save_tiny(mt, over, root / f"{mt}_model")
             kinds = [("single", "4", []), ("ep2", "2", ["--ep_size", "2"])]
-            if mt in EP_CP:   # EP=2 drawn from the cp ranks (dp 1): in the ep2 launch (same config, processes)
+            if mt in EP_CP:  # EP=2 drawn from the cp ranks (dp 1): in the ep2 launch (same config, processes)
                 kinds.append(("ep2_cp2", "4", ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0"]))
             for kind, bs, extra in kinds:
                 cases[f"{mt}_{kind}"] = str(root / f"{mt}_{kind}")
                 specs["single" if kind == "single" else "ep2"].append(
-                    [*COMMON, *extra, "--model_name_or_path", model, "--output_dir", cases[f"{mt}_{kind}"],
-                     "--per_device_train_batch_size", bs])
+                    [
+                        *COMMON,
+                        *extra,
+                        "--model_name_or_path",
+                        model,
+                        "--output_dir",
+                        cases[f"{mt}_{kind}"],
+                        "--per_device_train_batch_size",
+                        bs,
+                    ]
+                )
         for kind, argvs in specs.items():
             (root / f"{kind}.json").write_text(json.dumps({"kind": "sft", "runs": argvs}))
-        launch_all({"single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
-                    "ep2": ("ddp", 2, RECIPE_RUNS, [str(root / "ep2.json")])})
+        launch_all(
+            {
+                "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+                "ep2": ("ddp", 2, RECIPE_RUNS, [str(root / "ep2.json")]),
+            }
+        )
         return cases
+
     return built_once(tmp_path_factory, "ep_families", build)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_ep2_matches_single_per_step_and_export(runs, model_type):
     from pathlib import Path
+
     single, ep2 = Path(runs[f"{model_type}_single"]), Path(runs[f"{model_type}_ep2"])
     assert_steps_match(single, ep2, model_type, tokens=False)
     assert_export_matches(single, ep2, model_type)
@@ -92,6 +115,7 @@ def test_ep2_matches_single_per_step_and_export(runs, model_type):
 def test_ep2_cp2_matches_single_per_step_and_export(runs, model_type):
     """EP x CP with the HF blocks' own routers (cp auto: Ulysses where the heads divide, else ring)."""
     from pathlib import Path
+
     single, got_dir = Path(runs[f"{model_type}_single"]), Path(runs[f"{model_type}_ep2_cp2"])
     assert_steps_match(single, got_dir, f"{model_type} ep2 x cp2")
     assert_export_matches(single, got_dir, f"{model_type} ep2 x cp2")

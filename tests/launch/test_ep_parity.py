@@ -15,15 +15,23 @@ process (the checkpoint's full form); `hfpar export` of EP checkpoints; refusals
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
-                                  assert_continues_uninterrupted, assert_export_matches, assert_resumed_like_uninterrupted,
-                                  assert_steps_match, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, read_metrics, read_run_info
+from tests.helpers.parity import (
+    COMMON,
+    TOL,
+    assert_checkpoint_exports_final,
+    assert_close_series,
+    assert_continues_uninterrupted,
+    assert_export_matches,
+    assert_resumed_like_uninterrupted,
+    assert_steps_match,
+    launch_cases,
+    resume_on_other_meshes,
+)
 from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
@@ -31,17 +39,22 @@ pytestmark = pytest.mark.slow
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 
 
-EP_RESUMED = ("ep2", "ep2_fsdp2", "ep2_zero1")   # resumed from checkpoint-4 in the cases' launches
+EP_RESUMED = ("ep2", "ep2_fsdp2", "ep2_zero1")  # resumed from checkpoint-4 in the cases' launches
 
 
 @pytest.fixture(scope="module")
 def ep_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    runs = {"single": ("single", 1, "4", []), "ddp_ep1": ("ddp", 2, "2", []), "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
-            "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]), "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]),
-            "ep2_zero3_dp4": ("zero3", 4, "1", ["--ep_size", "2"]),
-            "ep2_tp2": ("ddp", 4, "2", ["--ep_size", "2", "--tp_size", "2"]),
-            **EP_CP}
+    runs = {
+        "single": ("single", 1, "4", []),
+        "ddp_ep1": ("ddp", 2, "2", []),
+        "ep2": ("ddp", 2, "2", ["--ep_size", "2"]),
+        "ep2_fsdp2": ("fsdp2", 2, "2", ["--ep_size", "2"]),
+        "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]),
+        "ep2_zero3_dp4": ("zero3", 4, "1", ["--ep_size", "2"]),
+        "ep2_tp2": ("ddp", 4, "2", ["--ep_size", "2", "--tp_size", "2"]),
+        **EP_CP,
+    }
     return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE], resume=EP_RESUMED)}
 
 
@@ -50,24 +63,28 @@ def ep_runs(base_model, tmp_path_factory):
 # above (same accelerate config and process count: one launch each, tests/helpers/launch.py); no eval, no
 # checkpoint (the per-step metrics and the final export are compared): ~7 CPU-s a run instead of ~11
 _EPCP = ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0", "--eval_steps", "0"]
-EP_CP = {"ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
-         "ep2_cp2_ulysses_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"])}
+EP_CP = {
+    "ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+    "ep2_cp2_ulysses_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+}
 # on demand (-m extended): the rest of ring / Ulysses x DDP / FSDP2, dp 2 beside cp 2 (EP over the cp ranks of each
 # replica), TP x EP x CP, ZeRO-1 / ZeRO-2, ZeRO-3 at dp 2 x cp 2 (each rank's experts partitioned over the 2 ranks
 # holding the same ones: the same cp rank of the other dp replica; the dense parameters over all 4) and TP x EP x CP
 # under ZeRO-3 (dp 1: the dense TP shards partitioned over the cp ranks of their TP rank)
 EP_CP_EXTENDED = {  # with the EP cases moved out of CI on 2026-11-26 (its time budget; each passed there before)
-                  "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]), "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
-                  "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
-                  **{f"ep2_tp2_{c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"]) for c in ("fsdp2", "zero1", "zero2")},
-                  "ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
-                  "ep2_cp2_ring_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
-                  "ep2_cp2_dp2_fsdp2": ("fsdp2", 4, "2", [*_EPCP, "--cp_mode", "ulysses"]),
-                  "ep2_tp2_cp2": ("ddp", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ring"]),
-                  "ep2_cp2_zero1": ("zero1", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
-                  "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
-                  "ep2_cp2_dp2_zero3": ("zero3", 4, "2", [*_EPCP, "--cp_mode", "ring"]),
-                  "ep2_tp2_cp2_zero3": ("zero3", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ulysses"])}
+    "ep2_dp4": ("ddp", 4, "1", ["--ep_size", "2"]),
+    "ep2_zero2_dp4": ("zero2", 4, "1", ["--ep_size", "2"]),
+    "ep2_checkpointing": ("ddp", 2, "2", ["--ep_size", "2", "--gradient_checkpointing"]),
+    **{f"ep2_tp2_{c}": (c, 4, "2", ["--ep_size", "2", "--tp_size", "2"]) for c in ("fsdp2", "zero1", "zero2")},
+    "ep2_cp2_ulysses": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+    "ep2_cp2_ring_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+    "ep2_cp2_dp2_fsdp2": ("fsdp2", 4, "2", [*_EPCP, "--cp_mode", "ulysses"]),
+    "ep2_tp2_cp2": ("ddp", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ring"]),
+    "ep2_cp2_zero1": ("zero1", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
+    "ep2_cp2_zero2": ("zero2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
+    "ep2_cp2_dp2_zero3": ("zero3", 4, "2", [*_EPCP, "--cp_mode", "ring"]),
+    "ep2_tp2_cp2_zero3": ("zero3", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ulysses"]),
+}
 
 CASES = ["ddp_ep1", "ep2", "ep2_fsdp2", "ep2_zero1", "ep2_zero3_dp4", "ep2_tp2"]
 
@@ -149,13 +166,14 @@ def test_ep_export_is_mixtral_and_matches(ep_runs, upcycled_weights, case):
     assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.extended   # on demand (-m extended, docs/testing.md): a 4-process launch of its own beyond the CI budget
+@pytest.mark.extended  # on demand (-m extended, docs/testing.md): a 4-process launch of its own beyond the CI budget
 def test_ep_tp_zero3_matches_single(ep_runs, base_model, upcycled_weights, tmp_path):
     """TP=2 x EP=2 under ZeRO-3 (4 processes, dp 2: the dense TP shards partitioned over dp, each rank's experts
     over the ranks holding them): per step and in the export, as the other EP cases."""
     case = "ep2_tp2_zero3"
-    out = launch_cases({case: ("zero3", 4, "2", ["--ep_size", "2", "--tp_size", "2"])}, base_model, tmp_path,
-                       common=[*COMMON, *MOE])[case]
+    out = launch_cases(
+        {case: ("zero3", 4, "2", ["--ep_size", "2", "--tp_size", "2"])}, base_model, tmp_path, common=[*COMMON, *MOE]
+    )[case]
     ref, _ = read_metrics(ep_runs["single"])
     got, _ = read_metrics(out)
     assert len(got) == 8
@@ -198,8 +216,9 @@ def test_ep_resume(ep_runs, case):
 def test_ep_resumes_on_one_process(ep_runs, base_model, upcycled_weights, tmp_path):
     """ep 2 -> ep 1: each rank's experts (pieces of the (E, ...) tensors) joined, with their AdamW states; the
     upcycled model continues on one process."""
-    out = resume_on_other_meshes({"ep2_to_ep1": (ep_runs["ep2"], ("single", 1, "4", []))}, base_model, tmp_path,
-                                 common=[*COMMON, *MOE])["ep2_to_ep1"]
+    out = resume_on_other_meshes(
+        {"ep2_to_ep1": (ep_runs["ep2"], ("single", 1, "4", []))}, base_model, tmp_path, common=[*COMMON, *MOE]
+    )["ep2_to_ep1"]
     assert_continues_uninterrupted(ep_runs["ep2"], out, "ep2_to_ep1", initial=upcycled_weights)
 
 
@@ -209,16 +228,21 @@ def test_ep_checkpoint_export_equals_the_final_export(ep_runs, tmp_path, case):
     assert_checkpoint_exports_final(ep_runs[case], tmp_path, case)
 
 
-@pytest.mark.parametrize("config,flags,message", [
-    ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
-    ("zero2", ["--ep_size", "2", *MOE], "--ep_size 2 with zero2 and fp16: the experts' optimizer does not unscale"),
-])
+@pytest.mark.parametrize(
+    "config,flags,message",
+    [
+        ("ddp", ["--ep_size", "2"], "has no MoE layers; pass --upcycle_experts"),
+        ("zero2", ["--ep_size", "2", *MOE], "--ep_size 2 with zero2 and fp16: the experts' optimizer does not unscale"),
+    ],
+)
 def test_ep_refusals_are_one_line(config, flags, message, tmp_path):
     precision = ["--mixed_precision", "fp16"] if "fp16" in message else None
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False, extra_launch=precision)
     assert proc.returncode != 0
     assert "hfpar: error: " in proc.stderr and message in proc.stderr
-    assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]  # no rank traceback (the launcher prints its own)
+    assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[
+        -2000:
+    ]  # no rank traceback (the launcher prints its own)
 
 
 @pytest.mark.parametrize("case", ["ep2", "ep2_zero1"])

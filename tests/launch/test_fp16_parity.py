@@ -1,12 +1,13 @@
 """fp16 end to end on CPU: real `accelerate launch --mixed_precision fp16` runs of the compositions against the
 single-process fp16 run, and overflowed steps skipped on every rank.
 
-    python -m pytest -q -s -p no:cacheprovider tests/launch/test_fp16_parity.py      # -s prints the measured differences
+    python -m pytest -q -s -p no:cacheprovider tests/launch/test_fp16_parity.py      # -s prints the measured
+    differences
 
 Accelerate 1.15 builds no fp16 autocast and no GradScaler on CPU, and hfpar refuses such a launch. These launches
-put tests/helpers/fp16_cpu first on PYTHONPATH: its sitecustomize.py (TEST-ONLY) makes Accelerate build on CPU what it builds
-on a GPU (native_amp, fp16 autocast, its GradScaler / FSDP2 grad scaler), so Accelerate's own fp16 paths (backward,
-clip_grad_norm_'s unscale, AcceleratedOptimizer's skipped step), hfpar's model-parallel scaler (TP, EP, PP:
+put tests/helpers/fp16_cpu first on PYTHONPATH: its sitecustomize.py (TEST-ONLY) makes Accelerate build on CPU what it
+builds on a GPU (native_amp, fp16 autocast, its GradScaler / FSDP2 grad scaler), so Accelerate's own fp16 paths
+(backward, clip_grad_norm_'s unscale, AcceleratedOptimizer's skipped step), hfpar's model-parallel scaler (TP, EP, PP:
 hfpar/backends/loss_scale.py) and DeepSpeed's own fp16 loss scaler (ZeRO-2/3: DeepSpeed's CPU accelerator runs fp16,
 no patch involved) all run for real. Settings as tests/launch/test_bf16_parity.py (8 steps, global batch 8, clipping,
 accumulation 2).
@@ -43,17 +44,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hfpar.backends.zero import deepspeed_fp16_problem
-from tests.helpers.parity import COMMON
 from tests.helpers.launch import ROOT, launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_diff
+from tests.helpers.parity import COMMON
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 LORA = ["--use_peft", "--lora_dropout", "0"]
 # FSDP2 reduce-scatters grads in fp16 (Accelerate's fp16 policy: param and reduce dtype fp16; hfpar's wrap takes the
 # same policy): at the default initial scale 2**16 its first step overflows and is skipped (measured), which the
 # single run's does not, so the FSDP2 cases start at 2**12 (no step overflows) against the single run at 2**16
-LOW = 2.0 ** 12
+LOW = 2.0**12
 CASES = {  # name: (accelerate config, processes, per-device batch, extra flags, reference case, initial loss scale)
     "single": ("single", 1, "4", [], None, None),
     "ddp": ("ddp", 2, "2", [], "single", None),
@@ -76,10 +77,10 @@ EXTRA = {
     "pp2_fsdp2": ("fsdp2", 4, "2", ["--pp_size", "2"], "single", LOW),
 }
 OVERFLOW = {  # name: (accelerate config, processes, per-device batch, extra flags, initial loss scale)
-    "ovf_single": ("single", 1, "4", [], 2.0 ** 20),
-    "ovf_ddp": ("ddp", 2, "2", [], 2.0 ** 20),
-    "ovf_tp2": ("ddp", 2, "4", ["--tp_size", "2"], 2.0 ** 20),
-    "ovf_zero2": ("zero2_fp16_scale18", 2, "2", [], 2.0 ** 18),  # set by the DeepSpeed config below
+    "ovf_single": ("single", 1, "4", [], 2.0**20),
+    "ovf_ddp": ("ddp", 2, "2", [], 2.0**20),
+    "ovf_tp2": ("ddp", 2, "4", ["--tp_size", "2"], 2.0**20),
+    "ovf_zero2": ("zero2_fp16_scale18", 2, "2", [], 2.0**18),  # set by the DeepSpeed config below
 }
 TRACED = ("ovf_single", "ovf_ddp", "ovf_tp2")  # GradScaler runs (DeepSpeed's scaler is its own)
 # HFPAR_FP16_CASES: "all" adds EXTRA to the default cases; names (e.g. zero1,pp2_fsdp2) run only those and their
@@ -93,12 +94,19 @@ elif _NAMES:
     _KEEP = set(_NAMES) | {_EVERY[n][4] for n in _NAMES if _EVERY[n][4]}
     CASES = {n: spec for n, spec in _EVERY.items() if n in _KEEP}
     OVERFLOW = {}
-ZERO2_SCALE18 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
-                 "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
-                 "fp16": {"enabled": "auto", "initial_scale_power": 18, "hysteresis": 1}}
-ZERO2_YAML = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {json}\n"
-              "  zero3_init_flag: false\nnum_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n"
-              "use_cpu: false\n")
+ZERO2_SCALE18 = {
+    "zero_optimization": {"stage": 2},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto", "initial_scale_power": 18, "hysteresis": 1},
+}
+ZERO2_YAML = (
+    "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {json}\n"
+    "  zero3_init_flag: false\nnum_machines: 1\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n"
+    "use_cpu: false\n"
+)
 # Measured (2026-11-25, this file with -s; largest relative difference over the 8 steps, loss / grad_norm):
 # ddp 8.1e-6 / 3.1e-5, fsdp2 2.4e-4 / 3.9e-4 (fp16 parameters and grad reduction: Accelerate's FSDP2 policy),
 # zero2 3.6e-5 / 2.4e-4, zero3 2.8e-5 / 2.4e-4 (DeepSpeed: fp16 weights), tp2 7.8e-6 / 3.1e-5, tp2_fsdp2 3.4e-4 /
@@ -109,7 +117,7 @@ ZERO2_YAML = ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_confi
 # line (the GradScaler's foreach unscale refuses the experts' plain grads beside FSDP2's DTensors: found here).
 # Overflow runs vs ovf_single (grad_norm: steps 3-8): ovf_ddp 1.5e-5 / 7.5e-5, ovf_tp2 5.5e-5 / 6.7e-5, ovf_zero2
 # 7.7e-5 / 5.9e-4 (DeepSpeed's fp16 weights against autocast over fp32 ones).
-LOSS_TOL = {"fsdp2": 1e-3, "tp2_fsdp2": 1e-3, "ovf_zero2": 2.5e-4}   # per case; others DEFAULT_LOSS_TOL
+LOSS_TOL = {"fsdp2": 1e-3, "tp2_fsdp2": 1e-3, "ovf_zero2": 2.5e-4}  # per case; others DEFAULT_LOSS_TOL
 NORM_TOL = {"fsdp2": 1.5e-3, "tp2_fsdp2": 1.5e-3, "ovf_zero2": 2e-3}
 DEFAULT_LOSS_TOL, DEFAULT_NORM_TOL, EVAL_TOL, FP32_TOL = 1.5e-4, 7e-4, 3e-4, 3.5e-5
 
@@ -142,8 +150,12 @@ def fp16_runs(base_model, zero_fp16_problem, tmp_path_factory) -> dict:
     (root / "zero2_fp16_scale18.json").write_text(json.dumps(ZERO2_SCALE18))
     (root / "zero2_fp16_scale18.yaml").write_text(ZERO2_YAML.format(json=root / "zero2_fp16_scale18.json"))
     jobs = {name: (config, nproc, bs, extra, scale) for name, (config, nproc, bs, extra, _, scale) in CASES.items()}
-    jobs.update({name: (config, nproc, bs, extra, None if config.startswith("zero") else scale)
-                 for name, (config, nproc, bs, extra, scale) in OVERFLOW.items()})
+    jobs.update(
+        {
+            name: (config, nproc, bs, extra, None if config.startswith("zero") else scale)
+            for name, (config, nproc, bs, extra, scale) in OVERFLOW.items()
+        }
+    )
     if zero_fp16_problem:  # DeepSpeed has no fp16 here: its cases are skipped (skip_refused), not launched
         jobs = {name: job for name, job in jobs.items() if not job[0].startswith("zero")}
     outs = {name: root / name for name in jobs}
@@ -154,9 +166,23 @@ def fp16_runs(base_model, zero_fp16_problem, tmp_path_factory) -> dict:
         trace = outs[name] / "fp16_trace" if name in TRACED else None
         if trace is not None:
             trace.mkdir(parents=True)
-        launch(config, nproc, "sft", [*COMMON, *extra, "--model_name_or_path", base_model, "--output_dir",
-                                      str(outs[name]), "--per_device_train_batch_size", bs],
-               extra_launch=["--mixed_precision", "fp16"], extra_env=fp16_env(scale, trace))
+        launch(
+            config,
+            nproc,
+            "sft",
+            [
+                *COMMON,
+                *extra,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(outs[name]),
+                "--per_device_train_batch_size",
+                bs,
+            ],
+            extra_launch=["--mixed_precision", "fp16"],
+            extra_env=fp16_env(scale, trace),
+        )
 
     with ThreadPoolExecutor(2) as pool:
         for f in [pool.submit(run, name) for name in jobs]:
@@ -171,7 +197,7 @@ def test_fp16_matches_single_fp16(zero_fp16_problem, fp16_runs, single_run, case
     got, got_eval = read_metrics(fp16_runs[case])
     assert len(got) == len(ref) == 8
     assert not any(r.get("skipped") for r in got + ref), "a parity run overflowed"
-    scale = CASES[case][5] or 2.0 ** 16
+    scale = CASES[case][5] or 2.0**16
     assert [r.get("loss_scale") for r in got] == [scale] * 8  # loss scaling was on (fp16, not fp32 in disguise)
     assert read_run_info(fp16_runs[case])["mixed_precision"] == "fp16"
     loss = max(rel_diff(g["loss"], r["loss"]) for g, r in zip(got, ref))
@@ -179,7 +205,9 @@ def test_fp16_matches_single_fp16(zero_fp16_problem, fp16_runs, single_run, case
     assert [g["num_target_tokens"] for g in got] == [r["num_target_tokens"] for r in ref]
     fp32_eval = read_metrics(single_run)[1]
     vs_ref = rel_diff(got_eval[-1]["eval_loss"], ref_eval[-1]["eval_loss"])
-    vs_fp32 = rel_diff(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else math.nan
+    vs_fp32 = (
+        rel_diff(got_eval[-1]["eval_loss"], fp32_eval[-1]["eval_loss"]) if CASES[case][4] == "single" else math.nan
+    )
     print(f"FP16 {case}: loss {loss:.2e} grad_norm {norm:.2e} eval {vs_ref:.2e} eval vs fp32 single {vs_fp32:.2e}")
     loss_tol, norm_tol = LOSS_TOL.get(case, DEFAULT_LOSS_TOL), NORM_TOL.get(case, DEFAULT_NORM_TOL)
     assert loss <= loss_tol and norm <= norm_tol, (loss, norm)
@@ -239,11 +267,14 @@ def test_single_overflow_trace(fp16_runs):
 
 def test_fp16_without_the_test_patch_is_refused_in_one_line(tmp_path):
     """The same launch without tests/helpers/fp16_cpu: Accelerate builds no GradScaler on CPU, and hfpar refuses."""
-    proc = launch("ddp", 2, "sft", ["--output_dir", str(tmp_path / "o")], check=False,
-                  extra_launch=["--mixed_precision", "fp16"])
+    proc = launch(
+        "ddp", 2, "sft", ["--output_dir", str(tmp_path / "o")], check=False, extra_launch=["--mixed_precision", "fp16"]
+    )
     assert proc.returncode != 0
-    assert ("hfpar: error: --mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling"
-            in proc.stderr), proc.stderr[-2000:]
+    assert (
+        "hfpar: error: --mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling"
+        in proc.stderr
+    ), proc.stderr[-2000:]
     assert "hfpar.config.ConfigError" not in proc.stderr, proc.stderr[-2000:]
 
 
@@ -253,8 +284,14 @@ def test_zero_fp16_refused_in_one_line_where_deepspeed_has_no_fp16(zero_fp16_pro
     if not zero_fp16_problem:
         pytest.skip("DeepSpeed's accelerator runs fp16 on this machine: nothing to refuse (the ZeRO fp16 cases run)")
     model = model_with_unreadable_weights(base_model, tmp_path / "model")
-    proc = launch("zero2", 2, "sft", ["--model_name_or_path", model, "--output_dir", str(tmp_path / "o")],
-                  check=False, extra_launch=["--mixed_precision", "fp16"])
+    proc = launch(
+        "zero2",
+        2,
+        "sft",
+        ["--model_name_or_path", model, "--output_dir", str(tmp_path / "o")],
+        check=False,
+        extra_launch=["--mixed_precision", "fp16"],
+    )
     assert proc.returncode != 0
     assert f"hfpar: error: {zero_fp16_problem}\n" in proc.stderr, proc.stderr[-2000:]
     assert "not supported on your device" not in proc.stderr, proc.stderr[-2000:]

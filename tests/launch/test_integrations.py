@@ -27,16 +27,35 @@ TOL = 1e-4
 # (measured 1.0e-2 on the zero-initialised q/k/v biases of Qwen2, |w| ~ 1e-5 after 8 steps; 4e-4 elsewhere)
 BF16_LOSS_TOL, BF16_NORM_TOL, BF16_WEIGHT_TOL = 1.5e-3, 1e-2, 2e-2
 SCRIPT = str(ROOT / "tests" / "helpers" / "trainer_cases.py")
-LAUNCHES = {2: ["trainer_qwen2_tp2", "trainer_olmoe_ep2", "sft_gemma2_tp2", "sft_qwen2_moe_ep2", "dpo_qwen3_tp2",
-                "dpo_olmoe_ep2", "trainer_qwen2_tp2_bf16", "trainer_olmoe_ep2_bf16"],
-            4: ["trainer_qwen2_moe_tp2_ep2"]}
+LAUNCHES = {
+    2: [
+        "trainer_qwen2_tp2",
+        "trainer_olmoe_ep2",
+        "sft_gemma2_tp2",
+        "sft_qwen2_moe_ep2",
+        "dpo_qwen3_tp2",
+        "dpo_olmoe_ep2",
+        "trainer_qwen2_tp2_bf16",
+        "trainer_olmoe_ep2_bf16",
+    ],
+    4: ["trainer_qwen2_moe_tp2_ep2"],
+}
 
 
 def _start(out, cases: list[str], nproc: int, *extra: str) -> subprocess.Popen:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc_per_node", str(nproc)]
-    return subprocess.Popen([*launcher, SCRIPT, str(out), "--cases", ",".join(cases), *extra], cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    )
+    return subprocess.Popen(
+        [*launcher, SCRIPT, str(out), "--cases", ",".join(cases), *extra],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait(p: subprocess.Popen) -> None:
@@ -50,15 +69,19 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.slow
 def test_trainers_match_one_process_and_unsafe_wraps_are_refused(tmp_path):
-    for nproc, cases in LAUNCHES.items():      # each launch with its one-process reference beside it
-        procs = [_start(tmp_path / "dist", cases, nproc, *(["--refusals"] if nproc == 2 else [])),
-                 _start(tmp_path / "ref", cases, 1, "--reference_world", str(nproc))]
+    for nproc, cases in LAUNCHES.items():  # each launch with its one-process reference beside it
+        procs = [
+            _start(tmp_path / "dist", cases, nproc, *(["--refusals"] if nproc == 2 else [])),
+            _start(tmp_path / "ref", cases, 1, "--reference_world", str(nproc)),
+        ]
         for p in procs:
             _wait(p)
 
     refused = json.loads((tmp_path / "dist" / "refusals.json").read_text())
-    assert set(refused) == {"unlaunched", *(f"{k}_{e}" for k in ("tp", "ep")
-                                          for e in ("ddp", "accelerate", "trainer", "fully_shard", "fsdp1"))}, refused
+    assert set(refused) == {
+        "unlaunched",
+        *(f"{k}_{e}" for k in ("tp", "ep") for e in ("ddp", "accelerate", "trainer", "fully_shard", "fsdp1")),
+    }, refused
     for what, msg in refused.items():
         assert msg is not None and "\n" not in msg, (what, msg)
         assert ("init_process_group" if what == "unlaunched" else "hfpar.integrations.prepare_trainer") in msg, msg
@@ -67,7 +90,7 @@ def test_trainers_match_one_process_and_unsafe_wraps_are_refused(tmp_path):
         got = json.loads((tmp_path / "dist" / case / "history.json").read_text())
         ref = json.loads((tmp_path / "ref" / case / "history.json").read_text())
         assert len(got) == len(ref) == STEPS, (case, got, ref)
-        assert min(n for _, n in ref) > MAX_NORM, (case, ref)                      # clipping active every step
+        assert min(n for _, n in ref) > MAX_NORM, (case, ref)  # clipping active every step
         bf16 = case.endswith("_bf16")
         loss = max(_rel(a[0], b[0]) for a, b in zip(got, ref))
         norm = max(_rel(a[1], b[1]) for a, b in zip(got, ref))

@@ -16,9 +16,9 @@ FSDP2 or TP run holds half the parameters, their gradients and two fp32 Adam mom
 bytes (run_info: param 202 + grad 202 + optimizer 404 MiB per rank). Measured whole-run peaks above the baseline
 (benchmarks/results/loading/recipe_cpu.json, which this test writes): FSDP2 4.4-4.9x sharded, 4.3-4.4x full load;
 TP 3.2x sharded, 3.9-4.0x full load: training (gathered root parameters, unsharded gradients before the
-reduce-scatter, the allocator's retained pages), not loading, sets that peak. So the 0.65x bound is asserted on the loading peak,
-`host_peak_rss_after_load_bytes_per_rank` (ru_maxrss once the model is loaded and wrapped), minus the baseline's
-same figure; the full-load runs are asserted to exceed it (the measure sees a whole model held on a rank).
+reduce-scatter, the allocator's retained pages), not loading, sets that peak. So the 0.65x bound is asserted on the
+loading peak, `host_peak_rss_after_load_bytes_per_rank` (ru_maxrss once the model is loaded and wrapped), minus the
+baseline's same figure; the full-load runs are asserted to exceed it (the measure sees a whole model held on a rank).
 Measured: FSDP2 0.62x sharded against 1.11x full; TP 0.62x sharded against 2.3-2.5x full (a rank's half, 0.5x,
 plus one tensor in flight and the allocator's slack). The baseline's own peak is set by start-up (imports, data:
 ~500 MiB), so the difference is the growth beyond that peak. hfpar.loading.files copies each box it reads out of
@@ -41,12 +41,29 @@ from tests.helpers.results import record
 
 pytestmark = pytest.mark.slow
 
-CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-              num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False)
-FLAGS = ["--max_steps", "2", "--eval_steps", "0", "--max_seq_length", "64", "--logging_steps", "1",
-         "--per_device_train_batch_size", "2"]
-STRATEGIES = {"fsdp2": ("fsdp2", []), "tp2": ("ddp", ["--tp_size", "2"])}   # name: (accelerate config, flags)
-LOAD_BOUND = 0.65     # x the model's fp32 bytes (the acceptance)
+CONFIG = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+FLAGS = [
+    "--max_steps",
+    "2",
+    "--eval_steps",
+    "0",
+    "--max_seq_length",
+    "64",
+    "--logging_steps",
+    "1",
+    "--per_device_train_batch_size",
+    "2",
+]
+STRATEGIES = {"fsdp2": ("fsdp2", []), "tp2": ("ddp", ["--tp_size", "2"])}  # name: (accelerate config, flags)
+LOAD_BOUND = 0.65  # x the model's fp32 bytes (the acceptance)
 WEIGHT_TOL = 1e-6
 MIB = 2**20
 
@@ -74,11 +91,18 @@ def runs(big_model, base_model, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("loading_recipe")
     jobs, outs = {}, {}
     for name, (config, extra) in STRATEGIES.items():
-        for variant, model, more in (("sharded", big_model[0], []), ("baseline", base_model, []),
-                                     ("full", big_model[0], ["--sharded_loading", "false"])):
+        for variant, model, more in (
+            ("sharded", big_model[0], []),
+            ("baseline", base_model, []),
+            ("full", big_model[0], ["--sharded_loading", "false"]),
+        ):
             outs[(name, variant)] = root / f"{name}_{variant}"
-            jobs[f"{name}_{variant}"] = (config, 2, "sft", [*FLAGS, *extra, *more, "--model_name_or_path", model,
-                                                            "--output_dir", str(outs[(name, variant)])])
+            jobs[f"{name}_{variant}"] = (
+                config,
+                2,
+                "sft",
+                [*FLAGS, *extra, *more, "--model_name_or_path", model, "--output_dir", str(outs[(name, variant)])],
+            )
     launch_all(jobs, group=False)  # each run measures its own peak RSS: a fresh process each
     return outs
 
@@ -98,8 +122,10 @@ def test_each_rank_loads_at_most_065x_of_the_model(big_model, runs):
         assert info["sharded"]["loading"]["mode"] == ("fsdp2" if name == "fsdp2" else "sharded"), info["sharded"]
         assert info["full"]["loading"] == {"mode": "full", "why": "--sharded_loading false"}, info["full"]["loading"]
         row = {}
-        for field, short in (("host_peak_rss_after_load_bytes_per_rank", "load"),
-                             ("host_peak_rss_bytes_per_rank", "run")):
+        for field, short in (
+            ("host_peak_rss_after_load_bytes_per_rank", "load"),
+            ("host_peak_rss_bytes_per_rank", "run"),
+        ):
             base = info["baseline"][field]
             for v in ("sharded", "full"):
                 delta = [a - b for a, b in zip(info[v][field], base)]
@@ -114,9 +140,12 @@ def test_each_rank_loads_at_most_065x_of_the_model(big_model, runs):
             problems.append(f"{name} sharded: load peak - baseline = {row['load_sharded_x_model']} x model bytes")
         if not all(x > LOAD_BOUND for x in row["load_full_x_model"]):
             problems.append(f"{name} full load: {row['load_full_x_model']} x model bytes, not above the bound")
-    record("loading/recipe_cpu", "llama_106M_2proc", {"num_parameters": n, "model_fp32_mib": round(model_bytes / MIB, 1),
-                                                      **table},
-           command="python -m pytest -q -s tests/launch/test_loading_recipe.py")
+    record(
+        "loading/recipe_cpu",
+        "llama_106M_2proc",
+        {"num_parameters": n, "model_fp32_mib": round(model_bytes / MIB, 1), **table},
+        command="python -m pytest -q -s tests/launch/test_loading_recipe.py",
+    )
     assert not problems, "\n".join(problems)
 
 

@@ -45,7 +45,9 @@ STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
 MERGED = ["fsdp2_merged", "pp2_merged"]
-RECORD_CMD = "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora/parity_cpu.json (docs/lora.md)
+RECORD_CMD = (
+    "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora/parity_cpu.json (docs/lora.md)
+)
 # name -> (accelerate config, processes, recipe, extra args)
 RUNS = {
     "single": ("single", 1, "sft", []),
@@ -58,14 +60,41 @@ RUNS = {
     "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
     # two pipeline ranks (dp 1: global batch 8), interleaved: each holds 2 chunks of 1 layer with their adapters; the
     # chunks merged at export (1F1B stages share the same PipelineStage code: each chunk is one)
-    "pp2_merged": ("ddp", 2, "sft", ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_microbatches", "4",
-                                     "--per_device_train_batch_size", "4", "--merge_adapter"]),
+    "pp2_merged": (
+        "ddp",
+        2,
+        "sft",
+        [
+            "--pp_size",
+            "2",
+            "--pp_schedule",
+            "interleaved_1f1b",
+            "--pp_microbatches",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--merge_adapter",
+        ],
+    ),
 }
 
 
 def _run(base: str, out: Path, config: str, nproc: int, recipe: str, extra: list[str]) -> Path:
-    launch(config, nproc, recipe, [*LORA, "--model_name_or_path", base, "--output_dir", str(out),
-                                   "--per_device_train_batch_size", str(4 // nproc), *extra])
+    launch(
+        config,
+        nproc,
+        recipe,
+        [
+            *LORA,
+            "--model_name_or_path",
+            base,
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            str(4 // nproc),
+            *extra,
+        ],
+    )
     return out
 
 
@@ -82,10 +111,26 @@ def runs(base_model, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     outs = {name: root / name for name in RUNS}
     # one launch per (config, processes, recipe): the runs of a group share the workers' start-up
-    launch_all({name: (config, nproc, recipe, [*LORA, "--model_name_or_path", base_model, "--output_dir",
-                                               str(outs[name]), "--per_device_train_batch_size", str(4 // nproc),
-                                               *extra])
-                for name, (config, nproc, recipe, extra) in RUNS.items()})
+    launch_all(
+        {
+            name: (
+                config,
+                nproc,
+                recipe,
+                [
+                    *LORA,
+                    "--model_name_or_path",
+                    base_model,
+                    "--output_dir",
+                    str(outs[name]),
+                    "--per_device_train_batch_size",
+                    str(4 // nproc),
+                    *extra,
+                ],
+            )
+            for name, (config, nproc, recipe, extra) in RUNS.items()
+        }
+    )
     return {**outs, "ddp_resumed": _resume_ddp(base_model, root, outs["ddp"])}
 
 
@@ -124,8 +169,9 @@ def reference_merged(runs, base_model):
 # ------------------------------------------------------------------------------------ fast checks
 def test_lora_options_validated_together():
     with pytest.raises(ConfigError) as e:
-        parse_args(["--use_peft", "--lora_r", "0", "--lora_alpha", "-2", "--lora_dropout", "1",
-                    "--lora_target_modules", ","])
+        parse_args(
+            ["--use_peft", "--lora_r", "0", "--lora_alpha", "-2", "--lora_dropout", "1", "--lora_target_modules", ","]
+        )
     lines = str(e.value).splitlines()
     assert len(lines) == 4
     assert "--lora_r 0" in lines[0] and "--lora_alpha -2" in lines[1] and "--lora_dropout 1.0" in lines[2]
@@ -170,8 +216,12 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
     rel = lambda a, b: abs(a - b) / max(abs(a), abs(b), 1e-12)
-    record("lora/parity_cpu", f"{strategy} max relative diff per step", {
-        k: max(rel(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")}, command=RECORD_CMD)
+    record(
+        "lora/parity_cpu",
+        f"{strategy} max relative diff per step",
+        {k: max(rel(r[k], g[k]) for r, g in zip(ref, got)) for k in ("loss", "grad_norm")},
+        command=RECORD_CMD,
+    )
     assert len(ref) == len(got) == 8 and ref[-1]["loss"] < ref[0]["loss"]
     assert_close_series(ref, got, "loss", TOL, strategy)
     assert_close_series(ref, got, "grad_norm", TOL, strategy)
@@ -193,8 +243,12 @@ def test_lora_with_context_parallelism_matches_single(runs):
 def test_exported_adapter_matches_single(runs, strategy):
     ref, got = _adapter(runs["single"]), _adapter(runs[strategy])
     assert ref.keys() == got.keys() and len(ref) == 2 * 7 * 4  # A and B of 7 linear layers x 4 blocks
-    record("lora/parity_cpu", f"{strategy} max relative diff adapter", max(
-        float((ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)) for k in ref), command=RECORD_CMD)
+    record(
+        "lora/parity_cpu",
+        f"{strategy} max relative diff adapter",
+        max(float((ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)) for k in ref),
+        command=RECORD_CMD,
+    )
     for k in ref:
         diff = (ref[k] - got[k]).norm() / ref[k].norm().clamp(min=1e-12)
         assert diff <= TOL, f"{strategy}: {k} relative diff {diff:.2e}"

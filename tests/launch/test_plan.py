@@ -27,6 +27,7 @@ from tests.helpers.results import record
 STRATEGIES = ("ddp", "fsdp2", "zero3")
 TOL = 0.10  # estimator vs measured, per rank and category
 
+
 @pytest.fixture(scope="module")
 def runs(backend_runs) -> dict:
     """The fp32 2-process backend runs of the parity tests (embedded tiny Llama, checkpoints at 4 and 8)."""
@@ -35,7 +36,11 @@ def runs(backend_runs) -> dict:
 
 def measured(run) -> dict[str, list[int]]:
     info = read_run_info(run)
-    return {"params": info["param_bytes_per_rank"], "grads": info["grad_bytes_per_rank"], "optimizer": info["optimizer_state_bytes_per_rank"]}
+    return {
+        "params": info["param_bytes_per_rank"],
+        "grads": info["grad_bytes_per_rank"],
+        "optimizer": info["optimizer_state_bytes_per_rank"],
+    }
 
 
 @pytest.mark.slow
@@ -46,10 +51,19 @@ def test_estimate_matches_measured_bytes(runs, strategy):
     config = AutoConfig.from_pretrained(data.embedded_model_path())
     est = estimate(config, strategy, 2, mixed_precision="no")
     got = measured(runs[strategy])
-    record("planner/estimate_cpu", strategy, {cat: {"estimated": est[cat], "measured_per_rank": got[cat],
-                                                 "max_relative_error": max(abs(est[cat] - b) / b for b in got[cat])}
-                                           for cat in ("params", "grads", "optimizer")},
-           command="python -m pytest -q tests/launch/test_plan.py -k estimate")
+    record(
+        "planner/estimate_cpu",
+        strategy,
+        {
+            cat: {
+                "estimated": est[cat],
+                "measured_per_rank": got[cat],
+                "max_relative_error": max(abs(est[cat] - b) / b for b in got[cat]),
+            }
+            for cat in ("params", "grads", "optimizer")
+        },
+        command="python -m pytest -q tests/launch/test_plan.py -k estimate",
+    )
     for cat in ("params", "grads", "optimizer"):
         for rank, b in enumerate(got[cat]):
             err = abs(est[cat] - b) / b
@@ -83,10 +97,21 @@ def test_plot_overlays_runs(runs, tmp_path, capsys):
 def llama_dir(tmp_path, name: str, hidden: int, layers: int, heads: int, intermediate: int):
     d = tmp_path / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": intermediate,
-        "vocab_size": 32000, "max_position_embeddings": 4096}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": hidden,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                "intermediate_size": intermediate,
+                "vocab_size": 32000,
+                "max_position_embeddings": 4096,
+            }
+        )
+    )
     return d
 
 
@@ -99,8 +124,10 @@ def test_plan_recommends_ddp_for_125m(tmp_path, capsys):
     model = llama_dir(tmp_path, "llama-125m", 768, 12, 12, 3072)
     out = plan_output(capsys, ["--model", str(model), "--num_gpus", "8", "--gpu_memory_gb", "80"])
     assert "recommended: DDP\n" in out
-    assert (f"accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 8 recipes/sft.py "
-            f"--model_name_or_path {model}") in out
+    assert (
+        f"accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 8 recipes/sft.py "
+        f"--model_name_or_path {model}"
+    ) in out
 
 
 def test_plan_recommends_sharding_for_7b(tmp_path, capsys):
@@ -112,28 +139,45 @@ def test_plan_recommends_sharding_for_7b(tmp_path, capsys):
     assert ddp.endswith("no"), ddp  # 16 bytes x 6.7B params do not fit in 80 GB
 
 
-@pytest.mark.parametrize("gpu_memory_gb, recommended, config, extra", [
-    # (chunked LM loss, the recipe's default) 40 GiB (budget 36.0): FSDP2 needs 44.05 GiB, 28.58 with checkpointing
-    (40, "FSDP2 with activation checkpointing", "fsdp2", " --gradient_checkpointing"),
-    # 31 GiB (budget 27.9): FSDP2 with checkpointing needs 28.58 GiB, FSDP2 + TP2 27.81
-    (31, "FSDP2 + TP2 with activation checkpointing", "fsdp2", " --tp_size 2 --gradient_checkpointing"),
-    # 24 GiB (budget 21.6): no GPU-resident strategy fits even with checkpointing; offload needs 18.94 GiB
-    (24, "ZeRO-3 offload", "zero3_offload", ""),
-    # 19 GiB (budget 17.1): offload fits only with checkpointing (3.47 GiB)
-    (19, "ZeRO-3 offload with activation checkpointing", "zero3_offload", " --gradient_checkpointing"),
-])
+@pytest.mark.parametrize(
+    "gpu_memory_gb, recommended, config, extra",
+    [
+        # (chunked LM loss, the recipe's default) 40 GiB (budget 36.0): FSDP2 needs 44.05 GiB, 28.58 with checkpointing
+        (40, "FSDP2 with activation checkpointing", "fsdp2", " --gradient_checkpointing"),
+        # 31 GiB (budget 27.9): FSDP2 with checkpointing needs 28.58 GiB, FSDP2 + TP2 27.81
+        (31, "FSDP2 + TP2 with activation checkpointing", "fsdp2", " --tp_size 2 --gradient_checkpointing"),
+        # 24 GiB (budget 21.6): no GPU-resident strategy fits even with checkpointing; offload needs 18.94 GiB
+        (24, "ZeRO-3 offload", "zero3_offload", ""),
+        # 19 GiB (budget 17.1): offload fits only with checkpointing (3.47 GiB)
+        (19, "ZeRO-3 offload with activation checkpointing", "zero3_offload", " --gradient_checkpointing"),
+    ],
+)
 def test_plan_recommendation_for_7b_on_two_nodes(tmp_path, capsys, gpu_memory_gb, recommended, config, extra):
     """7B, seq 4096, 2 nodes x 2 GPUs: the first rung of the rule (DDP -> FSDP2/ZeRO-3 -> TP/EP -> offload,
     checkpointing only when needed) that fits, and its exact multi-node launch command."""
     model = llama_dir(tmp_path, "llama-7b", 4096, 32, 32, 11008)
-    out = plan_output(capsys, ["--model", str(model), "--num_gpus", "2", "--gpu_memory_gb", str(gpu_memory_gb),
-                               "--seq_len", "4096", "--num_nodes", "2"])
+    out = plan_output(
+        capsys,
+        [
+            "--model",
+            str(model),
+            "--num_gpus",
+            "2",
+            "--gpu_memory_gb",
+            str(gpu_memory_gb),
+            "--seq_len",
+            "4096",
+            "--num_nodes",
+            "2",
+        ],
+    )
     lines = out.splitlines()
     i = lines.index(f"recommended: {recommended}")
     assert lines[i + 1] == (
         f"accelerate launch --config_file accelerate_configs/{config}.yaml --num_processes 4 --num_machines 2 "
         f"--machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 recipes/sft.py "
-        f"--model_name_or_path {model} --max_seq_length 4096 --per_device_train_batch_size 1{extra}"), lines[i + 1]
+        f"--model_name_or_path {model} --max_seq_length 4096 --per_device_train_batch_size 1{extra}"
+    ), lines[i + 1]
     assert sum(line.startswith("recommended: ") for line in lines) == 1
 
 
@@ -159,13 +203,24 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num_gpus", "0", "--gpu_memory_gb", "80"], "--num_gpus: 0 must be > 0"),
-    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--tp_size", "5"], "--tp_size 5 does not divide num_attention_heads 12"),
-    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "-3"],
-     "--loss_chunk_size -3: must be >= 1 token, 0 (off) or unset (auto)"),
-    (["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "two"], "--loss_chunk_size: invalid int value: 'two'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_gpus", "0", "--gpu_memory_gb", "80"], "--num_gpus: 0 must be > 0"),
+        (
+            ["--num_gpus", "8", "--gpu_memory_gb", "80", "--tp_size", "5"],
+            "--tp_size 5 does not divide num_attention_heads 12",
+        ),
+        (
+            ["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "-3"],
+            "--loss_chunk_size -3: must be >= 1 token, 0 (off) or unset (auto)",
+        ),
+        (
+            ["--num_gpus", "8", "--gpu_memory_gb", "80", "--loss_chunk_size", "two"],
+            "--loss_chunk_size: invalid int value: 'two'",
+        ),
+    ],
+)
 def test_plan_errors_are_one_line(tmp_path, capsys, argv, message):
     model = llama_dir(tmp_path, "m", 768, 12, 12, 3072)
     with pytest.raises(SystemExit) as e:
@@ -195,8 +250,14 @@ if __name__ == "__main__":
 def test_plan_context_parallel_estimate_and_recommendation():
     """cp cuts every row's tokens over the cp ranks: activations / cp, states sharded over dp x cp; the plan
     recommends CP (without recomputation) when activations dominate at the requested seq_len, not otherwise."""
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=32000)
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
     one = estimate(cfg, "fsdp2", 8, seq_len=65536, loss_chunk_size=0)  # exact halving with the full logits (the
     two = estimate(cfg, "fsdp2", 8, seq_len=65536, cp_size=2, loss_chunk_size=0)  # chunked loss has a fixed part)
     assert abs(two["activations"] / one["activations"] - 0.5) < 1e-6 and two["params"] == one["params"]
@@ -216,17 +277,27 @@ def test_plan_pipeline_stages_schedules_and_recommendation():
     from hfpar.planner.pipeline import bubble_fraction, pipeline_estimate
     from hfpar.planner.table import model_stats, state_bytes_per_param
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000)
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    )
     stats = model_stats(cfg)
     assert stats.n_embed == stats.n_head == stats.n_head_untied == 32000 * 4096
     bp, bg, bo = state_bytes_per_param("bf16")
     flight = {}
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         rows, bubble = pipeline_estimate(stats, 4, 8, schedule=schedule, seq_len=4096, batch_size=8)
-        assert sum(r["layers"] for r in rows) == 32 and sum(r["params"] for r in rows) == pytest.approx(stats.n_params * bp, rel=1e-6)
-        assert all(r["grads"] * bp == r["params"] * bg and r["optimizer"] * bp == pytest.approx(r["params"] * bo, rel=1e-9)
-                   for r in rows)
+        assert sum(r["layers"] for r in rows) == 32 and sum(r["params"] for r in rows) == pytest.approx(
+            stats.n_params * bp, rel=1e-6
+        )
+        assert all(
+            r["grads"] * bp == r["params"] * bg and r["optimizer"] * bp == pytest.approx(r["params"] * bo, rel=1e-9)
+            for r in rows
+        )
         assert rows[0]["params"] > rows[1]["params"] and rows[-1]["params"] > rows[1]["params"]  # embedding / head
         flight[schedule] = [r["in_flight"] for r in rows]
         assert bubble == pytest.approx(3 / 11 / (2 if schedule == "interleaved_1f1b" else 1))
@@ -246,15 +317,23 @@ def test_plan_pipeline_stages_schedules_and_recommendation():
     assert one_node.pp == 1
 
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("mixed_precision, tp", [("bf16", 1), ("no", 1), ("bf16", 2)])
 def test_chunked_loss_activations_128k_vocab(mixed_precision, tp):
     """The recipe's default chunked LM loss replaces the 4*N*V/t fp32 logits by the head input's gradient (N x H
     fp32) and one chunk of LOGITS_PER_CHUNK // (V/t) tokens: C x V/t x (4 + 2) and the bf16 weight-gradient update
-    min(C, H) x V/t x (2 + 4) in bf16 (row blocks), two chunks' fp32 logits in fp32; --loss_chunk_size 0 gives the full logits."""
+    min(C, H) x V/t x (2 + 4) in bf16 (row blocks), two chunks' fp32 logits in fp32; --loss_chunk_size 0 gives the full
+    logits."""
     stats = model_stats(LlamaConfig(**LLAMA3_8B))
     s, b, h, v = 8192, 2, 4096, 128256 // tp
     n = s * b
@@ -275,8 +354,15 @@ def test_chunked_loss_activations_128k_vocab(mixed_precision, tp):
 def test_chunked_loss_off_where_the_recipe_leaves_it_off():
     """Gemma 2 soft-caps its logits after the head: not among chunked_loss.FAMILIES, so the recipe's auto mode
     takes the full logits (the plan too), and an explicit chunk is refused like the recipe's preflight."""
-    cfg = Gemma2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, vocab_size=128256)
+    cfg = Gemma2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=128256,
+    )
     auto, off = (estimate(cfg, "ddp", 2, seq_len=4096, loss_chunk_size=c)["activations"] for c in (None, 0))
     assert auto == off
     with pytest.raises(PlanError, match="--loss_chunk_size 512: model_type 'gemma2' is not among the families"):
@@ -288,7 +374,8 @@ def test_chunked_loss_off_where_the_recipe_leaves_it_off():
 def test_host_ram_per_strategy(tmp_path):
     """Host RAM per rank, as hfpar loads: every rank reads the whole model in fp32 + maps the (bf16) checkpoint
     under DDP / ZeRO-1/2 (6 bytes/param), FSDP2 its dim-0 shard (6/N), TP its slices, ZeRO-3 its fp32 partition
-    while rank 0 maps the whole checkpoint; LoRA loads as its base model (FSDP2: shards); offload keeps its CPU bytes."""
+    while rank 0 maps the whole checkpoint; LoRA loads as its base model (FSDP2: shards); offload keeps its CPU
+    bytes."""
     d = llama_dir(tmp_path, "m", 4096, 32, 32, 11008)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
@@ -307,7 +394,7 @@ def test_host_ram_per_strategy(tmp_path):
     assert estimate(config, "fsdp2", 8, lora_rank=16)["host"] - HOST_OVERHEAD == host["fsdp2"]
     assert estimate(config, "ddp", 8, lora_rank=16)["host"] - HOST_OVERHEAD == 6 * n
     pp2 = _pp_worst(stats, 2, 8, seq_len=2048, batch_size=1, mixed_precision="bf16", checkpointing=False)["host"]
-    assert host["ddp"] / 2 < pp2 - HOST_OVERHEAD < host["ddp"] * 0.6   # a PP rank reads its stage: about half
+    assert host["ddp"] / 2 < pp2 - HOST_OVERHEAD < host["ddp"] * 0.6  # a PP rank reads its stage: about half
     off = estimate(config, "zero3_offload", 8)
     assert off["host"] == HOST_OVERHEAD + max(host["zero3"], off["cpu"]) and off["cpu"] == 16 * n // 8
 
@@ -333,7 +420,13 @@ def test_plan_prints_host_ram_and_loss_chunk(tmp_path, capsys):
 
 def test_launch_command_on_one_gpu_picks_the_single_config_only_when_nothing_is_sharded():
     """One GPU: DDP without model parallelism becomes single.yaml; a sharding strategy or TP keeps its own config."""
-    configs = {c: launch_command(c, "m", 1, 1, 128, 1, False, "bf16").split()[3]
-               for c in (Candidate("ddp"), Candidate("zero1"), Candidate("fsdp2"), Candidate("ddp", tp=2))}
-    assert list(configs.values()) == ["accelerate_configs/single.yaml", "accelerate_configs/zero1.yaml",
-                                      "accelerate_configs/fsdp2.yaml", "accelerate_configs/ddp.yaml"], configs
+    configs = {
+        c: launch_command(c, "m", 1, 1, 128, 1, False, "bf16").split()[3]
+        for c in (Candidate("ddp"), Candidate("zero1"), Candidate("fsdp2"), Candidate("ddp", tp=2))
+    }
+    assert list(configs.values()) == [
+        "accelerate_configs/single.yaml",
+        "accelerate_configs/zero1.yaml",
+        "accelerate_configs/fsdp2.yaml",
+        "accelerate_configs/ddp.yaml",
+    ], configs

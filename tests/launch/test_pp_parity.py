@@ -8,15 +8,16 @@ tp=2 under fsdp2.yaml (8 processes): per-step
 loss and grad_norm within 1e-4, exported weights within 1e-4 (and relative to the training update), the export
 reloads with from_pretrained and reproduces the final eval loss. Resume under pp=2 x tp=2 and under pp=2 x FSDP2
 reproduces steps 5-8; the pp=2 checkpoint resumed on one process and under tp=2 (its full form) continues the
-same training, and `hfpar export` of pipeline checkpoints equals the final export. Tied input / output embeddings (first and last stage each hold the weight) at pp=2 against
-their own single-process run. LoRA with pp=2 is in tests/launch/test_lora.py (its single-process LoRA reference).
+same training, and `hfpar export` of pipeline checkpoints equals the final export. Tied input / output embeddings (first
+and last stage each hold the weight) at pp=2 against their own single-process run. LoRA with pp=2 is in
+tests/launch/test_lora.py (its single-process LoRA reference).
 
 EP=2 x PP=2 (4 processes: dp 2, the experts of each stage split over its 2 dp ranks) of the tiny Llama upcycled to 4
 experts (top-2, aux loss 0.1): interleaved 1F1B under fsdp2.yaml (1F1B under ddp.yaml: extended tier), against the same
-upcycled model in one process. Routing statistics (aux loss, padding mask) are per pipeline micro-batch (1 row of each dp rank here),
-so the reference runs micro-steps of that size: batch 2 x accumulation 4 (the sampler makes micro-batch i of the dp
-ranks one contiguous slice of the global batch, the rows of one reference micro-step). Per step loss and grad_norm
-(aux-loss gradient included) within 1e-4, the export (a Mixtral checkpoint) within 1e-4 and reloadable.
+upcycled model in one process. Routing statistics (aux loss, padding mask) are per pipeline micro-batch (1 row of each
+dp rank here), so the reference runs micro-steps of that size: batch 2 x accumulation 4 (the sampler makes micro-batch i
+of the dp ranks one contiguous slice of the global batch, the rows of one reference micro-step). Per step loss and
+grad_norm (aux-loss gradient included) within 1e-4, the export (a Mixtral checkpoint) within 1e-4 and reloadable.
 Extended tier (-m extended, on demand: each 4-process launch costs about as much as this suite's pp2_dp2 one):
 EP=2 x PP=2 under 1F1B over ddp.yaml and over zero1.yaml (per step, export, resume of steps 5-8), PP=2 x CP=2 (4
 processes, dp 1; each stage's attention context-parallel, each micro-batch with its rows' layout) with ring under
@@ -35,23 +36,40 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.parity import (TOL, assert_checkpoint_exports_final, assert_close_series,
-                                  assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
-                                  assert_steps_match, export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
+from tests.helpers.parity import (
+    TOL,
+    assert_checkpoint_exports_final,
+    assert_close_series,
+    assert_continues_uninterrupted,
+    assert_export_matches,
+    assert_resume_from_step_4,
+    assert_steps_match,
+    export_eval_loss,
+    launch_cases,
+    resume_on_other_meshes,
+)
 from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
 
-INTERLEAVED = ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b"]   # 2 chunks of 1 layer per rank
+INTERLEAVED = ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b"]  # 2 chunks of 1 layer per rank
 CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "pp2_gpipe": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "gpipe"]),
     "pp2_1f1b": ("ddp", 2, "4", ["--pp_size", "2", "--pp_schedule", "1f1b"]),
-    "pp2_checkpointing_split": ("ddp", 2, "4", ["--pp_size", "2", "--gradient_checkpointing", "--pp_split", "0,1",
-                                                "--pp_microbatches", "2"]),
+    "pp2_checkpointing_split": (
+        "ddp",
+        2,
+        "4",
+        ["--pp_size", "2", "--gradient_checkpointing", "--pp_split", "0,1", "--pp_microbatches", "2"],
+    ),
     # interleaved 1F1B (2 chunks per rank), each chunk tensor-parallel with sequence parallelism, dp 1
-    "pp2_interleaved_tp2_sp": ("ddp", 4, "4", [*INTERLEAVED, "--pp_microbatches", "4", "--tp_size", "2",
-                                               "--sequence_parallel"]),
+    "pp2_interleaved_tp2_sp": (
+        "ddp",
+        4,
+        "4",
+        [*INTERLEAVED, "--pp_microbatches", "4", "--tp_size", "2", "--sequence_parallel"],
+    ),
     "pp2_dp2": ("ddp", 4, "2", ["--pp_size", "2"]),
     "pp4": ("ddp", 4, "4", ["--pp_size", "4", "--pp_microbatches", "4"]),
     # each stage tensor-parallel (sequence-parallel: boundary activations are (B, T/tp, H) per TP rank), dp 1
@@ -68,9 +86,10 @@ MOE_CASES = {  # EP x PP against their own one-process reference (micro-steps of
     "moe_single": ("single", 1, "2", [*MOE, "--gradient_accumulation_steps", "4"]),
     "ep2_pp2_interleaved_fsdp2": ("fsdp2", 4, "2", [*MOE, "--ep_size", "2", *INTERLEAVED, "--pp_microbatches", "2"]),
 }
-EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP x CP with Ulysses and the other backends
+# on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP x CP with Ulysses and the other backends
+EXTENDED = {
     "ep2_pp2_1f1b": ("ddp", 4, "2", [*MOE, "--ep_size", "2", "--pp_size", "2", "--pp_schedule", "1f1b"]),
-    "moe_single": MOE_CASES["moe_single"],   # its own reference: -m extended runs without the CI tier's launches
+    "moe_single": MOE_CASES["moe_single"],  # its own reference: -m extended runs without the CI tier's launches
     # each stage's attention context-parallel over its cp group of 2, every micro-batch with its rows' layout
     "pp2_cp2_ring": ("ddp", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ring"]),
     "pp2_cp2_ulysses_zero1": ("zero1", 4, "4", ["--pp_size", "2", "--cp_size", "2", "--cp_mode", "ulysses"]),
@@ -85,36 +104,103 @@ EXTENDED = {  # on demand (-m extended): EP x PP under 1F1B over hfpar's DDP; PP
     # a pipeline with two or three other model parallelisms, one case per key (dp 1 unless said; MoE ones against
     # moe_single: micro-batches of 2 rows over the dp ranks): each stage tensor-parallel (sequence-parallel) and
     # context-parallel (8 processes)
-    "tp2_cp2_pp2_sp": ("ddp", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2",
-                                       "--cp_mode", "ring"]),
+    "tp2_cp2_pp2_sp": (
+        "ddp",
+        8,
+        "4",
+        ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2", "--cp_mode", "ring"],
+    ),
     # experts drawn from each rank's 2 cp ranks, Ulysses attention, interleaved 1F1B (2 chunks per rank)
-    "ep2_cp2_pp2_ulysses_interleaved": ("ddp", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode",
-                                                        "ulysses", *INTERLEAVED, "--pp_microbatches", "2"]),
+    "ep2_cp2_pp2_ulysses_interleaved": (
+        "ddp",
+        4,
+        "4",
+        [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ulysses", *INTERLEAVED, "--pp_microbatches", "2"],
+    ),
     # dp 2 x cp 2 per stage, one expert per rank of the 4 (experts drawn from dp x cp), FSDP2 over dp (8 processes)
-    "ep4_cp2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--ep_size", "4", "--cp_size", "2", "--cp_mode", "ring",
-                                            "--pp_size", "2"]),
+    "ep4_cp2_pp2_fsdp2": (
+        "fsdp2",
+        8,
+        "2",
+        [*MOE, "--ep_size", "4", "--cp_size", "2", "--cp_mode", "ring", "--pp_size", "2"],
+    ),
     # each stage tensor-parallel, experts over its 2 dp ranks, FSDP2 over dp (8 processes)
     "tp2_ep2_pp2_fsdp2": ("fsdp2", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
     # all four: each stage tensor-parallel, experts drawn from its 2 cp ranks (8 processes)
-    "tp2_ep2_cp2_pp2": ("ddp", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
-                                        "--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"]),
+    "tp2_ep2_cp2_pp2": (
+        "ddp",
+        8,
+        "4",
+        [
+            *MOE,
+            "--tp_size",
+            "2",
+            "--ep_size",
+            "2",
+            "--cp_size",
+            "2",
+            "--cp_mode",
+            "ring",
+            "--pp_size",
+            "2",
+            "--pp_schedule",
+            "1f1b",
+            "--pp_microbatches",
+            "2",
+        ],
+    ),
     # the keys under the pipeline ZeRO-1 backend: TP (sequence parallel) x CP ring, TP x EP at dp 2 (TP tags and
     # experts beside DeepSpeed together), experts drawn from the 2 cp ranks (DeepSpeed's dp group: the replica's
     # dp x cp ranks, holding different experts), and all four (8 processes but the third, 4); micro-batches of 2 rows
     # where dp is 1, as moe_single's routing statistics
-    "tp2_cp2_pp2_sp_zero1": ("zero1", 8, "4", ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel",
-                                               "--cp_size", "2", "--cp_mode", "ring"]),
+    "tp2_cp2_pp2_sp_zero1": (
+        "zero1",
+        8,
+        "4",
+        ["--pp_size", "2", "--tp_size", "2", "--sequence_parallel", "--cp_size", "2", "--cp_mode", "ring"],
+    ),
     "tp2_ep2_pp2_zero1": ("zero1", 8, "2", [*MOE, "--tp_size", "2", "--ep_size", "2", "--pp_size", "2"]),
-    "ep2_cp2_pp2_zero1": ("zero1", 4, "4", [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring",
-                                            "--pp_size", "2", "--pp_microbatches", "2"]),
-    "tp2_ep2_cp2_pp2_zero1": ("zero1", 8, "4", [*MOE, "--tp_size", "2", "--ep_size", "2", "--cp_size", "2",
-                                                "--cp_mode", "ring", "--pp_size", "2", "--pp_microbatches", "2"]),
+    "ep2_cp2_pp2_zero1": (
+        "zero1",
+        4,
+        "4",
+        [*MOE, "--ep_size", "2", "--cp_size", "2", "--cp_mode", "ring", "--pp_size", "2", "--pp_microbatches", "2"],
+    ),
+    "tp2_ep2_cp2_pp2_zero1": (
+        "zero1",
+        8,
+        "4",
+        [
+            *MOE,
+            "--tp_size",
+            "2",
+            "--ep_size",
+            "2",
+            "--cp_size",
+            "2",
+            "--cp_mode",
+            "ring",
+            "--pp_size",
+            "2",
+            "--pp_microbatches",
+            "2",
+        ],
+    ),
 }
-MULTI = ["tp2_cp2_pp2_sp", "ep2_cp2_pp2_ulysses_interleaved", "ep4_cp2_pp2_fsdp2", "tp2_ep2_pp2_fsdp2", "tp2_ep2_cp2_pp2",
-         "tp2_cp2_pp2_sp_zero1", "tp2_ep2_pp2_zero1", "ep2_cp2_pp2_zero1", "tp2_ep2_cp2_pp2_zero1"]
+MULTI = [
+    "tp2_cp2_pp2_sp",
+    "ep2_cp2_pp2_ulysses_interleaved",
+    "ep4_cp2_pp2_fsdp2",
+    "tp2_ep2_pp2_fsdp2",
+    "tp2_ep2_cp2_pp2",
+    "tp2_cp2_pp2_sp_zero1",
+    "tp2_ep2_pp2_zero1",
+    "ep2_cp2_pp2_zero1",
+    "tp2_ep2_cp2_pp2_zero1",
+]
 
 
-RESUMED = ("pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp")   # resumed in the cases' launches
+RESUMED = ("pp2_tp2_sp", "pp2_interleaved_dp2_fsdp2", "pp2_interleaved_tp2_sp")  # resumed in the cases' launches
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +259,10 @@ def test_pp_resume_reproduces_remaining_steps(pp_runs, base_model, tmp_path, cas
 @pytest.fixture(scope="module")
 def pp_resharded(pp_runs, base_model, tmp_path_factory) -> dict:
     """The pp=2 (1F1B) checkpoint resumed without a pipeline: on one process, and tensor-parallel on 2."""
-    cases = {"pp2_to_pp1": (pp_runs["pp2_1f1b"], ("single", 1, "4", [])),
-             "pp2_to_tp2": (pp_runs["pp2_1f1b"], ("ddp", 2, "4", ["--tp_size", "2"]))}
+    cases = {
+        "pp2_to_pp1": (pp_runs["pp2_1f1b"], ("single", 1, "4", [])),
+        "pp2_to_tp2": (pp_runs["pp2_1f1b"], ("ddp", 2, "4", ["--tp_size", "2"])),
+    }
     return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("pp_resharded"))
 
 
@@ -232,7 +320,7 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path, exports_checkpo
     Mixtral checkpoint (experts gathered from both EP ranks of both stages), equal and reloadable, and `hfpar
     export` of the last checkpoint (the stages' config: the Mixtral one) writes the same."""
     ref_eval, got_eval = read_metrics(ref_dir)[1], read_metrics(got_dir)[1]
-    assert_steps_match(ref_dir, got_dir, case)   # loss, grad_norm, target tokens per step (8 steps)
+    assert_steps_match(ref_dir, got_dir, case)  # loss, grad_norm, target tokens per step (8 steps)
     assert_close_series(ref_eval, got_eval, "eval_loss", TOL, case)
     assert_export_matches(ref_dir, got_dir, case)
     assert rel_close(export_eval_loss(got_dir), got_eval[-1]["eval_loss"], 1e-4)
@@ -240,7 +328,10 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path, exports_checkpo
     sizes = _sizes(case)
     assert {k: info[k] for k in sizes} == sizes, info
     two, one = info["param_bytes_per_rank"], read_run_info(ref_dir)["param_bytes_per_rank"][0]
-    assert len(two) == sizes["world_size"] and all(b < one / 2 for b in two), (one, two)   # half the layers, fewer experts
+    assert len(two) == sizes["world_size"] and all(b < one / 2 for b in two), (
+        one,
+        two,
+    )  # half the layers, fewer experts
     if exports_checkpoint:
         assert_checkpoint_exports_final(got_dir, tmp_path, case)
 
@@ -248,14 +339,17 @@ def _assert_ep_pp_matches(ref_dir, got_dir, case: str, tmp_path, exports_checkpo
 def _sizes(case: str) -> dict:
     """The degrees a case's flags ask for (dp: what the processes leave), as run_info.json records them."""
     _, nproc, _, flags = {**CASES, **MOE_CASES, **EXTENDED}[case]
-    sizes = {f"{d}_size": int(flags[flags.index(f"--{d}_size") + 1]) if f"--{d}_size" in flags else 1
-             for d in ("tp", "ep", "cp", "pp")}
+    sizes = {
+        f"{d}_size": int(flags[flags.index(f"--{d}_size") + 1]) if f"--{d}_size" in flags else 1
+        for d in ("tp", "ep", "cp", "pp")
+    }
     return {**sizes, "world_size": nproc, "dp_size": nproc // (sizes["tp_size"] * sizes["cp_size"] * sizes["pp_size"])}
 
 
 def test_ep_pp_interleaved_fsdp2_matches_single_per_step_and_export(pp_runs, tmp_path):
-    _assert_ep_pp_matches(pp_runs["moe_single"], pp_runs["ep2_pp2_interleaved_fsdp2"], "ep2_pp2_interleaved_fsdp2",
-                          tmp_path)
+    _assert_ep_pp_matches(
+        pp_runs["moe_single"], pp_runs["ep2_pp2_interleaved_fsdp2"], "ep2_pp2_interleaved_fsdp2", tmp_path
+    )
 
 
 @pytest.fixture(scope="module")
@@ -272,14 +366,16 @@ def test_ep_pp_1f1b_ddp_matches_single_per_step_and_export(extended_runs, tmp_pa
 def test_ep_pp_zero1_matches_single_per_step_export_and_resume(extended_runs, base_model, tmp_path):
     from hfpar.checkpoint.export import ExportError, export_checkpoint
 
-    _assert_ep_pp_matches(extended_runs["moe_single"], extended_runs["ep2_pp2_zero1"], "ep2_pp2_zero1", tmp_path,
-                          exports_checkpoint=False)
+    _assert_ep_pp_matches(
+        extended_runs["moe_single"], extended_runs["ep2_pp2_zero1"], "ep2_pp2_zero1", tmp_path, exports_checkpoint=False
+    )
     # EP x DeepSpeed checkpoints have no full form (as without a pipeline): `hfpar export` refuses them in one line
     with pytest.raises(ExportError, match="which has no full form"):
         export_checkpoint(extended_runs["ep2_pp2_zero1"] / "checkpoint-8", tmp_path / "export")
     # DeepSpeed's stage files (dense partitions) and hfpar's per-rank expert files (experts, their AdamW states)
-    assert_resume_from_step_4(EXTENDED["ep2_pp2_zero1"], extended_runs["ep2_pp2_zero1"], base_model, tmp_path,
-                              "ep2_pp2_zero1")
+    assert_resume_from_step_4(
+        EXTENDED["ep2_pp2_zero1"], extended_runs["ep2_pp2_zero1"], base_model, tmp_path, "ep2_pp2_zero1"
+    )
 
 
 @pytest.mark.extended
@@ -303,9 +399,10 @@ def test_pp_with_two_or_three_more_parallelisms_matches_single(extended_runs, si
     flags, got_dir = EXTENDED[case][3], extended_runs[case]
     info = read_run_info(got_dir)
     assert info["pp_schedule"] == (flags[flags.index("--pp_schedule") + 1] if "--pp_schedule" in flags else "1f1b")
-    if "--upcycle_experts" in flags:   # EP x ZeRO-1 checkpoints have no full form (test_ep_pp_zero1_...)
-        _assert_ep_pp_matches(extended_runs["moe_single"], got_dir, case, tmp_path,
-                              exports_checkpoint=not case.endswith("zero1"))
+    if "--upcycle_experts" in flags:  # EP x ZeRO-1 checkpoints have no full form (test_ep_pp_zero1_...)
+        _assert_ep_pp_matches(
+            extended_runs["moe_single"], got_dir, case, tmp_path, exports_checkpoint=not case.endswith("zero1")
+        )
         return
     assert_steps_match(single_run, got_dir, case)
     assert_close_series(read_metrics(single_run)[1], read_metrics(got_dir)[1], "eval_loss", TOL, case)

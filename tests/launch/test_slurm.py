@@ -72,11 +72,23 @@ def slurm(tmp_path_factory):
     key.chmod(0o400)
     host = socket.gethostname()
     conf = root / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(),
-                                      cpus=os.cpu_count()))
+    conf.write_text(
+        SLURM_CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(), cpus=os.cpu_count())
+    )
     e = {**env(), "SLURM_CONF": str(conf), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    subprocess.run(["munged", f"--key-file={key}", f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
-                    f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed", "-f"], check=True, env=e)
+    subprocess.run(
+        [
+            "munged",
+            f"--key-file={key}",
+            f"--socket={root}/munge.socket",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munge.seed",
+            "-f",
+        ],
+        check=True,
+        env=e,
+    )
     subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=e)
     subprocess.run(["slurmd", "-f", str(conf)], check=True, env=e)
     try:
@@ -92,14 +104,19 @@ def slurm(tmp_path_factory):
 
 
 def _node_state(e: dict) -> str:
-    return subprocess.run(["sinfo", "-h", "-o", "%T"], check=False, env=e, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["sinfo", "-h", "-o", "%T"], check=False, env=e, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def _report(log: Path, e: dict) -> str:
     """The job's output and the daemons' logs: what a failure needs to be understood from CI's output alone."""
     root = Path(e["HFPAR_TEST_SLURM_ROOT"])
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                     for p in (log, root / "slurmctld.log", root / "slurmd.log") if p.exists())
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+        for p in (log, root / "slurmctld.log", root / "slurmd.log")
+        if p.exists()
+    )
 
 
 def _job_state(job: str, e: dict) -> str:
@@ -121,25 +138,44 @@ def test_real_slurm_preemption_requeues_and_resumes(slurm, ddp_reference, base_m
     script = tmp_path / "hfpar.sbatch"
     text = (ROOT / "scripts" / "slurm" / "hfpar.sbatch").read_text()
     script.write_text("\n".join(x for x in text.splitlines() if "--gpus-per-node" not in x) + "\n")
-    e = {**slurm, "CONFIG": "accelerate_configs/ddp.yaml", "GPUS_PER_NODE": "2", "MAIN_PORT": str(free_port()),
-         "EXTRA_LAUNCH_ARGS": "--mixed_precision no"}
+    e = {
+        **slurm,
+        "CONFIG": "accelerate_configs/ddp.yaml",
+        "GPUS_PER_NODE": "2",
+        "MAIN_PORT": str(free_port()),
+        "EXTRA_LAUNCH_ARGS": "--mixed_precision no",
+    }
     log = tmp_path / "job.out"
     args = [*run_args(base_model, out), "--save_steps", "100"]
     args.remove("--resume_from_checkpoint")
     args.remove("latest")  # the script passes it
-    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--cpus-per-task={os.cpu_count()}",
-                          "--open-mode=append", f"--output={log}", f"--chdir={ROOT}", str(script), *args],
-                         env=e, check=True, capture_output=True, text=True).stdout.strip()
+    job = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            f"--cpus-per-task={os.cpu_count()}",
+            "--open-mode=append",
+            f"--output={log}",
+            f"--chdir={ROOT}",
+            str(script),
+            *args,
+        ],
+        env=e,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     try:
         t0 = time.time()
         while not (out / "metrics.jsonl").exists():
             assert _job_state(job, e) in ("PENDING", "RUNNING") and time.time() - t0 < 300, _report(log, e)
             time.sleep(0.1)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=e, check=True)
-        while _job_state(job, e) != "PENDING" or _node_state(e) != "idle":   # requeued, first run's steps done
+        while _job_state(job, e) != "PENDING" or _node_state(e) != "idle":  # requeued, first run's steps done
             assert time.time() - t0 < 400, _report(log, e)
             time.sleep(0.2)
-        time.sleep(2.0)   # past the second in which the old credential was revoked
+        time.sleep(2.0)  # past the second in which the old credential was revoked
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=e, check=True)
         while _job_state(job, e) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
             assert time.time() - t0 < 900, _report(log, e)
@@ -148,6 +184,8 @@ def test_real_slurm_preemption_requeues_and_resumes(slurm, ddp_reference, base_m
         subprocess.run(["scancel", job], check=False, env=e, capture_output=True)
     text = log.read_text(errors="replace")  # two ranks write the one log: a multi-byte character can be split
     assert _job_state(job, e) in ("COMPLETED", "GONE"), _report(log, e)
-    assert "hfpar: SIGUSR1 (time limit near)" in text and "hfpar: preempted: SIGTERM received: saved checkpoint-" in text
+    assert (
+        "hfpar: SIGUSR1 (time limit near)" in text and "hfpar: preempted: SIGTERM received: saved checkpoint-" in text
+    )
     assert "resumed from" in text, _report(log, e)
     assert_same_training(ddp_reference, out, "real SLURM: SIGUSR1, requeue, resume")

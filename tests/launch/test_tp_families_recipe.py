@@ -11,10 +11,10 @@ export of each run: a normal HF checkpoint that loads with from_pretrained and e
 and TP=2 with --sequence_parallel where the family allows it (OLMo-2, Falcon, GPT-BigCode: sequence_plan.py; Qwen3.5's
 linear attention kept whole and DeepSeek-V2's MoE blocks see the full sequence, so hfpar refuses it for them).
 
-Tiny models built from configs (benchmarks/tensor_parallel/family_sweep.py tiny_config, vocab 128 = the embedded tokenizer's), one
-module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), in two launches.
-In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon, GPT-BigCode) is
-verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
+Tiny models built from configs (benchmarks/tensor_parallel/family_sweep.py tiny_config, vocab 128 = the embedded
+tokenizer's), one module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), in two
+launches. In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon,
+GPT-BigCode) is verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from tests.helpers.parity import (
     export_eval_loss,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]   # on demand: -m extended (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
-FAMILIES = {"olmo2": 2, "qwen3_5_text": 4, "deepseek_v2": 2, "falcon": 2, "gpt_bigcode": 2}   # model_type: layers
+FAMILIES = {"olmo2": 2, "qwen3_5_text": 4, "deepseek_v2": 2, "falcon": 2, "gpt_bigcode": 2}  # model_type: layers
 SP = ("olmo2", "falcon", "gpt_bigcode")
 CASES = [(mt, "tp2") for mt in FAMILIES] + [(mt, "tp2_sp") for mt in SP]
 
@@ -45,10 +45,11 @@ CASES = [(mt, "tp2") for mt in FAMILIES] + [(mt, "tp2_sp") for mt in SP]
 def _save_tiny(model_type: str, layers: int, path: Path) -> str:
     from transformers import AutoModelForCausalLM
 
-    from hfpar import data
     from benchmarks.tensor_parallel.family_sweep import tiny_config
+    from hfpar import data
+
     cfg = tiny_config(model_type, layers)
-    cfg.max_position_embeddings = 512   # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
+    cfg.max_position_embeddings = 512  # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     data.load_tokenizer(None).save_pretrained(path)
@@ -68,12 +69,17 @@ def runs(tmp_path_factory) -> dict:
         specs["single"].append([*common, "--output_dir", str(out[mt][1])])
         specs["tp2"].append([*common, "--tp_size", "2", "--output_dir", str(out[mt][2]["tp2"])])
         if mt in SP:
-            specs["tp2"].append([*common, "--tp_size", "2", "--sequence_parallel", "--output_dir",
-                                 str(out[mt][2]["tp2_sp"])])
+            specs["tp2"].append(
+                [*common, "--tp_size", "2", "--sequence_parallel", "--output_dir", str(out[mt][2]["tp2_sp"])]
+            )
     for key, argvs in specs.items():
         (root / f"{key}.json").write_text(json.dumps({"kind": "sft", "runs": argvs}))
-    launch_all({"single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
-                "tp2": ("ddp", 2, RECIPE_RUNS, [str(root / "tp2.json")])})
+    launch_all(
+        {
+            "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+            "tp2": ("ddp", 2, RECIPE_RUNS, [str(root / "tp2.json")]),
+        }
+    )
     return out
 
 
@@ -90,7 +96,8 @@ def test_tp2_matches_single_per_step(runs, model_type, case):
 @pytest.mark.parametrize("model_type, case", CASES)
 def test_tp2_export_loads_and_equals_single(runs, model_type, case):
     base, single, tp = runs[model_type]
-    assert_export_matches(single, tp[case], f"{model_type} {case}",
-                          initial=load_file(str(Path(base) / "model.safetensors")))
+    assert_export_matches(
+        single, tp[case], f"{model_type} {case}", initial=load_file(str(Path(base) / "model.safetensors"))
+    )
     _, evals = read_metrics(tp[case])
-    assert rel_close(export_eval_loss(tp[case]), evals[-1]["eval_loss"], 1e-4)   # from_pretrained on one process
+    assert rel_close(export_eval_loss(tp[case]), evals[-1]["eval_loss"], 1e-4)  # from_pretrained on one process

@@ -15,10 +15,19 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
-                                  assert_continues_uninterrupted, assert_export_matches, assert_resume_from_step_4,
-                                  export_eval_loss, launch_cases, resume_on_other_meshes)
 from tests.helpers.launch import launch, model_with_unreadable_weights, read_metrics, read_run_info, rel_close
+from tests.helpers.parity import (
+    COMMON,
+    TOL,
+    assert_checkpoint_exports_final,
+    assert_close_series,
+    assert_continues_uninterrupted,
+    assert_export_matches,
+    assert_resume_from_step_4,
+    export_eval_loss,
+    launch_cases,
+    resume_on_other_meshes,
+)
 from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
 pytestmark = pytest.mark.slow
@@ -34,13 +43,13 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
 }
 
 
-RESUMED = ("tp2", "tp2_fsdp2", "tp2_sp_zero1")   # resumed from checkpoint-4 (tp2_zero3 too, on demand)
+RESUMED = ("tp2", "tp2_fsdp2", "tp2_sp_zero1")  # resumed from checkpoint-4 (tp2_zero3 too, on demand)
 
 
 @pytest.fixture(scope="module")
 def tp_runs(base_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return launch_cases(CASES, base_model, root, resume=RESUMED)   # the resume runs share the cases' launches
+    return launch_cases(CASES, base_model, root, resume=RESUMED)  # the resume runs share the cases' launches
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -70,15 +79,19 @@ def test_tp_run_info_shows_shards(tp_runs, single_run, case):
     assert all(share <= b / full < share * 1.02 for b in info["param_bytes_per_rank"]), info["param_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1",
-                                  pytest.param("tp2_zero3", marks=pytest.mark.extended)])  # on demand: -m extended
+@pytest.mark.parametrize(
+    "case", ["tp2", "tp2_fsdp2", "tp2_sp_zero1", pytest.param("tp2_zero3", marks=pytest.mark.extended)]
+)  # on demand: -m extended
 def test_tp_resume_reproduces_remaining_steps(tp_runs, base_model, tmp_path, case):
     assert_resume_from_step_4(CASES[case], tp_runs[case], base_model, tmp_path, case, tp_runs.get(f"{case}/resumed"))
 
 
-@pytest.mark.parametrize("config,flags,message", [
-    ("ddp", ["--tp_size", "3"], "--tp_size 3 does not divide the world size 2"),
-])
+@pytest.mark.parametrize(
+    "config,flags,message",
+    [
+        ("ddp", ["--tp_size", "3"], "--tp_size 3 does not divide the world size 2"),
+    ],
+)
 def test_tp_refusals_are_one_line(config, flags, message, tmp_path):
     proc = launch(config, 2, "sft", [*flags, "--output_dir", str(tmp_path / "o")], check=False)
     assert proc.returncode != 0
@@ -103,25 +116,38 @@ def test_tp_classify_matches_single(tmp_path):
     outs = {}
     for name, config, nproc, extra in (("single", "single", 1, []), ("tp2", "ddp", 2, ["--tp_size", "2"])):
         outs[name] = tmp_path / name
-        launch(config, nproc, "classify", [*COMMON, *extra, "--output_dir", str(outs[name]),
-                                           "--per_device_train_batch_size", "4"])
+        launch(
+            config,
+            nproc,
+            "classify",
+            [*COMMON, *extra, "--output_dir", str(outs[name]), "--per_device_train_batch_size", "4"],
+        )
     ref, ref_eval = read_metrics(outs["single"])
     got, got_eval = read_metrics(outs["tp2"])
     assert len(got) == 8
     assert_close_series(ref, got, "loss", TOL, "classify tp2")
     assert_close_series(ref, got, "grad_norm", TOL, "classify tp2")
     assert ref_eval[-1]["eval_accuracy"] == got_eval[-1]["eval_accuracy"]
-    assert_export_matches(outs["single"], outs["tp2"], "classify tp2", initial=_classify_initial_weights(outs["single"]))
-    proc = launch("ddp", 2, "classify", ["--tp_size", "2", "--sequence_parallel", "--output_dir", str(tmp_path / "o")],
-                  check=False)
+    assert_export_matches(
+        outs["single"], outs["tp2"], "classify tp2", initial=_classify_initial_weights(outs["single"])
+    )
+    proc = launch(
+        "ddp",
+        2,
+        "classify",
+        ["--tp_size", "2", "--sequence_parallel", "--output_dir", str(tmp_path / "o")],
+        check=False,
+    )
     assert proc.returncode != 0 and "hfpar: error: --sequence_parallel: needs a causal-LM recipe" in proc.stderr
 
 
 @pytest.fixture(scope="module")
 def tp_resharded(tp_runs, base_model, tmp_path_factory) -> dict:
     """TP checkpoints resumed on another mesh: tp 2 -> one process without TP, tp 2 x dp 2 -> tp 2 x dp 1."""
-    cases = {"tp2_to_tp1": (tp_runs["tp2"], ("single", 1, "4", [])),
-             "tp2_dp2_to_tp2_dp1": (tp_runs["tp2_ddp2"], ("ddp", 2, "4", ["--tp_size", "2"]))}
+    cases = {
+        "tp2_to_tp1": (tp_runs["tp2"], ("single", 1, "4", [])),
+        "tp2_dp2_to_tp2_dp1": (tp_runs["tp2_ddp2"], ("ddp", 2, "4", ["--tp_size", "2"])),
+    }
     return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("tp_resharded"))
 
 
@@ -144,12 +170,28 @@ def test_unsupported_mesh_change_is_refused_before_any_weight_is_read(tp_runs, b
     out.mkdir()
     shutil.copytree(tp_runs["tp2_sp_zero1"] / "checkpoint-4", out / "checkpoint-4")
     model = model_with_unreadable_weights(base_model, tmp_path / "model")
-    proc = launch("ddp", 2, "sft", [*COMMON, "--model_name_or_path", model, "--output_dir", str(out),
-                                    "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"],
-                  check=False)
-    assert proc.returncode != 0, proc.stderr[-2000:]   # the launcher turns the recipe's exit 2 into 1
-    assert ("checkpoint written on zero1 x 2 processes (dp 1 tp 2 ep 1 cp 1 pp 1), this run is ddp x 2 processes "
-            "(dp 2 tp 1 ep 1 cp 1 pp 1): its writer (zero1 with model parallelism) records no full form") in proc.stderr
+    proc = launch(
+        "ddp",
+        2,
+        "sft",
+        [
+            *COMMON,
+            "--model_name_or_path",
+            model,
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "2",
+            "--resume_from_checkpoint",
+            "latest",
+        ],
+        check=False,
+    )
+    assert proc.returncode != 0, proc.stderr[-2000:]  # the launcher turns the recipe's exit 2 into 1
+    assert (
+        "checkpoint written on zero1 x 2 processes (dp 1 tp 2 ep 1 cp 1 pp 1), this run is ddp x 2 processes "
+        "(dp 2 tp 1 ep 1 cp 1 pp 1): its writer (zero1 with model parallelism) records no full form"
+    ) in proc.stderr
     # one line from the recipe, nothing from a weight loader (torchrun adds its own ChildFailedError report)
     assert "safetensors" not in proc.stderr.lower() and "Error while deserializing" not in proc.stderr
     assert "Traceback" not in "\n".join(x for x in proc.stderr.splitlines() if "hfpar" in x)

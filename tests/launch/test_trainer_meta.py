@@ -39,14 +39,36 @@ trainer.Trainer._train_step = spy("step", trainer.Trainer._train_step)
 recipe.main("sft", sys.argv[1:])
 new = sorted(m for m in loop["end"] - loop["start"] if not m.startswith("torch"))
 print("META " + json.dumps({"events": events, "imported_in_loop": new, "deepspeed_imported": "deepspeed" in sys.modules}))
-"""
+"""  # noqa: E501  (DRIVER is the subprocess's code: kept byte for byte)
 
 
 def test_run_metadata_is_gathered_before_the_first_step(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, "--output_dir", str(out), "--max_steps", "3",
-                           "--eval_steps", "0", "--save_final_model", "false", "--logging_steps", "1", "--save_steps", "2"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--eval_steps",
+            "0",
+            "--save_final_model",
+            "false",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads(next(line[5:] for line in proc.stdout.splitlines() if line.startswith("META ")))
     assert meta["events"] == ["versions", "step", "step", "step"], meta["events"]  # once, before the loop

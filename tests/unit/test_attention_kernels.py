@@ -11,8 +11,12 @@ from hfpar.train.trainer import attention_kernels
 
 def _flags() -> dict:
     b = torch.backends.cuda
-    return {"cudnn": b.cudnn_sdp_enabled(), "flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
-            "math": b.math_sdp_enabled()}
+    return {
+        "cudnn": b.cudnn_sdp_enabled(),
+        "flash": b.flash_sdp_enabled(),
+        "efficient": b.mem_efficient_sdp_enabled(),
+        "math": b.math_sdp_enabled(),
+    }
 
 
 def test_cuda_runs_without_cudnn_attention_and_restores_the_flags():

@@ -15,62 +15,127 @@ from pathlib import Path
 
 import pytest
 
-from hfpar.backends import (PARALLELISMS, STRATEGIES, SUPPORT, AccelerateBackend, ModelParallelDDP,
-                            ModelParallelDeepSpeed, ModelParallelFSDP2, ModelParallelZeRO3, PipelineDDP, PipelineFSDP2,
-                            PipelineZeRO1, select_backend,
-                            support_table_markdown)
+from hfpar.backends import (
+    PARALLELISMS,
+    STRATEGIES,
+    SUPPORT,
+    AccelerateBackend,
+    ModelParallelDDP,
+    ModelParallelDeepSpeed,
+    ModelParallelFSDP2,
+    ModelParallelZeRO3,
+    PipelineDDP,
+    PipelineFSDP2,
+    PipelineZeRO1,
+    select_backend,
+    support_table_markdown,
+)
 from hfpar.config import ConfigError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-_MP = {"single": ModelParallelDDP, "ddp": ModelParallelDDP, "fsdp2": ModelParallelFSDP2,
-       "zero1": ModelParallelDeepSpeed, "zero2": ModelParallelDeepSpeed, "zero3": ModelParallelZeRO3}
+_MP = {
+    "single": ModelParallelDDP,
+    "ddp": ModelParallelDDP,
+    "fsdp2": ModelParallelFSDP2,
+    "zero1": ModelParallelDeepSpeed,
+    "zero2": ModelParallelDeepSpeed,
+    "zero3": ModelParallelZeRO3,
+}
 # what the parity suites launch: test_backends_parity (none), test_tp_parity (tp), test_ep_parity (ep, tp+ep),
 # test_cp_parity (cp, tp+cp), test_pp_parity (pp, tp+pp, ep+pp, cp+pp; its extended tier tp+ep+pp, tp+cp+pp,
 # ep+cp+pp, tp+ep+cp+pp), test_ep_parity's EP x CP cases (ep+cp, tp+ep+cp)
-SUPPORTED = {**{(s, "none"): AccelerateBackend for s in STRATEGIES},
-             **{(s, "tp"): cls for s, cls in _MP.items()},
-             **{(s, "ep"): cls for s, cls in _MP.items()},
-             **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
-             **{(s, "tp+cp"): cls for s, cls in _MP.items()},
-             **{(s, "tp+ep"): cls for s, cls in _MP.items()},
-             **{(s, "ep+cp"): cls for s, cls in _MP.items()},
-             **{(s, "tp+ep+cp"): cls for s, cls in _MP.items()},
-             ("single", "pp"): PipelineDDP, ("ddp", "pp"): PipelineDDP, ("fsdp2", "pp"): PipelineFSDP2,
-             ("zero1", "pp"): PipelineZeRO1,
-             ("single", "tp+pp"): PipelineDDP, ("ddp", "tp+pp"): PipelineDDP, ("fsdp2", "tp+pp"): PipelineFSDP2,
-             ("zero1", "tp+pp"): PipelineZeRO1,
-             ("single", "ep+pp"): PipelineDDP, ("ddp", "ep+pp"): PipelineDDP, ("fsdp2", "ep+pp"): PipelineFSDP2,
-             ("zero1", "ep+pp"): PipelineZeRO1,
-             ("single", "cp+pp"): PipelineDDP, ("ddp", "cp+pp"): PipelineDDP, ("fsdp2", "cp+pp"): PipelineFSDP2,
-             ("zero1", "cp+pp"): PipelineZeRO1,
-             **{(s, k): cls for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
-                for s, cls in (("single", PipelineDDP), ("ddp", PipelineDDP), ("fsdp2", PipelineFSDP2),
-                               ("zero1", PipelineZeRO1))}}
-PARTS = {"none": (), "tp": ("tp",), "ep": ("ep",), "tp+ep": ("tp", "ep"), "cp": ("cp",), "tp+cp": ("tp", "cp"),
-         "ep+cp": ("ep", "cp"), "tp+ep+cp": ("tp", "ep", "cp"), "pp": ("pp",), "tp+pp": ("tp", "pp"),
-         "ep+pp": ("ep", "pp"), "cp+pp": ("cp", "pp"), "tp+ep+pp": ("tp", "ep", "pp"), "tp+cp+pp": ("tp", "cp", "pp"),
-         "ep+cp+pp": ("ep", "cp", "pp"), "tp+ep+cp+pp": ("tp", "ep", "cp", "pp")}
+SUPPORTED = {
+    **{(s, "none"): AccelerateBackend for s in STRATEGIES},
+    **{(s, "tp"): cls for s, cls in _MP.items()},
+    **{(s, "ep"): cls for s, cls in _MP.items()},
+    **{(s, "cp"): AccelerateBackend for s in STRATEGIES if s != "fsdp1"},
+    **{(s, "tp+cp"): cls for s, cls in _MP.items()},
+    **{(s, "tp+ep"): cls for s, cls in _MP.items()},
+    **{(s, "ep+cp"): cls for s, cls in _MP.items()},
+    **{(s, "tp+ep+cp"): cls for s, cls in _MP.items()},
+    ("single", "pp"): PipelineDDP,
+    ("ddp", "pp"): PipelineDDP,
+    ("fsdp2", "pp"): PipelineFSDP2,
+    ("zero1", "pp"): PipelineZeRO1,
+    ("single", "tp+pp"): PipelineDDP,
+    ("ddp", "tp+pp"): PipelineDDP,
+    ("fsdp2", "tp+pp"): PipelineFSDP2,
+    ("zero1", "tp+pp"): PipelineZeRO1,
+    ("single", "ep+pp"): PipelineDDP,
+    ("ddp", "ep+pp"): PipelineDDP,
+    ("fsdp2", "ep+pp"): PipelineFSDP2,
+    ("zero1", "ep+pp"): PipelineZeRO1,
+    ("single", "cp+pp"): PipelineDDP,
+    ("ddp", "cp+pp"): PipelineDDP,
+    ("fsdp2", "cp+pp"): PipelineFSDP2,
+    ("zero1", "cp+pp"): PipelineZeRO1,
+    **{
+        (s, k): cls
+        for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
+        for s, cls in (
+            ("single", PipelineDDP),
+            ("ddp", PipelineDDP),
+            ("fsdp2", PipelineFSDP2),
+            ("zero1", PipelineZeRO1),
+        )
+    },
+}
+PARTS = {
+    "none": (),
+    "tp": ("tp",),
+    "ep": ("ep",),
+    "tp+ep": ("tp", "ep"),
+    "cp": ("cp",),
+    "tp+cp": ("tp", "cp"),
+    "ep+cp": ("ep", "cp"),
+    "tp+ep+cp": ("tp", "ep", "cp"),
+    "pp": ("pp",),
+    "tp+pp": ("tp", "pp"),
+    "ep+pp": ("ep", "pp"),
+    "cp+pp": ("cp", "pp"),
+    "tp+ep+pp": ("tp", "ep", "pp"),
+    "tp+cp+pp": ("tp", "cp", "pp"),
+    "ep+cp+pp": ("ep", "cp", "pp"),
+    "tp+ep+cp+pp": ("tp", "ep", "cp", "pp"),
+}
 SIZES = {"tp": 2, "ep": 4, "cp": 2, "pp": 2}
 # refused pair -> text its message must contain (besides the flag and the strategy)
-REFUSED = {("fsdp1", "tp"): ["tensor parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
-                             "FSDP1 is not supported"],
-           ("fsdp1", "ep"): ["expert parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
-                             "FSDP1 is not supported"],
-           ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
-           ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
-           ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
-           ("fsdp1", "ep+cp"): ["FSDP1 is not supported"],
-           ("fsdp1", "tp+ep+cp"): ["FSDP1 is not supported"],
-           ("fsdp1", "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
-                             "FSDP1 is not supported"],
-           **{(s, "pp"): ["pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
-                          "DeepSpeed refuses them with its own pipeline", "use zero1.yaml"] for s in ("zero2", "zero3")},
-           ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
-           ("fsdp1", "ep+pp"): ["FSDP1 is not supported"], ("fsdp1", "cp+pp"): ["FSDP1 is not supported"],
-           **{(s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
-              for s in ("zero2", "zero3") for k in ("tp+pp", "ep+pp", "cp+pp", "tp+ep+pp", "tp+cp+pp", "ep+cp+pp",
-                                                   "tp+ep+cp+pp")},
-           **{("fsdp1", k): ["FSDP1 is not supported"] for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")}}
+REFUSED = {
+    ("fsdp1", "tp"): [
+        "tensor parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
+        "FSDP1 is not supported",
+    ],
+    ("fsdp1", "ep"): [
+        "expert parallelism composes with single, ddp, fsdp2, zero1, zero2 and zero3 configs",
+        "FSDP1 is not supported",
+    ],
+    ("fsdp1", "cp"): ["context parallelism composes with", "FSDP1 is not supported"],
+    ("fsdp1", "tp+cp"): ["FSDP1 is not supported"],
+    ("fsdp1", "tp+ep"): ["FSDP1 is not supported"],
+    ("fsdp1", "ep+cp"): ["FSDP1 is not supported"],
+    ("fsdp1", "tp+ep+cp"): ["FSDP1 is not supported"],
+    ("fsdp1", "pp"): [
+        "pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+        "FSDP1 is not supported",
+    ],
+    **{
+        (s, "pp"): [
+            "pipeline parallelism composes with single, ddp, fsdp2 and zero1 configs",
+            "DeepSpeed refuses them with its own pipeline",
+            "use zero1.yaml",
+        ]
+        for s in ("zero2", "zero3")
+    },
+    ("fsdp1", "tp+pp"): ["FSDP1 is not supported"],
+    ("fsdp1", "ep+pp"): ["FSDP1 is not supported"],
+    ("fsdp1", "cp+pp"): ["FSDP1 is not supported"],
+    **{
+        (s, k): ["DeepSpeed refuses them with its own pipeline", "use zero1.yaml"]
+        for s in ("zero2", "zero3")
+        for k in ("tp+pp", "ep+pp", "cp+pp", "tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")
+    },
+    **{("fsdp1", k): ["FSDP1 is not supported"] for k in ("tp+ep+pp", "tp+cp+pp", "ep+cp+pp", "tp+ep+cp+pp")},
+}
 
 
 def test_every_pair_has_an_entry():
@@ -90,7 +155,7 @@ def test_select_backend_returns_the_class(pair):
     strategy, key = pair
     sizes = {p: SIZES[p] for p in PARTS[key]}
     assert select_backend(strategy, PARTS[key], sizes) is SUPPORTED[pair]
-    assert select_backend(strategy, PARTS[key]) is SUPPORTED[pair]                    # sizes are for messages
+    assert select_backend(strategy, PARTS[key]) is SUPPORTED[pair]  # sizes are for messages
 
 
 @pytest.mark.parametrize("pair", sorted(REFUSED), ids="-".join)

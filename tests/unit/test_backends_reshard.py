@@ -21,26 +21,38 @@ def _ctx(strategy: str, world: int, **sizes) -> SimpleNamespace:
 
 def _state(strategy: str, world: int, reshardable: bool = True, **sizes) -> dict:
     c = _ctx(strategy, world, **sizes)
-    return {"strategy": strategy, "world_size": world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp, "pp": c.pp,
-            "pp_virtual_stages": 1, "reshardable": reshardable}
+    return {
+        "strategy": strategy,
+        "world_size": world,
+        "dp": c.dp,
+        "tp": c.tp,
+        "ep": c.ep,
+        "cp": c.cp,
+        "pp": c.pp,
+        "pp_virtual_stages": 1,
+        "reshardable": reshardable,
+    }
 
 
 def _mode(state: dict, strategy: str, world: int, key: str = "none", **sizes):
     return resume_mode(SUPPORT[(strategy, key)], state, _ctx(strategy, world, **sizes), 1)
 
 
-@pytest.mark.parametrize("src, dst, want", [
-    (("ddp", 2, {}), ("ddp", 2, "none", {}), "native"),                    # the same mesh
-    (("ddp", 2, {}), ("single", 1, "none", {}), "native"),                 # DDP's full state on another world size
-    (("ddp", 2, {"cp": 2}), ("single", 1, "none", {}), "native"),          # cp 2 -> cp 1: the same full state
-    (("fsdp2", 4, {}), ("fsdp2", 2, "none", {}), "native"),                # DCP reshards on load
-    (("zero2", 2, {}), ("zero2", 1, "none", {}), "reshard"),               # ZeRO partitions of another dp size
-    (("zero3", 2, {}), ("fsdp2", 2, "none", {}), "reshard"),               # another layout family
-    (("ddp", 2, {"tp": 2}), ("single", 1, "none", {}), "reshard"),         # tp 2 -> tp 1
-    (("ddp", 4, {"tp": 2}), ("ddp", 2, "tp", {"tp": 2}), "reshard"),       # tp 2 x dp 2 -> tp 2 x dp 1
-    (("ddp", 2, {"pp": 2}), ("ddp", 2, "tp", {"tp": 2}), "reshard"),       # pp 2 -> tp 2
-    (("ddp", 2, {"tp": 2}), ("ddp", 2, "tp", {"tp": 2}), "native"),        # TP on its own mesh: its rank files
-])
+@pytest.mark.parametrize(
+    "src, dst, want",
+    [
+        (("ddp", 2, {}), ("ddp", 2, "none", {}), "native"),  # the same mesh
+        (("ddp", 2, {}), ("single", 1, "none", {}), "native"),  # DDP's full state on another world size
+        (("ddp", 2, {"cp": 2}), ("single", 1, "none", {}), "native"),  # cp 2 -> cp 1: the same full state
+        (("fsdp2", 4, {}), ("fsdp2", 2, "none", {}), "native"),  # DCP reshards on load
+        (("zero2", 2, {}), ("zero2", 1, "none", {}), "reshard"),  # ZeRO partitions of another dp size
+        (("zero3", 2, {}), ("fsdp2", 2, "none", {}), "reshard"),  # another layout family
+        (("ddp", 2, {"tp": 2}), ("single", 1, "none", {}), "reshard"),  # tp 2 -> tp 1
+        (("ddp", 4, {"tp": 2}), ("ddp", 2, "tp", {"tp": 2}), "reshard"),  # tp 2 x dp 2 -> tp 2 x dp 1
+        (("ddp", 2, {"pp": 2}), ("ddp", 2, "tp", {"tp": 2}), "reshard"),  # pp 2 -> tp 2
+        (("ddp", 2, {"tp": 2}), ("ddp", 2, "tp", {"tp": 2}), "native"),  # TP on its own mesh: its rank files
+    ],
+)
 def test_resume_mode(src, dst, want):
     (s, sw, ssz), (d, dw, key, dsz) = src, dst
     assert _mode(_state(s, sw, **ssz), d, dw, key, **dsz) == (want, None)

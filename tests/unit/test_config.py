@@ -36,14 +36,36 @@ def test_unknown_options_all_reported_with_suggestions():
 
 def test_all_value_problems_collected_once():
     with pytest.raises(ConfigError) as e:
-        parse_args(["--per_device_train_batch_size", "0", "--max_steps", "-5", "--lr_scheduler_type", "cosinus",
-                    "--learning_rate", "-1", "--gradient_accumulation_steps", "abc"])
+        parse_args(
+            [
+                "--per_device_train_batch_size",
+                "0",
+                "--max_steps",
+                "-5",
+                "--lr_scheduler_type",
+                "cosinus",
+                "--learning_rate",
+                "-1",
+                "--gradient_accumulation_steps",
+                "abc",
+            ]
+        )
     lines = str(e.value).splitlines()
     # the type error is reported first (values are not validated until they parse)
     assert any("--gradient_accumulation_steps 'abc'" in x for x in lines)
     with pytest.raises(ConfigError) as e:
-        parse_args(["--per_device_train_batch_size", "0", "--max_steps", "-5", "--lr_scheduler_type", "cosinus",
-                    "--learning_rate", "-1"])
+        parse_args(
+            [
+                "--per_device_train_batch_size",
+                "0",
+                "--max_steps",
+                "-5",
+                "--lr_scheduler_type",
+                "cosinus",
+                "--learning_rate",
+                "-1",
+            ]
+        )
     lines = str(e.value).splitlines()
     assert len(lines) == 4
     assert any("--per_device_train_batch_size 0" in x for x in lines)

@@ -1,6 +1,7 @@
 """The CUDA kernel calls' inputs that a CPU can check (hfpar/parallel/context_parallel/kernels.py): the efficient
 kernel's bias rows 16-byte aligned whatever the block width, and which blocks run in fp32. The calls themselves
-need a GPU: benchmarks/context_parallel/gpu_attention.py (committed H200 run: benchmarks/results/context_parallel/gpu_attention.md)."""
+need a GPU: benchmarks/context_parallel/gpu_attention.py (committed H200 run:
+benchmarks/results/context_parallel/gpu_attention.md)."""
 
 import pytest
 import torch

@@ -28,6 +28,7 @@ def _counting(fn):
     def wrapped(*args, **kwargs):
         calls.append(1)
         return fn(*args, **kwargs)
+
     wrapped.__name__ = fn.__name__
     return wrapped, calls
 
@@ -58,14 +59,17 @@ def test_every_input_is_in_the_key(tmp_cache, sft):
     base = cache.cache_key(data.tokenize_sft, splits["eval"], tok, (96,), {"completion_only_loss": True})
     other_tok = data.load_tokenizer(None)
     other_tok.chat_template = other_tok.chat_template + " "
-    variants = [cache.cache_key(data.tokenize_sft, splits["eval"], tok, (64,), {"completion_only_loss": True}),
-                cache.cache_key(data.tokenize_sft, splits["eval"], tok, (96,), {"completion_only_loss": False}),
-                cache.cache_key(data.tokenize_sft, splits["train"], tok, (96,), {"completion_only_loss": True}),
-                cache.cache_key(data.tokenize_clm, splits["eval"], tok, (96,), {"completion_only_loss": True}),
-                cache.cache_key(data.tokenize_sft, splits["eval"], other_tok, (96,), {"completion_only_loss": True})]
+    variants = [
+        cache.cache_key(data.tokenize_sft, splits["eval"], tok, (64,), {"completion_only_loss": True}),
+        cache.cache_key(data.tokenize_sft, splits["eval"], tok, (96,), {"completion_only_loss": False}),
+        cache.cache_key(data.tokenize_sft, splits["train"], tok, (96,), {"completion_only_loss": True}),
+        cache.cache_key(data.tokenize_clm, splits["eval"], tok, (96,), {"completion_only_loss": True}),
+        cache.cache_key(data.tokenize_sft, splits["eval"], other_tok, (96,), {"completion_only_loss": True}),
+    ]
     assert base is not None and base not in variants and len(set(variants)) == len(variants)
-    assert base == cache.cache_key(data.tokenize_sft, splits["eval"], data.load_tokenizer(None), (96,),
-                                   {"completion_only_loss": True})                      # same inputs, same key
+    assert base == cache.cache_key(
+        data.tokenize_sft, splits["eval"], data.load_tokenizer(None), (96,), {"completion_only_loss": True}
+    )  # same inputs, same key
 
 
 def test_switched_off(tmp_cache, sft, monkeypatch):

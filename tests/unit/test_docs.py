@@ -24,12 +24,14 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MAX_README_BYTES = 16384
 
-LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")          # [text](target) and ![alt](target)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 CODE = re.compile(r"`[^`\n]*`")
 # repository paths and dotted hfpar names the prose mentions (checked to exist, so moves do not leave stale names)
-REPO_PATH = re.compile(r"(?<![\w./$-])((?:hfpar|tests|benchmarks|recipes|examples|scripts|accelerate_configs|docs)"
-                       r"/[\w./-]*\w)(?:\.\{([\w,]+)\})?")    # results/x.{json,md}: each suffix
+REPO_PATH = re.compile(
+    r"(?<![\w./$-])((?:hfpar|tests|benchmarks|recipes|examples|scripts|accelerate_configs|docs)"
+    r"/[\w./-]*\w)(?:\.\{([\w,]+)\})?"
+)  # results/x.{json,md}: each suffix
 DOTTED = re.compile(r"(?<![\w./-])hfpar(?:\.\w+)+")
 
 
@@ -70,7 +72,7 @@ def test_readme_is_at_most_16_kb():
 def test_relative_links_point_at_existing_files(path):
     bad = []
     for target in links(path):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target):         # http:, https:, mailto:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
             continue
         file, _, anchor = target.partition("#")
         dest = (path.parent / file).resolve() if file else path
@@ -83,8 +85,12 @@ def test_relative_links_point_at_existing_files(path):
 
 def _module_has(source: Path, name: str) -> bool:
     text = source.read_text()
-    return re.search(rf"(?:def|class)\s+{name}\b|^{name}\s*[:=]|^\s*{name}\s*[:=]|import[^\n]*\b{name}\b|\b{name},",
-                     text, re.M) is not None
+    return (
+        re.search(
+            rf"(?:def|class)\s+{name}\b|^{name}\s*[:=]|^\s*{name}\s*[:=]|import[^\n]*\b{name}\b|\b{name},", text, re.M
+        )
+        is not None
+    )
 
 
 def _dotted_exists(dotted: str) -> bool:
@@ -97,7 +103,7 @@ def _dotted_exists(dotted: str) -> bool:
             continue
         if (here / f"{part}.py").is_file():
             module = here / f"{part}.py"
-            return all(_module_has(module, a) for a in parts[i + 1:2 + i])  # one attribute level is checked
+            return all(_module_has(module, a) for a in parts[i + 1 : 2 + i])  # one attribute level is checked
         init = here / "__init__.py"
         return init.is_file() and _module_has(init, part)
     return True
@@ -129,7 +135,9 @@ def test_every_docs_page_is_in_the_nav():
     assert config.get("strict") is True and config.get("docs_dir", "docs") == "docs"
     missing = [p.name for p in pages() if p.name not in nav]
     extra = [n for n in nav if not (DOCS / n).is_file()]
-    assert not missing and not extra, f"docs pages not in mkdocs.yml's nav: {missing}; nav entries without a page: {extra}"
+    assert not missing and not extra, (
+        f"docs pages not in mkdocs.yml's nav: {missing}; nav entries without a page: {extra}"
+    )
 
 
 def test_readme_links_every_docs_page():
@@ -151,7 +159,12 @@ def test_code_map_lists_exactly_the_root_modules():
 
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="pip install -e '.[test]' (mkdocs is in the test extra)")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").is_file()

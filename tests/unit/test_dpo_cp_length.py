@@ -30,8 +30,14 @@ def test_limits_and_same_training(bench):
     def row(run, length, fits, loss=0.5):
         return {"run": run, "length": length, "fits": fits, "losses": [0.69, loss], "grad_norms": [3.0, 2.0]}
 
-    rows = [row("cp1", 512, True), row("cp1", 1024, False), row("cp1", 768, True),
-            row("cp2_ring", 512, True, 0.5 * (1 + 2e-5)), row("cp2_ring", 1024, True, 0.6), row("cp2_ring", 2048, False)]
+    rows = [
+        row("cp1", 512, True),
+        row("cp1", 1024, False),
+        row("cp1", 768, True),
+        row("cp2_ring", 512, True, 0.5 * (1 + 2e-5)),
+        row("cp2_ring", 1024, True, 0.6),
+        row("cp2_ring", 2048, False),
+    ]
     lim = bench.limits(rows, ["cp1", "cp2_ring"], cap=16384)
     assert lim["cp1"] == {"longest_fit": 768, "shortest_over": 1024, "capped": False}
     assert lim["cp2_ring"]["longest_fit"] == 1024 and lim["cp2_ring"]["shortest_over"] == 2048

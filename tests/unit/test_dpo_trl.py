@@ -18,10 +18,12 @@ from benchmarks.dpo.trl_compare import make_case, run_hfpar, run_trl
 
 pytest.importorskip("trl")
 TOL = 1e-4
-BETA = 0.1   # the helper's default
-MULTI = ("robust,apo_zero,sppo_hard", "1,0.5,0.02")   # sppo_hard's squares start at 2 x (0.5 / beta)^2 = 50
+BETA = 0.1  # the helper's default
+MULTI = ("robust,apo_zero,sppo_hard", "1,0.5,0.02")  # sppo_hard's squares start at 2 x (0.5 / beta)^2 = 50
 CASES = [("sigmoid", 0.0, False), ("ipo", 0.0, False), ("sigmoid", 0.0, True), (MULTI[0], 0.1, False)]
-pytestmark = pytest.mark.slow   # two trainers x 3 cases, ~10 s each on an idle machine: the full suite, not the fast subset
+pytestmark = (
+    pytest.mark.slow
+)  # two trainers x 3 cases, ~10 s each on an idle machine: the full suite, not the fast subset
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,18 @@ def _close(a: float, b: float, scale: float | None = None) -> bool:
     return abs(a - b) <= TOL * max(abs(a), abs(b), scale or 0.0, 1e-8)
 
 
-@pytest.mark.parametrize("loss_type,smoothing,precompute", CASES, ids=[f"{c[0]}{'-precomputed' if c[2] else ''}".replace(",", "+") for c in CASES])
+@pytest.mark.parametrize(
+    "loss_type,smoothing,precompute",
+    CASES,
+    ids=[f"{c[0]}{'-precomputed' if c[2] else ''}".replace(",", "+") for c in CASES],
+)
 def test_per_step_equal_to_trl(case, tmp_path, loss_type, smoothing, precompute):
-    kw = {"loss_type": loss_type, "label_smoothing": smoothing, "precompute": precompute,
-          "loss_weights": MULTI[1] if loss_type == MULTI[0] else None}
+    kw = {
+        "loss_type": loss_type,
+        "label_smoothing": smoothing,
+        "precompute": precompute,
+        "loss_weights": MULTI[1] if loss_type == MULTI[0] else None,
+    }
     trl = run_trl(*case, str(tmp_path / "trl"), **kw)
     ours = run_hfpar(*case, str(tmp_path / "hfpar"), **kw)
     assert len(trl) == len(ours) == 8
@@ -46,4 +56,4 @@ def test_per_step_equal_to_trl(case, tmp_path, loss_type, smoothing, precompute)
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert _close(h[key], t[key], BETA), f"step {step} {key}: hfpar {h[key]} vs TRL {t[key]}"
         assert h["rewards/accuracies"] == t["rewards/accuracies"], f"step {step}"
-    assert ours[0]["num_target_tokens"] == 4   # the pairs of the step (the unit of the DPO loss)
+    assert ours[0]["num_target_tokens"] == 4  # the pairs of the step (the unit of the DPO loss)

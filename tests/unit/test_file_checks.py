@@ -37,9 +37,12 @@ def test_model_weights_present_and_whole(tmp_path):
     [p] = weights_problems(d)
     assert p == f"{d / 'model.safetensors'}: truncated: {len(data) - 100} bytes, its header says {len(data)}"
     (d / "model.safetensors").unlink()
-    assert weights_problems(d) == [f"{d}: no model weights (*.safetensors or pytorch_model*.bin) next to its config.json"]
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors",
-                                                                               "v": "model-00002-of-00002.safetensors"}}))
+    assert weights_problems(d) == [
+        f"{d}: no model weights (*.safetensors or pytorch_model*.bin) next to its config.json"
+    ]
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}})
+    )
     assert "lists model-00001-of-00002.safetensors, which is missing (2 of 2 shards)" in weights_problems(d)[0]
     torch.save({"w": torch.ones(3)}, d / "pytorch_model.bin")
     (d / "model.safetensors.index.json").unlink()
@@ -57,19 +60,26 @@ def test_data_file_not_utf8_names_the_byte_offset(tmp_path):
     bad.write_bytes(b'{"text": "ok"}\n' * 70000 + b'{"text": "caf\xe9"}\n')  # latin-1, past the first 1 MiB block
     [p] = data_file_problems(str(bad))
     assert p.startswith(f"{bad}: not UTF-8 text at byte offset {15 * 70000 + 13} (invalid continuation byte)"), p
-    assert data_file_problems(str(tmp_path)) == [p]   # a dir: its text files
+    assert data_file_problems(str(tmp_path)) == [p]  # a dir: its text files
     assert data_file_problems(None) == []
 
 
 def test_misspelt_accelerate_config_keys_get_a_did_you_mean(tmp_path):
     cfg = tmp_path / "zero3.yaml"
-    cfg.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stag: 3\n  offload_param_device: none\n"
-                   "fsdp_config:\n  fsdp_versoin: 2\n  reshard_after_forward: true\n")
+    cfg.write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stag: 3\n  offload_param_device: none\n"
+        "fsdp_config:\n  fsdp_versoin: 2\n  reshard_after_forward: true\n"
+    )
     assert config_problems(cfg) == [
-        (f"accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate would ignore it); "
-         "did you mean 'zero_stage'?"),
-        (f"accelerate config {cfg}: fsdp_config: unknown key 'fsdp_versoin' (Accelerate would ignore it); "
-         "did you mean 'fsdp_version'?")]
+        (
+            f"accelerate config {cfg}: deepspeed_config: unknown key 'zero_stag' (Accelerate would ignore it); "
+            "did you mean 'zero_stage'?"
+        ),
+        (
+            f"accelerate config {cfg}: fsdp_config: unknown key 'fsdp_versoin' (Accelerate would ignore it); "
+            "did you mean 'fsdp_version'?"
+        ),
+    ]
 
 
 def test_the_launchers_config_file_is_found_on_its_command_line(tmp_path):
@@ -77,8 +87,10 @@ def test_the_launchers_config_file_is_found_on_its_command_line(tmp_path):
     dir) is the YAML checked; a process not started by accelerate has none."""
     cfg = tmp_path / "z.yaml"
     cfg.write_text("deepspeed_config:\n  zero_stag: 3\n")
-    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # accelerate launch stand-in",
-                             "--config_file", "z.yaml"], cwd=tmp_path)
+    fake = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # accelerate launch stand-in", "--config_file", "z.yaml"],
+        cwd=tmp_path,
+    )
     try:
         t0 = time.time()
         while b"z.yaml" not in Path(f"/proc/{fake.pid}/cmdline").read_bytes() and time.time() - t0 < 10:
@@ -88,7 +100,7 @@ def test_the_launchers_config_file_is_found_on_its_command_line(tmp_path):
     finally:
         fake.kill()
         fake.wait()
-    assert launcher_config_file(os.getpid()) is None   # pytest itself: not a launcher
+    assert launcher_config_file(os.getpid()) is None  # pytest itself: not a launcher
 
 
 def test_non_finite_numbers_are_refused_by_name():

@@ -15,8 +15,14 @@ from hfpar.train.losses import IGNORE, lm_loss_sum
 
 def _model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return LlamaForCausalLM(cfg).double()
 
 

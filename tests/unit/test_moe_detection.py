@@ -21,6 +21,7 @@ CTX = SimpleNamespace(ep=1, pp=1, grad_replicas=1)
 
 def _model(model_type: str, **over):
     from transformers import AutoModelForCausalLM
+
     cfg = tiny_config(model_type)
     for k, v in over.items():
         setattr(cfg, k, v)
@@ -28,10 +29,13 @@ def _model(model_type: str, **over):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-@pytest.mark.parametrize("model_type, experts", [("deepseek_v3", 256), ("gpt_oss", 128), ("ernie4_5_moe", 64),
-                                                 ("llama4_text", 16), ("jetmoe", 8), ("llama", None)])
+@pytest.mark.parametrize(
+    "model_type, experts",
+    [("deepseek_v3", 256), ("gpt_oss", 128), ("ernie4_5_moe", 64), ("llama4_text", 16), ("jetmoe", 8), ("llama", None)],
+)
 def test_config_num_experts(model_type, experts):
     from transformers import AutoConfig
+
     assert config_num_experts(AutoConfig.for_model(model_type)) == experts
 
 
@@ -40,8 +44,10 @@ def test_unconvertible_blocks_train_as_hf_without_ep():
     assert has_moe_blocks(model)
     before = {n: p for n, p in model.named_parameters()}
     note = apply_moe(model, ARGS, CTX)
-    assert note.startswith("MoE blocks train as the HF model's own (model.layers.0.mlp.input_linear "
-                           "(JetMoeParallelExperts) cannot be sharded by expert"), note
+    assert note.startswith(
+        "MoE blocks train as the HF model's own (model.layers.0.mlp.input_linear "
+        "(JetMoeParallelExperts) cannot be sharded by expert"
+    ), note
     assert "\n" not in note
     assert all(p is before[n] for n, p in model.named_parameters())
 
@@ -55,9 +61,12 @@ def test_hf_blocks_without_ep_stay_hf_but_an_aux_loss_is_refused():
     assert isinstance(model.model.layers[1].mlp.experts, experts)
     assert all(p is before[n] for n, p in model.named_parameters())
     aux = _model("ernie4_5_moe", output_router_logits=True, router_aux_loss_coef=0.01)
-    with pytest.raises(ValueError, match=r"^output_router_logits with router_aux_loss_coef 0\.01: the recipes add the "
-                                         r"aux loss through hfpar's MoE router only, and model\.layers\.1\.mlp\.experts"
-                                         r" \(Ernie4_5_MoeSparseMoeBlock\) keeps the HF block's own router") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"^output_router_logits with router_aux_loss_coef 0\.01: the recipes add the "
+        r"aux loss through hfpar's MoE router only, and model\.layers\.1\.mlp\.experts"
+        r" \(Ernie4_5_MoeSparseMoeBlock\) keeps the HF block's own router",
+    ) as e:
         apply_moe(aux, ARGS, CTX)
     assert "\n" not in str(e.value)
 

@@ -12,8 +12,8 @@
 - the recipe (one process): --padding_free false reproduces the default run's per-step loss, grad norm,
   target tokens and real tokens.
 The parity suites run the default against the (padding-free) single-process run and assert run_info.json's
-padding_free: tests/launch/test_backends_parity.py (DDP, FSDP2, ZeRO-1/2/3), tests/launch/test_tp_parity.py (TP=2 alone, with
-SP, x DDP / FSDP2 / ZeRO-2), tests/launch/test_cp_parity.py; tests/launch/test_ep_parity.py runs it too, and
+padding_free: tests/launch/test_backends_parity.py (DDP, FSDP2, ZeRO-1/2/3), tests/launch/test_tp_parity.py (TP=2 alone,
+with SP, x DDP / FSDP2 / ZeRO-2), tests/launch/test_cp_parity.py; tests/launch/test_ep_parity.py runs it too, and
 tests/launch/test_pp_parity.py holds the pipeline's padded batches (it falls back) to the padding-free single run.
 """
 
@@ -27,13 +27,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpar import data
-from hfpar.train.batch_plan import BatchPlan
 from hfpar.config import parse_args
 from hfpar.context import ParallelContext
 from hfpar.data import IGNORE, DataError
 from hfpar.data.collate import first_fit_decreasing, greedy_bins
 from hfpar.data.padding_free import FAMILIES
-from hfpar.train.losses import shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -43,6 +41,8 @@ from hfpar.parallel.expert_parallel import (
 )
 from hfpar.parallel.expert_parallel.router import current_token_mask
 from hfpar.preflight import model_problems
+from hfpar.train.batch_plan import BatchPlan
+from hfpar.train.losses import shifted_lm_loss_sum
 from tests.helpers.tiny_configs import CONFIGS
 
 LENS, CAP = [9, 14, 5, 12, 7, 3], 20  # 3 rows of <= 20 tokens (50 tokens: 3 is the fewest)
@@ -51,9 +51,9 @@ LENS, CAP = [9, 14, 5, 12, 7, 3], 20  # 3 rows of <= 20 tokens (50 tokens: 3 is 
 # ------------------------------------------------------------------------------------------------ packing
 def test_first_fit_decreasing_fills_few_rows_deterministically():
     assert first_fit_decreasing(LENS, CAP) == [[1, 2], [3, 4], [0, 5]]  # 14+5, 12+7, 9+3
-    assert first_fit_decreasing([25, 3, 3], 20) == [[0], [1, 2]]      # too long: a row of its own
-    assert first_fit_decreasing([4, 4, 4], 8) == [[0, 1], [2]]        # ties keep their order
-    assert greedy_bins(LENS, CAP) == [[0], [1, 2], [3, 4], [5]]      # pack(): in order, 4 rows
+    assert first_fit_decreasing([25, 3, 3], 20) == [[0], [1, 2]]  # too long: a row of its own
+    assert first_fit_decreasing([4, 4, 4], 8) == [[0, 1], [2]]  # ties keep their order
+    assert greedy_bins(LENS, CAP) == [[0], [1, 2], [3, 4], [5]]  # pack(): in order, 4 rows
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +82,13 @@ def test_padding_free_batch_holds_the_same_samples_and_targets(sft):
     assert set(free) == {"input_ids", "labels", "position_ids", "token_mask"}
     rows, length = free["input_ids"].shape
     assert rows < len(feats) // 2 and length % 4 == 0 and length <= 128
-    assert int(free["token_mask"].sum()) == int(padded["attention_mask"].sum()) == sum(len(f["input_ids"]) for f in feats)
+    assert (
+        int(free["token_mask"].sum()) == int(padded["attention_mask"].sum()) == sum(len(f["input_ids"]) for f in feats)
+    )
     found = {}
     for r, t, n in _segments(free):
-        assert free["position_ids"][r, t: t + n].tolist() == list(range(n))
-        found[tuple(free["input_ids"][r, t: t + n].tolist())] = free["labels"][r, t: t + n].tolist()
+        assert free["position_ids"][r, t : t + n].tolist() == list(range(n))
+        found[tuple(free["input_ids"][r, t : t + n].tolist())] = free["labels"][r, t : t + n].tolist()
     assert len(found) == len(feats)
     for f in feats:  # each sample once, whole; its first label -100 (never a target in padded rows either)
         assert found[tuple(f["input_ids"])] == [IGNORE] + f["labels"][1:]
@@ -101,8 +103,10 @@ def test_padding_free_batch_holds_the_same_samples_and_targets(sft):
 
 def test_collator_refuses_padding_free_where_it_cannot_apply(sft):
     tok, _ = sft
-    for kwargs, needles in [({"task": "classify", "padding_free": True, "max_seq_length": 64}, ("'classify'", "lm")),
-                            ({"padding_free": True}, ("max_seq_length", "None", ">= 2"))]:
+    for kwargs, needles in [
+        ({"task": "classify", "padding_free": True, "max_seq_length": 64}, ("'classify'", "lm")),
+        ({"padding_free": True}, ("max_seq_length", "None", ">= 2")),
+    ]:
         with pytest.raises(DataError) as e:
             data.DataCollator(tok, **kwargs)
         assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
@@ -115,7 +119,10 @@ def _args(**kw):
 def test_padding_free_mode_says_where_it_applies():
     mode = data.padding_free_mode
     assert mode(_args(), "lm", "llama", packed=False) == (True, None)
-    assert mode(_args(padding_free=True, attn_implementation="flash_attention_2"), "lm", "qwen3", packed=False) == (True, None)
+    assert mode(_args(padding_free=True, attn_implementation="flash_attention_2"), "lm", "qwen3", packed=False) == (
+        True,
+        None,
+    )
     assert mode(_args(padding_free=False), "lm", "llama", packed=False) == (False, None)
     assert mode(_args(), "lm", "llama", packed=True) == (False, None)  # --packing, clm: rows packed already
     for args, task, model_type, needles in [
@@ -131,10 +138,12 @@ def test_padding_free_mode_says_where_it_applies():
 
 def test_explicit_padding_free_is_refused_by_the_preflight_where_it_cannot_apply():
     ctx = ParallelContext(world=1)
-    for argv, recipe, task, refused in [(["--padding_free"], "classify", "classify", True),
-                                        ([], "classify", "classify", False),
-                                        (["--padding_free", "true", "--packing"], "sft", "lm", False),
-                                        (["--padding_free", "true"], "sft", "lm", False)]:
+    for argv, recipe, task, refused in [
+        (["--padding_free"], "classify", "classify", True),
+        ([], "classify", "classify", False),
+        (["--padding_free", "true", "--packing"], "sft", "lm", False),
+        (["--padding_free", "true"], "sft", "lm", False),
+    ]:
         problems = model_problems(parse_args(argv, recipe=recipe), ctx, task)
         lines = [p for p in problems if p.startswith("--padding_free true: ")]
         assert len(lines) == int(refused), problems
@@ -149,7 +158,9 @@ def test_every_allowed_family_is_verified_here():
 def _tiny(model_type: str, attn: str, config: dict | None = None):
     cfg = AutoConfig.for_model(model_type, **(config or CONFIGS[model_type][0]))
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, experts_implementation="eager").double().eval()
+    return (
+        AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, experts_implementation="eager").double().eval()
+    )
 
 
 def _samples(seed: int = 0) -> list[dict]:
@@ -167,8 +178,8 @@ def _per_sample_logits(model, samples) -> list[torch.Tensor]:
     for r, row in enumerate(first_fit_decreasing(LENS, CAP)):
         t = 0
         for i in row:
-            assert batch["input_ids"][r, t: t + LENS[i]].tolist() == samples[i]["input_ids"]
-            out[i] = logits[r, t: t + LENS[i]]
+            assert batch["input_ids"][r, t : t + LENS[i]].tolist() == samples[i]["input_ids"]
+            out[i] = logits[r, t : t + LENS[i]]
             t += LENS[i]
     return out
 
@@ -197,8 +208,16 @@ def test_no_token_attends_across_samples(model_type, attn):
 
 def test_a_family_outside_the_list_does_mix_samples():
     """OPT builds its mask without the position ids: packed rows would leak, which is why families are verified."""
-    opt = {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
-           "max_position_embeddings": 64, "word_embed_proj_dim": 32, "use_cache": False}
+    opt = {
+        "hidden_size": 32,
+        "ffn_dim": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 64,
+        "max_position_embeddings": 64,
+        "word_embed_proj_dim": 32,
+        "use_cache": False,
+    }
     assert "opt" not in FAMILIES and _leak(_tiny("opt", "sdpa", opt), _samples()) > 1e-2
 
 
@@ -208,8 +227,10 @@ def test_moe_routers_see_real_tokens_only():
     in backward); without the token mask its row padding would count."""
     samples = [{"input_ids": s["input_ids"]} for s in _samples(1)]
     plan = BatchPlan("lm", ParallelContext(world=1))
-    padded, free = data.DataCollator(pad_token_id=0), data.DataCollator(pad_token_id=0, padding_free=True,
-                                                                      max_seq_length=CAP)
+    padded, free = (
+        data.DataCollator(pad_token_id=0),
+        data.DataCollator(pad_token_id=0, padding_free=True, max_seq_length=CAP),
+    )
     set_aux_loss_grad_scale(1.0)
 
     def run(collator, publish: bool = True, checkpointing: bool = False):

@@ -34,7 +34,7 @@ def test_each_micro_batch_gets_its_rows_layout_and_token_mask():
         local = {**local, "token_mask": local["attention_mask"]}
         with cp_rows(rows, None, "ring"):
             for i, mb in enumerate(split_microbatches(local, 2)):
-                _, alone = shard_batch({k: v[2 * i:2 * i + 2] for k, v in batch.items()}, cp_rank, 2)
+                _, alone = shard_batch({k: v[2 * i : 2 * i + 2] for k, v in batch.items()}, cp_rank, 2)
                 with micro_scope(i, mb):
                     got, group, mode = attention._state.cur
                     assert torch.equal(current_token_mask(), mb["token_mask"])
@@ -42,9 +42,9 @@ def test_each_micro_batch_gets_its_rows_layout_and_token_mask():
                     assert torch.equal(got.local, alone.local) and torch.equal(got.order, alone.order)
                     assert (group, mode) == (None, "ring")
                 assert attention._state.cur[0] is rows and current_token_mask() is None
-            assert rows.row_slice(0, 2) is rows.row_slice(0, 2)   # made once per batch (forward and backward share it)
+            assert rows.row_slice(0, 2) is rows.row_slice(0, 2)  # made once per batch (forward and backward share it)
     assert [rows.row_slice(2 * i, 2 * i + 2).causal for i in range(2)] == [False, False]
-    assert rows.row_slice(1, 3).causal   # rows 1 and 2: one unpadded document each
+    assert rows.row_slice(1, 3).causal  # rows 1 and 2: one unpadded document each
 
 
 def test_without_context_parallelism_only_the_mask():

@@ -1,6 +1,6 @@
 """hfpar.observe.plot: the one-run report (PNG + text summary) and `hfpar plot`, on synthetic run directories.
 
-    python -m pytest -q tests/unit/test_plot.py
+python -m pytest -q tests/unit/test_plot.py
 """
 
 from __future__ import annotations
@@ -18,8 +18,17 @@ def fake_run(root, name: str = "run", strategy: str = "fsdp2", steps: int = 20):
     d.mkdir()
     rows = []
     for s in range(1, steps + 1):
-        rows.append({"step": s, "loss": 4.0 / s, "lr": 1e-3 * (1 - s / steps), "grad_norm": 1.0 / s,
-                     "tokens_per_s": 1000.0 + 10 * s, "step_time_s": 0.5, "peak_mem_bytes": 2**30 + s})
+        rows.append(
+            {
+                "step": s,
+                "loss": 4.0 / s,
+                "lr": 1e-3 * (1 - s / steps),
+                "grad_norm": 1.0 / s,
+                "tokens_per_s": 1000.0 + 10 * s,
+                "step_time_s": 0.5,
+                "peak_mem_bytes": 2**30 + s,
+            }
+        )
         if s % 10 == 0:
             rows.append({"step": s, "eval_loss": 5.0 / s})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -51,8 +60,12 @@ def test_summary_table(tmp_path):
 def test_summary_units_fit_the_size(tmp_path):
     """A tiny model's bytes read in KiB / MiB, never 0.00 GiB (the table once printed that below ~5 MB)."""
     d = fake_run(tmp_path)
-    sizes = {"param_bytes_per_rank": [2_495_488, 1_247_744], "grad_bytes_per_rank": [1536, 812],
-             "optimizer_state_bytes_per_rank": [0, 5 * 2**30], "peak_mem_bytes_per_rank": [987_654_321]}
+    sizes = {
+        "param_bytes_per_rank": [2_495_488, 1_247_744],
+        "grad_bytes_per_rank": [1536, 812],
+        "optimizer_state_bytes_per_rank": [0, 5 * 2**30],
+        "peak_mem_bytes_per_rank": [987_654_321],
+    }
     (d / "run_info.json").write_text(json.dumps({"strategy": "ddp", **sizes}))
     table = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in summary_table(d).splitlines())}
     assert table["param bytes/rank"] == "2.38 MiB, 1.19 MiB"
@@ -61,9 +74,22 @@ def test_summary_units_fit_the_size(tmp_path):
     assert table["peak memory/rank"] == "942 MiB"
 
 
-@pytest.mark.parametrize("n, text", [(0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (10239, "10.0 KiB"),
-                                     (102399, "100 KiB"), (2**20 - 1, "1.00 MiB"), (18.3 * 2**20, "18.3 MiB"),
-                                     (2**29, "512 MiB"), (2**30 + 20, "1.00 GiB"), (1.5 * 2**40, "1.50 TiB")])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0 B"),
+        (1, "1 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (10239, "10.0 KiB"),
+        (102399, "100 KiB"),
+        (2**20 - 1, "1.00 MiB"),
+        (18.3 * 2**20, "18.3 MiB"),
+        (2**29, "512 MiB"),
+        (2**30 + 20, "1.00 GiB"),
+        (1.5 * 2**40, "1.50 TiB"),
+    ],
+)
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
 
@@ -81,7 +107,9 @@ def test_human_bytes_three_digits_never_zero():
 def test_summary_prefers_recorded_per_rank_peak_and_wall_time(tmp_path):
     d = fake_run(tmp_path)
     info = json.loads((d / "run_info.json").read_text())
-    (d / "run_info.json").write_text(json.dumps({**info, "peak_mem_bytes_per_rank": [2**31, 2**30], "wall_time_s": 63.0}))
+    (d / "run_info.json").write_text(
+        json.dumps({**info, "peak_mem_bytes_per_rank": [2**31, 2**30], "wall_time_s": 63.0})
+    )
     text = summary_table(d)
     assert "peak memory/rank" in text and "2.00 GiB, 1.00 GiB" in text and "wall time" in text and "63.0 s" in text
 

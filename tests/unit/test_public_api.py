@@ -1,6 +1,6 @@
 """The public API is visible to dir(hfpar) / autocomplete, and every name it lists resolves; cp_batch shifts once.
 
-    python -m pytest -q tests/unit/test_public_api.py
+python -m pytest -q tests/unit/test_public_api.py
 """
 
 import pytest
@@ -22,6 +22,6 @@ def test_cp_batch_shifts_labels_once_and_refuses_a_second_shift():
     ids = torch.arange(3, 11).view(1, 8)
     local, _ = cp_batch({"input_ids": ids, "labels": ids.clone()}, 0, 1)
     assert torch.equal(local["shift_labels"][0, :-1], ids[0, 1:]) and local["shift_labels"][0, -1] == -100
-    assert torch.equal(local["labels"], local["shift_labels"])            # HF's loss takes shift_labels as they are
+    assert torch.equal(local["labels"], local["shift_labels"])  # HF's loss takes shift_labels as they are
     with pytest.raises(ValueError, match="already has shift_labels"):
         cp_batch({"input_ids": ids, "labels": ids, "shift_labels": ids}, 0, 1)

@@ -37,19 +37,37 @@ def _trl_loss(cfg: PolicyLossConfig, logps, inputs):
     """TRL's _compute_loss on a stand-in trainer whose forward returns `logps` (one process, one micro-batch)."""
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=cfg.importance_sampling_level,
-        beta=cfg.beta, loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.eps_high,
-        args=types.SimpleNamespace(delta=cfg.delta, use_bias_correction_kl=cfg.use_bias_correction_kl,
-                                   steps_per_generation=1),
-        use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, max_completion_length=cfg.max_completion_length, accelerator=_Acc(),
-        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=cfg.importance_sampling_level,
+        beta=cfg.beta,
+        loss_type=cfg.loss_type,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.eps_high,
+        args=types.SimpleNamespace(
+            delta=cfg.delta, use_bias_correction_kl=cfg.use_bias_correction_kl, steps_per_generation=1
+        ),
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=cfg.max_completion_length,
+        accelerator=_Acc(),
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list)},
+    )
     loss = GRPOTrainer._compute_loss(fake, None, inputs)
     return loss, fake._metrics["train"]
 
 
-CASES = [(lt, lvl, beta, delta) for lt in LOSS_TYPES for lvl in ("token", "sequence") for beta in (0.0, 0.04)
-         for delta in (None,)] + [("grpo", "token", 0.04, 1.5), ("dapo", "token", 0.0, 1.5)]
+CASES = [
+    (lt, lvl, beta, delta)
+    for lt in LOSS_TYPES
+    for lvl in ("token", "sequence")
+    for beta in (0.0, 0.04)
+    for delta in (None,)
+] + [("grpo", "token", 0.04, 1.5), ("dapo", "token", 0.0, 1.5)]
 
 
 @pytest.mark.parametrize("loss_type,level,beta,delta", CASES)
@@ -61,11 +79,24 @@ def test_policy_loss_equals_trl(loss_type, level, beta, delta):
     logps = (old + 0.4 * torch.randn(B, T, generator=g)).requires_grad_(True)  # some ratios outside the clip range
     ref = old + 0.1 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
-    cfg = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta, delta=delta,
-                           epsilon_high=5.0 if loss_type == "cispo" else 0.28, max_completion_length=L)
-    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
-              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    cfg = PolicyLossConfig(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        delta=delta,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        max_completion_length=L,
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     want, metrics = _trl_loss(cfg, logps, inputs)
     (want_grad,) = torch.autograd.grad(want, logps)
     terms = policy_terms(logps, old, ref if beta else None, adv, mask, cfg)
@@ -86,8 +117,11 @@ def _trl_group_advantages(rewards_per_func, weights, G, scale):
     rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = torch.nan
     mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
-    std = trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0) if scale != "batch" \
+    std = (
+        trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+        if scale != "batch"
         else trl_nanstd(rewards).expand_as(rewards)
+    )
     adv = rewards - mean
     if scale != "none":
         adv = adv / (std + 1e-4)
@@ -98,8 +132,8 @@ def _trl_group_advantages(rewards_per_func, weights, G, scale):
 def test_group_advantages_equal_trl(scale):
     g = torch.Generator().manual_seed(1)
     per_func = torch.randint(0, 3, (12, 2), generator=g).float()
-    per_func[3, 0] = torch.nan          # one function returned None
-    per_func[7] = torch.nan             # unscorable
+    per_func[3, 0] = torch.nan  # one function returned None
+    per_func[7] = torch.nan  # unscorable
     weights = torch.tensor([1.0, 0.5])
     got, stats = group_advantages(weighted_rewards(per_func, weights), 4, scale)
     torch.testing.assert_close(got, _trl_group_advantages(per_func, weights, 4, scale))

@@ -43,8 +43,14 @@ def test_builtins_and_user_callables_score_with_trl_signature():
     got = score(funcs, ["1+1=", "2+3="], [" 2", "is 5!"], [[1], [2]], {"answer": ["2", "5"]}, step=1)
     assert got[:, 0].tolist() == [1.0, 0.0] and got[:, 1].tolist() == [1.0, 1.0] and got[:, 2].tolist() == [2.0, 5.0]
     assert math.isnan(got[0, 3]) and got[1, 3] == 1.0
-    convo = score(funcs[:1], [[{"role": "user", "content": "q"}]], [[{"role": "assistant", "content": "2"}]], [[1]],
-                  {"answer": ["2"]}, step=1)
+    convo = score(
+        funcs[:1],
+        [[{"role": "user", "content": "q"}]],
+        [[{"role": "assistant", "content": "2"}]],
+        [[1]],
+        {"answer": ["2"]},
+        step=1,
+    )
     assert convo.tolist() == [[1.0]]
 
 
@@ -55,11 +61,17 @@ def test_a_reward_model_directory_is_recognised(tmp_path):
     assert f.model_dir == tmp_path / "rm" and f.func is None and f.name == "rm"
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("no_such_builtin", r"--reward_funcs 'no_such_builtin': not a built-in \(exact_match, numeric_match\)"),
-    ("no_such_module_xyz:f", r"--reward_funcs no_such_module_xyz:f: module 'no_such_module_xyz' cannot be imported"),
-    (f"{ME}:missing", rf"--reward_funcs {ME}:missing: {ME} has no callable 'missing'"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_builtin", r"--reward_funcs 'no_such_builtin': not a built-in \(exact_match, numeric_match\)"),
+        (
+            "no_such_module_xyz:f",
+            r"--reward_funcs no_such_module_xyz:f: module 'no_such_module_xyz' cannot be imported",
+        ),
+        (f"{ME}:missing", rf"--reward_funcs {ME}:missing: {ME} has no callable 'missing'"),
+    ],
+)
 def test_a_reward_function_not_found_is_one_line(spec, message):
     with pytest.raises(RewardError, match=message) as err:
         resolve_reward_funcs([spec])
@@ -75,11 +87,14 @@ def test_a_directory_that_is_not_a_reward_model_and_bad_weights(tmp_path):
         resolve_reward_funcs([])
 
 
-@pytest.mark.parametrize("func,message", [
-    ("returns_two", r"step 3: reward function 'returns_two' returned 2 rewards for 3 completions"),
-    ("returns_nan", r"step 3: reward function 'returns_nan' returned nan for completion 0: rewards must be finite"),
-    ("raises", r"step 3: reward function 'raises' raised KeyError: 'solution'"),
-])
+@pytest.mark.parametrize(
+    "func,message",
+    [
+        ("returns_two", r"step 3: reward function 'returns_two' returned 2 rewards for 3 completions"),
+        ("returns_nan", r"step 3: reward function 'returns_nan' returned nan for completion 0: rewards must be finite"),
+        ("raises", r"step 3: reward function 'raises' raised KeyError: 'solution'"),
+    ],
+)
 def test_a_reward_function_that_misbehaves_is_one_line(func, message):
     funcs = resolve_reward_funcs([f"{ME}:{func}"])
     with pytest.raises(RewardError, match=message) as err:

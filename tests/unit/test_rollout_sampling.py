@@ -15,9 +15,18 @@ from hfpar.rollout.sampling import RowGumbelNoise, completion_mask, row_key, sam
 
 def _model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1, pad_token_id=0,
-                      bos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -29,7 +38,7 @@ def _left_pad(prompts: list[list[int]]):
 
 def _completions(model, prompts, keys, **kw):
     ids, mask = _left_pad(prompts)
-    out = sample(model, ids, mask, keys, max_new_tokens=8, eos_token_id=1, pad_token_id=0, **kw)[:, ids.size(1):]
+    out = sample(model, ids, mask, keys, max_new_tokens=8, eos_token_id=1, pad_token_id=0, **kw)[:, ids.size(1) :]
     keep = completion_mask(out, eos_token_id=1)
     return [row[m.bool()].tolist() for row, m in zip(out, keep)]  # a row's tokens up to its EOS
 
@@ -57,7 +66,7 @@ def test_gumbel_max_draws_follow_the_warped_distribution():
     noise = RowGumbelNoise([row_key(0, 0, 0, i) for i in range(n)], torch.device("cpu"))
     picks = noise(None, warped.expand(n, -1)).argmax(-1)
     freq = torch.bincount(picks, minlength=6).double() / n
-    assert torch.all(want[freq > 0] > 0)          # never a token top-k / top-p removed
+    assert torch.all(want[freq > 0] > 0)  # never a token top-k / top-p removed
     assert torch.allclose(freq, want.double(), atol=0.02), (freq, want)
 
 

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from hfpar.checkpoint.safe_load import CheckpointError, MetadataUnpickler, check_dcp_metadata, safe_loading
 from tests.helpers.planting import BY_NAME
 
-
 FORMS = {"by_value": pickle, "by_name": BY_NAME}
 
 
@@ -73,9 +72,14 @@ def test_dcp_checkpoint_in_either_form_is_read_by_every_dcp_reader(tmp_path, for
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_deepspeed_optimizer_state_in_either_form_is_read(tmp_path, form):
     """The shape of a ZeRO *_optim_states.pt: tensors, the ZeroStageEnum member, a loss scaler."""
-    state = {"optimizer_state_dict": {"zero_stage": ZeroStageEnum.optimizer_states, "loss_scaler":
-                                      LossScaler(scale=1.0),
-                                      "single_partition_of_fp32_groups": [torch.randn(5)]}, "ds_version": "0.19.8"}
+    state = {
+        "optimizer_state_dict": {
+            "zero_stage": ZeroStageEnum.optimizer_states,
+            "loss_scaler": LossScaler(scale=1.0),
+            "single_partition_of_fp32_groups": [torch.randn(5)],
+        },
+        "ds_version": "0.19.8",
+    }
     f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save(state, f, pickle_module=FORMS[form])
     with zipfile.ZipFile(f) as z:  # the zip's data.pkl holds the enum in the form asked for
@@ -84,8 +88,9 @@ def test_deepspeed_optimizer_state_in_either_form_is_read(tmp_path, form):
     with safe_loading(tmp_path):  # what DeepSpeed's engine and hfpar's zero_state call: torch.load
         got = torch.load(f, weights_only=False)["optimizer_state_dict"]
     assert got["zero_stage"] is ZeroStageEnum.optimizer_states
-    assert torch.equal(got["single_partition_of_fp32_groups"][0], state["optimizer_state_dict"][
-        "single_partition_of_fp32_groups"][0])
+    assert torch.equal(
+        got["single_partition_of_fp32_groups"][0], state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    )
 
 
 class _GetattrOn:

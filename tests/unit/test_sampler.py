@@ -62,13 +62,13 @@ def test_pipeline_splits_make_each_micro_batch_one_slice(per_device, dp, accum, 
     n, part = 97, per_device // splits
     ranks = [GlobalBatchSampler(n, per_device, dp, r, accum, seed=5, splits=splits) for r in range(dp)]
     one = GlobalBatchSampler(n, part * dp, 1, 0, accum * splits, seed=5)
-    for step in range(2 * ranks[0].steps_per_epoch + 1):   # crosses epochs
+    for step in range(2 * ranks[0].steps_per_epoch + 1):  # crosses epochs
         at = divmod(step, ranks[0].steps_per_epoch)
-        mine = [s.micro_batches(*at) for s in ranks]        # [rank][micro-step] -> rows
-        ref = one.micro_batches(*at)                        # [micro-step] -> rows
+        mine = [s.micro_batches(*at) for s in ranks]  # [rank][micro-step] -> rows
+        ref = one.micro_batches(*at)  # [micro-step] -> rows
         for a in range(accum):
             for i in range(splits):
-                rows = [x for r in range(dp) for x in mine[r][a][i * part:(i + 1) * part]]
+                rows = [x for r in range(dp) for x in mine[r][a][i * part : (i + 1) * part]]
                 assert rows == ref[a * splits + i]
         assert sorted(x for per_rank in mine for mb in per_rank for x in mb) == sorted(x for mb in ref for x in mb)
 

@@ -14,10 +14,14 @@ def test_same_lr_as_transformers_every_step(name, warmup, total):
     lrs = []
     for make in (get_scheduler, hf_get_scheduler):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
-        kw = {"scheduler_specific_kwargs": {"min_lr_rate": MIN_LR_RATE}} if make is hf_get_scheduler and name == "cosine_with_min_lr" else {}
+        kw = (
+            {"scheduler_specific_kwargs": {"min_lr_rate": MIN_LR_RATE}}
+            if make is hf_get_scheduler and name == "cosine_with_min_lr"
+            else {}
+        )
         sched = make(name, opt, num_warmup_steps=warmup, num_training_steps=total, **kw)
         seq = []
-        for _ in range(total + 3):   # past the end too
+        for _ in range(total + 3):  # past the end too
             seq.append(sched.get_last_lr()[0])
             opt.step()
             sched.step()

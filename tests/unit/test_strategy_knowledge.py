@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 
 HFPAR = Path(__file__).resolve().parents[2] / "hfpar"
-NAME_COMPARISON = re.compile(r"""(==|!=| in )\s*\(?\s*["'](single|ddp|fsdp1|fsdp2|zero1|zero2|zero3)["']"""
-                             r"""|startswith\(["'](zero|fsdp)""")
+NAME_COMPARISON = re.compile(
+    r"""(==|!=| in )\s*\(?\s*["'](single|ddp|fsdp1|fsdp2|zero1|zero2|zero3)["']"""
+    r"""|startswith\(["'](zero|fsdp)"""
+)
 
 
 def _modules(under: Path):
@@ -24,11 +26,16 @@ def _modules(under: Path):
 
 def test_no_strategy_name_comparison_outside_backends():
     backends = HFPAR / "backends"
-    hits = [f"{p.relative_to(HFPAR.parent)}:{i}: {line.strip()}"
-            for p in _modules(HFPAR) if backends not in p.parents
-            for i, line in enumerate(p.read_text().splitlines(), 1) if NAME_COMPARISON.search(line)]
-    assert not hits, "strategy names compared outside hfpar/backends/ (read ctx.strategy's attributes):\n" + \
-        "\n".join(hits)
+    hits = [
+        f"{p.relative_to(HFPAR.parent)}:{i}: {line.strip()}"
+        for p in _modules(HFPAR)
+        if backends not in p.parents
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if NAME_COMPARISON.search(line)
+    ]
+    assert not hits, "strategy names compared outside hfpar/backends/ (read ctx.strategy's attributes):\n" + "\n".join(
+        hits
+    )
 
 
 def _imported(tree: ast.AST, path: Path) -> list[str]:
@@ -57,6 +64,9 @@ def test_parallel_is_a_standalone_library():
                 problems.append(f"{rel}: imports {name}")
         if "RecipeArgs" in text:
             problems.append(f"{rel}: mentions RecipeArgs")
-        problems += [f"{rel}:{i}: reads args.{m.group(1)}" for i, line in enumerate(text.splitlines(), 1)
-                     for m in re.finditer(r"\bargs\.([A-Za-z_]\w*)", line)]
+        problems += [
+            f"{rel}:{i}: reads args.{m.group(1)}"
+            for i, line in enumerate(text.splitlines(), 1)
+            for m in re.finditer(r"\bargs\.([A-Za-z_]\w*)", line)
+        ]
     assert not problems, "hfpar/parallel/ must take numbers and groups, never RecipeArgs:\n" + "\n".join(problems)

@@ -8,7 +8,6 @@ test_tensorboard_events_hold_the_logged_loss), using `tensorboard_scalars` (test
 
 from __future__ import annotations
 
-
 import pytest
 
 from hfpar.config import REPORT_TO, ConfigError, parse_args

@@ -1,17 +1,39 @@
 """Context parallelism: the sequence of every row sharded over the cp ranks, attention exact over the whole row.
 
-    layout.py     load-balanced (zigzag) cut of a batch, labels shifted before it, documents from position ids
-    attention.py  ring and Ulysses (all-to-all) attention, registered as "hfpar_cp"
-    ring.py       the overlapped ring: K / V pieces passed by batched isend / irecv while a piece is computed
-    fused.py      attention through the device's fused kernel per block, merged by log-sum-exp (kernels.py)
-    kernel_calls.py  which kernel calls (no mask / causal / window mask) cover a block's documents
-    probe.py      whether a model's attention goes through transformers' registry (the preflight's CP check)
-    blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
+layout.py     load-balanced (zigzag) cut of a batch, labels shifted before it, documents from position ids
+attention.py  ring and Ulysses (all-to-all) attention, registered as "hfpar_cp"
+ring.py       the overlapped ring: K / V pieces passed by batched isend / irecv while a piece is computed
+fused.py      attention through the device's fused kernel per block, merged by log-sum-exp (kernels.py)
+kernel_calls.py  which kernel calls (no mask / causal / window mask) cover a block's documents
+probe.py      whether a model's attention goes through transformers' registry (the preflight's CP check)
+blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """
 
-from .attention import MODES, cp_attention_forward, cp_row_slice, cp_rows, register_cp_attention, ring_attention, ulysses_attention
+from .attention import (
+    MODES,
+    cp_attention_forward,
+    cp_row_slice,
+    cp_rows,
+    register_cp_attention,
+    ring_attention,
+    ulysses_attention,
+)
 from .blockwise import block_attention, doc_causal_mask
 from .layout import RowLayout, document_ids, shard_batch, shift_labels, zigzag_indices
 
-__all__ = ["block_attention", "doc_causal_mask", "MODES", "cp_attention_forward", "cp_row_slice", "cp_rows", "register_cp_attention", "ring_attention", "ulysses_attention",
-           "RowLayout", "document_ids", "shard_batch", "shift_labels", "zigzag_indices"]
+__all__ = [
+    "block_attention",
+    "doc_causal_mask",
+    "MODES",
+    "cp_attention_forward",
+    "cp_row_slice",
+    "cp_rows",
+    "register_cp_attention",
+    "ring_attention",
+    "ulysses_attention",
+    "RowLayout",
+    "document_ids",
+    "shard_batch",
+    "shift_labels",
+    "zigzag_indices",
+]

@@ -17,8 +17,8 @@ Two mechanisms (q, k, v arrive as (B, H, T/cp, D) on every rank, in the rank's z
 Both compute every block with the device's fused kernel (fused.py / kernels.py: flash attention with its
 log-sum-exp on CPU and CUDA), one call per document part of a block, so packed documents never attend to each
 other; padding tokens attend to themselves only (no empty softmax row, no NaN). Sliding windows (the registry's
-`sliding_window=`, per layer) cut the blocks' kernel calls (kernel_calls.py). Logit soft-capping (`softcap=`, Gemma 2) has no
-fused kernel: those layers take the named fallback, blockwise.block_attention (ring: its all-gather form).
+`sliding_window=`, per layer) cut the blocks' kernel calls (kernel_calls.py). Logit soft-capping (`softcap=`, Gemma 2)
+has no fused kernel: those layers take the named fallback, blockwise.block_attention (ring: its all-gather form).
 """
 
 from __future__ import annotations
@@ -67,16 +67,29 @@ def cp_row_slice(start: int, stop: int):
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if n == 1 else x.repeat_interleave(n, dim=1)                      # (B, Hkv * n, T, D)
+    return x if n == 1 else x.repeat_interleave(n, dim=1)  # (B, Hkv * n, T, D)
 
 
-def ring_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None, softcap=None,
-                   overlap: bool = True, pieces: int = 4) -> torch.Tensor:
+def ring_attention(
+    q,
+    k,
+    v,
+    rows: RowLayout,
+    group,
+    scaling=None,
+    block: int = BLOCK,
+    *,
+    window=None,
+    softcap=None,
+    overlap: bool = True,
+    pieces: int = 4,
+) -> torch.Tensor:
     """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D). overlap=False, or a softcap:
     the all-gather form over blockwise attention (`block` rows per block)."""
     if softcap or not overlap:
-        return block_attention(q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block,
-                               window=window, softcap=softcap)
+        return block_attention(
+            q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block, window=window, softcap=softcap
+        )
     if group_size(group) == 1:
         return fused_attention(q, k, v, rows, rows.local, rows.local, scaling, window)
     return overlapped_ring_attention(q, k, v, rows, group, scaling, window, pieces)
@@ -86,8 +99,8 @@ def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """(B, H, Tl, D) -> (B, H/cp, cp*Tl, D): head block j to rank j, sequence blocks concatenated in rank order."""
     cp = group_size(group)
     b, h, t, d = x.shape
-    x = x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()   # (cp, B, H/cp, Tl, D)
-    x = all_to_all_single_autograd(x.reshape(cp, -1), None, None, group)     # row j <- rank j's block
+    x = x.reshape(b, cp, h // cp, t, d).permute(1, 0, 2, 3, 4).contiguous()  # (cp, B, H/cp, Tl, D)
+    x = all_to_all_single_autograd(x.reshape(cp, -1), None, None, group)  # row j <- rank j's block
     return x.reshape(cp, b, h // cp, t, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
 
 
@@ -96,27 +109,30 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     cp = group_size(group)
     b, hl, t_all, d = x.shape
     t = t_all // cp
-    x = x.reshape(b, hl, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()       # (cp, B, H/cp, Tl, D)
+    x = x.reshape(b, hl, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, Tl, D)
     x = all_to_all_single_autograd(x.reshape(cp, -1), None, None, group)
     return x.reshape(cp, b, hl, t, d).permute(1, 0, 2, 3, 4).reshape(b, cp * hl, t, d)
 
 
-def ulysses_attention(q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None,
-                      softcap=None) -> torch.Tensor:
+def ulysses_attention(
+    q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None, softcap=None
+) -> torch.Tensor:
     cp = group_size(group)
     h, hkv = q.shape[1], k.shape[1]
     if h % cp:
-        raise ValueError(f"ulysses attention: {h} attention heads (per TP rank) are not divisible by cp_size {cp}; "
-                         "use --cp_mode ring")
-    if hkv % cp:                                                               # too few kv heads: repeat them
+        raise ValueError(
+            f"ulysses attention: {h} attention heads (per TP rank) are not divisible by cp_size {cp}; "
+            "use --cp_mode ring"
+        )
+    if hkv % cp:  # too few kv heads: repeat them
         k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
-    order = rows.order                                                         # equals rows.local at cp 1
-    qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))                  # (B, H/cp, T, D) gathered order
+    order = rows.order  # equals rows.local at cp 1
+    qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))  # (B, H/cp, T, D) gathered order
     if softcap:  # no fused kernel soft-caps: the blockwise fallback
         out = block_attention(qh, kh, vh, rows.doc, order, order, scaling, block=block, window=window, softcap=softcap)
-    else:        # positions in order: one causal kernel call per document (and window band)
+    else:  # positions in order: one causal kernel call per document (and window band)
         inv = torch.argsort(order)
-        qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))         # (B, H/cp, T, D) position order
+        qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))  # (B, H/cp, T, D) position order
         pos = torch.arange(inv.numel(), device=inv.device)
         out = fused_attention(qh, kh, vh, rows, pos, pos, scaling, window).index_select(2, order)
     return _heads_to_seq(out, group)
@@ -126,18 +142,28 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     """transformers' attention-function signature; returns ((B, Tl, H, D), None) like sdpa_attention_forward."""
     state = getattr(_state, "cur", None)
     if state is None:
-        raise RuntimeError("hfpar_cp attention called outside `with cp_rows(...)`: the row layout of the batch is "
-                           "unknown (the trainer sets it; in your own loop, shard the batch with shard_batch)")
+        raise RuntimeError(
+            "hfpar_cp attention called outside `with cp_rows(...)`: the row layout of the batch is "
+            "unknown (the trainer sets it; in your own loop, shard the batch with shard_batch)"
+        )
     if dropout:
         raise ValueError("context-parallel attention: attention dropout is not supported; set attention_dropout 0")
     rows, group, mode = state
     dq, dv = query.shape[-1], value.shape[-1]
     if dq != dv:  # MLA (DeepSeek-V2/V3): the fused kernels take one head size; zero columns change no dot product
-        scaling = dq ** -0.5 if scaling is None else scaling                  # and no output column kept
+        scaling = dq**-0.5 if scaling is None else scaling  # and no output column kept
         query, key, value = (F.pad(x, (0, max(dq, dv) - x.shape[-1])) for x in (query, key, value))
     fn = ring_attention if mode == "ring" else ulysses_attention
-    out = fn(query, key, value, rows, group, scaling, window=kwargs.get("sliding_window") or None,
-             softcap=kwargs.get("softcap") or None)
+    out = fn(
+        query,
+        key,
+        value,
+        rows,
+        group,
+        scaling,
+        window=kwargs.get("sliding_window") or None,
+        softcap=kwargs.get("softcap") or None,
+    )
     return out[..., :dv].transpose(1, 2).contiguous(), None
 
 

@@ -27,16 +27,17 @@ import torch
 
 from ..comm import all_gather, group_size, reduce_scatter
 
-BLOCK = 512    # query and key rows per block: (B, H, 512, 512) fp32 scores = 1 MiB per batch row and head
+BLOCK = 512  # query and key rows per block: (B, H, 512, 512) fp32 scores = 1 MiB per batch row and head
 
 
-def doc_causal_mask(doc: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None
-                    ) -> torch.Tensor:
+def doc_causal_mask(
+    doc: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """(B, 1, Tq, Tk) True where query position q_pos[i] may attend key position k_pos[j]: same document, key not
     after the query (and within `window`: q - window < k); a padding query (doc -1) attends to itself only."""
-    dq, dk = doc[:, q_pos], doc[:, k_pos]                                      # (B, Tq), (B, Tk)
-    same = (dq[:, :, None] == dk[:, None, :]) & (dq[:, :, None] >= 0)         # (B, Tq, Tk)
-    causal = k_pos[None, None, :] <= q_pos[None, :, None]                       # (1, Tq, Tk)
+    dq, dk = doc[:, q_pos], doc[:, k_pos]  # (B, Tq), (B, Tk)
+    same = (dq[:, :, None] == dk[:, None, :]) & (dq[:, :, None] >= 0)  # (B, Tq, Tk)
+    causal = k_pos[None, None, :] <= q_pos[None, :, None]  # (1, Tq, Tk)
     if window is not None:
         causal = causal & (k_pos[None, None, :] > q_pos[None, :, None] - window)
     self_pad = (dq[:, :, None] < 0) & (k_pos[None, None, :] == q_pos[None, :, None])
@@ -71,28 +72,29 @@ def _not_inf(x: torch.Tensor) -> torch.Tensor:
 
 def _forward(q5, k, v, doc, q_pos, k_pos, scale, size, acc, window, softcap):
     out = q5.new_zeros(q5.shape, dtype=acc)
-    lse = q5.new_full(q5.shape[:-1], float("-inf"), dtype=acc)                 # (B, Hkv, rep, Tq)
+    lse = q5.new_full(q5.shape[:-1], float("-inf"), dtype=acc)  # (B, Hkv, rep, Tq)
     for qs, ks, mask in _blocks(q_pos, k_pos, doc, size, window):
         s, _ = _scores(q5, k, qs, ks, mask, scale, acc, softcap)
-        blk_lse = torch.logsumexp(s, dim=-1)                                    # -inf: no key of this block
+        blk_lse = torch.logsumexp(s, dim=-1)  # -inf: no key of this block
         o = torch.exp(s - _not_inf(blk_lse)[..., None]) @ v[:, :, None, ks].to(acc)
         new = torch.logaddexp(lse[..., qs], blk_lse)
         base = _not_inf(new)
-        out[..., qs, :] = (out[..., qs, :] * torch.exp(lse[..., qs] - base)[..., None]
-                           + o * torch.exp(blk_lse - base)[..., None])
+        out[..., qs, :] = (
+            out[..., qs, :] * torch.exp(lse[..., qs] - base)[..., None] + o * torch.exp(blk_lse - base)[..., None]
+        )
         lse[..., qs] = new
     return out, lse
 
 
 def _backward(dout, q5, k, v, out, lse, doc, q_pos, k_pos, scale, size, acc, window, softcap):
     dout = dout.to(acc)
-    delta = (dout * out.to(acc)).sum(-1)                                        # (B, Hkv, rep, Tq)
+    delta = (dout * out.to(acc)).sum(-1)  # (B, Hkv, rep, Tq)
     dq = torch.zeros_like(q5, dtype=acc)
     dk = torch.zeros_like(k, dtype=acc)
     dv = torch.zeros_like(v, dtype=acc)
     for qs, ks, mask in _blocks(q_pos, k_pos, doc, size, window):
         s, cap_grad = _scores(q5, k, qs, ks, mask, scale, acc, softcap)
-        p = torch.exp(s - lse[..., qs, None])                                  # masked -> 0
+        p = torch.exp(s - lse[..., qs, None])  # masked -> 0
         do = dout[..., qs, :]
         dv[:, :, ks] += (p.transpose(-1, -2) @ do).sum(2)
         ds = p * (do @ v[:, :, None, ks].to(acc).transpose(-1, -2) - delta[..., qs, None])
@@ -125,15 +127,41 @@ class _BlockAttention(torch.autograd.Function):
         hkv = k.shape[1]
         kf, vf = (k, v) if group is None else (all_gather(k, 2, group), all_gather(v, 2, group))
         shape5 = (b, hkv, h // hkv, tq, d)
-        dq, dk, dv = _backward(dout.reshape(shape5), q.reshape(shape5), kf, vf, out.reshape(shape5), lse, doc,
-                               q_pos, k_pos, scale, size, acc, window, softcap)
+        dq, dk, dv = _backward(
+            dout.reshape(shape5),
+            q.reshape(shape5),
+            kf,
+            vf,
+            out.reshape(shape5),
+            lse,
+            doc,
+            q_pos,
+            k_pos,
+            scale,
+            size,
+            acc,
+            window,
+            softcap,
+        )
         if group is not None:
             dk, dv = reduce_scatter(dk, 2, group), reduce_scatter(dv, 2, group)
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 8)
 
 
-def block_attention(q, k, v, doc, q_pos, k_pos, scaling=None, *, group=None, block: int = BLOCK,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def block_attention(
+    q,
+    k,
+    v,
+    doc,
+    q_pos,
+    k_pos,
+    scaling=None,
+    *,
+    group=None,
+    block: int = BLOCK,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Document-causal attention of queries at global positions q_pos over keys at k_pos -> (B, H, Tq, D).
     With `group`, k and v are this rank's shards and k_pos the positions of their all-gather (rank order).
     window: sliding window (key visible when q - window < k <= q); softcap: logit soft-capping (Gemma 2)."""

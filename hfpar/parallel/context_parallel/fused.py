@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from .kernel_calls import pair_calls, segments
 from .kernels import attend, attend_backward
 from .layout import RowLayout
-from .kernel_calls import pair_calls, segments
 
 
 def row_calls(rows: RowLayout, q_segs, k_segs, window) -> list[tuple[slice, list]]:
@@ -48,12 +48,12 @@ def add_blocks(out, lse, q, k, v, calls, scale) -> None:
     """Merge the attention of q over the keys k, v (as the calls lay them out) into the running (out, lse)."""
     for b, ops in calls:
         for op in ops:
-            qs, ks, vs = q[b, :, op.qa:op.qb], k[b, :, op.ka:op.kb], v[b, :, op.ka:op.kb]
+            qs, ks, vs = q[b, :, op.qa : op.qb], k[b, :, op.ka : op.kb], v[b, :, op.ka : op.kb]
             if op.kind == "self":
                 o, blk = _self_block(qs, ks, vs, scale)
             else:
                 o, blk = attend(qs, ks, vs, op.kind, op.mask, scale)
-            cur, o_cur = lse[b, :, op.qa:op.qb], out[b, :, op.qa:op.qb]   # views: merged in place
+            cur, o_cur = lse[b, :, op.qa : op.qb], out[b, :, op.qa : op.qb]  # views: merged in place
             blk = blk.to(cur.dtype)
             # this block's share of the merged softmax, exp(blk - logaddexp(cur, blk)) = sigmoid(blk - cur): 1 for
             # queries no block has reached yet (cur = -inf); out <- out (1 - w) + o w in one pass (fewer kernels)
@@ -67,12 +67,11 @@ def blocks_backward(dout, q, k, v, out, lse, calls, scale, dq, dk, dv) -> None:
     for b, ops in calls:
         for op in ops:
             qsl, ksl = (b, slice(None), slice(op.qa, op.qb)), (b, slice(None), slice(op.ka, op.kb))
-            if op.kind == "self":                          # out = v: only dv gets a gradient
+            if op.kind == "self":  # out = v: only dv gets a gradient
                 g = dout[qsl].to(dv.dtype)
                 dv[ksl] += g if n == 1 else g.unflatten(1, (-1, n)).sum(2)
                 continue
-            gq, gk, gv = attend_backward(dout[qsl], q[qsl], k[ksl], v[ksl], out[qsl], lse[qsl], op.kind, op.mask,
-                                         scale)
+            gq, gk, gv = attend_backward(dout[qsl], q[qsl], k[ksl], v[ksl], out[qsl], lse[qsl], op.kind, op.mask, scale)
             dq[qsl] += gq
             dk[ksl] += gk
             dv[ksl] += gv

@@ -27,12 +27,12 @@ import torch
 
 
 class Op(NamedTuple):
-    qa: int                 # query index range [qa, qb) in the q tensor
+    qa: int  # query index range [qa, qb) in the q tensor
     qb: int
-    ka: int                 # key index range [ka, kb) in the k tensor
+    ka: int  # key index range [ka, kb) in the k tensor
     kb: int
-    kind: str               # "full" | "causal" | "mask" | "self"
-    mask: torch.Tensor | None = None    # (qb - qa, kb - ka) bool, for "mask"
+    kind: str  # "full" | "causal" | "mask" | "self"
+    mask: torch.Tensor | None = None  # (qb - qa, kb - ka) bool, for "mask"
 
 
 def runs(doc_row: list[int]) -> list[tuple[int, int, int]]:
@@ -48,14 +48,14 @@ def runs(doc_row: list[int]) -> list[tuple[int, int, int]]:
 def _window_rect(qa, qb, ka, kb, causal: bool, window: int):
     """(qa, qb, ka, kb, kind, mask) of positions [qa, qb) x [ka, kb) (causal: qa == ka, qb == kb) under a window,
     or None when nothing is visible."""
-    far = (qb - 1) - ka                                    # largest query - key distance in the rectangle
+    far = (qb - 1) - ka  # largest query - key distance in the rectangle
     if far < window:
         return qa, qb, ka, kb, "causal" if causal else "full", None
     near = 0 if causal else qa - (kb - 1)
     if near >= window:
         return None
-    qb2 = min(qb, kb - 1 + window)                         # rows at or past kb - 1 + w see no key
-    ka2 = max(ka, qa - window + 1)                         # keys at or before qa - w are seen by no row
+    qb2 = min(qb, kb - 1 + window)  # rows at or past kb - 1 + w see no key
+    ka2 = max(ka, qa - window + 1)  # keys at or before qa - w are seen by no row
     qp = torch.arange(qa, qb2)[:, None]
     kp = torch.arange(ka2, kb)[None, :]
     mask = (kp > qp - window) & (kp <= qp)
@@ -65,12 +65,12 @@ def _window_rect(qa, qb, ka, kb, causal: bool, window: int):
 def _pair(qa, qb, ka, kb, window):
     """Rectangles of position ranges Q = [qa, qb), K = [ka, kb) inside one document, key <= query."""
     rects = []
-    if ka < min(kb, qa):                                   # keys before the first query: seen by every query
+    if ka < min(kb, qa):  # keys before the first query: seen by every query
         rects.append((qa, qb, ka, min(kb, qa), False))
     oa, ob = max(ka, qa), min(kb, qb)
-    if oa < ob:                                            # shared positions: causal square ...
+    if oa < ob:  # shared positions: causal square ...
         rects.append((oa, ob, oa, ob, True))
-        if ob < qb:                                        # ... and the later queries see all of it
+        if ob < qb:  # ... and the later queries see all of it
             rects.append((ob, qb, oa, ob, False))
     out = []
     for a, b, c, d, causal in rects:
@@ -91,7 +91,7 @@ def pair_calls(doc_row: list[int], q_segs, k_segs, window: int | None = None) ->
                 qa, qb, ka, kb = max(qp, s), min(qp + qn, e), max(kp, s), min(kp + kn, e)
                 if qa >= qb or ka >= kb:
                     continue
-                if d < 0:                                  # padding: each query attends to itself only
+                if d < 0:  # padding: each query attends to itself only
                     oa, ob = max(qa, ka), min(qb, kb)
                     if oa < ob:
                         ops.append(Op(oa - qp + qi, ob - qp + qi, oa - kp + ki, ob - kp + ki, "self"))

@@ -13,8 +13,9 @@ Why the private aten ops: F.scaled_dot_product_attention returns no log-sum-exp,
     CPU   aten._scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA, an additive mask.
     CUDA  aten._scaled_dot_product_flash_attention (fp16 / bf16, no mask: GQA kv heads taken as they are) or
           aten._scaled_dot_product_efficient_attention (fp32, or a mask as an additive bias; kv heads repeated
-          for GQA and their gradients summed back). Checked on an H200 (torch 2.11) by benchmarks/context_parallel/gpu_attention.py:
-          fp32 and bf16, packed rows, GQA, sliding windows, every rank of cp = 1, 2, 4 against SDPA's dense mask.
+          for GQA and their gradients summed back). Checked on an H200 (torch 2.11) by
+          benchmarks/context_parallel/gpu_attention.py: fp32 and bf16, packed rows, GQA, sliding windows, every rank of
+          cp = 1, 2, 4 against SDPA's dense mask.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _cpu_forward(q, k, v, causal, mask, scale):
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, mask, scale):
     bias = None if mask is None else _bias(mask.to(q.device), q.dtype)
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                      attn_mask=bias, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
 
 
 def _repeat(x, n):
@@ -61,8 +63,8 @@ def _use_flash(q, mask) -> bool:
 
 def _half_masked(q, mask) -> bool:
     """A window-cut block in bf16 / fp16: the efficient kernel's half-precision backward under a -inf bias gave NaN
-    dq / dk on an H200 (torch 2.11, benchmarks/context_parallel/gpu_attention.py) where its fp32 path was exact, so such blocks (the
-    edges of a sliding-window band, few per row) run in fp32."""
+    dq / dk on an H200 (torch 2.11, benchmarks/context_parallel/gpu_attention.py) where its fp32 path was exact, so such
+    blocks (the edges of a sliding-window band, few per row) run in fp32."""
     return mask is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -70,30 +72,43 @@ def _cuda_forward(q, k, v, causal, mask, scale):
     if _half_masked(q, mask):
         out, lse = _cuda_forward(q.float(), k.float(), v.float(), causal, mask, scale)
         return out.to(q.dtype), lse
-    if _use_flash(q, mask):                                # flash takes fewer kv heads (GQA) as they are
+    if _use_flash(q, mask):  # flash takes fewer kv heads (GQA) as they are
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
     n = q.shape[1] // k.shape[1]
     k, v = _repeat(k, n), _repeat(v, n)
     bias = None if mask is None else _cuda_bias(mask, q)
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]                     # the efficient kernel pads lse rows to a multiple of 32
+    return out, lse[..., : q.shape[2]]  # the efficient kernel pads lse rows to a multiple of 32
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, mask, scale):
-    if _half_masked(q, mask):                              # fp32 gradients: the callers accumulate in fp32
+    if _half_masked(q, mask):  # fp32 gradients: the callers accumulate in fp32
         return _cuda_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal, mask, scale)
     n = q.shape[1] // k.shape[1]
     tq, tk = q.shape[2], k.shape[2]
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout is 0: the philox state is not read
-    if _use_flash(q, mask):                                # GQA as in forward: dk, dv come with the kv heads
+    if _use_flash(q, mask):  # GQA as in forward: dk, dv come with the kv heads
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.float().contiguous(), None, None, tq, tk, 0.0, causal, seed, seed, scale=scale)[:3]
+            dout, q, k, v, out, lse.float().contiguous(), None, None, tq, tk, 0.0, causal, seed, seed, scale=scale
+        )[:3]
     bias = None if mask is None else _cuda_bias(mask, q)
     lse = torch.nn.functional.pad(lse.float(), (0, (-tq) % 32)).contiguous()
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat(k, n), _repeat(v, n), bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
-        scale=scale)
+        dout,
+        q,
+        _repeat(k, n),
+        _repeat(v, n),
+        bias,
+        out,
+        lse,
+        seed,
+        seed,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return dq, _unrepeat(dk, n), _unrepeat(dv, n)
 
 
@@ -107,7 +122,7 @@ def _common(*xs):
 def attend(q, k, v, kind: str, mask, scale: float):
     """(out (B, H, tq, D) in q's dtype, lse (B, H, tq)) of one block; kind "full", "causal" or "mask"."""
     fwd = _cpu_forward if q.device.type == "cpu" else _cuda_forward
-    q, k, v = _common(q, k, v)   # under autocast q, k (roped in fp32) and v (bf16) can differ: one dtype, as SDPA
+    q, k, v = _common(q, k, v)  # under autocast q, k (roped in fp32) and v (bf16) can differ: one dtype, as SDPA
     return fwd(q, k, v, kind == "causal", mask, scale)
 
 

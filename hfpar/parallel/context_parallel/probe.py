@@ -20,20 +20,22 @@ import inspect
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
+
 # under a ZeRO-3 launch, from_config would build the probe inside deepspeed.zero.Init (which cannot copy meta
 # tensors); transformers' own marker for "zero.Init is already active" keeps the probe a plain meta model
 from transformers.modeling_utils import set_zero3_state
 
 PROBE = "hfpar_cp_probe"
-SUPPORTED_KWARGS = ("sliding_window", "softcap")           # honoured (kernel_calls.py / blockwise.py)
-REFUSED_KWARGS = {"s_aux": "attention sinks (s_aux)"}      # would be silently dropped: refused
+SUPPORTED_KWARGS = ("sliding_window", "softcap")  # honoured (kernel_calls.py / blockwise.py)
+REFUSED_KWARGS = {"s_aux": "attention sinks (s_aux)"}  # would be silently dropped: refused
 
 
 def _record(calls):
     def probe(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         calls.append((module, dropout, kwargs))
-        b, h, t, _ = query.shape                          # (B, T, H, Dv): value's head dim (MLA: Dv != Dqk)
+        b, h, t, _ = query.shape  # (B, T, H, Dv): value's head dim (MLA: Dv != Dqk)
         return query.new_empty(b, t, h, value.shape[-1]), None
+
     return probe
 
 
@@ -46,28 +48,43 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
         with set_zero3_state(), torch.device("meta"):
             # a copy: from_config records both implementations on the config it gets. batched_mm experts (MoE
             # families): grouped_mm refuses fp32 on CPU and eager indexes by data (nonzero), neither runs on meta
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=PROBE,
-                                                     experts_implementation="batched_mm")
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=PROBE, experts_implementation="batched_mm"
+            )
         if "position_ids" not in inspect.signature(model.forward).parameters:
-            return [(f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
-                     "global position)")]
+            return [
+                (
+                    f"{name}: its forward takes no position_ids, which context parallelism needs (each token's "
+                    "global position)"
+                )
+            ]
         model.train()
         ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
         pos = torch.arange(tokens, device="meta")[None]
         with torch.no_grad():
             model(input_ids=ids, position_ids=pos)
     except Exception as exc:  # noqa: BLE001 - any failure means the model could not be checked: refuse, say why
-        return [(f"{name}: could not check how its attention is computed ({type(exc).__name__}: "
-                 f"{str(exc).splitlines()[0][:160]}); context parallelism needs attention through transformers' "
-                 "attention registry")]
+        return [
+            (
+                f"{name}: could not check how its attention is computed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); context parallelism needs attention through transformers' "
+                "attention registry"
+            )
+        ]
     called = {id(m) for m, _, _ in calls}
     problems = []
     for mod_name, mod in model.named_modules():
-        if type(mod).__name__.endswith("Attention") and id(mod) not in called and not any(
-                id(sub) in called for sub in mod.modules()) and not _inside_called(model, mod_name, called):
-            problems.append(f"{type(mod).__name__} ({mod_name}) computes attention itself instead of calling "
-                            "transformers' attention registry (attn_implementation), which context parallelism "
-                            "replaces")
+        if (
+            type(mod).__name__.endswith("Attention")
+            and id(mod) not in called
+            and not any(id(sub) in called for sub in mod.modules())
+            and not _inside_called(model, mod_name, called)
+        ):
+            problems.append(
+                f"{type(mod).__name__} ({mod_name}) computes attention itself instead of calling "
+                "transformers' attention registry (attn_implementation), which context parallelism "
+                "replaces"
+            )
             break
     seen = set()
     for module, dropout, kwargs in calls:
@@ -82,8 +99,10 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
                 seen.add((cls, f))
                 problems.append(f"{cls} uses {f}, which hfpar's context-parallel attention does not implement")
     if not calls and not problems:
-        problems.append(f"{name}: no module called transformers' attention registry (attn_implementation); "
-                        "context parallelism replaces that function, so it cannot shard this model")
+        problems.append(
+            f"{name}: no module called transformers' attention registry (attn_implementation); "
+            "context parallelism replaces that function, so it cannot shard this model"
+        )
     return problems
 
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..comm import comm_stats, group_rank, group_size
 from .fused import add_blocks, blocks_backward, new_state, row_calls
-from .layout import RowLayout, zigzag_indices
 from .kernel_calls import segments
+from .layout import RowLayout, zigzag_indices
 
 
 def _bounds(n_tokens: int, pieces: int) -> list[tuple[int, int]]:
@@ -39,12 +39,12 @@ def _bounds(n_tokens: int, pieces: int) -> list[tuple[int, int]]:
 def _exchange(send: list[torch.Tensor], recv_like: list[torch.Tensor], peers) -> tuple[list, list]:
     """Post sends of `send` to the next rank and receives shaped like `recv_like` from the previous one."""
     nxt, prv = peers
-    send = [t.contiguous() for t in send]                  # gloo / NCCL send contiguous buffers
+    send = [t.contiguous() for t in send]  # gloo / NCCL send contiguous buffers
     bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
     if comm_stats.enabled and send:
         comm_stats.record("send", sum(t.numel() * t.element_size() for t in send))
     ops = [dist.P2POp(dist.isend, t, nxt) for t in send] + [dist.P2POp(dist.irecv, t, prv) for t in bufs]
-    return ((dist.batch_isend_irecv(ops) if ops else []), send), bufs   # the send buffers live until _wait
+    return ((dist.batch_isend_irecv(ops) if ops else []), send), bufs  # the send buffers live until _wait
 
 
 def _wait(handle) -> None:
@@ -67,7 +67,7 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, rows, group, scale, window, pieces):
         cp, r, peers, bounds, q_segs, src_pos = _ring_layout(rows, group, k.shape[2], pieces)
         out, lse = new_state(q)
-        hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]     # own pieces: contiguous copies when sent
+        hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]  # own pieces: contiguous copies when sent
         for s in range(cp):
             src = (r - s) % cp
             nxt = [None] * len(bounds)
@@ -78,7 +78,7 @@ class _Ring(torch.autograd.Function):
                 calls = row_calls(rows, q_segs, segments(src_pos[src][a:b]), window)
                 add_blocks(out, lse, q, hold[i][0], hold[i][1], calls, scale)
                 _wait(reqs)
-                hold[i] = None                             # this piece has been computed and passed on
+                hold[i] = None  # this piece has been computed and passed on
             hold = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -94,7 +94,7 @@ class _Ring(torch.autograd.Function):
         acc = lse.dtype
         dq = torch.zeros_like(q, dtype=acc)
         hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]
-        done = [None] * len(bounds)                        # complete-so-far (dK, dV) of the last step's pieces
+        done = [None] * len(bounds)  # complete-so-far (dK, dV) of the last step's pieces
         for s in range(cp):
             src = (r - s) % cp
             nxt = [None] * len(bounds)
@@ -102,7 +102,7 @@ class _Ring(torch.autograd.Function):
                 send, like = [], []
                 if s < cp - 1:
                     send, like = list(hold[i]), list(hold[i])
-                if s > 0:                                  # last step's partial dK / dV on, this step's in
+                if s > 0:  # last step's partial dK / dV on, this step's in
                     send += list(done[i])
                     like += list(done[i])
                 reqs, bufs = _exchange(send, like, peers)
@@ -118,7 +118,7 @@ class _Ring(torch.autograd.Function):
                 done[i], hold[i] = (dk, dv), None
             hold = nxt
         grads = []
-        for i in range(len(bounds)):                       # the complete sums go home: rank r + 1 owns them
+        for i in range(len(bounds)):  # the complete sums go home: rank r + 1 owns them
             reqs, bufs = _exchange(list(done[i]), list(done[i]), peers)
             _wait(reqs)
             grads.append(bufs)
@@ -128,8 +128,9 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def overlapped_ring_attention(q, k, v, rows: RowLayout, group, scaling=None, window: int | None = None,
-                              pieces: int = 4) -> torch.Tensor:
+def overlapped_ring_attention(
+    q, k, v, rows: RowLayout, group, scaling=None, window: int | None = None, pieces: int = 4
+) -> torch.Tensor:
     """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) this rank's shard -> (B, H, Tl, D)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")

@@ -1,23 +1,48 @@
 """Mixture-of-experts and expert parallelism: router, grouped experts, all-to-all MoE layer, apply, upcycle.
 
-    router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), moe_token_mask
-    moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
-    families.py  which HF modules are MoE blocks: MOE_FAMILIES / UPCYCLE_FAMILIES (data), generic detection
-    hf_experts.py  any other HF MoE block: its own code, only its experts module sharded by expert (checked first)
-    apply.py     apply_expert_parallel (HF's aux-loss semantics, or hfpar's global aux loss on request)
-    hf_outputs.py  router logits for HF's output_router_logits / aux_loss after conversion
-    upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
+router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), moe_token_mask
+moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
+families.py  which HF modules are MoE blocks: MOE_FAMILIES / UPCYCLE_FAMILIES (data), generic detection
+hf_experts.py  any other HF MoE block: its own code, only its experts module sharded by expert (checked first)
+apply.py     apply_expert_parallel (HF's aux-loss semantics, or hfpar's global aux loss on request)
+hf_outputs.py  router logits for HF's output_router_logits / aux_loss after conversion
+upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
 """
 
-from .apply import (MOE_FAMILIES, UPCYCLE_FAMILIES, apply_expert_parallel, attach_moe_token_mask,
-                    expert_parallel_groups, expert_parameters, gather_expert_state_dict, non_expert_parameters)
+from .apply import (
+    MOE_FAMILIES,
+    UPCYCLE_FAMILIES,
+    apply_expert_parallel,
+    attach_moe_token_mask,
+    expert_parallel_groups,
+    expert_parameters,
+    gather_expert_state_dict,
+    non_expert_parameters,
+)
 from .families import config_num_experts, has_moe_blocks
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale, set_aux_loss_loss_scale
 from .upcycle import is_upcycled, save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config
 
-__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel", "attach_moe_token_mask",
-           "expert_parallel_groups", "expert_parameters", "gather_expert_state_dict", "non_expert_parameters",
-           "config_num_experts", "has_moe_blocks", "GroupedExperts", "MoELayer", "TopKRouter", "moe_token_mask",
-           "set_aux_loss_grad_scale", "set_aux_loss_loss_scale", "is_upcycled",
-           "save_upcycled_pretrained", "upcycle_to_moe", "upcycled_hf_config"]
+__all__ = [
+    "MOE_FAMILIES",
+    "UPCYCLE_FAMILIES",
+    "apply_expert_parallel",
+    "attach_moe_token_mask",
+    "expert_parallel_groups",
+    "expert_parameters",
+    "gather_expert_state_dict",
+    "non_expert_parameters",
+    "config_num_experts",
+    "has_moe_blocks",
+    "GroupedExperts",
+    "MoELayer",
+    "TopKRouter",
+    "moe_token_mask",
+    "set_aux_loss_grad_scale",
+    "set_aux_loss_loss_scale",
+    "is_upcycled",
+    "save_upcycled_pretrained",
+    "upcycle_to_moe",
+    "upcycled_hf_config",
+]

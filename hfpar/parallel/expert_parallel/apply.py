@@ -59,7 +59,7 @@ activation checkpointing (reentrant or not); or wrap forward and backward in `mo
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,9 +76,19 @@ from .hf_outputs import record_router_logits
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask
 
-__all__ = ["MoEFamily", "UpcycleFamily", "MOE_FAMILIES", "UPCYCLE_FAMILIES", "apply_expert_parallel",
-           "gather_expert_state_dict", "expert_parallel_groups", "expert_parameters", "non_expert_parameters",
-           "attach_moe_token_mask", "moe_token_mask"]
+__all__ = [
+    "MoEFamily",
+    "UpcycleFamily",
+    "MOE_FAMILIES",
+    "UPCYCLE_FAMILIES",
+    "apply_expert_parallel",
+    "gather_expert_state_dict",
+    "expert_parallel_groups",
+    "expert_parameters",
+    "non_expert_parameters",
+    "attach_moe_token_mask",
+    "moe_token_mask",
+]
 
 
 # ----------------------------------------------------------------------------- groups
@@ -115,7 +125,7 @@ def _validate(blocks: list[MoEBlock], ep: int, dp: int) -> list[str]:
         problems.append(f"ep_size {ep} does not divide the data-parallel size {dp}")
     for b in blocks:
         where = f"{b.path}: "
-        if b.fam is None:                                                # upcycled: shapes set by hfpar
+        if b.fam is None:  # upcycled: shapes set by hfpar
             if b.module.ep_size > 1 or b.module.parallelized:
                 problems.append(where + f"already expert-parallel (ep={b.module.ep_size})")
                 continue
@@ -124,11 +134,16 @@ def _validate(blocks: list[MoEBlock], ep: int, dp: int) -> list[str]:
             gate_w = router.weight
             H = gate_w.shape[-1]
             I = experts.down_proj.shape[-1]
-            want = {"router.weight": (gate_w.shape, (b.E, H)),
-                    "experts.gate_up_proj": (experts.gate_up_proj.shape, (b.E, 2 * I, H)),
-                    "experts.down_proj": (experts.down_proj.shape, (b.E, H, I))}
-            problems += [where + f"{n} has shape {tuple(got)}, expected {exp} (num_experts={b.E})"
-                         for n, (got, exp) in want.items() if tuple(got) != exp]
+            want = {
+                "router.weight": (gate_w.shape, (b.E, H)),
+                "experts.gate_up_proj": (experts.gate_up_proj.shape, (b.E, 2 * I, H)),
+                "experts.down_proj": (experts.down_proj.shape, (b.E, H, I)),
+            }
+            problems += [
+                where + f"{n} has shape {tuple(got)}, expected {exp} (num_experts={b.E})"
+                for n, (got, exp) in want.items()
+                if tuple(got) != exp
+            ]
         if b.E % ep:
             problems.append(where + f"num_experts {b.E} is not divisible by ep_size {ep}")
         if not 1 <= b.k <= b.E:
@@ -155,14 +170,21 @@ def _check_same_weights(blocks: list[MoEBlock | HFExperts], group) -> None:
         spans.append((len(rows), len(rows) + 2 * len(ts)))
         for t in ts:
             rows += [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)]
-    local = torch.stack(rows)[None]                                      # (1, 2 * tensors), on the params' device
-    every = all_gather(local, dim=0, group=group)                        # (G, 2 * tensors)
+    local = torch.stack(rows)[None]  # (1, 2 * tensors), on the params' device
+    every = all_gather(local, dim=0, group=group)  # (G, 2 * tensors)
     for b, (lo, hi) in zip(blocks, spans):
         cols = every[:, lo:hi]
         if not torch.equal(cols, cols[:1].expand_as(cols)):
-            raise ParallelError("apply_expert_parallel", [Problem(
-                f"{b.path} router / expert weights differ across the ranks of the data-parallel group",
-                "load the same full weights (same seed / checkpoint) on every rank before apply_expert_parallel")])
+            raise ParallelError(
+                "apply_expert_parallel",
+                [
+                    Problem(
+                        f"{b.path} router / expert weights differ across the ranks of the data-parallel group",
+                        "load the same full weights (same seed / checkpoint) on every rank before "
+                        "apply_expert_parallel",
+                    )
+                ],
+            )
 
 
 def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[list[HFExperts], list[str]]:
@@ -175,13 +197,24 @@ def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[l
 
 def _validate_hf(found: list[HFExperts], ep: int, aux_loss_coef, z_loss_coef, capacity_factor) -> list[str | Problem]:
     problems = [f"{x.path}: num_experts {x.E} is not divisible by ep_size {ep}" for x in found if x.E % ep]
-    asked = {k: v for k, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
-                               ("capacity_factor", capacity_factor)) if v}
+    asked = {
+        k: v
+        for k, v in (
+            ("aux_loss_coef", aux_loss_coef),
+            ("z_loss_coef", z_loss_coef),
+            ("capacity_factor", capacity_factor),
+        )
+        if v
+    }
     if found and asked:
         x = found[0]
-        problems.append(Problem(f"{x.path} ({type(x.block).__name__}) keeps the HF block's own router, so "
-                                f"{', '.join(f'{k}={v}' for k, v in asked.items())} (hfpar's router) cannot apply",
-                                "pass None (the HF model's own aux loss comes with output_router_logits)"))
+        problems.append(
+            Problem(
+                f"{x.path} ({type(x.block).__name__}) keeps the HF block's own router, so "
+                f"{', '.join(f'{k}={v}' for k, v in asked.items())} (hfpar's router) cannot apply",
+                "pass None (the HF model's own aux loss comes with output_router_logits)",
+            )
+        )
     return problems
 
 
@@ -199,22 +232,37 @@ def _new_router(weight: torch.Tensor, num_experts: int, top_k: int, **kw) -> Top
     return router
 
 
-def _convert(b: MoEBlock, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux_loss_coef, z_loss_coef,
-             capacity_factor, share: bool = False) -> MoELayer:
+def _convert(
+    b: MoEBlock,
+    cfg,
+    *,
+    ep: int,
+    ep_rank: int,
+    ep_group,
+    dp_group,
+    aux_loss_coef,
+    z_loss_coef,
+    capacity_factor,
+    share: bool = False,
+) -> MoELayer:
     """The MoELayer of block b holding experts [ep_rank * E/ep, ...). share (ep 1): reuse b's tensors (probe)."""
     El, start = b.E // ep, ep_rank * (b.E // ep)
-    take = (lambda t: t) if share else (lambda t: _param_like(t[start:start + El]))
-    if b.fam is None:                                                    # upcycled MoELayer with all experts
+    take = (lambda t: t) if share else (lambda t: _param_like(t[start : start + El]))
+    if b.fam is None:  # upcycled MoELayer with all experts
         router, src = b.module.gate, b.module.experts
         shared, shared_gate = b.module.shared_expert, b.module.shared_expert_gate
         act = src.act_name
-    else:                                                                # HF block: HF's objective, no aux
-        fam = b.fam                                                      # unless asked (aux_loss_coef)
+    else:  # HF block: HF's objective, no aux
+        fam = b.fam  # unless asked (aux_loss_coef)
         hf_router, src = getattr(b.module, fam.router), getattr(b.module, fam.experts)
-        router = _new_router(hf_router.weight if share else _param_like(hf_router.weight), b.E, b.k,
-                             norm_topk_prob=bool(config_value(cfg, fam.norm_topk_prob)),
-                             jitter_eps=float(getattr(cfg, fam.jitter, 0.0) or 0.0) if fam.jitter else 0.0,
-                             aux_loss_coef=0.0)
+        router = _new_router(
+            hf_router.weight if share else _param_like(hf_router.weight),
+            b.E,
+            b.k,
+            norm_topk_prob=bool(config_value(cfg, fam.norm_topk_prob)),
+            jitter_eps=float(getattr(cfg, fam.jitter, 0.0) or 0.0) if fam.jitter else 0.0,
+            aux_loss_coef=0.0,
+        )
         shared = getattr(b.module, fam.shared_expert) if fam.shared_expert else None
         shared_gate = getattr(b.module, fam.shared_expert_gate) if fam.shared_expert_gate else None
         act = getattr(cfg, "hidden_act", "silu")
@@ -226,22 +274,40 @@ def _convert(b: MoEBlock, cfg, *, ep: int, ep_rank: int, ep_group, dp_group, aux
     H, I = src.gate_up_proj.shape[-1], src.down_proj.shape[-1]
     with torch.device("meta"):
         experts = GroupedExperts(El, H, I, act)
-    experts.gate_up_proj = take(src.gate_up_proj)                        # (E/ep, 2I, H)
-    experts.down_proj = take(src.down_proj)                              # (E/ep, H, I)
-    names = {} if b.fam is None else {"router_name": b.fam.router,
-                                      "shared_name": b.fam.shared_expert or "shared_expert"}
-    return MoELayer(router, experts, ep_group=ep_group, shared_expert=shared, shared_expert_gate=shared_gate,
-                    capacity_factor=capacity_factor, **names)
+    experts.gate_up_proj = take(src.gate_up_proj)  # (E/ep, 2I, H)
+    experts.down_proj = take(src.down_proj)  # (E/ep, H, I)
+    names = (
+        {} if b.fam is None else {"router_name": b.fam.router, "shared_name": b.fam.shared_expert or "shared_expert"}
+    )
+    return MoELayer(
+        router,
+        experts,
+        ep_group=ep_group,
+        shared_expert=shared,
+        shared_expert_gate=shared_gate,
+        capacity_factor=capacity_factor,
+        **names,
+    )
 
 
 @torch.no_grad()
 def _probe(cfg, block: nn.Module, fam: MoEFamily, E: int, k: int) -> float:
     """Relative difference between a generic HF block and its hfpar MoELayer (same tensors) on random tokens."""
-    layer = _convert(MoEBlock("", block, fam, E, k), cfg, ep=1, ep_rank=0, ep_group=None, dp_group=None,
-                     aux_loss_coef=None, z_loss_coef=None, capacity_factor=None, share=True)
+    layer = _convert(
+        MoEBlock("", block, fam, E, k),
+        cfg,
+        ep=1,
+        ep_rank=0,
+        ep_group=None,
+        dp_group=None,
+        aux_loss_coef=None,
+        z_loss_coef=None,
+        capacity_factor=None,
+        share=True,
+    )
     w = layer.experts.gate_up_proj
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 16, layer.gate.hidden_size, generator=g).to(device=w.device, dtype=w.dtype)   # (B, T, H)
+    x = torch.randn(2, 16, layer.gate.hidden_size, generator=g).to(device=w.device, dtype=w.dtype)  # (B, T, H)
     training = block.training
     block.eval()
     try:
@@ -253,9 +319,17 @@ def _probe(cfg, block: nn.Module, fam: MoEFamily, E: int, k: int) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
-def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp_group=None,
-                          aux_loss_coef: float | None = None, z_loss_coef: float | None = None,
-                          capacity_factor: float | None = None, check_replicated: bool = True) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_group=None,
+    *,
+    dp_group=None,
+    edp_group=None,
+    aux_loss_coef: float | None = None,
+    z_loss_coef: float | None = None,
+    capacity_factor: float | None = None,
+    check_replicated: bool = True,
+) -> nn.Module:
     """Replace every sparse MoE block (MOE_FAMILIES, generic blocks, or MoELayers made by upcycle_to_moe) by
     an expert-parallel MoELayer holding this rank's E/ep experts; returns `model` (changed in place).
 
@@ -274,17 +348,17 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     weights. Every rank of dp_group must then run every MoE forward (their statistics are all-reduced).
     """
     if ep_group is None:
-        refuse_unlaunched("apply_expert_parallel")                      # torchrun without a process group
+        refuse_unlaunched("apply_expert_parallel")  # torchrun without a process group
     initialised = dist.is_available() and dist.is_initialized()
-    if hasattr(ep_group, "expert_groups"):                              # a ParallelContext: EP from dp x cp
+    if hasattr(ep_group, "expert_groups"):  # a ParallelContext: EP from dp x cp
         ep_group, dp_group, edp_group = ep_group.expert_groups
     ep_group = ep_group if ep_group is not None else _default_group()
     dp_group = dp_group if dp_group is not None else _default_group()
-    ep, dp = group_size(ep_group), group_size(dp_group)                 # None: the default group's size
+    ep, dp = group_size(ep_group), group_size(dp_group)  # None: the default group's size
     cfg = getattr(model, "config", None)
     blocks, problems = find_moe_blocks(model, lambda *a: _probe(cfg, *a))
     hf, hf_problems = _hf_path(model, cfg, blocks, problems)
-    if hf or hf_problems:                                               # the HF blocks' own code, experts sharded
+    if hf or hf_problems:  # the HF blocks' own code, experts sharded
         blocks, problems = [], hf_problems
     problems += _validate(blocks, ep, dp) + _validate_hf(hf, ep, aux_loss_coef, z_loss_coef, capacity_factor)
     if not problems and initialised and ep > 1 and ep_group is not dp_group:
@@ -296,13 +370,14 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
     if check_replicated:
         _check_same_weights([*blocks, *hf], dp_group)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if hf and ep == 1:                                                  # ep 1: HF blocks, plain experts on hfpar's
+    if hf and ep == 1:  # ep 1: HF blocks, plain experts on hfpar's
         speed_up_hf_experts(hf, hidden_size=int(text.hidden_size), vocab_size=getattr(text, "vocab_size", None))
     if hf and ep > 1:
         try:
-            shard_hf_experts(hf, ep_group, hidden_size=int(text.hidden_size),
-                             vocab_size=getattr(text, "vocab_size", None))
-        except ValueError as exc:                                       # a failed equality check: nothing sharded
+            shard_hf_experts(
+                hf, ep_group, hidden_size=int(text.hidden_size), vocab_size=getattr(text, "vocab_size", None)
+            )
+        except ValueError as exc:  # a failed equality check: nothing sharded
             raise ParallelError("apply_expert_parallel", [str(exc)]) from None
         for x in hf:
             for p in x.module.parameters(recurse=False):
@@ -310,21 +385,29 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, *, dp_group=None, edp
 
     ep_rank = group_rank(ep_group) if ep > 1 else 0
     for b in blocks:
-        layer = _convert(b, cfg, ep=ep, ep_rank=ep_rank, ep_group=ep_group if initialised else None,
-                         dp_group=dp_group if initialised else None, aux_loss_coef=aux_loss_coef,
-                         z_loss_coef=z_loss_coef, capacity_factor=capacity_factor)
+        layer = _convert(
+            b,
+            cfg,
+            ep=ep,
+            ep_rank=ep_rank,
+            ep_group=ep_group if initialised else None,
+            dp_group=dp_group if initialised else None,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+            capacity_factor=capacity_factor,
+        )
         layer.parallelized = True
         for p in layer.experts.parameters():
-            if shard_spec(p) is not None:                               # ep > 1: sharded over the EP group
+            if shard_spec(p) is not None:  # ep > 1: sharded over the EP group
                 set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)
         # output_router_logits: the model's own aux loss; a value only where hfpar injects one
         record_router_logits(layer, detach=layer.gate.aux_loss_coef != 0)
         parent, _, name = b.path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, layer)
     if aux_loss_coef is not None and getattr(cfg, "output_router_logits", False):
-        cfg.output_router_logits = False                                 # hfpar's global aux loss replaces HF's
+        cfg.output_router_logits = False  # hfpar's global aux loss replaces HF's
     if ep > 1:
-        mark_parallel(model, f"expert-parallel over {ep} ranks")         # stock DDP / fully_shard refuse it
+        mark_parallel(model, f"expert-parallel over {ep} ranks")  # stock DDP / fully_shard refuse it
     return model
 
 
@@ -365,7 +448,7 @@ def attach_moe_token_mask(model: nn.Module) -> _MaskHandle:
     def pre(module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        for layer in module.modules():                  # the layers of now (apply / upcycle may come later)
+        for layer in module.modules():  # the layers of now (apply / upcycle may come later)
             if isinstance(layer, MoELayer):
                 layer.attached_mask = mask
 
@@ -374,8 +457,9 @@ def attach_moe_token_mask(model: nn.Module) -> _MaskHandle:
 
 # ----------------------------------------------------------------------------- export
 @torch.no_grad()
-def gather_expert_state_dict(model: nn.Module,
-                             state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def gather_expert_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Full state dict under the ORIGINAL HF names, experts gathered back to (E, ...). Collective over
     every EP group: every rank calls it, every rank gets the full dict.
 

@@ -54,9 +54,9 @@ _COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "num_rou
 
 @dataclass
 class HFExperts:
-    path: str             # the experts module's name in the model
-    module: nn.Module     # transformers' experts module (e.g. DeepseekV3NaiveMoe / GptOssExperts)
-    block: nn.Module      # its parent: the HF MoE block whose forward routes and calls it
+    path: str  # the experts module's name in the model
+    module: nn.Module  # transformers' experts module (e.g. DeepseekV3NaiveMoe / GptOssExperts)
+    block: nn.Module  # its parent: the HF MoE block whose forward routes and calls it
     E: int
 
 
@@ -64,15 +64,22 @@ class HFExperts:
 def _expert_candidate(name: str, m: nn.Module) -> bool:
     own = list(m.parameters(recurse=False))
     last = name.rpartition(".")[2].lower()
-    return (bool(own) and any(p.dim() == 3 for p in own) and not last.startswith("shared")
-            and not isinstance(m, GroupedExperts)                        # hfpar's own MoELayer experts
-            and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel")))
+    return (
+        bool(own)
+        and any(p.dim() == 3 for p in own)
+        and not last.startswith("shared")
+        and not isinstance(m, GroupedExperts)  # hfpar's own MoELayer experts
+        and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel"))
+    )
 
 
 def _forward_names(m: nn.Module) -> list[str]:
     try:
-        return [p.name for p in inspect.signature(m.forward).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return [
+            p.name
+            for p in inspect.signature(m.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return []
 
@@ -91,11 +98,15 @@ def _problem(m: nn.Module) -> tuple[int, str | None]:
         return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
     n_args = _forward_args(m)
     if n_args == 1 and any(p.dim() != 3 for p in own.values()):
-        return E, ("its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
-                   "(zeroed) row would not give a zero output, so rows cannot be left out")
+        return E, (
+            "its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
+            "(zeroed) row would not give a zero output, so rows cannot be left out"
+        )
     if n_args == 2 or n_args == 0:
-        return E, (f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
-                   f"top_k_weights) nor the dense (E*N, H) routed input")
+        return E, (
+            f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
+            f"top_k_weights) nor the dense (E*N, H) routed input"
+        )
     if E < 2:
         return E, f"it holds {E} expert"
     return E, None
@@ -106,7 +117,7 @@ def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
     found, problems, seen = [], [], set()
     for path, m in model.named_modules():
         st = getattr(m, "_hfpar_ep", None)
-        if not path or not _expert_candidate(path, m) or (st is not None and st.count < st.E):    # sharded already
+        if not path or not _expert_candidate(path, m) or (st is not None and st.count < st.E):  # sharded already
             continue
         E, why = _problem(m)
         if why is None:
@@ -130,12 +141,22 @@ def _plain_swiglu(m: nn.Module) -> bool:
         return False
     gu, dn = own["gate_up_proj"], own["down_proj"]
     gate = getattr(type(m), "_apply_gate", None)
-    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-             "has_post_expert_norm": False}
-    return (gu.dim() == dn.dim() == 3 and gu.shape[0] == dn.shape[0] and gu.shape[1] == 2 * dn.shape[2]
-            and gu.shape[2] == dn.shape[1] and all(getattr(m, k, None) is v for k, v in flags.items())
-            and getattr(gate, "__name__", None) == "_default_apply_gate"
-            and getattr(gate, "__module__", None) == "transformers.integrations.moe")
+    flags = {
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
+    return (
+        gu.dim() == dn.dim() == 3
+        and gu.shape[0] == dn.shape[0]
+        and gu.shape[1] == 2 * dn.shape[2]
+        and gu.shape[2] == dn.shape[1]
+        and all(getattr(m, k, None) is v for k, v in flags.items())
+        and getattr(gate, "__name__", None) == "_default_apply_gate"
+        and getattr(gate, "__module__", None) == "transformers.integrations.moe"
+    )
 
 
 # ----------------------------------------------------------------------------- the sharded forward
@@ -144,10 +165,10 @@ class _EPState:
     E: int
     start: int
     count: int
-    group: object         # None: ep = 1 (no all-to-all; speed_up_hf_experts)
-    base: type            # the original class: its forward computes the local experts
-    saved: dict           # what unshard() restores: parameters and count attributes
-    plain: bool = False   # plain SwiGLU layout: hfpar's kernel runs the local experts on CPU
+    group: object  # None: ep = 1 (no all-to-all; speed_up_hf_experts)
+    base: type  # the original class: its forward computes the local experts
+    saved: dict  # what unshard() restores: parameters and count attributes
+    plain: bool = False  # plain SwiGLU layout: hfpar's kernel runs the local experts on CPU
 
 
 def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -158,36 +179,37 @@ def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (x.reshape(-1)[:1].sum() + sum(p.reshape(-1)[:1].sum() for p in experts.parameters(recurse=False))) * 0
 
 
-def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                *args, **kwargs) -> torch.Tensor:
+def _ep_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
     st: _EPState = self._hfpar_ep
     if st.group is None and not grouped_linear_applies(hidden_states, self.gate_up_proj):
-        return st.base.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)   # e.g. moved to GPU
+        return st.base.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)  # e.g. moved to GPU
     N, k = top_k_index.shape[0], top_k_index.shape[-1]
-    idx = top_k_index.reshape(-1)                                        # (N*k,)
-    order = torch.argsort(idx, stable=True)                              # copies sorted by global expert
-    counts = torch.bincount(idx, minlength=st.E)                         # (E,)
+    idx = top_k_index.reshape(-1)  # (N*k,)
+    order = torch.argsort(idx, stable=True)  # copies sorted by global expert
+    counts = torch.bincount(idx, minlength=st.E)  # (E,)
     if counts.numel() != st.E:
         raise ValueError(f"{type(self).__name__}: expert index {int(idx.max())} >= num_experts {st.E}")
-    x_sorted = hidden_states[order // k]                                 # (N*k, H)
+    x_sorted = hidden_states[order // k]  # (N*k, H)
 
     def local(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         if st.plain and grouped_linear_applies(x, self.gate_up_proj):
-            out = swiglu_experts(self, x, local_counts.tolist())                                         # (R, H)
+            out = swiglu_experts(self, x, local_counts.tolist())  # (R, H)
             return out if st.group is None else out + _in_graph(self, x)
-        ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]   # (R, 1)
-        ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)                         # (R, 1)
-        out = st.base.forward(self, x, ids, ones, *args, **kwargs)                                       # (R, H)
+        ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]  # (R, 1)
+        ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)  # (R, 1)
+        out = st.base.forward(self, x, ids, ones, *args, **kwargs)  # (R, H)
         return out + _in_graph(self, x)
 
-    if st.group is None:                                                 # ep = 1: every expert is here
-        y_sorted = local(x_sorted, counts)                               # (N*k, H), unweighted
+    if st.group is None:  # ep = 1: every expert is here
+        y_sorted = local(x_sorted, counts)  # (N*k, H), unweighted
     else:
         y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)
-    weighted = y_sorted * top_k_weights.reshape(-1)[order, None]        # promoted dtype, as transformers' grouped_mm
+    weighted = y_sorted * top_k_weights.reshape(-1)[order, None]  # promoted dtype, as transformers' grouped_mm
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    return weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)   # (N, H)
+    return weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)  # (N, H)
 
 
 def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
@@ -196,20 +218,20 @@ def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
     only the nonzero (expert, token) rows travel; each rank runs the original forward on its experts' rows, padded
     to equal counts (the forward's bmm layout), and the outputs go back to their (expert, token) places."""
     st: _EPState = self._hfpar_ep
-    x = routed_in.view(st.E, -1, routed_in.shape[-1])                  # (E, N, H)
+    x = routed_in.view(st.E, -1, routed_in.shape[-1])  # (E, N, H)
     with torch.no_grad():
-        e_idx, n_idx = (x != 0).any(dim=-1).nonzero(as_tuple=True)       # (M,) each, sorted by expert
-        counts = torch.bincount(e_idx, minlength=st.E)                   # (E,)
+        e_idx, n_idx = (x != 0).any(dim=-1).nonzero(as_tuple=True)  # (M,) each, sorted by expert
+        counts = torch.bincount(e_idx, minlength=st.E)  # (E,)
 
     def local(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         width = int(local_counts.max()) if local_counts.numel() else 0
-        ids = torch.repeat_interleave(torch.arange(st.count, device=rows.device), local_counts)        # (R,)
+        ids = torch.repeat_interleave(torch.arange(st.count, device=rows.device), local_counts)  # (R,)
         pos = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(local_counts, 0) - local_counts)[ids]
-        padded = rows.new_zeros(st.count, width, rows.shape[-1]).index_put((ids, pos), rows)          # (El, w, H)
+        padded = rows.new_zeros(st.count, width, rows.shape[-1]).index_put((ids, pos), rows)  # (El, w, H)
         out = st.base.forward(self, padded.view(-1, rows.shape[-1])).view(st.count, width, -1)
         return out[ids, pos] + _in_graph(self, rows)
 
-    y, _, _ = dispatch_rows(x[e_idx, n_idx], counts, st.group, local)   # (M, H)
+    y, _, _ = dispatch_rows(x[e_idx, n_idx], counts, st.group, local)  # (M, H)
     return x.new_zeros(x.shape[0], x.shape[1], y.shape[-1]).index_put((e_idx, n_idx), y).view(-1, y.shape[-1])
 
 
@@ -218,22 +240,26 @@ _CLASSES: dict[type, type] = {}
 
 def _ep_class(cls: type, dense: bool) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {
-            "forward": _ep_dense_forward if dense else _ep_forward, "__module__": cls.__module__})
+        _CLASSES[cls] = type(
+            f"ExpertParallel{cls.__name__}",
+            (cls,),
+            {"forward": _ep_dense_forward if dense else _ep_forward, "__module__": cls.__module__},
+        )
     return _CLASSES[cls]
 
 
 def _shard(x: HFExperts, ep_group) -> None:
-    if is_hf_experts_sharded(x.module):                                  # sped up at ep = 1 before: undo first
+    if is_hf_experts_sharded(x.module):  # sped up at ep = 1 before: undo first
         _unshard(x)
     m, ep = x.module, group_size(ep_group)
     count = x.E // ep
     start = group_rank(ep_group) * count
     saved = {n: p for n, p in m.named_parameters(recurse=False)}
     for n, p in saved.items():
-        local = nn.Parameter(p.detach()[start:start + count].clone(), requires_grad=p.requires_grad)
-        set_shard_spec(local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep,
-                                        experts={"num_experts": x.E, "start": start}))
+        local = nn.Parameter(p.detach()[start : start + count].clone(), requires_grad=p.requires_grad)
+        set_shard_spec(
+            local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep, experts={"num_experts": x.E, "start": start})
+        )
         setattr(m, n, local)
     attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) == x.E}
     for a in attrs:
@@ -272,7 +298,7 @@ def _run(block: nn.Module, x: torch.Tensor, cot_seed: int, **kw) -> tuple[torch.
     names = [n for n, p in block.named_parameters() if p.requires_grad]
     params = dict(block.named_parameters())
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        torch.manual_seed(1234)                                          # same jitter / noise in both runs
+        torch.manual_seed(1234)  # same jitter / noise in both runs
         out = block(x, **kw)
     out = out[0] if isinstance(out, (tuple, list)) else out
     g = torch.Generator().manual_seed(cot_seed)
@@ -284,29 +310,31 @@ def _run(block: nn.Module, x: torch.Tensor, cot_seed: int, **kw) -> tuple[torch.
 def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> tuple[float, str]:
     """Shards x (in place) and returns the worst relative difference to the unsharded block, over the EP group.
     ep_group None: this process alone, x sped up (ep = 1) instead of sharded."""
-    if is_hf_experts_sharded(x.module):                                  # compare with the HF forward itself
+    if is_hf_experts_sharded(x.module):  # compare with the HF forward itself
         _unshard(x)
     w = next(x.module.parameters())
     rank = group_rank(ep_group) if ep_group is not None else 0
-    g = torch.Generator().manual_seed(1000 + rank)                       # different tokens on every rank
+    g = torch.Generator().manual_seed(1000 + rank)  # different tokens on every rank
     inp = torch.randn(2, 8, hidden_size, generator=g).to(device=w.device, dtype=w.dtype).requires_grad_()
     kw = {}
-    if vocab_size and "input_ids" in _forward_names(x.block):           # hash routing (DeepSeek-V4) reads the ids
+    if vocab_size and "input_ids" in _forward_names(x.block):  # hash routing (DeepSeek-V4) reads the ids
         kw["input_ids"] = torch.randint(0, vocab_size, (2, 8), generator=g).to(w.device)
     want_out, want = _run(x.block, inp, 7 + rank, **kw)
     prefix = x.path.rpartition(".")[2]
     count = x.E // group_size(ep_group) if ep_group is not None else x.E
     start = rank * count
-    for n, p in x.module.named_parameters(recurse=False):               # EP grads sum every rank's tokens; the
-        if p.requires_grad and ep_group is not None:                     # same order on every rank (collectives)
+    for n, p in x.module.named_parameters(recurse=False):  # EP grads sum every rank's tokens; the
+        if p.requires_grad and ep_group is not None:  # same order on every rank (collectives)
             g = want.get(f"{prefix}.{n}")
             g = torch.zeros_like(p) if g is None else g
-            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start:start + count]
+            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start : start + count]
     _shard(x, ep_group) if ep_group is not None else _speed_up(x)
     got_out, got = _run(x.block, inp, 7 + rank, **kw)
     scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])
-    worst = max([(_rel(got_out, want_out), "output")] +
-                [(_rel(got.get(n), v, 1e-3 * scale), f"grad {n}") for n, v in want.items()])
+    worst = max(
+        [(_rel(got_out, want_out), "output")]
+        + [(_rel(got.get(n), v, 1e-3 * scale), f"grad {n}") for n, v in want.items()]
+    )
     if ep_group is None:
         return worst
     every = all_reduce(torch.tensor([worst[0]], dtype=torch.float64, device=w.device), ep_group, op=dist.ReduceOp.MAX)
@@ -328,12 +356,16 @@ def shard_hf_experts(found: list[HFExperts], ep_group, hidden_size: int, vocab_s
                 except Exception as exc:
                     if is_hf_experts_sharded(x.module):
                         _unshard(x)
-                    raise ValueError(f"{x.path} ({cls.__name__}): the expert-parallel block failed its check "
-                                     f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from exc
+                    raise ValueError(
+                        f"{x.path} ({cls.__name__}): the expert-parallel block failed its check "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+                    ) from exc
                 done.append(x)
                 if rel > (1e-4 if wide else 5e-2):
-                    raise ValueError(f"{x.path} ({cls.__name__}): the expert-parallel block differs from the HF block "
-                                     f"by {rel:.1e} relative ({what}) on the same tokens; it is not sharded")
+                    raise ValueError(
+                        f"{x.path} ({cls.__name__}): the expert-parallel block differs from the HF block "
+                        f"by {rel:.1e} relative ({what}) on the same tokens; it is not sharded"
+                    )
                 checked[cls] = True
                 continue
             _shard(x, ep_group)
@@ -360,7 +392,7 @@ def speed_up_hf_experts(found: list[HFExperts], hidden_size: int, vocab_size: in
             try:
                 rel, _ = _check(x, None, hidden_size, vocab_size)
                 ok[cls] = rel <= (1e-4 if wide else 5e-2)
-            except Exception:                                            # noqa: BLE001 - any failure: keep HF's
+            except Exception:  # noqa: BLE001 - any failure: keep HF's
                 ok[cls] = False
             if not ok[cls] and is_hf_experts_sharded(m):
                 _unshard(x)

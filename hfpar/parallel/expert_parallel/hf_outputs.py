@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from torch import nn
 
-try:                                                     # transformers' collector of a forward's recorded outputs
+try:  # transformers' collector of a forward's recorded outputs
     from transformers.utils.output_capturing import _active_collector
-except ImportError:                                      # other transformers versions: nothing to record into
+except ImportError:  # other transformers versions: nothing to record into
     _active_collector = None
 
 __all__ = ["record_router_logits"]

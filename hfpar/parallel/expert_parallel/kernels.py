@@ -34,7 +34,7 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 _REUSE = hasattr(torch._C, "_storage_Use_Count")
-_ALONE = _storage_refs(torch.empty(1)) if _REUSE else 0             # the count of a tensor no one else holds
+_ALONE = _storage_refs(torch.empty(1)) if _REUSE else 0  # the count of a tensor no one else holds
 
 
 def weight_grad_buffer(shape, like: torch.Tensor, cache: dict | None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def weight_grad_buffer(shape, like: torch.Tensor, cache: dict | None) -> torch.T
     kept = cache.setdefault(key, [])
     for t in kept:
         if _storage_refs(t) <= _ALONE:
-            return t.detach()             # a new tensor on the same storage: autograd hands it to .grad as is
+            return t.detach()  # a new tensor on the same storage: autograd hands it to .grad as is
     t = torch.empty(shape, dtype=like.dtype, device=like.device)
     if not kept:
         kept.append(t)
@@ -56,15 +56,20 @@ def weight_grad_buffer(shape, like: torch.Tensor, cache: dict | None) -> torch.T
 def grouped_linear_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether grouped_linear serves (x, w): CPU tensors of one floating dtype, outside autocast (which would
     change F.linear's dtype: the callers' per-group F.linear keeps that behaviour)."""
-    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.is_floating_point()
-            and not torch.is_autocast_enabled("cpu"))
+    return (
+        x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and x.dtype == w.dtype
+        and x.is_floating_point()
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: list[int], cache: dict | None) -> torch.Tensor:
         x = x.contiguous()
-        out = x.new_empty(x.shape[0], w.shape[1])                        # (M, out)
+        out = x.new_empty(x.shape[0], w.shape[1])  # (M, out)
         for g, (xg, og) in enumerate(zip(x.split(counts), out.split(counts))):
             if xg.shape[0]:
                 torch.mm(xg, w[g].t(), out=og)
@@ -80,17 +85,17 @@ class _GroupedLinear(torch.autograd.Function):
         gos = grad_out.split(counts)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = x.new_empty(x.shape)                                # (M, in)
+            grad_x = x.new_empty(x.shape)  # (M, in)
             for g, (go, gx) in enumerate(zip(gos, grad_x.split(counts))):
                 if go.shape[0]:
                     torch.mm(go, w[g], out=gx)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad_buffer(w.shape, w, ctx.cache)                    # (G, out, in), w's layout
+            grad_w = weight_grad_buffer(w.shape, w, ctx.cache)  # (G, out, in), w's layout
             for g, (go, xg) in enumerate(zip(gos, x.split(counts))):
                 if go.shape[0]:
                     torch.mm(go.t(), xg, out=grad_w[g])
                 else:
-                    grad_w[g].zero_()                                    # an unhit expert: zero, as autograd's
+                    grad_w[g].zero_()  # an unhit expert: zero, as autograd's
         return grad_x, grad_w, None, None
 
 
@@ -99,6 +104,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cache: d
     (M, out); w (G, out, in). Differentiable in x and w (weight gradient: every group's slice, zero if unhit), the
     weight gradient in a buffer of `cache` (weight_grad_buffer; None: fresh memory each backward)."""
     if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"grouped_linear: {len(counts)} groups of {sum(counts)} rows for {w.shape[0]} weights "
-                         f"and {x.shape[0]} rows")
+        raise ValueError(
+            f"grouped_linear: {len(counts)} groups of {sum(counts)} rows for {w.shape[0]} weights and {x.shape[0]} rows"
+        )
     return _GroupedLinear.apply(x, w, counts, cache)

@@ -47,15 +47,21 @@ import torch.nn.functional as F
 
 from ..comm import all_reduce, group_size
 
-__all__ = ["TopKRouter", "AuxLossBackprop", "set_aux_loss_grad_scale", "set_aux_loss_loss_scale",
-           "moe_token_mask", "current_token_mask"]
+__all__ = [
+    "TopKRouter",
+    "AuxLossBackprop",
+    "set_aux_loss_grad_scale",
+    "set_aux_loss_loss_scale",
+    "moe_token_mask",
+    "current_token_mask",
+]
 
 
 class AuxLossBackprop(torch.autograd.Function):
     """Identity on `x` forward; backward also sends `grad_scale` into `loss` (Megatron's MoEAuxLossAutoScaler)."""
 
     grad_scale: float = 1.0
-    loss_scale: float = 1.0     # fp16: the GradScaler's current scale (the backend sets it each micro-step)
+    loss_scale: float = 1.0  # fp16: the GradScaler's current scale (the backend sets it each micro-step)
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -102,8 +108,18 @@ def current_token_mask() -> torch.Tensor | None:
 class TopKRouter(nn.Module):
     """Linear gate (no bias, fp32) -> softmax -> top-k; `weight` is (E, H) like HF's `mlp.gate.weight`."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
-                 jitter_eps: float = 0.0, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, group=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        jitter_eps: float = 0.0,
+        aux_loss_coef: float = 0.01,
+        z_loss_coef: float = 0.0,
+        group=None,
+    ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"TopKRouter: top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -119,17 +135,19 @@ class TopKRouter(nn.Module):
         self.last_load = torch.zeros(num_experts)  # (E,) tokens routed to each expert
 
     def extra_repr(self) -> str:
-        return (f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, "
-                f"norm_topk_prob={self.norm_topk_prob}, aux_coef={self.aux_loss_coef}, z_coef={self.z_loss_coef}")
+        return (
+            f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={self.top_k}, "
+            f"norm_topk_prob={self.norm_topk_prob}, aux_coef={self.aux_loss_coef}, z_coef={self.z_loss_coef}"
+        )
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None):
         """x (N, H), token_mask (N,) nonzero = real token -> weights (N, k) fp32, indices (N, k), logits (N, E)."""
         x = x.float()
         if self.training and self.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-        logits = F.linear(x, self.weight.float())                        # (N, E)
-        probs = logits.softmax(dim=-1)                                    # (N, E)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)         # (N, k), (N, k)
+        logits = F.linear(x, self.weight.float())  # (N, E)
+        probs = logits.softmax(dim=-1)  # (N, E)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)  # (N, k), (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         losses = self._losses(logits, probs, indices, token_mask)
@@ -142,12 +160,13 @@ class TopKRouter(nn.Module):
         N, E = probs.shape
         m = torch.ones(N, device=probs.device) if token_mask is None else token_mask.reshape(N).to(probs.device).float()
         counts = torch.zeros(E, device=probs.device).index_add_(
-            0, indices.reshape(-1), m.repeat_interleave(self.top_k))     # (E,) real tokens per expert
-        prob_sum = (probs * m[:, None]).sum(0)                          # (E,) differentiable
-        z_sum = (torch.logsumexp(logits, dim=-1).square() * m).sum()    # () differentiable
+            0, indices.reshape(-1), m.repeat_interleave(self.top_k)
+        )  # (E,) real tokens per expert
+        prob_sum = (probs * m[:, None]).sum(0)  # (E,) differentiable
+        z_sum = (torch.logsumexp(logits, dim=-1).square() * m).sum()  # () differentiable
         local = torch.cat([counts, prob_sum.detach(), m.sum()[None], z_sum.detach()[None]]).double()
         glob = all_reduce(local, self.group) if self.group is not None and group_size(self.group) > 1 else local
-        g_counts, g_prob_sum = glob[:E].float(), glob[E:2 * E].float()
+        g_counts, g_prob_sum = glob[:E].float(), glob[E : 2 * E].float()
         n = glob[2 * E].float().clamp_min(1.0)
         # Global value, local gradient: the other ranks' sums enter as constants.
         prob_sum = prob_sum + (g_prob_sum - prob_sum.detach())

@@ -4,12 +4,26 @@
     chunks.py    PipelineChunks: the V chunks of one rank for the interleaved schedule (virtual stages r, r + p, ..)
     schedule.py  PipelineRunner: micro-batches through the stages, activations and grads point to point
 
-The recipes run them with --pp_size (hfpar.backends.pipeline); tests/distributed/test_pp_stages.py shows them in a plain loop.
+The recipes run them with --pp_size (hfpar.backends.pipeline); tests/distributed/test_pp_stages.py shows them in a plain
+loop.
 """
 
 from .chunks import PipelineChunks, chunk_layers
 from .schedule import SCHEDULES, PipelineRunner, microbatches, pipeline_stages, schedule_order, split_microbatches
 from .stage import PipelineStage, balanced_split, decoder_layers, parse_split, tied_embedding_group
 
-__all__ = ["PipelineChunks", "chunk_layers", "SCHEDULES", "PipelineRunner", "microbatches", "pipeline_stages", "schedule_order",
-           "split_microbatches", "PipelineStage", "balanced_split", "decoder_layers", "parse_split", "tied_embedding_group"]
+__all__ = [
+    "PipelineChunks",
+    "chunk_layers",
+    "SCHEDULES",
+    "PipelineRunner",
+    "microbatches",
+    "pipeline_stages",
+    "schedule_order",
+    "split_microbatches",
+    "PipelineStage",
+    "balanced_split",
+    "decoder_layers",
+    "parse_split",
+    "tied_embedding_group",
+]

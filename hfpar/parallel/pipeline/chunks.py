@@ -65,15 +65,16 @@ class PipelineChunks(nn.Module):
         stages = len(bounds) - 1
         if stages % pp or stages < 2 * pp:
             raise ValueError(f"interleaved pipeline: {stages} virtual stages are not a multiple >= 2 of --pp_size {pp}")
-        self.chunks = nn.ModuleList(PipelineStage(model_shell(model), v, bounds, peft_model=peft_model)
-                                    for v in range(rank, stages, pp))
-        self._peft = [peft_model] if peft_model is not None else []   # a list: not a registered submodule
+        self.chunks = nn.ModuleList(
+            PipelineStage(model_shell(model), v, bounds, peft_model=peft_model) for v in range(rank, stages, pp)
+        )
+        self._peft = [peft_model] if peft_model is not None else []  # a list: not a registered submodule
         self.stage_index, self.num_stages = rank, pp
         self.is_first, self.is_last = self.chunks[0].is_first, self.chunks[-1].is_last
         self.ties_embeddings = self.chunks[0].ties_embeddings
         self.full_config = model.config
-        if peft_model is not None:   # LoRA: the PEFT model keeps `model` alive (its config and adapter config are
-            _trim(model, self.is_first, self.is_last)   # what the export reads): drop what the chunks do not hold
+        if peft_model is not None:  # LoRA: the PEFT model keeps `model` alive (its config and adapter config are
+            _trim(model, self.is_first, self.is_last)  # what the export reads): drop what the chunks do not hold
 
     @property
     def peft_model(self):

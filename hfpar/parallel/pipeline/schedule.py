@@ -35,8 +35,9 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # dtype, ndim, up to 6 dims
 
 
-def schedule_order(schedule: str, stage: int, stages: int, microbatches: int,
-                   chunks: int = 1) -> list[tuple[str, int, int]]:
+def schedule_order(
+    schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1
+) -> list[tuple[str, int, int]]:
     """[("F" | "B", micro-batch, chunk), ...] for pipeline rank `stage` of `stages`; chunk: the rank's local chunk
     (virtual stage chunk x stages + stage), always 0 unless interleaved_1f1b with chunks (V) > 1."""
     m = microbatches
@@ -98,8 +99,17 @@ def split_microbatches(batch: dict, m: int) -> list[dict]:
 
 
 class PipelineRunner:
-    def __init__(self, stage, peers: list[int], schedule: str = "1f1b", microbatches: int = 1, model=None,
-                 group=None, autocast=None, micro_scope=None):
+    def __init__(
+        self,
+        stage,
+        peers: list[int],
+        schedule: str = "1f1b",
+        microbatches: int = 1,
+        model=None,
+        group=None,
+        autocast=None,
+        micro_scope=None,
+    ):
         """stage: this rank's PipelineStage, or PipelineChunks (interleaved_1f1b); model: what to call for the
         forward of a single stage (the stage or a wrapper of it); peers: global rank of every stage of this rank's
         pipeline; group: the pipeline process group; autocast: a context-manager factory around each forward and
@@ -111,16 +121,18 @@ class PipelineRunner:
         self.stage, self.peers, self.group = stage, peers, group
         self.autocast = autocast or contextlib.nullcontext
         self.micro_scope = micro_scope or (lambda i, mb: contextlib.nullcontext())
-        self.chunks = list(getattr(stage, "chunks", [stage]))   # chunk c of rank r: virtual stage c x p + r
-        self.model = model if model is not None else stage   # chunks: called as model(x, chunk=c) (PipelineChunks)
+        self.chunks = list(getattr(stage, "chunks", [stage]))  # chunk c of rank r: virtual stage c x p + r
+        self.model = model if model is not None else stage  # chunks: called as model(x, chunk=c) (PipelineChunks)
         if schedule == "interleaved_1f1b" and len(self.chunks) < 2:
             raise ValueError("--pp_schedule interleaved_1f1b: the rank holds one stage; build PipelineChunks")
         if schedule != "interleaved_1f1b" and len(self.chunks) > 1:
-            raise ValueError(f"--pp_schedule {schedule}: the rank holds {len(self.chunks)} chunks; use interleaved_1f1b")
+            raise ValueError(
+                f"--pp_schedule {schedule}: the rank holds {len(self.chunks)} chunks; use interleaved_1f1b"
+            )
         self.schedule, self.m = schedule, microbatches
         self.order = schedule_order(schedule, stage.stage_index, stage.num_stages, microbatches, len(self.chunks))
-        self.sent_bytes = 0       # activation / gradient bytes this stage sent (headers aside), since creation
-        self.wait_s = 0.0         # seconds blocked in receives: this stage's idle time (the bubble), since creation
+        self.sent_bytes = 0  # activation / gradient bytes this stage sent (headers aside), since creation
+        self.wait_s = 0.0  # seconds blocked in receives: this stage's idle time (the bubble), since creation
         self._pending: list = []
 
     # ------------------------------------------------------------------ point to point
@@ -134,7 +146,7 @@ class PipelineRunner:
         t = t.detach().contiguous()
         header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         dst = self._rank_of(virtual)
         self._pending += [(dist.isend(header, dst), header), (dist.isend(t, dst), t)]
         self.sent_bytes += t.numel() * t.element_size()
@@ -146,7 +158,7 @@ class PipelineRunner:
         dist.recv(header, src)
         self.wait_s += time.perf_counter() - t0
         h = header.tolist()
-        t = torch.empty(h[2:2 + h[1]], dtype=_DTYPES[h[0]], device=header.device)
+        t = torch.empty(h[2 : 2 + h[1]], dtype=_DTYPES[h[0]], device=header.device)
         dist.recv(t, src)
         return t
 
@@ -163,20 +175,25 @@ class PipelineRunner:
     # ------------------------------------------------------------------ one step
     def _forward(self, c: int, mb: dict, x: torch.Tensor) -> torch.Tensor:
         kw = {"chunk": c} if len(self.chunks) > 1 else {}
-        return self.model(x, position_ids=mb.get("position_ids"), attention_mask=mb.get("attention_mask"),
-                          seq_len=mb["input_ids"].shape[1], **kw)
+        return self.model(
+            x,
+            position_ids=mb.get("position_ids"),
+            attention_mask=mb.get("attention_mask"),
+            seq_len=mb["input_ids"].shape[1],
+            **kw,
+        )
 
     def train(self, batch: dict, loss_fn, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         mbs = split_microbatches(batch, self.m)
         total = torch.zeros(2, dtype=torch.float64, device=self._device())
-        inputs, outputs = {}, {}   # (chunk, micro-batch) -> what its backward needs
+        inputs, outputs = {}, {}  # (chunk, micro-batch) -> what its backward needs
         for kind, i, c in self.order:
             mb, chunk = mbs[i], self.chunks[c]
-            v = chunk.stage_index   # virtual stage (the stage itself unless interleaved)
+            v = chunk.stage_index  # virtual stage (the stage itself unless interleaved)
             if kind == "F":
                 x = mb["input_ids"] if chunk.is_first else self._recv(v - 1).requires_grad_()
                 with self.micro_scope(i, mb), self.autocast():
-                    out = self._forward(c, mb, x)   # (b, T, H) hidden states, or (b, T, vocab) logits on the last
+                    out = self._forward(c, mb, x)  # (b, T, H) hidden states, or (b, T, vocab) logits on the last
                     if chunk.is_last:
                         loss_sum, n = loss_fn(out, mb["labels"])
                 if chunk.is_last:

@@ -52,10 +52,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a *ForCausalLM, or ValueError in one line naming the model."""
     base = _base(model)
     layers = getattr(base, "layers", None)
-    if getattr(model.config, "is_encoder_decoder", False) or not isinstance(layers, nn.ModuleList) \
-            or not hasattr(model, "lm_head"):
-        raise ValueError(f"pipeline parallelism: {type(model).__name__} is not a decoder-only causal LM whose base "
-                         "model holds a `layers` ModuleList (Llama, Mistral, Qwen2/3, Gemma, Phi-3 style)")
+    if (
+        getattr(model.config, "is_encoder_decoder", False)
+        or not isinstance(layers, nn.ModuleList)
+        or not hasattr(model, "lm_head")
+    ):
+        raise ValueError(
+            f"pipeline parallelism: {type(model).__name__} is not a decoder-only causal LM whose base "
+            "model holds a `layers` ModuleList (Llama, Mistral, Qwen2/3, Gemma, Phi-3 style)"
+        )
     return layers
 
 
@@ -106,12 +111,16 @@ def parse_split(text: str, num_layers: int, pp: int) -> list[int]:
     try:
         starts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--pp_split {text!r}: expected {pp} comma-separated layer indices, e.g. "
-                         f"{','.join(str(i * num_layers // pp) for i in range(pp))}") from None
+        raise ValueError(
+            f"--pp_split {text!r}: expected {pp} comma-separated layer indices, e.g. "
+            f"{','.join(str(i * num_layers // pp) for i in range(pp))}"
+        ) from None
     bounds = starts + [num_layers]
     if len(starts) != pp or starts[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"--pp_split {text!r}: needs {pp} increasing first-layer indices starting at 0 and below "
-                         f"{num_layers} (every stage non-empty), e.g. {','.join(str(i * num_layers // pp) for i in range(pp))}")
+        raise ValueError(
+            f"--pp_split {text!r}: needs {pp} increasing first-layer indices starting at 0 and below "
+            f"{num_layers} (every stage non-empty), e.g. {','.join(str(i * num_layers // pp) for i in range(pp))}"
+        )
     return bounds
 
 
@@ -129,15 +138,18 @@ class PipelineStage(nn.Module):
         base = _base(model)
         # tied input / output embeddings: the first stage keeps the weight as its embedding, the last as its LM head
         # (each a copy, equal at load); their grads are summed over the two (tied_embedding_group) before the step
-        self.ties_embeddings = self.num_stages > 1 and model.get_output_embeddings() is not None and \
-            model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        self.ties_embeddings = (
+            self.num_stages > 1
+            and model.get_output_embeddings() is not None
+            and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        )
         self._holds_tied = self.ties_embeddings and (self.is_first or self.is_last)
-        base.layers = nn.ModuleList(list(layers)[self.start:self.stop])
+        base.layers = nn.ModuleList(list(layers)[self.start : self.stop])
         # the base model loops over config.num_hidden_layers and may index per-layer config lists by position
         cfg = copy.copy(base.config)
         cfg.num_hidden_layers = self.stop - self.start
         if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[self.start:self.stop]
+            cfg.layer_types = cfg.layer_types[self.start : self.stop]
         base.config = cfg
         if not self.is_first:
             base.embed_tokens = None
@@ -146,7 +158,7 @@ class PipelineStage(nn.Module):
             model.lm_head = None
         self.lm = model
         self._received = None
-        self._peft = [peft_model] if peft_model is not None else []   # a list: not a registered submodule
+        self._peft = [peft_model] if peft_model is not None else []  # a list: not a registered submodule
         self._hook = None
         if not self.is_first:
             self.hook_first_layer()
@@ -162,8 +174,9 @@ class PipelineStage(nn.Module):
         inputs, to hang its backward hooks on them."""
         if self._hook is not None:
             self._hook.remove()
-        self._hook = _base(self.lm).layers[0].register_forward_pre_hook(self._take_received, with_kwargs=True,
-                                                                         prepend=True)
+        self._hook = (
+            _base(self.lm).layers[0].register_forward_pre_hook(self._take_received, with_kwargs=True, prepend=True)
+        )
 
     def get_output_embeddings(self) -> nn.Module | None:
         """The LM head (last stage; vocab-parallel under TP, which selects the loss), else None."""
@@ -175,8 +188,13 @@ class PipelineStage(nn.Module):
             return (self._received, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._received}
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        seq_len: int | None = None,
+    ) -> torch.Tensor:
         """seq_len: the micro-batch's full length T. Under sequence parallelism the received states are this TP
         rank's part of the sequence (B, T/tp, H); the base model then gets a stand-in of the full shape, so that
         its masks and cache positions cover T (the first layer takes the received part through the pre-hook)."""
@@ -215,7 +233,7 @@ class PipelineStage(nn.Module):
         tied = self.tied
         if tied.grad is None:
             tied.grad = torch.zeros_like(tied)
-        dist.all_reduce(local_tensor(tied.grad), group=group)   # FSDP2: both ends hold the same dp shard of it
+        dist.all_reduce(local_tensor(tied.grad), group=group)  # FSDP2: both ends hold the same dp shard of it
 
     def full_model(self) -> nn.Module:
         """The full model this stage was cut from, built on the meta device (no memory) from the full config, its
@@ -239,7 +257,9 @@ class PipelineStage(nn.Module):
 
     def hf_name(self, name: str) -> str:
         """A state-dict name of this stage -> the full model's name (layer indices made global)."""
-        name = name[len("lm."):] if name.startswith("lm.") else name
+        name = name[len("lm.") :] if name.startswith("lm.") else name
         if self.peft_model is not None:  # the PEFT model's names: its LoRA model wraps the trimmed base model
             name = "base_model.model." + name
-        return re.sub(r"(^|\.)layers\.(\d+)\.", lambda m: f"{m.group(1)}layers.{int(m.group(2)) + self.start}.", name, count=1)
+        return re.sub(
+            r"(^|\.)layers\.(\d+)\.", lambda m: f"{m.group(1)}layers.{int(m.group(2)) + self.start}.", name, count=1
+        )

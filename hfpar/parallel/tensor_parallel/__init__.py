@@ -1,30 +1,61 @@
 """Tensor parallelism: Megatron-style layers, per-architecture plans as data, and apply_tensor_parallel.
 
-    layers.py    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    conv1d.py    ColumnParallelConv1D, RowParallelConv1D (transformers' Conv1D: GPT-2)
-    loss.py      vocab_parallel_cross_entropy (from logit shards)
-    hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
-    plans.py     written plans per model_type;  derived.py  plans from HF's config.base_model_tp_plan
-    infer.py     plans inferred from the modules;  sequence_plan.py  sequence-parallel entries from the structure
-    norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
-    shape_check.py  the plan matched to the modules, names / shapes / degrees checked (no compute, no collective)
-    block_check.py  the plan checked numerically: sharded copies of the blocks against unsharded ones (fp64)
-    hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
-    apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
+layers.py    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+conv1d.py    ColumnParallelConv1D, RowParallelConv1D (transformers' Conv1D: GPT-2)
+loss.py      vocab_parallel_cross_entropy (from logit shards)
+hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
+plans.py     written plans per model_type;  derived.py  plans from HF's config.base_model_tp_plan
+infer.py     plans inferred from the modules;  sequence_plan.py  sequence-parallel entries from the structure
+norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
+shape_check.py  the plan matched to the modules, names / shapes / degrees checked (no compute, no collective)
+block_check.py  the plan checked numerically: sharded copies of the blocks against unsharded ones (fp64)
+hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
+apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
 """
 
-from .apply import (apply_tensor_parallel, clip_tp_grad_norm_, gather_full_state_dict, sequence_parallel_grad_hooks,
-                    sync_sequence_parallel_grads, tp_grad_norm)
+from .apply import (
+    apply_tensor_parallel,
+    clip_tp_grad_norm_,
+    gather_full_state_dict,
+    sequence_parallel_grad_hooks,
+    sync_sequence_parallel_grads,
+    tp_grad_norm,
+)
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D
 from .derived import derive_plan, derived_plan_problem, derived_plan_refusal
 from .hf_loss import VocabParallelCausalLMLoss, full_vocab_logits, gather_vocab_logits
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_shards, shard_tensor,
-                     tp_sharded_parameters)
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_shards,
+    shard_tensor,
+    tp_sharded_parameters,
+)
 from .loss import vocab_parallel_cross_entropy
 from .plans import get_plan
 
-__all__ = ["apply_tensor_parallel", "clip_tp_grad_norm_", "gather_full_state_dict", "sequence_parallel_grad_hooks",
-           "sync_sequence_parallel_grads", "tp_grad_norm", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "ColumnParallelConv1D", "RowParallelConv1D", "gather_shards", "shard_tensor",
-           "tp_sharded_parameters", "vocab_parallel_cross_entropy", "VocabParallelCausalLMLoss", "gather_vocab_logits",
-           "full_vocab_logits", "get_plan", "derive_plan", "derived_plan_problem", "derived_plan_refusal"]
+__all__ = [
+    "apply_tensor_parallel",
+    "clip_tp_grad_norm_",
+    "gather_full_state_dict",
+    "sequence_parallel_grad_hooks",
+    "sync_sequence_parallel_grads",
+    "tp_grad_norm",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ColumnParallelConv1D",
+    "RowParallelConv1D",
+    "gather_shards",
+    "shard_tensor",
+    "tp_sharded_parameters",
+    "vocab_parallel_cross_entropy",
+    "VocabParallelCausalLMLoss",
+    "gather_vocab_logits",
+    "full_vocab_logits",
+    "get_plan",
+    "derive_plan",
+    "derived_plan_problem",
+    "derived_plan_refusal",
+]

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterable, Mapping
 from functools import partial
-from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,30 @@ import torch.nn.functional as F
 from ..comm import all_reduce, group_rank, group_size
 from ..errors import ParallelError
 from ..guard import mark_parallel, refuse_unlaunched
-from ..sharding import (ShardSpec, clip_grads_, full_state_dict, grad_norm, partial_grad_hooks, set_shard_spec,
-                        shard_spec, shard_tensor, sync_partial_grads)
+from ..sharding import (
+    ShardSpec,
+    clip_grads_,
+    full_state_dict,
+    grad_norm,
+    partial_grad_hooks,
+    set_shard_spec,
+    shard_spec,
+    shard_tensor,
+    sync_partial_grads,
+)
+from .block_check import verify_first_block
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
-from .hf_loss import install_hf_semantics
-from .hooks import (HEAD_BIAS_ARGS, embed_scale_hook, enter_region_hook, gather_sequence_hook, local_head_bias_hook,
-                    scatter_sequence_hook)
 from .heads import localize_heads
+from .hf_loss import install_hf_semantics
+from .hooks import (
+    HEAD_BIAS_ARGS,
+    embed_scale_hook,
+    enter_region_hook,
+    gather_sequence_hook,
+    local_head_bias_hook,
+    scatter_sequence_hook,
+)
 from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
@@ -66,11 +82,15 @@ from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits
 from .sequence_plan import sequence_parallel_plan
 from .shape_check import REGIONS as _REGIONS
 from .shape_check import match_plan, moe_block_names, validate_degrees
-from .block_check import verify_first_block
 
-__all__ = ["apply_tensor_parallel", "sync_sequence_parallel_grads", "tp_grad_norm", "clip_tp_grad_norm_",
-           "gather_full_state_dict", "RegionColumnParallelLinear"]
-
+__all__ = [
+    "apply_tensor_parallel",
+    "sync_sequence_parallel_grads",
+    "tp_grad_norm",
+    "clip_tp_grad_norm_",
+    "gather_full_state_dict",
+    "RegionColumnParallelLinear",
+]
 
 
 class RegionColumnParallelLinear(ColumnParallelLinear):
@@ -87,18 +107,27 @@ def _check_replicated(model: nn.Module, group) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]
     if not named:
         return
-    stats = torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
-                                      torch.linalg.vector_norm(p.detach(), dtype=torch.float64)]).to(named[0][1].device)
-                         for _, p in named])                                            # (P, 2)
+    stats = torch.stack(
+        [
+            torch.stack(
+                [p.detach().sum(dtype=torch.float64), torch.linalg.vector_norm(p.detach(), dtype=torch.float64)]
+            ).to(named[0][1].device)
+            for _, p in named
+        ]
+    )  # (P, 2)
     hi = all_reduce(stats, group, op=dist.ReduceOp.MAX)
     lo = -all_reduce(-stats, group, op=dist.ReduceOp.MAX)
     bad = (~torch.isclose(hi, lo, rtol=1e-9, atol=0.0, equal_nan=True)).any(dim=1).tolist()
     names = [n for (n, _), b in zip(named, bad) if b]
     if names:
-        raise ParallelError("apply_tensor_parallel", [
-            f"the full weights differ across the ranks of the TP group "
-            f"(every rank must load the same model: same checkpoint, or the same seed before "
-            f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"the full weights differ across the ranks of the TP group "
+                f"(every rank must load the same model: same checkpoint, or the same seed before "
+                f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            ],
+        )
 
 
 # ----------------------------------------------------------------------------- apply
@@ -107,9 +136,15 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel: bool = False,
-                          plan: Mapping[str, str] | None = None, verify_weights: bool = True,
-                          verify_plan: bool = True) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_group=None,
+    *,
+    sequence_parallel: bool = False,
+    plan: Mapping[str, str] | None = None,
+    verify_weights: bool = True,
+    verify_plan: bool = True,
+) -> nn.Module:
     """Shard an HF causal LM over `tp_group` (a process group, None = the default group, or a
     hfpar ParallelContext: its tp group), in place; returns it.
 
@@ -126,22 +161,26 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     under SP) get a backward hook summing it over the TP group: a plain loop needs no extra call.
     The shared model.config keeps the full sizes (for export); attention modules see per-rank heads.
     """
-    tp_group = getattr(tp_group, "tp_group", tp_group)     # a ParallelContext, or the group itself
+    tp_group = getattr(tp_group, "tp_group", tp_group)  # a ParallelContext, or the group itself
     if tp_group is None:
-        refuse_unlaunched("apply_tensor_parallel")         # under torchrun without a process group: a world of one
+        refuse_unlaunched("apply_tensor_parallel")  # under torchrun without a process group: a world of one
     if tp_group is None and dist.is_available() and dist.is_initialized():
-        tp_group = dist.group.WORLD   # named: ShardSpecs with group None are skipped by export and grad norm
+        tp_group = dist.group.WORLD  # named: ShardSpecs with group None are skipped by export and grad norm
     tp = group_size(tp_group)
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
         raise ParallelError("apply_tensor_parallel", ["the model is already tensor-parallel"])
-    if tp == 1:   # nothing to shard; logits stay full
+    if tp == 1:  # nothing to shard; logits stay full
         return model
     config = getattr(model, "config", None)
     moe = moe_block_names(model)
     if moe and sequence_parallel:
-        raise ParallelError("apply_tensor_parallel", [
-            f"sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
-            "whole on every TP rank and route the full sequence; use TP without sequence_parallel"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"sequence_parallel with MoE blocks ({moe[0]}, ...): the experts stay "
+                "whole on every TP rank and route the full sequence; use TP without sequence_parallel"
+            ],
+        )
     optional: tuple[str, ...] = ()
     derived = plan is None and config is not None and getattr(config, "model_type", None) not in TP_PLANS
     if plan is None:
@@ -149,24 +188,28 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
             raise ParallelError("apply_tensor_parallel", ["the model has no config.model_type; pass plan="])
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
-        elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(model,
-                                                                                     derived_plan := derive_plan(model)):
+        elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(
+            model, derived_plan := derive_plan(model)
+        ):
             # inferred from the modules, verified (infer.py); also when HF's plan shards nothing hfpar's TP does in
             # the decoder blocks (HunYuan-MoE's names only its routed experts, which expert parallelism splits)
             try:
                 plan = _infer(model, config, tp, tp_group, sequence_parallel, verify_weights)
-                verify_weights = verify_plan = False   # both done by _infer for the plan it returns
+                verify_weights = verify_plan = False  # both done by _infer for the plan it returns
             except ValueError:
                 if sequence_parallel or not getattr(config, "base_model_tp_plan", None):
                     raise
-                plan = derived_plan   # HF's own: embedding and LM head sharded, the blocks replicated (exact)
-        else:   # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
+                plan = derived_plan  # HF's own: embedding and LM head sharded, the blocks replicated (exact)
+        else:  # from the config's base_model_tp_plan; one-line refusal naming the entry hfpar cannot map
             plan = derived_plan
             if config.model_type not in TESTED_DERIVED_MODEL_TYPES:
-                warnings.warn(f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
-                              "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
-                              "the unsharded model's once", stacklevel=2)
-            if sequence_parallel:   # the entries a written plan names by hand, from the structure (verified)
+                warnings.warn(
+                    f"apply_tensor_parallel: model_type {config.model_type!r} is sharded by a plan derived "
+                    "from its base_model_tp_plan that hfpar has not parity-tested; compare its loss with "
+                    "the unsharded model's once",
+                    stacklevel=2,
+                )
+            if sequence_parallel:  # the entries a written plan names by hand, from the structure (verified)
                 plan = sequence_parallel_plan(model, plan)
         optional = ("colwise_lm_head",)
     validate_plan(plan)
@@ -178,15 +221,23 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
-        raise ParallelError("apply_tensor_parallel", [
-            f"sequence_parallel needs a vocab-parallel LM head to gather the "
-            f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
-            "--sequence_parallel"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"sequence_parallel needs a vocab-parallel LM head to gather the "
+                f"sequence back (causal LMs); {type(model).__name__} has none: use TP without "
+                "--sequence_parallel"
+            ],
+        )
     unpadded = getattr(config, "unpadded_vocab_size", None)
     if lm_head and isinstance(unpadded, int) and unpadded < model.get_output_embeddings().out_features:
-        raise ParallelError("apply_tensor_parallel", [
-            f"config.unpadded_vocab_size {unpadded} (the forward slices the "
-            "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"config.unpadded_vocab_size {unpadded} (the forward slices the "
+                "logits to it) with a vocab-parallel LM head; pass a plan without 'colwise_lm_head'"
+            ],
+        )
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and out.weight is inp.weight
@@ -196,12 +247,17 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
         _check_replicated(model, tp_group)
 
     shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if verify_plan:   # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
-        model._hfpar_tp_verify_rel = verify_first_block(model, assigned, shard, tp_group,
-                                                        sequence_parallel=sequence_parallel,
-                                                        model_type=getattr(config, "model_type", None))
+    if verify_plan:  # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
+        model._hfpar_tp_verify_rel = verify_first_block(
+            model,
+            assigned,
+            shard,
+            tp_group,
+            sequence_parallel=sequence_parallel,
+            model_type=getattr(config, "model_type", None),
+        )
     new_modules = shard(model, assigned)
-    if tied:   # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
+    if tied:  # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
         head = next(new_modules[n] for n, s in assigned.items() if s == "colwise_lm_head")
         head.weight = emb.weight
@@ -210,83 +266,107 @@ def apply_tensor_parallel(model: nn.Module, tp_group=None, *, sequence_parallel:
     partial_grad_hooks(model.parameters())
     # model(**batch, labels=...).loss through the vocab-parallel cross-entropy, generate(), guards (hf_loss.py)
     install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
-    mark_parallel(model, f"tensor-parallel over {tp} ranks")   # stock DDP / fully_shard refuse it (guard.py)
+    mark_parallel(model, f"tensor-parallel over {tp} ranks")  # stock DDP / fully_shard refuse it (guard.py)
     return model
 
 
-def _shard_modules(model: nn.Module, assigned: Mapping[str, str], *, config, tp: int, tp_group,
-                   sequence_parallel: bool) -> dict[str, nn.Module]:
+def _shard_modules(
+    model: nn.Module, assigned: Mapping[str, str], *, config, tp: int, tp_group, sequence_parallel: bool
+) -> dict[str, nn.Module]:
     """Replace / hook every module of `assigned` ({name: style}, names relative to `model`) in place; returns the
     new layers by name. The whole model, or one block's copy for verify_first_block."""
     regions = [n for n, s in assigned.items() if s in _REGIONS]
     gathered = "sequence_gather" in assigned.values()
     new_modules: dict[str, nn.Module] = {}
     for name, style in assigned.items():
-        if style == "head_param":   # (H, ...) by head: this rank's heads, like the projections' (export gathers)
+        if style == "head_param":  # (H, ...) by head: this rank's heads, like the projections' (export gathers)
             parent, _, leaf = name.rpartition(".")
             owner, full = model.get_submodule(parent), model.get_parameter(name)
             local = shard_tensor(full.detach(), 0, group_rank(tp_group), tp)
-            setattr(owner, leaf, set_shard_spec(nn.Parameter(local, requires_grad=full.requires_grad),
-                                                ShardSpec(kind="tp", group=tp_group, dim=0, size=tp)))
+            setattr(
+                owner,
+                leaf,
+                set_shard_spec(
+                    nn.Parameter(local, requires_grad=full.requires_grad),
+                    ShardSpec(kind="tp", group=tp_group, dim=0, size=tp),
+                ),
+            )
             continue
-        if style == "output_param":   # replicated, its gradient already complete: not summed over TP
+        if style == "output_param":  # replicated, its gradient already complete: not summed over TP
             set_shard_spec(model.get_parameter(name), ShardSpec(kind="replicated"))
             continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
         if base == "vocab_embedding":
-            new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)      # output all-reduced, full T
-            if hasattr(mod, "embed_scale"):   # Gemma's scaled embedding: forward(ids) * embed_scale
+            new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)  # output all-reduced, full T
+            if hasattr(mod, "embed_scale"):  # Gemma's scaled embedding: forward(ids) * embed_scale
                 new.register_buffer("embed_scale", torch.as_tensor(mod.embed_scale).detach().clone(), persistent=False)
                 new.register_forward_hook(embed_scale_hook)
         elif base in ("colwise", "colwise_packed"):
             in_region = any(name.startswith(r + ".") for r in regions)
-            kw = {"packed_splits": packed_splits(style, config), "name": name,
-                  "sequence_parallel": sequence_parallel and not in_region}
-            if is_conv1d(mod):   # GPT-2: keeps Conv1D's (in, out) layout
+            kw = {
+                "packed_splits": packed_splits(style, config),
+                "name": name,
+                "sequence_parallel": sequence_parallel and not in_region,
+            }
+            if is_conv1d(mod):  # GPT-2: keeps Conv1D's (in, out) layout
                 new = ColumnParallelConv1D.from_conv1d(mod, tp_group, **kw)
                 new.in_region = in_region
             else:
                 cls = RegionColumnParallelLinear if in_region else ColumnParallelLinear
                 new = cls.from_linear(mod, tp_group, **kw)
-        elif base == "colwise_lm_head":   # under SP it gathers T itself, unless a sequence_gather did it before
-            new = ColumnParallelLinear.from_linear(mod, tp_group, sequence_parallel=sequence_parallel and not gathered,
-                                                   name=name)
-        elif base == "sharded_rmsnorm":   # a norm over all heads, on this rank's heads (norms.py)
+        elif base == "colwise_lm_head":  # under SP it gathers T itself, unless a sequence_gather did it before
+            new = ColumnParallelLinear.from_linear(
+                mod, tp_group, sequence_parallel=sequence_parallel and not gathered, name=name
+            )
+        elif base == "sharded_rmsnorm":  # a norm over all heads, on this rank's heads (norms.py)
             new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
         elif base == "rowwise" and is_conv1d(mod):
             new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
-        elif base == "rowwise_heads":   # reduce-scatter along the output features: this rank's heads' values
-            new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True, sequence_parallel=True,
-                                                sequence_dim=-1, name=name)
+        elif base == "rowwise_heads":  # reduce-scatter along the output features: this rank's heads' values
+            new = RowParallelLinear.from_linear(
+                mod, tp_group, input_is_parallel=True, sequence_parallel=True, sequence_dim=-1, name=name
+            )
         elif base == "rowwise":
-            new = RowParallelLinear.from_linear(mod, tp_group, input_is_parallel=True,
-                                                sequence_parallel=sequence_parallel, name=name)
+            new = RowParallelLinear.from_linear(
+                mod, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel, name=name
+            )
         else:
             if base in _REGIONS:
-                mod.register_forward_pre_hook(partial(enter_region_hook, group=tp_group, name=name,
-                                                      sequence_parallel=sequence_parallel), with_kwargs=True)
+                mod.register_forward_pre_hook(
+                    partial(enter_region_hook, group=tp_group, name=name, sequence_parallel=sequence_parallel),
+                    with_kwargs=True,
+                )
             if base == "attention":
                 localize_heads(mod, config, tp)
                 bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
-                if bias_args and getattr(config, "num_attention_heads", None):   # ALiBi for all heads (Bloom, MPT)
-                    mod.register_forward_pre_hook(partial(local_head_bias_hook, names=bias_args, tp=tp,
-                                                          rank=group_rank(tp_group),
-                                                          heads=config.num_attention_heads), with_kwargs=True)
+                if bias_args and getattr(config, "num_attention_heads", None):  # ALiBi for all heads (Bloom, MPT)
+                    mod.register_forward_pre_hook(
+                        partial(
+                            local_head_bias_hook,
+                            names=bias_args,
+                            tp=tp,
+                            rank=group_rank(tp_group),
+                            heads=config.num_attention_heads,
+                        ),
+                        with_kwargs=True,
+                    )
             elif base == "sequence_gather" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(gather_sequence_hook, group=tp_group, name=name),
-                                              with_kwargs=True)
+                mod.register_forward_pre_hook(
+                    partial(gather_sequence_hook, group=tp_group, name=name), with_kwargs=True
+                )
             elif base == "sequence_scatter" and sequence_parallel:
-                mod.register_forward_pre_hook(partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name),
-                                              with_kwargs=True)
+                mod.register_forward_pre_hook(
+                    partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name), with_kwargs=True
+                )
             elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
-                for p in mod.parameters():   # replicated; each rank's grad covers its tokens / heads only
+                for p in mod.parameters():  # replicated; each rank's grad covers its tokens / heads only
                     set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
             continue
         new.train(mod.training)
         new_modules[name] = new
-        _set_submodule(model, name, new)   # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
+        _set_submodule(model, name, new)  # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
     whole = {id(model.get_parameter(n)) for n, s in assigned.items() if s == "output_param"}
-    for r in regions:   # other parameters inside a region act on this rank's heads / features: partial grads
+    for r in regions:  # other parameters inside a region act on this rank's heads / features: partial grads
         _mark_region_replicated(model.get_submodule(r), tp_group, whole)
     return new_modules
 
@@ -296,9 +376,13 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     mt = config.model_type
     candidates = infer_plans(model)
     if not candidates:
-        raise ParallelError("apply_tensor_parallel", [
-            f"model_type {mt!r} has no hfpar plan and no usable "
-            f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"model_type {mt!r} has no hfpar plan and no usable "
+                f"base_model_tp_plan, and {unrecognised(model)}; pass plan={{module pattern: style}}"
+            ],
+        )
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and out.weight is inp.weight
     last: ValueError | None = None
@@ -317,20 +401,34 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             checked = True
         shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
         try:
-            model._hfpar_tp_verify_rel = verify_first_block(model, {n: s for n, (s, _) in matched.items()}, shard,
-                                                            tp_group, sequence_parallel=sequence_parallel,
-                                                            model_type=mt, probe_meta=True)
+            model._hfpar_tp_verify_rel = verify_first_block(
+                model,
+                {n: s for n, (s, _) in matched.items()},
+                shard,
+                tp_group,
+                sequence_parallel=sequence_parallel,
+                model_type=mt,
+                probe_meta=True,
+            )
         except ValueError as e:
             last = e
             continue
-        warnings.warn(f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
-                      "verified on its first block", stacklevel=3)
+        warnings.warn(
+            f"apply_tensor_parallel: model_type {mt!r} is sharded by a plan inferred from its modules and "
+            "verified on its first block",
+            stacklevel=3,
+        )
         return plan
     # the last refusal without the `apply_tensor_parallel: ` this message repeats (another `where` stays whole)
     why = last.detail if isinstance(last, ParallelError) and last.where == "apply_tensor_parallel" else str(last)
-    raise ParallelError("apply_tensor_parallel", [
-        f"no sound tensor-parallel plan could be inferred for model_type {mt!r} ({len(candidates)} candidate(s); last: "
-        f"{why})"])
+    raise ParallelError(
+        "apply_tensor_parallel",
+        [
+            f"no sound tensor-parallel plan could be inferred for model_type {mt!r} ({len(candidates)} candidate(s); "
+            "last: "
+            f"{why})"
+        ],
+    )
 
 
 def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
@@ -338,8 +436,12 @@ def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[
     (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
     plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
     proj = ("colwise", "colwise_packed", "rowwise", "rowwise_heads")
-    empty = [r for r, (s, _) in matched.items() if s in _REGIONS and not any(
-        n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())]
+    empty = [
+        r
+        for r, (s, _) in matched.items()
+        if s in _REGIONS
+        and not any(n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())
+    ]
     return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
 
 
@@ -359,7 +461,7 @@ def _mark_region_replicated(region: nn.Module, tp_group, whole: set[int] = froze
             continue
         for p in m.parameters(recurse=False):
             spec = shard_spec(p)
-            if id(p) in whole:   # output_param: applied after the region's all-reduce
+            if id(p) in whole:  # output_param: applied after the region's all-reduce
                 continue
             if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
                 set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
@@ -402,8 +504,15 @@ def _demo(rank: int, world_size: int) -> None:
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM  # the demo only: the layer library needs no transformers
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128)
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ref = copy.deepcopy(model)
@@ -414,8 +523,10 @@ def _demo(rank: int, world_size: int) -> None:
     assert torch.allclose(loss, ref_loss, atol=1e-5), (loss, ref_loss)
     assert torch.allclose(model(ids, labels=ids).loss, ref_loss, atol=1e-5)
     if rank == 0:
-        print(f"ok: loss {loss.item():.6f} == {ref_loss.item():.6f}, rank {group_rank()} lm_head",
-              tuple(model.lm_head.weight.shape))
+        print(
+            f"ok: loss {loss.item():.6f} == {ref_loss.item():.6f}, rank {group_rank()} lm_head",
+            tuple(model.lm_head.weight.shape),
+        )
 
 
 if __name__ == "__main__":

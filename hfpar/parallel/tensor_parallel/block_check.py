@@ -17,10 +17,10 @@ under sequence parallelism those other blocks get this rank's T/tp tokens (block
 Why float64 whatever the model's dtype: in fp32 an exact plan differs from the unsharded block by its rounding
 (up to ~1e-4 relative on a small gradient), so the tolerance had to be 1e-3 and a plan off by 2e-4 would pass; in
 float64 an exact plan agrees to ~1e-12, a wrong one is off by far more than 1e-6. Measured basis: over every family
-of benchmarks/tensor_parallel/family_sweep.py the worst verification error of an accepted plan is recorded in its results
-("verify_rel"): at most 3.2e-7 (OLMo-2; fp32 casts inside the families' own code, RMSNorm's `.to(float32)`, bound
-it). Where the device has no float64 (MPS), or a kernel of the block has none (transformers' grouped_mm experts of an
-MoE block), the copies run in float32 with a 1e-3 tolerance.
+of benchmarks/tensor_parallel/family_sweep.py the worst verification error of an accepted plan is recorded in its
+results ("verify_rel"): at most 3.2e-7 (OLMo-2; fp32 casts inside the families' own code, RMSNorm's `.to(float32)`,
+bound it). Where the device has no float64 (MPS), or a kernel of the block has none (transformers' grouped_mm experts of
+an MoE block), the copies run in float32 with a 1e-3 tolerance.
 
 Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one short forward up to the block, one
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
@@ -50,7 +50,7 @@ from .shape_check import REGIONS
 __all__ = ["first_block_name", "verify_first_block"]
 
 _TOL = {torch.float64: 1e-6, torch.float32: 1e-3}
-_NO_FP64 = ("mps",)   # devices without float64 arithmetic: verified in float32
+_NO_FP64 = ("mps",)  # devices without float64 arithmetic: verified in float32
 
 
 class _Captured(Exception):
@@ -126,13 +126,22 @@ def _split_hidden(args, kwargs):
 
 def _signature(block: nn.Module) -> tuple:
     """What makes two blocks of a stack differently built: their modules' names and types, their parameters' shapes."""
-    return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
-            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+    return (
+        tuple((n, type(m).__name__) for n, m in block.named_modules()),
+        tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
+    )
 
 
-def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: Callable, tp_group, *,
-                       sequence_parallel: bool = False, model_type: str | None = None,
-                       probe_meta: bool = False) -> float:
+def verify_first_block(
+    model: nn.Module,
+    assigned: Mapping[str, str],
+    shard_fn: Callable,
+    tp_group,
+    *,
+    sequence_parallel: bool = False,
+    model_type: str | None = None,
+    probe_meta: bool = False,
+) -> float:
     """Refuse (ValueError, one line) when the plan's sharding of the first decoder block, of the first block of every
     other structure in the stack (hybrid layers), or of the last (some families build it differently:
     GPT-NeoX-Japanese's extra output bias) is not the unsharded block. shard_fn(root, assigned_relative) shards
@@ -152,16 +161,28 @@ def verify_first_block(model: nn.Module, assigned: Mapping[str, str], shard_fn: 
             if sig not in seen or i == len(blocks) - 1:
                 seen.add(sig)
                 names.append(f"{parent}.{i}")
-    if any(p.is_meta for p in model.get_submodule(name).parameters()):   # a meta skeleton (sharded loading)
+    if any(p.is_meta for p in model.get_submodule(name).parameters()):  # a meta skeleton (sharded loading)
         if not probe_meta or any((shard_spec(p) or ShardSpec()).kind == "ep" for p in model.parameters()):
-            warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
-                          stacklevel=3)
+            warnings.warn(
+                f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)", stacklevel=3
+            )
             return 0.0
         model, names = _random_probe(model, parent, name, tp_group), [name]
     worst = 0.0
-    for block_name in dict.fromkeys(names):   # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
-        worst = max(worst, _verify_block(model, block_name, assigned, shard_fn, tp_group, sequence_parallel,
-                                         sequence_parallel and block_name != name, model_type))
+    for block_name in dict.fromkeys(names):  # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
+        worst = max(
+            worst,
+            _verify_block(
+                model,
+                block_name,
+                assigned,
+                shard_fn,
+                tp_group,
+                sequence_parallel,
+                sequence_parallel and block_name != name,
+                model_type,
+            ),
+        )
     return worst
 
 
@@ -181,24 +202,36 @@ def _random_probe(model: nn.Module, blocks: str, first: str, tp_group) -> nn.Mod
         for n, p in list(m.named_parameters(recurse=False)):
             if p.is_meta:
                 w = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-                w = 1 + 0.1 * w if p.dim() == 1 else 0.05 * w   # norms' weights near 1, matrices small
+                w = 1 + 0.1 * w if p.dim() == 1 else 0.05 * w  # norms' weights near 1, matrices small
                 setattr(m, n, nn.Parameter(w.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad))
-        if device is not None:   # NCCL: the probe runs on this rank's GPU
+        if device is not None:  # NCCL: the probe runs on this rank's GPU
             for n, b in list(m.named_buffers(recurse=False)):
                 m._buffers[n] = b.to(device)
     if len(stack) > 1:
-        warnings.warn(f"apply_tensor_parallel: weights on the meta device: the plan is verified on {first} with random "
-                      "weights, not on the other blocks", stacklevel=4)
+        warnings.warn(
+            f"apply_tensor_parallel: weights on the meta device: the plan is verified on {first} with random "
+            "weights, not on the other blocks",
+            stacklevel=4,
+        )
     return probe
 
 
-def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shard_fn: Callable, tp_group,
-                  sequence_parallel: bool, split_input: bool, model_type: str | None) -> float:
+def _verify_block(
+    model: nn.Module,
+    name: str,
+    assigned: Mapping[str, str],
+    shard_fn: Callable,
+    tp_group,
+    sequence_parallel: bool,
+    split_input: bool,
+    model_type: str | None,
+) -> float:
     block = model.get_submodule(name)
     params = list(block.parameters())
     if not params or any(p.is_meta for p in params):
-        warnings.warn(f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)",
-                      stacklevel=3)
+        warnings.warn(
+            f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)", stacklevel=3
+        )
         return 0.0
     try:
         call = _capture(model, block, params[0].device, group_size(tp_group))
@@ -213,15 +246,16 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
     dtype = torch.float32 if params[0].device.type in _NO_FP64 else torch.float64
     try:
         ref_run = _reference(block, call, dtype)
-    except Exception:   # a kernel without float64 (HF's grouped_mm experts): the block in float32
+    except Exception:  # a kernel without float64 (HF's grouped_mm experts): the block in float32
         if dtype == torch.float32:
             raise
         dtype = torch.float32
         ref_run = _reference(block, call, dtype)
     hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads = ref_run
     sharded = copy.deepcopy(block, _handles(block)).to(dtype).eval()
-    rel = {n[len(name) + 1:] if n != name else "": s for n, s in assigned.items()
-           if n == name or n.startswith(name + ".")}
+    rel = {
+        n[len(name) + 1 :] if n != name else "": s for n, s in assigned.items() if n == name or n.startswith(name + ".")
+    }
     shard_fn(sharded, rel)
     partial_grad_hooks(sharded.parameters())
     seen: list[tuple[str, torch.Tensor]] = []
@@ -229,11 +263,11 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
     tp, rank = group_size(tp_group), group_rank(tp_group)
     x = (hidden.detach().chunk(tp, 1)[rank] if split_input else hidden.detach()).clone().requires_grad_()
     g_in = grads[0].chunk(tp, 1)[rank] if split_input and grads[0] is not None else grads[0]
-    if sequence_parallel:   # the block's output is this rank's T/tp tokens
+    if sequence_parallel:  # the block's output is this rank's T/tp tokens
         out_ref, cot = out_ref.chunk(tp, 1)[rank], cot.chunk(tp, 1)[rank]
     stack: list[str] = []
 
-    def leave(mod, args, out) -> None:   # returns None: the module's output is kept
+    def leave(mod, args, out) -> None:  # returns None: the module's output is kept
         stack.pop()
 
     for n, m in sharded.named_modules():
@@ -244,14 +278,20 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
         out.backward(cot)
     except Exception as e:
         where = f"{name}.{stack[-1]}" if stack and stack[-1] else name
-        raise ParallelError("apply_tensor_parallel", [
-            f"the tensor-parallel plan for model_type {model_type!r} breaks "
-            f"{where} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}; its plan "
-            f"entry: {_entry(assigned, where)}); the model is left unsharded; pass "
-            "plan={module pattern: style} or run without tensor parallelism"]) from e
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"the tensor-parallel plan for model_type {model_type!r} breaks "
+                f"{where} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}; its plan "
+                f"entry: {_entry(assigned, where)}); the model is left unsharded; pass "
+                "plan={module pattern: style} or run without tensor parallelism"
+            ],
+        ) from e
 
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
-        (f"{name} output", out.detach(), out_ref.detach()), (f"{name} input gradient", x.grad, g_in)]
+        (f"{name} output", out.detach(), out_ref.detach()),
+        (f"{name} input gradient", x.grad, g_in),
+    ]
     mine = dict(sharded.named_parameters())
     for (n, _), g_ref in zip(ref_named, grads[1:]):
         p = mine.get(n)
@@ -261,23 +301,39 @@ def _verify_block(model: nn.Module, name: str, assigned: Mapping[str, str], shar
             g = gather_shards(g, spec.dim, spec.group, spec.packed_splits)
         checks.append((f"{name}.{n} gradient", g, g_ref))
     errs = torch.tensor([_rel_err(a, b) for _, a, b in checks], dtype=torch.float64, device=out.device)
-    errs = all_reduce(errs, tp_group, op=dist.ReduceOp.MAX)   # every rank decides the same
+    errs = all_reduce(errs, tp_group, op=dist.ReduceOp.MAX)  # every rank decides the same
     tol = _TOL[dtype]
     bad = [(what, e) for (what, _, _), e in zip(checks, errs.tolist()) if not e <= tol]
     if bad:
         what, e = bad[0]
-        module = what.rsplit(" ", 1)[0].rpartition(".")[0] if what.endswith(" gradient") and "." in what[len(name):] \
+        module = (
+            what.rsplit(" ", 1)[0].rpartition(".")[0]
+            if what.endswith(" gradient") and "." in what[len(name) :]
             else name
-        if what == f"{name} output":   # the first submodule (in execution order) whose full-shape output differs
-            first = next((n for n, t in seen if n in seen_ref and t.shape == seen_ref[n].shape and t.is_floating_point()
-                          and not _rel_err(t, seen_ref[n]) <= tol), "")
+        )
+        if what == f"{name} output":  # the first submodule (in execution order) whose full-shape output differs
+            first = next(
+                (
+                    n
+                    for n, t in seen
+                    if n in seen_ref
+                    and t.shape == seen_ref[n].shape
+                    and t.is_floating_point()
+                    and not _rel_err(t, seen_ref[n]) <= tol
+                ),
+                "",
+            )
             module = f"{name}.{first}" if first else name
         entry = _entry(assigned, module)
-        raise ParallelError("apply_tensor_parallel", [
-            f"the tensor-parallel plan for model_type {model_type!r} does not "
-            f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
-            f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
-            f"plan={{module pattern: style}} or run without tensor parallelism"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"the tensor-parallel plan for model_type {model_type!r} does not "
+                f"reproduce the unsharded {name} on random inputs: {what} differs by {e:.2g} relative "
+                f"(tolerance {tol:g}; module {module}, its plan entry: {entry}); the model is left unsharded; pass "
+                f"plan={{module pattern: style}} or run without tensor parallelism"
+            ],
+        )
     return max(errs.tolist(), default=0.0)
 
 
@@ -305,8 +361,9 @@ def _record(block: nn.Module, put: Callable) -> None:
     """Forward hooks putting (relative name, first output tensor) of every submodule of a verification copy."""
     for n, m in block.named_modules():
         if n:
-            m.register_forward_hook(lambda mod, args, out, n=n: None if _first_tensor(out) is None
-                                    else put(n, _first_tensor(out).detach()))
+            m.register_forward_hook(
+                lambda mod, args, out, n=n: None if _first_tensor(out) is None else put(n, _first_tensor(out).detach())
+            )
 
 
 def _rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

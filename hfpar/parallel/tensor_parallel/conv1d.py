@@ -40,15 +40,31 @@ class ColumnParallelConv1D(ColumnParallelLinear):
     weight_shard_dim = 1
 
     @classmethod
-    def from_conv1d(cls, conv: nn.Module, group=None, *, packed_splits: Sequence[int] | None = None,
-                    sequence_parallel: bool = False, name: str | None = None) -> ColumnParallelConv1D:
-        layer = cls(conv.nx, conv.nf, conv.bias is not None, group=group, sequence_parallel=sequence_parallel,
-                    packed_splits=packed_splits, device="meta", dtype=conv.weight.dtype, name=name)
+    def from_conv1d(
+        cls,
+        conv: nn.Module,
+        group=None,
+        *,
+        packed_splits: Sequence[int] | None = None,
+        sequence_parallel: bool = False,
+        name: str | None = None,
+    ) -> ColumnParallelConv1D:
+        layer = cls(
+            conv.nx,
+            conv.nf,
+            conv.bias is not None,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            packed_splits=packed_splits,
+            device="meta",
+            dtype=conv.weight.dtype,
+            name=name,
+        )
         layer._load_full(conv.weight, conv.bias, _grads(conv))
         return layer
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight                                                             # (B, T, out/tp)
+        y = x @ self.weight  # (B, T, out/tp)
         return y if self.bias is None else y + self.bias
 
     def full_weight(self) -> torch.Tensor:
@@ -66,15 +82,25 @@ class RowParallelConv1D(RowParallelLinear):
     weight_shard_dim = 0
 
     @classmethod
-    def from_conv1d(cls, conv: nn.Module, group=None, *, sequence_parallel: bool = False,
-                    name: str | None = None) -> RowParallelConv1D:
-        layer = cls(conv.nx, conv.nf, conv.bias is not None, group=group, input_is_parallel=True,
-                    sequence_parallel=sequence_parallel, device="meta", dtype=conv.weight.dtype, name=name)
+    def from_conv1d(
+        cls, conv: nn.Module, group=None, *, sequence_parallel: bool = False, name: str | None = None
+    ) -> RowParallelConv1D:
+        layer = cls(
+            conv.nx,
+            conv.nf,
+            conv.bias is not None,
+            group=group,
+            input_is_parallel=True,
+            sequence_parallel=sequence_parallel,
+            device="meta",
+            dtype=conv.weight.dtype,
+            name=name,
+        )
         layer._load_full(conv.weight, conv.bias, _grads(conv))
         return layer
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight                                                          # (B, T, out) partial sums
+        return x @ self.weight  # (B, T, out) partial sums
 
     def full_weight(self) -> torch.Tensor:
         """(in, out) Conv1D layout on every rank. Collective."""

@@ -50,10 +50,21 @@ from .shape_check import lookup_only
 
 __all__ = ["HF_STYLES", "derive_plan", "derived_plan_problem", "derived_plan_refusal"]
 
-HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "replicated_heads",
-             "embedding_rowwise": "vocab_embedding", "packed_colwise": "colwise_packed"}
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "replicated_with_grad_allreduce": "replicated_heads",
+    "embedding_rowwise": "vocab_embedding",
+    "packed_colwise": "colwise_packed",
+}
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
-_MAPPED = ("colwise_gather_output", "rowwise_split_input", "mla_kv_a_proj", "local_params", "all_reduce")   # in derive_plan
+_MAPPED = (
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "mla_kv_a_proj",
+    "local_params",
+    "all_reduce",
+)  # in derive_plan
 _ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "c_attn", "query_key_value", "Wqkv")
 
 
@@ -61,9 +72,17 @@ _OWN_PLAN = "pass plan={module pattern: style}"
 
 
 def _refuse(model_type: str, key: str, style: str, why: str) -> ParallelError:
-    return ParallelError("apply_tensor_parallel", [Problem(
-        f"cannot derive a tensor-parallel plan for model_type {model_type!r} from its base_model_tp_plan: entry "
-        f"{key!r}: {style!r} has no hfpar equivalent ({why})", _OWN_PLAN)])
+    return ParallelError(
+        "apply_tensor_parallel",
+        [
+            Problem(
+                f"cannot derive a tensor-parallel plan for model_type {model_type!r} from its base_model_tp_plan: "
+                "entry "
+                f"{key!r}: {style!r} has no hfpar equivalent ({why})",
+                _OWN_PLAN,
+            )
+        ],
+    )
 
 
 def _packed_rule(key: str) -> str | None:
@@ -79,9 +98,16 @@ def _dense(hf: Mapping[str, str]) -> dict[str, str]:
 
 def _refusal(model_type, hf: Mapping[str, str]) -> ParallelError | None:
     if not hf:
-        return ParallelError("apply_tensor_parallel", [Problem(
-            f"model_type {model_type!r} has no hfpar plan and its config no base_model_tp_plan (written plans: "
-            f"{', '.join(sorted(TP_PLANS))}; others derived from base_model_tp_plan)", _OWN_PLAN)])
+        return ParallelError(
+            "apply_tensor_parallel",
+            [
+                Problem(
+                    f"model_type {model_type!r} has no hfpar plan and its config no base_model_tp_plan (written plans: "
+                    f"{', '.join(sorted(TP_PLANS))}; others derived from base_model_tp_plan)",
+                    _OWN_PLAN,
+                )
+            ],
+        )
     for key, style in _dense(hf).items():
         if style not in HF_STYLES and style not in _MAPPED:
             return _refuse(model_type, key, style, _WHY.get(style, "unknown to hfpar"))
@@ -113,8 +139,10 @@ def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
         return f"{name}."
     heads = {k.split(".", 1)[0] for k in hf or ()}
     if heads and not any(isinstance(getattr(model, h, None), nn.Module) for h in heads):
-        scored = [(sum(isinstance(getattr(child, h, None), nn.Module) for h in heads), n)
-                  for n, child in model.named_children()]
+        scored = [
+            (sum(isinstance(getattr(child, h, None), nn.Module) for h in heads), n)
+            for n, child in model.named_children()
+        ]
         best = max(scored, default=(0, ""))
         if best[0]:
             return f"{best[1]}."
@@ -140,13 +168,13 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     for key, style in dense.items():
         kinds = by_parent[key.rpartition(".")[0]]
         if "colwise_gather_output" in kinds and "rowwise_split_input" not in kinds:
-            continue   # HF keeps the module's output whole: hfpar leaves the module replicated (exact)
+            continue  # HF keeps the module's output whole: hfpar leaves the module replicated (exact)
         path = prefix + key
-        if style == "local_params":   # HF: the module's DTensor parameters used as local tensors; hfpar's are local
+        if style == "local_params":  # HF: the module's DTensor parameters used as local tensors; hfpar's are local
             continue
-        if style == "all_reduce":   # HF: the module's output summed over TP; an hfpar region does that itself
+        if style == "all_reduce":  # HF: the module's output summed over TP; an hfpar region does that itself
             continue
-        if style == "colwise" and _is_parameter(model, path):   # attention sinks, a per-head gate bias
+        if style == "colwise" and _is_parameter(model, path):  # attention sinks, a per-head gate bias
             plan[path] = "head_param"
             continue
         if style == "mla_kv_a_proj":
@@ -164,12 +192,19 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
             parent, _, leaf = path.rpartition(".")
             parents.setdefault(parent, []).append(leaf)
     _complete_regions(model, plan, parents, dense, prefix)
-    for parent, leaves in parents.items():   # each parent of column/row layers is one TP region
+    for parent, leaves in parents.items():  # each parent of column/row layers is one TP region
         tail = parent.rpartition(".")[2].lower()
-        if tail in ("*", "") or tail.isdigit():   # a decoder layer: its input also feeds the residual
-            raise ParallelError("apply_tensor_parallel", [Problem(
-                f"cannot derive a tensor-parallel plan for model_type {model_type!r}: {leaves} sit directly in "
-                f"{parent!r} (hfpar needs the attention / MLP module around them as the TP region)", _OWN_PLAN)])
+        if tail in ("*", "") or tail.isdigit():  # a decoder layer: its input also feeds the residual
+            raise ParallelError(
+                "apply_tensor_parallel",
+                [
+                    Problem(
+                        f"cannot derive a tensor-parallel plan for model_type {model_type!r}: {leaves} sit directly in "
+                        f"{parent!r} (hfpar needs the attention / MLP module around them as the TP region)",
+                        _OWN_PLAN,
+                    )
+                ],
+            )
         attn = "attn" in tail or "attention" in tail or any(leaf in _ATTN_LEAVES for leaf in leaves)
         plan[parent] = "attention" if attn else "mlp"
     names = {id(m): n for n, m in model.named_modules()}
@@ -179,9 +214,12 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     if inp is not None and id(inp) in names:
         if lookup_only(inp):
             plan[names[id(inp)]] = "vocab_embedding"
-        else:   # replicated (HF's embedding_rowwise entry for it is dropped too)
-            plan = {k: v for k, v in plan.items() if not (v == "vocab_embedding" and compile_pattern(k).fullmatch(
-                names[id(inp)]))}
+        else:  # replicated (HF's embedding_rowwise entry for it is dropped too)
+            plan = {
+                k: v
+                for k, v in plan.items()
+                if not (v == "vocab_embedding" and compile_pattern(k).fullmatch(names[id(inp)]))
+            }
     if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
@@ -209,8 +247,9 @@ def _is_parameter(model: nn.Module, pattern: str) -> bool:
     return any(isinstance(m._parameters.get(leaf), nn.Parameter) for n, m in model.named_modules() if rx.fullmatch(n))
 
 
-def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str],
-                      prefix: str) -> None:
+def _complete_regions(
+    model: nn.Module, plan: dict[str, str], parents: dict[str, list[str]], dense: Mapping[str, str], prefix: str
+) -> None:
     """Entries HF's plan leaves implicit, read from the first module each region pattern matches: RMSNorms as wide
     as one of the region's column outputs (a norm over all heads: sharded_rmsnorm); in a multi-head latent attention
     the other Linears (q_a_proj), and anywhere the Linears of a nested submodule (DeepSeek-V3.2's sparse-attention
@@ -232,15 +271,23 @@ def _complete_regions(model: nn.Module, plan: dict[str, str], parents: dict[str,
             if key in plan:
                 continue
             w = getattr(m, "weight", None)
-            if "RMSNorm" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1 \
-                    and w.numel() in widths and w.numel() != head_dim:
+            if (
+                "RMSNorm" in type(m).__name__
+                and isinstance(w, torch.Tensor)
+                and w.dim() == 1
+                and w.numel() in widths
+                and w.numel() != head_dim
+            ):
                 plan[key] = "sharded_rmsnorm"
-        per_head = [getattr(getattr(mod, leaf, None), "out_features", None) for leaf in leaves
-                    if plan.get(f"{parent}.{leaf}") == "rowwise_heads"]
-        for n, p in mod.named_parameters(recurse=False):   # Doge's A (one per kv head) beside its dt_proj
+        per_head = [
+            getattr(getattr(mod, leaf, None), "out_features", None)
+            for leaf in leaves
+            if plan.get(f"{parent}.{leaf}") == "rowwise_heads"
+        ]
+        for n, p in mod.named_parameters(recurse=False):  # Doge's A (one per kv head) beside its dt_proj
             if per_head and p.dim() >= 1 and p.shape[0] in per_head and f"{parent}.{n}" not in plan:
                 plan[f"{parent}.{n}"] = "head_param"
-        for sub, m in mod.named_modules():   # Linears HF's plan leaves replicated inside the region
+        for sub, m in mod.named_modules():  # Linears HF's plan leaves replicated inside the region
             key = f"{parent}.{sub}"
             if sub and key not in plan and isinstance(m, nn.Linear) and (parent in mla or "." in sub):
                 plan[key] = "replicated_heads"

@@ -1,6 +1,6 @@
 """Per-rank head counts on one attention module, never on the shared config (which keeps the full counts for export).
 
-    localize_heads(attn, model.config, tp)     # attn.num_heads //= tp, ...; attn.config sees per-rank head counts
+localize_heads(attn, model.config, tp)     # attn.num_heads //= tp, ...; attn.config sees per-rank head counts
 """
 
 from __future__ import annotations
@@ -38,12 +38,19 @@ class _LocalHeadsConfig:
 def localize_heads(attn: nn.Module, config, tp: int) -> None:
     """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
     width of each of q, k, v in c_attn's output) with them."""
-    for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "split_size", "n_heads",
-                 "n_head"):
+    for attr in (
+        "num_heads",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_kv_heads",
+        "split_size",
+        "n_heads",
+        "n_head",
+    ):
         v = getattr(attn, attr, None)
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(attn, attr, v // tp)
-    if getattr(attn, "config", None) is not None and config is not None:   # e.g. Phi-3 reads config.num_attention_heads
+    if getattr(attn, "config", None) is not None and config is not None:  # e.g. Phi-3 reads config.num_attention_heads
         nh = config.num_attention_heads
         nkv = getattr(config, "num_key_value_heads", None) or nh
         attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)

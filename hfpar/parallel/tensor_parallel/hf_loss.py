@@ -48,24 +48,33 @@ class VocabParallelCausalLMLoss:
     def __init__(self, group, full_vocab: int | None = None) -> None:
         self.group, self.tp, self.calls, self.full_vocab = group, group_size(group), 0, full_vocab
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
-                 num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                 shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         self.calls += 1
         # the LM head's full width tells gathered logits (full_vocab_logits) from shards: some forwards pass
         # vocab_size=logits.shape[-1] (Inkling), the shard's own width
         full = self.full_vocab or vocab_size
-        if full is not None and self.tp > 1 and logits.shape[-1] == full:   # gathered: full_vocab_logits
+        if full is not None and self.tp > 1 and logits.shape[-1] == full:  # gathered: full_vocab_logits
             return ForCausalLMLoss(logits, labels, full, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         if full is not None and logits.shape[-1] * self.tp != full:
-            raise ValueError(f"tensor-parallel loss: logits {tuple(logits.shape)} x tp {self.tp} do not make "
-                             f"vocab_size {full}")
-        if shift_labels is None:                                                        # tokens < n predict n
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]           # (B, T)
+            raise ValueError(
+                f"tensor-parallel loss: logits {tuple(logits.shape)} x tp {self.tp} do not make vocab_size {full}"
+            )
+        if shift_labels is None:  # tokens < n predict n
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # (B, T)
         shift_labels = shift_labels.to(logits.device)
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = vocab_parallel_cross_entropy(logits, shift_labels, group=self.group, ignore_index=ignore_index,
-                                            reduction=reduction)
+        loss = vocab_parallel_cross_entropy(
+            logits, shift_labels, group=self.group, ignore_index=ignore_index, reduction=reduction
+        )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -79,9 +88,11 @@ def full_vocab_logits(model: nn.Module):
     scoring, generation). Refused under sequence parallelism (see install_hf_semantics)."""
     head = model.get_output_embeddings()
     if getattr(model, "_hfpar_sequence_parallel", False):
-        raise ValueError("tensor-parallel model with sequence_parallel=True: generate() / full_vocab_logits "
-                         "are not supported (a 1-token decoding step cannot be split along the sequence); "
-                         "apply_tensor_parallel without sequence_parallel, or export and load the model")
+        raise ValueError(
+            "tensor-parallel model with sequence_parallel=True: generate() / full_vocab_logits "
+            "are not supported (a 1-token decoding step cannot be split along the sequence); "
+            "apply_tensor_parallel without sequence_parallel, or export and load the model"
+        )
     before = head.gather_output
     head.gather_output = True
     try:
@@ -100,24 +111,32 @@ def _generate(self, *args, **kwargs):
 # ----------------------------------------------------------------------------- hooks
 def _pre_hook(module, args, kwargs, *, sequence_parallel: bool, loss_fn):
     if sequence_parallel and kwargs.get("logits_to_keep", 0) not in (0, None):
-        raise ValueError("sequence-parallel model: logits_to_keep must be 0 (each rank holds T/tp positions "
-                         "before lm_head)")
+        raise ValueError(
+            "sequence-parallel model: logits_to_keep must be 0 (each rank holds T/tp positions before lm_head)"
+        )
     labels = kwargs.get("labels") is not None
     if labels and loss_fn is None:
-        raise ValueError(f"tensor-parallel model: {type(module).__name__} has vocab-parallel logits (B, T, V/tp) "
-                         f"and loss_type {getattr(module, 'loss_type', None)!r}, which hfpar does not compute on "
-                         "shards; call the model without labels= and use "
-                         "hfpar.parallel.tensor_parallel.vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
+        raise ValueError(
+            f"tensor-parallel model: {type(module).__name__} has vocab-parallel logits (B, T, V/tp) "
+            f"and loss_type {getattr(module, 'loss_type', None)!r}, which hfpar does not compute on "
+            "shards; call the model without labels= and use "
+            "hfpar.parallel.tensor_parallel.vocab_parallel_cross_entropy(logits, targets, group=tp_group)"
+        )
     if labels:
         module._hfpar_loss_calls = loss_fn.calls
 
 
 def _post_hook(module, args, kwargs, output, *, loss_fn):
-    if kwargs.get("labels") is not None and module.loss_function is loss_fn and loss_fn.calls == getattr(
-            module, "_hfpar_loss_calls", loss_fn.calls):
-        raise ValueError(f"tensor-parallel model: {type(module).__name__}.forward computed its loss without "
-                         "self.loss_function, i.e. on vocab shards (wrong); call it without labels= and use "
-                         "vocab_parallel_cross_entropy(logits, targets, group=tp_group)")
+    if (
+        kwargs.get("labels") is not None
+        and module.loss_function is loss_fn
+        and loss_fn.calls == getattr(module, "_hfpar_loss_calls", loss_fn.calls)
+    ):
+        raise ValueError(
+            f"tensor-parallel model: {type(module).__name__}.forward computed its loss without "
+            "self.loss_function, i.e. on vocab shards (wrong); call it without labels= and use "
+            "vocab_parallel_cross_entropy(logits, targets, group=tp_group)"
+        )
 
 
 def install_hf_semantics(model: nn.Module, group, *, sequence_parallel: bool, vocab_parallel_head: bool) -> None:
@@ -128,11 +147,12 @@ def install_hf_semantics(model: nn.Module, group, *, sequence_parallel: bool, vo
     if vocab_parallel_head and getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES:
         head = model.get_output_embeddings()
         loss_fn = VocabParallelCausalLMLoss(group, getattr(head, "out_features", None))
-        model.loss_function = loss_fn                                   # transformers' property setter
+        model.loss_function = loss_fn  # transformers' property setter
     if vocab_parallel_head and hasattr(model, "generate"):
-        model.generate = types.MethodType(_generate, model)             # instance attribute: deepcopy rebinds it
+        model.generate = types.MethodType(_generate, model)  # instance attribute: deepcopy rebinds it
     if vocab_parallel_head:
-        model.register_forward_pre_hook(partial(_pre_hook, sequence_parallel=sequence_parallel, loss_fn=loss_fn),
-                                        with_kwargs=True)
+        model.register_forward_pre_hook(
+            partial(_pre_hook, sequence_parallel=sequence_parallel, loss_fn=loss_fn), with_kwargs=True
+        )
         if loss_fn is not None:
             model.register_forward_hook(partial(_post_hook, loss_fn=loss_fn), with_kwargs=True)

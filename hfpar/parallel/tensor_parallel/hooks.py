@@ -1,12 +1,12 @@
 """Forward hooks apply_tensor_parallel installs on an HF model's modules (apply.py decides where).
 
-    scatter_sequence_hook   the first decoder block (SP): its hidden_states split along T, (B, T, H) -> (B, T/tp, H)
-    gather_sequence_hook    the final norm (SP, sequence_gather): T all-gathered, backward keeps this rank's chunk
-    enter_region_hook       an attention / MLP region: copy into the TP region (bwd all-reduce), or under SP the
-                            all-gather of T (bwd reduce-scatter)
-    local_head_bias_hook    an attention taking a per-head bias built for all heads (Bloom's alibi, MPT's
-                            position_bias): this rank's heads of it
-    embed_scale_hook        Gemma's scaled embedding on a VocabParallelEmbedding
+scatter_sequence_hook   the first decoder block (SP): its hidden_states split along T, (B, T, H) -> (B, T/tp, H)
+gather_sequence_hook    the final norm (SP, sequence_gather): T all-gathered, backward keeps this rank's chunk
+enter_region_hook       an attention / MLP region: copy into the TP region (bwd all-reduce), or under SP the
+                        all-gather of T (bwd reduce-scatter)
+local_head_bias_hook    an attention taking a per-head bias built for all heads (Bloom's alibi, MPT's
+                        position_bias): this rank's heads of it
+embed_scale_hook        Gemma's scaled embedding on a VocabParallelEmbedding
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from ..comm import (
     scatter_to_sequence_parallel_region,
 )
 
-__all__ = ["HEAD_BIAS_ARGS", "embed_scale_hook", "enter_region_hook", "gather_sequence_hook", "local_head_bias_hook",
-           "scatter_sequence_hook"]
+__all__ = [
+    "HEAD_BIAS_ARGS",
+    "embed_scale_hook",
+    "enter_region_hook",
+    "gather_sequence_hook",
+    "local_head_bias_hook",
+    "scatter_sequence_hook",
+]
 
 
 def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
@@ -38,30 +44,34 @@ def _map_hidden(args: tuple, kwargs: dict, fn, where: str):
 
 
 def scatter_sequence_hook(module, args, kwargs, *, group, tp: int, name: str):
-    def split(x):                                                                       # (B, T, H) -> (B, T/tp, H)
+    def split(x):  # (B, T, H) -> (B, T/tp, H)
         if x.shape[1] % tp:
-            raise ValueError(f"{name}: sequence_parallel needs the sequence length divisible by tp_size {tp}, got "
-                             f"T={x.shape[1]} (input {tuple(x.shape)}); pad batches to a multiple of {tp}")
+            raise ValueError(
+                f"{name}: sequence_parallel needs the sequence length divisible by tp_size {tp}, got "
+                f"T={x.shape[1]} (input {tuple(x.shape)}); pad batches to a multiple of {tp}"
+            )
         return scatter_to_sequence_parallel_region(x, 1, group)
+
     return _map_hidden(args, kwargs, split, name)
 
 
 def gather_sequence_hook(module, args, kwargs, *, group, name: str):
     # (B, T/tp, H) -> (B, T, H); what follows (norm, LM head with its own backward all-reduce) runs on every
     # rank with full gradients, so the backward keeps this rank's chunk (no reduce-scatter)
-    return _map_hidden(args, kwargs, partial(gather_from_sequence_parallel_region, dim=1, group=group,
-                                             reduce_grad=False), name)
+    return _map_hidden(
+        args, kwargs, partial(gather_from_sequence_parallel_region, dim=1, group=group, reduce_grad=False), name
+    )
 
 
 def enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, name: str):
-    if sequence_parallel:   # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
+    if sequence_parallel:  # (B, T/tp, H) -> (B, T, H); bwd: reduce-scatter the partial (local heads) grads
         fn = partial(gather_from_sequence_parallel_region, dim=1, group=group)
-    else:                   # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
+    else:  # (B, T, H) identity; bwd: all-reduce the partial grads once for q, k and v
         fn = partial(copy_to_parallel_region, group=group)
     return _map_hidden(args, kwargs, fn, name)
 
 
-HEAD_BIAS_ARGS = ("alibi", "position_bias")   # per-head attention biases a model builds once for all heads
+HEAD_BIAS_ARGS = ("alibi", "position_bias")  # per-head attention biases a model builds once for all heads
 
 
 def local_head_bias_hook(module, args, kwargs, *, names, tp: int, rank: int, heads: int):
@@ -75,15 +85,15 @@ def local_head_bias_hook(module, args, kwargs, *, names, tp: int, rank: int, hea
         t = kwargs.get(name)
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
-        if b is not None and t.shape[0] == b * heads:                                 # (B * H, ...) -> (B * H/tp, ...)
-            t = t.view(b, heads, *t.shape[1:])[:, rank * n:(rank + 1) * n].reshape(b * n, *t.shape[1:])
-        elif t.shape[0] == heads:                                                      # (H, ...) -> (H/tp, ...)
-            t = t[rank * n:(rank + 1) * n]
-        elif t.shape[1] == heads:                                                      # (B, H, ...) -> (B, H/tp, ...)
-            t = t[:, rank * n:(rank + 1) * n]
+        if b is not None and t.shape[0] == b * heads:  # (B * H, ...) -> (B * H/tp, ...)
+            t = t.view(b, heads, *t.shape[1:])[:, rank * n : (rank + 1) * n].reshape(b * n, *t.shape[1:])
+        elif t.shape[0] == heads:  # (H, ...) -> (H/tp, ...)
+            t = t[rank * n : (rank + 1) * n]
+        elif t.shape[1] == heads:  # (B, H, ...) -> (B, H/tp, ...)
+            t = t[:, rank * n : (rank + 1) * n]
         kwargs = {**kwargs, name: t}
     return args, kwargs
 
 
 def embed_scale_hook(module, args, out):
-    return out * module.embed_scale.to(module.weight.dtype)                             # (B, T, H)
+    return out * module.embed_scale.to(module.weight.dtype)  # (B, T, H)

@@ -9,10 +9,10 @@ plus an output projection; the MLP is the module (or the block itself: OPT's fc1
 input (fc1, c_fc, up/gate_proj, dense_h_to_4h, ...) and an output (fc2, c_proj, down_proj, dense_4h_to_h, ...)
 projection. A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
 interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last
-candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama). apply_tensor_parallel keeps the first
-candidate that validates and passes verify_first_block (forward and backward of the first block against the
-unsharded block), else refuses in one line with the last candidate's reason. The embedding is vocab-parallel and
-the LM head column-parallel (vocab shards); position embeddings and norms stay replicated.
+candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama).
+apply_tensor_parallel keeps the first candidate that validates and passes verify_first_block (forward and backward of
+the first block against the unsharded block), else refuses in one line with the last candidate's reason. The embedding
+is vocab-parallel and the LM head column-parallel (vocab shards); position embeddings and norms stay replicated.
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def _linears(mod: nn.Module) -> list[str]:
 
 def _blocks(model: nn.Module) -> str | None:
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) and any(isinstance(x, nn.Linear) or is_conv1d(x)
-                                                            for x in m[0].modules()):
+        if (
+            isinstance(m, nn.ModuleList)
+            and len(m)
+            and any(isinstance(x, nn.Linear) or is_conv1d(x) for x in m[0].modules())
+        ):
             return name
     return None
 
@@ -59,8 +62,13 @@ def _norms(region: nn.Module, widths: set[int], head_dim) -> list[str]:
     out = []
     for n, c in region.named_children():
         w = getattr(c, "weight", None)
-        if "RMSNorm" in type(c).__name__ and isinstance(w, nn.Parameter) and w.dim() == 1 and w.numel() in widths \
-                and w.numel() != head_dim:
+        if (
+            "RMSNorm" in type(c).__name__
+            and isinstance(w, nn.Parameter)
+            and w.dim() == 1
+            and w.numel() in widths
+            and w.numel() != head_dim
+        ):
             out.append(n)
     return out
 
@@ -77,7 +85,8 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
     """Relative entries of an attention module (its own q/k/v or fused projection plus an output projection), and the
     fused projection's name; None when `m` is not one. Beside q/k/v/o: an own Linear as wide as q from the same input
     (AFMoE's per-head output gate) colwise, own parameters laid out by head along dim 0 (GPT-OSS's attention sinks)
-    head_param, own 1-D parameters as wide as the output (GPT-NeoX-Japanese's dense_bias) output_param, own RMSNorms over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
+    head_param, own 1-D parameters as wide as the output (GPT-NeoX-Japanese's dense_bias) output_param, own RMSNorms
+    over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
     outs = [n for n in lin if n in _OUT]
     split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
     fuse = next((n for n in _FUSED if n in lin), None)
@@ -94,14 +103,18 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
         widths |= {_width(getattr(m, n), True) for n in split}
         for n in lin:
             c = getattr(m, n)
-            if n not in split and n != out and _width(c, False) == _width(q, False) \
-                    and _width(c, True) == _width(q, True):
+            if (
+                n not in split
+                and n != out
+                and _width(c, False) == _width(q, False)
+                and _width(c, True) == _width(q, True)
+            ):
                 ent[f"{rel}.{n}"] = "colwise"
     heads, model_width = _heads(model, m), _width(getattr(m, out), True)
     for n, p in m.named_parameters(recurse=False):
         if p.dim() >= 1 and p.shape[0] in heads:
             ent[f"{rel}.{n}"] = "head_param"
-        elif p.dim() == 1 and p.numel() == model_width:   # as wide as the output: applied after the all-reduce
+        elif p.dim() == 1 and p.numel() == model_width:  # as wide as the output: applied after the all-reduce
             ent[f"{rel}.{n}"] = "output_param"
     for n in _norms(m, widths, getattr(m, "head_dim", None)):
         ent[f"{rel}.{n}"] = "sharded_rmsnorm"
@@ -119,7 +132,7 @@ def _mlp(rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | 
     if not (ups and downs):
         return None
     pre = f"{rel}." if rel else ""
-    ent = {rel: "mlp"} if rel else {}   # rel "": the block itself (OPT's fc1 / fc2), no region of its own
+    ent = {rel: "mlp"} if rel else {}  # rel "": the block itself (OPT's fc1 / fc2), no region of its own
     ent.update({f"{pre}{n}": "colwise" for n in ups})
     down = getattr(m, downs[0])
     ent[f"{pre}{downs[0]}"] = "rowwise"
@@ -157,7 +170,7 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     blocks = _blocks(model)
     if blocks is None:
         return []
-    groups: dict[tuple, list[int]] = {}   # hybrid stacks: one set of entries per block structure
+    groups: dict[tuple, list[int]] = {}  # hybrid stacks: one set of entries per block structure
     for i, block in enumerate(model.get_submodule(blocks)):
         ent, qkv, gate_up = _block_entries(model, block)
         groups.setdefault((tuple(ent.items()), tuple(qkv), tuple(gate_up)), []).append(i)
@@ -179,8 +192,13 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         qkv += [at(idx, r) for r in fq]
         gate_up += [at(idx, r) for r in fg]
         regions = [r for r, s in ent if s == "attention"]
-        split += [at(idx, r) for r, s in ent if s == "colwise" and r.rpartition(".")[0] in regions
-                  and r.rpartition(".")[2] in {n for t in _SPLIT for n in t}]
+        split += [
+            at(idx, r)
+            for r, s in ent
+            if s == "colwise"
+            and r.rpartition(".")[0] in regions
+            and r.rpartition(".")[2] in {n for t in _SPLIT for n in t}
+        ]
     names = {id(m): n for n, m in model.named_modules()}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -191,8 +209,11 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         common[names[id(out)]] = "colwise_lm_head"
     # layouts the structure does not show, most likely first: fused q|k|v per head (plain colwise) or concatenated;
     # a fused gate|up concatenated (chunked in two halves) or interleaved
-    halves = {p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2}," \
-                 f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in gate_up}
+    halves = {
+        p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2},"
+        f"{_width(model.get_submodule(_first(model, p)), True) // 2}"
+        for p in gate_up
+    }
     out_plans = []
     for q in ("colwise", "colwise_packed:qkv") if qkv else ("colwise",):
         for g in ("packed", "colwise") if gate_up else ("colwise",):
@@ -201,15 +222,22 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
             out_plans.append(plan)
     # differential attention (DiffLlama): head i pairs with head i + H/2 (and the values' two halves likewise), so
     # q / k / v are split as two halves, each half by rank: a rank's heads keep their partners
-    paired = {p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2}," \
-                 f"{_width(model.get_submodule(_first(model, p)), True) // 2}" for p in split}
+    paired = {
+        p: f"colwise_packed:{_width(model.get_submodule(_first(model, p)), True) // 2},"
+        f"{_width(model.get_submodule(_first(model, p)), True) // 2}"
+        for p in split
+    }
     if paired:
         out_plans.append({**out_plans[0], **paired})
     # last: the attention left whole (replicated), the MLPs sharded (a hybrid stack whose attention no candidate
     # verifies: LFM's)
     attn = [p for p, st in common.items() if st == "attention"]
-    mlp_only = {p: st for p, st in out_plans[0].items() if p not in attn and not any(
-        p.startswith(a + ".") or (a.startswith("re:") and p.startswith(a + re.escape("."))) for a in attn)}
+    mlp_only = {
+        p: st
+        for p, st in out_plans[0].items()
+        if p not in attn
+        and not any(p.startswith(a + ".") or (a.startswith("re:") and p.startswith(a + re.escape("."))) for a in attn)
+    }
     if attn and any(st == "mlp" for st in mlp_only.values()):
         out_plans.append(mlp_only)
     return out_plans
@@ -226,7 +254,10 @@ def unrecognised(model: nn.Module) -> str:
     if blocks is None:
         return "no decoder blocks holding Linear layers were found to infer a plan from"
     block = model.get_submodule(f"{blocks}.0")
-    kids = ", ".join(f"{n} ({type(m).__name__})" for n, m in block.named_children() if next(m.parameters(), None)
-                     is not None)
-    return (f"{blocks}.0 has no attention (q/k/v or a fused qkv, and an output projection) or MLP (an input and an "
-            f"output projection) made of its own Linears (its modules: {kids})")
+    kids = ", ".join(
+        f"{n} ({type(m).__name__})" for n, m in block.named_children() if next(m.parameters(), None) is not None
+    )
+    return (
+        f"{blocks}.0 has no attention (q/k/v or a fused qkv, and an output projection) or MLP (an input and an "
+        f"output projection) made of its own Linears (its modules: {kids})"
+    )

@@ -30,21 +30,33 @@ Build from an existing layer (same seed => same math as the single-process model
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import (copy_to_parallel_region, gather_from_parallel_region,
-                   gather_from_sequence_parallel_region, group_rank, group_size,
-                   reduce_from_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                   scatter_to_parallel_region)
+from ..comm import (
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_parallel_region,
+)
 from ..sharding import ShardSpec, gather_shards, set_shard_spec, shard_tensor, unpack_parts
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards", "shard_tensor",
-           "tp_sharded_parameters"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "gather_shards",
+    "shard_tensor",
+    "tp_sharded_parameters",
+]
 
 
 # ----------------------------------------------------------------------------- sharding helpers
@@ -64,15 +76,25 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 def _full_linear(in_features: int, out_features: int, bias: bool, device, dtype):
     """Full (weight, bias) drawn exactly like nn.Linear(in, out) (same RNG stream); uninitialised on meta."""
     if _is_meta(device):
-        return (torch.empty(out_features, in_features, device="meta", dtype=dtype),
-                torch.empty(out_features, device="meta", dtype=dtype) if bias else None)
+        return (
+            torch.empty(out_features, in_features, device="meta", dtype=dtype),
+            torch.empty(out_features, device="meta", dtype=dtype) if bias else None,
+        )
     full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
     return full.weight, full.bias
 
 
 def _mark(param: nn.Parameter, dim: int, group, tp: int, packed_splits=None) -> nn.Parameter:
-    return set_shard_spec(param, ShardSpec(kind="tp", group=group, dim=dim, size=tp,
-                                           packed_splits=None if packed_splits is None else list(packed_splits)))
+    return set_shard_spec(
+        param,
+        ShardSpec(
+            kind="tp",
+            group=group,
+            dim=dim,
+            size=tp,
+            packed_splits=None if packed_splits is None else list(packed_splits),
+        ),
+    )
 
 
 def tp_sharded_parameters(model: nn.Module):
@@ -81,7 +103,7 @@ def tp_sharded_parameters(model: nn.Module):
     Found through the TP modules, so it also works after a wrapper (FSDP2) replaced the Parameter
     objects. Parameters not yielded are replicated across the TP group (row-parallel biases, norms).
     """
-    seen: set[int] = set()                                       # a tied lm_head / embedding: once
+    seen: set[int] = set()  # a tied lm_head / embedding: once
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             packed = getattr(mod, "packed_splits", None)
@@ -117,16 +139,30 @@ class ColumnParallelLinear(nn.Module):
     weight_shard_dim = 0
     in_region = False
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
-                 packed_splits: Sequence[int] | None = None, device=None, dtype=None, name: str | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group=None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        packed_splits: Sequence[int] | None = None,
+        device=None,
+        dtype=None,
+        name: str | None = None,
+    ):
         super().__init__()
         tp = group_size(group)
         label = name or f"ColumnParallelLinear(in_features={in_features}, out_features={out_features})"
         if packed_splits is not None:
             if sum(packed_splits) != out_features:
-                raise ValueError(f"{label}: packed_splits {list(packed_splits)} sum to {sum(packed_splits)}, "
-                                 f"not out_features={out_features}")
+                raise ValueError(
+                    f"{label}: packed_splits {list(packed_splits)} sum to {sum(packed_splits)}, "
+                    f"not out_features={out_features}"
+                )
             for i, s in enumerate(packed_splits):
                 _check_divisible(label, f"packed_splits[{i}]", s, tp)
         _check_divisible(label, "out_features", out_features, tp)
@@ -138,23 +174,41 @@ class ColumnParallelLinear(nn.Module):
         self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
 
     def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        d = self.weight_shard_dim                                                       # 0: (out/tp, in)
+        d = self.weight_shard_dim  # 0: (out/tp, in)
         w = shard_tensor(weight.detach(), d, self.rank, self.tp, self.packed_splits)
         self.weight = _mark(_param(w, requires_grad[0]), d, self.group, self.tp, self.packed_splits)
         if bias is None:
             self.register_parameter("bias", None)
         else:
-            b = shard_tensor(bias.detach(), 0, self.rank, self.tp, self.packed_splits)      # (out/tp,)
+            b = shard_tensor(bias.detach(), 0, self.rank, self.tp, self.packed_splits)  # (out/tp,)
             self.bias = _mark(_param(b, requires_grad[1]), 0, self.group, self.tp, self.packed_splits)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, packed_splits: Sequence[int] | None = None,
-                    gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
-                    name: str | None = None) -> "ColumnParallelLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group=None,
+        *,
+        packed_splits: Sequence[int] | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        name: str | None = None,
+    ) -> ColumnParallelLinear:
         """Shard an existing nn.Linear (any device, meta included) for this rank of `group`."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    gather_output=gather_output, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                    packed_splits=packed_splits, device="meta", dtype=linear.weight.dtype, name=name)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            packed_splits=packed_splits,
+            device="meta",
+            dtype=linear.weight.dtype,
+            name=name,
+        )
         layer._load_full(linear.weight, linear.bias, _grads(linear))
         return layer
 
@@ -162,13 +216,13 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and not self.in_region:   # in a region: its hook did this once for q/k/v
+        if self.sequence_parallel and not self.in_region:  # in a region: its hook did this once for q/k/v
             x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.group)  # (B, T/tp, in) -> (B, T, in)
         elif not self.in_region:
-            x = copy_to_parallel_region(x, self.group)                                  # (B, T, in)
-        y = self._linear(x)                                                             # (B, T, out/tp)
+            x = copy_to_parallel_region(x, self.group)  # (B, T, in)
+        y = self._linear(x)  # (B, T, out/tp)
         if self.gather_output:
-            y = gather_from_parallel_region(y, self.group)                              # (B, T, out)
+            y = gather_from_parallel_region(y, self.group)  # (B, T, out)
             if self.packed_splits is not None and self.tp > 1:
                 y = unpack_parts(y, y.dim() - 1, self.tp, self.packed_splits)
         return y
@@ -185,9 +239,11 @@ class ColumnParallelLinear(nn.Module):
         return _linear_from(self.full_weight(), self.full_bias())
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
-                f"bias={self.bias is not None}, tp={self.tp}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}, packed_splits={self.packed_splits}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+            f"bias={self.bias is not None}, tp={self.tp}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}, packed_splits={self.packed_splits}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -201,9 +257,20 @@ class RowParallelLinear(nn.Module):
 
     weight_shard_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
-                 device=None, dtype=None, name: str | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group=None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device=None,
+        dtype=None,
+        name: str | None = None,
+    ):
         super().__init__()
         tp = group_size(group)
         label = name or f"RowParallelLinear(in_features={in_features}, out_features={out_features})"
@@ -212,38 +279,58 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{label}: sequence_parallel=True needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.tp, self.rank = group, tp, group_rank(group)
-        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = input_is_parallel, sequence_parallel, sequence_dim
+        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (
+            input_is_parallel,
+            sequence_parallel,
+            sequence_dim,
+        )
         self._load_full(*_full_linear(in_features, out_features, bias, device, dtype))
 
     def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, requires_grad=(True, True)) -> None:
-        d = self.weight_shard_dim                                                       # 1: (out, in/tp)
+        d = self.weight_shard_dim  # 1: (out, in/tp)
         w = shard_tensor(weight.detach(), d, self.rank, self.tp)
         self.weight = _mark(_param(w, requires_grad[0]), d, self.group, self.tp)
         if bias is None:
             self.register_parameter("bias", None)
-        else:                                                                           # (out,) replicated
+        else:  # (out,) replicated
             self.bias = _param(_copy(bias), requires_grad[1])
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False, sequence_dim: int = 1,
-                    name: str | None = None) -> "RowParallelLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group=None,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        name: str | None = None,
+    ) -> RowParallelLinear:
         """Shard an existing nn.Linear (any device, meta included) for this rank of `group`."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
-                    sequence_dim=sequence_dim, device="meta", dtype=linear.weight.dtype, name=name)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            device="meta",
+            dtype=linear.weight.dtype,
+            name=name,
+        )
         layer._load_full(linear.weight, linear.bias, _grads(linear))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_parallel_region(x, self.group)                               # (B, T, in) -> (B, T, in/tp)
-        y = self._linear(x)                                                             # (B, T, out) partial sums
+            x = scatter_to_parallel_region(x, self.group)  # (B, T, in) -> (B, T, in/tp)
+        y = self._linear(x)  # (B, T, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, out)
             bias = None if self.bias is None else copy_to_parallel_region(self.bias, self.group)
         else:
-            y = reduce_from_parallel_region(y, self.group)                              # (B, T, out)
+            y = reduce_from_parallel_region(y, self.group)  # (B, T, out)
             bias = self.bias
         return y if bias is None else y + bias
 
@@ -261,9 +348,11 @@ class RowParallelLinear(nn.Module):
         return _linear_from(self.full_weight(), self.full_bias())
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -285,9 +374,19 @@ class VocabParallelEmbedding(nn.Module):
 
     weight_shard_dim = 0
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group=None,
-                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None,
-                 name: str | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device=None,
+        dtype=None,
+        name: str | None = None,
+    ):
         super().__init__()
         tp = group_size(group)
         label = name or f"VocabParallelEmbedding(num_embeddings={num_embeddings}, embedding_dim={embedding_dim})"
@@ -297,42 +396,59 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.vocab_start = self.rank * (num_embeddings // tp)
         self.vocab_end = self.vocab_start + num_embeddings // tp
-        if padding_idx is not None:                                                    # as nn.Embedding does
+        if padding_idx is not None:  # as nn.Embedding does
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"{label}: padding_idx={padding_idx} must be within num_embeddings")
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
         if _is_meta(device):
             weight = torch.empty(num_embeddings, embedding_dim, device="meta", dtype=dtype)
-        else:                                                                          # nn.Embedding's RNG stream
+        else:  # nn.Embedding's RNG stream
             weight = nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype).weight.detach()
             if padding_idx is not None:
                 weight[padding_idx].zero_()
         self._load_full(weight)
 
     def _load_full(self, weight: torch.Tensor, requires_grad: bool = True) -> None:
-        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)                        # (V/tp, H)
+        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)  # (V/tp, H)
         self.weight = _mark(_param(w, requires_grad), 0, self.group, self.tp)
         p = self.padding_idx
-        self._local_padding_idx = p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else None
+        self._local_padding_idx = (
+            p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else None
+        )
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, *, sequence_parallel: bool = False,
-                       sequence_dim: int = 1, name: str | None = None) -> "VocabParallelEmbedding":
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, group=group,
-                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta",
-                    dtype=embedding.weight.dtype, name=name)
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        group=None,
+        *,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        name: str | None = None,
+    ) -> VocabParallelEmbedding:
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            embedding.padding_idx,
+            group=group,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            device="meta",
+            dtype=embedding.weight.dtype,
+            name=name,
+        )
         layer._load_full(embedding.weight, embedding.weight.requires_grad)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)                   # (B, T)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (B, T)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        y = F.embedding(local, self.weight, self._local_padding_idx)                   # (B, T, H) this rank's rows
+        y = F.embedding(local, self.weight, self._local_padding_idx)  # (B, T, H) this rank's rows
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, H)
-        return reduce_from_parallel_region(y, self.group)                              # (B, T, H)
+        return reduce_from_parallel_region(y, self.group)  # (B, T, H)
 
     def full_weight(self) -> torch.Tensor:
         """(V, H) on every rank. Collective."""
@@ -343,8 +459,10 @@ class VocabParallelEmbedding(nn.Module):
         return nn.Embedding(w.shape[0], w.shape[1], self.padding_idx, _weight=w)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.tp}, "
-                f"rows=[{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.tp}, "
+            f"rows=[{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def _demo(rank: int, world_size: int) -> None:
@@ -353,8 +471,8 @@ def _demo(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     up, down = nn.Linear(16, 64), nn.Linear(64, 16)
     col, row = ColumnParallelLinear.from_linear(up, group), RowParallelLinear.from_linear(down, group)
-    x = torch.randn(2, 5, 16)                                                           # (B, T, H)
-    y = row(F.gelu(col(x)))                                                             # (B, T, H)
+    x = torch.randn(2, 5, 16)  # (B, T, H)
+    y = row(F.gelu(col(x)))  # (B, T, H)
     assert torch.allclose(y, down(F.gelu(up(x))), atol=1e-5)
     assert torch.equal(row.full_weight(), down.weight.detach())
     fused = nn.Linear(16, 48)

@@ -69,9 +69,10 @@ class ShardedRMSNorm(nn.Module):
         super().__init__()
         self.group, self.tp, self.rank, self.eps = group, group_size(group), group_rank(group), eps
         self.full_size, self.name = weight.numel(), name
-        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)                        # (N/tp,)
-        self.weight = set_shard_spec(nn.Parameter(w, requires_grad=weight.requires_grad),
-                                     ShardSpec(kind="tp", group=group, dim=0, size=self.tp))
+        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)  # (N/tp,)
+        self.weight = set_shard_spec(
+            nn.Parameter(w, requires_grad=weight.requires_grad), ShardSpec(kind="tp", group=group, dim=0, size=self.tp)
+        )
 
     @classmethod
     def from_norm(cls, norm: nn.Module, group, name: str | None = None) -> ShardedRMSNorm:
@@ -82,8 +83,8 @@ class ShardedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)                                                         # (..., N/tp)
-        sq = _SumOverGroup.apply(h.pow(2).sum(-1, keepdim=True), self.group)            # (..., 1) over all N
+        h = x.to(torch.float32)  # (..., N/tp)
+        sq = _SumOverGroup.apply(h.pow(2).sum(-1, keepdim=True), self.group)  # (..., 1) over all N
         h = h * torch.rsqrt(sq / self.full_size + self.eps)
         return (self.weight * h).to(dtype)
 

@@ -50,19 +50,40 @@ Users can pass their own plan (same format) to `apply_tensor_parallel(model, pla
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import ParallelError
 
-__all__ = ["TP_PLANS", "TESTED_MODEL_TYPES", "TESTED_DERIVED_MODEL_TYPES", "STYLES", "PARAM_STYLES",
-           "PACKED_SPLIT_RULES",
-           "get_plan", "compile_pattern", "packed_splits"]
+__all__ = [
+    "TP_PLANS",
+    "TESTED_MODEL_TYPES",
+    "TESTED_DERIVED_MODEL_TYPES",
+    "STYLES",
+    "PARAM_STYLES",
+    "PACKED_SPLIT_RULES",
+    "get_plan",
+    "compile_pattern",
+    "packed_splits",
+]
 
-STYLES = ("vocab_embedding", "colwise", "colwise_packed", "rowwise", "rowwise_heads", "colwise_lm_head", "attention",
-          "mlp",
-          "sequence_scatter", "sequence_gather", "replicated_sp", "replicated_heads", "sharded_rmsnorm",
-          "head_param", "output_param")
-PARAM_STYLES = ("head_param", "output_param")   # matched against parameter names, not module names
+STYLES = (
+    "vocab_embedding",
+    "colwise",
+    "colwise_packed",
+    "rowwise",
+    "rowwise_heads",
+    "colwise_lm_head",
+    "attention",
+    "mlp",
+    "sequence_scatter",
+    "sequence_gather",
+    "replicated_sp",
+    "replicated_heads",
+    "sharded_rmsnorm",
+    "head_param",
+    "output_param",
+)
+PARAM_STYLES = ("head_param", "output_param")  # matched against parameter names, not module names
 
 
 def _head_dim(cfg) -> int:
@@ -75,8 +96,11 @@ def _kv_heads(cfg) -> int:
 
 # Fused projections: full part sizes, in the order they are concatenated in the weight's rows.
 PACKED_SPLIT_RULES = {
-    "qkv": lambda cfg: [cfg.num_attention_heads * _head_dim(cfg), _kv_heads(cfg) * _head_dim(cfg),
-                        _kv_heads(cfg) * _head_dim(cfg)],
+    "qkv": lambda cfg: [
+        cfg.num_attention_heads * _head_dim(cfg),
+        _kv_heads(cfg) * _head_dim(cfg),
+        _kv_heads(cfg) * _head_dim(cfg),
+    ],
     "gate_up": lambda cfg: [cfg.intermediate_size, cfg.intermediate_size],
 }
 
@@ -103,20 +127,27 @@ _LLAMA = {
 TP_PLANS: dict[str, dict[str, str]] = {
     "llama": dict(_LLAMA),
     "mistral": dict(_LLAMA),
-    "qwen2": dict(_LLAMA),                      # q/k/v biases are split with their rows
-    # Parity-tested on one tiny config each (tests/distributed/test_tp_models.py), beyond the llama/mistral/qwen2 contract:
-    "qwen3": {**_LLAMA,                         # per-head q/k RMSNorm over head_dim
-              "model.layers.*.self_attn.q_norm": "replicated_heads",
-              "model.layers.*.self_attn.k_norm": "replicated_heads"},
+    "qwen2": dict(_LLAMA),  # q/k/v biases are split with their rows
+    # Parity-tested on one tiny config each (tests/distributed/test_tp_models.py), beyond the llama/mistral/qwen2
+    # contract:
+    "qwen3": {
+        **_LLAMA,  # per-head q/k RMSNorm over head_dim
+        "model.layers.*.self_attn.q_norm": "replicated_heads",
+        "model.layers.*.self_attn.k_norm": "replicated_heads",
+    },
     "phi3": {k: v for k, v in _LLAMA.items() if ".self_attn." not in k and ".mlp." not in k}
-    | {"model.layers.*.self_attn.qkv_proj": "colwise_packed:qkv",
-       "model.layers.*.self_attn.o_proj": "rowwise",
-       "model.layers.*.mlp.gate_up_proj": "colwise_packed:gate_up",
-       "model.layers.*.mlp.down_proj": "rowwise"},
-    "gemma": dict(_LLAMA),                      # tied embeddings by default: lm_head shares the shard
-    "gemma2": {**_LLAMA,                        # + sandwich norms; logit soft-capping is elementwise
-               "model.layers.*.pre_feedforward_layernorm": "replicated_sp",
-               "model.layers.*.post_feedforward_layernorm": "replicated_sp"},
+    | {
+        "model.layers.*.self_attn.qkv_proj": "colwise_packed:qkv",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_up_proj": "colwise_packed:gate_up",
+        "model.layers.*.mlp.down_proj": "rowwise",
+    },
+    "gemma": dict(_LLAMA),  # tied embeddings by default: lm_head shares the shard
+    "gemma2": {
+        **_LLAMA,  # + sandwich norms; logit soft-capping is elementwise
+        "model.layers.*.pre_feedforward_layernorm": "replicated_sp",
+        "model.layers.*.post_feedforward_layernorm": "replicated_sp",
+    },
 }
 # Encoders (BERT and its relatives: MiniLM, ...): the region is the self-attention module, whose input feeds
 # only q/k/v (BertAttention's input also feeds the residual inside BertSelfOutput, which must not be summed
@@ -146,7 +177,7 @@ TP_PLANS["gpt2"] = {
     f"{_H}.*.mlp": "mlp",
     f"{_H}.*.mlp.c_fc": "colwise",
     f"{_H}.*.mlp.c_proj": "rowwise",
-    "transformer.ln_f": "sequence_gather",     # GPT2Model views its output to the input's (B, T): gather T first
+    "transformer.ln_f": "sequence_gather",  # GPT2Model views its output to the input's (B, T): gather T first
     "lm_head": "colwise_lm_head",
 }
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "bert", "gpt2")
@@ -156,25 +187,54 @@ TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "ge
 # text, MiMo-V2-Flash and Doge, in test_tp_family_sweep.py);
 # every other family with a mappable base_model_tp_plan is derived untested.
 # MoE families: attention (and dense MLPs) tensor-parallel, MoE blocks whole on every TP rank (EP splits them)
-TESTED_DERIVED_MODEL_TYPES = ("granite", "starcoder2", "smollm3", "olmo", "cohere", "phi", "mixtral", "qwen2_moe",
-                              "qwen3_moe", "olmo2", "glm4", "minicpm3")
+TESTED_DERIVED_MODEL_TYPES = (
+    "granite",
+    "starcoder2",
+    "smollm3",
+    "olmo",
+    "cohere",
+    "phi",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmo2",
+    "glm4",
+    "minicpm3",
+)
 
 
 # Families without a plan or a base_model_tp_plan whose inferred plan (infer.py) is parity-tested
 # (tests/distributed/test_tp_verify.py, test_tp_family_sweep.py, tests/launch/test_tp_families_recipe.py); every other
 # one is inferred and verified at apply time
-TESTED_INFERRED_MODEL_TYPES = ("gpt_bigcode", "falcon", "bloom", "mpt", "persimmon", "hunyuan_v1_moe", "gpt_oss",
-                               "afmoe", "ctrl", "modernbert-decoder", "bitnet", "gpt_neox_japanese", "diffllama")
+TESTED_INFERRED_MODEL_TYPES = (
+    "gpt_bigcode",
+    "falcon",
+    "bloom",
+    "mpt",
+    "persimmon",
+    "hunyuan_v1_moe",
+    "gpt_oss",
+    "afmoe",
+    "ctrl",
+    "modernbert-decoder",
+    "bitnet",
+    "gpt_neox_japanese",
+    "diffllama",
+)
 
 
 def get_plan(model_type: str) -> dict[str, str]:
     """A copy of the built-in plan for `model_type`; ValueError naming it and the supported ones."""
     if model_type not in TP_PLANS:
-        raise ParallelError("apply_tensor_parallel", [
-            f"no written tensor-parallel plan for model_type {model_type!r}; "
-            f"written: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}); "
-            f"others are derived from the config's base_model_tp_plan (derived.py). "
-            f"Pass plan={{module pattern: style}} for other architectures."])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"no written tensor-parallel plan for model_type {model_type!r}; "
+                f"written: {', '.join(sorted(TP_PLANS))} (tested: {', '.join(TESTED_MODEL_TYPES)}); "
+                f"others are derived from the config's base_model_tp_plan (derived.py). "
+                f"Pass plan={{module pattern: style}} for other architectures."
+            ],
+        )
     return dict(TP_PLANS[model_type])
 
 
@@ -195,13 +255,20 @@ def packed_splits(style: str, config) -> list[int] | None:
     try:
         return [int(s) for s in rule.split(",")]
     except ValueError:
-        raise ValueError(f"tensor-parallel plan: style {style!r} needs a split rule "
-                         f"({' | '.join(PACKED_SPLIT_RULES)} | comma-separated sizes)") from None
+        raise ValueError(
+            f"tensor-parallel plan: style {style!r} needs a split rule "
+            f"({' | '.join(PACKED_SPLIT_RULES)} | comma-separated sizes)"
+        ) from None
 
 
 def validate_plan(plan: Mapping[str, str]) -> None:
-    bad = [f"{p!r}: {s!r}" for p, s in plan.items() if s.partition(":")[0] not in STYLES
-           or (s.partition(":")[0] == "colwise_packed") != bool(s.partition(":")[2])]
+    bad = [
+        f"{p!r}: {s!r}"
+        for p, s in plan.items()
+        if s.partition(":")[0] not in STYLES or (s.partition(":")[0] == "colwise_packed") != bool(s.partition(":")[2])
+    ]
     if bad:
-        raise ValueError(f"tensor-parallel plan: unknown style(s) {', '.join(bad)}; styles: {', '.join(STYLES)} "
-                         f"(colwise_packed needs ':RULE')")
+        raise ValueError(
+            f"tensor-parallel plan: unknown style(s) {', '.join(bad)}; styles: {', '.join(STYLES)} "
+            f"(colwise_packed needs ':RULE')"
+        )

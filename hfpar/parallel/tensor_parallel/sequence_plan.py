@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..errors import ParallelError
-from .shape_check import REGIONS, match_plan
 from .block_check import first_block_name
+from .shape_check import REGIONS, match_plan
 
 __all__ = ["sequence_parallel_plan"]
 
@@ -39,9 +39,13 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     assigned = {n: s for n, (s, _) in match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True).items()}
     first = first_block_name(assigned)
     if first is None:
-        raise ParallelError("apply_tensor_parallel", [
-            f"sequence_parallel for model_type {mt!r}: its plan shards no "
-            "decoder block (no attention / MLP region); use TP without sequence_parallel"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"sequence_parallel for model_type {mt!r}: its plan shards no "
+                "decoder block (no attention / MLP region); use TP without sequence_parallel"
+            ],
+        )
     blocks, base = first.rpartition(".")[0], first.rpartition(".")[0].rpartition(".")
     out = dict(plan)
     out[first] = "sequence_scatter"
@@ -54,8 +58,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     root = model.get_submodule(base[0]) if base[0] else model
     tail = [n for n, m in root.named_children() if n != base[2] and not isinstance(m, nn.Embedding) and _has_params(m)]
     if len(tail) != 1:
-        raise ParallelError("apply_tensor_parallel", [
-            f"sequence_parallel for model_type {mt!r}: expected one module with "
-            f"parameters after {blocks} (the final norm), found {tail}; use TP without sequence_parallel"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"sequence_parallel for model_type {mt!r}: expected one module with "
+                f"parameters after {blocks} (the final norm), found {tail}; use TP without sequence_parallel"
+            ],
+        )
     out[f"{base[0]}.{tail[0]}" if base[0] else tail[0]] = "sequence_gather"
     return out

@@ -8,8 +8,8 @@ pattern names, and whether its dimensions divide by tp; every problem collected,
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from functools import partial
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,11 @@ class _Problems:
     def raise_if_any(self, tp: int) -> None:
         if not self.items:
             return
-        lines = [f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
-                 for (pat, what), w in self.items.items()]
-        raise ParallelError(f"apply_tensor_parallel (tp_size {tp})", lines)   # one line
+        lines = [
+            f"{w[0]}: {what}" + (f" (same for {len(w) - 1} more module(s) matching {pat!r})" if len(w) > 1 else "")
+            for (pat, what), w in self.items.items()
+        ]
+        raise ParallelError(f"apply_tensor_parallel (tp_size {tp})", lines)  # one line
 
 
 def moe_block_names(model: nn.Module) -> list[str]:
@@ -60,8 +62,9 @@ def lookup_only(emb: nn.Module | None) -> bool:
     return isinstance(emb, nn.Embedding) and (type(emb).forward is nn.Embedding.forward or hasattr(emb, "embed_scale"))
 
 
-def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = (),
-               allow_unmatched: bool = False) -> dict[str, tuple[str, str]]:
+def match_plan(
+    model: nn.Module, plan: Mapping[str, str], optional: tuple[str, ...] = (), allow_unmatched: bool = False
+) -> dict[str, tuple[str, str]]:
     """{module name: (style, pattern)} for every module a pattern matches; every pattern must match,
     except those whose style is in `optional` (built-in plans: the LM head, absent from task heads such
     as *ForSequenceClassification, whose small head then stays replicated and its logits full) and, with
@@ -74,8 +77,9 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
     out: dict[str, tuple[str, str]] = {}
     params = [n for n, _ in model.named_parameters()] if any(s in PARAM_STYLES for s in plan.values()) else []
     for name in [n for n, _ in model.named_modules()] + params:
-        found = [(p, s) for p, rx, s in compiled if name and rx.fullmatch(name)
-                 and (s in PARAM_STYLES) == (name in params)]
+        found = [
+            (p, s) for p, rx, s in compiled if name and rx.fullmatch(name) and (s in PARAM_STYLES) == (name in params)
+        ]
         if len(found) > 1:
             raise ParallelError("apply_tensor_parallel", [f"module {name} matches several plan entries {found}"])
         if found:
@@ -84,10 +88,14 @@ def match_plan(model: nn.Module, plan: Mapping[str, str], optional: tuple[str, .
                 out[name] = (found[0][1], found[0][0])
     missing = [p for p, n in hits.items() if n == 0 and plan[p].partition(":")[0] not in optional]
     if missing and not allow_unmatched:
-        raise ParallelError("apply_tensor_parallel", [
-            f"plan pattern(s) {missing} match no module of "
-            f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
-            f"unwrapped); pass plan= for other layouts"])
+        raise ParallelError(
+            "apply_tensor_parallel",
+            [
+                f"plan pattern(s) {missing} match no module of "
+                f"{type(model).__name__} (the built-in plans expect an HF *ForCausalLM model, "
+                f"unwrapped); pass plan= for other layouts"
+            ],
+        )
     return out
 
 
@@ -105,7 +113,7 @@ def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
         ok = not own and not list(mod.children()) and not list(mod.buffers())
         if ok:
             gen = torch.Generator().manual_seed(0)
-            if mod.weight.is_meta:   # a meta skeleton (sharded loading): a copy with random values
+            if mod.weight.is_meta:  # a meta skeleton (sharded loading): a copy with random values
                 mod = copy.deepcopy(mod)
                 for n, p in list(mod.named_parameters()):
                     setattr(mod, n, nn.Parameter(torch.randn(p.shape, generator=gen).to(p.dtype)))
@@ -116,8 +124,9 @@ def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
     return known[cls]
 
 
-def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool,
-              tied: bool) -> None:
+def validate_degrees(
+    model: nn.Module, matched: dict[str, tuple[str, str]], config, tp: int, sequence_parallel: bool, tied: bool
+) -> None:
     """Every divisibility / type problem, before any collective."""
     pr = _Problems()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -133,11 +142,13 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
                 add(f"its {n} heads (dim 0) are not divisible by tp_size {tp}")
             continue
         mod, base = model.get_submodule(name), style.partition(":")[0]
-        if base in REGIONS:   # every Linear / Embedding inside a region must be sharded by the plan
+        if base in REGIONS:  # every Linear / Embedding inside a region must be sharded by the plan
             for sub, m in mod.named_modules(prefix=name):
                 if (isinstance(m, (nn.Linear, nn.Embedding)) or is_conv1d(m)) and sub not in matched:
-                    add(f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
-                        f"(its input gradient would be summed over the TP ranks)")
+                    add(
+                        f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
+                        f"(its input gradient would be summed over the TP ranks)"
+                    )
         if base == "attention" and config is not None:
             nh = getattr(config, "num_attention_heads")
             nkv = getattr(config, "num_key_value_heads", None) or nh
@@ -162,8 +173,10 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
         elif base in ("colwise", "colwise_packed", "colwise_lm_head", "rowwise", "rowwise_heads"):
             conv = base != "colwise_lm_head" and is_conv1d(mod)
             if not conv and not _acts_as_linear(mod, linear_types):
-                add(f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
-                    f"found {type(mod).__name__}")
+                add(
+                    f"style {style!r} needs a plain nn.Linear{'' if base == 'colwise_lm_head' else ' or Conv1D'}, "
+                    f"found {type(mod).__name__}"
+                )
                 continue
             n_in, n_out = (mod.nx, mod.nf) if conv else (mod.in_features, mod.out_features)
             if base == "rowwise_heads" and (conv or mod.bias is not None or n_out % tp):
@@ -188,6 +201,9 @@ def validate_degrees(model: nn.Module, matched: dict[str, tuple[str, str]], conf
         emb = [n for n, s in assigned.items() if s == "vocab_embedding"]
         head = [n for n, s in assigned.items() if s == "colwise_lm_head"]
         if len(emb) != 1 or len(head) != 1:
-            pr.add("tie_word_embeddings", "tied input/output embeddings need exactly one 'vocab_embedding' and one "
-                                          f"'colwise_lm_head' entry in the plan (found {emb} and {head})")
+            pr.add(
+                "tie_word_embeddings",
+                "tied input/output embeddings need exactly one 'vocab_embedding' and one "
+                f"'colwise_lm_head' entry in the plan (found {emb} and {head})",
+            )
     pr.raise_if_any(tp)

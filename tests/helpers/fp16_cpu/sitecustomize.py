@@ -1,7 +1,7 @@
 """TEST-ONLY: Accelerate's fp16 path (GradScaler + fp16 autocast) on CPU, for real fp16 launches without a GPU.
 
-    PYTHONPATH=tests/helpers/fp16_cpu HFPAR_TEST_FP16_CPU=1 accelerate launch ... --mixed_precision fp16 recipes/sft.py ...
-    (tests/launch/test_fp16_parity.py does this; HFPAR_TEST_FP16_INIT_SCALE=1048576 makes the first steps overflow;
+    PYTHONPATH=tests/helpers/fp16_cpu HFPAR_TEST_FP16_CPU=1 accelerate launch ... --mixed_precision fp16 recipes/sft.py
+    ... (tests/launch/test_fp16_parity.py does this; HFPAR_TEST_FP16_INIT_SCALE=1048576 makes the first steps overflow;
     HFPAR_TEST_FP16_TRACE=DIR writes DIR/rank<R>.jsonl: one line per GradScaler.update, see _trace below)
 
 Python imports a `sitecustomize` module found on sys.path at start-up, so every process of the launch (the
@@ -31,8 +31,12 @@ if os.environ.get("HFPAR_TEST_FP16_CPU") == "1":  # the patch of Accelerator
 
     def _init_with_cpu_fp16(self, *args, **kwargs):
         _accelerator_init(self, *args, **kwargs)
-        if (self.state.mixed_precision != "fp16" or self.device.type != "cpu" or self.scaler is not None
-                or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)):
+        if (
+            self.state.mixed_precision != "fp16"
+            or self.device.type != "cpu"
+            or self.scaler is not None
+            or self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        ):
             return
         self.native_amp = True
         scaler_kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
@@ -67,9 +71,10 @@ def _trace(trace_dir: str) -> None:
         before = [p.detach().clone() for p in _local_params(optimizer)]
         out = scaler_step(self, optimizer, *args, **kwargs)
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        self._hfpar_trace = {"found_inf": any(float(f.sum()) > 0 for f in flags.values()),
-                             "params_changed": any(not torch.equal(b, p.detach())
-                                                   for b, p in zip(before, _local_params(optimizer)))}
+        self._hfpar_trace = {
+            "found_inf": any(float(f.sum()) > 0 for f in flags.values()),
+            "params_changed": any(not torch.equal(b, p.detach()) for b, p in zip(before, _local_params(optimizer))),
+        }
         return out
 
     def update(self, new_scale=None):
