@@ -1,7 +1,8 @@
 """hfpar: fine-tune Hugging Face transformers with DDP, FSDP2, DeepSpeed ZeRO, and tensor, expert, context and
 pipeline parallelism.
 
-    from hfpar import apply_tensor_parallel, apply_expert_parallel, upcycle_to_moe, ColumnParallelLinear, RowParallelLinear
+    from hfpar import apply_tensor_parallel, apply_expert_parallel, upcycle_to_moe, ColumnParallelLinear,
+    RowParallelLinear
     model = apply_tensor_parallel(model, tp_group)     # in your own Accelerate / torch loop
     apply_expert_parallel(model, ep_group=ep_group)    # MoE blocks: each rank keeps E / ep experts
 

@@ -1,13 +1,13 @@
 """The `hfpar` command.
 
-    hfpar sft [options]         same as python recipes/sft.py (and clm, classify)
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml -m hfpar.cli sft [options]
-    hfpar plan --model ID_OR_DIR --num_gpus 8 --gpu_memory_gb 80     memory per GPU of every strategy
-    hfpar plot RUN_DIR [RUN_DIR ...] -o runs.png                     loss / lr / tokens/s of runs overlaid
-    hfpar export CHECKPOINT_DIR OUT_DIR [--overwrite]                a checkpoint-<step> as an HF model
-    hfpar launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py ...   accelerate launch, with the
-                                                                     workers' exit code (2 refused, 75 preempted)
-    hfpar --version
+hfpar sft [options]         same as python recipes/sft.py (and clm, classify)
+accelerate launch --config_file accelerate_configs/fsdp2.yaml -m hfpar.cli sft [options]
+hfpar plan --model ID_OR_DIR --num_gpus 8 --gpu_memory_gb 80     memory per GPU of every strategy
+hfpar plot RUN_DIR [RUN_DIR ...] -o runs.png                     loss / lr / tokens/s of runs overlaid
+hfpar export CHECKPOINT_DIR OUT_DIR [--overwrite]                a checkpoint-<step> as an HF model
+hfpar launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py ...   accelerate launch, with the
+                                                                 workers' exit code (2 refused, 75 preempted)
+hfpar --version
 """
 
 from __future__ import annotations
@@ -43,33 +43,56 @@ def _positive(kind):
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{text} must be > 0")
         return v
+
     return parse
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hfpar plan", description="Memory per GPU of every strategy (DDP, FSDP2, ZeRO-1/2/3, offload, "
-                "TP, EP, CP, PP) for a model, from its config only, and the strategy to use with its launch command.")
+    p = _Parser(
+        prog="hfpar plan",
+        description="Memory per GPU of every strategy (DDP, FSDP2, ZeRO-1/2/3, offload, "
+        "TP, EP, CP, PP) for a model, from its config only, and the strategy to use with its launch command.",
+    )
     p.add_argument("--model", required=True, help="hub id or local directory with config.json (no weights are read)")
     p.add_argument("--num_gpus", required=True, type=_positive(int), help="GPUs per node")
     p.add_argument("--num_nodes", type=_positive(int), default=1, help="nodes (default 1)")
     p.add_argument("--gpu_memory_gb", required=True, type=_positive(float), help="memory of one GPU in GiB, e.g. 80")
     p.add_argument("--seq_len", type=_positive(int), default=2048, help="tokens per sample (default 2048)")
     p.add_argument("--batch_size", type=_positive(int), default=1, help="micro-batch per GPU (default 1)")
-    p.add_argument("--mixed_precision", choices=("bf16", "no"), default="bf16",
-                   help="bf16: 2+2+12 bytes/param; no (fp32): 4+4+8 (default bf16)")
+    p.add_argument(
+        "--mixed_precision",
+        choices=("bf16", "no"),
+        default="bf16",
+        help="bf16: 2+2+12 bytes/param; no (fp32): 4+4+8 (default bf16)",
+    )
     p.add_argument("--lora", action="store_true", help="estimate a LoRA run (adapters on every linear layer)")
     p.add_argument("--lora_rank", type=_positive(int), default=16, help="LoRA rank with --lora (default 16)")
     p.add_argument("--tp_size", type=_positive(int), default=None, help="consider only this TP degree")
     p.add_argument("--ep_size", type=_positive(int), default=None, help="consider only this EP degree (MoE)")
-    p.add_argument("--cp_size", type=_positive(int), default=None,
-                   help="consider only this context-parallel degree (long sequences)")
-    p.add_argument("--attn_implementation", choices=("sdpa", "eager"), default="sdpa",
-                   help="eager stores the s x s attention scores (default sdpa)")
-    p.add_argument("--loss_chunk_size", type=int, default=None,
-                   help="the recipe's option: tokens per chunk of the fused LM head + cross-entropy; unset = auto "
-                        "where the recipe applies it, 0 = off (full fp32 logits)")
-    p.add_argument("--trust_remote_code", action="store_true",
-                   help="run the Python files of a model directory whose config has auto_map (default: refused)")
+    p.add_argument(
+        "--cp_size",
+        type=_positive(int),
+        default=None,
+        help="consider only this context-parallel degree (long sequences)",
+    )
+    p.add_argument(
+        "--attn_implementation",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="eager stores the s x s attention scores (default sdpa)",
+    )
+    p.add_argument(
+        "--loss_chunk_size",
+        type=int,
+        default=None,
+        help="the recipe's option: tokens per chunk of the fused LM head + cross-entropy; unset = auto "
+        "where the recipe applies it, 0 = off (full fp32 logits)",
+    )
+    p.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="run the Python files of a model directory whose config has auto_map (default: refused)",
+    )
     return p
 
 
@@ -90,13 +113,18 @@ def load_config(model: str, trust_remote_code: bool = False):
         try:
             return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         except Exception as e:  # noqa: BLE001 - an unknown model_type, a bad value: the user's file, one line
-            fail(f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            fail(
+                f"--model {model}: cannot load its config "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            )
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep in model.replace("/", ""):
         fail(f"--model {model}: no such model directory (give a directory with config.json or a hub id)")
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as e:  # network, unknown id, gated repo: one line with the cause
-        fail(f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        fail(
+            f"--model {model}: cannot load its config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        )
 
 
 def plan_main(argv: list[str]) -> None:
@@ -105,11 +133,22 @@ def plan_main(argv: list[str]) -> None:
     a = _plan_parser().parse_args(argv)
     config = load_config(a.model, a.trust_remote_code)
     try:
-        text, _ = memory_table(config, a.model, num_gpus=a.num_gpus, gpu_memory_gb=a.gpu_memory_gb,
-                               num_nodes=a.num_nodes, seq_len=a.seq_len, batch_size=a.batch_size,
-                               mixed_precision=a.mixed_precision, lora_rank=a.lora_rank if a.lora else 0,
-                               tp_size=a.tp_size, ep_size=a.ep_size, attn_implementation=a.attn_implementation,
-                               cp_size=a.cp_size, loss_chunk_size=a.loss_chunk_size)
+        text, _ = memory_table(
+            config,
+            a.model,
+            num_gpus=a.num_gpus,
+            gpu_memory_gb=a.gpu_memory_gb,
+            num_nodes=a.num_nodes,
+            seq_len=a.seq_len,
+            batch_size=a.batch_size,
+            mixed_precision=a.mixed_precision,
+            lora_rank=a.lora_rank if a.lora else 0,
+            tp_size=a.tp_size,
+            ep_size=a.ep_size,
+            attn_implementation=a.attn_implementation,
+            cp_size=a.cp_size,
+            loss_chunk_size=a.loss_chunk_size,
+        )
     except PlannerError as e:
         fail(str(e))
     except ValueError as e:  # transformers cannot build the config's model (e.g. custom code without a causal LM class)
@@ -118,8 +157,11 @@ def plan_main(argv: list[str]) -> None:
 
 
 def plot_main(argv: list[str]) -> None:
-    p = _Parser(prog="hfpar plot", description="Loss (train and eval), lr and tokens/s of one or more runs overlaid "
-                "in one PNG (2x2 plots), labelled by run directory and strategy.")
+    p = _Parser(
+        prog="hfpar plot",
+        description="Loss (train and eval), lr and tokens/s of one or more runs overlaid "
+        "in one PNG (2x2 plots), labelled by run directory and strategy.",
+    )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--output_dir of a run (holds metrics.jsonl)")
     p.add_argument("-o", "--output", default="runs.png", help="PNG to write (default runs.png)")
     a = p.parse_args(argv)
@@ -132,20 +174,30 @@ def plot_main(argv: list[str]) -> None:
 
 
 def export_main(argv: list[str]) -> None:
-    p = _Parser(prog="hfpar export", description="Turn a training checkpoint (checkpoint-<step>/ of a DDP, FSDP2 or "
-                "ZeRO run) into a Hugging Face model directory that from_pretrained loads.")
+    p = _Parser(
+        prog="hfpar export",
+        description="Turn a training checkpoint (checkpoint-<step>/ of a DDP, FSDP2 or "
+        "ZeRO run) into a Hugging Face model directory that from_pretrained loads.",
+    )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a checkpoint-<step> directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write config.json, model.safetensors, tokenizer")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into OUT_DIR even if it is not empty (files of the same names are replaced)")
-    p.add_argument("--trust_remote_code", action="store_true",
-                   help="a config with auto_map: run (and copy) its code (default: refused)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into OUT_DIR even if it is not empty (files of the same names are replaced)",
+    )
+    p.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="a config with auto_map: run (and copy) its code (default: refused)",
+    )
     a = p.parse_args(argv)
     from hfpar.checkpoint.export import ExportError, export_checkpoint  # noqa: PLC0415  (subcommands import on use: see main)
 
     try:
-        print(export_checkpoint(a.checkpoint_dir, a.out_dir, overwrite=a.overwrite,
-                                trust_remote_code=a.trust_remote_code))
+        print(
+            export_checkpoint(a.checkpoint_dir, a.out_dir, overwrite=a.overwrite, trust_remote_code=a.trust_remote_code)
+        )
     except ExportError as e:
         fail(str(e))
 
@@ -168,8 +220,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not argv or argv[0] not in RECIPES:
         given = repr(argv[0]) if argv else "nothing"
-        print(f"hfpar: error: expected a recipe ({', '.join(RECIPES)}), got {given} (or a tool: {', '.join(TOOLS)})\n"
-              f"usage: hfpar {{{','.join(RECIPES + TOOLS)}}} [options]   (hfpar sft --help lists the options)", file=sys.stderr)
+        print(
+            f"hfpar: error: expected a recipe ({', '.join(RECIPES)}), got {given} (or a tool: {', '.join(TOOLS)})\n"
+            f"usage: hfpar {{{','.join(RECIPES + TOOLS)}}} [options]   (hfpar sft --help lists the options)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     # each subcommand imports its own stack on use: the recipe stack (torch, transformers, accelerate) takes
     # ~4.5 s (python -c "import hfpar.recipe"), which `hfpar plot` / `hfpar --version` do not need

@@ -30,7 +30,10 @@ PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")  # HF TrainingArguments' --optim names; hfpar.backends.optim builds them
+OPTIMIZERS = (
+    "adamw_torch_fused",
+    "adamw_torch",
+)  # HF TrainingArguments' --optim names; hfpar.backends.optim builds them
 
 
 class ConfigError(ValueError):
@@ -45,12 +48,16 @@ class RecipeArgs:
     dataset_name: str | None = None  # hub id or local json/jsonl/csv/parquet/txt file or dir; None = embedded
     max_seq_length: int = 128
     packing: bool = False
-    padding_free: bool | None = None  # pack each batch's samples into rows (no compute on padding); unset = where it applies, false = padded
+    padding_free: bool | None = (
+        None  # pack each batch's samples into rows (no compute on padding); unset = where it applies, false = padded
+    )
     completion_only_loss: bool = True  # SFT: loss on assistant/completion tokens only
     truncation: str = "truncate"  # what to do with samples longer than max_seq_length: truncate | drop
     eval_split_fraction: float = 0.05  # carved from train when the dataset has no eval split
     attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2
-    trust_remote_code: bool = False  # run the Python files of a model / tokenizer dir whose config has auto_map (transformers' name); without it such a model is refused
+    # run the Python files of a model / tokenizer dir whose config has auto_map (transformers' name); without it such
+    # a model is refused
+    trust_remote_code: bool = False
     # --- HF TrainingArguments names -------------------------------------------------------------
     output_dir: str = "outputs/run"
     overwrite_output_dir: bool = False
@@ -58,8 +65,11 @@ class RecipeArgs:
     per_device_eval_batch_size: int = 16
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-3
-    loss_chunk_size: int | None = None  # tokens per chunk of the fused LM head + cross-entropy (full logits never exist); unset = auto where checked, 0 = off
-    optim: str = "adamw_torch_fused"  # adamw_torch_fused (fused kernel where the device has it, else foreach) | adamw_torch
+    # tokens per chunk of the fused LM head + cross-entropy (full logits never exist); unset: auto where checked; 0: off
+    loss_chunk_size: int | None = None
+    optim: str = (
+        "adamw_torch_fused"  # adamw_torch_fused (fused kernel where the device has it, else foreach) | adamw_torch
+    )
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -82,17 +92,23 @@ class RecipeArgs:
     max_eval_samples: int | None = None
     log_comm_bytes: bool = False  # count the bytes each rank sends per step, by collective type (metrics.jsonl "comm")
     save_final_model: bool = True  # false: skip the final HF-format export (benchmarks, throwaway runs)
-    sharded_loading: bool = True  # false: every rank loads the whole checkpoint with from_pretrained (the reference / a fallback)
+    sharded_loading: bool = (
+        True  # false: every rank loads the whole checkpoint with from_pretrained (the reference / a fallback)
+    )
     # --- hfpar -----------------------------------------------------------------------------------
     tp_size: int = 1
     ep_size: int = 1
     sequence_parallel: bool = False
-    cp_size: int = 1  # context parallelism: shard every row's sequence over this many ranks (attention exact over the row)
+    cp_size: int = (
+        1  # context parallelism: shard every row's sequence over this many ranks (attention exact over the row)
+    )
     cp_mode: str = "auto"  # ring | ulysses | auto (ulysses when heads and kv heads divide by cp_size, else ring)
     pp_size: int = 1  # pipeline parallelism: cut the decoder's layers into this many stages (one per rank)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (each rank holds --pp_virtual_stages chunks of layers)
     pp_virtual_stages: int = 2  # interleaved_1f1b: chunks of layers per rank (virtual stages r, r + pp_size, ..)
-    pp_microbatches: int = 0  # micro-batches per accumulation step through the pipeline; 0 = 2 x pp_size (capped by the batch)
+    pp_microbatches: int = (
+        0  # micro-batches per accumulation step through the pipeline; 0 = 2 x pp_size (capped by the batch)
+    )
     pp_split: str = ""  # first layer of each stage, e.g. 0,10,20 (default: balanced by parameter count)
     upcycle_experts: int = 0  # > 0: turn every dense MLP into an MoE of this many copies (then --ep_size works)
     moe_top_k: int = 2  # experts per token for upcycled MoE layers
@@ -108,8 +124,11 @@ class RecipeArgs:
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA scaling numerator (scale = lora_alpha / lora_r)
     lora_dropout: float = 0.05  # dropout on the LoRA input (0 for exact parity between strategies)
-    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear (every linear but the output head)
+    lora_target_modules: str = (
+        "all-linear"  # comma-separated module names, or all-linear (every linear but the output head)
+    )
     merge_adapter: bool = False  # final export: the merged full model instead of the adapter
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer_name_or_path or self.model_name_or_path
@@ -174,13 +193,20 @@ def _build_parser(recipe: str, args_class: type = RecipeArgs) -> argparse.Argume
     for f in dataclasses.fields(args_class):
         # every option takes a value as text; booleans may also be given bare (`--packing`)
         is_bool = "bool" in str(f.type)
-        p.add_argument(f"--{f.name}", nargs="?" if is_bool else None, const="true" if is_bool else None,
-                       default=None, metavar="BOOL" if is_bool else "VALUE", help=helps.get(f.name, "").strip())
+        p.add_argument(
+            f"--{f.name}",
+            nargs="?" if is_bool else None,
+            const="true" if is_bool else None,
+            default=None,
+            metavar="BOOL" if is_bool else "VALUE",
+            help=helps.get(f.name, "").strip(),
+        )
     return p
 
 
-def parse_args(argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None,
-               args_class: type = RecipeArgs) -> RecipeArgs:
+def parse_args(
+    argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None, args_class: type = RecipeArgs
+) -> RecipeArgs:
     """Parse CLI + YAML into args_class (RecipeArgs, or a recipe's subclass with its own options: Recipe.args_class);
     raise ConfigError listing every problem."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -247,8 +273,18 @@ def validate(a: RecipeArgs) -> list[str]:
             p.append(f"--{f.name} {v}: must be a finite number")
     if p:
         return p
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_seq_length", "tp_size", "ep_size", "cp_size", "pp_size", "logging_steps", "dist_timeout_s"):
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "max_seq_length",
+        "tp_size",
+        "ep_size",
+        "cp_size",
+        "pp_size",
+        "logging_steps",
+        "dist_timeout_s",
+    ):
         if getattr(a, name) <= 0:
             p.append(f"--{name} {getattr(a, name)}: must be a positive integer")
     if a.max_steps == 0 or a.max_steps < -1:
@@ -284,8 +320,10 @@ def validate(a: RecipeArgs) -> list[str]:
     if a.pp_schedule not in PP_SCHEDULES:
         p.append(f"--pp_schedule {a.pp_schedule!r}: valid values are {', '.join(PP_SCHEDULES)}")
     if a.pp_schedule == "interleaved_1f1b" and a.pp_virtual_stages < 2:
-        p.append(f"--pp_virtual_stages {a.pp_virtual_stages}: interleaved_1f1b needs >= 2 chunks per rank "
-                 "(one is --pp_schedule 1f1b)")
+        p.append(
+            f"--pp_virtual_stages {a.pp_virtual_stages}: interleaved_1f1b needs >= 2 chunks per rank "
+            "(one is --pp_schedule 1f1b)"
+        )
     if a.pp_microbatches < 0:
         p.append(f"--pp_microbatches {a.pp_microbatches}: must be >= 1, or 0 for 2 x --pp_size")
     if a.on_nonfinite not in NONFINITE:
@@ -309,7 +347,9 @@ def validate(a: RecipeArgs) -> list[str]:
     if not 0 <= a.lora_dropout < 1:
         p.append(f"--lora_dropout {a.lora_dropout}: must be in [0, 1)")
     if not a.lora_target_modules.strip(" ,"):
-        p.append(f"--lora_target_modules {a.lora_target_modules!r}: give module names (e.g. q_proj,v_proj) or all-linear")
+        p.append(
+            f"--lora_target_modules {a.lora_target_modules!r}: give module names (e.g. q_proj,v_proj) or all-linear"
+        )
     if a.merge_adapter and not a.use_peft:
         p.append("--merge_adapter needs --use_peft")
     return p

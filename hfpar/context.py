@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from hfpar.parallel.groups import expert_rank_lists, new_groups
 from hfpar.parallel.expert_parallel import config_num_experts
+from hfpar.parallel.groups import expert_rank_lists, new_groups
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -48,29 +48,42 @@ class ParallelContext:
     cp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
-    strategy: object = None       # the data-parallel strategy in effect (hfpar.backends.Strategy), resolved once by
-                                  # the preflight; everything downstream reads its attributes from here
-    groups: dict = field(default_factory=dict, repr=False)     # name -> this rank's group (after build_groups)
+    strategy: object = None  # the data-parallel strategy in effect (hfpar.backends.Strategy), resolved once by
+    # the preflight; everything downstream reads its attributes from here
+    groups: dict = field(default_factory=dict, repr=False)  # name -> this rank's group (after build_groups)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_degrees(cls, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
-                     sequence_parallel: bool = False, strategy=None) -> "ParallelContext":
+    def from_degrees(
+        cls,
+        world: int,
+        rank: int = 0,
+        *,
+        tp: int = 1,
+        ep: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        sequence_parallel: bool = False,
+        strategy=None,
+    ) -> ParallelContext:
         """The context of these degrees, validated (no groups yet: build_groups); ContextError with every problem."""
-        ctx = cls(world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-                  strategy=strategy)
+        ctx = cls(
+            world=world, rank=rank, tp=tp, ep=ep, cp=cp, pp=pp, sequence_parallel=sequence_parallel, strategy=strategy
+        )
         problems = ctx.problems()
         if problems:
             raise ContextError("\n".join(problems))
         return ctx
 
-    plan = from_degrees   # the name before issue 38 (public API, kept): "plan" now names tensor-parallel plans only
+    plan = from_degrees  # the name before issue 38 (public API, kept): "plan" now names tensor-parallel plans only
 
     def problems(self) -> list[str]:
         """Every degree problem, one line each (no collective, no groups needed)."""
         p = []
         if self.world < 1 or not 0 <= self.rank < self.world:
-            p.append(f"rank {self.rank} of world size {self.world}: the launcher's world must be >= 1 and hold the rank")
+            p.append(
+                f"rank {self.rank} of world size {self.world}: the launcher's world must be >= 1 and hold the rank"
+            )
         for name in ("tp", "ep", "cp", "pp"):
             if getattr(self, name) < 1:
                 p.append(f"--{name}_size {getattr(self, name)}: must be a positive integer")
@@ -78,19 +91,27 @@ class ParallelContext:
         if not p and self.world % model:  # (divisibility is meaningless while a degree itself is wrong)
             degrees = {n: getattr(self, n) for n in ("tp", "cp", "pp") if getattr(self, n) > 1}
             what = " x ".join(f"--{n}_size {d}" for n, d in degrees.items())
-            flag = next(reversed(degrees))                      # the valid values of the last degree, others kept
+            flag = next(reversed(degrees))  # the valid values of the last degree, others kept
             others = model // degrees[flag]
             valid = [d for d in range(1, self.world + 1) if self.world % (d * others) == 0]
-            p.append(f"{what}{f' = {model}' if len(degrees) > 1 else ''} does not divide the world size {self.world} "
-                     f"(world = data-parallel size x model-parallel degrees; valid --{flag}_size here: "
-                     + (", ".join(map(str, valid)) or "none") + ")")
+            p.append(
+                f"{what}{f' = {model}' if len(degrees) > 1 else ''} does not divide the world size {self.world} "
+                f"(world = data-parallel size x model-parallel degrees; valid --{flag}_size here: "
+                + (", ".join(map(str, valid)) or "none")
+                + ")"
+            )
         elif not p and (self.dp * self.cp) % self.ep:  # experts are drawn from the dp x cp ranks
             n = self.dp * self.cp
-            what = f"data-parallel x context-parallel size {self.dp} x {self.cp}" if self.cp > 1 else \
-                f"data-parallel size {self.dp}"
-            p.append(f"--ep_size {self.ep} does not divide the {what} "
-                     f"(world {self.world} / tp {self.tp}{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
-                     + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0))
+            what = (
+                f"data-parallel x context-parallel size {self.dp} x {self.cp}"
+                if self.cp > 1
+                else f"data-parallel size {self.dp}"
+            )
+            p.append(
+                f"--ep_size {self.ep} does not divide the {what} "
+                f"(world {self.world} / tp {self.tp}{f' / pp {self.pp}' if self.pp > 1 else ''}); valid --ep_size: "
+                + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+            )
         if self.sequence_parallel and self.tp == 1:
             p.append("--sequence_parallel needs --tp_size > 1")
         return p
@@ -163,8 +184,14 @@ class ParallelContext:
         return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
 
     def as_dict(self) -> dict[str, int]:
-        return {"world_size": self.world, "dp_size": self.dp, "tp_size": self.tp, "ep_size": self.ep,
-                "cp_size": self.cp, "pp_size": self.pp}
+        return {
+            "world_size": self.world,
+            "dp_size": self.dp,
+            "tp_size": self.tp,
+            "ep_size": self.ep,
+            "cp_size": self.cp,
+            "pp_size": self.pp,
+        }
 
     # ------------------------------------------------------------------ groups
     def rank_lists(self, *axes: str) -> list[list[int]]:
@@ -178,7 +205,7 @@ class ParallelContext:
         moved = grid.movedim(dims, list(range(grid.dim() - len(dims), grid.dim()))).reshape(-1, size)
         return [row.tolist() for row in moved]
 
-    def build_groups(self) -> "ParallelContext":
+    def build_groups(self) -> ParallelContext:
         """Collective (every rank, same order): tp, dp, cp, pp, ep and expert-dp groups. A no-op without
         torch.distributed (one process): every group is then None, which the layers read as size 1."""
         if self.groups:
@@ -187,7 +214,7 @@ class ParallelContext:
             self.groups[axis] = new_groups(self.rank_lists(axis))
         # the ranks over which replicated grads are averaged: dp x cp (= dp when cp is 1)
         self.groups["replica"] = new_groups(self.rank_lists("dp", "cp"))
-        ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp", "cp"), self.ep)   # EP from dp x cp
+        ep_lists, edp_lists = expert_rank_lists(self.rank_lists("dp", "cp"), self.ep)  # EP from dp x cp
         self.groups["ep"] = new_groups(ep_lists)
         self.groups["edp"] = new_groups(edp_lists)
         return self
@@ -243,8 +270,10 @@ def model_config_problems(ctx: ParallelContext, config) -> list[str]:
     def need(field_name: str, value, degree: int, opt: str) -> None:
         if isinstance(value, int) and degree > 1 and value % degree:
             valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-            p.append(f"{opt} {degree}: {cfg.model_type}'s {field_name} {value} is not divisible by it "
-                     f"(valid {opt}: {', '.join(map(str, valid[:12]))})")
+            p.append(
+                f"{opt} {degree}: {cfg.model_type}'s {field_name} {value} is not divisible by it "
+                f"(valid {opt}: {', '.join(map(str, valid[:12]))})"
+            )
 
     heads = getattr(cfg, "num_attention_heads", None)
     need("num_attention_heads", heads, ctx.tp, "--tp_size")
@@ -262,15 +291,15 @@ class RunPlan:
     (hfpar.preflight.resolve_plan) and passed down to parallelize, the backend and the trainer: nothing downstream
     recomputes it."""
 
-    recipe: str                     # the recipe's name (hfpar.recipes)
-    task: str                       # "lm" | "classify": the model head, the default objective
-    model_config: Any               # the model's config.json, read once (transformers PretrainedConfig)
+    recipe: str  # the recipe's name (hfpar.recipes)
+    task: str  # "lm" | "classify": the model head, the default objective
+    model_config: Any  # the model's config.json, read once (transformers PretrainedConfig)
     model_type: str | None
-    num_experts: int | None         # routed experts the config declares (None: dense; upcycling is args')
-    microbatches: int               # pipeline micro-batches per accumulation step (1 without a pipeline)
-    pipeline_stages: int            # stages the layers are cut into (pp, or pp x V interleaved)
-    chunks_per_rank: int            # model chunks a pipeline rank holds (V interleaved, else 1)
-    padding_free: bool              # the collator packs each micro-batch's samples into rows
+    num_experts: int | None  # routed experts the config declares (None: dense; upcycling is args')
+    microbatches: int  # pipeline micro-batches per accumulation step (1 without a pipeline)
+    pipeline_stages: int  # stages the layers are cut into (pp, or pp x V interleaved)
+    chunks_per_rank: int  # model chunks a pipeline rank holds (V interleaved, else 1)
+    padding_free: bool  # the collator packs each micro-batch's samples into rows
     padding_free_why_not: str | None
-    cp_mode: str                    # ring | ulysses (--cp_mode auto resolved)
+    cp_mode: str  # ring | ulysses (--cp_mode auto resolved)
     recipe_values: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))

@@ -62,6 +62,7 @@ def _cpu_backend():
     ACCELERATE_TORCH_DEVICE, and ACCELERATE_BYPASS_DEVICE_MAP makes DDP wrap with device_ids=None,
     which is what DDP requires for CPU modules.
     """
+
     def _gloo_backend(self, cpu=False, sagemaker_dp=False, backend=None):  # noqa: ARG001
         return "gloo", DistributedType.MULTI_GPU
 
@@ -95,16 +96,19 @@ def _store_per_restart_attempt(timeout: datetime.timedelta):
         return
     original = dist.init_process_group
 
-    def init_with_attempt_store(backend=None, init_method=None, timeout=timeout, world_size=-1, rank=-1,
-                                store=None, **kwargs):
+    def init_with_attempt_store(
+        backend=None, init_method=None, timeout=timeout, world_size=-1, rank=-1, store=None, **kwargs
+    ):
         if store is None and init_method in (None, "env://"):
             world_size = world_size if world_size > 0 else int(os.environ["WORLD_SIZE"])
             rank = rank if rank >= 0 else int(os.environ["RANK"])
-            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                  is_master=False, timeout=timeout)
+            agent = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+            )
             store, init_method = dist.PrefixStore(f"hfpar/restart_attempt_{attempt}", agent), None
-        return original(backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,
-                        store=store, **kwargs)
+        return original(
+            backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank, store=store, **kwargs
+        )
 
     with swapped(dist, "init_process_group", init_with_attempt_store):
         yield
@@ -118,9 +122,11 @@ def gpus_per_node_problem() -> str | None:
     if not _launched_by_torchrun() or not torch.cuda.is_available() or per_node <= torch.cuda.device_count():
         return None
     n = torch.cuda.device_count()
-    return (f"{per_node} processes per node but this machine shows {n} CUDA device(s) "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch --num_processes {n} "
-            "per node, or set CUDA_VISIBLE_DEVICES='' to run every process on the CPU with gloo")
+    return (
+        f"{per_node} processes per node but this machine shows {n} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch --num_processes {n} "
+        "per node, or set CUDA_VISIBLE_DEVICES='' to run every process on the CPU with gloo"
+    )
 
 
 def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
@@ -155,8 +161,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     installed (about 1 CPU-s, measured with cProfile), which lands in the first checkpoint save of a run that never
     uses DeepSpeed, a stall inside the training loop. A DeepSpeed engine exists only once deepspeed is imported."""
     ds = sys.modules.get("deepspeed")
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel,
-                *((ds.DeepSpeedEngine,) if ds is not None and hasattr(ds, "DeepSpeedEngine") else ()))
+    wrappers = (
+        torch.nn.parallel.DistributedDataParallel,
+        torch.nn.DataParallel,
+        *((ds.DeepSpeedEngine,) if ds is not None and hasattr(ds, "DeepSpeedEngine") else ()),
+    )
     while True:
         if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
             model = model._orig_mod

@@ -29,7 +29,8 @@ def _fail(line: str, code: int) -> None:
 
 
 def _worker_code() -> int | None:
-    """75 when a worker of this launch recorded a preemption (hfpar.observe.refusal.record_exit), else 2 for a refusal."""
+    """75 when a worker of this launch recorded a preemption (hfpar.observe.refusal.record_exit), else 2 for a
+    refusal."""
     from hfpar.observe.refusal import recorded_exits  # noqa: PLC0415  (the launcher imports no hfpar until it ends)
 
     codes = recorded_exits(os.getpid())
@@ -66,9 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"the training process exited with code {code} (its own output above says why)", code if code > 0 else 1)
     except ImportError as exc:  # DeepSpeed launcher without deepspeed installed
         if "deepspeed" in str(exc).lower():
-            _fail("this accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED, the zero*.yaml configs) "
-                  "but deepspeed is not installed: pip install deepspeed, or use accelerate_configs/fsdp2.yaml "
-                  "(FSDP2 shards like ZeRO-3)", 2)
+            _fail(
+                "this accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED, the zero*.yaml configs) "
+                "but deepspeed is not installed: pip install deepspeed, or use accelerate_configs/fsdp2.yaml "
+                "(FSDP2 shards like ZeRO-3)",
+                2,
+            )
         raise
 
 

@@ -2,7 +2,8 @@
 
     model, info = parallelize(model, args, ctx, plan)   # plan: the preflight's RunPlan (hfpar.context)
         the strategy's adjustment (ctx.strategy.adjust_model) -> LoRA (PEFT adapters) -> MoE: upcycle + expert
-        parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation checkpointing -> pipeline stage
+        parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation
+        checkpointing -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -18,14 +19,26 @@ from hfpar.loading.sharded import is_meta
 from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import register_cp_attention
 from hfpar.parallel.errors import ParallelError
-from hfpar.parallel.expert_parallel import (apply_expert_parallel, attach_moe_token_mask, has_moe_blocks,
-                                            set_aux_loss_grad_scale, upcycle_to_moe)
-from hfpar.parallel.pipeline import PipelineChunks, PipelineStage, balanced_split, chunk_layers, decoder_layers, parse_split
+from hfpar.parallel.expert_parallel import (
+    apply_expert_parallel,
+    attach_moe_token_mask,
+    has_moe_blocks,
+    set_aux_loss_grad_scale,
+    upcycle_to_moe,
+)
+from hfpar.parallel.pipeline import (
+    PipelineChunks,
+    PipelineStage,
+    balanced_split,
+    chunk_layers,
+    decoder_layers,
+    parse_split,
+)
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def is_moe(model) -> bool:
-    return has_moe_blocks(model)   # the library's detection (hfpar.parallel.expert_parallel), no family table
+    return has_moe_blocks(model)  # the library's detection (hfpar.parallel.expert_parallel), no family table
 
 
 def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
@@ -35,25 +48,39 @@ def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
     pipeline's per accumulation step, RunPlan.microbatches). Without
     --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None)."""
     if args.upcycle_experts:
-        upcycle_to_moe(model, args.upcycle_experts, args.moe_top_k, aux_loss_coef=args.moe_aux_loss_coef,
-                       z_loss_coef=args.moe_z_loss_coef, seed=args.seed)
+        upcycle_to_moe(
+            model,
+            args.upcycle_experts,
+            args.moe_top_k,
+            aux_loss_coef=args.moe_aux_loss_coef,
+            z_loss_coef=args.moe_z_loss_coef,
+            seed=args.seed,
+        )
     if not is_moe(model):
         if ctx.ep > 1:
-            raise ValueError(f"--ep_size {ctx.ep}: {type(model).__name__} has no MoE layers; "
-                             "pass --upcycle_experts N to turn its MLPs into experts first")
+            raise ValueError(
+                f"--ep_size {ctx.ep}: {type(model).__name__} has no MoE layers; "
+                "pass --upcycle_experts N to turn its MLPs into experts first"
+            )
         return
     # the HF model's objective: a native MoE model trains with its aux loss only when its config asks for it
     # (output_router_logits), then through hfpar's injection (the trainer's loss comes from the logits); upcycled
     # layers keep --moe_aux_loss_coef (None: keep)
     cfg = model.config
-    coef = None if args.upcycle_experts else (
-        float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0) if getattr(cfg, "output_router_logits", False) else 0.0)
+    coef = (
+        None
+        if args.upcycle_experts
+        else (
+            float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+            if getattr(cfg, "output_router_logits", False)
+            else 0.0
+        )
+    )
     # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs; a meta skeleton
     # (hfpar.loading.sharded) has no weights to compare across ranks yet: each rank reads its own experts after this
     try:
         if dist.is_initialized():
-            apply_expert_parallel(model, ctx, aux_loss_coef=coef,
-                                  check_replicated=not is_meta(model))
+            apply_expert_parallel(model, ctx, aux_loss_coef=coef, check_replicated=not is_meta(model))
         else:
             apply_expert_parallel(model, aux_loss_coef=coef)
     except ParallelError as exc:
@@ -62,9 +89,11 @@ def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
         if args.upcycle_experts:
             raise
         if coef:  # the refusal's reasons, with this advice in place of its own hints (pass None: not a recipe option)
-            raise ValueError(f"output_router_logits with router_aux_loss_coef {coef}: the recipes add the aux loss "
-                             f"through hfpar's MoE router only, and {exc.reasons}; set "
-                             f"output_router_logits false in the model config (no aux loss)") from None
+            raise ValueError(
+                f"output_router_logits with router_aux_loss_coef {coef}: the recipes add the aux loss "
+                f"through hfpar's MoE router only, and {exc.reasons}; set "
+                f"output_router_logits false in the model config (no aux loss)"
+            ) from None
         if ctx.ep > 1:
             raise
         return f"MoE blocks train as the HF model's own ({exc.detail})"
@@ -104,7 +133,7 @@ def parallelize(model, args, ctx, plan) -> tuple:
     """In place (LoRA wraps: the returned model is PEFT's); returns (model, run_info extras). plan: the RunPlan
     (hfpar.context: the task, the pipeline's stages and micro-batches)."""
     info, task = {}, plan.task
-    if ctx.strategy is not None:   # e.g. FSDP2's wrap classes (hfpar.backends.strategies)
+    if ctx.strategy is not None:  # e.g. FSDP2's wrap classes (hfpar.backends.strategies)
         ctx.strategy.adjust_model(model)
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
@@ -127,9 +156,14 @@ def parallelize(model, args, ctx, plan) -> tuple:
         hf = model.get_base_model() if peft_model is not None else model
         n_layers, stages = len(decoder_layers(hf)), plan.pipeline_stages
         bounds = parse_split(args.pp_split, n_layers, stages) if args.pp_split else balanced_split(hf, stages)
-        info.update(pp_schedule=args.pp_schedule, pp_microbatches=plan.microbatches,
-                    pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])])
-        if stages > ctx.pp:  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
+        info.update(
+            pp_schedule=args.pp_schedule,
+            pp_microbatches=plan.microbatches,
+            pp_stage_layers=[[a, b] for a, b in zip(bounds, bounds[1:])],
+        )
+        if (
+            stages > ctx.pp
+        ):  # interleaved: rank r holds virtual stages r, r + pp, ..; [[start, stop] per chunk] per rank
             model = PipelineChunks(hf, ctx.pp_rank, ctx.pp, bounds, peft_model=peft_model)
             info.update(pp_virtual_stages=stages // ctx.pp, pp_stage_layers=chunk_layers(bounds, ctx.pp))
         else:

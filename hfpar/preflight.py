@@ -26,17 +26,16 @@ from typing import Any
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
+from hfpar import data, recipes
+from hfpar.backends import resolve_strategy, select_backend
+from hfpar.backends.launch_config import launch_config_problems
+from hfpar.backends.reshard import resume_mode
+from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
-from hfpar import data
-from hfpar import recipes
-from hfpar.backends import resolve_strategy, select_backend
-from hfpar.backends.reshard import resume_mode
-from hfpar.backends.launch_config import launch_config_problems
-from hfpar.backends.zero import deepspeed_fp16_problem
-from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
+from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
@@ -44,33 +43,44 @@ from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 
 
-
 def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None):
     """-> (ParallelContext without groups yet, carrying the strategy in effect; backend class; RunPlan);
     ConfigError listing every problem. recipe: its own checks and resolved values (None: a plain one of `task`)."""
     recipe = recipe if recipe is not None else recipes.Recipe(name=task, task=task)
-    strategy = resolve_strategy(accelerator)   # once per run: ctx.strategy from here on
-    ctx = ParallelContext(world=accelerator.num_processes, rank=accelerator.process_index, tp=args.tp_size,
-                          ep=args.ep_size, cp=args.cp_size, pp=args.pp_size, sequence_parallel=args.sequence_parallel,
-                          strategy=strategy)
-    problems = ctx.problems() + launch_config_problems()   # misspelt deepspeed_config / fsdp_config keys
+    strategy = resolve_strategy(accelerator)  # once per run: ctx.strategy from here on
+    ctx = ParallelContext(
+        world=accelerator.num_processes,
+        rank=accelerator.process_index,
+        tp=args.tp_size,
+        ep=args.ep_size,
+        cp=args.cp_size,
+        pp=args.pp_size,
+        sequence_parallel=args.sequence_parallel,
+        strategy=strategy,
+    )
+    problems = ctx.problems() + launch_config_problems()  # misspelt deepspeed_config / fsdp_config keys
     degrees_ok = not ctx.problems()
     backend_cls = None
     try:  # the composition is known from the flags even when a degree does not fit the world
-        backend_cls = select_backend(strategy.name, ctx.parallelisms,
-                                     {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size})
+        backend_cls = select_backend(
+            strategy.name,
+            ctx.parallelisms,
+            {"tp": args.tp_size, "ep": args.ep_size, "cp": args.cp_size, "pp": args.pp_size},
+        )
     except ConfigError as exc:
         problems.append(str(exc))
     if accelerator.mixed_precision == "fp16" and not fp16_loss_scaling(accelerator):
         # Accelerate 1.15 builds neither its fp16 autocast nor its GradScaler on CPU (native_amp is off there)
-        problems.append(f"--mixed_precision fp16 on {accelerator.device.type.upper()}: Accelerate runs no fp16 autocast "
-                        "and no loss scaling there (the run would silently be fp32); use --mixed_precision bf16 or no")
+        problems.append(
+            f"--mixed_precision fp16 on {accelerator.device.type.upper()}: Accelerate runs no fp16 autocast "
+            "and no loss scaling there (the run would silently be fp32); use --mixed_precision bf16 or no"
+        )
     if accelerator.mixed_precision == "fp16" and strategy.deepspeed and (p := deepspeed_fp16_problem()):
         problems.append(p)
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
-    config, config_problem = read_model_config(args)   # config.json: read once per run, here
+    config, config_problem = read_model_config(args)  # config.json: read once per run, here
     if degrees_ok:  # what the model's config says about the degrees
         problems += [config_problem] if config is None else model_problems(args, ctx, task, config)
     if not problems and backend_cls is not None:
@@ -80,7 +90,7 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     plan = resolve_plan(args, ctx, recipe, config)
-    problems = recipe.problems(args, ctx, plan)   # the recipe's own checks, on the resolved plan
+    problems = recipe.problems(args, ctx, plan)  # the recipe's own checks, on the resolved plan
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))
     return ctx, backend_cls, plan
@@ -102,22 +112,32 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     if args.use_peft and importlib.util.find_spec("peft") is None:
         p.append("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
     if args.use_peft and sharding_flags:
-        p.append(f"--use_peft with {' and '.join(sharding_flags)}: LoRA composes with the data-parallel strategies "
-                 "only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options")
+        p.append(
+            f"--use_peft with {' and '.join(sharding_flags)}: LoRA composes with the data-parallel strategies "
+            "only (single, ddp, fsdp2, zero1/2/3); drop the TP / EP options"
+        )
     if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
-        p.append(f"--sequence_parallel: needs a causal-LM recipe ({recipes.names_of_task('lm')}), whose vocab-parallel "
-                 "LM head gathers the sequence back; classify supports --tp_size without it")
+        p.append(
+            f"--sequence_parallel: needs a causal-LM recipe ({recipes.names_of_task('lm')}), whose vocab-parallel "
+            "LM head gathers the sequence back; classify supports --tp_size without it"
+        )
     if args.sequence_parallel and args.upcycle_experts:
-        p.append(f"--sequence_parallel with --upcycle_experts {args.upcycle_experts}: the MoE blocks stay whole on every "
-                 "TP rank and route the full sequence; drop --sequence_parallel")
+        p.append(
+            f"--sequence_parallel with --upcycle_experts {args.upcycle_experts}: the MoE blocks stay whole on every "
+            "TP rank and route the full sequence; drop --sequence_parallel"
+        )
     if (args.ep_size > 1 or args.upcycle_experts) and task != "lm":
         p.append(f"--ep_size / --upcycle_experts: available for causal-LM recipes ({recipes.names_of_task('lm')})")
     if args.cp_size > 1 and task != "lm":
-        p.append(f"--cp_size {args.cp_size}: context parallelism is available for causal-LM recipes "
-                 f"({recipes.names_of_task('lm')})")
+        p.append(
+            f"--cp_size {args.cp_size}: context parallelism is available for causal-LM recipes "
+            f"({recipes.names_of_task('lm')})"
+        )
     if args.cp_size > 1 and args.attn_implementation not in (None, "sdpa", "eager"):
-        p.append(f"--cp_size {args.cp_size} with --attn_implementation {args.attn_implementation}: hfpar's context-"
-                 "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa")
+        p.append(
+            f"--cp_size {args.cp_size} with --attn_implementation {args.attn_implementation}: hfpar's context-"
+            "parallel attention replaces the model's (SDPA inside, on every device); drop the option or use sdpa"
+        )
     if args.pp_size > 1:
         p += pp_feature_problems(args, task)
     return p
@@ -133,7 +153,7 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
     model_type = getattr(config, "model_type", None)
     if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
         refusal = derived_plan_refusal(config)
-        if refusal is not None:   # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
+        if refusal is not None:  # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
             p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
         p += cp_problems(args, ctx, config)
@@ -141,24 +161,32 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
         p += pp_model_problems(args, ctx, config)
     if args.loss_chunk_size and task == "lm":  # asked for explicitly (unset: where it is exact, silently)
         if model_type not in CHUNK_FAMILIES:
-            p.append(f"--loss_chunk_size {args.loss_chunk_size}: model_type {model_type!r} is not among the families "
-                     f"checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset")
+            p.append(
+                f"--loss_chunk_size {args.loss_chunk_size}: model_type {model_type!r} is not among the families "
+                f"checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset"
+            )
         if ctx.pp > 1:
-            p.append(f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
-                     "computes its loss from the logits; pass 0 or leave it unset")
+            p.append(
+                f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
+                "computes its loss from the logits; pass 0 or leave it unset"
+            )
     _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
-            p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
-                     f"(supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
+            p.append(
+                f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
+                f"(supported: {', '.join(sorted(UPCYCLE_FAMILIES))})"
+            )
         elif args.upcycle_experts % ctx.ep:
             p.append(f"--upcycle_experts {args.upcycle_experts} is not divisible by --ep_size {ctx.ep}")
     if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and config_num_experts(config) is None:
         name = (getattr(config, "architectures", None) or [model_type])[0]
-        p.append(f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
-                 f"experts first (its config declares no routed experts)")
+        p.append(
+            f"--ep_size {ctx.ep}: {name} has no MoE layers; pass --upcycle_experts N to turn its MLPs into "
+            f"experts first (its config declares no routed experts)"
+        )
     return p
 
 
@@ -169,28 +197,42 @@ def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
     heads = getattr(config, "num_attention_heads", 0) // ctx.tp
     if args.cp_mode == "ulysses" and heads % ctx.cp:
-        p.append(f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
-                 f"by --cp_size {ctx.cp}; use --cp_mode ring (or auto)")
+        p.append(
+            f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
+            f"by --cp_size {ctx.cp}; use --cp_mode ring (or auto)"
+        )
     return p
 
 
 def pp_feature_problems(args, task: str) -> list[str]:
     p = []
     if task != "lm":
-        p.append(f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes "
-                 f"({recipes.names_of_task('lm')})")
+        p.append(
+            f"--pp_size {args.pp_size}: pipeline parallelism is available for causal-LM recipes "
+            f"({recipes.names_of_task('lm')})"
+        )
     m = pipeline_microbatches(args)
     if m == 0:  # interleaved_1f1b's default: no multiple of pp_size divides the batch
-        p.append(f"--pp_schedule interleaved_1f1b: no multiple of --pp_size {args.pp_size} divides "
-                 f"--per_device_train_batch_size {args.per_device_train_batch_size}; valid: a batch that is a multiple of {args.pp_size}")
+        p.append(
+            f"--pp_schedule interleaved_1f1b: no multiple of --pp_size {args.pp_size} divides "
+            f"--per_device_train_batch_size {args.per_device_train_batch_size}; valid: a batch that is a multiple "
+            f"of {args.pp_size}"
+        )
     elif args.per_device_train_batch_size % m:
-        p.append(f"--pp_microbatches {m} does not divide --per_device_train_batch_size "
-                 f"{args.per_device_train_batch_size}; valid: "
-                 + ", ".join(str(d) for d in range(1, args.per_device_train_batch_size + 1)
-                             if args.per_device_train_batch_size % d == 0))
+        p.append(
+            f"--pp_microbatches {m} does not divide --per_device_train_batch_size "
+            f"{args.per_device_train_batch_size}; valid: "
+            + ", ".join(
+                str(d)
+                for d in range(1, args.per_device_train_batch_size + 1)
+                if args.per_device_train_batch_size % d == 0
+            )
+        )
     elif args.pp_schedule == "interleaved_1f1b" and m % args.pp_size:
-        p.append(f"--pp_microbatches {m}: interleaved_1f1b needs a multiple of --pp_size {args.pp_size} that divides "
-                 f"--per_device_train_batch_size {args.per_device_train_batch_size}")
+        p.append(
+            f"--pp_microbatches {m}: interleaved_1f1b needs a multiple of --pp_size {args.pp_size} that divides "
+            f"--per_device_train_batch_size {args.per_device_train_batch_size}"
+        )
     return p
 
 
@@ -199,16 +241,20 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     archs = getattr(config, "architectures", None) or []
     name = (archs or [getattr(config, "model_type", "model")])[0]
     if getattr(config, "is_encoder_decoder", False) or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
-        return [f"--pp_size {ctx.pp}: {name} is not a decoder-only causal LM; pipeline parallelism cuts the decoder "
-                "layers of *ForCausalLM models"]
+        return [
+            f"--pp_size {ctx.pp}: {name} is not a decoder-only causal LM; pipeline parallelism cuts the decoder "
+            "layers of *ForCausalLM models"
+        ]
     layers = getattr(config, "num_hidden_layers", 0)
     if layers < ctx.pp:
         return [f"--pp_size {ctx.pp}: {name} has {layers} decoder layers, fewer than the stages"]
     stages = pipeline_stage_count(args)
     if layers < stages:
-        return [f"--pp_virtual_stages {args.pp_virtual_stages} x --pp_size {ctx.pp}: {name} has {layers} decoder layers, "
-                f"fewer than the {stages} virtual stages; valid: "
-                + (f"--pp_virtual_stages 2..{layers // ctx.pp}" if layers >= 2 * ctx.pp else "--pp_schedule 1f1b or gpipe")]
+        return [
+            f"--pp_virtual_stages {args.pp_virtual_stages} x --pp_size {ctx.pp}: {name} has {layers} decoder layers, "
+            f"fewer than the {stages} virtual stages; valid: "
+            + (f"--pp_virtual_stages 2..{layers // ctx.pp}" if layers >= 2 * ctx.pp else "--pp_schedule 1f1b or gpipe")
+        ]
     p = []
     if args.pp_split:
         try:
@@ -228,18 +274,22 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
     p = []
     if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
         p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
-    chunks = pipeline_stage_count(args) // ctx.pp   # a rank's state holds its chunks' layers (interleaved: V)
+    chunks = pipeline_stage_count(args) // ctx.pp  # a rank's state holds its chunks' layers (interleaved: V)
     # the same mesh loads natively; another one through the checkpoint's full form, or is refused (naming both)
     mode, why = resume_mode(backend_cls, state, ctx, chunks)
     if mode is None:
         p.append(f"{path}: {why}")
     elif mode == "reshard" and args.use_peft:
-        p.append(f"checkpoint {path} was written on another mesh ({state.get('strategy')} x {state.get('world_size')} "
-                 f"processes) and this run trains LoRA adapters: resume LoRA runs on the checkpoint's mesh")
+        p.append(
+            f"checkpoint {path} was written on another mesh ({state.get('strategy')} x {state.get('world_size')} "
+            f"processes) and this run trains LoRA adapters: resume LoRA runs on the checkpoint's mesh"
+        )
     global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
     if state["global_batch"] != global_batch:
-        p.append(f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
-                 "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume")
+        p.append(
+            f"checkpoint {path} was trained with global batch {state['global_batch']}, this run has {global_batch}; "
+            "keep per_device_train_batch_size x dp x gradient_accumulation_steps equal to resume"
+        )
     return p
 
 
@@ -280,10 +330,18 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
     model_type = getattr(config, "model_type", None)
     stages = pipeline_stage_count(args)
     padding_free, why_not = data.padding_free_mode(args, recipe.task, model_type, packed=recipe.packed(args))
-    plan = RunPlan(recipe=recipe.name, task=recipe.task, model_config=config, model_type=model_type,
-                   num_experts=config_num_experts(config) if config is not None else None,
-                   microbatches=pipeline_microbatches(args), pipeline_stages=stages, chunks_per_rank=stages // ctx.pp,
-                   padding_free=padding_free, padding_free_why_not=why_not,
-                   cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring")
+    plan = RunPlan(
+        recipe=recipe.name,
+        task=recipe.task,
+        model_config=config,
+        model_type=model_type,
+        num_experts=config_num_experts(config) if config is not None else None,
+        microbatches=pipeline_microbatches(args),
+        pipeline_stages=stages,
+        chunks_per_rank=stages // ctx.pp,
+        padding_free=padding_free,
+        padding_free_why_not=why_not,
+        cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
+    )
     values = recipe.resolve(args, ctx, plan)
     return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

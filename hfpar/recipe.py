@@ -5,7 +5,8 @@
     main("sft")        # or "clm", "classify", "dpo", a registered recipe's name, or a Recipe; reads sys.argv
 
 What differs between recipes is their record (hfpar.recipes: task, defaults, options, data, checks, objective);
-what the run derives from its options and model config is the preflight's RunPlan (hfpar.context, resolved by hfpar.preflight.resolve_plan).
+what the run derives from its options and model config is the preflight's RunPlan (hfpar.context, resolved by
+hfpar.preflight.resolve_plan).
 
 User mistakes (bad options, bad data, an output_dir that holds someone's checkpoints) end with a
 one-line `hfpar: error: ...` per problem on stderr and exit code 2, before the model is loaded.
@@ -20,21 +21,19 @@ import os
 import sys
 
 import torch
-
 from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data, recipes
-from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
-from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
-from hfpar.data.dropped import announce_data_loss
-from hfpar.loading.sources import check_sources
 from hfpar.checkpoint.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
+from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
+from hfpar.data.dropped import announce_data_loss
+from hfpar.distributed import configure_deepspeed, setup_accelerator, swapped
+from hfpar.loading.sources import check_sources
+from hfpar.observe.refusal import fail as _fail
+from hfpar.observe.refusal import guarded
 from hfpar.preflight import preflight
-from hfpar.observe.refusal import fail as _fail, guarded
-
-
 
 
 def _is_collective_timeout(exc: BaseException) -> bool:
@@ -48,10 +47,6 @@ def _is_collective_timeout(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
-
-
-
-
 
 
 @contextlib.contextmanager
@@ -72,7 +67,11 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path == data.EMBEDDED:
         # a copy of the preflight's (num_labels is set on it)
-        config = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
+        config = (
+            copy.deepcopy(config)
+            if config is not None
+            else AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
+        )
         if num_labels is not None:
             config.num_labels = num_labels
         torch.manual_seed(args.seed)  # same init on every rank
@@ -81,23 +80,31 @@ def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=N
     kw = {"num_labels": num_labels} if num_labels is not None else {}
     load = {"mode": "full", "why": "no context (one process)"}
     if ctx is not None:
-        config = config if config is not None else AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        config = (
+            config
+            if config is not None
+            else AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+        )
         mode, why = loading.loading_mode(args, ctx, config)
         path = loading.resolve_checkpoint(args.model_name_or_path) if mode != "full" else None
         index = loading.checkpoint_index(path)
-        load = {"mode": mode if index else "full",
-                "why": why if index or mode == "full" else "no *.safetensors or zip-format *.bin weights"}
+        load = {
+            "mode": mode if index else "full",
+            "why": why if index or mode == "full" else "no *.safetensors or zip-format *.bin weights",
+        }
     if load["mode"] == "full":
         # fp32 master weights; the accelerate config's mixed_precision decides the compute dtype.
-        model = cls.from_pretrained(args.model_name_or_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
-                                    **kw, **model_kwargs)
+        model = cls.from_pretrained(
+            args.model_name_or_path, dtype=torch.float32, trust_remote_code=args.trust_remote_code, **kw, **model_kwargs
+        )
         _keep_frozen(model, cls)
         if ctx is not None and ctx.strategy.partitions_at_load:  # zero.Init partitioned each parameter as it loaded
             load["partitioned_at_load"] = all(hasattr(p, "ds_id") for p in model.parameters())
     else:
         with _without_zero3_init():  # a meta skeleton: parameters come from the files, rank by rank
-            model = loading.build_skeleton(cls, path, index, config_updates=kw,
-                                           trust_remote_code=args.trust_remote_code, **model_kwargs)
+            model = loading.build_skeleton(
+                cls, path, index, config_updates=kw, trust_remote_code=args.trust_remote_code, **model_kwargs
+            )
         load["index"] = index
     if task == "classify" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -118,7 +125,8 @@ def _keep_frozen(model, cls) -> None:
             p.requires_grad_(False)
 
 
-@guarded  # a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/observe/refusal.py)
+# a rank failing because a peer refused (and left) ends quietly: the refusal was said (hfpar/observe/refusal.py)
+@guarded
 def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     recipe = recipes.get(recipe) if isinstance(recipe, str) else recipe
     kind, task = recipe.name, recipe.task
@@ -139,6 +147,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
         from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
+
         gc.freeze()  # as recipes/sft.py: what these imports built is never garbage (Python's exit no longer walks it)
         configure_deepspeed(accelerator, args, ctx.grad_replicas)  # DeepSpeed's data-parallel world: dp x cp
         ctx.build_groups()
@@ -156,7 +165,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     accelerator.wait_for_everyone()
     if log_with:
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
-    strategy = ctx.strategy   # resolved once, by the preflight
+    strategy = ctx.strategy  # resolved once, by the preflight
     model, load = load_model(args, task, num_labels, ctx, plan.model_config)
     try:
         model, extra = parallelize(model, args, ctx, plan)
@@ -173,13 +182,30 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
     backend = backend_cls(accelerator, ctx, strategy, args, run_plan=plan, **backend_kw)
     try:
-        objective = recipe.objective(args, ctx, plan, model)   # owns its reference model, if any
-    except ValueError as exc:   # what only the loaded model reveals (e.g. a reference that cannot be built)
+        objective = recipe.objective(args, ctx, plan, model)  # owns its reference model, if any
+    except ValueError as exc:  # what only the loaded model reveals (e.g. a reference that cannot be built)
         _fail(str(exc))
-    trainer = Trainer(args, accelerator, ctx, backend, model, tokenizer, train_ds, eval_ds, collator, plan, objective,
-                      run_extra={"recipe": kind, "sequence_parallel": args.sequence_parallel,
-                                 "padding_free": plan.padding_free,
-                                 **({"cp_mode": plan.cp_mode} if ctx.cp > 1 else {}), **info, **extra})
+    trainer = Trainer(
+        args,
+        accelerator,
+        ctx,
+        backend,
+        model,
+        tokenizer,
+        train_ds,
+        eval_ds,
+        collator,
+        plan,
+        objective,
+        run_extra={
+            "recipe": kind,
+            "sequence_parallel": args.sequence_parallel,
+            "padding_free": plan.padding_free,
+            **({"cp_mode": plan.cp_mode} if ctx.cp > 1 else {}),
+            **info,
+            **extra,
+        },
+    )
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line
@@ -197,9 +223,12 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         if not _is_collective_timeout(exc):
             raise
         # said by every rank that timed out (a hang is usually one rank's story: name who reports it)
-        print(f"hfpar: error: rank {accelerator.process_index}: a collective timed out after --dist_timeout_s "
-              f"{args.dist_timeout_s}: another rank is stuck or died (see its log); checkpoints written so far are "
-              "intact, relaunch with --resume_from_checkpoint latest", file=sys.stderr)
+        print(
+            f"hfpar: error: rank {accelerator.process_index}: a collective timed out after --dist_timeout_s "
+            f"{args.dist_timeout_s}: another rank is stuck or died (see its log); checkpoints written so far are "
+            "intact, relaunch with --resume_from_checkpoint latest",
+            file=sys.stderr,
+        )
         os._exit(3)  # the process group is broken: no clean shutdown is possible
     accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
     if torch.distributed.is_initialized():

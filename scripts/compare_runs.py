@@ -22,24 +22,34 @@ import torch
 from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parents[1]
-SHORT = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1", "--eval_steps", "2",
-         "--max_eval_samples", "16"]
+SHORT = [
+    "--max_steps",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "2",
+    "--max_eval_samples",
+    "16",
+]
 # name -> (recipe, accelerate config or None for one process, processes, options)
 CASES = {
     "sft": ("sft", None, 1, []),
     "sft_packing": ("sft", None, 1, ["--packing"]),
     "clm": ("clm", None, 1, []),
     "classify": ("classify", None, 1, []),
-    "dpo_packed": ("dpo", None, 1, []),                                     # shared prompts, several pairs a row
-    "dpo_unpacked": ("dpo", None, 1, ["--attn_implementation", "eager"]),   # one pair a row, no prompt sharing
-    "dpo_moe_shared": ("dpo", None, 1, ["--upcycle_experts", "4"]),        # shared prompts, not packed (MoE)
+    "dpo_packed": ("dpo", None, 1, []),  # shared prompts, several pairs a row
+    "dpo_unpacked": ("dpo", None, 1, ["--attn_implementation", "eager"]),  # one pair a row, no prompt sharing
+    "dpo_moe_shared": ("dpo", None, 1, ["--upcycle_experts", "4"]),  # shared prompts, not packed (MoE)
     "dpo_precompute": ("dpo", None, 1, ["--precompute_ref_log_probs"]),
     "dpo_lora": ("dpo", None, 1, ["--use_peft", "--merge_adapter"]),
     "dpo_fsdp2": ("dpo", "fsdp2", 2, []),
     "dpo_zero3": ("dpo", "zero3", 2, ["--precompute_ref_log_probs"]),
     "dpo_pp2": ("dpo", "ddp", 2, ["--pp_size", "2"]),
     "dpo_tp2": ("dpo", "ddp", 2, ["--tp_size", "2"]),
-    "dpo_cp2": ("dpo", "ddp", 2, ["--cp_size", "2"]),                       # --cp_mode auto, resolved in the plan
+    "dpo_cp2": ("dpo", "ddp", 2, ["--cp_size", "2"]),  # --cp_mode auto, resolved in the plan
     "sft_tp2": ("sft", "ddp", 2, ["--tp_size", "2"]),
     "sft_ep2": ("sft", "ddp", 2, ["--upcycle_experts", "4", "--ep_size", "2"]),
     "sft_pp2": ("sft", "ddp", 2, ["--pp_size", "2"]),
@@ -55,11 +65,31 @@ def run(tree: Path, case: str, out: Path) -> None:
     if cfg is None:
         cmd = [sys.executable, script, *flags]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(tree / "accelerate_configs" / f"{cfg}.yaml"), "--num_processes", str(nproc), "--mixed_precision",
-               "no", "--main_process_port", "0", script, *flags]
-    env = {**os.environ, "PYTHONPATH": str(tree), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(tree / "accelerate_configs" / f"{cfg}.yaml"),
+            "--num_processes",
+            str(nproc),
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            "0",
+            script,
+            *flags,
+        ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     out.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -110,8 +140,11 @@ def main() -> int:
             continue
         diffs = compare(d / "base", d / "new")
         n = len(records(d / "new"))
-        print(f"{case}: {'IDENTICAL' if not diffs else 'DIFFERENT'} ({n} metric records, "
-              f"{len(list((d / 'new').glob('*.safetensors')))} safetensors)", flush=True)
+        print(
+            f"{case}: {'IDENTICAL' if not diffs else 'DIFFERENT'} ({n} metric records, "
+            f"{len(list((d / 'new').glob('*.safetensors')))} safetensors)",
+            flush=True,
+        )
         for x in diffs:
             print("   ", x)
         failed += bool(diffs)

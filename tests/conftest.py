@@ -18,7 +18,8 @@ from tests.helpers.shared import built_once
 
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory):
-    """A saved random-init tiny Llama + tokenizer, so every strategy (ZeRO-3 zero.Init included) loads the same weights."""
+    """A saved random-init tiny Llama + tokenizer, so every strategy (ZeRO-3 zero.Init included) loads the same
+    weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hfpar import data
@@ -42,9 +43,22 @@ def base_weights(base_model) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def single_run(base_model, tmp_path_factory):
     """The reference: one process, batch 4 x accumulation 2."""
+
     def build(root: Path) -> str:
-        launch("single", 1, "sft", [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(root / "single"),
-                                    "--per_device_train_batch_size", "4"])
+        launch(
+            "single",
+            1,
+            "sft",
+            [
+                *COMMON,
+                "--model_name_or_path",
+                base_model,
+                "--output_dir",
+                str(root / "single"),
+                "--per_device_train_batch_size",
+                "4",
+            ],
+        )
         return str(root / "single")
 
     return Path(built_once(tmp_path_factory, "runs", build))
@@ -54,6 +68,7 @@ def single_run(base_model, tmp_path_factory):
 def ddp_reference(base_model, tmp_path_factory) -> Path:
     """The uninterrupted 16-step DDP run (2 processes) that the reliability tests interrupt and resume
     (tests/helpers/reliability.py); shared by test_reliability.py and test_slurm.py."""
+
     def build(root: Path) -> str:
         launch("ddp", 2, "sft", run_args(base_model, root / "uninterrupted"))
         return str(root / "uninterrupted")
@@ -66,10 +81,16 @@ def backend_runs(base_model, single_run, tmp_path_factory) -> dict:
     """{"single": ..., strategy: output_dir}: each data-parallel backend on 2 processes, batch 2 x dp 2 x
     accumulation 2, checkpoints at steps 4 and 8. Shared by the parity, plan-estimate and reliability tests.
     Two launches at a time: much of a launch is process start-up and rendezvous, which overlap well."""
-    def build(root: Path) -> dict:
-        return {name: str(out) for name, out in
-                launch_cases({name: (name, 2, "2", []) for name in BACKENDS}, base_model, root,
-                             resume=RESUMED_BACKENDS).items()}
 
-    return {"single": single_run, **{name: Path(out) for name, out in
-                                     built_once(tmp_path_factory, "backends", build).items()}}
+    def build(root: Path) -> dict:
+        return {
+            name: str(out)
+            for name, out in launch_cases(
+                {name: (name, 2, "2", []) for name in BACKENDS}, base_model, root, resume=RESUMED_BACKENDS
+            ).items()
+        }
+
+    return {
+        "single": single_run,
+        **{name: Path(out) for name, out in built_once(tmp_path_factory, "backends", build).items()},
+    }

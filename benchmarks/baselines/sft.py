@@ -90,7 +90,7 @@ def recipe_rows(flags: list[str], steps: int) -> tuple:
 
     recipe = recipes.get("sft")
     args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
-    one_process = SimpleNamespace(seq_multiple=1)              # the data builder's view of the context and run plan
+    one_process = SimpleNamespace(seq_multiple=1)  # the data builder's view of the context and run plan
     plan = SimpleNamespace(task="lm", padding_free=False)
     train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), one_process, plan)
     sampler = GlobalBatchSampler(len(train), BS, 1, 0, 1, args.seed)

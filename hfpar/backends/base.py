@@ -1,7 +1,8 @@
 """The interface every composition backend implements (no strategy's specifics: those are the subclasses', the
 strategy table's (strategies.py) and the data-parallel wrap components' (wraps.py)).
 
-    backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends: SUPPORT picks the class
+    backend = select_backend(strategy, parallelisms)(accelerator, ctx, strategy, args)   # hfpar.backends: SUPPORT
+    picks the class
     backend.prepare(model)                                     # wrap + optimizer (backend.model, backend.optimizer)
     ... acc.backward(loss) ...; norm = backend.clip(max_norm); backend.step(lr); backend.zero_grad()
     backend.save_rank_state(ckpt_dir) / backend.load_rank_state(ckpt_dir); backend.full_state_dict()
@@ -27,14 +28,14 @@ class Backend:
     """One composition of data parallelism with hfpar's model parallelism."""
 
     name = "base"
-    steps_in_backward = False       # the optimizer steps inside the last micro-batch's backward (zero.EngineSteps)
+    steps_in_backward = False  # the optimizer steps inside the last micro-batch's backward (zero.EngineSteps)
 
     def __init__(self, accelerator, ctx, strategy, args, run_plan=None):
         """strategy: a Strategy of the table (ctx.strategy) or its name; run_plan: the preflight's RunPlan
         (hfpar.context), None outside a recipe run."""
         self.acc, self.ctx, self.args, self.run_plan = accelerator, ctx, args, run_plan
-        self.spec = STRATEGY.get(str(strategy))     # what the strategy is (strategies.py); None: not in the table
-        self.strategy = str(strategy)                # its name: run_info.json, trainer_state.json, messages
+        self.spec = STRATEGY.get(str(strategy))  # what the strategy is (strategies.py); None: not in the table
+        self.strategy = str(strategy)  # its name: run_info.json, trainer_state.json, messages
         self.model = self.optimizer = self.base_optimizer = None
 
     @classmethod
@@ -70,9 +71,11 @@ class Backend:
         every backend shares, then its own (problems)."""
         p = []
         if args.on_nonfinite == "skip" and cls.optimizer_steps_in_backward(strategy):
-            p.append(f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, before "
-                     "the trainer sees the grad norm, so a step cannot be skipped; use --on_nonfinite error (stops "
-                     "at the bad step)")
+            p.append(
+                f"--on_nonfinite skip with {strategy}: DeepSpeed steps its optimizer inside backward, before "
+                "the trainer sees the grad norm, so a step cannot be skipped; use --on_nonfinite error (stops "
+                "at the bad step)"
+            )
         return p + cls.problems(args, ctx, strategy, mixed_precision)
 
     @classmethod
@@ -96,7 +99,7 @@ class Backend:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         extra = {"use_cache": False} if task == "lm" else {}
         scope = getattr(loss_fn, "scope", None)  # a chunked LM loss: the head computes it in the forward
-        with self.autocast(), (scope(batch["labels"]) if scope else contextlib.nullcontext()):
+        with self.autocast(), scope(batch["labels"]) if scope else contextlib.nullcontext():
             logits = self.model(**inputs, **extra).logits
         loss_sum, n = loss_fn(logits, batch["labels"])
         return loss_sum, n, logits

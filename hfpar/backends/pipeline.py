@@ -27,10 +27,16 @@ from hfpar.checkpoint.layout import rank_state_file
 from hfpar.parallel.context_parallel import cp_row_slice
 from hfpar.parallel.expert_parallel import moe_token_mask, set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineRunner, tied_embedding_group
-from hfpar.parallel.sharding import full_state_dict, grad_sq_norm, reduce_dp_grads, scale_grads_to_norm_, sync_partial_grads
+from hfpar.parallel.sharding import (
+    full_state_dict,
+    grad_sq_norm,
+    reduce_dp_grads,
+    scale_grads_to_norm_,
+    sync_partial_grads,
+)
 
-from .loss_scale import unscale_
 from .base import hfpar_reduced
+from .loss_scale import unscale_
 from .model_parallel import ModelParallelBackend
 from .wraps import FullyShard, HfparAllReduce
 
@@ -50,24 +56,35 @@ class PipelineBackend(ModelParallelBackend):
     the data-parallel wrap of the stage is the `data_parallel` component's."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = self.dp_wrap.wrap(self.acc, self.ctx, model,
-                                  layer_types=set(getattr(getattr(model, "lm", None), "_no_split_modules", None) or []),
-                                  ignored=[p for p in model.parameters() if hfpar_reduced(p)])   # experts (EP)
-        if self.dp_wrap.prepends_hooks and not model.is_first:   # FSDP2 prepended its own pre-hook to the first
-            model.hook_first_layer()                               # layer: ours must run before it
+        model = self.dp_wrap.wrap(
+            self.acc,
+            self.ctx,
+            model,
+            layer_types=set(getattr(getattr(model, "lm", None), "_no_split_modules", None) or []),
+            ignored=[p for p in model.parameters() if hfpar_reduced(p)],
+        )  # experts (EP)
+        if self.dp_wrap.prepends_hooks and not model.is_first:  # FSDP2 prepended its own pre-hook to the first
+            model.hook_first_layer()  # layer: ours must run before it
         return self._pipeline(model)
 
     def _pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
         # every rank joins the collective group creation; the first and last stage of each pipeline get theirs
         self.tied_group = tied_embedding_group(self.ctx.rank_lists("pp")) if model.ties_embeddings else None
         a = self.args
-        self.runner = PipelineRunner(model, self.ctx.pp_peers, a.pp_schedule, self.run_plan.microbatches, group=self.ctx.pp_group,
-                                     autocast=self.autocast, micro_scope=micro_scope)
+        self.runner = PipelineRunner(
+            model,
+            self.ctx.pp_peers,
+            a.pp_schedule,
+            self.run_plan.microbatches,
+            group=self.ctx.pp_group,
+            autocast=self.autocast,
+            micro_scope=micro_scope,
+        )
         return model
 
     def train_micro(self, batch: dict, scope, loss_fn, scale: float, task: str = "lm") -> torch.Tensor:
         # fp16: the schedule runs its own backwards, so the loss scale goes into the back-propagated factor
-        loss_scale = self.loss_scale()   # one read (GradScaler.get_scale syncs with the device)
+        loss_scale = self.loss_scale()  # one read (GradScaler.get_scale syncs with the device)
         set_aux_loss_loss_scale(loss_scale)
         with scope:  # the runner autocasts each forward
             loss_sum, _ = self.runner.train(batch, loss_fn, scale * loss_scale)
@@ -88,7 +105,7 @@ class PipelineBackend(ModelParallelBackend):
         unscale_(self.scaler, self.optimizer)  # fp16: the true grads before the norm; found-inf over the world
         # a tied embedding is one parameter of the model: its square counted on the first stage only
         sq = grad_sq_norm([p for p in params if not (stage.is_last and p is stage.tied)])
-        dist.all_reduce(sq, group=self.ctx.pp_group)   # stages hold disjoint parameters: the squares add up
+        dist.all_reduce(sq, group=self.ctx.pp_group)  # stages hold disjoint parameters: the squares add up
         norm = sq.sqrt()
         scale_grads_to_norm_(params, norm, max_norm)
         return float(norm)
@@ -97,7 +114,7 @@ class PipelineBackend(ModelParallelBackend):
         return rank_state_file(ckpt_dir, self.ctx), True
 
     def hf_name(self, key: str) -> str:
-        return self.unwrapped().hf_name(key.removeprefix("module."))   # the stage's layer indices made global
+        return self.unwrapped().hf_name(key.removeprefix("module."))  # the stage's layer indices made global
 
     def hf_model(self) -> torch.nn.Module:
         """What writes the export: the stage (a full-config model on the meta device), or the PEFT model."""
@@ -131,4 +148,4 @@ class PipelineDDP(PipelineBackend):
 class PipelineFSDP2(PipelineBackend):
     name = "pipeline over FSDP2"
     short = "hfpar pipeline FSDP2"
-    data_parallel = FullyShard     # the config's mixed-precision policy, resharding (offload refused by its check)
+    data_parallel = FullyShard  # the config's mixed-precision policy, resharding (offload refused by its check)

@@ -36,22 +36,25 @@ from hfpar.parallel.sharding import carry_shard_specs, set_shard_spec, shard_spe
 # it; hfpar's loss reads them out of place only. That is verified, not assumed: every FSDP2 composition equals the
 # one-process run within 1e-4 in loss, grad norm and weights (tests/launch/test_backends_parity.py and the TP / EP /
 # CP / PP parity files). Silenced for those modules only: a view from any other module still warns.
-VIEW_WARNING = r"FSDP2-wrapped module \((FSDP\w*Norm, )?FSDP\w*(ForCausalLM|ForSequenceClassification|Linear)\) returned a view"
+VIEW_WARNING = (
+    r"FSDP2-wrapped module \((FSDP\w*Norm, )?FSDP\w*(ForCausalLM|ForSequenceClassification|Linear)\) returned a view"
+)
 warnings.filterwarnings("ignore", category=UserWarning, message=VIEW_WARNING)
 
 
 class DataParallelWrap:
     """The interface: check (before any model is loaded), wrap (the model or stage, in place or wrapped)."""
 
-    per_rank_shards = False     # the ranks of a replica hold different shards of a parameter
-    prepends_hooks = False      # adds forward pre-hooks of its own ahead of the model's (a stage re-hooks after it)
+    per_rank_shards = False  # the ranks of a replica hold different shards of a parameter
+    prepends_hooks = False  # adds forward pre-hooks of its own ahead of the model's (a stage re-hooks after it)
 
     @staticmethod
     def check(args, ctx, strategy: str, mixed_precision: str) -> list[str]:  # noqa: ARG004
         return []
 
-    def wrap(self, accelerator, ctx, model: torch.nn.Module, *, layer_types: set[str],
-             ignored: list[torch.nn.Parameter]) -> torch.nn.Module:
+    def wrap(
+        self, accelerator, ctx, model: torch.nn.Module, *, layer_types: set[str], ignored: list[torch.nn.Parameter]
+    ) -> torch.nn.Module:
         raise NotImplementedError
 
 
@@ -70,7 +73,7 @@ class TorchDDP(DataParallelWrap):
 
 class HfparAllReduce(DataParallelWrap):
     def wrap(self, accelerator, ctx, model, *, layer_types, ignored):  # noqa: ARG002
-        keep = {id(p) for p in ignored}   # experts: reduced over the ranks holding the same ones (their ShardSpec)
+        keep = {id(p) for p in ignored}  # experts: reduced over the ranks holding the same ones (their ShardSpec)
         if ctx.grad_replicas > 1:
             for p in model.parameters():
                 if id(p) not in keep:
@@ -88,14 +91,18 @@ class FullyShard(DataParallelWrap):
         # the launcher passes fsdp_offload_params as this variable; Accelerate's plugin reads the same one
         if str_to_bool(os.environ.get("FSDP_OFFLOAD_PARAMS", "false"), to_bool=True):
             flags = " and ".join(f"--{k}_size {getattr(ctx, k)}" for k in ("tp", "ep", "cp") if getattr(ctx, k) > 1)
-            p.append(f"fsdp_offload_params: true with {flags}: hfpar's TP / EP grad reductions and norm run on the "
-                     "device, not on CPU-offloaded grads; set fsdp_offload_params: false (or use zero3_offload.yaml "
-                     "without model parallelism)")
+            p.append(
+                f"fsdp_offload_params: true with {flags}: hfpar's TP / EP grad reductions and norm run on the "
+                "device, not on CPU-offloaded grads; set fsdp_offload_params: false (or use zero3_offload.yaml "
+                "without model parallelism)"
+            )
         if ctx.ep > 1 and mixed_precision == "fp16":
             # the experts stay outside FSDP2 (plain tensors) while the rest are DTensors: torch's GradScaler unscales
             # one optimizer's grads in a single foreach call, which refuses the mix (measured in a CPU fp16 launch)
-            p.append(f"--ep_size {ctx.ep} with fsdp2 and fp16: the GradScaler cannot unscale the experts' grads "
-                     "together with FSDP2's sharded ones; use bf16 (or ddp.yaml with fp16)")
+            p.append(
+                f"--ep_size {ctx.ep} with fsdp2 and fp16: the GradScaler cannot unscale the experts' grads "
+                "together with FSDP2's sharded ones; use bf16 (or ddp.yaml with fp16)"
+            )
         return p
 
     def wrap(self, accelerator, ctx, model, *, layer_types, ignored):
@@ -118,5 +125,8 @@ def fsdp2_settings(accelerator) -> dict:
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     if plugin is None:  # no FSDP config (a backend built by hand): fully_shard's defaults
         return {}
-    return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
-            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    return {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    }

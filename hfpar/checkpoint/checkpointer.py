@@ -40,6 +40,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel
 
 from hfpar.checkpoint import final_model
+from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.layout import (
     MARKER,
     STATE_FILE,
@@ -51,7 +52,6 @@ from hfpar.checkpoint.layout import (
     staging_dir,
     verified,
 )
-from hfpar.checkpoint.full_state import read_full_state
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.rank_state import load_rng, rng_accelerate_step, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
@@ -66,8 +66,10 @@ class Preempted(Exception):
     """A preemption signal arrived: every rank saved checkpoint-<step> and the run stops (exit PREEMPTED_EXIT)."""
 
     def __init__(self, step: int, signame: str):
-        super().__init__(f"{signame} received: saved checkpoint-{step}, exiting with code {PREEMPTED_EXIT}; relaunch "
-                         "with --resume_from_checkpoint latest to continue")
+        super().__init__(
+            f"{signame} received: saved checkpoint-{step}, exiting with code {PREEMPTED_EXIT}; relaunch "
+            "with --resume_from_checkpoint latest to continue"
+        )
         self.step = step
 
 
@@ -75,10 +77,25 @@ class Checkpointer:
     """Layout, trainer state, cadence, retention, resume and final export of one run. Collective methods (save,
     resume, export_final) are called by every rank."""
 
-    def __init__(self, accelerator: Accelerator, ctx, backend, output_dir: str, *, total_steps: int, save_steps: int,
-                 save_total_limit: int | None, resume: str | None, seed: int, global_batch: int,
-                 pp_virtual_stages: int, tokenizer=None, peft: bool = False, merge_adapter: bool = False,
-                 identity: dict | None = None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        ctx,
+        backend,
+        output_dir: str,
+        *,
+        total_steps: int,
+        save_steps: int,
+        save_total_limit: int | None,
+        resume: str | None,
+        seed: int,
+        global_batch: int,
+        pp_virtual_stages: int,
+        tokenizer=None,
+        peft: bool = False,
+        merge_adapter: bool = False,
+        identity: dict | None = None,
+    ):
         self.acc, self.ctx, self.backend, self.output_dir = accelerator, ctx, backend, output_dir
         self.total_steps, self.save_steps, self.save_total_limit = total_steps, save_steps, save_total_limit
         self.resume_from, self.seed, self.global_batch = resume, seed, global_batch
@@ -96,12 +113,23 @@ class Checkpointer:
     def trainer_state(self, step: int) -> dict:
         """trainer_state.json: what the preflight checks a resume against, before any weight is read."""
         c = self.ctx
-        return {"global_step": step, "world_size": c.world, "dp": c.dp, "tp": c.tp, "ep": c.ep, "cp": c.cp,
-                "pp": c.pp, "pp_virtual_stages": self.pp_virtual_stages, "strategy": self.backend.strategy,
-                "seed": self.seed, "global_batch": self.global_batch, "peft": self.peft,
-                # its full form can be read on another mesh (full_state.py): resume there, export
-                "reshardable": self.backend.writes_full_state() and not self.peft,
-                **({"identity": self.identity} if self.identity is not None else {})}
+        return {
+            "global_step": step,
+            "world_size": c.world,
+            "dp": c.dp,
+            "tp": c.tp,
+            "ep": c.ep,
+            "cp": c.cp,
+            "pp": c.pp,
+            "pp_virtual_stages": self.pp_virtual_stages,
+            "strategy": self.backend.strategy,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "peft": self.peft,
+            # its full form can be read on another mesh (full_state.py): resume there, export
+            "reshardable": self.backend.writes_full_state() and not self.peft,
+            **({"identity": self.identity} if self.identity is not None else {}),
+        }
 
     def watch_signals(self, names: str) -> None:
         """Preemption: on each signal named ("TERM,USR1"), only a flag is set; the trainer asks preempted() at
@@ -131,8 +159,15 @@ class Checkpointer:
 
     def save(self, step: int) -> Path:
         """Collective: checkpoint-<step>/, then retention."""
-        return save_checkpoint(self.acc, self.output_dir, step, self.trainer_state(step), self.save_total_limit,
-                               extra=self._save_extra, tokenizer=self.tokenizer)
+        return save_checkpoint(
+            self.acc,
+            self.output_dir,
+            step,
+            self.trainer_state(step),
+            self.save_total_limit,
+            extra=self._save_extra,
+            tokenizer=self.tokenizer,
+        )
 
     def _save_extra(self, tmp: Path) -> None:
         """Every rank: the backend's per-rank files, this rank's RNG; the main process: scheduler.json."""
@@ -149,12 +184,16 @@ class Checkpointer:
         path = resolve_resume(self.resume_from, self.output_dir)
         if path is None:
             if self.resume_from:
-                self.acc.print(f"[hfpar] --resume_from_checkpoint {self.resume_from}: no checkpoint yet, starting fresh")
+                self.acc.print(
+                    f"[hfpar] --resume_from_checkpoint {self.resume_from}: no checkpoint yet, starting fresh"
+                )
             return 0
         step = self.load(path)["global_step"]
         attempt = restart_attempt()
-        self.acc.print(f"[hfpar] resumed from {path} at step {step}"
-                       + (f" (torchrun restart attempt {attempt})" if attempt else ""))
+        self.acc.print(
+            f"[hfpar] resumed from {path} at step {step}"
+            + (f" (torchrun restart attempt {attempt})" if attempt else "")
+        )
         return step
 
     def load(self, path: Path) -> dict:
@@ -169,14 +208,17 @@ class Checkpointer:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
         if state.get("world_size") != self.ctx.world:  # another world size (DDP / FSDP2): other RNG streams anyway
-            self.acc.print(f"[hfpar] {path} was written by {state.get('world_size')} processes, this run has "
-                           f"{self.ctx.world}: the random generators start from --seed, not from the checkpoint")
+            self.acc.print(
+                f"[hfpar] {path} was written by {state.get('world_size')} processes, this run has "
+                f"{self.ctx.world}: the random generators start from --seed, not from the checkpoint"
+            )
             return state
         try:
             self.acc.step = load_rng(path, self.acc.process_index)
         except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); "
-                                  "the resume would not be exact") from None
+            raise CheckpointError(
+                f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); the resume would not be exact"
+            ) from None
         return state
 
     def _load_resharded(self, path: Path) -> dict:
@@ -194,21 +236,31 @@ class Checkpointer:
             for group, lr in zip(self.backend.base_optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr  # what optimizer.load_state_dict restores on the native path
         same_world = state.get("world_size") == self.ctx.world
-        self.acc.step = (load_rng(path, self.acc.process_index) if same_world else rng_accelerate_step(path, 0))
+        self.acc.step = load_rng(path, self.acc.process_index) if same_world else rng_accelerate_step(path, 0)
         theirs = " ".join(f"{k} {state.get(k, 1)}" for k in ("dp", "tp", "ep", "cp", "pp"))
-        self.acc.print(f"[hfpar] resharded {path} ({state.get('strategy')} x {state.get('world_size')}: {theirs}) onto "
-                       f"{self.backend.strategy} x {self.ctx.world}: model and optimizer state from full tensors"
-                       + ("" if same_world else "; random generators start from --seed (another world size)"))
+        self.acc.print(
+            f"[hfpar] resharded {path} ({state.get('strategy')} x {state.get('world_size')}: {theirs}) onto "
+            f"{self.backend.strategy} x {self.ctx.world}: model and optimizer state from full tensors"
+            + ("" if same_world else "; random generators start from --seed (another world size)")
+        )
         return state
 
     def export_final(self) -> None:
         """Collective: the final model in HF format at the output dir's root."""
-        final_model.export_final(self.acc, self.backend, self.tokenizer, self.output_dir, peft=self.peft,
-                                 merge_adapter=self.merge_adapter)
+        final_model.export_final(
+            self.acc, self.backend, self.tokenizer, self.output_dir, peft=self.peft, merge_adapter=self.merge_adapter
+        )
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, trainer_state: dict, save_total_limit: int | None,
-                    extra=None, tokenizer=None) -> Path:
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: str,
+    step: int,
+    trainer_state: dict,
+    save_total_limit: int | None,
+    extra=None,
+    tokenizer=None,
+) -> Path:
     """Collective: every rank must call it; the one place a checkpoint is written. `extra(tmp_dir)` writes state
     Accelerate does not know (per-TP-rank shards). Returns the final checkpoint path."""
     final = checkpoint_dir(output_dir, step)
@@ -231,8 +283,11 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, traine
         if final.exists() or final.is_symlink():
             if not is_hfpar_checkpoint(final):  # appeared during the run: never deleted nor written through
                 shutil.rmtree(tmp)
-                print(f"hfpar: warning: {final} is not a checkpoint hfpar wrote (a user's folder, a link or a file): "
-                      f"left as it is, step {step} not saved", file=sys.stderr)
+                print(
+                    f"hfpar: warning: {final} is not a checkpoint hfpar wrote (a user's folder, a link or a file): "
+                    f"left as it is, step {step} not saved",
+                    file=sys.stderr,
+                )
                 accelerator.wait_for_everyone()
                 return final
             shutil.rmtree(final)  # same step saved again (e.g. resumed run re-saving): replace our own old copy
@@ -304,9 +359,11 @@ def _disk_full_reported(tmp: Path, step: int, remove: bool):
         if remove:
             shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(tmp.parent).free
-        raise DiskFullError(f"disk full while saving checkpoint-{step} to {tmp.parent} ({free:,} bytes free): the "
-                            "partial save was removed and earlier checkpoints are intact; free space (or lower "
-                            "--save_total_limit) and relaunch with --resume_from_checkpoint latest") from None
+        raise DiskFullError(
+            f"disk full while saving checkpoint-{step} to {tmp.parent} ({free:,} bytes free): the "
+            "partial save was removed and earlier checkpoints are intact; free space (or lower "
+            "--save_total_limit) and relaunch with --resume_from_checkpoint latest"
+        ) from None
 
 
 def _fsync_tree(root: Path) -> None:
@@ -324,12 +381,12 @@ def _fsync_tree(root: Path) -> None:
 def _save_wrapped_config(model, tmp: Path) -> None:
     """config.json of a model hfpar wraps itself (TP / EP / pipeline: Accelerate holds none), for the checkpoint's
     full form to load into on export: an upcycled model's HF MoE config, a pipeline stage's full model's config."""
-    if hasattr(model, "full_model"):   # a pipeline stage (or a rank's chunks): the full model it was cut from
+    if hasattr(model, "full_model"):  # a pipeline stage (or a rank's chunks): the full model it was cut from
         full = model.full_model()
         model = full if is_upcycled(full) else model
     if is_upcycled(model):
         with contextlib.suppress(ValueError):  # not representable as an HF MoE (the final export says so): none
-            upcycled_hf_config(model).save_pretrained(tmp)   # no architectures: export builds an AutoModelForCausalLM
+            upcycled_hf_config(model).save_pretrained(tmp)  # no architectures: export builds an AutoModelForCausalLM
         return
     # a pipeline stage (or a rank's chunks) holds the trimmed HF model(s) and the full model's config
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
@@ -353,7 +410,7 @@ def _save_model_config(accelerator: Accelerator, tmp: Path, tokenizer) -> None:
             unwrapped = unwrapped.get_base_model()
         if hasattr(unwrapped, "config"):
             config = copy.deepcopy(unwrapped.config)
-            config.architectures = [_hf_class(unwrapped).__name__]   # what save_pretrained records
+            config.architectures = [_hf_class(unwrapped).__name__]  # what save_pretrained records
             config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -5,7 +5,8 @@
 Verified against the checkpoint's manifest first, read without running code from it (safe_load.py).
 Every checkpoint kind whose full form full_state.py reads: model.safetensors (single / DDP / CP runs),
 pytorch_model_fsdp_0/ (FSDP2, torch.distributed.checkpoint), a DeepSpeed ZeRO-1/2/3 folder (its fp32 master
-weights joined), and the per-rank files of TP / EP / pipeline runs (their pieces joined). The config and tokenizer come from the checkpoint (hfpar saves
+weights joined), and the per-rank files of TP / EP / pipeline runs (their pieces joined). The config and tokenizer come
+from the checkpoint (hfpar saves
 them there) or else from the run's output dir, the checkpoint's parent.
 """
 
@@ -58,16 +59,23 @@ def _find(ckpt: Path, name: str) -> Path | None:
     return None
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
-                      trust_remote_code: bool = False) -> str:
+def export_checkpoint(
+    checkpoint_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False, trust_remote_code: bool = False
+) -> str:
     """Write config.json, model.safetensors and tokenizer files to out_dir; returns a one-line summary. A non-empty
     out_dir is refused without overwrite; a config / tokenizer with auto_map (custom code) without
     trust_remote_code (no code of the checkpoint runs, none is copied)."""
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        what = "is not a directory" if not out.is_dir() else f"is not empty ({', '.join(sorted(p.name for p in out.iterdir())[:3])})"
-        raise ExportError(f"{out} {what}: pass --overwrite to write into it (files of the same names are replaced), "
-                          "or pick an empty or new OUT_DIR")
+        what = (
+            "is not a directory"
+            if not out.is_dir()
+            else f"is not empty ({', '.join(sorted(p.name for p in out.iterdir())[:3])})"
+        )
+        raise ExportError(
+            f"{out} {what}: pass --overwrite to write into it (files of the same names are replaced), "
+            "or pick an empty or new OUT_DIR"
+        )
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: not a directory")
     cfg_dir = _find(ckpt, "config.json") if ckpt.is_dir() else None
@@ -82,11 +90,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, overwr
     try:
         config = AutoConfig.from_pretrained(str(cfg_dir), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a config hfpar did not write (unknown model_type, bad values): one line
-        raise ExportError(f"{cfg_dir / 'config.json'}: cannot be read ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ExportError(
+            f"{cfg_dir / 'config.json'}: cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     arch = (config.architectures or [None])[0]
     if arch and arch.startswith("FSDP") and not hasattr(transformers, arch):
-        arch = arch[len("FSDP"):]  # FSDP2's wrapper subclass name
+        arch = arch[len("FSDP") :]  # FSDP2's wrapper subclass name
     cls = getattr(transformers, arch, None) if arch else transformers.AutoModelForCausalLM
     if cls is None:
         raise ExportError(f"{cfg_dir / 'config.json'}: unknown architecture {arch!r} for this transformers")
@@ -105,10 +115,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, overwr
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - an untrusted file's parser: one line
-            raise ExportError(f"{tok_dir}: the tokenizer cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise ExportError(
+                f"{tok_dir}: the tokenizer cannot be read ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
         tokenizer.save_pretrained(str(out))
     step = layout.read_trainer_state(ckpt).get("global_step") if (ckpt / layout.STATE_FILE).is_file() else "?"
     n = sum(t.numel() for t in state.values())
-    return (f"exported {ckpt} (step {step}, {n:,} parameters) to {out}"
-            + ("" if tok_dir else "; no tokenizer files found, copy them yourself"))
+    return f"exported {ckpt} (step {step}, {n:,} parameters) to {out}" + (
+        "" if tok_dir else "; no tokenizer files found, copy them yourself"
+    )

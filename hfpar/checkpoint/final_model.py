@@ -1,11 +1,11 @@
 """The final model in Hugging Face format at --output_dir's root, whatever the composition, in three steps:
 
-    export_final(accelerator, backend, tokenizer, output_dir, peft=False, merge_adapter=False)   # collective
-      1. gather      every rank: the full state dict (the backend gathers its TP / EP / pipeline shards, or
-                     Accelerate gathers FSDP2 / ZeRO-3), full tensors on the main process
-      2. write       the main process: the LoRA adapter (or the merged model), an upcycled model as its HF MoE
-                     architecture, or the model itself; save_pretrained, safetensors
-      3. tokenizer   the main process, next to the weights
+export_final(accelerator, backend, tokenizer, output_dir, peft=False, merge_adapter=False)   # collective
+  1. gather      every rank: the full state dict (the backend gathers its TP / EP / pipeline shards, or
+                 Accelerate gathers FSDP2 / ZeRO-3), full tensors on the main process
+  2. write       the main process: the LoRA adapter (or the merged model), an upcycled model as its HF MoE
+                 architecture, or the model itself; save_pretrained, safetensors
+  3. tokenizer   the main process, next to the weights
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
 
 
-def export_final(accelerator, backend, tokenizer, output_dir: str | Path, peft: bool = False,
-                 merge_adapter: bool = False) -> None:
+def export_final(
+    accelerator, backend, tokenizer, output_dir: str | Path, peft: bool = False, merge_adapter: bool = False
+) -> None:
     """Collective: every rank calls it; the main process writes."""
     output_dir = str(output_dir)
     full = gather_full_state(accelerator, backend)

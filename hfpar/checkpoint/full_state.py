@@ -39,7 +39,7 @@ from hfpar.checkpoint import layout
 from hfpar.checkpoint.safe_load import CheckpointError
 from hfpar.parallel.pieces import join_pieces
 
-OPTIMIZER_PARAMS = "optimizer_params.json"   # HF names of optimizer.bin's parameter indices (accelerate layout)
+OPTIMIZER_PARAMS = "optimizer_params.json"  # HF names of optimizer.bin's parameter indices (accelerate layout)
 WAY_OUT = "use the run's final model (its --output_dir), or resume it on the checkpoint's mesh"
 
 
@@ -83,7 +83,9 @@ def read_full_state(ckpt: str | Path, optimizer: bool = True) -> FullState:
         return _dcp(ckpt, optimizer)
     if kind == "deepspeed":
         state = layout.read_trainer_state(ckpt) if (ckpt / layout.STATE_FILE).is_file() else {}
-        if state.get("pp", 1) > 1 or state.get("tp", 1) > 1:  # DeepSpeed with hfpar's mpu: partitions per stage / TP rank
+        if (
+            state.get("pp", 1) > 1 or state.get("tp", 1) > 1
+        ):  # DeepSpeed with hfpar's mpu: partitions per stage / TP rank
             what = "pipeline stage" if state.get("pp", 1) > 1 else "tensor-parallel rank"
             raise CheckpointError(f"{ckpt}: DeepSpeed partitions per {what}, which have no full form: {WAY_OUT}")
         # here, not at the top: DeepSpeed is an optional dependency and its import takes seconds (1.5 s measured
@@ -95,10 +97,14 @@ def read_full_state(ckpt: str | Path, optimizer: bool = True) -> FullState:
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError) as exc:  # a DeepSpeed folder missing its files: one line
-            raise CheckpointError(f"{ckpt}: unreadable DeepSpeed checkpoint ({str(exc).splitlines()[0][:200]})") from None
+            raise CheckpointError(
+                f"{ckpt}: unreadable DeepSpeed checkpoint ({str(exc).splitlines()[0][:200]})"
+            ) from None
         return FullState(model, optim, "deepspeed")
-    raise CheckpointError(f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/, a DeepSpeed "
-                          "'latest' file or per-rank files); is it a checkpoint-<step> directory?")
+    raise CheckpointError(
+        f"{ckpt}: no model state found (expected model.safetensors, pytorch_model_fsdp_0/, a DeepSpeed "
+        "'latest' file or per-rank files); is it a checkpoint-<step> directory?"
+    )
 
 
 def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
@@ -109,8 +115,10 @@ def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
         saved = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         where = saved.get("layout")
         if where is None or "model" not in saved:
-            raise CheckpointError(f"{f}: per-rank file without the piece layout (TP / EP x DeepSpeed, or an older "
-                                  f"hfpar), which has no full form: {WAY_OUT}")
+            raise CheckpointError(
+                f"{f}: per-rank file without the piece layout (TP / EP x DeepSpeed, or an older "
+                f"hfpar), which has no full form: {WAY_OUT}"
+            )
         for key, t in saved["model"].items():
             pieces.setdefault(where[key]["name"], []).append((where[key], t))
         if optimizer:
@@ -126,8 +134,9 @@ def _rank_files(ckpt: Path, optimizer: bool) -> FullState:
         except ValueError as exc:
             raise CheckpointError(f"{ckpt}: per-rank files incomplete ({exc}); a file is missing") from None
 
-    return FullState(Joined(pieces, join), Joined(opt_pieces, lambda st: {k: join(p) for k, p in st.items()}),
-                     "rank files")
+    return FullState(
+        Joined(pieces, join), Joined(opt_pieces, lambda st: {k: join(p) for k, p in st.items()}), "rank files"
+    )
 
 
 def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:
@@ -139,8 +148,10 @@ def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:
     if optimizer:
         names_file = ckpt / OPTIMIZER_PARAMS
         if not names_file.is_file():
-            raise CheckpointError(f"{ckpt}: no {OPTIMIZER_PARAMS} (written by an older hfpar): its optimizer state "
-                                  "cannot be matched to parameters on another mesh")
+            raise CheckpointError(
+                f"{ckpt}: no {OPTIMIZER_PARAMS} (written by an older hfpar): its optimizer state "
+                "cannot be matched to parameters on another mesh"
+            )
         names = json.loads(names_file.read_text())
         saved = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)
         optim = {names[int(idx)]: dict(st) for idx, st in saved["state"].items()}
@@ -150,8 +161,9 @@ def _accelerate(ckpt: Path, kind: str, optimizer: bool) -> FullState:
 def _dcp_read(path: Path) -> dict:
     """A DCP directory into full tensors, without a process group (what dcp_to_torch_save does, kept in memory)."""
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return state
 
 

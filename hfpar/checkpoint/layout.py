@@ -77,8 +77,7 @@ def is_hfpar_checkpoint(path: str | os.PathLike) -> bool:
     """A checkpoint hfpar wrote: a real directory (not a symlink) with its COMPLETE marker and MANIFEST.json. Only
     these are ever deleted (retention), replaced (a step saved again) or moved by hfpar."""
     path = Path(path)
-    return (not path.is_symlink() and path.is_dir() and (path / MARKER).is_file()
-            and (path / MANIFEST).is_file())
+    return not path.is_symlink() and path.is_dir() and (path / MARKER).is_file() and (path / MANIFEST).is_file()
 
 
 def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
@@ -86,13 +85,14 @@ def has_any_checkpoint(output_dir: str | os.PathLike) -> bool:
     return root.is_dir() and any(_CKPT_RE.match(c.name) for c in root.iterdir())
 
 
-_VERIFIED: dict[tuple, str | None] = {}   # (path, its files' stats) -> verify()'s answer: each process hashes once
+_VERIFIED: dict[tuple, str | None] = {}  # (path, its files' stats) -> verify()'s answer: each process hashes once
 
 
 def verified(path: Path) -> str | None:
     """manifest.verify(path), remembered for this process (the recipe, the preflight and the Checkpointer ask)."""
-    stats = tuple((str(p), st.st_size, st.st_mtime_ns) for p in sorted(Path(path).rglob("*"))
-                  for st in [p.lstat()])  # a file changed since the last answer is hashed again
+    stats = tuple(
+        (str(p), st.st_size, st.st_mtime_ns) for p in sorted(Path(path).rglob("*")) for st in [p.lstat()]
+    )  # a file changed since the last answer is hashed again
     key = (str(Path(path).resolve()), stats)
     if key not in _VERIFIED:
         _VERIFIED[key] = verify(path)
@@ -122,14 +122,20 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
             problems.append(problem)
             _warn(f"skipping {path.name}: {problem}")
         if ckpts:
-            raise ConfigError(f"--resume_from_checkpoint latest: none of the {len(ckpts)} checkpoint(s) in {output_dir} "
-                              f"verifies (newest: {problems[0]}); pass --overwrite_output_dir to start over")
+            raise ConfigError(
+                f"--resume_from_checkpoint latest: none of the {len(ckpts)} checkpoint(s) in {output_dir} "
+                f"verifies (newest: {problems[0]}); pass --overwrite_output_dir to start over"
+            )
         return None
     path = Path(resume)
     if not path.is_dir():
-        raise ConfigError(f"--resume_from_checkpoint {resume}: no such directory (use 'latest' or a checkpoint-<step> dir)")
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume}: no such directory (use 'latest' or a checkpoint-<step> dir)"
+        )
     if not (path / MARKER).is_file():
-        raise ConfigError(f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one")
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume}: checkpoint is incomplete (no {MARKER} marker); pick an earlier one"
+        )
     problem = verified(path)
     if problem is not None:
         raise ConfigError(f"--resume_from_checkpoint {resume}: damaged: {problem}; pick an earlier checkpoint")
@@ -154,20 +160,33 @@ def identity_problem(state: dict, args, path: Path) -> str | None:
     if theirs is not None:
         differ = [k for k in mine if theirs.get(k) != mine[k]]
         if differ:
-            return (f"checkpoint {path} belongs to another run ({', '.join(f'{k} {theirs.get(k)!r}' for k in differ)}; "
-                    f"this run: {', '.join(f'{k} {mine[k]!r}' for k in differ)}): pass its path to "
-                    "--resume_from_checkpoint to resume it anyway, or use another --output_dir")
+            return (
+                f"checkpoint {path} belongs to another run ({', '.join(f'{k} {theirs.get(k)!r}' for k in differ)}; "
+                f"this run: {', '.join(f'{k} {mine[k]!r}' for k in differ)}): pass its path to "
+                "--resume_from_checkpoint to resume it anyway, or use another --output_dir"
+            )
     max_steps = getattr(args, "max_steps", -1)
     if max_steps > 0 and state.get("global_step", 0) > max_steps:
-        return (f"checkpoint {path} is at step {state['global_step']}, past this run's --max_steps {max_steps}: it "
-                "belongs to a longer run; pass its path to --resume_from_checkpoint to resume it anyway, or use "
-                "--overwrite_output_dir / another --output_dir")
+        return (
+            f"checkpoint {path} is at step {state['global_step']}, past this run's --max_steps {max_steps}: it "
+            "belongs to a longer run; pass its path to --resume_from_checkpoint to resume it anyway, or use "
+            "--overwrite_output_dir / another --output_dir"
+        )
     return None
 
 
-PREVIOUS_RUN = ("metrics.jsonl", "run_info.json", "report.png", "config.json", "generation_config.json",
-                "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
-                "pytorch_model.bin")
+PREVIOUS_RUN = (
+    "metrics.jsonl",
+    "run_info.json",
+    "report.png",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "pytorch_model.bin",
+)
 
 
 def previous_run_files(output_dir: str | os.PathLike) -> list[Path]:
@@ -175,13 +194,20 @@ def previous_run_files(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    return sorted(c for c in root.iterdir() if c.name in PREVIOUS_RUN or _CKPT_RE.match(c.name)
-                  or re.match(r"^model-\d+-of-\d+\.safetensors$", c.name) or re.match(r"^\.checkpoint-\d+\.tmp$", c.name))
+    return sorted(
+        c
+        for c in root.iterdir()
+        if c.name in PREVIOUS_RUN
+        or _CKPT_RE.match(c.name)
+        or re.match(r"^model-\d+-of-\d+\.safetensors$", c.name)
+        or re.match(r"^\.checkpoint-\d+\.tmp$", c.name)
+    )
 
 
 def set_aside_previous_run(output_dir: str | os.PathLike) -> Path | None:
     """--overwrite_output_dir: the previous run's checkpoints, records and final model moved into
-    <output_dir>/.replaced/<UTC time>/ (never read again by `latest`); returns that dir, or None if nothing was there."""
+    <output_dir>/.replaced/<UTC time>/ (never read again by `latest`); returns that dir, or None if nothing was
+    there."""
     files = previous_run_files(output_dir)
     if not files:
         return None

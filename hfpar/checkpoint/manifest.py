@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
-_SKIP = {MANIFEST, "COMPLETE"}   # the manifest itself and the marker written after it
+_SKIP = {MANIFEST, "COMPLETE"}  # the manifest itself and the marker written after it
 
 
 def _files(root: Path) -> list[Path]:

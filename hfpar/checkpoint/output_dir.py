@@ -3,7 +3,8 @@ user's is deleted, replaced or followed.
 
     lock = claim_output_dir(args)          # before the accelerator: the lock (main process), then check_output_dir
     overwrite_previous_run(args, accelerator)     # --overwrite_output_dir: the previous run moved aside, said
-    release_output_dir(lock)               # at the end of the run (also on exit: the OS drops an flock with its process)
+    release_output_dir(lock)               # at the end of the run (also on exit: the OS drops an flock with its
+    process)
 
 The lock: `<output_dir>/.hfpar.lock`, held with flock(2) by the main process (global rank 0) for the whole run, its
 content host, pid and start time. A second run into the same directory is refused in one line naming the holder.
@@ -41,7 +42,7 @@ from hfpar.checkpoint.manifest import MANIFEST
 from hfpar.config import ConfigError
 
 LOCK_FILE = ".hfpar.lock"
-_HELD: dict[str, OutputDirLock] = {}   # output dir (real path) -> the lock this process holds there
+_HELD: dict[str, OutputDirLock] = {}  # output dir (real path) -> the lock this process holds there
 _CKPT_PREFIXES = ("checkpoint-", ".checkpoint-")
 
 
@@ -74,7 +75,9 @@ class OutputDirLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
-                raise ConfigError(f"--output_dir {self.dir}: cannot write its lock file {LOCK_FILE} ({exc.strerror})") from None
+                raise ConfigError(
+                    f"--output_dir {self.dir}: cannot write its lock file {LOCK_FILE} ({exc.strerror})"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -84,7 +87,8 @@ class OutputDirLock:
                     raise ConfigError(in_use_line(self.dir, holder)) from None
                 note = f"--output_dir {self.dir}: no file locks on this file system ({exc.strerror}): not locked"
                 return note
-            # the file may have been unlinked by its previous holder between our open and our flock: lock the path's file
+            # the file may have been unlinked by its previous holder between our open and our flock: lock the path's
+            # file
             try:
                 same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -94,36 +98,50 @@ class OutputDirLock:
             os.close(fd)
         stale = _read(fd)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                  "launch": launch_key()}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "launch": launch_key(),
+                }
+            ).encode(),
+            0,
+        )
         self.fd = fd
-        atexit.register(self.release)   # sys.exit (a refusal, a preemption) unlinks it too; a kill leaves it stale
+        atexit.register(self.release)  # sys.exit (a refusal, a preemption) unlinks it too; a kill leaves it stale
         if stale:
-            return (f"--output_dir {self.dir}: took over a stale lock of {_describe(stale)} (that process is gone: "
-                    "its run crashed or was killed; its complete checkpoints are kept)")
+            return (
+                f"--output_dir {self.dir}: took over a stale lock of {_describe(stale)} (that process is gone: "
+                "its run crashed or was killed; its complete checkpoints are kept)"
+            )
         return None
 
     def release(self) -> None:
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
-            self.path.unlink()   # while still holding the flock: a waiter re-checks the inode (acquire)
+            self.path.unlink()  # while still holding the flock: a waiter re-checks the inode (acquire)
         os.close(self.fd)
         self.fd = None
-        if self.created_dir:   # a refused run leaves no empty directory behind
+        if self.created_dir:  # a refused run leaves no empty directory behind
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
 
 
 def launch_key() -> str:
     """The same for every rank of one launch (all nodes), different for two launches running at once."""
-    return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}:{os.getpid() if 'MASTER_PORT' not in os.environ else ''}"
+    pid = os.getpid() if "MASTER_PORT" not in os.environ else ""
+    return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}:{pid}"
 
 
 def in_use_line(output_dir, holder: dict | None) -> str:
-    return (f"--output_dir {output_dir} is in use by another run ({_describe(holder)}; lock "
-            f"{Path(output_dir) / LOCK_FILE}): wait for it to finish, or pick another --output_dir")
+    return (
+        f"--output_dir {output_dir} is in use by another run ({_describe(holder)}; lock "
+        f"{Path(output_dir) / LOCK_FILE}): wait for it to finish, or pick another --output_dir"
+    )
 
 
 def held_by_another_launch(output_dir) -> dict | None:
@@ -135,7 +153,11 @@ def held_by_another_launch(output_dir) -> dict | None:
         holder = json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
     except (OSError, ValueError):
         return None
-    if not isinstance(holder, dict) or holder.get("launch") == launch_key() or holder.get("host") != socket.gethostname():
+    if (
+        not isinstance(holder, dict)
+        or holder.get("launch") == launch_key()
+        or holder.get("host") != socket.gethostname()
+    ):
         return None
     try:
         os.kill(int(holder["pid"]), 0)
@@ -171,17 +193,28 @@ def foreign_entries(output_dir: str | os.PathLike) -> list[str]:
         name = child.name
         if name.startswith("checkpoint-"):
             if not is_hfpar_checkpoint(child):
-                what = ("a symlink" if child.is_symlink() else "a file" if not child.is_dir()
-                        else f"a directory without hfpar's {MARKER} marker and {MANIFEST}")
-                out.append(f"--output_dir {output_dir}: {name} is {what}, not a checkpoint hfpar wrote; hfpar never "
-                           f"deletes or writes into it: move or rename it, or pick another --output_dir")
+                what = (
+                    "a symlink"
+                    if child.is_symlink()
+                    else "a file"
+                    if not child.is_dir()
+                    else f"a directory without hfpar's {MARKER} marker and {MANIFEST}"
+                )
+                out.append(
+                    f"--output_dir {output_dir}: {name} is {what}, not a checkpoint hfpar wrote; hfpar never "
+                    f"deletes or writes into it: move or rename it, or pick another --output_dir"
+                )
         elif name.startswith(".checkpoint-") and name.endswith(".tmp"):
             if child.is_symlink() or not child.is_dir():
-                out.append(f"--output_dir {output_dir}: {name} is not hfpar's staging directory (a "
-                           f"{'symlink' if child.is_symlink() else 'file'}); remove it")
+                out.append(
+                    f"--output_dir {output_dir}: {name} is not hfpar's staging directory (a "
+                    f"{'symlink' if child.is_symlink() else 'file'}); remove it"
+                )
         elif name in PREVIOUS_RUN and (child.is_symlink() or not child.is_file()):
-            out.append(f"--output_dir {output_dir}: {name} is {'a symlink' if child.is_symlink() else 'not a file'}; "
-                       "hfpar writes a file of that name there: move it, or pick another --output_dir")
+            out.append(
+                f"--output_dir {output_dir}: {name} is {'a symlink' if child.is_symlink() else 'not a file'}; "
+                "hfpar writes a file of that name there: move it, or pick another --output_dir"
+            )
     return out
 
 
@@ -201,14 +234,17 @@ def check_output_dir(args) -> None:
         raise ConfigError("\n".join(foreign))
     if has_any_checkpoint(args.output_dir) and not args.resume_from_checkpoint:
         raise ConfigError(
-            f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to continue "
-            "or --overwrite_output_dir to start over there (or pick another --output_dir)")
+            f"--output_dir {args.output_dir} already holds checkpoints; pass --resume_from_checkpoint latest to "
+            "continue or --overwrite_output_dir to start over there (or pick another --output_dir)"
+        )
     path = resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
     left = [f.name for f in previous_run_files(args.output_dir) if not f.name.startswith(_CKPT_PREFIXES)]
     if path is None and left:
-        raise ConfigError(f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "
-                          "to resume; pass --overwrite_output_dir to replace it (it is moved aside), or pick another "
-                          "--output_dir")
+        raise ConfigError(
+            f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "
+            "to resume; pass --overwrite_output_dir to replace it (it is moved aside), or pick another "
+            "--output_dir"
+        )
 
 
 def claim_output_dir(args) -> OutputDirLock | None:
@@ -217,7 +253,7 @@ def claim_output_dir(args) -> OutputDirLock | None:
     lock = None
     if _is_main():
         key = os.path.realpath(args.output_dir)
-        if key in _HELD:   # this process's earlier run there ended by an exception (runs of a process are sequential)
+        if key in _HELD:  # this process's earlier run there ended by an exception (runs of a process are sequential)
             _HELD.pop(key).release()
         lock = _HELD[key] = OutputDirLock(args.output_dir)
         note = lock.acquire()
@@ -245,6 +281,9 @@ def overwrite_previous_run(args, accelerator) -> None:
     if args.overwrite_output_dir and accelerator.is_main_process:
         dest = set_aside_previous_run(args.output_dir)
         if dest is not None:
-            print(f"hfpar: --overwrite_output_dir: the previous run's checkpoints and records in {args.output_dir} were "
-                  f"moved to {dest} (delete it to free the space)", file=sys.stderr)
+            print(
+                f"hfpar: --overwrite_output_dir: the previous run's checkpoints and records in {args.output_dir} were "
+                f"moved to {dest} (delete it to free the space)",
+                file=sys.stderr,
+            )
     accelerator.wait_for_everyone()

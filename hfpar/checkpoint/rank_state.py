@@ -69,13 +69,23 @@ def save_rng(ckpt_dir, rank: int, accelerate_step: int) -> None:
     """This rank's Python, numpy, torch (CPU and every CUDA device) generator states, exactly."""
     version, py_state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    tensors = {"python": torch.tensor(py_state, dtype=torch.int64), "numpy": torch.from_numpy(np_keys.astype(np.int64)),
-               "torch_cpu": torch.get_rng_state()}
+    tensors = {
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "numpy": torch.from_numpy(np_keys.astype(np.int64)),
+        "torch_cpu": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         for i, st in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda_{i}"] = st
-    meta = {"python_version": version, "python_gauss": gauss, "numpy_name": np_name, "numpy_pos": int(np_pos),
-            "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "accelerate_step": accelerate_step}
+    meta = {
+        "python_version": version,
+        "python_gauss": gauss,
+        "numpy_name": np_name,
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+        "accelerate_step": accelerate_step,
+    }
     save_file(tensors, str(rng_file(ckpt_dir, rank)), metadata={"state": json.dumps(meta)})
 
 
@@ -91,8 +101,15 @@ def load_rng(ckpt_dir, rank: int) -> int:
         meta = json.loads(fh.metadata()["state"])
         t = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118  (safe_open has no __iter__)
     random.setstate((meta["python_version"], tuple(int(x) for x in t["python"].tolist()), meta["python_gauss"]))
-    np.random.set_state((meta["numpy_name"], t["numpy"].numpy().astype(np.uint32), meta["numpy_pos"],
-                         meta["numpy_has_gauss"], meta["numpy_gauss"]))
+    np.random.set_state(
+        (
+            meta["numpy_name"],
+            t["numpy"].numpy().astype(np.uint32),
+            meta["numpy_pos"],
+            meta["numpy_has_gauss"],
+            meta["numpy_gauss"],
+        )
+    )
     torch.set_rng_state(t["torch_cpu"])
     cuda = [t[f"cuda_{i}"] for i in range(len(t)) if f"cuda_{i}" in t]
     if cuda and torch.cuda.is_available():

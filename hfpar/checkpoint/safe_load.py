@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hfpar.config import ConfigError
 
@@ -63,23 +63,31 @@ def _allowed_enums() -> frozenset:
     """The enum classes a checkpoint may name a member of: DCP's own (its metadata's _MEM_FORMAT_ENCODING) and the
     allowlisted DeepSpeed ones (ZeroStageEnum)."""
     found = [*vars(dcp_metadata).values(), *_deepspeed_globals()]
-    return frozenset(c for c in found if isinstance(c, enum.EnumMeta) and c is not enum.Enum
-                     and c.__module__ != enum.__name__)
+    return frozenset(
+        c for c in found if isinstance(c, enum.EnumMeta) and c is not enum.Enum and c.__module__ != enum.__name__
+    )
 
 
 def enum_member(cls, name):
     """What `builtins.getattr` means in a checkpoint's pickle: getattr(<allowed enum class>, <member name>), nothing
     else (a method, a dunder, a module's function, another class's attribute are refused)."""
     if cls not in _allowed_enums() or not isinstance(name, str) or name not in cls.__members__:
-        raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
-                                     "allowed in a checkpoint (only a member of an allowlisted enum class)")
+        raise pickle.UnpicklingError(
+            f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+            "allowed in a checkpoint (only a member of an allowlisted enum class)"
+        )
     return cls.__members__[name]
 
 
-_DCP_CLASSES = {("builtins", "getattr"): enum_member,("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "Path"): pathlib.Path,
-                ("torch", "Size"): torch.Size, ("collections", "OrderedDict"): collections.OrderedDict,
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
-                ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
+_DCP_CLASSES = {
+    ("builtins", "getattr"): enum_member,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "Path"): pathlib.Path,
+    ("torch", "Size"): torch.Size,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+}
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -92,8 +100,9 @@ class MetadataUnpickler(pickle.Unpickler):
             return obj
         if (module, name) in _DCP_CLASSES:
             return _DCP_CLASSES[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint's metadata")
 
@@ -121,7 +130,7 @@ def first_line(exc: BaseException) -> str:
 
 def _dcp_refusal(exc: CheckpointException, where) -> CheckpointError:
     """DCP wraps each rank's failure (ours included) in a CheckpointException holding tracebacks: one line of it."""
-    ours = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointError)]   # {rank: (exception, trace)}
+    ours = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointError)]  # {rank: (exception, trace)}
     detail = first_line(ours[-1] if ours else exc)
     return CheckpointError(f"{where}: a torch.distributed.checkpoint shard refused: {detail[:240]}")
 
@@ -140,15 +149,17 @@ def safe_loading(where: str | Path = "checkpoint"):
             with torch.serialization.safe_globals([*_deepspeed_globals(), (enum_member, "builtins.getattr")]):
                 return original_load(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{name}: refused to unpickle it: it holds more than tensors and plain values "
-                                  f"({first_line(exc)[:160]})") from None
+            raise CheckpointError(
+                f"{name}: refused to unpickle it: it holds more than tensors and plain values ({first_line(exc)[:160]})"
+            ) from None
         except (RuntimeError, EOFError) as exc:
             if isinstance(f, io.IOBase):
                 raise
             raise CheckpointError(f"{name}: unreadable ({first_line(exc)[:160]})") from None
 
-    shim = types.SimpleNamespace(**{k: getattr(pickle, k) for k in ("dump", "dumps", "HIGHEST_PROTOCOL")},
-                                 load=_load_metadata)
+    shim = types.SimpleNamespace(
+        **{k: getattr(pickle, k) for k in ("dump", "dumps", "HIGHEST_PROTOCOL")}, load=_load_metadata
+    )
     saved_pickle = dcp_filesystem.pickle
     torch.load, dcp_filesystem.pickle = load, shim
     try:

@@ -36,23 +36,31 @@ def read_zero_state(ckpt: Path, optimizer: bool = True) -> tuple[dict, dict]:
     model_files = z.get_model_state_files(str(ds_dir))
     mp_ranks = {m.group(1) for f in model_files if (m := re.search(r"mp_rank_(\d+)", Path(f).name))}
     if len(mp_ranks) > 1:
-        raise CheckpointError(f"{ckpt}: a DeepSpeed checkpoint of {len(mp_ranks)} model-parallel ranks (TP or "
-                              "pipeline x ZeRO): resume it on the mesh that wrote it")
+        raise CheckpointError(
+            f"{ckpt}: a DeepSpeed checkpoint of {len(mp_ranks)} model-parallel ranks (TP or "
+            "pipeline x ZeRO): resume it on the mesh that wrote it"
+        )
     # zero_to_fp32 prints its progress (and tqdm bars) on every process
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         states = z.parse_model_states(model_files)
-        sds = [torch.load(f, map_location="cpu", weights_only=True, mmap=True)["optimizer_state_dict"]
-               for f in z.get_optim_files(str(ds_dir))]
+        sds = [
+            torch.load(f, map_location="cpu", weights_only=True, mmap=True)["optimizer_state_dict"]
+            for f in z.get_optim_files(str(ds_dir))
+        ]
         stage = int(sds[0]["zero_stage"])
         world = sds[0]["partition_count"]
         world = max(world) if isinstance(world, list) else int(world)
         pads = sds[0].get("param_alignment_paddings")
         if stage <= 2:
-            model = z._get_fp32_state_dict_from_zero2_checkpoint(world, [sd["single_partition_of_fp32_groups"]
-                                                                         for sd in sds], states, False, pads)
+            model = z._get_fp32_state_dict_from_zero2_checkpoint(
+                world, [sd["single_partition_of_fp32_groups"] for sd in sds], states, False, pads
+            )
         else:
-            model = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(
-                world, [sd["fp32_flat_groups"] for sd in sds], states, False))
+            model = z.to_torch_tensor(
+                z._get_fp32_state_dict_from_zero3_checkpoint(
+                    world, [sd["fp32_flat_groups"] for sd in sds], states, False
+                )
+            )
         optim = _optimizer_states(sds, stage, world, states, pads) if optimizer else {}
     return {k: v.detach().clone() for k, v in model.items()}, optim
 
@@ -65,8 +73,13 @@ def _group_states(sd: dict, stage: int) -> list[dict]:
         flats = sd["single_partition_of_fp32_groups"]
         if isinstance(base, list):  # DeepSpeed's elastic form: already one lean state per group
             return base
-        return [{k: (v[: flats[i].numel()] if torch.is_tensor(v) and v.dim() > 0 else v)
-                 for k, v in base["state"][g["params"][0]].items()} for i, g in enumerate(base["param_groups"])]
+        return [
+            {
+                k: (v[: flats[i].numel()] if torch.is_tensor(v) and v.dim() > 0 else v)
+                for k, v in base["state"][g["params"][0]].items()
+            }
+            for i, g in enumerate(base["param_groups"])
+        ]
     opt = sd["optimizer_state_dict"]
     order = [i for g in opt["param_groups"] for i in g["params"]]
     return [opt["state"][i] for i in order]

@@ -35,11 +35,40 @@ from .cache import cached
 from .chat import _render_chat  # noqa: F401  (used by tests/unit/test_data.py)
 from .collate import DataCollator, pack, pack_batch
 from .errors import DataError
-from .load import (BUILDERS, EMBEDDED, EVAL_NAMES, FILE_LIKE, FORMATS, KINDS, embedded_model_path, label_names_of,
-                   load_splits, load_tokenizer)
+from .load import (
+    BUILDERS,
+    EMBEDDED,
+    EVAL_NAMES,
+    FILE_LIKE,
+    FORMATS,
+    KINDS,
+    embedded_model_path,
+    label_names_of,
+    load_splits,
+    load_tokenizer,
+)
 from .padding_free import padding_free_mode
 from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
-__all__ = ["BUILDERS", "EMBEDDED", "EVAL_NAMES", "FILE_LIKE", "FORMATS", "IGNORE", "KINDS", "DataCollator",
-           "DataError", "cached", "embedded_model_path", "label_names_of", "load_splits", "load_tokenizer", "pack", "pack_batch",
-           "padding_free_mode", "tokenize_classify", "tokenize_clm", "tokenize_sft"]
+__all__ = [
+    "BUILDERS",
+    "EMBEDDED",
+    "EVAL_NAMES",
+    "FILE_LIKE",
+    "FORMATS",
+    "IGNORE",
+    "KINDS",
+    "DataCollator",
+    "DataError",
+    "cached",
+    "embedded_model_path",
+    "label_names_of",
+    "load_splits",
+    "load_tokenizer",
+    "pack",
+    "pack_batch",
+    "padding_free_mode",
+    "tokenize_classify",
+    "tokenize_clm",
+    "tokenize_sft",
+]

@@ -52,11 +52,17 @@ def tokenizer_state(tokenizer) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    return json.dumps({"class": type(tokenizer).__name__, "backend": backend.to_str(),
-                       "chat_template": getattr(tokenizer, "chat_template", None),
-                       "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-                       "bos": getattr(tokenizer, "add_bos_token", None), "eos": getattr(tokenizer, "add_eos_token", None)},
-                      sort_keys=True)
+    return json.dumps(
+        {
+            "class": type(tokenizer).__name__,
+            "backend": backend.to_str(),
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+            "bos": getattr(tokenizer, "add_bos_token", None),
+            "eos": getattr(tokenizer, "add_eos_token", None),
+        },
+        sort_keys=True,
+    )
 
 
 def cache_key(fn, ds: Dataset, tokenizer, args: tuple, kwargs: dict) -> str | None:
@@ -64,8 +70,14 @@ def cache_key(fn, ds: Dataset, tokenizer, args: tuple, kwargs: dict) -> str | No
     state = tokenizer_state(tokenizer)
     if fingerprint is None or state is None:
         return None
-    parts = [_VERSION, _SOURCE, fn.__name__, fingerprint, hashlib.sha256(state.encode()).hexdigest(),
-             json.dumps([list(args), sorted(kwargs.items())], default=str)]
+    parts = [
+        _VERSION,
+        _SOURCE,
+        fn.__name__,
+        fingerprint,
+        hashlib.sha256(state.encode()).hexdigest(),
+        json.dumps([list(args), sorted(kwargs.items())], default=str),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

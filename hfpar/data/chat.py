@@ -1,6 +1,6 @@
 """Chat formatting: render a conversation with the tokenizer's chat template and find the assistant replies.
 
-    text, spans = _render_chat(tokenizer, messages, 0, 0)  # spans: (start, end) characters of each reply
+text, spans = _render_chat(tokenizer, messages, 0, 0)  # spans: (start, end) characters of each reply
 """
 
 from __future__ import annotations

@@ -78,8 +78,10 @@ def pack(ds: Dataset, max_seq_length: int) -> Dataset:
 def pack_batch(features: list[dict], max_seq_length: int) -> list[dict]:
     """One batch's samples -> the fewest rows of at most max_seq_length tokens first-fit decreasing finds."""
     samples = [(list(f["input_ids"]), list(f.get("labels", f["input_ids"]))) for f in features]
-    return [join_samples([samples[i] for i in b])
-            for b in first_fit_decreasing([len(s[0]) for s in samples], max_seq_length)]
+    return [
+        join_samples([samples[i] for i in b])
+        for b in first_fit_decreasing([len(s[0]) for s in samples], max_seq_length)
+    ]
 
 
 # ------------------------------------------------------------------------------------- collate
@@ -105,16 +107,28 @@ class DataCollator:
     rows that are already packed are left as they are.
     """
 
-    def __init__(self, tokenizer=None, task: str = "lm", *, pad_token_id: int | None = None,
-                 pad_to_multiple_of: int | None = None, padding_free: bool = False, max_seq_length: int | None = None):
+    def __init__(
+        self,
+        tokenizer=None,
+        task: str = "lm",
+        *,
+        pad_token_id: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        padding_free: bool = False,
+        max_seq_length: int | None = None,
+    ):
         if task not in ("lm", "classify"):
             raise DataError(f"collator task {task!r}: valid tasks are lm, classify")
         if padding_free and task != "lm":
-            raise DataError(f"padding_free with task {task!r}: valid only for task lm (classification reads each "
-                            "row's last non-pad token)")
+            raise DataError(
+                f"padding_free with task {task!r}: valid only for task lm (classification reads each "
+                "row's last non-pad token)"
+            )
         if padding_free and (not isinstance(max_seq_length, int) or max_seq_length < 2):
-            raise DataError(f"padding_free needs max_seq_length, the longest row to pack into: got {max_seq_length!r}, "
-                            "expected an integer >= 2")
+            raise DataError(
+                f"padding_free needs max_seq_length, the longest row to pack into: got {max_seq_length!r}, "
+                "expected an integer >= 2"
+            )
         if pad_token_id is None and tokenizer is not None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_token_id is None:
@@ -134,8 +148,9 @@ class DataCollator:
         real = _pad([[1] * len(x) for x in ids], length, 0)  # (B, T) 1 = real token
         if self.task == "classify":
             batch["attention_mask"] = real
-            batch["labels"] = torch.tensor([int(f["labels"] if "labels" in f else f["label"]) for f in features],
-                                           dtype=torch.long)  # (B,)
+            batch["labels"] = torch.tensor(
+                [int(f["labels"] if "labels" in f else f["label"]) for f in features], dtype=torch.long
+            )  # (B,)
             return batch
         batch["labels"] = _pad([list(f.get("labels", f["input_ids"])) for f in features], length, IGNORE)  # (B, T)
         if packed:

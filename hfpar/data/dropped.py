@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .errors import DataError
 
-MAX_LOST_FRACTION = 0.9   # more than 90% of a split's examples left out (almost none remain): refused
+MAX_LOST_FRACTION = 0.9  # more than 90% of a split's examples left out (almost none remain): refused
 
 
 def _split_line(split: str, stats: dict, args) -> tuple[str | None, bool]:
@@ -34,19 +34,27 @@ def _split_line(split: str, stats: dict, args) -> tuple[str | None, bool]:
     if no_targets - cut_away:
         why.append(f"{no_targets - cut_away} with no target token at all")
     if dropped:
-        why.append(f"{dropped} longer than {limit} under --truncation drop" if getattr(args, "truncation", "") == "drop"
-                   else f"{dropped} empty")
+        why.append(
+            f"{dropped} longer than {limit} under --truncation drop"
+            if getattr(args, "truncation", "") == "drop"
+            else f"{dropped} empty"
+        )
     parts = []
     if lost:
         parts.append(f"{lost} of {total} examples left out ({'; '.join(why)})")
     if cut:
-        parts.append(f"{cut} of {total} cut to {limit}" if "pairs" not in stats else
-                     f"{cut} of {total} pairs cut to --max_length")
+        parts.append(
+            f"{cut} of {total} cut to {limit}"
+            if "pairs" not in stats
+            else f"{cut} of {total} pairs cut to --max_length"
+        )
     refuse = lost / total > MAX_LOST_FRACTION
     fix = "raise --max_seq_length or shorten the prompts"
     if refuse:
-        return (f"{split} data: {', '.join(parts)}: more than {MAX_LOST_FRACTION:.0%} of the examples would be left "
-                f"out; {fix}"), True
+        return (
+            f"{split} data: {', '.join(parts)}: more than {MAX_LOST_FRACTION:.0%} of the examples would be left "
+            f"out; {fix}"
+        ), True
     return f"{split} data: {', '.join(parts)}" + (f" ({fix} to keep them)" if lost else ""), False
 
 
@@ -69,9 +77,11 @@ def announce_data_loss(info: dict, args, say=print, train_rows: int | None = Non
     notes, problems = data_loss_lines(info, args)
     global_batch = args.per_device_train_batch_size * dp * args.gradient_accumulation_steps
     if train_rows is not None and train_rows < global_batch:
-        problems.append(f"the training set has {train_rows} rows, fewer than one global batch of {global_batch} "
-                        f"(--per_device_train_batch_size {args.per_device_train_batch_size} x dp {dp} x "
-                        f"--gradient_accumulation_steps {args.gradient_accumulation_steps}): lower them or add data")
+        problems.append(
+            f"the training set has {train_rows} rows, fewer than one global batch of {global_batch} "
+            f"(--per_device_train_batch_size {args.per_device_train_batch_size} x dp {dp} x "
+            f"--gradient_accumulation_steps {args.gradient_accumulation_steps}): lower them or add data"
+        )
     if problems:
         raise DataError("\n".join(problems))
     for line in notes:

@@ -1,6 +1,6 @@
 """DataError, the one exception of hfpar.data, raised for every user mistake with a one-line message.
 
-    from hfpar.data.errors import DataError  # except DataError as exc: print(exc)
+from hfpar.data.errors import DataError  # except DataError as exc: print(exc)
 """
 
 from __future__ import annotations

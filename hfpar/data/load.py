@@ -1,6 +1,6 @@
 """Load: the tokenizer, and a DatasetDict(train, eval) from the embedded generator, local files or the hub.
 
-    splits = load_splits("my_data/", "sft")  # train*/eval* files by name, else eval carved from train (5 %)
+splits = load_splits("my_data/", "sft")  # train*/eval* files by name, else eval carved from train (5 %)
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = Fa
     try:  # an untrusted file: whatever its parser raises (tokenizers' own Exception, RecursionError) is one line
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
-        raise DataError(f"tokenizer {name_or_path!r} could not be loaded: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise DataError(
+            f"tokenizer {name_or_path!r} could not be loaded: {type(exc).__name__}: {_one_line(exc)}"
+        ) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise DataError(f"tokenizer {name_or_path!r} has neither a pad nor an eos token; give one that has")
@@ -55,8 +57,9 @@ def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = Fa
 
 
 # ------------------------------------------------------------------------------------------ load
-def load_splits(dataset_name: str | None, kind: str, *, eval_split_fraction: float = 0.05,
-                seed: int = 42) -> DatasetDict:
+def load_splits(
+    dataset_name: str | None, kind: str, *, eval_split_fraction: float = 0.05, seed: int = 42
+) -> DatasetDict:
     """DatasetDict(train, eval) for a recipe kind, from the embedded generator, local files or the hub."""
     if kind not in KINDS:
         raise DataError(f"dataset kind {kind!r}: valid kinds are {', '.join(KINDS)}")
@@ -106,15 +109,21 @@ def _load_raw(name: str) -> DatasetDict:
 
 
 def _looks_like_path(name: str) -> bool:
-    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
-            or Path(name).suffix.lower() in FILE_LIKE)
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or os.sep != "/"
+        and os.sep in name
+        or Path(name).suffix.lower() in FILE_LIKE
+    )
 
 
 def _builder_of(path: Path) -> str:
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise DataError(f"dataset file {path}: unsupported extension {path.suffix or '(none)'!r}; "
-                        f"valid: {', '.join(BUILDERS)}")
+        raise DataError(
+            f"dataset file {path}: unsupported extension {path.suffix or '(none)'!r}; valid: {', '.join(BUILDERS)}"
+        )
     return builder
 
 
@@ -142,13 +151,16 @@ def _check_json(path: Path) -> None:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(f"dataset file {path}: malformed JSON at line {exc.lineno} column {exc.colno}: "
-                            f"{exc.msg}") from None
+            raise DataError(
+                f"dataset file {path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from None
         except RecursionError:
             raise DataError(f"dataset file {path}: nested too deeply to be a dataset") from None
         if not isinstance(obj, list) or not all(isinstance(o, dict) for o in obj):
-            raise DataError(f"dataset file {path}: expected a list of objects or JSON Lines, got a "
-                            f"{type(obj).__name__}{' holding non-objects' if isinstance(obj, list) else ''}")
+            raise DataError(
+                f"dataset file {path}: expected a list of objects or JSON Lines, got a "
+                f"{type(obj).__name__}{' holding non-objects' if isinstance(obj, list) else ''}"
+            )
         return
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -157,7 +169,7 @@ def _check_json(path: Path) -> None:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"dataset file {path}: malformed JSON Lines at line {lineno}: {exc.msg}") from None
-        except RecursionError:   # an untrusted file: [[[[...]]]] exhausts the parser's stack
+        except RecursionError:  # an untrusted file: [[[[...]]]] exhausts the parser's stack
             raise DataError(f"dataset file {path}: line {lineno} is nested too deeply to be an example") from None
         if not isinstance(obj, dict):
             raise DataError(f"dataset file {path}: line {lineno} is not a JSON object")
@@ -192,8 +204,9 @@ def _carve_eval(train: Dataset, fraction: float, seed: int, name: str) -> tuple[
     """Deterministic eval split from train: a seeded permutation, at least one row each side."""
     n = len(train)
     if n < 2:
-        raise DataError(f"dataset {name}: {n} row(s) are too few to carve an eval split from; "
-                        "give at least 2 rows or an eval split")
+        raise DataError(
+            f"dataset {name}: {n} row(s) are too few to carve an eval split from; give at least 2 rows or an eval split"
+        )
     n_eval = min(n - 1, max(1, round(n * fraction)))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return train.select(sorted(perm[n_eval:])), train.select(sorted(perm[:n_eval]))
@@ -204,9 +217,11 @@ FORMATS = {"sft": "messages, or prompt + completion, or text", "clm": "text", "c
 
 def _check_columns(ds: Dataset, kind: str, name: str) -> None:
     cols = set(ds.column_names)
-    ok = {"sft": "messages" in cols or {"prompt", "completion"} <= cols or "text" in cols,
-          "clm": "text" in cols,
-          "classify": "text" in cols and bool({"label", "labels"} & cols)}[kind]
+    ok = {
+        "sft": "messages" in cols or {"prompt", "completion"} <= cols or "text" in cols,
+        "clm": "text" in cols,
+        "classify": "text" in cols and bool({"label", "labels"} & cols),
+    }[kind]
     if not ok:
         raise DataError(f"dataset {name}: found columns {sorted(cols)}; the {kind} recipe expects {FORMATS[kind]}")
 
@@ -233,4 +248,3 @@ def label_names_of(values: list) -> list[str]:
     if bad is not None or not values:
         raise DataError(f"label {bad!r}: labels must be all strings or all non-negative integers")
     return [str(i) for i in range(max(values) + 1)]
-

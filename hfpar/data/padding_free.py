@@ -8,7 +8,8 @@ block-diagonal causal mask for eager / sdpa / flex attention (sliding windows in
 inside the sample, the same in both layouts) or uses varlen kernels for flash attention. That holds for the
 model families below, verified sample by sample against each sample run alone (tests/unit/test_padding_free.py,
 eager and sdpa on CPU in float64; also run once on an H100 with torch 2.11 / transformers 5.17: eager, sdpa and
-flex_attention in fp32 and bf16, Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2); other families (encoders, encoder-decoders, models that build masks without the position ids or have
+flex_attention in fp32 and bf16, Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2); other families (encoders,
+encoder-decoders, models that build masks without the position ids or have
 recurrent / chunked-attention layers) keep padded batches.
 """
 
@@ -16,8 +17,22 @@ from __future__ import annotations
 
 # model_type -> verified in tests/unit/test_padding_free.py (a tiny random-init model of each: every sample's logits
 # in a padding-free batch equal its logits alone)
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
-            "phi3", "olmo2", "starcoder2", "gpt2")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "starcoder2",
+    "gpt2",
+)
 
 
 def _mask_attentions() -> tuple[str, ...]:
@@ -40,13 +55,19 @@ def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) 
     if task != "lm":
         return False, "sequence classification reads each row's last non-pad token, so classify keeps padded batches"
     if args.pp_size > 1:
-        return False, (f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
-                       "of rows, and padding-free batches vary in their number of rows")
+        return False, (
+            f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
+            "of rows, and padding-free batches vary in their number of rows"
+        )
     if model_type not in FAMILIES:
-        return False, (f"model_type {model_type!r} is not among the families verified to keep packed samples apart "
-                       f"({', '.join(FAMILIES)})")
+        return False, (
+            f"model_type {model_type!r} is not among the families verified to keep packed samples apart "
+            f"({', '.join(FAMILIES)})"
+        )
     attn = args.attn_implementation
     if attn is not None and attn not in _mask_attentions():
-        return False, (f"--attn_implementation {attn}: transformers builds no packed-sequence mask for it "
-                       f"(it does for {', '.join(_mask_attentions())})")
+        return False, (
+            f"--attn_implementation {attn}: transformers builds no packed-sequence mask for it "
+            f"(it does for {', '.join(_mask_attentions())})"
+        )
     return True, None

@@ -18,7 +18,8 @@ Row layout: each pair is ONE row, its two sequences packed as documents (positio
 rejected one): the chosen and rejected sequences of a pair always travel together, through context-parallel
 shards and pipeline micro-batches alike (with a shared prompt, several pairs share a row: PairCollator).
 Labels carry the pair with each target (encode_targets): pair index in the batch, side (chosen / rejected) and
-token, IGNORE outside completions; so every cut of a batch keeps each target next to its pair. Why by hand: trl pulls its trainers in at import (seconds per process),
+token, IGNORE outside completions; so every cut of a batch keeps each target next to its pair. Why by hand: trl pulls
+its trainers in at import (seconds per process),
 and its data helpers are ten lines each.
 """
 
@@ -30,14 +31,15 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from hfpar.data.synthetic import LETTERS, _sft_sample
+from hfpar.parallel.labels import IGNORE
 
 from .errors import DataError
 from .load import _load_raw
 
 N_TRAIN, N_EVAL = 2000, 100
 COLUMNS = ("prompt", "chosen", "rejected")
-from hfpar.parallel.labels import IGNORE
-_STRIDE = 1 << 32     # token ids below it (any vocabulary); (2 * row + side + 1) * _STRIDE above
+
+_STRIDE = 1 << 32  # token ids below it (any vocabulary); (2 * row + side + 1) * _STRIDE above
 
 
 def encode_targets(token, row, side):
@@ -81,8 +83,11 @@ def _pair(rng: random.Random) -> dict:
     messages = _sft_sample(rng)
     right = messages[-1]["content"]
     wrong = _wrong_answer(messages[-2]["content"], rng)
-    return {"prompt": messages[:-1], "chosen": [{"role": "assistant", "content": right}],
-            "rejected": [{"role": "assistant", "content": wrong}]}
+    return {
+        "prompt": messages[:-1],
+        "chosen": [{"role": "assistant", "content": right}],
+        "rejected": [{"role": "assistant", "content": wrong}],
+    }
 
 
 def make_preference(seed: int = 42, n_train: int = N_TRAIN, n_eval: int = N_EVAL) -> DatasetDict:
@@ -121,7 +126,7 @@ def extract_prompt(example: dict) -> dict:
             break
     else:
         n = min(len(c), len(r))
-    if isinstance(c, str) and n > 0:   # TRL: back off to the last space so no word is split
+    if isinstance(c, str) and n > 0:  # TRL: back off to the last space so no word is split
         while n > 0 and c[n - 1] != " ":
             n -= 1
         n = max(n - 1, 0) if n > 0 else 0
@@ -132,8 +137,10 @@ def check_columns(ds: Dataset, name: str) -> None:
     cols = set(ds.column_names)
     missing = [c for c in ("chosen", "rejected") if c not in cols]
     if missing:
-        raise DataError(f"preference dataset {name}: no {' / '.join(missing)} column (have {', '.join(sorted(cols))}); "
-                        "expected prompt / chosen / rejected (standard or conversational) or chosen / rejected")
+        raise DataError(
+            f"preference dataset {name}: no {' / '.join(missing)} column (have {', '.join(sorted(cols))}); "
+            "expected prompt / chosen / rejected (standard or conversational) or chosen / rejected"
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -163,15 +170,22 @@ def tokenize_pair(example: dict, tok, index: int) -> dict:
             raise DataError(f"preference example {index}: chosen and rejected are identical after the common prompt")
     conv = is_conversational(example)
     if conv:
-        prompt = list(tok.apply_chat_template(example["prompt"], tokenize=True, return_dict=True,
-                                              add_generation_prompt=True)["input_ids"])
+        prompt = list(
+            tok.apply_chat_template(example["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True)[
+                "input_ids"
+            ]
+        )
         pc = _ids(tok, example["prompt"] + example["chosen"])
         pr = _ids(tok, example["prompt"] + example["rejected"])
     else:
         eos = tok.eos_token or ""
         c, r = example["chosen"], example["rejected"]
         c, r = c if c.endswith(eos) else c + eos, r if r.endswith(eos) else r + eos
-        prompt, pc, pr = _ids(tok, example["prompt"]), _ids(tok, example["prompt"] + c), _ids(tok, example["prompt"] + r)
+        prompt, pc, pr = (
+            _ids(tok, example["prompt"]),
+            _ids(tok, example["prompt"] + c),
+            _ids(tok, example["prompt"] + r),
+        )
     n = min(_common_prefix(prompt, pc), _common_prefix(prompt, pr))
     out = {"prompt_ids": prompt[:n], "chosen_ids": pc[n:], "rejected_ids": pr[n:]}
     for k in ("chosen_ids", "rejected_ids"):
@@ -180,8 +194,14 @@ def tokenize_pair(example: dict, tok, index: int) -> dict:
     return out
 
 
-def truncate_pair(p: dict, *, max_length: int | None, truncation_mode: str = "keep_start",
-                  max_prompt_length: int | None = None, max_completion_length: int | None = None) -> dict:
+def truncate_pair(
+    p: dict,
+    *,
+    max_length: int | None,
+    truncation_mode: str = "keep_start",
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+) -> dict:
     """-> {"chosen": (ids, completion_mask), "rejected": (...)}: each sequence prompt + completion, truncated."""
     prompt = p["prompt_ids"][-max_prompt_length:] if max_prompt_length else p["prompt_ids"]
     out = {}
@@ -195,9 +215,17 @@ def truncate_pair(p: dict, *, max_length: int | None, truncation_mode: str = "ke
     return out
 
 
-def tokenize_preference(ds: Dataset, tok, max_length: int | None, *, truncation_mode: str = "keep_start",
-                        max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                        truncation: str = "truncate", name: str = "train") -> tuple[Dataset, dict]:
+def tokenize_preference(
+    ds: Dataset,
+    tok,
+    max_length: int | None,
+    *,
+    truncation_mode: str = "keep_start",
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    truncation: str = "truncate",
+    name: str = "train",
+) -> tuple[Dataset, dict]:
     """Tokenized pairs (prompt_ids, chosen_ids, rejected_ids and, when present, ref_chosen_logps /
     ref_rejected_logps); truncation "drop": a pair longer than the limits is refused, naming the example."""
     check_columns(ds, name)
@@ -207,16 +235,22 @@ def tokenize_preference(ds: Dataset, tok, max_length: int | None, *, truncation_
     for i, ex in enumerate(ds):
         p = tokenize_pair(dict(ex), tok, i)
         if max_length is not None and truncation_mode == "keep_start" and len(p["prompt_ids"]) >= max_length:
-            raise DataError(f"preference example {i}: its prompt alone has {len(p['prompt_ids'])} tokens, "
-                            f"--max_length {max_length} leaves no completion token (raise --max_length)")
+            raise DataError(
+                f"preference example {i}: its prompt alone has {len(p['prompt_ids'])} tokens, "
+                f"--max_length {max_length} leaves no completion token (raise --max_length)"
+            )
         if not p["prompt_ids"] and min(len(p["chosen_ids"]), len(p["rejected_ids"])) < 2:
-            raise DataError(f"preference example {i}: no prompt and a one-token completion: nothing precedes its "
-                            "token, so it has no target")
+            raise DataError(
+                f"preference example {i}: no prompt and a one-token completion: nothing precedes its "
+                "token, so it has no target"
+            )
         lens = [len(p["prompt_ids"]) + len(p[k]) for k in ("chosen_ids", "rejected_ids")]
         long = max_length is not None and max(lens) > max_length
         if long and truncation == "drop":
-            raise DataError(f"preference example {i}: prompt + completion has {max(lens)} tokens, over --max_length "
-                            f"{max_length} (--truncation truncate cuts it as TRL does)")
+            raise DataError(
+                f"preference example {i}: prompt + completion has {max(lens)} tokens, over --max_length "
+                f"{max_length} (--truncation truncate cuts it as TRL does)"
+            )
         cut += long
         for k in ("ref_chosen_logps", "ref_rejected_logps"):
             if k in ex:
@@ -238,7 +272,8 @@ class PairCollator:
     last token only (it predicts the first rejected token; its position is the prompt's last), and an attention_mask
     (B, 1, T, T) (built from the batch's compact `pair_layout` where it is used, on its device:
     with_attention_mask) lets the rejected sequence see the chosen row's prompt before p (and not the chosen
-    completion): every token sees exactly what it sees in its own sequence, so the log-probs are those of the two sequences run
+    completion): every token sees exactly what it sees in its own sequence, so the log-probs are those of the two
+    sequences run
     apart, for ~P fewer tokens a pair (prefix sharing; the embedded set: 17% fewer tokens). The same mask then
     packs pairs: several to a row (first-fit decreasing, no row longer than the batch's longest pair, so no
     attention block grows), each pair seeing only itself, and `pairs` (P,) holds each pair's row (the embedded
@@ -247,12 +282,25 @@ class PairCollator:
     context parallelism (its own attention, cut by position ids) nor a pipeline. Where truncation left the two
     prompts different (keep_end), the pair is the plain layout."""
 
-    def __init__(self, tokenizer, *, max_length: int | None = None, truncation_mode: str = "keep_start",
-                 max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, share_prompt: bool = False, pack: bool | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_length: int | None = None,
+        truncation_mode: str = "keep_start",
+        max_prompt_length: int | None = None,
+        max_completion_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        share_prompt: bool = False,
+        pack: bool | None = None,
+    ):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.limits = {"max_length": max_length, "truncation_mode": truncation_mode,
-                           "max_prompt_length": max_prompt_length, "max_completion_length": max_completion_length}
+        self.limits = {
+            "max_length": max_length,
+            "truncation_mode": truncation_mode,
+            "max_prompt_length": max_prompt_length,
+            "max_completion_length": max_completion_length,
+        }
         self.multiple = pad_to_multiple_of
         self.share_prompt = share_prompt
         self.pack = share_prompt if pack is None else pack and share_prompt
@@ -266,7 +314,7 @@ class PairCollator:
             if cm or rm or ci != ri:
                 break
             n += 1
-        return max(n - 1, 0)   # the last common prompt token stays: it predicts the first rejected token
+        return max(n - 1, 0)  # the last common prompt token stays: it predicts the first rejected token
 
     def _segment(self, b: int, f: dict) -> tuple[list, list, list, int, int]:
         """Pair b's tokens, labels, positions, chosen length and shared prompt tokens."""
@@ -280,9 +328,11 @@ class PairCollator:
             pos += range(skip, len(s_ids))
             # the label of a token is its own id (the trainer shifts): its target when the token is completion
             start = len(labels)
-            labels += [encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
-                       for t, m in zip(s_ids[skip:], s_mask[skip:])]
-            labels[start] = IGNORE   # a sequence's first token is nobody's target (nothing precedes it)
+            labels += [
+                encode_targets(t, b, side) if m and not f.get("no_targets") else IGNORE
+                for t, m in zip(s_ids[skip:], s_mask[skip:])
+            ]
+            labels[start] = IGNORE  # a sequence's first token is nobody's target (nothing precedes it)
         return ids, labels, pos, len(seqs["chosen"][0]), shared
 
     @staticmethod
@@ -322,23 +372,32 @@ class PairCollator:
                 row["hi"] += [o] * first + [o + first] * (n - first)
             real = len(row["input_ids"])
             row["token_mask"] = [1] * real
-            pad = list(range(real, length))   # padding sees itself only: [t, t] and [t, t)
-            for k, fill in (("input_ids", [self.pad_id] * len(pad)), ("labels", [IGNORE] * len(pad)),
-                            ("position_ids", [0] * len(pad)), ("token_mask", [0] * len(pad)), ("start", pad),
-                            ("lo", pad), ("hi", pad)):
+            pad = list(range(real, length))  # padding sees itself only: [t, t] and [t, t)
+            for k, fill in (
+                ("input_ids", [self.pad_id] * len(pad)),
+                ("labels", [IGNORE] * len(pad)),
+                ("position_ids", [0] * len(pad)),
+                ("token_mask", [0] * len(pad)),
+                ("start", pad),
+                ("lo", pad),
+                ("hi", pad),
+            ):
                 cols[k].append(row[k] + fill)
-        batch = {k: torch.tensor(cols[k], dtype=torch.long) for k in ("input_ids", "labels", "position_ids", "token_mask")}
-        if self.share_prompt:   # the (B, 1, T, T) mask is built where the rows are used (pair_attention_mask)
+        batch = {
+            k: torch.tensor(cols[k], dtype=torch.long) for k in ("input_ids", "labels", "position_ids", "token_mask")
+        }
+        if self.share_prompt:  # the (B, 1, T, T) mask is built where the rows are used (pair_attention_mask)
             layout = torch.tensor([cols["start"], cols["lo"], cols["hi"]], dtype=torch.long)
-            batch["pair_layout"] = layout.transpose(0, 1).contiguous()      # (B, 3, T)
+            batch["pair_layout"] = layout.transpose(0, 1).contiguous()  # (B, 3, T)
             owner = [0] * len(segs)
             for b, r in enumerate(rows):
                 for i in r:
                     owner[i] = b
-            batch["pairs"] = torch.tensor(owner, dtype=torch.long)           # (P,) each pair's row
+            batch["pairs"] = torch.tensor(owner, dtype=torch.long)  # (P,) each pair's row
         if "ref_chosen_logps" in features[0]:
-            batch["ref_logps"] = torch.tensor([[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features],
-                                              dtype=torch.float64)   # (P, 2)
+            batch["ref_logps"] = torch.tensor(
+                [[f["ref_chosen_logps"], f["ref_rejected_logps"]] for f in features], dtype=torch.float64
+            )  # (P, 2)
         return batch
 
 
@@ -371,10 +430,16 @@ def load_preference(args, tokenizer) -> tuple[Dataset, dict]:
         if "train" not in splits:
             raise DataError(f"dataset {args.dataset_name}: no train split (have {', '.join(splits)})")
         raw = splits["train"]
-    return tokenize_preference(raw, tokenizer, args.max_length or args.max_seq_length,
-                               truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
-                               max_completion_length=args.max_completion_length, truncation=args.truncation,
-                               name=args.dataset_name or "embedded")
+    return tokenize_preference(
+        raw,
+        tokenizer,
+        args.max_length or args.max_seq_length,
+        truncation_mode=args.truncation_mode,
+        max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length,
+        truncation=args.truncation,
+        name=args.dataset_name or "embedded",
+    )
 
 
 def load_preference_eval(args, tokenizer) -> Dataset | None:
@@ -388,17 +453,29 @@ def load_preference_eval(args, tokenizer) -> Dataset | None:
         if name is None:
             return None
         raw = splits[name]
-    ds, _ = tokenize_preference(raw, tokenizer, args.max_length or args.max_seq_length,
-                                truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
-                                max_completion_length=args.max_completion_length, truncation=args.truncation,
-                                name=f"{args.dataset_name or 'embedded'} (eval)")
+    ds, _ = tokenize_preference(
+        raw,
+        tokenizer,
+        args.max_length or args.max_seq_length,
+        truncation_mode=args.truncation_mode,
+        max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length,
+        truncation=args.truncation,
+        name=f"{args.dataset_name or 'embedded'} (eval)",
+    )
     return ds
 
 
-def pair_collator(args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False,
-                  pack: bool | None = None) -> PairCollator:
-    return PairCollator(tokenizer, max_length=args.max_length or args.max_seq_length,
-                        truncation_mode=args.truncation_mode, max_prompt_length=args.max_prompt_length,
-                        max_completion_length=args.max_completion_length,
-                        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None, share_prompt=share_prompt,
-                        pack=pack)
+def pair_collator(
+    args, tokenizer, seq_multiple: int = 1, share_prompt: bool = False, pack: bool | None = None
+) -> PairCollator:
+    return PairCollator(
+        tokenizer,
+        max_length=args.max_length or args.max_seq_length,
+        truncation_mode=args.truncation_mode,
+        max_prompt_length=args.max_prompt_length,
+        max_completion_length=args.max_completion_length,
+        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
+        share_prompt=share_prompt,
+        pack=pack,
+    )

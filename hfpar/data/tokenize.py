@@ -1,17 +1,17 @@
 """Tokenize: SFT (TRL formats, loss masks), CLM (packed stream) and classification rows; labels unshifted.
 
-    train, stats = tokenize_sft(splits["train"], tokenizer, 128)  # input_ids, labels (-100 = no loss)
+train, stats = tokenize_sft(splits["train"], tokenizer, 128)  # input_ids, labels (-100 = no loss)
 """
 
 from __future__ import annotations
 
 from datasets import ClassLabel, Dataset
 
+from hfpar.parallel.labels import IGNORE  # noqa: F401  (re-exported: hfpar.data.IGNORE)
+
 from .chat import _check_messages, _render_chat
 from .errors import DataError
 from .load import FORMATS, label_names_of
-
-from hfpar.parallel.labels import IGNORE  # noqa: F401  (re-exported: hfpar.data.IGNORE)
 
 
 def _check_args(max_seq_length: int, truncation: str = "truncate") -> None:
@@ -32,8 +32,9 @@ def _adds_bos(tokenizer) -> bool:
     return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
-def _tokenize_spans(tokenizer, texts: list[str], spans: list[list], add_special_tokens: bool,
-                    use_offsets: bool | None = None) -> list[tuple[list[int], list[bool]]]:
+def _tokenize_spans(
+    tokenizer, texts: list[str], spans: list[list], add_special_tokens: bool, use_offsets: bool | None = None
+) -> list[tuple[list[int], list[bool]]]:
     """Token ids of each text + a mask of the tokens that overlap its character spans (the trained part).
 
     Fast tokenizers map tokens to characters with offsets (zero-width tokens added by the
@@ -43,8 +44,10 @@ def _tokenize_spans(tokenizer, texts: list[str], spans: list[list], add_special_
         use_offsets = bool(getattr(tokenizer, "is_fast", False))
     if use_offsets:
         enc = tokenizer(texts, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        return [(ids, [e > s and any(s < a1 and e > a0 for a0, a1 in sp) for s, e in offsets])
-                for ids, offsets, sp in zip(enc["input_ids"], enc["offset_mapping"], spans)]
+        return [
+            (ids, [e > s and any(s < a1 and e > a0 for a0, a1 in sp) for s, e in offsets])
+            for ids, offsets, sp in zip(enc["input_ids"], enc["offset_mapping"], spans)
+        ]
     lead = 1 if add_special_tokens and _adds_bos(tokenizer) else 0
     out = []
     for text, sp in zip(texts, spans):
@@ -64,13 +67,17 @@ def _sft_examples(ds: Dataset, tokenizer) -> list[tuple[list[int], list[bool]]]:
     conversational_pc = {"prompt", "completion"} <= cols and len(ds) > 0 and isinstance(ds[0]["prompt"], list)
     if "messages" in cols or conversational_pc:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no chat template, which the messages "
-                            "format needs; use a tokenizer with one, or prompt/completion or text columns")
+            raise DataError(
+                f"tokenizer {tokenizer.name_or_path!r} has no chat template, which the messages "
+                "format needs; use a tokenizer with one, or prompt/completion or text columns"
+            )
         if "messages" in cols:
             chats = [(_check_messages(m, i), 0) for i, m in enumerate(ds["messages"])]
         else:
-            chats = [(_check_messages(p, i) + _check_messages(c, i), len(p))
-                     for i, (p, c) in enumerate(zip(ds["prompt"], ds["completion"]))]
+            chats = [
+                (_check_messages(p, i) + _check_messages(c, i), len(p))
+                for i, (p, c) in enumerate(zip(ds["prompt"], ds["completion"]))
+            ]
         rendered = [_render_chat(tokenizer, m, first, i) for i, (m, first) in enumerate(chats)]
         return _tokenize_spans(tokenizer, [r[0] for r in rendered], [r[1] for r in rendered], False)
     if {"prompt", "completion"} <= cols:
@@ -93,8 +100,9 @@ def _sft_examples(ds: Dataset, tokenizer) -> list[tuple[list[int], list[bool]]]:
     return out
 
 
-def tokenize_sft(ds: Dataset, tokenizer, max_seq_length: int, *, completion_only_loss: bool = True,
-                 truncation: str = "truncate") -> tuple[Dataset, dict]:
+def tokenize_sft(
+    ds: Dataset, tokenizer, max_seq_length: int, *, completion_only_loss: bool = True, truncation: str = "truncate"
+) -> tuple[Dataset, dict]:
     """TRL formats -> Dataset(input_ids, labels) + stats {examples, truncated, dropped, no_targets, ...}.
 
     messages           chat template; with completion_only_loss, loss on assistant turns only
@@ -104,8 +112,15 @@ def tokenize_sft(ds: Dataset, tokenizer, max_seq_length: int, *, completion_only
     are cut (truncation="truncate") or left out ("drop"); rows left without any target are left out.
     """
     _check_args(max_seq_length, truncation)
-    stats = {"examples": len(ds), "truncated": 0, "dropped": 0, "no_targets": 0, "cut_away": 0, "tokens": 0,
-             "target_tokens": 0}   # cut_away: of no_targets, those whose targets truncation removed
+    stats = {
+        "examples": len(ds),
+        "truncated": 0,
+        "dropped": 0,
+        "no_targets": 0,
+        "cut_away": 0,
+        "tokens": 0,
+        "target_tokens": 0,
+    }  # cut_away: of no_targets, those whose targets truncation removed
     input_ids, labels = [], []
     for ids, mask in _sft_examples(ds, tokenizer):
         if not completion_only_loss:
@@ -127,8 +142,10 @@ def tokenize_sft(ds: Dataset, tokenizer, max_seq_length: int, *, completion_only
         stats["tokens"] += len(ids)
         stats["target_tokens"] += n_targets
     if not input_ids:
-        raise DataError(f"no SFT example left after tokenization with max_seq_length {max_seq_length} "
-                        f"and truncation {truncation!r} ({stats})")
+        raise DataError(
+            f"no SFT example left after tokenization with max_seq_length {max_seq_length} "
+            f"and truncation {truncation!r} ({stats})"
+        )
     return Dataset.from_dict({"input_ids": input_ids, "labels": labels}), stats
 
 
@@ -156,7 +173,7 @@ def tokenize_clm(ds: Dataset, tokenizer, max_seq_length: int) -> tuple[Dataset, 
         positions += range(len(ids))
     rows = {"input_ids": [], "labels": [], "position_ids": []}
     for start in range(0, len(stream), max_seq_length):
-        ids, pos = stream[start: start + max_seq_length], positions[start: start + max_seq_length]
+        ids, pos = stream[start : start + max_seq_length], positions[start : start + max_seq_length]
         if len(ids) < 2:
             continue
         first, j = pos[0], 0
@@ -168,13 +185,19 @@ def tokenize_clm(ds: Dataset, tokenizer, max_seq_length: int) -> tuple[Dataset, 
         rows["position_ids"].append(pos)
     if not rows["input_ids"]:
         raise DataError(f"no CLM text left after tokenization ({len(texts)} texts, {len(texts) - len(docs)} empty)")
-    stats = {"examples": len(texts), "truncated": 0, "dropped": len(texts) - len(docs),
-             "chunks": len(rows["input_ids"]), "tokens": len(stream)}
+    stats = {
+        "examples": len(texts),
+        "truncated": 0,
+        "dropped": len(texts) - len(docs),
+        "chunks": len(rows["input_ids"]),
+        "tokens": len(stream),
+    }
     return Dataset.from_dict(rows), stats
 
 
-def tokenize_classify(ds: Dataset, tokenizer, max_seq_length: int, *, truncation: str = "truncate",
-                      label_names: list[str] | None = None) -> tuple[Dataset, dict, int]:
+def tokenize_classify(
+    ds: Dataset, tokenizer, max_seq_length: int, *, truncation: str = "truncate", label_names: list[str] | None = None
+) -> tuple[Dataset, dict, int]:
     """text + label -> (Dataset(input_ids, labels: int), stats, num_labels).
 
     ClassLabel columns keep their names; string labels map to sorted names (pass label_names to fix
@@ -201,8 +224,13 @@ def tokenize_classify(ds: Dataset, tokenizer, max_seq_length: int, *, truncation
             raise DataError(f"example {i}: label {v!r} is not one of {valid}")
         labels.append(lab)
     texts = [_as_text(t, "text", i) for i, t in enumerate(ds["text"])]
-    stats = {"examples": len(texts), "truncated": 0, "dropped": 0, "num_labels": num_labels,
-             "label_names": label_names if isinstance(feature, ClassLabel) or index else None}
+    stats = {
+        "examples": len(texts),
+        "truncated": 0,
+        "dropped": 0,
+        "num_labels": num_labels,
+        "label_names": label_names if isinstance(feature, ClassLabel) or index else None,
+    }
     rows = {"input_ids": [], "labels": []}
     for ids, lab in zip(tokenizer(texts, add_special_tokens=True)["input_ids"], labels):
         if len(ids) > max_seq_length:

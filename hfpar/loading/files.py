@@ -53,7 +53,7 @@ def checkpoint_index(path: str | None) -> dict[str, str] | None:
     else:
         files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if _BIN.match(f)]
     if not files or not all(zipfile.is_zipfile(f) for f in files):
-        return None                     # a legacy pickle cannot be memory-mapped: from_pretrained reads it whole
+        return None  # a legacy pickle cannot be memory-mapped: from_pretrained reads it whole
     for f in files if not index else []:
         index.update(dict.fromkeys(_load_bin(f), f))
     return index
@@ -74,7 +74,7 @@ class _BinSlice:
         return list(self.tensor.shape)
 
     def __getitem__(self, box) -> torch.Tensor:
-        return self.tensor[box].clone(memory_format=torch.contiguous_format)   # own storage: the map can go
+        return self.tensor[box].clone(memory_format=torch.contiguous_format)  # own storage: the map can go
 
 
 class Files:
@@ -85,11 +85,11 @@ class Files:
 
     def __init__(self, index: dict[str, str], keys_needed: list[str]):
         self.index = index
-        self.left = defaultdict(int)            # .bin: tensors still to read per file
+        self.left = defaultdict(int)  # .bin: tensors still to read per file
         for k in keys_needed:
             self.left[index[k]] += 1
-        self.more = defaultdict(int)            # per key: further reads announced (several boxes of one tensor)
-        self.open: dict[str, object] = {}       # safetensors: per key; .bin: per file
+        self.more = defaultdict(int)  # per key: further reads announced (several boxes of one tensor)
+        self.open: dict[str, object] = {}  # safetensors: per key; .bin: per file
 
     def _handle(self, key: str):
         path = self.index[key]

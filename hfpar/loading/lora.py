@@ -12,7 +12,8 @@ in a single-process run; on a meta skeleton (hfpar.loading.sharded: base weights
 adapters are drawn on CPU exactly as on a loaded model (PEFT's moves to the base layer's meta device are skipped).
 The final export (hfpar/checkpoint/final_model.py, with full_peft_model / merged_state_model from here) works
 under every data-parallel strategy: it gathers the full state dict (collective; FSDP2 / ZeRO-3 shards included)
-and, on the main process, writes either the adapter (adapter_config.json + adapter_model.safetensors, `PeftModel.from_pretrained`)
+and, on the main process, writes either the adapter (adapter_config.json + adapter_model.safetensors,
+`PeftModel.from_pretrained`)
 or, with --merge_adapter, the merged model as a plain HF checkpoint (`from_pretrained`).
 """
 
@@ -43,9 +44,13 @@ def lora_config(args, task: str):
     # peft is imported on use: an optional extra, and importing it costs ~2.8 s per process (measured)
     from peft import LoraConfig, TaskType  # noqa: PLC0415
 
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=target_modules(args.lora_target_modules),
-                      task_type=TaskType.CAUSAL_LM if task == "lm" else TaskType.SEQ_CLS)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=target_modules(args.lora_target_modules),
+        task_type=TaskType.CAUSAL_LM if task == "lm" else TaskType.SEQ_CLS,
+    )
 
 
 def apply_lora(model: torch.nn.Module, args, task: str) -> torch.nn.Module:
@@ -77,12 +82,15 @@ def _not_to_meta(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
 
 def trainable_summary(model: torch.nn.Module) -> dict:
     """{"trainable_parameters", "all_parameters"} (ZeRO-3 placeholders counted by their full shape)."""
+
     def numel(p: torch.nn.Parameter) -> int:
         return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
 
     params = list(model.parameters())
-    return {"trainable_parameters": sum(numel(p) for p in params if p.requires_grad),
-            "all_parameters": sum(numel(p) for p in params)}
+    return {
+        "trainable_parameters": sum(numel(p) for p in params if p.requires_grad),
+        "all_parameters": sum(numel(p) for p in params),
+    }
 
 
 def _hf_class(model: torch.nn.Module) -> type:
@@ -104,8 +112,9 @@ def full_peft_model(peft_model: torch.nn.Module, full: dict[str, torch.Tensor]) 
     shell.get_base_model().tie_weights()  # tied embeddings: one tensor again, even if full named it once
     still_meta = [n for n, t in shell.state_dict().items() if t.is_meta]
     if unexpected or still_meta:
-        raise RuntimeError(f"LoRA export: state dict does not fit the model (unexpected {unexpected[:3]}, "
-                           f"missing {still_meta[:3]})")
+        raise RuntimeError(
+            f"LoRA export: state dict does not fit the model (unexpected {unexpected[:3]}, missing {still_meta[:3]})"
+        )
     return shell
 
 

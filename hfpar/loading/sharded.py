@@ -50,8 +50,16 @@ from hfpar.parallel.comm import group_rank
 from hfpar.parallel.expert_parallel.families import MOE_FAMILIES, config_num_experts
 from hfpar.parallel.sharding import set_shard_spec, shard_spec
 
-__all__ = ["resolve_checkpoint", "checkpoint_index", "build_skeleton", "load_sharded", "fsdp2_loader", "is_meta",
-           "loading_mode"]
+__all__ = [
+    "resolve_checkpoint",
+    "checkpoint_index",
+    "build_skeleton",
+    "load_sharded",
+    "fsdp2_loader",
+    "is_meta",
+    "loading_mode",
+]
+
 
 def loading_mode(args, ctx, config) -> tuple[str, str]:
     """How a pretrained checkpoint is loaded: ("sharded", why) TP / EP slices / the pipeline stage read on each
@@ -60,17 +68,18 @@ def loading_mode(args, ctx, config) -> tuple[str, str]:
     from_pretrained). The strategy's part comes from its attributes (hfpar.backends.strategies)."""
     if not args.sharded_loading:
         return "full", "--sharded_loading false"
-    sliced = ctx.tp > 1 or ctx.ep > 1   # each rank holds TP / EP slices of some weights
+    sliced = ctx.tp > 1 or ctx.ep > 1  # each rank holds TP / EP slices of some weights
     if args.upcycle_experts and not sliced:
         return "full", "--upcycle_experts without TP / EP: the experts are built from the whole loaded model"
     if (sliced or ctx.pp > 1) and config_num_experts(config) is not None:
-        if config.model_type not in MOE_FAMILIES:   # generic / HF MoE blocks are checked with real weights
+        if config.model_type not in MOE_FAMILIES:  # generic / HF MoE blocks are checked with real weights
             return "full", f"MoE model_type {config.model_type!r} is detected generically (probed with its weights)"
-    if ctx.pp > 1:   # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
+    if ctx.pp > 1:  # any strategy: the stage is read, then wrapped (FSDP2: about 1/pp read whole, then sharded)
         return "sharded", f"each rank reads only its pipeline stage's tensors{' (its TP slices)' if ctx.tp > 1 else ''}"
     if sliced:
         return "sharded", "each rank reads its TP / EP slices" + (
-            " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else "")
+            " (its upcycled experts: copies of the dense MLPs)" if args.upcycle_experts else ""
+        )
     strategy = ctx.strategy
     if strategy.wrap_load:
         return strategy.wrap_load, f"each rank reads its {strategy.label} dim-0 shards"
@@ -87,6 +96,7 @@ def resolve_checkpoint(name_or_path: str) -> str | None:
         return name_or_path
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415  (hub ids only)
+
         path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
         if checkpoint_index(path) is None:
             path = snapshot_download(name_or_path, allow_patterns=["*.json", "pytorch_model*.bin"])
@@ -111,16 +121,16 @@ class _Sources:
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         # name -> tensor: transformers adds / strips base_model_prefix (a BertModel checkpoint into a
         # BertForSequenceClassification) only where the name maps to a tensor (a None value reads as absent)
-        names = model.state_dict(keep_vars=True) if names is None else names   # or a view's (hf_view)
+        names = model.state_dict(keep_vars=True) if names is None else names  # or a view's (hf_view)
         prefix = getattr(model, "base_model_prefix", None)
         self.direct: dict[str, str] = {}
         self.converted: dict[str, tuple] = {}
         for key in index:
             target, pattern = rename_source_key(key, renamings, converters, prefix, names)
-            if target not in names and key in names:       # as transformers: a key the model has is not renamed
+            if target not in names and key in names:  # as transformers: a key the model has is not renamed
                 target, pattern = key, None
             if target not in names:
-                continue                                    # unexpected (from_pretrained ignores them too)
+                continue  # unexpected (from_pretrained ignores them too)
             if pattern is None:
                 self.direct[target] = key
                 continue
@@ -159,13 +169,21 @@ def _converted(files: Files, conv: WeightConverter, lists: dict, boxes, model) -
     lo, hi = min(b[0][0] for b in boxes), max(b[0][1] for b in boxes)
     by_index = isinstance(conv.operations[0], MergeModulelist) and conv.operations[0].dim == 0
     keep = (lambda i: lo <= i < hi) if by_index else (lambda i: True)
-    tensors = {p: [read(files, k, None) for i, k in sorted(lists[p]) if keep(i)] for p in conv.source_patterns
-               if p in lists}
+    tensors = {
+        p: [read(files, k, None) for i, k in sorted(lists[p]) if keep(i)] for p in conv.source_patterns if p in lists
+    }
     for k in (k for lst in lists.values() for i, k in lst if not keep(i)):
-        files.done(k)                                   # other ranks' experts: never read here
+        files.done(k)  # other ranks' experts: never read here
     for op in conv.operations:
-        tensors = op.convert(tensors, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
-                             full_layer_name="", model=model, config=model.config, missing_keys=None)
+        tensors = op.convert(
+            tensors,
+            source_patterns=conv.source_patterns,
+            target_patterns=conv.target_patterns,
+            full_layer_name="",
+            model=model,
+            config=model.config,
+            missing_keys=None,
+        )
     full = next(iter(tensors.values()))
     if by_index:
         boxes = [[(a - lo, b - lo), *rest] for (a, b), *rest in boxes]
@@ -178,12 +196,12 @@ def _cat_dim(boxes) -> int:
 
 def _load_tensor(files: Files, sources: _Sources, names: list[str], t: torch.Tensor, model) -> torch.Tensor:
     name = next(n for n in names if sources.has(n))
-    if isinstance(t, DTensor):                        # FSDP2: a DTensor's shape is the full one
+    if isinstance(t, DTensor):  # FSDP2: a DTensor's shape is the full one
         shape = list(t.shape)
     else:
         spec = shard_spec(t)
         shape = list(t.shape)
-        if spec is not None and spec.sharded:         # the full tensor's shape, from the local one
+        if spec is not None and spec.sharded:  # the full tensor's shape, from the local one
             shape[spec.dim] *= spec.size
     boxes = _boxes(t, shape)
     if name in sources.direct:
@@ -215,8 +233,15 @@ def _tensor_names(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]
 
 
 # ----------------------------------------------------------------------------- skeleton, missing keys
-def build_skeleton(cls, path: str, index: dict[str, str], dtype=torch.float32, config_updates: dict | None = None,
-                   trust_remote_code: bool = False, **kwargs) -> nn.Module:
+def build_skeleton(
+    cls,
+    path: str,
+    index: dict[str, str],
+    dtype=torch.float32,
+    config_updates: dict | None = None,
+    trust_remote_code: bool = False,
+    **kwargs,
+) -> nn.Module:
     """cls.from_config on meta (buffers computed on CPU), in eval mode like from_pretrained; parameters the
     checkpoint lacks are initialised whole on CPU now by the model's own initialize_weights (a classification
     head on a causal-LM checkpoint), so sharding treats them like loaded ones."""
@@ -232,7 +257,7 @@ def build_skeleton(cls, path: str, index: dict[str, str], dtype=torch.float32, c
     missing = [(t, names) for t, names in _tensor_names(model).values() if not any(sources.has(n) for n in names)]
     if missing:
         for t, _ in _tensor_names(model).values():
-            t._is_hf_initialized = True                # transformers' init functions skip flagged tensors
+            t._is_hf_initialized = True  # transformers' init functions skip flagged tensors
         for t, names in missing:
             _assign(model, names, torch.empty(t.shape, dtype=t.dtype), t)
         for mod in model.modules():
@@ -262,17 +287,19 @@ def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
     """Materialise every meta tensor of `model` (after TP / EP / LoRA / the pipeline stage split, before the
     data-parallel wrap) with this rank's slice read from the checkpoint files; names through hf_view (a stage's
     layers, PEFT's base layers). Returns {"tensors": n, "bytes_read": b} (this rank's)."""
-    upcycled = load_upcycled_experts(model, index)   # --upcycle_experts: this rank's experts from the dense MLPs
+    upcycled = load_upcycled_experts(model, index)  # --upcycle_experts: this rank's experts from the dense MLPs
     hf, hf_name = hf_view(model)
     tensors = _tensor_names(model)
-    full = {n: hf_name(n) for t, names in tensors.values() for n in names}      # this model's name -> the HF model's
+    full = {n: hf_name(n) for t, names in tensors.values() for n in names}  # this model's name -> the HF model's
     sources = _Sources(hf, index, {full[n]: t for t, names in tensors.values() for n in names})
     todo = [(t, names) for t, names in tensors.values() if t.is_meta]
     lost = [full[names[0]] for t, names in todo if not any(sources.has(full[n]) for n in names)]
     if lost:
-        raise ValueError(f"load_sharded: the checkpoint has no tensor for {', '.join(lost[:5])}"
-                         f"{' ...' if len(lost) > 5 else ''} (parameters built after loading must be initialised)")
-    todo = [(t, sorted(names, key=lambda n: not sources.has(full[n]))) for t, names in todo]   # sourced name first
+        raise ValueError(
+            f"load_sharded: the checkpoint has no tensor for {', '.join(lost[:5])}"
+            f"{' ...' if len(lost) > 5 else ''} (parameters built after loading must be initialised)"
+        )
+    todo = [(t, sorted(names, key=lambda n: not sources.has(full[n]))) for t, names in todo]  # sourced name first
     files = Files(index, _keys_needed(sources, [full[names[0]] for _, names in todo]))
     done = upcycled
     for t, names in todo:
@@ -290,7 +317,7 @@ def fsdp2_loader(index: dict[str, str]):
 
     @torch.no_grad()
     def load(accelerator, model, full_sd, cpu_offload=False):  # noqa: ARG001 - accelerate's signature
-        hf, hf_name = hf_view(model)        # a PEFT model (LoRA): its base layers' names
+        hf, hf_name = hf_view(model)  # a PEFT model (LoRA): its base layers' names
         sharded = model.state_dict()
         names = {n: hf_name(n) for n in sharded}
         sources = _Sources(hf, index, {names[n]: t for n, t in sharded.items()})
@@ -304,8 +331,9 @@ def fsdp2_loader(index: dict[str, str]):
             else:
                 local = _load_tensor(files, sources, [names[name]], t, hf)
             local = local.to(accelerator.device if not cpu_offload else "cpu")
-            out[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                           stride=t.stride())
+            out[name] = DTensor.from_local(
+                local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
         model.load_state_dict(out, assign=True)
         return model
 

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "adapter_config.json")
-MAX_CONFIG_BYTES = 16 << 20        # a config is kilobytes; 16 MiB leaves room for huge vocab maps
-MAX_TOKENIZER_BYTES = 1 << 30      # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
-MAX_JSON_DEPTH = 64                # real configs nest a few levels; deep nesting exhausts recursive parsers
+MAX_CONFIG_BYTES = 16 << 20  # a config is kilobytes; 16 MiB leaves room for huge vocab maps
+MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
+MAX_JSON_DEPTH = 64  # real configs nest a few levels; deep nesting exhausts recursive parsers
 
 
 def _depth(text: str) -> int:
@@ -81,9 +81,11 @@ def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -
             continue
         if isinstance(data, dict) and data.get("auto_map") and not trust_remote_code:
             code = sorted(p.name for p in root.glob("*.py"))
-            problems.append(f"{option} {path}: {name} has auto_map (custom code{': ' + ', '.join(code[:4]) if code else ''}),"
-                            " which transformers would run; hfpar runs no code from a model directory unless you pass "
-                            "--trust_remote_code (read that code first)")
+            problems.append(
+                f"{option} {path}: {name} has auto_map (custom code{': ' + ', '.join(code[:4]) if code else ''}),"
+                " which transformers would run; hfpar runs no code from a model directory unless you pass "
+                "--trust_remote_code (read that code first)"
+            )
     tok = root / "tokenizer.json"
     if tok.is_file():
         try:
@@ -93,11 +95,15 @@ def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -
             problems.append(f"{option} {path}: {tok.name} unreadable ({exc.strerror})")
         else:
             if size > MAX_TOKENIZER_BYTES:
-                problems.append(f"{option} {path}: {tok.name} has {size:,} bytes, over the {MAX_TOKENIZER_BYTES:,} "
-                                "hfpar reads for a tokenizer")
+                problems.append(
+                    f"{option} {path}: {tok.name} has {size:,} bytes, over the {MAX_TOKENIZER_BYTES:,} "
+                    "hfpar reads for a tokenizer"
+                )
             elif _depth(head) > MAX_JSON_DEPTH:
-                problems.append(f"{option} {path}: {tok.name} is nested deeper than {MAX_JSON_DEPTH} levels, not a "
-                                "tokenizer transformers writes")
+                problems.append(
+                    f"{option} {path}: {tok.name} is nested deeper than {MAX_JSON_DEPTH} levels, not a "
+                    "tokenizer transformers writes"
+                )
     return problems
 
 

@@ -28,7 +28,8 @@ _DENSE = ("gate_proj", "up_proj", "down_proj")
 
 def _upcycled_layers(model: nn.Module, index: dict[str, str]) -> list[tuple[nn.Module, list[str]]]:
     """(experts module, its dense checkpoint keys gate / up / down) of every MoE layer still on meta whose dense
-    MLP the checkpoint holds (a native MoE checkpoint has per-expert keys instead: hfpar.loading.sharded reads those)."""
+    MLP the checkpoint holds (a native MoE checkpoint has per-expert keys instead: hfpar.loading.sharded reads
+    those)."""
     _, hf_name = hf_view(model)
     out = []
     for path, m in model.named_modules():
@@ -56,9 +57,9 @@ def load_upcycled_experts(model: nn.Module, index: dict[str, str]) -> int:
     files = Files(index, [k for _, keys in layers for k in keys])
     done = 0
     for experts, keys in layers:
-        gate, up, down = (read(files, k, None) for k in keys)                     # (I, H), (I, H), (H, I)
+        gate, up, down = (read(files, k, None) for k in keys)  # (I, H), (I, H), (H, I)
         done += sum(t.numel() * t.element_size() for t in (gate, up, down))
-        n = experts.gate_up_proj.shape[0]                                         # this rank's experts, E/ep
-        _put(experts, "gate_up_proj", torch.cat([gate, up], dim=0)[None].expand(n, -1, -1))   # (E/ep, 2I, H)
-        _put(experts, "down_proj", down[None].expand(n, -1, -1))                             # (E/ep, H, I)
+        n = experts.gate_up_proj.shape[0]  # this rank's experts, E/ep
+        _put(experts, "gate_up_proj", torch.cat([gate, up], dim=0)[None].expand(n, -1, -1))  # (E/ep, 2I, H)
+        _put(experts, "down_proj", down[None].expand(n, -1, -1))  # (E/ep, H, I)
     return done

@@ -27,7 +27,7 @@ _PEFT_PREFIX = "base_model.model."
 
 def _peft_free(name: str) -> str:
     """A PEFT model's name of a base-model tensor -> the base model's name."""
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    name = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
     return _PEFT_INFIX.sub("", name)
 
 
@@ -40,11 +40,11 @@ def _tied_alias(hf: nn.Module, ties: bool) -> dict[str, str]:
 def hf_view(model: nn.Module) -> tuple[nn.Module, Callable[[str], str]]:
     """(the HF model whose class / config / conversion mapping apply, this model's state-dict name -> the full
     HF model's name)."""
-    if hasattr(model, "hf_name") and hasattr(model, "ties_embeddings"):       # PipelineStage / PipelineChunks
+    if hasattr(model, "hf_name") and hasattr(model, "ties_embeddings"):  # PipelineStage / PipelineChunks
         first = model.chunks[0] if hasattr(model, "chunks") else model
         hf = first.lm
         alias = _tied_alias(hf, model.ties_embeddings)
         return hf, lambda n: (lambda full: alias.get(full, full))(_peft_free(model.hf_name(n)))
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):     # PEFT (LoRA)
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # PEFT (LoRA)
         return model.get_base_model(), _peft_free
     return model, lambda n: n

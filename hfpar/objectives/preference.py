@@ -1,11 +1,13 @@
 """The DPO objective: TRL 1.16 DPOTrainer's losses, an Objective of hfpar's one training loop.
 
-    objective = DPOObjective(model, ctx, reference=FrozenReference(), beta=0.1, loss_type="sigmoid")  # or [(type, w), ..]
+    objective = DPOObjective(model, ctx, reference=FrozenReference(), beta=0.1, loss_type="sigmoid")  # or [(type, w),
+    ..]
     objective.before_micro(backend, batch, replan)  # the reference log-probs of the batch's pairs (or precomputed)
     loss_sum, n_pairs = objective(logits, shifted_labels)
 
 Rows hold one pair each, or several with a shared prompt (hfpar.data.preference.PairCollator: `pairs` in the
-batch), and labels carry each completion target's pair (index, side); so the log-probability of a sequence is a sum of per-token log-probs wherever the tokens are: padded,
+batch), and labels carry each completion target's pair (index, side); so the log-probability of a sequence is a sum of
+per-token log-probs wherever the tokens are: padded,
 cut into context-parallel shards (partial sums all-reduced over the cp group, differentiably), or in a pipeline's
 micro-batch (rows stay whole). Under TP the per-token log-probs come from the vocab-parallel logit shards
 (vocab_parallel_cross_entropy, reduction none): the full logits are never gathered.
@@ -40,8 +42,14 @@ from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "sppo_hard")
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def loss_terms(loss_type: str, loss_weights: str | None) -> list[tuple[str, float]] | None:
@@ -55,11 +63,12 @@ def loss_terms(loss_type: str, loss_weights: str | None) -> list[tuple[str, floa
     return list(zip(types, weights)) if len(weights) == len(types) else None
 
 
-def pair_losses(loss_type: str, beta: float, label_smoothing: float, logps: torch.Tensor, ref: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
+def pair_losses(
+    loss_type: str, beta: float, label_smoothing: float, logps: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Per-pair losses, TRL 1.16's formulas (reverse-KL f-divergence). logps, ref, lengths: (P, 2) chosen, rejected
     (lengths: completion tokens, for ipo's per-token average)."""
-    ratios = logps - ref                                        # (P, 2) log pi / pi_ref
+    ratios = logps - ref  # (P, 2) log pi / pi_ref
     chosen, rejected = ratios.unbind(-1)
     delta = chosen - rejected
     if loss_type == "sigmoid":
@@ -92,8 +101,9 @@ def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor
     if group is not None:
         return -vocab_parallel_cross_entropy(out, target, group=group, reduction="none")
     logits = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
-    return -F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE,
-                            reduction="none").reshape(target.shape)
+    return -F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
+    ).reshape(target.shape)
 
 
 class Targets:
@@ -113,8 +123,16 @@ class Targets:
 
 
 class DPOObjective(Objective):
-    def __init__(self, model, ctx, *, reference: Reference | None, beta: float = 0.1, loss_type: str | list = "sigmoid",
-                 label_smoothing: float = 0.0):
+    def __init__(
+        self,
+        model,
+        ctx,
+        *,
+        reference: Reference | None,
+        beta: float = 0.1,
+        loss_type: str | list = "sigmoid",
+        label_smoothing: float = 0.0,
+    ):
         """reference: the reference component (hfpar.objectives.reference; None: reference-free, log-probs 0)."""
         self.ctx, self.beta, self.label_smoothing = ctx, beta, label_smoothing
         # [(loss type, weight), ...]: the per-pair loss is their weighted sum (TRL's multi-loss)
@@ -125,12 +143,12 @@ class DPOObjective(Objective):
         spec = shard_spec(head.weight) if head is not None else None
         self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
-        self.ref = None             # (P, 2) reference log-probs of the current batch's pairs
-        self.rows = 0               # pairs of the current batch
-        self._capture = None        # (P, 2) being filled by a reference forward
-        self._targets = None        # the Targets of the labels of a forward (select_targets)
-        self._plan = None           # the current micro-batch's Targets (before_micro)
-        self.scope = None           # the backend enters scope(labels) around a forward (hfpar.backends.base)
+        self.ref = None  # (P, 2) reference log-probs of the current batch's pairs
+        self.rows = 0  # pairs of the current batch
+        self._capture = None  # (P, 2) being filled by a reference forward
+        self._targets = None  # the Targets of the labels of a forward (select_targets)
+        self._plan = None  # the current micro-batch's Targets (before_micro)
+        self.scope = None  # the backend enters scope(labels) around a forward (hfpar.backends.base)
         if head is not None and self.tp_group is None and ctx.pp == 1:
             head.register_forward_pre_hook(self._head_rows)
             self.scope = self.select_targets
@@ -166,11 +184,11 @@ class DPOObjective(Objective):
         if out.shape[:-1] == labels.shape:
             token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
             lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
-        else:   # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
+        else:  # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
             lp = _token_logps(out.reshape(-1, out.shape[-1]), t.token, None)
         sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, lp)
         counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, torch.ones_like(lp))
-        if self.cp > 1:   # each cp rank holds part of every sequence: all-reduce, forward and backward
+        if self.cp > 1:  # each cp rank holds part of every sequence: all-reduce, forward and backward
             group = self.ctx.cp_group
             sums = reduce_from_parallel_region(copy_to_parallel_region(sums, group), group)
             counts = reduce_from_parallel_region(counts, group)
@@ -182,7 +200,7 @@ class DPOObjective(Objective):
         # the rows this call holds (a pipeline micro-batch holds some of the batch's): every sequence has targets.
         # Masks, not boolean indexing (a host sync each): the other rows count as zeros
         mine = (lengths[:, 0] > 0).unsqueeze(1)
-        if self._capture is not None:   # a reference forward: keep the values, no loss
+        if self._capture is not None:  # a reference forward: keep the values, no loss
             self._capture = torch.where(mine, logps.detach().double(), self._capture)
             zero = logps.sum() * 0
             return zero, zero
@@ -202,8 +220,9 @@ class DPOObjective(Objective):
         """A precomputed reference: its log-probs of every pair of the run, before training and before resume (the
         model is the initial one: the reference)."""
         if self.reference is not None and self.reference.precomputed:
-            self.reference.precompute(lambda batch, scope: self.reference_logps(backend, batch, scope),
-                                      train_batches, eval_batches)
+            self.reference.precompute(
+                lambda batch, scope: self.reference_logps(backend, batch, scope), train_batches, eval_batches
+            )
 
     def sample(self, split: str, index: int, sample: dict) -> dict:
         """A pair with its precomputed reference log-probs (ref_chosen_logps, ref_rejected_logps), if any."""
@@ -225,15 +244,24 @@ class DPOObjective(Objective):
         return 2 * len(sample["prompt_ids"]) + len(sample["chosen_ids"]) + len(sample["rejected_ids"])
 
     def reset_metrics(self) -> None:
-        self._sums = None           # (len(METRICS) + 1,) float64 on the device once a pair is recorded
+        self._sums = None  # (len(METRICS) + 1,) float64 on the device once a pair is recorded
 
     def _record(self, logps: torch.Tensor, ref: torch.Tensor, mine: torch.Tensor) -> None:
         """Adds the pairs' metric sums on the device (no host sync: read once per step, step_sums)."""
-        r = torch.where(mine, self.beta * (logps - ref), 0)             # (P, 2) implicit rewards
+        r = torch.where(mine, self.beta * (logps - ref), 0)  # (P, 2) implicit rewards
         logps = torch.where(mine, logps, 0)
         won = (r[:, 0] > r[:, 1]) & mine[:, 0]
-        s = torch.stack([r[:, 0].sum(), r[:, 1].sum(), won.double().sum(), (r[:, 0] - r[:, 1]).sum(),
-                         logps[:, 0].sum(), logps[:, 1].sum(), mine.sum(dtype=torch.float64)])
+        s = torch.stack(
+            [
+                r[:, 0].sum(),
+                r[:, 1].sum(),
+                won.double().sum(),
+                (r[:, 0] - r[:, 1]).sum(),
+                logps[:, 0].sum(),
+                logps[:, 1].sum(),
+                mine.sum(dtype=torch.float64),
+            ]
+        )
         self._sums = s if self._sums is None else self._sums + s
 
     def step_sums(self, device) -> torch.Tensor:
@@ -284,8 +312,11 @@ class DPOObjective(Objective):
         ref_batch, scope = replan()
         # the same rows planned again: the same labels, so the same targets and mask (not computed twice)
         ref_batch.pop("pair_layout", None)
-        ref_batch = {**ref_batch, "labels": batch["labels"],
-                     **({"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {})}
+        ref_batch = {
+            **ref_batch,
+            "labels": batch["labels"],
+            **({"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}),
+        }
         self.ref = self.reference_logps(backend, ref_batch, scope)
 
     @torch.no_grad()
@@ -295,7 +326,7 @@ class DPOObjective(Objective):
         batch.pop("ref_logps", None)
         self.rows = num_pairs(batch, pop=True)
         with_attention_mask(batch)
-        if self._plan is None or not self._plan.matches(batch["labels"]):   # called alone (precompute_reference)
+        if self._plan is None or not self._plan.matches(batch["labels"]):  # called alone (precompute_reference)
             self._plan = Targets(batch["labels"])
         self._capture = torch.zeros(self.rows, 2, dtype=torch.float64, device=batch["input_ids"].device)
         self.ref = None
@@ -305,5 +336,3 @@ class DPOObjective(Objective):
             return self._capture
         finally:
             self._capture = None
-
-

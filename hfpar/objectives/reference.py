@@ -122,7 +122,7 @@ class PrecomputedReference(Reference):
     def __call__(self, backend):
         if self.done:
             raise RuntimeError("a precomputed reference runs no forward after precompute")
-        return contextlib.nullcontext()   # the model has not been trained yet: it is the reference
+        return contextlib.nullcontext()  # the model has not been trained yet: it is the reference
 
     def precompute(self, logps: Callable, train_batches: Batches, eval_batches: Batches) -> None:
         train = {}
@@ -136,7 +136,7 @@ class PrecomputedReference(Reference):
         for idx, plan in eval_batches():
             ref = logps(*plan()).cpu()
             for row, i in enumerate(idx):
-                if i is not None:   # a padding slot (None) has no targets in the eval: its reference is never read
+                if i is not None:  # a padding slot (None) has no targets in the eval: its reference is never read
                     evals[i] = (float(ref[row, 0]), float(ref[row, 1]))
         self.tables, self.done = {"train": train, "eval": evals}, True
 
@@ -156,9 +156,11 @@ class ZeRO3Reference(Reference):
 
     def __init__(self, model: torch.nn.Module):
         if any(hasattr(p, "ds_id") for p in model.parameters()):
-            raise ValueError("the reference model under ZeRO-3: the policy was loaded partitioned (zero3_init_flag), "
-                             "so no whole copy of it exists to build the reference from; pass "
-                             "--precompute_ref_log_probs, or zero3_init_flag: false in the accelerate config")
+            raise ValueError(
+                "the reference model under ZeRO-3: the policy was loaded partitioned (zero3_init_flag), "
+                "so no whole copy of it exists to build the reference from; pass "
+                "--precompute_ref_log_probs, or zero3_init_flag: false in the accelerate config"
+            )
         self.copy = copy.deepcopy(model)
         self.engine = None
 
@@ -173,10 +175,15 @@ class ZeRO3Reference(Reference):
         self.engine.eval()
         self.copy = None
         # what the reference costs each rank: its partition (ZeRO-3's ds_tensor), as the policy's parameters
-        self.bytes_per_rank = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.engine.module.parameters())
+        self.bytes_per_rank = sum(
+            p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.engine.module.parameters()
+        )
         if self.engine.global_rank == 0:
-            print(f"[hfpar] reference model: a ZeRO-3 engine of its own, {self.bytes_per_rank / 2**20:.2f} MiB of "
-                  "parameters per rank", flush=True)
+            print(
+                f"[hfpar] reference model: a ZeRO-3 engine of its own, {self.bytes_per_rank / 2**20:.2f} MiB of "
+                "parameters per rank",
+                flush=True,
+            )
 
     def __call__(self, backend):
         return swapped(backend, "model", self.engine)

@@ -128,6 +128,7 @@ def recorded_exits(agent_pid: int) -> set[int]:
 def guarded(fn):
     """The recipe's entry: an exception raised after a peer refused (the collective it was in lost that peer) ends
     this rank with the refusal's exit code and no traceback; any other exception propagates as it is."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
@@ -137,9 +138,10 @@ def guarded(fn):
                 record_exit(exc.code)
             raise
         except Exception:
-            time.sleep(0.2)   # the peer that refused writes its line before it exits: let a racing one finish
+            time.sleep(0.2)  # the peer that refused writes its line before it exits: let a racing one finish
             if peer_refused():
                 sys.stderr.flush()
-                os._exit(REFUSED_EXIT)   # the process group is broken: no clean shutdown is possible
+                os._exit(REFUSED_EXIT)  # the process group is broken: no clean shutdown is possible
             raise
+
     return run

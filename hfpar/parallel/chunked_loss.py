@@ -35,13 +35,25 @@ from hfpar.parallel.comm import (
     group_rank,
     group_size,
 )
+from hfpar.parallel.labels import IGNORE
 from hfpar.parallel.tensor_parallel import ColumnParallelLinear
 
-from hfpar.parallel.labels import IGNORE
-LOGITS_PER_CHUNK = 1 << 26   # default chunk: C x V/tp ~ 64M fp32 logits (256 MiB) -> C = 2048 tokens at V = 32k
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3", "olmo2",
-            "starcoder2", "gpt2")
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # head module -> ChunkedLoss
+LOGITS_PER_CHUNK = 1 << 26  # default chunk: C x V/tp ~ 64M fp32 logits (256 MiB) -> C = 2048 tokens at V = 32k
+FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "phi3",
+    "olmo2",
+    "starcoder2",
+    "gpt2",
+)
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head module -> ChunkedLoss
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

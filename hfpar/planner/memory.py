@@ -49,6 +49,7 @@ from transformers import AutoModelForCausalLM
 from hfpar.loading.sharded import loading_mode
 from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
 
+
 # Resident memory of a recipe process before it loads a model: python + torch + transformers + accelerate +
 # hfpar's recipe stack. Measured (torch 2.13 CPU, transformers 5.23, accelerate 1.15; 445.3 and 445.1 MiB):
 #   python -c "import resource, hfpar.recipe, hfpar.parallelize, hfpar.train.trainer, hfpar.loading.sharded; \
@@ -128,15 +129,25 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
     n_head = head.weight.numel() if head is not None else 0
     tied = head is not None and head.weight is embed.weight
     return ModelStats(
-        n_layer_params=sum(per_layer.values()), n_embed=embed.weight.numel(), n_head=n_head,
-        n_head_untied=0 if tied else n_head, model_type=getattr(config, "model_type", "") or "",
+        n_layer_params=sum(per_layer.values()),
+        n_embed=embed.weight.numel(),
+        n_head=n_head,
+        n_head_untied=0 if tied else n_head,
+        model_type=getattr(config, "model_type", "") or "",
         checkpoint_bytes=CHECKPOINT_BYTES.get(str(fields.get("dtype") or fields.get("torch_dtype")), 4),
-        n_params=total, n_tp_replicated=replicated, n_expert=expert, largest_layer=max(per_layer.values(), default=total),
-        lora_unit=lora, n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
-        hidden=_cfg(text, "hidden_size", "n_embd", "d_model"), heads=_cfg(text, "num_attention_heads", "n_head"),
+        n_params=total,
+        n_tp_replicated=replicated,
+        n_expert=expert,
+        largest_layer=max(per_layer.values(), default=total),
+        lora_unit=lora,
+        n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
+        hidden=_cfg(text, "hidden_size", "n_embd", "d_model"),
+        heads=_cfg(text, "num_attention_heads", "n_head"),
         kv_heads=_cfg(text, "num_key_value_heads", "num_attention_heads", "n_head"),
         intermediate=_cfg(text, "moe_intermediate_size", "intermediate_size", "ffn_dim", "n_inner"),
-        vocab=_cfg(text, "vocab_size"), num_experts=_cfg(text, "num_local_experts", "num_experts", "n_routed_experts"))
+        vocab=_cfg(text, "vocab_size"),
+        num_experts=_cfg(text, "num_local_experts", "num_experts", "n_routed_experts"),
+    )
 
 
 def model_stats(config) -> ModelStats:
@@ -170,8 +181,17 @@ def output_layer_bytes(stats, tokens: int, *, tp: int = 1, loss_chunk: int = 0, 
     return grad_h + (2 if tokens > c else 1) * c * v * 4
 
 
-def activation_bytes(stats, seq_len: int, batch_size: int, *, tp: int = 1, checkpointing: bool = False,
-                     act_bytes: int = 2, attn_implementation: str = "sdpa", loss_chunk: int = 0) -> int:
+def activation_bytes(
+    stats,
+    seq_len: int,
+    batch_size: int,
+    *,
+    tp: int = 1,
+    checkpointing: bool = False,
+    act_bytes: int = 2,
+    attn_implementation: str = "sdpa",
+    loss_chunk: int = 0,
+) -> int:
     """Activations kept for backward on one rank (Korthikanti et al. 2022, eq. 1-2, 16-bit units).
 
     Per layer, no TP: s*b*h*(34 + 5*a*s/h); TP degree t without sequence parallelism: s*b*h*(10 + 24/t +
@@ -195,8 +215,18 @@ def load_mode(stats, strategy, *, tp: int = 1, ep: int = 1, pp: int = 1, lora: b
     return loading_mode(args, SimpleNamespace(tp=tp, ep=ep, pp=pp, strategy=strategy), config)[0]
 
 
-def host_ram_bytes(stats, strategy, *, dp: int, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False,
-                   local: float | None = None, cpu: float = 0) -> dict:
+def host_ram_bytes(
+    stats,
+    strategy,
+    *,
+    dp: int,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    lora: bool = False,
+    local: float | None = None,
+    cpu: float = 0,
+) -> dict:
     """Host RAM of the most loaded rank (module docstring): {"mode", "load", "steady", "peak"} in bytes, peak
     with HOST_OVERHEAD. strategy: a hfpar.backends.Strategy; local: parameters the rank holds after TP / EP
     (default all); cpu: offloaded bytes."""
@@ -204,7 +234,7 @@ def host_ram_bytes(stats, strategy, *, dp: int, tp: int = 1, ep: int = 1, pp: in
     mode = load_mode(stats, strategy, tp=tp, ep=ep, pp=pp, lora=lora)
     if mode == "sharded":
         held = read = n if local is None else local
-    elif mode == strategy.wrap_load:   # the wrap reads each rank's shard (FSDP2)
+    elif mode == strategy.wrap_load:  # the wrap reads each rank's shard (FSDP2)
         held = read = n / dp
     elif strategy.partitions_at_load:  # zero.Init: each rank's partition held, the whole checkpoint read
         held, read = n / dp, n

@@ -30,10 +30,10 @@ from hfpar.objectives.base import Objective
 
 
 class RecipeData(NamedTuple):
-    train: Any                    # a dataset of samples (indexable, len)
-    eval: Any                     # the same for evaluation, or None
-    collator: Callable            # samples -> a batch of tensors
-    info: dict                    # run_info.json fields (data statistics)
+    train: Any  # a dataset of samples (indexable, len)
+    eval: Any  # the same for evaluation, or None
+    collator: Callable  # samples -> a batch of tensors
+    info: dict  # run_info.json fields (data statistics)
     num_labels: int | None = None  # classify: the head's size
 
 

@@ -1,6 +1,6 @@
 """The data of the text recipes (sft, clm, classify): load the train / eval splits, tokenize each (cached), collate.
 
-    return text_data(args, "sft", tokenizer, ctx, plan, tokenize)   # tokenize(ds) -> (ds, stats, num_labels | None)
+return text_data(args, "sft", tokenizer, ctx, plan, tokenize)   # tokenize(ds) -> (ds, stats, num_labels | None)
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ def text_data(args, kind: str, tokenizer, ctx, plan, tokenize) -> RecipeData:
         info[f"{name}_data"] = {**stats, "rows": len(ds)}
     # context / sequence parallelism cut T: pad every batch to a multiple of what they need (ParallelContext)
     seq_multiple = ctx.seq_multiple
-    collator = data.DataCollator(tokenizer, task=plan.task, pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
-                                 padding_free=plan.padding_free, max_seq_length=args.max_seq_length)
+    collator = data.DataCollator(
+        tokenizer,
+        task=plan.task,
+        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
+        padding_free=plan.padding_free,
+        max_seq_length=args.max_seq_length,
+    )
     return RecipeData(out["train"], out["eval"], collator, info, num_labels)

@@ -1,6 +1,6 @@
 """classify: sequence classification (text + label), the model's classification head on its last real token.
 
-    from hfpar.recipe import main; main("classify")      # what recipes/classify.py runs
+from hfpar.recipe import main; main("classify")      # what recipes/classify.py runs
 """
 
 from __future__ import annotations
@@ -17,7 +17,20 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
     return text_data(args, "classify", tokenizer, ctx, plan, tokenize)
 
 
-RECIPE = register(Recipe(
-    name="classify", task="classify", build_data=build_data,
-    defaults=dict(output_dir="outputs/classify", max_steps=150, per_device_train_batch_size=32,
-                  learning_rate=2e-3, warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=64)))
+RECIPE = register(
+    Recipe(
+        name="classify",
+        task="classify",
+        build_data=build_data,
+        defaults=dict(
+            output_dir="outputs/classify",
+            max_steps=150,
+            per_device_train_batch_size=32,
+            learning_rate=2e-3,
+            warmup_ratio=0.05,
+            eval_steps=50,
+            logging_steps=25,
+            max_seq_length=64,
+        ),
+    )
+)

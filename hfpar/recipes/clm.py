@@ -1,6 +1,6 @@
 """clm: causal-LM pretraining on plain text, documents packed into rows (position ids restart per document).
 
-    from hfpar.recipe import main; main("clm")      # what recipes/clm.py runs
+from hfpar.recipe import main; main("clm")      # what recipes/clm.py runs
 """
 
 from __future__ import annotations
@@ -19,10 +19,24 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
 
 
 def packed(args) -> bool:
-    return True   # rows are packed documents by construction
+    return True  # rows are packed documents by construction
 
 
-RECIPE = register(Recipe(
-    name="clm", task="lm", build_data=build_data, packed=packed,
-    defaults=dict(output_dir="outputs/clm", max_steps=150, per_device_train_batch_size=16, learning_rate=3e-3,
-                  warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128)))
+RECIPE = register(
+    Recipe(
+        name="clm",
+        task="lm",
+        build_data=build_data,
+        packed=packed,
+        defaults=dict(
+            output_dir="outputs/clm",
+            max_steps=150,
+            per_device_train_batch_size=16,
+            learning_rate=3e-3,
+            warmup_ratio=0.05,
+            eval_steps=50,
+            logging_steps=25,
+            max_seq_length=128,
+        ),
+    )
+)

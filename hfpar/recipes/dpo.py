@@ -25,12 +25,17 @@ from hfpar.recipes import Recipe, RecipeData, register
 class DPOArgs(RecipeArgs):
     # --- preference tuning (the dpo recipe; TRL DPOConfig's names) -------------------------------
     beta: float = 0.1  # deviation from the reference (ipo: its tau)
-    loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas); comma-separated: their weighted sum
+    # sigmoid | hinge | ipo | robust | apo_zero | sppo_hard (TRL 1.16's formulas); comma-separated: their weighted sum
+    loss_type: str = "sigmoid"
     loss_weights: str | None = None  # comma-separated weights of the --loss_type list (TRL's; default 1 each)
     label_smoothing: float = 0.0  # robust: probability that a preference label is flipped, in [0, 0.5)
     reference_free: bool = False  # no reference model: its log-probs are 0
-    precompute_ref_log_probs: bool = False  # reference log-probs computed once before training (no reference forward per step)
-    max_length: int | None = None  # prompt + completion tokens per sequence, cut by --truncation_mode; unset = --max_seq_length
+    precompute_ref_log_probs: bool = (
+        False  # reference log-probs computed once before training (no reference forward per step)
+    )
+    max_length: int | None = (
+        None  # prompt + completion tokens per sequence, cut by --truncation_mode; unset = --max_seq_length
+    )
     truncation_mode: str = "keep_start"  # keep_start | keep_end (TRL's)
     max_prompt_length: int | None = None  # prompt tokens kept (its end), before --max_length
     max_completion_length: int | None = None  # completion tokens kept (its start), before --max_length
@@ -40,11 +45,15 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
     """Option problems of the dpo recipe, one line each."""
     p = []
     if any(t not in LOSS_TYPES for t in args.loss_type.split(",")):
-        p.append(f"--loss_type {args.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}, or a comma-separated "
-                 "list of them (their weighted sum, --loss_weights)")
+        p.append(
+            f"--loss_type {args.loss_type!r}: valid values are {', '.join(LOSS_TYPES)}, or a comma-separated "
+            "list of them (their weighted sum, --loss_weights)"
+        )
     elif loss_terms(args.loss_type, args.loss_weights) is None:
-        p.append(f"--loss_weights {args.loss_weights!r}: one number per --loss_type entry "
-                 f"({len(args.loss_type.split(','))}), comma-separated")
+        p.append(
+            f"--loss_weights {args.loss_weights!r}: one number per --loss_type entry "
+            f"({len(args.loss_type.split(','))}), comma-separated"
+        )
     if args.beta <= 0:
         p.append(f"--beta {args.beta}: must be > 0")
     if not 0.0 <= args.label_smoothing < 0.5:
@@ -60,22 +69,31 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
     if args.packing:
         p.append("--packing: the dpo recipe always packs each pair into one row (chosen and rejected as documents)")
     if why_not_packed:
-        p.append(f"dpo: each pair is one row of two documents told apart by their position ids, which needs "
-                 f"packed-sequence attention: {why_not_packed}")
+        p.append(
+            f"dpo: each pair is one row of two documents told apart by their position ids, which needs "
+            f"packed-sequence attention: {why_not_packed}"
+        )
     live = not (args.reference_free or args.precompute_ref_log_probs or args.use_peft)
-    if live and ctx.strategy.partitions_at_load and args.model_name_or_path != data.EMBEDDED \
-            and is_deepspeed_zero3_enabled():
-        p.append(f"the reference model with {ctx.strategy.name} and zero3_init_flag: true: the model loads already "
-                 "partitioned, so no whole copy of it exists to build the reference from; pass "
-                 "--precompute_ref_log_probs (the same values, the reference forward done once before training), "
-                 "--use_peft, or zero3_init_flag: false in the accelerate config")
+    if (
+        live
+        and ctx.strategy.partitions_at_load
+        and args.model_name_or_path != data.EMBEDDED
+        and is_deepspeed_zero3_enabled()
+    ):
+        p.append(
+            f"the reference model with {ctx.strategy.name} and zero3_init_flag: true: the model loads already "
+            "partitioned, so no whole copy of it exists to build the reference from; pass "
+            "--precompute_ref_log_probs (the same values, the reference forward done once before training), "
+            "--use_peft, or zero3_init_flag: false in the accelerate config"
+        )
     return p
 
 
 def problems(args, ctx, plan) -> list[str]:
     # the pair rows are packed documents whatever --padding_free / --pp_size say (a row is a pair)
-    _, why_not = data.padding_free_mode(dataclasses.replace(args, padding_free=None, pp_size=1), "lm", plan.model_type,
-                                        packed=False)
+    _, why_not = data.padding_free_mode(
+        dataclasses.replace(args, padding_free=None, pp_size=1), "lm", plan.model_type, packed=False
+    )
     return dpo_problems(args, ctx, why_not_packed=why_not)
 
 
@@ -121,7 +139,8 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
 def objective(args, ctx, plan, model) -> DPOObjective:
     """The DPO loss and the reference it owns: none (--reference_free), precomputed log-probs (the initial model,
     before resume), the LoRA base (adapters disabled), a frozen copy of this rank's shards, or under ZeRO-3 (its
-    parameters live outside the module between forwards) a copy of the initial model in a DeepSpeed engine of its own."""
+    parameters live outside the module between forwards) a copy of the initial model in a DeepSpeed engine of its
+    own."""
     if args.reference_free:
         reference = None
     elif args.precompute_ref_log_probs:
@@ -132,16 +151,40 @@ def objective(args, ctx, plan, model) -> DPOObjective:
         reference = ZeRO3Reference(model)
     else:
         reference = FrozenReference()
-    return DPOObjective(model, ctx, reference=reference, beta=args.beta,
-                        loss_type=loss_terms(args.loss_type, args.loss_weights), label_smoothing=args.label_smoothing)
+    return DPOObjective(
+        model,
+        ctx,
+        reference=reference,
+        beta=args.beta,
+        loss_type=loss_terms(args.loss_type, args.loss_weights),
+        label_smoothing=args.label_smoothing,
+    )
 
 
 def packed(args) -> bool:
-    return True   # a row holds a pair's two sequences as documents
+    return True  # a row holds a pair's two sequences as documents
 
 
-RECIPE = register(Recipe(
-    name="dpo", task="lm", args_class=DPOArgs, build_data=build_data, packed=packed, problems=problems,
-    resolve=resolve, objective=objective,
-    defaults=dict(output_dir="outputs/dpo", max_steps=120, per_device_train_batch_size=16, learning_rate=3e-4,
-                  warmup_ratio=0.05, logging_steps=10, max_seq_length=128, beta=0.1, lora_dropout=0.0)))
+RECIPE = register(
+    Recipe(
+        name="dpo",
+        task="lm",
+        args_class=DPOArgs,
+        build_data=build_data,
+        packed=packed,
+        problems=problems,
+        resolve=resolve,
+        objective=objective,
+        defaults=dict(
+            output_dir="outputs/dpo",
+            max_steps=120,
+            per_device_train_batch_size=16,
+            learning_rate=3e-4,
+            warmup_ratio=0.05,
+            logging_steps=10,
+            max_seq_length=128,
+            beta=0.1,
+            lora_dropout=0.0,
+        ),
+    )
+)

@@ -13,14 +13,33 @@ from hfpar.recipes._text import text_data
 
 def build_data(args, tokenizer, ctx, plan) -> RecipeData:
     def tokenize(ds):
-        ds, stats = data.cached(data.tokenize_sft, ds, tokenizer, args.max_seq_length,
-                                completion_only_loss=args.completion_only_loss, truncation=args.truncation)
+        ds, stats = data.cached(
+            data.tokenize_sft,
+            ds,
+            tokenizer,
+            args.max_seq_length,
+            completion_only_loss=args.completion_only_loss,
+            truncation=args.truncation,
+        )
         return (data.pack(ds, args.max_seq_length) if args.packing else ds), stats, None
 
     return text_data(args, "sft", tokenizer, ctx, plan, tokenize)
 
 
-RECIPE = register(Recipe(
-    name="sft", task="lm", build_data=build_data,
-    defaults=dict(output_dir="outputs/sft", max_steps=150, per_device_train_batch_size=16, learning_rate=1e-3,
-                  warmup_ratio=0.05, eval_steps=50, logging_steps=25, max_seq_length=128)))
+RECIPE = register(
+    Recipe(
+        name="sft",
+        task="lm",
+        build_data=build_data,
+        defaults=dict(
+            output_dir="outputs/sft",
+            max_steps=150,
+            per_device_train_batch_size=16,
+            learning_rate=1e-3,
+            warmup_ratio=0.05,
+            eval_steps=50,
+            logging_steps=25,
+            max_seq_length=128,
+        ),
+    )
+)

@@ -1,9 +1,9 @@
 """The training loop and what it computes with: one loop for every recipe and every composition.
 
-    trainer.py       Trainer: accumulation, global-token loss normalization, backend clip / step, eval, logging;
-                     calls the Checkpointer and the RunRecorder, never called back by them
-    losses.py        the recipes' loss functions (token-summed, normalized by the global token count)
-    batch_plan.py    the global-token count of a step's micro-batches, known before the first forward
-    sampler.py       the global-batch sampler by data-parallel rank
-    schedules.py     learning-rate schedules (HF names)
+trainer.py       Trainer: accumulation, global-token loss normalization, backend clip / step, eval, logging;
+                 calls the Checkpointer and the RunRecorder, never called back by them
+losses.py        the recipes' loss functions (token-summed, normalized by the global token count)
+batch_plan.py    the global-token count of a step's micro-batches, known before the first forward
+sampler.py       the global-batch sampler by data-parallel rank
+schedules.py     learning-rate schedules (HF names)
 """

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from hfpar.parallel.chunked_loss import chunked_loss_state
+from hfpar.parallel.labels import IGNORE
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-
-from hfpar.parallel.labels import IGNORE
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -28,11 +27,15 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 def shifted_lm_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over real targets; target[t] is the token after position t. logits (B, T, V)."""
     logits = _upcast(logits)
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return loss, (target != IGNORE).sum()
 
 
-def shifted_tp_lm_loss_sum(logits_shard: torch.Tensor, target: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_tp_lm_loss_sum(
+    logits_shard: torch.Tensor, target: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As shifted_lm_loss_sum, from vocab-parallel logit shards (B, T, V/tp): the full vocab is never gathered."""
     loss = vocab_parallel_cross_entropy(logits_shard, target, group=group, ignore_index=IGNORE, reduction="sum")
     return loss, (target != IGNORE).sum()

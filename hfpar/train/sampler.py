@@ -19,8 +19,17 @@ import torch
 
 
 class GlobalBatchSampler:
-    def __init__(self, num_samples: int, per_device: int, dp: int, dp_rank: int, accum: int,
-                 seed: int, shuffle: bool = True, splits: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        per_device: int,
+        dp: int,
+        dp_rank: int,
+        accum: int,
+        seed: int,
+        shuffle: bool = True,
+        splits: int = 1,
+    ):
         self.n = num_samples
         self.splits = splits if splits >= 1 and per_device % splits == 0 else 1
         self.per_device, self.dp, self.dp_rank, self.accum = per_device, dp, dp_rank, accum
@@ -49,7 +58,7 @@ class GlobalBatchSampler:
             rows = []
             for i in range(self.splits):
                 off = start + m * self.dp * self.per_device + (i * self.dp + self.dp_rank) * part
-                rows += perm[off: off + part].tolist()
+                rows += perm[off : off + part].tolist()
             out.append(rows)
         return out
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hfpar.backends.optim import implementation
 from hfpar.checkpoint.checkpointer import Checkpointer
 from hfpar.checkpoint.layout import run_identity
 from hfpar.distributed import all_reduce_sum
@@ -33,7 +34,6 @@ from hfpar.observe.comm_stats import StepCommLog
 from hfpar.observe.recorder import RunRecorder
 from hfpar.parallel.labels import IGNORE
 from hfpar.train.batch_plan import BatchPlan
-from hfpar.backends.optim import implementation
 from hfpar.train.sampler import GlobalBatchSampler, eval_shard
 from hfpar.train.schedules import get_scheduler
 
@@ -54,8 +54,21 @@ def attention_kernels(device: torch.device):
 
 
 class Trainer:
-    def __init__(self, args, accelerator, ctx, backend, model, tokenizer, train_dataset, eval_dataset, collator,
-                 plan, objective, run_extra: dict | None = None):
+    def __init__(
+        self,
+        args,
+        accelerator,
+        ctx,
+        backend,
+        model,
+        tokenizer,
+        train_dataset,
+        eval_dataset,
+        collator,
+        plan,
+        objective,
+        run_extra: dict | None = None,
+    ):
         """plan: the RunPlan (hfpar.context); objective: what the loop optimizes, an hfpar.objectives.base.Objective
         (not imported here: objectives/ builds on train/'s losses; the loop calls only the hooks it declares)."""
         assert plan.task in ("lm", "classify")
@@ -65,37 +78,66 @@ class Trainer:
         self.objective = objective
         self.batch_plan = BatchPlan(plan.task, ctx, plan.cp_mode)
         # a pipeline micro-batch over the dp ranks: one contiguous slice of the batch
-        self.sampler = GlobalBatchSampler(len(train_dataset), args.per_device_train_batch_size, ctx.dp,
-                                          ctx.dp_rank, args.gradient_accumulation_steps, args.seed,
-                                          splits=plan.microbatches)
+        self.sampler = GlobalBatchSampler(
+            len(train_dataset),
+            args.per_device_train_batch_size,
+            ctx.dp,
+            ctx.dp_rank,
+            args.gradient_accumulation_steps,
+            args.seed,
+            splits=plan.microbatches,
+        )
         if args.max_steps > 0:
             self.total_steps = args.max_steps
         else:
             self.total_steps = max(1, math.ceil(args.num_train_epochs * self.sampler.steps_per_epoch))
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.total_steps)
         # metrics.jsonl, run_info.json, trackers, console, report.png; counts the parameters before any wrap
-        self.recorder = RunRecorder(accelerator, ctx, args.output_dir, model, total_steps=self.total_steps,
-                                    global_batch=self.sampler.global_batch, logging_steps=args.logging_steps,
-                                    report_to=args.report_to, run_extra=run_extra)
+        self.recorder = RunRecorder(
+            accelerator,
+            ctx,
+            args.output_dir,
+            model,
+            total_steps=self.total_steps,
+            global_batch=self.sampler.global_batch,
+            logging_steps=args.logging_steps,
+            report_to=args.report_to,
+            run_extra=run_extra,
+        )
         self.comm = StepCommLog(model) if args.log_comm_bytes else None  # before the backend wraps
-        backend.prepare(model)  # plain FSDP2 from a checkpoint: each rank's shards are read here (hfpar.loading.sharded)
+        backend.prepare(
+            model
+        )  # plain FSDP2 from a checkpoint: each rank's shards are read here (hfpar.loading.sharded)
         self.model, self.optimizer = backend.model, backend.optimizer
         self.recorder.model_ready(backend, implementation)
         # Stepped by us once per optimizer step (not prepared: Accelerate's wrapper would step it num_processes
         # times per call) and saved with the checkpoint.
-        self.scheduler = get_scheduler(args.lr_scheduler_type, backend.base_optimizer, num_warmup_steps=warmup,
-                                       num_training_steps=self.total_steps)
+        self.scheduler = get_scheduler(
+            args.lr_scheduler_type, backend.base_optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps
+        )
         if self.comm is not None:
             self.comm.watch(self.model)
         # checkpoint-<step>/ layout, trainer state, cadence, retention, resume, the final export
         self.checkpointer = Checkpointer(
-            accelerator, ctx, backend, args.output_dir, total_steps=self.total_steps, save_steps=args.save_steps,
-            save_total_limit=args.save_total_limit, resume=args.resume_from_checkpoint, seed=args.seed,
-            global_batch=self.sampler.global_batch, pp_virtual_stages=plan.chunks_per_rank,
-            tokenizer=tokenizer, peft=args.use_peft, merge_adapter=args.merge_adapter, identity=run_identity(args))
+            accelerator,
+            ctx,
+            backend,
+            args.output_dir,
+            total_steps=self.total_steps,
+            save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit,
+            resume=args.resume_from_checkpoint,
+            seed=args.seed,
+            global_batch=self.sampler.global_batch,
+            pp_virtual_stages=plan.chunks_per_rank,
+            tokenizer=tokenizer,
+            peft=args.use_peft,
+            merge_adapter=args.merge_adapter,
+            identity=run_identity(args),
+        )
         self.checkpointer.register(self.scheduler)
         self.start_step = 0
-        objective.bind(self.model)   # e.g. a frozen reference: a copy of the parameters as the backend holds them
+        objective.bind(self.model)  # e.g. a frozen reference: a copy of the parameters as the backend holds them
 
     # ------------------------------------------------------------------ forward
     def _to_device(self, batch: dict) -> dict:
@@ -167,9 +209,14 @@ class Trainer:
         totals = all_reduce_sum([sum(obj.count(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
-            raise ValueError(f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / --completion_only_loss")
+            raise ValueError(
+                f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / "
+                "--completion_only_loss"
+            )
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
-        loss_scale = self.backend.loss_scale()  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
+        loss_scale = (
+            self.backend.loss_scale()
+        )  # fp16: the scale this step's backwards use (DeepSpeed updates it in them)
         for (batch, scope), r in zip(batches, raw):
             # replan: a scope is entered once, and the hook may run a forward (a reference model's)
             obj.before_micro(self.backend, batch, lambda r=r: self.batch_plan(r))
@@ -182,9 +229,13 @@ class Trainer:
         grad_norm = self.backend.clip(max_norm)
         # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
         overflow = self.backend.overflowed(grad_norm)
-        bad = not overflow and (not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm)))
+        bad = not overflow and (
+            not math.isfinite(loss) or (not self.backend.steps_in_backward and not math.isfinite(grad_norm))
+        )
         if bad and args.on_nonfinite == "error":
-            raise NonFiniteError(f"step {step + 1}: non-finite loss {loss} or grad_norm {grad_norm}; stopping before the optimizer step")
+            raise NonFiniteError(
+                f"step {step + 1}: non-finite loss {loss} or grad_norm {grad_norm}; stopping before the optimizer step"
+            )
         lr = self.scheduler.get_last_lr()[0]
         if not bad:
             self.backend.step(lr)
@@ -193,10 +244,18 @@ class Trainer:
             self.scheduler.step()
         self.backend.zero_grad()
         dt = time.perf_counter() - t0
-        rec = {"step": step + 1, "epoch": round(step / self.sampler.steps_per_epoch, 4), "loss": loss, "lr": lr,
-               "grad_norm": grad_norm, "tokens_per_s": float(totals[1]) / dt, "step_time_s": dt,
-               "step_cpu_s": time.process_time() - c0,   # this process's CPU seconds (all its threads)
-               "num_target_tokens": int(n_global), "peak_mem_bytes": M.peak_memory_bytes(acc.device)}
+        rec = {
+            "step": step + 1,
+            "epoch": round(step / self.sampler.steps_per_epoch, 4),
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": float(totals[1]) / dt,
+            "step_time_s": dt,
+            "step_cpu_s": time.process_time() - c0,  # this process's CPU seconds (all its threads)
+            "num_target_tokens": int(n_global),
+            "peak_mem_bytes": M.peak_memory_bytes(acc.device),
+        }
         rec.update(obj.metrics(sums[1:]))
         if bad or overflow:
             rec["skipped"] = True

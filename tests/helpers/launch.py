@@ -30,11 +30,17 @@ def env() -> dict:
     return launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1")
 
 
-def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra_launch: list[str] | None = None,
-               launcher: str = "accelerate.commands.launch") -> list[str]:
+def launch_cmd(
+    config: str,
+    nproc: int,
+    recipe: str,
+    args: list[str],
+    extra_launch: list[str] | None = None,
+    launcher: str = "accelerate.commands.launch",
+) -> list[str]:
     """recipe: a name of recipes/ ("sft"), or a script's path (ending .py), e.g. RECIPE_RUNS. launcher: the module
     run with -m, Accelerate's or hfpar.launch (the same launch, the workers' exit code, no launcher traceback)."""
-    cmd = accelerate_cmd(config, nproc, recipe, args, extra_launch)   # [python, -m, accelerate.commands.launch, ...]
+    cmd = accelerate_cmd(config, nproc, recipe, args, extra_launch)  # [python, -m, accelerate.commands.launch, ...]
     return [cmd[0], "-m", launcher, *cmd[3:]]
 
 
@@ -52,8 +58,9 @@ class _Zygote:
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             server = [sys.executable, str(Path(__file__).with_name("zygote.py"))]
-            self._proc = subprocess.Popen(server, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          text=True)
+            self._proc = subprocess.Popen(
+                server, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             atexit.register(self.close)
         return self._proc
 
@@ -68,8 +75,15 @@ class _Zygote:
         with self._lock:
             self._n += 1
             base = os.path.join(self._tmp, str(self._n))
-            req = {"argv": cmd[3:], "env": env, "cwd": str(ROOT), "out": base + ".out", "err": base + ".err",
-                   "rc": base + ".rc", "module": cmd[2]}
+            req = {
+                "argv": cmd[3:],
+                "env": env,
+                "cwd": str(ROOT),
+                "out": base + ".out",
+                "err": base + ".err",
+                "rc": base + ".rc",
+                "module": cmd[2],
+            }
             server = self._server()
             server.stdin.write(json.dumps(req) + "\n")
             server.stdin.flush()
@@ -91,18 +105,29 @@ class _Zygote:
 _ZYGOTE = _Zygote()
 
 
-def launch(config: str, nproc: int, recipe: str, args: list[str], *, check: bool = True, timeout: int = 600,
-           extra_launch: list[str] | None = None, extra_env: dict | None = None,
-           launcher: str = "accelerate.commands.launch") -> subprocess.CompletedProcess:
+def launch(
+    config: str,
+    nproc: int,
+    recipe: str,
+    args: list[str],
+    *,
+    check: bool = True,
+    timeout: int = 600,
+    extra_launch: list[str] | None = None,
+    extra_env: dict | None = None,
+    launcher: str = "accelerate.commands.launch",
+) -> subprocess.CompletedProcess:
     cmd = launch_cmd(config, nproc, recipe, args, extra_launch, launcher)
     run_env = {**env(), **(extra_env or {})}
     if os.environ.get("HFPAR_TEST_LAUNCHER") == "subprocess":
-        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=run_env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
     else:
         proc = _ZYGOTE.run(cmd, run_env, timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -119,7 +144,7 @@ def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = No
     the same (config, nproc, recipe) group writes (jobs of a group run in the dict's order; grouped jobs only)."""
     assert group or all(len(job) == 4 for job in jobs.values()), "a job with a copy step needs group=True"
     launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
-    launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)   # the longest groups first: better packing
+    launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)  # the longest groups first: better packing
     with ThreadPoolExecutor(workers) as pool:
         done = [pool.submit(launch, *job[:4], extra_launch=extra_launch, timeout=_timeout(job)) for job in launches]
         for f in done:

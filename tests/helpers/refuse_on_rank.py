@@ -26,6 +26,7 @@ def _only_rank1(real, exc):
         if RANK == 1:
             raise exc
         return real(*a, **k)
+
     return wrapped
 
 
@@ -34,5 +35,7 @@ if __name__ == "__main__":
     if where == "options":
         recipe.parse_args = _only_rank1(recipe.parse_args, ConfigError("rank 1 only: --planted_option 7 is refused"))
     else:
-        data.load_tokenizer = _only_rank1(data.load_tokenizer, data.DataError("rank 1 only: tokenizer /planted unreadable"))
+        data.load_tokenizer = _only_rank1(
+            data.load_tokenizer, data.DataError("rank 1 only: tokenizer /planted unreadable")
+        )
     recipe.main("sft", argv)

@@ -50,7 +50,7 @@ def _run_child(req: dict) -> None:
         os.close(f)
     sys.argv = ["accelerate-launch", *req["argv"]]
     try:
-        if req.get("module") == "hfpar.launch":   # `hfpar launch`: the same launch, the workers' exit code
+        if req.get("module") == "hfpar.launch":  # `hfpar launch`: the same launch, the workers' exit code
             from hfpar.launch import main as hfpar_launch  # noqa: PLC0415  (in the child: hfpar as the launch's env has it)
 
             hfpar_launch(req["argv"])

@@ -53,19 +53,36 @@ from tests.helpers.results import record
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--lr_scheduler_type",
-          "constant", "--max_grad_norm", "0.5", "--logging_steps", "1", "--beta", "0.1",
-          # eval at steps 4 and 8 on 12 eval pairs in batches of 4 (dp = 2: the last round has padding slots)
-          "--eval_steps", "4", "--per_device_eval_batch_size", "4"]
+COMMON = [
+    "--max_steps",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+    "--learning_rate",
+    "1e-3",
+    "--lr_scheduler_type",
+    "constant",
+    "--max_grad_norm",
+    "0.5",
+    "--logging_steps",
+    "1",
+    "--beta",
+    "0.1",
+    # eval at steps 4 and 8 on 12 eval pairs in batches of 4 (dp = 2: the last round has padding slots)
+    "--eval_steps",
+    "4",
+    "--per_device_eval_batch_size",
+    "4",
+]
 MOE = ["--upcycle_experts", "4", "--moe_top_k", "2", "--moe_aux_loss_coef", "0.01"]
 LORA = ["--use_peft", "--lora_dropout", "0"]
-REFS = {"single": [], "single_moe": MOE, "single_lora": LORA}   # in-process one-process runs x 4 pairs
+REFS = {"single": [], "single_moe": MOE, "single_lora": LORA}  # in-process one-process runs x 4 pairs
 CASES = {  # name: (config, processes, per-device pairs, extra flags, reference)
     "ddp": ("ddp", 2, 2, [], "single"),
-    "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "4"], "single"),   # its checkpoint-4: the resume test
+    "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "4"], "single"),  # its checkpoint-4: the resume test
     "zero2": ("zero2", 2, 2, [], "single"),
     "zero3": ("zero3", 2, 2, ["--precompute_ref_log_probs", "true"], "single"),
-    "zero3_live": ("zero3", 2, 2, [], "single"),   # the reference: a ZeRO-3 engine of its own (ZeRO3Reference)
+    "zero3_live": ("zero3", 2, 2, [], "single"),  # the reference: a ZeRO-3 engine of its own (ZeRO3Reference)
     "tp2": ("ddp", 2, 4, ["--tp_size", "2"], "single"),
     "cp2_ring": ("ddp", 2, 4, ["--cp_size", "2", "--cp_mode", "ring"], "single"),
     "cp2_ulysses": ("ddp", 2, 4, ["--cp_size", "2", "--cp_mode", "ulysses"], "single"),
@@ -91,8 +108,17 @@ BF16_CMD = "python -m pytest -q -s tests/launch/test_dpo_parity.py -k bf16"
 
 def _args(name: str, root, data: str, extra: list[str] | None = None, tag: str = "") -> list[str]:
     flags, bs = (REFS[name], 4) if name in REFS else (CASES[name][3], CASES[name][2])
-    return [*COMMON, *flags, "--dataset_name", data, "--output_dir", str(root / f"{name}{tag}"),
-            "--per_device_train_batch_size", str(bs), *(extra or [])]
+    return [
+        *COMMON,
+        *flags,
+        "--dataset_name",
+        data,
+        "--output_dir",
+        str(root / f"{name}{tag}"),
+        "--per_device_train_batch_size",
+        str(bs),
+        *(extra or []),
+    ]
 
 
 def _pairs(root) -> Path:
@@ -110,8 +136,8 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
     """The dpo recipe as one process, here: one thread (a launch's OMP_NUM_THREADS=1; two threads on a loaded
     2-core machine spin 10x slower), Accelerate's singletons reset around it."""
     # the training stack: imported by the slow tests that run it, not at collection
-    from hfpar.recipe import main
     from benchmarks.dpo.trl_compare import _reset_accelerate
+    from hfpar.recipe import main
 
     threads, saved = torch.get_num_threads(), {k: os.environ.get(k) for k in env or {}}
     torch.set_num_threads(1)
@@ -127,19 +153,23 @@ def run_in_process(argv: list[str], env: dict | None = None) -> None:
 
 
 def _grouped_launches(root, data: str) -> dict:
-    """One launch per accelerate config (ddp: 6 cases + 3 in bf16, fsdp2: 2 + 1 in bf16 + fsdp2 resumed, zero2, zero3), its cases
+    """One launch per accelerate config (ddp: 6 cases + 3 in bf16, fsdp2: 2 + 1 in bf16 + fsdp2 resumed, zero2, zero3),
+    its cases
     run one after the other in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run
     the recipe as users run it)."""
     groups: dict = {}
     for name, (cfg, n, *_) in CASES.items():
         groups.setdefault((cfg, n), []).append(_args(name, root, data))
-    for name in BF16:   # output in <name>_bf16
+    for name in BF16:  # output in <name>_bf16
         cfg, n, *_ = CASES[name]
         groups[(cfg, n)].append({"argv": _args(name, root, data, tag="_bf16"), "env": BF16_ENV})
     # fsdp2 resumed from its checkpoint-4 into fsdp2_resumed, after the run that writes it (same launch)
-    groups[("fsdp2", 2)].append({"argv": [*_args("fsdp2", root, data, tag="_resumed"), "--resume_from_checkpoint",
-                                          "latest"], "copy": [str(root / "fsdp2" / "checkpoint-4"),
-                                                              str(root / "fsdp2_resumed" / "checkpoint-4")]})
+    groups[("fsdp2", 2)].append(
+        {
+            "argv": [*_args("fsdp2", root, data, tag="_resumed"), "--resume_from_checkpoint", "latest"],
+            "copy": [str(root / "fsdp2" / "checkpoint-4"), str(root / "fsdp2_resumed" / "checkpoint-4")],
+        }
+    )
     jobs = {}
     for (cfg, n), argvs in groups.items():
         spec = root / f"runs_{cfg}.json"
@@ -185,21 +215,21 @@ def test_per_step_parity_with_single(runs, name):
     ref, got = read_metrics(root / ref_name)[0], read_metrics(root / name)[0]
     assert len(ref) == len(got) == 8
     for r, g in zip(ref, got):
-        assert g["num_target_tokens"] == r["num_target_tokens"] == 8      # the pairs of the global batch
+        assert g["num_target_tokens"] == r["num_target_tokens"] == 8  # the pairs of the global batch
         for k in KEYS:
             assert _close(g[k], r[k]), f"{name} step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
-        for k in REWARDS:   # beta x differences of ~-100 log-probs: 1e-4 relative or 1e-4 x beta (see test_dpo_trl)
+        for k in REWARDS:  # beta x differences of ~-100 log-probs: 1e-4 relative or 1e-4 x beta (see test_dpo_trl)
             assert _close(g[k], r[k], 0.1), f"{name} step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
         assert g["rewards/accuracies"] == r["rewards/accuracies"]
     ref_eval, got_eval = read_metrics(root / ref_name)[1], read_metrics(root / name)[1]
     assert [e["step"] for e in ref_eval] == [e["step"] for e in got_eval] == [4, 8]
-    for r, g in zip(ref_eval, got_eval):   # the 12 eval pairs, whatever the ranks' batches and padding slots
+    for r, g in zip(ref_eval, got_eval):  # the 12 eval pairs, whatever the ranks' batches and padding slots
         for k in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected"):
             assert _close(g[k], r[k]), f"{name} eval at step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
         for k in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins"):
             assert _close(g[k], r[k], 0.1), f"{name} eval at step {r['step']} {k}: {g[k]} vs {ref_name} {r[k]}"
         assert g["eval_rewards/accuracies"] == r["eval_rewards/accuracies"]
-    if ref_name == "single_lora":   # the adapter alone is exported
+    if ref_name == "single_lora":  # the adapter alone is exported
         assert not (root / name / "model.safetensors").exists()
         a, b = (load_file(str(root / n / "adapter_model.safetensors")) for n in (ref_name, name))
         assert a.keys() == b.keys() and any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)
@@ -215,21 +245,20 @@ def test_single_learns_and_exports_a_normal_hf_model(runs):
 
     root, _ = runs
     train = read_metrics(root / "single")[0]
-    assert train[0]["loss"] == pytest.approx(0.693147, abs=1e-6)   # policy == reference: -log sigmoid(0)
+    assert train[0]["loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference: -log sigmoid(0)
     assert train[0]["rewards/margins"] == 0 and all(set(r) >= {"rewards/accuracies", "logps/chosen"} for r in train)
     assert AutoModelForCausalLM.from_pretrained(root / "single").config.model_type == "llama"
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
     root, _ = runs
-    out = root / "fsdp2_resumed"   # resumed from fsdp2's checkpoint-4 in the fsdp2 runs' launch
+    out = root / "fsdp2_resumed"  # resumed from fsdp2's checkpoint-4 in the fsdp2 runs' launch
     ref, got = read_metrics(root / "fsdp2")[0][4:], read_metrics(out)[0]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     for r, g in zip(ref, got):
         for k in ("loss", "grad_norm", "rewards/chosen"):
             assert abs(g[k] - r[k]) <= 1e-6 * max(abs(r[k]), 1.0), f"resumed step {r['step']} {k}"
     assert_export_matches(root / "fsdp2", out, "fsdp2 resumed")
-
 
 
 @pytest.mark.parametrize("name", BF16)

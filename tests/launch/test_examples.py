@@ -45,13 +45,23 @@ def test_example_loop_matches_one_process():
         got = _losses(_run([*torchrun, script, *extra]))
         assert len(ref) == len(got) == 6, (ref, got)
         assert max(rel(a, b) for a, b in zip(got, ref, strict=True)) < TOL, (extra, got, ref)
-    assert ref[-2] < ref[0] - 0.3, ref                                                  # it learns
+    assert ref[-2] < ref[0] - 0.3, ref  # it learns
 
 
 def _example(nproc: int) -> subprocess.Popen:
-    cmd = [sys.executable, "examples/ep_accelerate_loop.py"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-         "examples/ep_accelerate_loop.py"]
+    cmd = (
+        [sys.executable, "examples/ep_accelerate_loop.py"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "examples/ep_accelerate_loop.py",
+        ]
+    )
     e = env()
     e["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -59,27 +69,37 @@ def _example(nproc: int) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_accelerate_example_matches_one_process():
-    procs = {n: _example(n) for n in (2, 1)}               # 3 processes at once
+    procs = {n: _example(n) for n in (2, 1)}  # 3 processes at once
     losses = {}
     for n, p in procs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
         losses[n] = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", out, re.MULTILINE)]
     assert len(losses[2]) == len(losses[1]) == 5, losses
-    assert losses[1][-1] < losses[1][0] - 0.3, losses[1]   # it learns (the 2 batches are seen repeatedly)
+    assert losses[1][-1] < losses[1][0] - 0.3, losses[1]  # it learns (the 2 batches are seen repeatedly)
     for a, b in zip(losses[2], losses[1]):
         assert abs(a - b) <= TOL * abs(b), losses
 
 
 @pytest.mark.slow
 def test_cp_example_matches_one_process():
-    """examples/cp_loop.py: cp 2 ring and Ulysses, plain and Accelerate loops (cp_batch: the label shift done once, before
+    """examples/cp_loop.py: cp 2 ring and Ulysses, plain and Accelerate loops (cp_batch: the label shift done once,
+    before
     the cut) vs the 1-process run, loss and grad norm per step."""
     cmd = [sys.executable, "examples/cp_loop.py"]
-    procs = {n: subprocess.Popen(cmd if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc_per_node", "2", *cmd[1:]],
-                                 cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in (2, 1)}
+    procs = {
+        n: subprocess.Popen(
+            cmd
+            if n == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (2, 1)
+    }
     got = {}
     for n, p in procs.items():
         out, err = p.communicate(timeout=300)
@@ -89,7 +109,7 @@ def test_cp_example_matches_one_process():
     assert len(got[2]) == len(got[1]) == 24, got
     for m, s, a, b in got[2]:
         assert rel(float(a), ref[m, s][0]) < TOL and rel(float(b), ref[m, s][1]) < TOL, (m, s, a, b, ref[m, s])
-    assert ref["ring", "5"][0] < ref["ring", "1"][0] - 0.3, ref                          # it learns
+    assert ref["ring", "5"][0] < ref["ring", "1"][0] - 0.3, ref  # it learns
 
 
 @pytest.mark.slow
@@ -100,19 +120,33 @@ def test_pp_example_matches_one_process(tmp_path):
     from transformers import AutoModelForCausalLM  # (this test only: the others need no model here)
 
     cmd = [sys.executable, "examples/pp_loop.py", "--output_dir"]
-    procs = {n: subprocess.Popen((cmd if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", "2", *cmd[1:]]) + [str(tmp_path / str(n))],
-                                 cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in (2, 1)}
+    procs = {
+        n: subprocess.Popen(
+            (
+                cmd
+                if n == 1
+                else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]]
+            )
+            + [str(tmp_path / str(n))],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (2, 1)
+    }
     got = {}
     for n, p in procs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-        got[n] = [(float(a), float(b)) for a, b in re.findall(r"^step \d+ loss (\S+) grad_norm (\S+)$", out, re.MULTILINE)]
+        got[n] = [
+            (float(a), float(b)) for a, b in re.findall(r"^step \d+ loss (\S+) grad_norm (\S+)$", out, re.MULTILINE)
+        ]
     assert len(got[2]) == len(got[1]) == 6, got
     for (a, b), (ra, rb) in zip(got[2], got[1]):
         assert rel(a, ra) < TOL and rel(b, rb) < TOL, got
-    assert got[1][-1][0] < got[1][0][0] - 0.3, got[1]                                 # it learns
+    assert got[1][-1][0] < got[1][0][0] - 0.3, got[1]  # it learns
     mine, ref = (AutoModelForCausalLM.from_pretrained(tmp_path / str(n)).state_dict() for n in (2, 1))
     assert mine.keys() == ref.keys()
     for k, v in ref.items():

@@ -33,11 +33,11 @@ from hfpar.backends.wraps import fsdp2_settings
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from hfpar.objectives.base import Objective
-from hfpar.train.losses import shifted_lm_loss_sum
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.parallel.expert_parallel.router import AuxLossBackprop, set_aux_loss_grad_scale, set_aux_loss_loss_scale
 from hfpar.parallel.pipeline import PipelineStage, balanced_split
 from hfpar.parallel.sharding import set_shard_spec
+from hfpar.train.losses import shifted_lm_loss_sum
 from hfpar.train.trainer import Trainer
 from tests.helpers.dist import run_distributed
 
@@ -84,13 +84,14 @@ def _tp_over_ddp(rank: int) -> dict:
     assert backend.optimizer.defaults["fused"]  # the scaler hands a fused step its overflow flag (a scalar)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
     g_w, g_b = _g(20 + rank, 3, 4), _g(30, 3)  # the unscaled grads; the bias's is the same on every rank
-    true_norm = math.sqrt(sum(_g(20 + r, 3, 4).double().square().sum().item() for r in range(2))
-                          + g_b.double().square().sum().item())
+    true_norm = math.sqrt(
+        sum(_g(20 + r, 3, 4).double().square().sum().item() for r in range(2)) + g_b.double().square().sum().item()
+    )
     max_norm = 0.5 * true_norm  # clipping active
     out = {"norms": [], "scales": [], "overflow": []}
     for step, overflow_rank in enumerate((None, 1, None)):
         loss = (model.weight * g_w).sum() + (model.bias * g_b).sum()  # d loss / d params = (g_w, g_b)
-        acc.scaler.scale(loss).backward()                             # as acc.backward(loss) does under fp16
+        acc.scaler.scale(loss).backward()  # as acc.backward(loss) does under fp16
         if rank == overflow_rank:
             model.bias.grad[0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]
@@ -176,28 +177,39 @@ def _fsdp2_settings(mixed_precision: str, reshard: bool) -> dict:
     loss = model(_g(50, 3, 4)).float().square().mean()
     resharded = isinstance(model.blocks[0].proj.weight, DTensor)
     loss.backward()
-    return {"gathered": seen, "resharded_after_forward": resharded,
-            "masters": sorted({str(p.dtype) for p in model.parameters()}),
-            "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
-            "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    return {
+        "gathered": seen,
+        "resharded_after_forward": resharded,
+        "masters": sorted({str(p.dtype) for p in model.parameters()}),
+        "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
 
 
 def _pipeline(rank: int) -> dict:
     """pp=2 (1F1B): the schedule runs its own backwards, so the loss scale rides in its back-propagated factor.
     Clean steps: every stage's grads and the logged norm equal the unsplit fp32 model's (unscaled); step 2: an
     overflow in rank 1's stage only, skipped by both stages."""
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model = copy.deepcopy(ref)
     stage = PipelineStage(model, rank, balanced_split(model, 2))
-    ctx = SimpleNamespace(grad_replicas=1, rank=rank, pp_peers=[0, 1], pp_group=dist.group.WORLD,
-                          rank_lists=lambda *_axes: [[0, 1]])
+    ctx = SimpleNamespace(
+        grad_replicas=1, rank=rank, pp_peers=[0, 1], pp_group=dist.group.WORLD, rank_lists=lambda *_axes: [[0, 1]]
+    )
     acc = _accelerator()
     acc.autocast = contextlib.nullcontext  # fp32 compute: what is under test is the scale, not fp16 rounding
     args = parse_args(["--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"], recipe="sft")
-    backend = PipelineDDP(acc, ctx, "ddp", args, run_plan=SimpleNamespace(microbatches=2))   # the RunPlan's
+    backend = PipelineDDP(acc, ctx, "ddp", args, run_plan=SimpleNamespace(microbatches=2))  # the RunPlan's
     backend.prepare(stage)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(3))
     batch = shift_labels({"input_ids": ids, "labels": ids.clone()})
@@ -228,8 +240,13 @@ def _pipeline(rank: int) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    return {"tp_ddp": _tp_over_ddp(rank), "fsdp2": _fsdp2(rank), "pipeline": _pipeline(rank),
-            "bf16_reshard": _fsdp2_settings("bf16", True), "fp32_keep": _fsdp2_settings("no", False)}
+    return {
+        "tp_ddp": _tp_over_ddp(rank),
+        "fsdp2": _fsdp2(rank),
+        "pipeline": _pipeline(rank),
+        "bf16_reshard": _fsdp2_settings("bf16", True),
+        "fp32_keep": _fsdp2_settings("no", False),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +263,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, case):
     # the scale halves on every rank (backoff 0.5) and stays equal across ranks
     assert r0["scales"] == r1["scales"] == [SCALE, SCALE / 2, SCALE / 2][:steps]
     # clean steps log the unscaled norm (checked against the fp32 reference in the worker), equal on both ranks
-    for step in (0, 2)[:steps - 1]:
+    for step in (0, 2)[: steps - 1]:
         assert r0["norms"][step] == pytest.approx(r1["norms"][step], rel=1e-12)
     if case == "tp_ddp":  # the same grads at scale 1024 and at 512: the same logged norm
         assert r0["norms"][2] == pytest.approx(r0["norms"][0], rel=1e-12)
@@ -288,19 +305,30 @@ def test_aux_loss_gradient_scaled_with_the_loss():
 
 def test_fp16_refusals_are_one_line():
     args = parse_args([], recipe="sft")
-    cpu_acc = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, process_index=0,
-                              mixed_precision="fp16", device=torch.device("cpu"), is_fsdp2=False)
+    cpu_acc = SimpleNamespace(
+        distributed_type=DistributedType.MULTI_CPU,
+        num_processes=2,
+        process_index=0,
+        mixed_precision="fp16",
+        device=torch.device("cpu"),
+        is_fsdp2=False,
+    )
     with pytest.raises(ConfigError) as err:
         pf.preflight(args, cpu_acc, "lm")
-    assert str(err.value) == ("--mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling "
-                              "there (the run would silently be fp32); use --mixed_precision bf16 or no")
+    assert str(err.value) == (
+        "--mixed_precision fp16 on CPU: Accelerate runs no fp16 autocast and no loss scaling "
+        "there (the run would silently be fp32); use --mixed_precision bf16 or no"
+    )
     lines = ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "fp16")
-    assert lines == ["--tp_size 2 with zero2 and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
-                     "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"]
+    assert lines == [
+        "--tp_size 2 with zero2 and fp16: DeepSpeed's fp16 loss scaling is not verified with hfpar's "
+        "model parallelism; use bf16 (or ddp.yaml / fsdp2.yaml, where hfpar unscales fp16 itself)"
+    ]
     assert ModelParallelDeepSpeed.check(args, ParallelContext.plan(2, tp=2), "zero2", "bf16") == []
     assert ModelParallelFSDP2.check(args, ParallelContext.plan(2, ep=2), "fsdp2", "fp16") == [
         "--ep_size 2 with fsdp2 and fp16: the GradScaler cannot unscale the experts' grads together with FSDP2's "
-        "sharded ones; use bf16 (or ddp.yaml with fp16)"]
+        "sharded ones; use bf16 (or ddp.yaml with fp16)"
+    ]
     assert ModelParallelFSDP2.check(args, ParallelContext.plan(2, ep=2), "fsdp2", "bf16") == []
 
 
@@ -345,14 +373,23 @@ def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
     calls the backend's step (whose scaler skips and backs off) and records the step as skipped, with its scale."""
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]
     trainer = SimpleNamespace(
-        args=SimpleNamespace(max_grad_norm=1.0, on_nonfinite="error"), acc=SimpleNamespace(device=torch.device("cpu")),
-        ctx=SimpleNamespace(cp=1, data_replicas=1, grad_replicas=1), comm=None, train_ds=rows, task="lm",
-        collator=lambda f: {"input_ids": torch.tensor([x["input_ids"] for x in f]),
-                            "labels": torch.tensor([x["input_ids"] for x in f])},
-        batch_plan=lambda b: (b, contextlib.nullcontext()), _to_device=lambda b: b,
-        objective=Objective(lambda out, labels: None),   # the default hooks (count: target tokens); the backend's fake
-        backend=_OverflowingBackend(overflow), sampler=SimpleNamespace(steps_per_epoch=10),
-        scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None))
+        args=SimpleNamespace(max_grad_norm=1.0, on_nonfinite="error"),
+        acc=SimpleNamespace(device=torch.device("cpu")),
+        ctx=SimpleNamespace(cp=1, data_replicas=1, grad_replicas=1),
+        comm=None,
+        train_ds=rows,
+        task="lm",
+        collator=lambda f: {
+            "input_ids": torch.tensor([x["input_ids"] for x in f]),
+            "labels": torch.tensor([x["input_ids"] for x in f]),
+        },
+        batch_plan=lambda b: (b, contextlib.nullcontext()),
+        _to_device=lambda b: b,
+        objective=Objective(lambda out, labels: None),  # the default hooks (count: target tokens); the backend's fake
+        backend=_OverflowingBackend(overflow),
+        sampler=SimpleNamespace(steps_per_epoch=10),
+        scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None),
+    )
     rec = Trainer._train_step(trainer, 0, [[0, 1]])
     assert trainer.backend.calls == ["step", "zero_grad"]
     assert rec.get("skipped", False) is overflow and rec["loss_scale"] == SCALE

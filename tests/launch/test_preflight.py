@@ -18,20 +18,25 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
-from hfpar.checkpoint.layout import MARKER, STATE_FILE, run_identity
-from hfpar.checkpoint.manifest import write_manifest
-from hfpar.config import ConfigError
-from hfpar.checkpoint.output_dir import check_output_dir
 from hfpar import preflight as pf
 from hfpar.backends import STRATEGY, AccelerateBackend, ModelParallelDDP
-from hfpar.config import parse_args
+from hfpar.checkpoint.layout import MARKER, STATE_FILE, run_identity
+from hfpar.checkpoint.manifest import write_manifest
+from hfpar.checkpoint.output_dir import check_output_dir
+from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from tests.helpers.launch import ROOT, env
 
 
 def _model_dir(tmp_path, **overrides):
-    cfg = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
-               num_key_value_heads=2, vocab_size=128)
+    cfg = dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     cfg.update(overrides)
     path = tmp_path / "model"
     LlamaConfig(**cfg).save_pretrained(path)
@@ -55,38 +60,55 @@ def test_model_config_problems_are_all_reported(tmp_path):
 def test_upcycling_and_plans_checked_from_the_config(tmp_path):
     model = _model_dir(tmp_path, num_attention_heads=4, num_key_value_heads=2)
     args = _args("--model_name_or_path", model, "--upcycle_experts", "3", "--ep_size", "2")
-    assert any("--upcycle_experts 3 is not divisible by --ep_size 2" in x
-               for x in pf.model_problems(args, ParallelContext.plan(2, ep=2), "lm"))
+    assert any(
+        "--upcycle_experts 3 is not divisible by --ep_size 2" in x
+        for x in pf.model_problems(args, ParallelContext.plan(2, ep=2), "lm")
+    )
     gpt2 = tmp_path / "gpt2"
     GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64).save_pretrained(gpt2)
     args = _args("--model_name_or_path", str(gpt2), "--tp_size", "2", "--upcycle_experts", "2")
     text = "\n".join(pf.model_problems(args, ParallelContext.plan(2, tp=2), "lm"))
-    assert "tensor-parallel" not in text and "'gpt2' cannot be upcycled" in text   # gpt2: a written TP plan
-    for model_type, needle in [("inkling_text", None),  # HF's all_reduce entry mapped (the region already sums)
-                               ("granite_swa", None),   # attention sinks split by head, local_params mapped
-                               ("opt", None),      # no base_model_tp_plan: inferred from its modules at apply time
-                               ("olmo2", None)]:   # colwise_gather_output: head-spanning norms sharded (norms.py)
+    assert "tensor-parallel" not in text and "'gpt2' cannot be upcycled" in text  # gpt2: a written TP plan
+    for model_type, needle in [
+        ("inkling_text", None),  # HF's all_reduce entry mapped (the region already sums)
+        ("granite_swa", None),  # attention sinks split by head, local_params mapped
+        ("opt", None),  # no base_model_tp_plan: inferred from its modules at apply time
+        ("olmo2", None),
+    ]:  # colwise_gather_output: head-spanning norms sharded (norms.py)
         path = tmp_path / model_type
         AutoConfig.for_model(model_type).save_pretrained(path)
-        lines = [x for x in pf.model_problems(_args("--model_name_or_path", str(path), "--tp_size", "2"),
-                                              ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size 2")]
+        lines = [
+            x
+            for x in pf.model_problems(
+                _args("--model_name_or_path", str(path), "--tp_size", "2"), ParallelContext.plan(2, tp=2), "lm"
+            )
+            if x.startswith("--tp_size 2")
+        ]
         if needle is None:
             assert not lines, lines
         else:
             assert len(lines) == 1 and needle in lines[0] and "pass plan=" not in lines[0], lines
     granite = tmp_path / "granite"
-    AutoConfig.for_model("granite").save_pretrained(granite)   # a plan derived from its base_model_tp_plan
+    AutoConfig.for_model("granite").save_pretrained(granite)  # a plan derived from its base_model_tp_plan
     args = _args("--model_name_or_path", str(granite), "--tp_size", "2", "--sequence_parallel")
     lines = pf.model_problems(args, ParallelContext.plan(2, tp=2, sequence_parallel=True), "lm")
-    assert not [x for x in lines if "sequence_parallel" in x], lines   # SP entries from the structure, verified
-    assert not [x for x in pf.model_problems(_args("--model_name_or_path", str(granite), "--tp_size", "2"),
-                                             ParallelContext.plan(2, tp=2), "lm") if x.startswith("--tp_size")]
+    assert not [x for x in lines if "sequence_parallel" in x], lines  # SP entries from the structure, verified
+    assert not [
+        x
+        for x in pf.model_problems(
+            _args("--model_name_or_path", str(granite), "--tp_size", "2"), ParallelContext.plan(2, tp=2), "lm"
+        )
+        if x.startswith("--tp_size")
+    ]
     args = _args("--tp_size", "2", "--sequence_parallel", "--upcycle_experts", "4", "--ep_size", "2")
     ctx = ParallelContext.plan(4, tp=2, ep=2, sequence_parallel=True)
-    assert any("--sequence_parallel with --upcycle_experts 4: the MoE blocks stay whole" in x
-               for x in pf.feature_problems(args, ctx, "lm"))
-    assert not pf.feature_problems(_args("--tp_size", "2", "--upcycle_experts", "4", "--ep_size", "2"),
-                                   ParallelContext.plan(4, tp=2, ep=2), "lm")          # EP x TP itself is fine
+    assert any(
+        "--sequence_parallel with --upcycle_experts 4: the MoE blocks stay whole" in x
+        for x in pf.feature_problems(args, ctx, "lm")
+    )
+    assert not pf.feature_problems(
+        _args("--tp_size", "2", "--upcycle_experts", "4", "--ep_size", "2"), ParallelContext.plan(4, tp=2, ep=2), "lm"
+    )  # EP x TP itself is fine
     args = _args("--model_name_or_path", str(tmp_path / "nowhere"))
     assert "cannot read its config.json" in pf.model_problems(args, ParallelContext.plan(1), "lm")[0]
 
@@ -94,8 +116,16 @@ def test_upcycling_and_plans_checked_from_the_config(tmp_path):
 def _checkpoint(out, **state):
     d = out / "checkpoint-4"
     d.mkdir(parents=True)
-    base = {"global_step": 4, "world_size": 2, "dp": 2, "tp": 1, "ep": 1, "strategy": "ddp", "seed": 42,
-            "global_batch": 8}
+    base = {
+        "global_step": 4,
+        "world_size": 2,
+        "dp": 2,
+        "tp": 1,
+        "ep": 1,
+        "strategy": "ddp",
+        "seed": 42,
+        "global_batch": 8,
+    }
     (d / STATE_FILE).write_text(json.dumps({**base, **state}))
     write_manifest(d)
     (d / MARKER).write_text("4")
@@ -104,25 +134,43 @@ def _checkpoint(out, **state):
 
 _NO_FULL_FORM = "records no full form to reshard from; resume on the checkpoint's mesh"
 _MESH_CHANGES = [  # (trainer state, this run's sizes, strategy, backend): another mesh than the checkpoint's
-    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend),                      # tp 2 -> tp 1
-    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend),              # ZeRO-2 @ 2 -> @ 1
-    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend),                # ZeRO-2 -> DDP
+    (dict(tp=2, dp=1), dict(world=2), "ddp", AccelerateBackend),  # tp 2 -> tp 1
+    (dict(strategy="zero2"), dict(world=1), "zero2", AccelerateBackend),  # ZeRO-2 @ 2 -> @ 1
+    (dict(strategy="zero2"), dict(world=2), "ddp", AccelerateBackend),  # ZeRO-2 -> DDP
     (dict(ep=2, world_size=4, dp=4), dict(world=2, ep=2), "ddp", ModelParallelDDP),  # ep 2 x dp 4 -> x dp 2
 ]
 
 
-@pytest.mark.parametrize("state, ctx, strategy, backend, expected", [
-    *[(*case, _NO_FULL_FORM) for case in _MESH_CHANGES],   # written without a full form (an older hfpar)
-    (dict(global_batch=16), dict(world=2), "ddp", AccelerateBackend, "trained with global batch 16, this run has 8"),
-])
+@pytest.mark.parametrize(
+    "state, ctx, strategy, backend, expected",
+    [
+        *[(*case, _NO_FULL_FORM) for case in _MESH_CHANGES],  # written without a full form (an older hfpar)
+        (
+            dict(global_batch=16),
+            dict(world=2),
+            "ddp",
+            AccelerateBackend,
+            "trained with global batch 16, this run has 8",
+        ),
+    ],
+)
 def test_incompatible_resumes_refused_from_trainer_state(tmp_path, state, ctx, strategy, backend, expected):
     out = tmp_path / "out"
     _checkpoint(out, **state)
-    ctx = dict(ctx)   # the parameters are shared with the test below
+    ctx = dict(ctx)  # the parameters are shared with the test below
     c = ParallelContext.plan(ctx.pop("world"), strategy=STRATEGY[strategy], **ctx)
     per_device = 8 // (c.dp * 2)
-    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
-                 "2", "--per_device_train_batch_size", str(per_device), *(["--ep_size", "2"] if c.ep > 1 else []))
+    args = _args(
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "latest",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        str(per_device),
+        *(["--ep_size", "2"] if c.ep > 1 else []),
+    )
     lines = pf.resume_problems(args, c, backend)
     assert any(expected in x for x in lines), lines
     assert all("\n" not in x for x in lines)
@@ -135,17 +183,36 @@ def test_mesh_changes_with_a_full_form_are_accepted(tmp_path, state, ctx, strate
     _checkpoint(out, **state, reshardable=True)
     ctx = dict(ctx)
     c = ParallelContext.plan(ctx.pop("world"), strategy=STRATEGY[strategy], **ctx)
-    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
-                 "2", "--per_device_train_batch_size", str(8 // (c.dp * 2)), *(["--ep_size", "2"] if c.ep > 1 else []))
+    args = _args(
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "latest",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        str(8 // (c.dp * 2)),
+        *(["--ep_size", "2"] if c.ep > 1 else []),
+    )
     assert pf.resume_problems(args, c, backend) == []
 
 
 def test_compatible_resume_is_accepted(tmp_path):
     out = tmp_path / "out"
     _checkpoint(out, world_size=2)
-    args = _args("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps",
-                 "2", "--per_device_train_batch_size", "1")
-    assert pf.resume_problems(args, ParallelContext.plan(4, strategy=STRATEGY["ddp"]), AccelerateBackend) == []  # DDP: other world ok
+    args = _args(
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "latest",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "1",
+    )
+    assert (
+        pf.resume_problems(args, ParallelContext.plan(4, strategy=STRATEGY["ddp"]), AccelerateBackend) == []
+    )  # DDP: other world ok
 
 
 def test_another_runs_checkpoint_or_a_finished_run_is_refused(tmp_path):
@@ -153,26 +220,38 @@ def test_another_runs_checkpoint_or_a_finished_run_is_refused(tmp_path):
     checkpoint-16 (past it), one of another seed too (unless its path is passed); with no checkpoint left, its final
     model and metrics are not replaced without --overwrite_output_dir (launched end to end: test_reliability)."""
     out = tmp_path / "out"
-    run = ["--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
-           "--per_device_train_batch_size", "2"]
+    run = [
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "latest",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+    ]
     ckpt = _checkpoint(out, global_step=16, identity=run_identity(_args(*run)))
     ctx = ParallelContext.plan(2, strategy=STRATEGY["ddp"])
     assert pf.resume_problems(_args(*run), ctx, AccelerateBackend) == []
     [line] = pf.resume_problems(_args(*run, "--max_steps", "8"), ctx, AccelerateBackend)
-    assert line.startswith(f"checkpoint {ckpt} is at step 16, past this run's --max_steps 8: it belongs to a longer run")
+    assert line.startswith(
+        f"checkpoint {ckpt} is at step 16, past this run's --max_steps 8: it belongs to a longer run"
+    )
     [line] = pf.resume_problems(_args(*run, "--seed", "7"), ctx, AccelerateBackend)
     assert f"checkpoint {ckpt} belongs to another run (seed 42; this run: seed 7)" in line
     explicit = [*run[:2], "--resume_from_checkpoint", str(ckpt), *run[4:], "--seed", "7", "--max_steps", "8"]
-    assert pf.resume_problems(_args(*explicit), ctx, AccelerateBackend) == []   # its path, passed explicitly
+    assert pf.resume_problems(_args(*explicit), ctx, AccelerateBackend) == []  # its path, passed explicitly
     shutil.rmtree(ckpt)
     for name in ("model.safetensors", "metrics.jsonl"):
         (out / name).write_text("a finished run's")
-    with pytest.raises(ConfigError, match="holds a previous run .*metrics.jsonl, model.safetensors.* pass "
-                                          "--overwrite_output_dir to replace it"):
+    with pytest.raises(
+        ConfigError,
+        match="holds a previous run .*metrics.jsonl, model.safetensors.* pass --overwrite_output_dir to replace it",
+    ):
         check_output_dir(_args(*run))
     args = _args(*run, "--overwrite_output_dir")
     check_output_dir(args)
-    assert args.resume_from_checkpoint is None   # `latest` after an overwrite: a fresh start, never the old run
+    assert args.resume_from_checkpoint is None  # `latest` after an overwrite: a fresh start, never the old run
 
 
 @pytest.mark.serial
@@ -180,9 +259,24 @@ def test_a_refusal_takes_under_10_seconds(tmp_path):
     """Several problems at once (sequence parallelism with MoE blocks; tp 2 does not fit one process),
     each on its own line, exit 2, the whole process under 10 s."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--tp_size", "2", "--sequence_parallel",
-                           "--upcycle_experts", "4", "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "sft.py"),
+            "--tp_size",
+            "2",
+            "--sequence_parallel",
+            "--upcycle_experts",
+            "4",
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     dt = time.perf_counter() - t0
     print(f"PREFLIGHT refusal, whole process: {dt:.1f} s")
     lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
@@ -200,25 +294,42 @@ def test_context_parallel_refusals_and_mode(tmp_path):
     ctx = ParallelContext.plan(4, cp=4)
     gpt2 = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == [
-        ("--cp_size 4: GPT2Attention uses attention dropout 0.1 (set attention_dropout 0), which hfpar's "
-         "context-parallel attention does not implement")]
+        (
+            "--cp_size 4: GPT2Attention uses attention dropout 0.1 (set attention_dropout 0), which hfpar's "
+            "context-parallel attention does not implement"
+        )
+    ]
     gpt2.attn_pdrop = 0.0
-    assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == []              # not a list of names: GPT-2 routes
-    xglm = AutoConfig.for_model("xglm", d_model=32, num_layers=1, attention_heads=2, vocab_size=64, dropout=0.0,
-                                attention_dropout=0.0)
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, gpt2) == []  # not a list of names: GPT-2 routes
+    xglm = AutoConfig.for_model(
+        "xglm", d_model=32, num_layers=1, attention_heads=2, vocab_size=64, dropout=0.0, attention_dropout=0.0
+    )
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, xglm) == [
-        ("--cp_size 4: XGLMAttention (model.layers.0.self_attn) computes attention itself instead of calling "
-         "transformers' attention registry (attn_implementation), which context parallelism replaces")]
-    mistral = AutoConfig.for_model("mistral", num_attention_heads=8, num_key_value_heads=4, sliding_window=4096,
-                                   hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+        (
+            "--cp_size 4: XGLMAttention (model.layers.0.self_attn) computes attention itself instead of calling "
+            "transformers' attention registry (attn_implementation), which context parallelism replaces"
+        )
+    ]
+    mistral = AutoConfig.for_model(
+        "mistral",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        sliding_window=4096,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=64,
+    )
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, mistral) == []
     llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, num_hidden_layers=1)
     lines = pf.cp_problems(_args("--cp_size", "4", "--cp_mode", "ulysses"), ctx, llama6)
-    assert lines == ["--cp_mode ulysses: 6 attention heads are not divisible by --cp_size 4; use --cp_mode ring (or auto)"]
+    assert lines == [
+        "--cp_mode ulysses: 6 attention heads are not divisible by --cp_size 4; use --cp_mode ring (or auto)"
+    ]
     for heads, kv, mode in ((8, 4, "ulysses"), (8, 2, "ring"), (6, 6, "ring")):
         c = ParallelContext.plan(4, cp=4)
         cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 8, num_hidden_layers=1)
-        got = pf.resolve_cp_mode(_args("--cp_size", "4"), c.tp, c.cp, cfg)   # the run plan's (no side effect on c)
+        got = pf.resolve_cp_mode(_args("--cp_size", "4"), c.tp, c.cp, cfg)  # the run plan's (no side effect on c)
         assert pf.cp_problems(_args("--cp_size", "4"), c, cfg) == [] and got == mode, (heads, kv, got)
     lines = pf.feature_problems(_args("--cp_size", "2", "--attn_implementation", "flash_attention_2"), ctx, "classify")
     assert any("context parallelism is available for causal-LM recipes" in x for x in lines)
@@ -230,14 +341,18 @@ def test_pipeline_refusals(tmp_path):
     dividing the batch, an encoder model, classify / LoRA, and the compositions not supported."""
     from hfpar.backends import select_backend
     from hfpar.config import ConfigError
+
     assert "--pp_size 3 does not divide the world size 4" in ParallelContext(world=4, pp=3).problems()[0]
     llama = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
     ctx4 = ParallelContext.plan(4, pp=4)
     assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, llama) == [
-        "--pp_size 4: llama has 2 decoder layers, fewer than the stages"]
+        "--pp_size 4: llama has 2 decoder layers, fewer than the stages"
+    ]
     llama8 = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
-    assert "every stage non-empty" in pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,2,6"), ctx4,
-                                                            llama8)[0]
+    assert (
+        "every stage non-empty"
+        in pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,2,6"), ctx4, llama8)[0]
+    )
     assert pf.pp_model_problems(_args("--pp_size", "4", "--pp_split", "0,2,4,6"), ctx4, llama8) == []
     tied = LlamaConfig(num_hidden_layers=8, hidden_size=32, num_attention_heads=4, tie_word_embeddings=True)
     assert pf.pp_model_problems(_args("--pp_size", "4"), ctx4, tied) == []  # tied: first and last stage sum grads
@@ -245,19 +360,27 @@ def test_pipeline_refusals(tmp_path):
     assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, bert)[0]
     t5 = AutoConfig.for_model("t5")
     assert "not a decoder-only causal LM" in pf.pp_model_problems(_args("--pp_size", "4"), ctx4, t5)[0]
-    lines = pf.feature_problems(_args("--pp_size", "2", "--per_device_train_batch_size", "6", "--pp_microbatches", "4",
-                                      "--use_peft"), ParallelContext.plan(2, pp=2), "classify")
-    assert any("--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x
-               for x in lines)
+    lines = pf.feature_problems(
+        _args("--pp_size", "2", "--per_device_train_batch_size", "6", "--pp_microbatches", "4", "--use_peft"),
+        ParallelContext.plan(2, pp=2),
+        "classify",
+    )
+    assert any(
+        "--pp_microbatches 4 does not divide --per_device_train_batch_size 6; valid: 1, 2, 3, 6" in x for x in lines
+    )
     assert any("pipeline parallelism is available for causal-LM recipes" in x for x in lines)
     assert not any("--use_peft" in x for x in lines)  # LoRA composes with pipeline parallelism
-    for strategy, parallelisms, text in (("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
-                                         ("zero3", ("tp", "pp"), "DeepSpeed refuses them with its own pipeline"),
-                                         ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
-                                         ("zero2", ("tp", "ep", "cp", "pp"), "DeepSpeed refuses them")):
+    for strategy, parallelisms, text in (
+        ("zero2", ("pp",), "DeepSpeed refuses them with its own pipeline"),
+        ("zero3", ("tp", "pp"), "DeepSpeed refuses them with its own pipeline"),
+        ("fsdp1", ("tp", "pp"), "FSDP1 is not supported"),
+        ("zero2", ("tp", "ep", "cp", "pp"), "DeepSpeed refuses them"),
+    ):
         with pytest.raises(ConfigError, match=text):
             select_backend(strategy, parallelisms, {"pp": 2, "tp": 2})
-    assert "--pp_schedule 'zb'" in str(pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value)
+    assert "--pp_schedule 'zb'" in str(
+        pytest.raises(ConfigError, parse_args, ["--pp_schedule", "zb"], recipe="sft").value
+    )
 
 
 def test_pipeline_zero1_refuses_mixed_precision_and_skipping():
@@ -278,6 +401,7 @@ def test_pipeline_zero1_refuses_mixed_precision_and_skipping():
 def test_pipeline_schedules_listed_once():
     from hfpar.config import PP_SCHEDULES
     from hfpar.parallel.pipeline import SCHEDULES
+
     assert PP_SCHEDULES == SCHEDULES
 
 
@@ -285,35 +409,45 @@ def test_interleaved_pipeline_refusals():
     """interleaved_1f1b: at least 2 chunks per rank, V x pp layers at least, micro-batches a multiple of pp (given,
     or by default), and --pp_split naming the first layer of each of the V x pp virtual stages."""
     from hfpar.config import ConfigError
+
     inter = ("--pp_schedule", "interleaved_1f1b")
     err = str(pytest.raises(ConfigError, parse_args, [*inter, "--pp_virtual_stages", "1"], recipe="sft").value)
     assert "--pp_virtual_stages 1: interleaved_1f1b needs >= 2 chunks per rank" in err
-    assert parse_args(["--pp_virtual_stages", "1"], recipe="sft").pp_virtual_stages == 1   # unused unless interleaved
+    assert parse_args(["--pp_virtual_stages", "1"], recipe="sft").pp_virtual_stages == 1  # unused unless interleaved
     ctx2, ctx4 = ParallelContext.plan(2, pp=2), ParallelContext.plan(4, pp=4)
     llama6 = LlamaConfig(num_hidden_layers=6, hidden_size=32, num_attention_heads=4, tie_word_embeddings=False)
     assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "4"), ctx2, llama6) == [
         "--pp_virtual_stages 4 x --pp_size 2: llama has 6 decoder layers, fewer than the 8 virtual stages; "
-        "valid: --pp_virtual_stages 2..3"]
+        "valid: --pp_virtual_stages 2..3"
+    ]
     assert pf.pp_model_problems(_args("--pp_size", "4", *inter), ctx4, llama6) == [
         "--pp_virtual_stages 2 x --pp_size 4: llama has 6 decoder layers, fewer than the 8 virtual stages; "
-        "valid: --pp_schedule 1f1b or gpipe"]
+        "valid: --pp_schedule 1f1b or gpipe"
+    ]
     assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_virtual_stages", "3"), ctx2, llama6) == []
     assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,2,4"), ctx2, llama6) == [
         "--pp_split '0,2,4': needs 4 increasing first-layer indices starting at 0 and below 6 (every stage non-empty), "
-        "e.g. 0,1,3,4"]
+        "e.g. 0,1,3,4"
+    ]
     assert pf.pp_model_problems(_args("--pp_size", "2", *inter, "--pp_split", "0,1,3,4"), ctx2, llama6) == []
-    bad = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6",
-                                       "--pp_microbatches", "3"), "lm")
-    assert bad == ["--pp_microbatches 3: interleaved_1f1b needs a multiple of --pp_size 2 that divides "
-                   "--per_device_train_batch_size 6"]
+    bad = pf.pp_feature_problems(
+        _args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6", "--pp_microbatches", "3"), "lm"
+    )
+    assert bad == [
+        "--pp_microbatches 3: interleaved_1f1b needs a multiple of --pp_size 2 that divides "
+        "--per_device_train_batch_size 6"
+    ]
     odd = pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "3"), "lm")
-    assert odd == ["--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
-                   "valid: a batch that is a multiple of 2"]
+    assert odd == [
+        "--pp_schedule interleaved_1f1b: no multiple of --pp_size 2 divides --per_device_train_batch_size 3; "
+        "valid: a batch that is a multiple of 2"
+    ]
     assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--per_device_train_batch_size", "6"), "lm") == []
     # the chunks compose like one stage per rank: TP, LoRA, FSDP2 and ZeRO-1 accepted (parity: test_pp_parity.py,
     # test_lora.py)
     assert pf.pp_feature_problems(_args("--pp_size", "2", *inter, "--tp_size", "2", "--use_peft"), "lm") == []
     from hfpar.backends import PipelineFSDP2, PipelineZeRO1, select_backend
+
     assert select_backend("fsdp2", ("pp",), {"pp": 2}) is PipelineFSDP2
     for cls, strategy in ((PipelineFSDP2, "fsdp2"), (PipelineZeRO1, "zero1")):
         for flags in ((), inter):
@@ -326,10 +460,20 @@ def test_resume_refused_across_pipeline_chunk_layouts(tmp_path):
     out = tmp_path / "out"
     _checkpoint(out, pp=2, dp=1, pp_virtual_stages=2)
     ctx = ParallelContext.plan(2, pp=2, strategy=STRATEGY["ddp"])
-    common = ("--output_dir", str(out), "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2",
-              "--per_device_train_batch_size", "4", "--pp_size", "2")
+    common = (
+        "--output_dir",
+        str(out),
+        "--resume_from_checkpoint",
+        "latest",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--pp_size",
+        "2",
+    )
     lines = pf.resume_problems(_args(*common), ctx, ModelParallelDDP)
-    assert any(_NO_FULL_FORM in x for x in lines), lines   # an older checkpoint: no full form to regroup the layers
+    assert any(_NO_FULL_FORM in x for x in lines), lines  # an older checkpoint: no full form to regroup the layers
     assert pf.resume_problems(_args(*common, "--pp_schedule", "interleaved_1f1b"), ctx, ModelParallelDDP) == []
 
 
@@ -345,7 +489,7 @@ def test_fp16_refused_where_no_loss_scaling_would_happen():
     assert not pf.fp16_loss_scaling(SimpleNamespace(distributed_type=multi, scaler=None))
 
 
-@pytest.mark.slow   # a whole recipe process (the in-process checks: tests/unit/test_file_checks.py)
+@pytest.mark.slow  # a whole recipe process (the in-process checks: tests/unit/test_file_checks.py)
 def test_damaged_files_refused_before_the_model_loads(tmp_path):
     """Truncated weights and a data file that is not UTF-8 (`python recipes/sft.py`: one line each naming the file,
     the byte offset for the data). Misspelt accelerate-config keys: tests/unit/test_file_checks.py."""
@@ -358,12 +502,27 @@ def test_damaged_files_refused_before_the_model_loads(tmp_path):
         fh.truncate(size - 64)
     data = tmp_path / "train.jsonl"
     data.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), "--model_name_or_path", model,
-                           "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")], check=False, cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "recipes" / "sft.py"),
+            "--model_name_or_path",
+            model,
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        check=False,
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert lines == [f"hfpar: error: {model}/model.safetensors: truncated: {size - 64} bytes, its header says {size}",
-                     (f"hfpar: error: {data}: not UTF-8 text at byte offset 50 (invalid continuation byte); re-encode "
-                      "it as UTF-8")], lines
-
+    assert lines == [
+        f"hfpar: error: {model}/model.safetensors: truncated: {size - 64} bytes, its header says {size}",
+        (f"hfpar: error: {data}: not UTF-8 text at byte offset 50 (invalid continuation byte); re-encode it as UTF-8"),
+    ], lines

@@ -15,11 +15,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]  # asserts each default run'
 
 def _run(recipe, cwd):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py")], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / f"{recipe}.py")],
+        cwd=cwd,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "final eval loss" in proc.stdout and "median tokens/s" in proc.stdout   # the summary table
+    assert "final eval loss" in proc.stdout and "median tokens/s" in proc.stdout  # the summary table
     out = cwd / "outputs" / recipe
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return elapsed, [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r], out
@@ -28,9 +34,12 @@ def _run(recipe, cwd):
 @pytest.mark.parametrize("recipe", ["sft", "clm"])
 def test_lm_recipe_default_learns(recipe, tmp_path):
     elapsed, train, evals, out = _run(recipe, tmp_path)
-    record("recipes/default_cpu", recipe, {"first_train_loss": train[0]["loss"],
-                                           "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
-           command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
+    record(
+        "recipes/default_cpu",
+        recipe,
+        {"first_train_loss": train[0]["loss"], "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
+        command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'",
+    )
     assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
     assert len(evals) >= 2
     # eval loss falls clearly from the first evaluation to the last, and far below the untrained ~ln(V)
@@ -40,7 +49,7 @@ def test_lm_recipe_default_learns(recipe, tmp_path):
     # the run report: a plot and a summary table at the end, measured bytes and memory in run_info
     assert (out / "report.png").stat().st_size > 10_000
     info = json.loads((out / "run_info.json").read_text())
-    assert info["grad_bytes_per_rank"] == info["param_bytes_per_rank"]   # fp32 on one process: one grad per param
+    assert info["grad_bytes_per_rank"] == info["param_bytes_per_rank"]  # fp32 on one process: one grad per param
     assert info["peak_mem_bytes_per_rank"][0] > 0 and info["wall_time_s"] > 0
 
 
@@ -63,14 +72,21 @@ def test_dpo_default_learns(tmp_path):
     elapsed, train, _, out = _run("dpo", tmp_path)
     assert len(train) == 120
 
-    def means(key):   # steps 1-20, steps 101-120
+    def means(key):  # steps 1-20, steps 101-120
         return tuple(sum(r[key] for r in rows) / len(rows) for rows in (train[:20], train[-20:]))
 
     acc, margin = means("rewards/accuracies"), means("rewards/margins")
-    record("recipes/default_cpu", "dpo", {"rewards/accuracies steps 1-20, 101-120": acc,
-                                          "rewards/margins steps 1-20, 101-120": margin, "wall_s": elapsed},
-           command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'")
+    record(
+        "recipes/default_cpu",
+        "dpo",
+        {
+            "rewards/accuracies steps 1-20, 101-120": acc,
+            "rewards/margins steps 1-20, 101-120": margin,
+            "wall_s": elapsed,
+        },
+        command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'",
+    )
     assert elapsed < 120, f"dpo took {elapsed:.0f}s"
     assert acc[1] >= acc[0] + 0.1, acc
     assert margin[1] > max(3 * margin[0], 0.02), margin
-    assert (out / "model.safetensors").is_file()   # a normal HF model
+    assert (out / "model.safetensors").is_file()  # a normal HF model

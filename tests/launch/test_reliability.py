@@ -11,7 +11,8 @@
   the checkpoint's full form (ZeRO-2 2 -> 1 process, ZeRO-3 -> FSDP2); `hfpar export` of each checkpoint kind.
 - The non-finite guard: stop with a one-line error naming the step, or skip the step on every rank.
 - Preemption: SIGTERM under ddp.yaml (the real-SLURM case is test_slurm.py): a checkpoint, the same training.
-  A damaged newest checkpoint: fallback to the previous one; a planted pickle: refused, never run. A finished run is never replaced silently.
+  A damaged newest checkpoint: fallback to the previous one; a planted pickle: refused, never run. A finished run is
+  never replaced silently.
 - Two "nodes" on one machine (two launchers, machine ranks 0 and 1, rendezvous on 127.0.0.1) match one process.
 All fp32 on CPU / gloo, 2-4 processes.
 """
@@ -31,14 +32,22 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import ROOT, env, launch, launch_cmd, read_metrics
-from tests.helpers.parity import (COMMON, TOL, assert_checkpoint_exports_final, assert_close_series,
-                                  assert_continues_uninterrupted, assert_export_matches,
-                                  assert_resumed_like_uninterrupted, resume_on_other_meshes)
+from tests.helpers.parity import (
+    COMMON,
+    TOL,
+    assert_checkpoint_exports_final,
+    assert_close_series,
+    assert_continues_uninterrupted,
+    assert_export_matches,
+    assert_resumed_like_uninterrupted,
+    resume_on_other_meshes,
+)
 from tests.helpers.reliability import assert_same_training as _assert_same_training
 from tests.helpers.reliability import free_port as _free_port
 from tests.helpers.reliability import run_args as _args
 
 pytestmark = pytest.mark.slow
+
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     t0 = time.time()
@@ -73,8 +82,9 @@ def reference(ddp_reference) -> Path:
 def test_sigkill_then_relaunch_same_command(reference, base_model, tmp_path):
     out = tmp_path / "killed"
     cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     _wait_for(out / "checkpoint-4" / "COMPLETE", proc)
     os.killpg(proc.pid, signal.SIGKILL)  # launcher and every rank, no chance to clean up
     proc.wait()
@@ -94,8 +104,9 @@ def test_elastic_restart_after_a_rank_dies(reference, base_model, tmp_path, rdzv
     if rdzv == "c10d":
         extra += ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port())]
     cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out), extra)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         _wait_for(out / "checkpoint-4" / "COMPLETE", proc)
         os.kill(_worker_pids(out)[1], signal.SIGKILL)
@@ -138,8 +149,15 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
     from hfpar.checkpoint.layout import list_checkpoints, resolve_resume
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", SAVE_THEN_DIE, str(out), where], check=False, cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_THEN_DIE, str(out), where],
+        check=False,
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if where == "none":  # a save that completes: retention (limit 1) removes the older one, keeps the newest
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert [p.name for p in list_checkpoints(out)] == ["checkpoint-6"]
@@ -165,7 +183,7 @@ def test_resume_on_a_different_world_size(reference, base_model, base_weights, t
     """Written by 2 processes, resumed by 4 (per-device batch halved): same global batch, same training. (FSDP2's
     sharded state at 2 -> 1 process: test_zero_resumes_on_another_mesh[fsdp2_to_fsdp2x1].)"""
     config, src_n, dst_n = "ddp", 2, 4
-    src, out = reference, tmp_path / "dst"   # the uninterrupted DDP run (2 processes) is the source
+    src, out = reference, tmp_path / "dst"  # the uninterrupted DDP run (2 processes) is the source
     out.mkdir()
     shutil.copytree(src / "checkpoint-8", out / "checkpoint-8")
     proc = launch(config, dst_n, "sft", _args(base_model, out, per_device=4 // dst_n))
@@ -182,14 +200,17 @@ def test_resume_on_a_different_world_size(reference, base_model, base_weights, t
 def zero_resharded(backend_runs, base_model, tmp_path_factory) -> dict:
     """The parity runs' checkpoint-4 resumed on another mesh: ZeRO-2's by 1 process, ZeRO-3's under FSDP2, FSDP2's
     (DCP shards of 2 ranks) by 1 process."""
-    cases = {"zero2_to_zero2x1": (backend_runs["zero2"], ("zero2", 1, "4", [])),
-             "zero3_to_fsdp2x2": (backend_runs["zero3"], ("fsdp2", 2, "2", [])),
-             "fsdp2_to_fsdp2x1": (backend_runs["fsdp2"], ("fsdp2", 1, "4", []))}
+    cases = {
+        "zero2_to_zero2x1": (backend_runs["zero2"], ("zero2", 1, "4", [])),
+        "zero3_to_fsdp2x2": (backend_runs["zero3"], ("fsdp2", 2, "2", [])),
+        "fsdp2_to_fsdp2x1": (backend_runs["fsdp2"], ("fsdp2", 1, "4", [])),
+    }
     return resume_on_other_meshes(cases, base_model, tmp_path_factory.mktemp("zero_resharded"))
 
 
-@pytest.mark.parametrize("case, src", [("zero2_to_zero2x1", "zero2"), ("zero3_to_fsdp2x2", "zero3"),
-                                       ("fsdp2_to_fsdp2x1", "fsdp2")])
+@pytest.mark.parametrize(
+    "case, src", [("zero2_to_zero2x1", "zero2"), ("zero3_to_fsdp2x2", "zero3"), ("fsdp2_to_fsdp2x1", "fsdp2")]
+)
 def test_zero_resumes_on_another_mesh(zero_resharded, backend_runs, base_weights, case, src):
     """DeepSpeed's flat partitions joined into full tensors (weights and AdamW states) and loaded through the new
     layout: ZeRO-2 at 2 -> 1 process (DeepSpeed's fragment setters), ZeRO-3 -> FSDP2 (DTensor shards)."""
@@ -201,8 +222,22 @@ def test_checkpoint_export_equals_the_final_export(backend_runs, tmp_path, kind)
     assert_checkpoint_exports_final(backend_runs[kind], tmp_path, kind)
 
 
-NAN = ["--max_steps", "5", "--learning_rate", "1e30", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
-       "--eval_steps", "0", "--logging_steps", "1", "--per_device_train_batch_size", "2"]
+NAN = [
+    "--max_steps",
+    "5",
+    "--learning_rate",
+    "1e30",
+    "--warmup_steps",
+    "0",
+    "--lr_scheduler_type",
+    "constant",
+    "--eval_steps",
+    "0",
+    "--logging_steps",
+    "1",
+    "--per_device_train_batch_size",
+    "2",
+]
 
 
 def test_nonfinite_loss_stops_before_the_step(base_model, tmp_path):
@@ -216,8 +251,24 @@ def test_nonfinite_loss_stops_before_the_step(base_model, tmp_path):
 
 def test_nonfinite_skip_skips_on_every_rank(base_model, tmp_path):
     out = tmp_path / "skip"
-    launch("ddp", 2, "sft", [*NAN, "--on_nonfinite", "skip", "--save_steps", "1", "--save_total_limit", "10",
-                             "--model_name_or_path", base_model, "--output_dir", str(out)])
+    launch(
+        "ddp",
+        2,
+        "sft",
+        [
+            *NAN,
+            "--on_nonfinite",
+            "skip",
+            "--save_steps",
+            "1",
+            "--save_total_limit",
+            "10",
+            "--model_name_or_path",
+            base_model,
+            "--output_dir",
+            str(out),
+        ],
+    )
     train = read_metrics(out)[0]
     assert [x.get("skipped", False) for x in train] == [False, True, True, True, True]
     # no update after step 1: the export equals the step-1 checkpoint's weights
@@ -233,12 +284,36 @@ def test_two_nodes_on_loopback_match_one_process(base_model, base_weights, singl
     out, port = tmp_path / "2nodes", _free_port()
     procs = []
     for machine_rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "multi_node.yaml"), "--num_machines", "2", "--num_processes", "2",
-               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "--mixed_precision", "no", str(ROOT / "recipes" / "sft.py"), *COMMON, "--model_name_or_path", base_model,
-               "--output_dir", str(out), "--per_device_train_batch_size", "2"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multi_node.yaml"),
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            "--mixed_precision",
+            "no",
+            str(ROOT / "recipes" / "sft.py"),
+            *COMMON,
+            "--model_name_or_path",
+            base_model,
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "2",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
     ref, got = read_metrics(single_run)[0], read_metrics(out)[0]
@@ -250,10 +325,26 @@ def test_two_nodes_on_loopback_match_one_process(base_model, base_weights, singl
 def test_a_stuck_rank_ends_in_a_clear_timeout_message(tmp_path):
     """Rank 1 is frozen (SIGSTOP) mid-run: rank 0's next collective times out after --dist_timeout_s and says so."""
     out = tmp_path / "hang"
-    cmd = launch_cmd("ddp", 2, "sft", ["--max_steps", "500", "--save_steps", "2", "--eval_steps", "0",
-                                       "--dist_timeout_s", "10", "--output_dir", str(out)])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = launch_cmd(
+        "ddp",
+        2,
+        "sft",
+        [
+            "--max_steps",
+            "500",
+            "--save_steps",
+            "2",
+            "--eval_steps",
+            "0",
+            "--dist_timeout_s",
+            "10",
+            "--output_dir",
+            str(out),
+        ],
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _wait_for(out / "checkpoint-2" / "COMPLETE", proc)
         pids = _worker_pids(out)
@@ -268,8 +359,9 @@ def test_a_stuck_rank_ends_in_a_clear_timeout_message(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert 9 < waited < 60, waited
-    assert ("hfpar: error: rank 0: a collective timed out after --dist_timeout_s 10: another rank is stuck or died"
-            in err), err[-3000:]
+    assert (
+        "hfpar: error: rank 0: a collective timed out after --dist_timeout_s 10: another rank is stuck or died" in err
+    ), err[-3000:]
 
 
 def _tail(proc) -> str:
@@ -283,8 +375,15 @@ def test_sigterm_saves_at_the_next_step_and_the_relaunch_resumes(reference, base
     uninterrupted run. Checkpoints every 100 steps: the one found can only be the preemption's."""
     out = tmp_path / "preempted"
     args = [*_args(base_model, out), "--save_steps", "100"]
-    proc = subprocess.Popen(launch_cmd("ddp", 2, "sft", args, launcher="hfpar.launch"), cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        launch_cmd("ddp", 2, "sft", args, launcher="hfpar.launch"),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for(out / "metrics.jsonl", proc)  # the first step is logged: training is under way
         os.killpg(proc.pid, signal.SIGTERM)  # the launcher and both ranks, as SLURM signals a job step
@@ -293,7 +392,11 @@ def test_sigterm_saves_at_the_next_step_and_the_relaunch_resumes(reference, base
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     ckpts = sorted(out.glob("checkpoint-*"))
-    assert proc.returncode == 75 and len(ckpts) == 1, (proc.returncode, ckpts, err[-3000:])   # hfpar launch: the workers' 75
+    assert proc.returncode == 75 and len(ckpts) == 1, (
+        proc.returncode,
+        ckpts,
+        err[-3000:],
+    )  # hfpar launch: the workers' 75
     assert "Traceback" not in err, err[-3000:]
     step = int(ckpts[0].name.split("-")[1])
     assert 1 <= step < 16 and f"hfpar: preempted: SIGTERM received: saved checkpoint-{step}" in err, err[-3000:]
@@ -349,12 +452,12 @@ def test_overwrite_output_dir_with_latest_never_resumes_the_old_run(reference, b
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-*"))
     shutil.copytree(reference / "checkpoint-12", out / "checkpoint-12")
     before = (out / "model.safetensors").read_bytes()
-    proc = launch("ddp", 2, "sft", [*_args(base_model, out), "--max_steps", "2", "--save_steps", "0",
-                                    "--overwrite_output_dir"])
+    proc = launch(
+        "ddp", 2, "sft", [*_args(base_model, out), "--max_steps", "2", "--save_steps", "0", "--overwrite_output_dir"]
+    )
     assert "previous run's checkpoints and records" in proc.stderr and "resumed from" not in proc.stdout, _tail(proc)
     got = read_metrics(out)[0]
     assert [x["step"] for x in got] == [1, 2] and not list_checkpoints(out)
     aside = next((out / ".replaced").iterdir())
     assert (aside / "checkpoint-12").is_dir() and (aside / "model.safetensors").read_bytes() == before
     assert (out / "model.safetensors").read_bytes() != before
-

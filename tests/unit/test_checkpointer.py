@@ -81,8 +81,9 @@ class FakeBackend:
 
 
 def checkpointer(tmp_path, acc=None, backend=None, **kw) -> Checkpointer:
-    opts = dict(total_steps=10, save_steps=4, save_total_limit=None, resume=None, seed=7, global_batch=16,
-                pp_virtual_stages=1)
+    opts = dict(
+        total_steps=10, save_steps=4, save_total_limit=None, resume=None, seed=7, global_batch=16, pp_virtual_stages=1
+    )
     opts.update(kw)
     return Checkpointer(acc or FakeAccelerator(), CTX, backend or FakeBackend(), str(tmp_path), **opts)
 
@@ -136,9 +137,14 @@ def test_save_writes_the_layout_and_retention_keeps_the_newest(tmp_path):
     for step in (4, 8, 10):
         path = ck.save(step)
     assert path == tmp_path / "checkpoint-10"
-    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "MANIFEST.json", "model.safetensors",
-                                                       "rank000_of004.pt", "rng_state_0.safetensors",
-                                                       "trainer_state.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE",
+        "MANIFEST.json",
+        "model.safetensors",
+        "rank000_of004.pt",
+        "rng_state_0.safetensors",
+        "trainer_state.json",
+    ]
     assert (path / "COMPLETE").read_text() == "10"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-8", "checkpoint-10"]
     assert not list(tmp_path.glob(".checkpoint-*"))  # no staging directory left behind
@@ -150,9 +156,21 @@ def test_trainer_state_round_trip_through_resume(tmp_path):
     ck = checkpointer(tmp_path, backend=backend, pp_virtual_stages=2)
     ck.save(8)
     state = read_trainer_state(tmp_path / "checkpoint-8")
-    assert state == {"global_step": 8, "world_size": 4, "dp": 2, "tp": 2, "ep": 1, "cp": 1, "pp": 1,
-                     "pp_virtual_stages": 2, "strategy": "ddp", "seed": 7, "global_batch": 16, "peft": False,
-                     "reshardable": False}
+    assert state == {
+        "global_step": 8,
+        "world_size": 4,
+        "dp": 2,
+        "tp": 2,
+        "ep": 1,
+        "cp": 1,
+        "pp": 1,
+        "pp_virtual_stages": 2,
+        "strategy": "ddp",
+        "seed": 7,
+        "global_batch": 16,
+        "peft": False,
+        "reshardable": False,
+    }
     assert list(state) == list(ck.trainer_state(8))  # key order: the file's bytes
     acc = FakeAccelerator()
     resumed = checkpointer(tmp_path, acc, backend, resume="latest")
@@ -174,7 +192,10 @@ def test_scheduler_and_rng_round_trip_without_pickle(tmp_path):
     torch.manual_seed(3)
     ck.save(4)
     expected = (random.random(), torch.rand(3), np.random.rand())
-    assert acc.registered == [] and json.loads((tmp_path / "checkpoint-4" / "scheduler.json").read_text())["last_epoch"] == 4
+    assert (
+        acc.registered == []
+        and json.loads((tmp_path / "checkpoint-4" / "scheduler.json").read_text())["last_epoch"] == 4
+    )
     acc2, sched2 = FakeAccelerator(), FakeScheduler()
     ck2 = checkpointer(tmp_path, acc2, resume="latest")
     ck2.register(sched2)
@@ -197,8 +218,9 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "rank000_of004.pt", "trainer_state.json",
-                                  "rng_state_0.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "rank000_of004.pt", "trainer_state.json", "rng_state_0.safetensors"]
+)
 @pytest.mark.parametrize("how", ["truncate", "delete", "flip"])
 def test_a_damaged_checkpoint_is_never_resumed(tmp_path, name, how):
     """Weights / per-rank optimizer / trainer state / RNG file truncated, deleted or altered: `latest` falls back to
@@ -224,8 +246,13 @@ def test_latest_skips_a_damaged_checkpoint_with_a_warning_and_resumes_the_previo
     capsys.readouterr()
     assert checkpointer(tmp_path, FakeAccelerator(), FakeBackend(), resume="latest").resume() == 4
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("hfpar: warning: skipping checkpoint-10: ") and "rng_state_0.safetensors: missing" in err[0]
-    assert err[1].startswith("hfpar: warning: skipping checkpoint-8: ") and "rank000_of004.pt: 2 bytes, the manifest says 5" in err[1]
+    assert (
+        err[0].startswith("hfpar: warning: skipping checkpoint-10: ") and "rng_state_0.safetensors: missing" in err[0]
+    )
+    assert (
+        err[1].startswith("hfpar: warning: skipping checkpoint-8: ")
+        and "rank000_of004.pt: 2 bytes, the manifest says 5" in err[1]
+    )
     with pytest.raises(ConfigError, match="checkpoint-10/rng_state_0.safetensors: missing"):
         resolve_resume(str(tmp_path / "checkpoint-10"), str(tmp_path))  # a damaged PATH is refused, not skipped
     # retention with limit 1 keeps the last verified checkpoint-4 and the newest
@@ -271,8 +298,10 @@ def test_a_full_disk_is_reported_as_such_and_leaves_no_staging_dir(tmp_path, mon
         def save_state(self, path):
             (Path(path) / "model.safetensors").write_text("partial")
             if error == "torch":
-                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0 "
-                                   "basic_ios::clear: iostream error")
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0 "
+                    "basic_ios::clear: iostream error"
+                )
             raise error
 
     if error == "torch":
@@ -280,7 +309,9 @@ def test_a_full_disk_is_reported_as_such_and_leaves_no_staging_dir(tmp_path, mon
     ck = checkpointer(tmp_path)
     ck.save(4)
     ck.acc = FullDiskAccelerator()
-    with pytest.raises(ck_mod.DiskFullError, match=r"disk full while saving checkpoint-8 .*earlier checkpoints are intact"):
+    with pytest.raises(
+        ck_mod.DiskFullError, match=r"disk full while saving checkpoint-8 .*earlier checkpoints are intact"
+    ):
         ck.save(8)
     assert not list(tmp_path.glob(".checkpoint-*")) and [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4"]
 
@@ -290,20 +321,30 @@ def test_dcp_metadata_reader_resolves_dcp_classes_only(tmp_path):
     and torch values, and refuses anything else (here builtins.exec, and a class DCP's module merely imports)."""
     import pickle
 
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from hfpar.checkpoint.safe_load import CheckpointError, MetadataUnpickler, check_dcp_metadata
 
-    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
-        properties=TensorProperties(dtype=torch.float32), size=torch.Size([2, 3]),
-        chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))])})
+    meta = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32),
+                size=torch.Size([2, 3]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))],
+            )
+        }
+    )
     (tmp_path / "ok").mkdir()
     (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(meta))
     check_dcp_metadata(tmp_path / "ok")
     with open(tmp_path / "ok" / ".metadata", "rb") as fh:
         assert MetadataUnpickler(fh).load().state_dict_metadata["w"].size == torch.Size([2, 3])
-    for bad in (b"cbuiltins\nexec\n(S'open(\"x\", \"w\")'\ntR.", b"ctorch.distributed.checkpoint.metadata\nEnum\n."):
+    for bad in (b'cbuiltins\nexec\n(S\'open("x", "w")\'\ntR.', b"ctorch.distributed.checkpoint.metadata\nEnum\n."):
         (tmp_path / "bad").mkdir(exist_ok=True)
         (tmp_path / "bad" / ".metadata").write_bytes(bad)
         with pytest.raises(CheckpointError, match=r"\.metadata: refused to read it \(global .* is not allowed"):

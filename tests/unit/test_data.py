@@ -47,7 +47,11 @@ def test_embedded_tokenizer_and_config_load_offline(tok):
     assert AutoTokenizer.from_pretrained(data.embedded_model_path()).get_vocab() == tok.get_vocab()
     cfg = _config()
     assert len(tok) == cfg.vocab_size == 128 and cfg.vocab_size % 8 == 0
-    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (128, 4, 4, 2)
     assert not cfg.tie_word_embeddings and cfg.max_position_embeddings == 512
@@ -87,12 +91,20 @@ def _trained(tok, row):
 
 
 def test_messages_loss_only_on_assistant_turns(tok):
-    chat = [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-            {"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}]
+    chat = [
+        {"role": "system", "content": "be"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "abc"},
+    ]
     ds, stats = data.tokenize_sft(Dataset.from_dict({"messages": [chat]}), tok, 64)
     row = ds[0]
     tokens = tok.convert_ids_to_tokens(row["input_ids"])
-    assert "".join(tokens) == "<s><|system|>\nbe</s><|user|>\nhi</s><|assistant|>\nyo</s><|user|>\nq</s><|assistant|>\nabc</s>"
+    assert (
+        "".join(tokens)
+        == "<s><|system|>\nbe</s><|user|>\nhi</s><|assistant|>\nyo</s><|user|>\nq</s><|assistant|>\nabc</s>"
+    )
     expected = []
     in_reply = False
     for i, t in enumerate(tokens):  # token by token: the reply after "<|assistant|>\n" up to and including </s>
@@ -103,15 +115,26 @@ def test_messages_loss_only_on_assistant_turns(tok):
             in_reply = False
     assert row["labels"] == expected
     assert _trained(tok, row) == ["y", "o", "</s>", "a", "b", "c", "</s>"]
-    assert stats == {"examples": 1, "truncated": 0, "dropped": 0, "no_targets": 0, "cut_away": 0, "tokens": len(tokens),
-                     "target_tokens": 7}
+    assert stats == {
+        "examples": 1,
+        "truncated": 0,
+        "dropped": 0,
+        "no_targets": 0,
+        "cut_away": 0,
+        "tokens": len(tokens),
+        "target_tokens": 7,
+    }
     full, _ = data.tokenize_sft(Dataset.from_dict({"messages": [chat]}), tok, 64, completion_only_loss=False)
     assert full[0]["labels"] == full[0]["input_ids"] == row["input_ids"]
 
 
 def test_assistant_spans_without_offsets_and_with_odd_templates(tok):
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-            {"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}]
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "abc"},
+    ]
     text, spans = data._render_chat(tok, chat, 0, 0)
     fast = data._tokenize_spans(tok, [text], [spans], False, use_offsets=True)
     slow = data._tokenize_spans(tok, [text], [spans], False, use_offsets=False)  # slow tokenizers' path
@@ -119,9 +142,11 @@ def test_assistant_spans_without_offsets_and_with_odd_templates(tok):
     # A template that renders the last assistant turn differently from earlier ones (like reasoning
     # models dropping old thoughts): the prefix difference fails, the reply is located instead.
     odd = data.load_tokenizer(None)
-    odd.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' and loop.last %}"
-                         "[final]{% endif %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    odd.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' and loop.last %}"
+        "[final]{% endif %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     ds, _ = data.tokenize_sft(Dataset.from_dict({"messages": [chat]}), odd, 64)
     assert _trained(odd, ds[0]) == ["y", "o", "</s>", "[", "f", "i", "n", "a", "l", "]", "a", "b", "c", "</s>"]
 
@@ -136,14 +161,25 @@ def test_prompt_completion_and_text_formats(tok):
     ds, _ = data.tokenize_sft(Dataset.from_dict(conv), tok, 64)
     assert _trained(tok, ds[0]) == ["y", "o", "</s>"]
     ds, _ = data.tokenize_sft(Dataset.from_dict({"text": ["hello"]}), tok, 64)
-    assert ds[0]["labels"] == ds[0]["input_ids"] and tok.convert_ids_to_tokens(ds[0]["input_ids"]) == ["<s>", *"hello", "</s>"]
+    assert ds[0]["labels"] == ds[0]["input_ids"] and tok.convert_ids_to_tokens(ds[0]["input_ids"]) == [
+        "<s>",
+        *"hello",
+        "</s>",
+    ]
 
 
 def test_truncate_vs_drop(tok):
     ds = Dataset.from_dict({"prompt": ["p", "p", "p" * 30], "completion": ["short", "x" * 40, "late"]})
     out, stats = data.tokenize_sft(ds, tok, 16)  # row 3: the completion starts after the cut -> no targets
-    assert stats == {"examples": 3, "truncated": 2, "dropped": 0, "no_targets": 1, "cut_away": 1, "tokens": 8 + 16,
-                     "target_tokens": 6 + 14}
+    assert stats == {
+        "examples": 3,
+        "truncated": 2,
+        "dropped": 0,
+        "no_targets": 1,
+        "cut_away": 1,
+        "tokens": 8 + 16,
+        "target_tokens": 6 + 14,
+    }
     assert [len(x) for x in out["input_ids"]] == [8, 16]
     out, stats = data.tokenize_sft(ds, tok, 16, truncation="drop")
     assert (stats["truncated"], stats["dropped"], len(out)) == (0, 2, 1)
@@ -180,7 +216,9 @@ def test_classify_labels(tok):
     out, stats, n = data.tokenize_classify(ds, tok, 8)
     assert n == 2 and stats["label_names"] == ["neg", "pos"] and out["labels"] == [1, 0, 1]
     out, stats, n = data.tokenize_classify(Dataset.from_dict({"text": ["a", "b"], "label": [0, 3]}), tok, 8)
-    assert n == 4 and out["labels"] == [0, 3] and out["input_ids"][0] == [tok.bos_token_id, tok.convert_tokens_to_ids("a")]
+    assert (
+        n == 4 and out["labels"] == [0, 3] and out["input_ids"][0] == [tok.bos_token_id, tok.convert_tokens_to_ids("a")]
+    )
     emb = data.load_splits(None, "classify")
     out, stats, n = data.tokenize_classify(emb["eval"], tok, 64)
     assert n == 4 and stats["label_names"] == ["sports", "food", "weather", "music"]
@@ -193,8 +231,10 @@ def test_classify_labels(tok):
 
 # ------------------------------------------------------------------------------ packing and collation
 def _samples(tok):
-    chats = [[{"role": "user", "content": u}, {"role": "assistant", "content": a}]
-             for u, a in [("repeat k 3", "kkk"), ("count 1 to 12", "1 2 3 4 5 6 7 8 9 10 11 12"), ("hi", "yo")]]
+    chats = [
+        [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        for u, a in [("repeat k 3", "kkk"), ("count 1 to 12", "1 2 3 4 5 6 7 8 9 10 11 12"), ("hi", "yo")]
+    ]
     ds, _ = data.tokenize_sft(Dataset.from_dict({"messages": chats}), tok, 64)
     return ds
 
@@ -212,8 +252,9 @@ def test_pack_positions_and_labels(tok):
 
 
 def _sum_loss(logits, labels):
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -232,12 +273,13 @@ def test_packed_rows_do_not_leak_attention(tok, attn):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **use_cache).logits
             alone = [model(input_ids=torch.tensor([ids])).logits[0] for ids in ds["input_ids"]]
             lens = [len(x) for x in ds["input_ids"]]
-            got = [logits[0, : lens[0]], logits[1, : lens[1]], logits[1, lens[1]: lens[1] + lens[2]]]
+            got = [logits[0, : lens[0]], logits[1, : lens[1]], logits[1, lens[1] : lens[1] + lens[2]]]
             for g, a in zip(got, alone):
                 torch.testing.assert_close(g, a, atol=1e-5, rtol=0)
         unpacked = data.DataCollator(tok)([ds[i] for i in range(3)])
-        ref = _sum_loss(model(input_ids=unpacked["input_ids"], attention_mask=unpacked["attention_mask"]).logits,
-                        unpacked["labels"])
+        ref = _sum_loss(
+            model(input_ids=unpacked["input_ids"], attention_mask=unpacked["attention_mask"]).logits, unpacked["labels"]
+        )
         torch.testing.assert_close(_sum_loss(logits, batch["labels"]), ref, atol=1e-4, rtol=1e-6)
         assert int((batch["labels"][:, 1:] != IGNORE).sum()) == int((unpacked["labels"][:, 1:] != IGNORE).sum())
 
@@ -249,7 +291,7 @@ def test_collator_padding(tok):
     assert set(b) == {"input_ids", "labels", "attention_mask"} and b["input_ids"].shape == (2, n0)
     assert b["input_ids"][1, n2:].eq(tok.pad_token_id).all() and b["labels"][1, n2:].eq(IGNORE).all()
     assert b["labels"][1, :n2].tolist() == ds[2]["labels"] and b["input_ids"].dtype == torch.long
-    assert b["attention_mask"].sum(1).tolist() == [n0, n2] and b["attention_mask"][1, : n2].eq(1).all()
+    assert b["attention_mask"].sum(1).tolist() == [n0, n2] and b["attention_mask"][1, :n2].eq(1).all()
     b = data.DataCollator(tok, pad_to_multiple_of=8)([ds[0], ds[2]])
     assert b["input_ids"].shape == (2, 24)
     packed = data.pack(ds, 64)
@@ -257,7 +299,9 @@ def test_collator_padding(tok):
     assert set(b) == {"input_ids", "labels", "position_ids", "token_mask"} and b["position_ids"][0, n0:].eq(0).all()
     assert b["token_mask"].sum(1).tolist() == [len(packed[0]["input_ids"]), len(packed[1]["input_ids"])]
     assert b["labels"][0, n0:].eq(IGNORE).all() and b["position_ids"][1].tolist() == packed[1]["position_ids"]
-    c = data.DataCollator(tok, task="classify")([{"input_ids": [1, 2, 3], "labels": 1}, {"input_ids": [1], "labels": IGNORE}])
+    c = data.DataCollator(tok, task="classify")(
+        [{"input_ids": [1, 2, 3], "labels": 1}, {"input_ids": [1], "labels": IGNORE}]
+    )
     assert c["labels"].tolist() == [1, IGNORE] and c["labels"].shape == (2,) and c["labels"].dtype == torch.long
     assert c["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
 
@@ -284,7 +328,9 @@ def test_local_files_load(tmp_path):
     assert len(dd["train"]) + len(dd["eval"]) == 20 and dd["train"].column_names == ["text"]
     d = tmp_path / "dir"
     d.mkdir()
-    (d / "train.jsonl").write_text("".join(json.dumps({"text": f"t{i}", "label": ["b", "a"][i % 2]}) + "\n" for i in range(6)))
+    (d / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"t{i}", "label": ["b", "a"][i % 2]}) + "\n" for i in range(6))
+    )
     (d / "test.jsonl").write_text(json.dumps({"text": "e", "label": "c"}) + "\n")
     dd = data.load_splits(str(d), "classify")
     assert (len(dd["train"]), len(dd["eval"])) == (6, 1)  # test.* is the eval split
@@ -315,7 +361,9 @@ def test_bad_inputs_raise_one_line_errors(tmp_path):
     _raises_one_line(lambda: data.tokenize_sft(msgs, data.load_tokenizer(None), 32), "example 1", "'content'")
     cols = tmp_path / "cols.jsonl"
     cols.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    _raises_one_line(lambda: data.load_splits(str(cols), "sft"), "['answer', 'question']", "messages", "prompt + completion")
+    _raises_one_line(
+        lambda: data.load_splits(str(cols), "sft"), "['answer', 'question']", "messages", "prompt + completion"
+    )
     _raises_one_line(lambda: data.load_splits(str(cols), "classify"), "['answer', 'question']", "text + label")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

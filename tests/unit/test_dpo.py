@@ -22,8 +22,7 @@ from hfpar.data.preference import (
     truncate_pair,
     with_attention_mask,
 )
-from hfpar.objectives.preference import pair_losses
-from hfpar.objectives.preference import LOSS_TYPES
+from hfpar.objectives.preference import LOSS_TYPES, pair_losses
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 
@@ -36,16 +35,37 @@ def tok():
 def _trl_loss(loss_type, beta, ls, logps, ref, comp_mask):
     """TRL's _compute_loss on a fake model whose per-token log-probs are `logps` (2P, T-1)."""
     P = logps.shape[0] // 2
-    outputs = SimpleNamespace(log_probs=logps, entropy=torch.zeros_like(logps), mean_logits=torch.zeros_like(logps),
-                              is_top1=torch.zeros_like(logps, dtype=torch.bool))
+    outputs = SimpleNamespace(
+        log_probs=logps,
+        entropy=torch.zeros_like(logps),
+        mean_logits=torch.zeros_like(logps),
+        is_top1=torch.zeros_like(logps, dtype=torch.bool),
+    )
     acc = SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x, gather=lambda x: x)
-    fake = SimpleNamespace(model=SimpleNamespace(training=True), accelerator=acc, aux_loss_enabled=False, ld_alpha=None,
-                           precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
-                           loss_weights=[1.0], beta=beta, label_smoothing=ls, use_weighting=False,
-                           _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
-                           args=SimpleNamespace())
-    inputs = {"input_ids": torch.zeros(2 * P, logps.shape[1] + 1, dtype=torch.long), "completion_mask": comp_mask,
-              "attention_mask": torch.ones_like(comp_mask), "ref_chosen_logps": ref[:, 0], "ref_rejected_logps": ref[:, 1]}
+    fake = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=acc,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=ls,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=SimpleNamespace(),
+    )
+    inputs = {
+        "input_ids": torch.zeros(2 * P, logps.shape[1] + 1, dtype=torch.long),
+        "completion_mask": comp_mask,
+        "attention_mask": torch.ones_like(comp_mask),
+        "ref_chosen_logps": ref[:, 0],
+        "ref_rejected_logps": ref[:, 1],
+    }
     loss = trl_dpo.DPOTrainer._compute_loss(fake, lambda **kw: outputs, inputs, False)
     return loss, {k: v[0] for k, v in fake._metrics["train"].items()}
 
@@ -61,8 +81,8 @@ def test_losses_and_metrics_equal_trl(loss_type):
     ls = 0.1 if loss_type == "robust" else 0.0
     want, metrics = _trl_loss(loss_type, 0.3, ls, per_tok, ref, comp)
     seq = per_tok.sum(1)
-    logps = torch.stack(seq.chunk(2), dim=-1)                      # (P, 2)
-    lengths = torch.stack(comp.sum(1).double().chunk(2), dim=-1)   # (P, 2) TRL counts the unshifted mask
+    logps = torch.stack(seq.chunk(2), dim=-1)  # (P, 2)
+    lengths = torch.stack(comp.sum(1).double().chunk(2), dim=-1)  # (P, 2) TRL counts the unshifted mask
     got = pair_losses(loss_type, 0.3, ls, logps, ref, lengths).mean()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     r = 0.3 * (logps - ref)
@@ -79,11 +99,17 @@ def _trl_tokenized(rows, tok, max_length=None):
 
 def test_tokenization_equals_trl_for_every_format(tok):
     conv = make_preference(3, n_train=6, n_eval=1)["train"].to_list()
-    standard = [{"prompt": "count 3 to 5\n", "chosen": "3 4 5", "rejected": "3 4"},
-                {"prompt": "repeat k 2\n", "chosen": "kk", "rejected": "kkk"}]
-    implicit = [{"chosen": "say hi: hello there", "rejected": "say hi: bye"},
-                {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-                 "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]}]
+    standard = [
+        {"prompt": "count 3 to 5\n", "chosen": "3 4 5", "rejected": "3 4"},
+        {"prompt": "repeat k 2\n", "chosen": "kk", "rejected": "kkk"},
+    ]
+    implicit = [
+        {"chosen": "say hi: hello there", "rejected": "say hi: bye"},
+        {
+            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}],
+        },
+    ]
     for rows in (conv, standard, implicit[:1], implicit[1:]):
         want = _trl_tokenized(rows, tok)
         got = [tokenize_pair(dict(r), tok, i) for i, r in enumerate(rows)]
@@ -112,10 +138,10 @@ def test_pair_rows_hold_both_sequences_with_their_targets(tok):
     for b in range(3):
         p = pairs[b]
         lc = len(p["prompt_ids"]) + len(p["chosen_ids"])
-        assert batch["position_ids"][b, lc] == 0                      # the rejected sequence restarts
+        assert batch["position_ids"][b, lc] == 0  # the rejected sequence restarts
         assert set(seq[b][valid[b]].tolist()) == {2 * b, 2 * b + 1}
         chosen = token[b][valid[b] & (seq[b] == 2 * b)].tolist()
-        assert chosen == p["chosen_ids"]                               # every completion token is a target
+        assert chosen == p["chosen_ids"]  # every completion token is a target
 
 
 def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
@@ -129,14 +155,18 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
     from hfpar.parallel.context_parallel import shift_labels
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(embedded_model_path()), dtype=torch.float64,
-                                             attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(embedded_model_path()), dtype=torch.float64, attn_implementation="sdpa"
+    )
     pairs, _ = tokenize_preference(make_preference(3, n_train=6, n_eval=1)["train"], tok, 128)
     feats = [pairs[i] for i in range(6)]
 
     def logps(share, mode, max_length):
-        batch = shift_labels(with_attention_mask(
-            PairCollator(tok, share_prompt=share, max_length=max_length, truncation_mode=mode)(feats)))
+        batch = shift_labels(
+            with_attention_mask(
+                PairCollator(tok, share_prompt=share, max_length=max_length, truncation_mode=mode)(feats)
+            )
+        )
         rows.append(batch["input_ids"].shape[0])
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
         with torch.no_grad():
@@ -150,26 +180,34 @@ def test_shared_prompt_rows_give_the_plain_rows_log_probs(tok):
         (plain, n_plain), (shared, n_shared) = logps(False, mode, max_length), logps(True, mode, max_length)
         torch.testing.assert_close(shared, plain, rtol=1e-12, atol=1e-12)
         assert n_shared < n_plain if mode == "keep_start" else n_shared <= n_plain
-        assert rows[0] == 6 and (rows[1] < 6 if max_length == 128 else rows[1] <= 6)   # 128: lengths differ, packed
+        assert rows[0] == 6 and (rows[1] < 6 if max_length == 128 else rows[1] <= 6)  # 128: lengths differ, packed
 
 
 def test_bad_preference_data_refused_naming_the_example(tok):
     good = {"prompt": "a", "chosen": "b", "rejected": "c"}
-    conv = {"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
-            "rejected": [{"role": "assistant", "content": "c"}]}
-    cases = [([good, {"prompt": "a", "chosen": "", "rejected": "c"}], "preference example 1: empty or missing 'chosen'"),
-             ([{"prompt": "a", "chosen": "b"}], "no rejected column"),
-             ([{"prompt": "a", "rejected": "b"}], "no chosen column"),
-             ([good, good, good, {"prompt": "a", "chosen": "b", "rejected": None}],
-              "preference example 3: empty or missing 'rejected'"),
-             ([conv, {**conv, "chosen": []}], "preference example 1: empty or missing 'chosen'"),   # conversational
-             ([good, good, {"prompt": "x" * 200, "chosen": "b", "rejected": "c"}], "preference example 2: its prompt alone")]
+    conv = {
+        "prompt": [{"role": "user", "content": "a"}],
+        "chosen": [{"role": "assistant", "content": "b"}],
+        "rejected": [{"role": "assistant", "content": "c"}],
+    }
+    cases = [
+        ([good, {"prompt": "a", "chosen": "", "rejected": "c"}], "preference example 1: empty or missing 'chosen'"),
+        ([{"prompt": "a", "chosen": "b"}], "no rejected column"),
+        ([{"prompt": "a", "rejected": "b"}], "no chosen column"),
+        (
+            [good, good, good, {"prompt": "a", "chosen": "b", "rejected": None}],
+            "preference example 3: empty or missing 'rejected'",
+        ),
+        ([conv, {**conv, "chosen": []}], "preference example 1: empty or missing 'chosen'"),  # conversational
+        ([good, good, {"prompt": "x" * 200, "chosen": "b", "rejected": "c"}], "preference example 2: its prompt alone"),
+    ]
     for rows, text in cases:
         with pytest.raises(DataError, match=text):
             tokenize_preference(Dataset.from_list(rows), tok, 64)
     with pytest.raises(DataError, match="preference example 0: prompt \\+ completion has"):
-        tokenize_preference(Dataset.from_list([{"prompt": "a", "chosen": "b" * 80, "rejected": "c"}]), tok, 64,
-                            truncation="drop")
+        tokenize_preference(
+            Dataset.from_list([{"prompt": "a", "chosen": "b" * 80, "rejected": "c"}]), tok, 64, truncation="drop"
+        )
 
 
 def test_option_problems_are_one_line_each_before_loading():
@@ -185,7 +223,7 @@ def test_option_problems_are_one_line_each_before_loading():
     assert "--label_smoothing 0.5" in p[1]
     ok = parse_args(["--precompute_ref_log_probs", "true"], recipe="dpo", args_class=DPOArgs)
     assert dpo_problems(ok, ctx) == []
-    multi = ["--precompute_ref_log_probs", "true", "--loss_type", "sigmoid,sppo_hard"]   # TRL's multi-loss
+    multi = ["--precompute_ref_log_probs", "true", "--loss_type", "sigmoid,sppo_hard"]  # TRL's multi-loss
     assert dpo_problems(parse_args([*multi, "--loss_weights", "0.8,0.2"], recipe="dpo", args_class=DPOArgs), ctx) == []
     for bad in ("1", "0.8,x"):
         p = dpo_problems(parse_args([*multi, "--loss_weights", bad], recipe="dpo", args_class=DPOArgs), ctx)
@@ -205,4 +243,6 @@ def test_moe_configs_never_pack_pairs():
     for model_type, experts in (("ernie4_5_moe", 64), ("mixtral", 8), ("qwen2_moe", 60), ("deepseek_v3", 256)):
         n = config_num_experts(AutoConfig.for_model(model_type))
         assert n == experts and not packs_pairs(args, SimpleNamespace(num_experts=n)), model_type
-    assert config_num_experts(AutoConfig.for_model("llama")) is None and packs_pairs(args, SimpleNamespace(num_experts=None))
+    assert config_num_experts(AutoConfig.for_model("llama")) is None and packs_pairs(
+        args, SimpleNamespace(num_experts=None)
+    )

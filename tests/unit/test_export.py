@@ -32,7 +32,7 @@ def test_not_a_checkpoint(tmp_path, capsys):
 def test_per_rank_files_without_a_piece_layout_are_refused_with_the_way_out(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint-2"
     ckpt.mkdir()
-    torch.save({"model": {}}, ckpt / "tp_rank00_of02.pt")   # an older hfpar's: no piece layout
+    torch.save({"model": {}}, ckpt / "tp_rank00_of02.pt")  # an older hfpar's: no piece layout
     err = export_error(capsys, ckpt, tmp_path / "out")
     assert "per-rank file without the piece layout" in err and "final model" in err
 

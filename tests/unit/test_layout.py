@@ -17,8 +17,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "hfpar"
-ENTRY_POINTS = {"__init__.py", "cli.py", "recipe.py", "config.py", "context.py", "preflight.py", "parallelize.py",
-                "distributed.py", "launch.py"}
+ENTRY_POINTS = {
+    "__init__.py",
+    "cli.py",
+    "recipe.py",
+    "config.py",
+    "context.py",
+    "preflight.py",
+    "parallelize.py",
+    "distributed.py",
+    "launch.py",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -35,7 +44,7 @@ def _resolve(mod: str, path: Path, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-    base = base[:len(base) - node.level + 1]
+    base = base[: len(base) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -144,7 +153,7 @@ def test_in_function_imports_of_hfpar_say_why():
         lines = path.read_text().splitlines()
         for _, lineno in _imports(mod, path, modules, in_functions=True):
             # the reason: a comment on the import line (after any noqa) or on the line(s) just above it
-            near = [lines[lineno - 1]] + lines[max(0, lineno - 4):lineno - 1]
+            near = [lines[lineno - 1]] + lines[max(0, lineno - 4) : lineno - 1]
             reason = [re.sub(r"noqa: ?[A-Z0-9, ]+", "", x.split("#", 1)[1]).strip() for x in near if "#" in x]
             if not any(len(r) > 8 for r in reason):
                 unexplained.append(f"{path.relative_to(ROOT)}:{lineno}")
@@ -153,9 +162,14 @@ def test_in_function_imports_of_hfpar_say_why():
 
 def test_parallel_is_standalone():
     modules = _modules()
-    leaks = [f"{p.relative_to(ROOT)}:{line} imports {t}" for m, p in modules.items() if m == "hfpar.parallel" or m.startswith("hfpar.parallel.")
-             for inf in (False, True) for t, line in _imports(m, p, modules, in_functions=inf)
-             if not (t == "hfpar.parallel" or t.startswith("hfpar.parallel."))]
+    leaks = [
+        f"{p.relative_to(ROOT)}:{line} imports {t}"
+        for m, p in modules.items()
+        if m == "hfpar.parallel" or m.startswith("hfpar.parallel.")
+        for inf in (False, True)
+        for t, line in _imports(m, p, modules, in_functions=inf)
+        if not (t == "hfpar.parallel" or t.startswith("hfpar.parallel."))
+    ]
     assert not leaks, leaks
 
 
@@ -163,9 +177,14 @@ def test_the_trainer_is_never_called_back():
     """The trainer calls the Checkpointer and the RunRecorder; they (and everything under checkpoint/ and observe/)
     never import the training loop, so one run reads top-down."""
     modules = _modules()
-    back = [f"{p.relative_to(ROOT)}:{line} imports {t}" for m, p in modules.items()
-            if m.startswith(("hfpar.checkpoint", "hfpar.observe")) for inf in (False, True)
-            for t, line in _imports(m, p, modules, in_functions=inf) if t.startswith("hfpar.train")]
+    back = [
+        f"{p.relative_to(ROOT)}:{line} imports {t}"
+        for m, p in modules.items()
+        if m.startswith(("hfpar.checkpoint", "hfpar.observe"))
+        for inf in (False, True)
+        for t, line in _imports(m, p, modules, in_functions=inf)
+        if t.startswith("hfpar.train")
+    ]
     assert not back, back
     trainer = (PKG / "train" / "trainer.py").read_text()
     assert "Checkpointer(" in trainer and "RunRecorder(" in trainer

@@ -45,11 +45,14 @@ def test_a_second_lock_is_refused_naming_the_holder_and_released_on_exit(tmp_pat
     out = tmp_path / "run"
     first = OutputDirLock(out)
     assert first.acquire() is None and (out / LOCK_FILE).is_file()
-    with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {os.getpid()} on .*started .*wait for it "
-                                          "to finish, or pick another --output_dir"):
-        OutputDirLock(out).acquire()   # flock is per open file: refused even in the same process
+    with pytest.raises(
+        ConfigError,
+        match=rf"is in use by another run \(pid {os.getpid()} on .*started .*wait for it "
+        "to finish, or pick another --output_dir",
+    ):
+        OutputDirLock(out).acquire()  # flock is per open file: refused even in the same process
     first.release()
-    assert not out.exists()   # created by the lock, left empty: removed with it
+    assert not out.exists()  # created by the lock, left empty: removed with it
     again = OutputDirLock(out)
     assert again.acquire() is None
     again.release()
@@ -69,7 +72,7 @@ def test_other_ranks_see_another_launchs_live_lock(tmp_path):
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "launch": "other"}))
     assert held_by_another_launch(tmp_path)["launch"] == "other"
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": 999999999, "launch": "other"}))
-    assert held_by_another_launch(tmp_path) is None   # dead: the main process takes it over
+    assert held_by_another_launch(tmp_path) is None  # dead: the main process takes it over
 
 
 # ---------------------------------------------------------------------------------------------- ownership
@@ -90,7 +93,7 @@ def test_only_what_hfpar_wrote_is_its_own(tmp_path):
 
 def test_retention_never_deletes_a_folder_hfpar_did_not_write(tmp_path):
     (tmp_path / "checkpoint-1").mkdir()
-    (tmp_path / "checkpoint-1" / MARKER).write_text("someone's")   # a marker, but no manifest: not hfpar's
+    (tmp_path / "checkpoint-1" / MARKER).write_text("someone's")  # a marker, but no manifest: not hfpar's
     for step in (2, 3):
         _hfpar_checkpoint(tmp_path / f"checkpoint-{step}")
     apply_retention(str(tmp_path), 1)
@@ -100,6 +103,7 @@ def test_retention_never_deletes_a_folder_hfpar_did_not_write(tmp_path):
 
 class _OneProcess:
     """What save_checkpoint asks of the Accelerator, for one process."""
+
     is_main_process = True
     _models: list = []
 
@@ -118,12 +122,12 @@ def test_a_user_folder_appearing_during_the_run_is_left_and_the_save_skipped(tmp
     assert sorted(p.name for p in (tmp_path / "checkpoint-5").iterdir()) == ["notes.txt"]
     assert not (tmp_path / ".checkpoint-5.tmp").exists()
     assert "checkpoint-5 is not a checkpoint hfpar wrote" in capsys.readouterr().err
-    (tmp_path / "checkpoint-6").symlink_to(tmp_path / "checkpoint-5")   # never written through
+    (tmp_path / "checkpoint-6").symlink_to(tmp_path / "checkpoint-5")  # never written through
     save_checkpoint(_OneProcess(), str(tmp_path), 6, {"global_step": 6}, None)
     assert sorted(p.name for p in (tmp_path / "checkpoint-5").iterdir()) == ["notes.txt"]
     save_checkpoint(_OneProcess(), str(tmp_path), 7, {"global_step": 7}, None)
     assert is_hfpar_checkpoint(tmp_path / "checkpoint-7")
-    save_checkpoint(_OneProcess(), str(tmp_path), 7, {"global_step": 7}, None)   # its own: replaced
+    save_checkpoint(_OneProcess(), str(tmp_path), 7, {"global_step": 7}, None)  # its own: replaced
     assert is_hfpar_checkpoint(tmp_path / "checkpoint-7")
 
 
@@ -135,18 +139,23 @@ def custom_code_model(root: Path) -> Path:
     cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilLM"}
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "configuration_evil.py").write_text(
-        f"from pathlib import Path\nPath({str(root / 'CODE_RAN')!r}).write_text('yes')\n"   # (transformers runs a copy)
-        "from transformers import LlamaConfig\nclass EvilConfig(LlamaConfig):\n    pass\n")
+        f"from pathlib import Path\nPath({str(root / 'CODE_RAN')!r}).write_text('yes')\n"  # (transformers runs a copy)
+        "from transformers import LlamaConfig\nclass EvilConfig(LlamaConfig):\n    pass\n"
+    )
     (root / "modeling_evil.py").write_text(
         "from transformers import LlamaForCausalLM\nfrom .configuration_evil import EvilConfig\n"
-        "class EvilLM(LlamaForCausalLM):\n    config_class = EvilConfig\n")
+        "class EvilLM(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+    )
     return root
 
 
 def test_custom_code_is_refused_without_the_flag(tmp_path):
     model = custom_code_model(tmp_path / "m")
     problems = sources.source_problems(str(model), trust_remote_code=False, option="--model_name_or_path")
-    assert len(problems) == 1 and "config.json has auto_map (custom code: configuration_evil.py, modeling_evil.py)" in problems[0]
+    assert (
+        len(problems) == 1
+        and "config.json has auto_map (custom code: configuration_evil.py, modeling_evil.py)" in problems[0]
+    )
     assert "--trust_remote_code" in problems[0]
     assert sources.source_problems(str(model), trust_remote_code=True, option="--model_name_or_path") == []
     assert not (model / "CODE_RAN").exists()
@@ -200,31 +209,43 @@ def test_export_refuses_custom_code_and_a_non_empty_destination(tmp_path, capsys
 # ------------------------------------------------------------------------------------------ data loss
 def long_prompts(path: Path, lost: int, kept: int) -> Path:
     """SFT prompt/completion rows: `lost` whose prompt alone fills --max_seq_length 128 (the reply is cut away)."""
-    n = lost + kept   # the kept ones spread evenly (whatever the train / eval split takes, each gets its share)
-    rows = [{"prompt": "hi", "completion": "hello there"} if i * kept // n != (i + 1) * kept // n
-            else {"prompt": "tell me " * 40, "completion": "ok"} for i in range(n)]
+    n = lost + kept  # the kept ones spread evenly (whatever the train / eval split takes, each gets its share)
+    rows = [
+        {"prompt": "hi", "completion": "hello there"}
+        if i * kept // n != (i + 1) * kept // n
+        else {"prompt": "tell me " * 40, "completion": "ok"}
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def test_examples_lost_to_truncation_are_said_and_most_refused():
-    args = SimpleNamespace(max_seq_length=128, truncation="truncate", per_device_train_batch_size=16,
-                           gradient_accumulation_steps=2)
-    notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": 146, "cut_away": 145,
-                                                      "truncated": 165}}, args)
+    args = SimpleNamespace(
+        max_seq_length=128, truncation="truncate", per_device_train_batch_size=16, gradient_accumulation_steps=2
+    )
+    notes, problems = data_loss_lines(
+        {"train_data": {"examples": 285, "no_targets": 146, "cut_away": 145, "truncated": 165}}, args
+    )
     assert problems == [] and notes == [
         "train data: 146 of 285 examples left out (145 with every target token past --max_seq_length 128; 1 with no "
         "target token at all), 20 of 285 cut to --max_seq_length 128 (raise --max_seq_length or shorten the prompts "
-        "to keep them)"]
+        "to keep them)"
+    ]
     lost = int(285 * MAX_LOST_FRACTION) + 1
-    notes, problems = data_loss_lines({"train_data": {"examples": 285, "no_targets": lost},
-                                       "eval_data": {"examples": 10, "truncated": 0}}, args)
+    notes, problems = data_loss_lines(
+        {"train_data": {"examples": 285, "no_targets": lost}, "eval_data": {"examples": 10, "truncated": 0}}, args
+    )
     assert notes == [] and len(problems) == 1 and "more than 90% of the examples would be left out" in problems[0]
     assert data_loss_lines({"train_data": {"pairs": 8, "truncated": 2}}, args)[0] == [
-        "train data: 2 of 8 pairs cut to --max_length"]
-    with pytest.raises(data.DataError, match=r"^the training set has 63 rows, fewer than one global batch of 64 "
-                                             r"\(--per_device_train_batch_size 16 x dp 2 x --gradient_accumulation_steps 2\)"):
-        announce_data_loss({}, args, train_rows=63, dp=2)   # (the sampler's limit, before the model loads)
+        "train data: 2 of 8 pairs cut to --max_length"
+    ]
+    with pytest.raises(
+        data.DataError,
+        match=r"^the training set has 63 rows, fewer than one global batch of 64 "
+        r"\(--per_device_train_batch_size 16 x dp 2 x --gradient_accumulation_steps 2\)",
+    ):
+        announce_data_loss({}, args, train_rows=63, dp=2)  # (the sampler's limit, before the model loads)
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -233,9 +254,11 @@ def test_a_line_said_by_several_ranks_is_printed_once(monkeypatch, capsys, tmp_p
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_PORT", "29999")
     refusal.say("--tp_size 3 does not divide 2")
-    refusal.say("--tp_size 3 does not divide 2\nanother problem")   # another rank: the same line, and its own
-    assert capsys.readouterr().err.splitlines() == ["hfpar: error: --tp_size 3 does not divide 2",
-                                                    "hfpar: error: another problem"]
+    refusal.say("--tp_size 3 does not divide 2\nanother problem")  # another rank: the same line, and its own
+    assert capsys.readouterr().err.splitlines() == [
+        "hfpar: error: --tp_size 3 does not divide 2",
+        "hfpar: error: another problem",
+    ]
     assert refusal.peer_refused()
 
 
@@ -255,7 +278,7 @@ def test_only_the_verified_fsdp2_view_warnings_are_silenced():
 
     def shown(cls: str) -> bool:
         with warnings.catch_warnings(record=True) as seen:
-            warnings.filterwarnings("default")   # as a user's process: then the module's filter, re-installed
+            warnings.filterwarnings("default")  # as a user's process: then the module's filter, re-installed
             warnings.filterwarnings("ignore", category=UserWarning, message=hfpar.backends.wraps.VIEW_WARNING)
             warnings.warn(f"FSDP2-wrapped module ({cls}) returned a view tensor. An in-place op ...", UserWarning)
         return bool(seen)

@@ -30,7 +30,7 @@ def test_bad_values_reported_together(capsys):
 def test_output_dir_with_checkpoints_is_never_overwritten(tmp_path, capsys):
     (tmp_path / "checkpoint-10").mkdir()
     (tmp_path / "checkpoint-10" / "keep.txt").write_text("user data")
-    err = _run(["--output_dir", str(tmp_path)], capsys)   # a user's folder of that name: never hfpar's to touch
+    err = _run(["--output_dir", str(tmp_path)], capsys)  # a user's folder of that name: never hfpar's to touch
     assert "checkpoint-10 is a directory without hfpar's COMPLETE marker" in err[0] and "move or rename it" in err[0]
     err = _run(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--save_steps", "10"], capsys)
     assert len(err) == 1 and "not a checkpoint hfpar wrote" in err[0]
@@ -41,8 +41,10 @@ def test_almost_all_examples_lost_to_truncation_is_refused_per_split(tmp_path, c
     from tests.unit.test_output_dir import long_prompts
 
     data = long_prompts(tmp_path / "almost_all.jsonl", lost=95, kept=5)
-    err = _run(["--dataset_name", str(data), "--eval_split_fraction", "0.5", "--output_dir", str(tmp_path / "o")], capsys)
-    assert [x.split(": ")[2] for x in err[:2]] == ["train data", "eval data"], err   # (then: under one global batch)
+    err = _run(
+        ["--dataset_name", str(data), "--eval_split_fraction", "0.5", "--output_dir", str(tmp_path / "o")], capsys
+    )
+    assert [x.split(": ")[2] for x in err[:2]] == ["train data", "eval data"], err  # (then: under one global batch)
     assert "49 of 50 examples left out (49 with every target token past --max_seq_length 128)" in err[0]
     assert "more than 90% of the examples would be left out" in err[0]
 
@@ -71,7 +73,9 @@ def _bad_input_files(root):
 
     (root / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c",\n')
     (root / "cols.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    (root / "long.jsonl").write_text("".join(json.dumps({"prompt": "p" * 50, "completion": "c" * 50}) + "\n" for _ in range(20)))
+    (root / "long.jsonl").write_text(
+        "".join(json.dumps({"prompt": "p" * 50, "completion": "c" * 50}) + "\n" for _ in range(20))
+    )
     turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     (root / "msgs.jsonl").write_text((json.dumps(turn) + "\n") * 20)
     from hfpar import data
@@ -84,13 +88,22 @@ def _bad_input_files(root):
 BAD_INPUTS = {  # name: (argv, what the one line must say)
     "missing dataset file": (["--dataset_name", "{d}/nope.jsonl"], "nope.jsonl: no such file or directory"),
     "malformed JSONL": (["--dataset_name", "{d}/bad.jsonl"], "bad.jsonl: malformed JSON Lines at line 3"),
-    "wrong columns": (["--dataset_name", "{d}/cols.jsonl"],
-                      "found columns ['answer', 'question']; the sft recipe expects messages, or prompt + completion"),
-    "empty after filtering": (["--dataset_name", "{d}/long.jsonl", "--max_seq_length", "16", "--truncation", "drop"],
-                              "no SFT example left after tokenization with max_seq_length 16 and truncation 'drop'"),
-    "no chat template": (["--dataset_name", "{d}/msgs.jsonl", "--tokenizer_name_or_path", "{d}/notemplate"],
-                         "has no chat template, which the messages format needs"),
-    "non-positive batch": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be a positive integer"),
+    "wrong columns": (
+        ["--dataset_name", "{d}/cols.jsonl"],
+        "found columns ['answer', 'question']; the sft recipe expects messages, or prompt + completion",
+    ),
+    "empty after filtering": (
+        ["--dataset_name", "{d}/long.jsonl", "--max_seq_length", "16", "--truncation", "drop"],
+        "no SFT example left after tokenization with max_seq_length 16 and truncation 'drop'",
+    ),
+    "no chat template": (
+        ["--dataset_name", "{d}/msgs.jsonl", "--tokenizer_name_or_path", "{d}/notemplate"],
+        "has no chat template, which the messages format needs",
+    ),
+    "non-positive batch": (
+        ["--per_device_train_batch_size", "0"],
+        "--per_device_train_batch_size 0: must be a positive integer",
+    ),
     "non-positive steps": (["--max_steps", "-3"], "--max_steps -3: must be > 0, or -1 to use num_train_epochs"),
     "tp not dividing world": (["--tp_size", "2"], "--tp_size 2 does not divide the world size 1"),
     "ep not dividing dp": (["--ep_size", "2"], "--ep_size 2 does not divide the data-parallel size 1"),

@@ -72,28 +72,60 @@ class CountingObjective(Objective):
         return {"eval_toy": 1.0}
 
 
-TOY = register(Recipe(name="toy", task="lm", args_class=ToyArgs, build_data=build_data,
-                      objective=lambda args, ctx, plan, model: CountingObjective(model, args.toy_weight),
-                      defaults=dict(max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                    learning_rate=1e-2, logging_steps=1, max_eval_samples=8)))
+TOY = register(
+    Recipe(
+        name="toy",
+        task="lm",
+        args_class=ToyArgs,
+        build_data=build_data,
+        objective=lambda args, ctx, plan, model: CountingObjective(model, args.toy_weight),
+        defaults=dict(
+            max_steps=3,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            max_eval_samples=8,
+        ),
+    )
+)
 
 
 def test_a_recipe_of_its_own_runs_through_main(tmp_path):
     out = tmp_path / "toy"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--output_dir", str(out), "--toy_weight", "3"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "--output_dir", str(out), "--toy_weight", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["toy_forwards"] == 2 for r in steps)   # its metric: one forward per micro-batch (accumulation 2)
+    assert all(r["toy_forwards"] == 2 for r in steps)  # its metric: one forward per micro-batch (accumulation 2)
     assert any(r.get("eval_toy") == 1.0 for r in records) and (out / "model.safetensors").exists()
     assert json.loads((out / "run_info.json").read_text())["recipe"] == "toy"
     # its own option, parsed by the one parser (with did-you-mean)
-    bad = subprocess.run([sys.executable, __file__, "--output_dir", str(tmp_path / "bad"), "--toy_weigth", "3"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, __file__, "--output_dir", str(tmp_path / "bad"), "--toy_weigth", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "did you mean --toy_weight?" in bad.stderr
 
 

@@ -23,20 +23,27 @@ from ..labels import IGNORE
 class RowLayout:
     """What every cp rank knows about the full rows of the current batch (small integer tensors)."""
 
-    doc: torch.Tensor          # (B, T) document id per global position, -1 for padding
-    order: torch.Tensor        # (T,) global position of each token in cp-gathered order (rank 0's tokens first)
-    local: torch.Tensor        # (T / cp,) global positions this rank holds, in its local order
+    doc: torch.Tensor  # (B, T) document id per global position, -1 for padding
+    order: torch.Tensor  # (T,) global position of each token in cp-gathered order (rank 0's tokens first)
+    local: torch.Tensor  # (T / cp,) global positions this rank holds, in its local order
     cp: int
-    causal: bool = False       # every row is one document without padding: plain causal attention suffices
-    cache: dict = field(default_factory=dict, repr=False, compare=False)   # kernel calls (fused.row_calls), docs, layouts
+    causal: bool = False  # every row is one document without padding: plain causal attention suffices
+    cache: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # kernel calls (fused.row_calls), docs, layouts
 
     def row_slice(self, start: int, stop: int) -> RowLayout:
         """The layout of rows start:stop only (a pipeline micro-batch), made once per batch."""
         key = ("rows", start, stop)
         if key not in self.cache:
             doc = self.doc[start:stop]
-            self.cache[key] = RowLayout(doc=doc, order=self.order, local=self.local, cp=self.cp,
-                                        causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()))
+            self.cache[key] = RowLayout(
+                doc=doc,
+                order=self.order,
+                local=self.local,
+                cp=self.cp,
+                causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
+            )
         return self.cache[key]
 
     def doc_lists(self) -> list[list[int]]:
@@ -49,11 +56,14 @@ class RowLayout:
 def zigzag_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """Global positions held by `cp_rank`: chunks r and 2cp-1-r of 2cp equal chunks. (T / cp,)"""
     if seq_len % (2 * cp):
-        raise ValueError(f"context parallelism: sequence length {seq_len} is not a multiple of 2 x cp_size = {2 * cp}; "
-                         "pad rows to a multiple of it (the collator does, given pad_to_multiple_of)")
+        raise ValueError(
+            f"context parallelism: sequence length {seq_len} is not a multiple of 2 x cp_size = {2 * cp}; "
+            "pad rows to a multiple of it (the collator does, given pad_to_multiple_of)"
+        )
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                      torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)])
+    return torch.cat(
+        [torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)]
+    )
 
 
 def gathered_order(seq_len: int, cp: int) -> torch.Tensor:
@@ -100,6 +110,11 @@ def shard_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, RowLayout]:
     for k, v in {**batch, "position_ids": pos}.items():
         out[k] = v[:, local] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == seq_len else v
     doc = document_ids(pos, mask)
-    rows = RowLayout(doc=doc, order=gathered_order(seq_len, cp).to(ids.device), local=local, cp=cp,
-                     causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()))
+    rows = RowLayout(
+        doc=doc,
+        order=gathered_order(seq_len, cp).to(ids.device),
+        local=local,
+        cp=cp,
+        causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
+    )
     return out, rows

@@ -26,8 +26,16 @@ from torch import nn
 from .hf_experts import find_hf_experts
 from .moe import MoELayer
 
-__all__ = ["MOE_FAMILIES", "UPCYCLE_FAMILIES", "MoEBlock", "MoEFamily", "UpcycleFamily", "config_num_experts",
-           "find_moe_blocks", "has_moe_blocks"]
+__all__ = [
+    "MOE_FAMILIES",
+    "UPCYCLE_FAMILIES",
+    "MoEBlock",
+    "MoEFamily",
+    "UpcycleFamily",
+    "config_num_experts",
+    "find_moe_blocks",
+    "has_moe_blocks",
+]
 
 # the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config;
 # Ernie-4.5-MoE: moe_num_experts); config_num_experts is the one reader of them in hfpar
@@ -40,22 +48,24 @@ class MoEFamily:
     `norm_topk_prob` may be a constant. The block must hold `router.weight` (E, H) and 3-D experts
     `gate_up_proj` (E, 2I, H) [gate; up] / `down_proj` (E, H, I) with act = config.hidden_act."""
 
-    block: str                                  # class name of the sparse block
+    block: str  # class name of the sparse block
     num_experts: str = "num_experts"
     top_k: str = "num_experts_per_tok"
     norm_topk_prob: str | bool = "norm_topk_prob"
-    jitter: str | None = None                   # HF jitters the block input, hfpar the router input only
-    router: str = "gate"                        # module attributes of the block
+    jitter: str | None = None  # HF jitters the block input, hfpar the router input only
+    router: str = "gate"  # module attributes of the block
     experts: str = "experts"
-    shared_expert: str | None = None            # an MLP module, kept as is (replicated)
-    shared_expert_gate: str | None = None       # Linear(H, 1): out += sigmoid(gate(x)) * shared(x)
+    shared_expert: str | None = None  # an MLP module, kept as is (replicated)
+    shared_expert_gate: str | None = None  # Linear(H, 1): out += sigmoid(gate(x)) * shared(x)
 
 
 MOE_FAMILIES: dict[str, MoEFamily] = {
-    "mixtral": MoEFamily("MixtralSparseMoeBlock", num_experts="num_local_experts", norm_topk_prob=True,
-                         jitter="router_jitter_noise"),
-    "qwen2_moe": MoEFamily("Qwen2MoeSparseMoeBlock", shared_expert="shared_expert",
-                           shared_expert_gate="shared_expert_gate"),
+    "mixtral": MoEFamily(
+        "MixtralSparseMoeBlock", num_experts="num_local_experts", norm_topk_prob=True, jitter="router_jitter_noise"
+    ),
+    "qwen2_moe": MoEFamily(
+        "Qwen2MoeSparseMoeBlock", shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"
+    ),
     "qwen3_moe": MoEFamily("Qwen3MoeSparseMoeBlock"),
     "olmoe": MoEFamily("OlmoeSparseMoeBlock"),
 }
@@ -66,21 +76,25 @@ class UpcycleFamily:
     """A dense architecture whose SwiGLU MLPs (gate_proj / up_proj / down_proj, no bias) upcycle_to_moe
     converts, and the HF MoE architecture the result is exported as (upcycled_hf_config)."""
 
-    mlp_class: str                              # class name of the dense MLP
-    export_model_type: str                      # HF MoE model_type of the export
+    mlp_class: str  # class name of the dense MLP
+    export_model_type: str  # HF MoE model_type of the export
     export_num_experts: str = "num_local_experts"
-    export_intermediate: tuple[str, ...] = ("intermediate_size",)   # export fields = dense intermediate size
-    export_constants: dict = field(default_factory=dict)           # e.g. every layer sparse, renormalized top-k
+    export_intermediate: tuple[str, ...] = ("intermediate_size",)  # export fields = dense intermediate size
+    export_constants: dict = field(default_factory=dict)  # e.g. every layer sparse, renormalized top-k
     not_exportable: tuple[str, ...] = ("attention_bias", "mlp_bias")  # truthy source fields the export lacks
 
 
 UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
     "llama": UpcycleFamily("LlamaMLP", "mixtral"),
     "mistral": UpcycleFamily("MistralMLP", "mixtral"),
-    "qwen3": UpcycleFamily("Qwen3MLP", "qwen3_moe", export_num_experts="num_experts",
-                           export_intermediate=("moe_intermediate_size",),
-                           export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-                           not_exportable=("attention_bias",)),
+    "qwen3": UpcycleFamily(
+        "Qwen3MLP",
+        "qwen3_moe",
+        export_num_experts="num_experts",
+        export_intermediate=("moe_intermediate_size",),
+        export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        not_exportable=("attention_bias",),
+    ),
 }
 
 
@@ -88,7 +102,7 @@ UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
 class MoEBlock:
     path: str
     module: nn.Module
-    fam: MoEFamily | None          # None: an hfpar MoELayer (upcycled) with all experts
+    fam: MoEFamily | None  # None: an hfpar MoELayer (upcycled) with all experts
     E: int = 0
     k: int = 0
 
@@ -135,14 +149,18 @@ def find_moe_blocks(model: nn.Module, probe) -> tuple[list[MoEBlock], list[str]]
         blocks, problems = _generic_blocks(model, cfg, model_type, probe)
     if not blocks and not problems:
         if fam is not None or model_type in UPCYCLE_FAMILIES:
-            problems.append(f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
-                            f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
-                            f"{', '.join(sorted(UPCYCLE_FAMILIES))})")
+            problems.append(
+                f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
+                f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
+                f"{', '.join(sorted(UPCYCLE_FAMILIES))})"
+            )
         else:
-            problems.append(f"model_type {model_type!r} is not a supported MoE architecture (supported: "
-                            f"{', '.join(sorted(MOE_FAMILIES))}, or any block with 3-D experts gate_up_proj / "
-                            f"down_proj and an (E, H) router); a dense model must first be converted with "
-                            f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})")
+            problems.append(
+                f"model_type {model_type!r} is not a supported MoE architecture (supported: "
+                f"{', '.join(sorted(MOE_FAMILIES))}, or any block with 3-D experts gate_up_proj / "
+                f"down_proj and an (E, H) router); a dense model must first be converted with "
+                f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})"
+            )
     return blocks, problems
 
 
@@ -155,22 +173,31 @@ def _describe(m: nn.Module, ex_name: str, ex: nn.Module, cfg) -> tuple[MoEFamily
     """(family, E, k, what does not fit) of a module whose child `ex_name` holds 3-D experts."""
     gu, dn = ex.gate_up_proj, ex.down_proj
     E, missing = gu.shape[0], []
-    routers = [(n, c) for n, c in m.named_children()
-               if c is not ex and isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
-               and c.weight.shape[0] == E]
+    routers = [
+        (n, c)
+        for n, c in m.named_children()
+        if c is not ex
+        and isinstance(getattr(c, "weight", None), torch.Tensor)
+        and c.weight.dim() == 2
+        and c.weight.shape[0] == E
+    ]
     if not routers:
         return None, E, 0, [f"no router (a child with an ({E}, hidden) weight)"]
     r_name, router = routers[0]
     H = router.weight.shape[1]
     I = dn.shape[-1]
     if tuple(gu.shape) != (E, 2 * I, H) or tuple(dn.shape) != (E, H, I):
-        missing.append(f"experts gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not in the "
-                       f"(E, 2I, H) / (E, H, I) layout")
+        missing.append(
+            f"experts gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} are not in the "
+            f"(E, 2I, H) / (E, H, I) layout"
+        )
     if extra := _state_names(ex, ("gate_up_proj", "down_proj")):
         missing.append(f"expert {type(ex).__name__} has {', '.join(extra)} (biases are not supported)")
     if extra := _state_names(router, ("weight",)):
-        missing.append(f"router {type(router).__name__} has {', '.join(extra)} (only softmax top-k routing without "
-                       f"bias or score correction is supported)")
+        missing.append(
+            f"router {type(router).__name__} has {', '.join(extra)} (only softmax top-k routing without "
+            f"bias or score correction is supported)"
+        )
     shared = [n for n in ("shared_expert", "shared_experts") if isinstance(getattr(m, n, None), nn.Module)]
     gate = getattr(m, "shared_expert_gate", None)
     if gate is not None and not (isinstance(gate, nn.Linear) and gate.out_features == 1 and gate.bias is None):
@@ -184,19 +211,29 @@ def _describe(m: nn.Module, ex_name: str, ex: nn.Module, cfg) -> tuple[MoEFamily
     if k is None:
         missing.append("no top_k (router.top_k, block.top_k or config.num_experts_per_tok)")
     norm = getattr(router, "norm_topk_prob", getattr(m, "norm_topk_prob", getattr(cfg, "norm_topk_prob", None)))
-    fam = MoEFamily(type(m).__name__, norm_topk_prob=bool(norm) if norm is not None else True, router=r_name,
-                    experts=ex_name, shared_expert=shared[0] if shared else None,
-                    shared_expert_gate="shared_expert_gate" if gate is not None else None,
-                    jitter="router_jitter_noise" if getattr(m, "jitter_noise", 0) else None)
+    fam = MoEFamily(
+        type(m).__name__,
+        norm_topk_prob=bool(norm) if norm is not None else True,
+        router=r_name,
+        experts=ex_name,
+        shared_expert=shared[0] if shared else None,
+        shared_expert_gate="shared_expert_gate" if gate is not None else None,
+        jitter="router_jitter_noise" if getattr(m, "jitter_noise", 0) else None,
+    )
     return fam, E, int(k or 0), missing
 
 
 def _generic_blocks(model, cfg, model_type, probe) -> tuple[list[MoEBlock], list[str]]:
     blocks, problems, probed = [], [], {}
     for path, m in model.named_modules():
-        ex = [(n, c) for n, c in m.named_children()
-              if all(isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3
-                     for p in ("gate_up_proj", "down_proj"))]
+        ex = [
+            (n, c)
+            for n, c in m.named_children()
+            if all(
+                isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3
+                for p in ("gate_up_proj", "down_proj")
+            )
+        ]
         if not ex:
             continue
         where = f"model_type {model_type!r}: {path} ({type(m).__name__})"
@@ -205,7 +242,7 @@ def _generic_blocks(model, cfg, model_type, probe) -> tuple[list[MoEBlock], list
             probed[fam.block] = _probe_norm(probe, m, fam, E, k, missing)
         if missing:
             problems.append(f"{where} is not an MoE block hfpar can convert: {'; '.join(missing)}")
-            break                                           # one line: the other layers repeat it
+            break  # one line: the other layers repeat it
         blocks.append(MoEBlock(path, m, probed[fam.block] or fam, E, k))
     return blocks, problems
 
@@ -224,6 +261,8 @@ def _probe_norm(probe, m, fam: MoEFamily, E: int, k: int, missing: list[str]) ->
         if rel <= tol:
             return cand
         tried.append(f"{rel:.1e}")
-    missing.append(f"its output differs from softmax top-{k} routing over SwiGLU experts (relative difference "
-                   f"{' / '.join(tried)} with / without renormalized top-k)")
+    missing.append(
+        f"its output differs from softmax top-{k} routing over SwiGLU experts (relative difference "
+        f"{' / '.join(tried)} with / without renormalized top-k)"
+    )
     return None
