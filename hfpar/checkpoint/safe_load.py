@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import io
 import pathlib
 import pickle
@@ -59,13 +60,12 @@ def _deepspeed_globals() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+@functools.cache
 def _allowed_enums() -> frozenset:
     """The enum classes a checkpoint may name a member of: DCP's own (its metadata's _MEM_FORMAT_ENCODING) and the
-    allowlisted DeepSpeed ones (ZeroStageEnum)."""
+    allowlisted DeepSpeed ones (ZeroStageEnum); not those of the enum module itself (Enum, Flag, ...). Found once."""
     found = [*vars(dcp_metadata).values(), *_deepspeed_globals()]
-    return frozenset(
-        c for c in found if isinstance(c, enum.EnumMeta) and c is not enum.Enum and c.__module__ != enum.__name__
-    )
+    return frozenset(c for c in found if isinstance(c, enum.EnumMeta) and c.__module__ != enum.__name__)
 
 
 def enum_member(cls, name):

@@ -1,8 +1,8 @@
 """The safe loaders read the checkpoints hfpar writes in both pickle forms an enum member takes, whatever build of
 torch runs the test (issue #37): `Cls(value)` (what the CPU wheel writes) and `getattr(Cls, 'NAME')` (what
-checkpoints written under PyPI's CUDA build hold). The second form is produced here by a Pickler that reduces every
-enum member with Python's own `enum.pickle_by_enum_name`; a `getattr` on anything but an allowlisted enum's member is
-still refused.
+checkpoints written under PyPI's CUDA build hold). The second form is produced by a Pickler that reduces every enum
+member with Python's own `enum.pickle_by_enum_name` (tests/helpers/planting.py: EnumByName); a `getattr` on anything
+but an allowlisted enum's member is still refused.
 
     python -m pytest -q tests/unit/test_safe_load_forms.py
 """
