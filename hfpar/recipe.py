@@ -156,7 +156,8 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         if plan.padding_free_why_not:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {plan.padding_free_why_not}")
         with accelerator.main_process_first():
-            train_ds, eval_ds, collator, info, num_labels = recipe.build_data(args, tokenizer, ctx, plan)
+            built = recipe.build_data(args, tokenizer, ctx, plan)
+            train_ds, eval_ds, collator, info, num_labels = built
         announce_data_loss(info, args, accelerator.print, len(train_ds), ctx.dp)  # what truncation left out: said
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
@@ -182,7 +183,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     backend_kw = {"checkpoint_index": load["index"]} if load["mode"] == strategy.wrap_load else {}
     backend = backend_cls(accelerator, ctx, strategy, args, run_plan=plan, **backend_kw)
     try:
-        objective = recipe.objective(args, ctx, plan, model)  # owns its reference model, if any
+        objective = recipe.objective(args, ctx, plan, model, built)  # owns its reference model, if any
     except ValueError as exc:  # what only the loaded model reveals (e.g. a reference that cannot be built)
         _fail(str(exc))
     trainer = Trainer(

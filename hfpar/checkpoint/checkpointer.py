@@ -37,6 +37,7 @@ import threading
 from pathlib import Path
 
 from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from hfpar.checkpoint import final_model
@@ -59,6 +60,7 @@ from hfpar.distributed import all_reduce_sum, restart_attempt, unwrap
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, upcycled_hf_config
 
 SCHEDULER_FILE = "scheduler.json"
+OBJECTIVE_FILE = "objective_state.safetensors"  # the objective's own state (a rollout buffer), if any
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later"; the recipe exits with it after a preemption checkpoint
 
 
@@ -105,10 +107,12 @@ class Checkpointer:
         self.identity = identity  # layout.run_identity: `latest` refuses another run's checkpoint
         self.signal_received: str | None = None
 
-    def register(self, scheduler) -> None:
-        """The LR scheduler, saved as scheduler.json (its state dict is numbers and lists). Not registered with
-        Accelerate, which would pickle it to custom_checkpoint_0.pkl and read that back with weights_only=False."""
+    def register(self, scheduler, objective=None) -> None:
+        """The LR scheduler, saved as scheduler.json (its state dict is numbers and lists), and the objective's own
+        state (objective.state_dict(): tensors, as safetensors). Neither is registered with Accelerate, which would
+        pickle them to custom_checkpoint_<i>.pkl and read that back with weights_only=False."""
         self.scheduler = scheduler
+        self.objective = objective
 
     def trainer_state(self, step: int) -> dict:
         """trainer_state.json: what the preflight checks a resume against, before any weight is read."""
@@ -175,6 +179,9 @@ class Checkpointer:
         save_rng(tmp, self.acc.process_index, int(getattr(self.acc, "step", 0)))
         if self.acc.is_main_process and self.scheduler is not None:
             (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+        state = self.objective.state_dict() if self.objective is not None else {}
+        if self.acc.is_main_process and state:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp / OBJECTIVE_FILE)
         if self.acc.is_main_process and not self.acc._models and not self.peft:
             _save_wrapped_config(self.backend.unwrapped(), tmp)
 
@@ -207,6 +214,7 @@ class Checkpointer:
             self.backend.load_rank_state(path)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        self._load_objective(path)
         if state.get("world_size") != self.ctx.world:  # another world size (DDP / FSDP2): other RNG streams anyway
             self.acc.print(
                 f"[hfpar] {path} was written by {state.get('world_size')} processes, this run has "
@@ -220,6 +228,12 @@ class Checkpointer:
                 f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); the resume would not be exact"
             ) from None
         return state
+
+    def _load_objective(self, path: Path) -> None:
+        """The objective's state from the checkpoint (safetensors: tensors only), if it keeps one."""
+        f = path / OBJECTIVE_FILE
+        if self.objective is not None and f.is_file():
+            self.objective.load_state_dict(load_file(f, device="cpu"))
 
     def _load_resharded(self, path: Path) -> dict:
         """Collective: a checkpoint of another mesh (the preflight accepted it): its full form read by every rank,
@@ -235,6 +249,7 @@ class Checkpointer:
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
             for group, lr in zip(self.backend.base_optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr  # what optimizer.load_state_dict restores on the native path
+        self._load_objective(path)
         same_world = state.get("world_size") == self.ctx.world
         self.acc.step = load_rng(path, self.acc.process_index) if same_world else rng_accelerate_step(path, 0)
         theirs = " ".join(f"{k} {state.get(k, 1)}" for k in ("dp", "tp", "ep", "cp", "pp"))

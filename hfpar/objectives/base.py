@@ -8,6 +8,8 @@ A recipe with another loss subclasses Objective and overrides what differs (hfpa
 whose unit is the pair and which owns a reference model). The trainer calls, in this order:
     bind(model)                           after the data-parallel wrap (the parameters the run trains)
     prepare(backend, batches)             before training and before resume (e.g. precomputed reference values)
+    step_samples(backend, step, micro, ds) the samples of an optimizer step's micro-batches (default: the dataset's
+                                          items through sample(); online RL: its rollouts, generated here)
     sample(split, index, sample)          every dataset item the trainer reads ("train" / "eval")
     padding_sample(sample)                an eval padding slot (same shapes, no targets)
     count(batch), tokens(sample)          the normalization units of a micro-batch; real tokens of a sample
@@ -15,6 +17,7 @@ whose unit is the pair and which owns a reference model). The trainer calls, in 
     __call__(out, labels)                 (loss sum, units) of a forward; `scope(labels)` around it if not None
     step_sums(device) / metrics(sums)     extra sums reduced with the step's loss -> fields of its record
     begin_eval() / end_eval(device)       around an evaluation -> fields of the eval record
+    state_dict() / load_state_dict(state) what a checkpoint keeps of the objective (tensors; safetensors, no pickle)
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class Objective:
         """Before the first step and before resume loads a checkpoint (the model is still the initial one)."""
 
     # ------------------------------------------------------------------ samples and units
+    def step_samples(self, backend, step: int, micro: list[list[int]], dataset) -> list[list[dict]]:
+        """The samples of optimizer step `step` (0-based), one list per micro-batch: by default the dataset items
+        the sampler chose (`micro`: this rank's indices per accumulation step). Collective where it generates."""
+        return [[self.sample("train", i, dataset[i]) for i in ix] for ix in micro]
+
     def sample(self, split: str, index: int, sample: dict) -> dict:
         """A dataset item as the collator gets it (split: "train" | "eval")."""
         return sample
@@ -95,3 +103,12 @@ class Objective:
     def end_eval(self, device: torch.device) -> dict:
         """Fields of the eval record (collective: every rank calls it)."""
         return {}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What resume needs of the objective beyond the model and optimizer (e.g. a rollout buffer): tensors, the
+        same on every rank (the main process writes them)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Resume: what state_dict() returned, on every rank."""

@@ -14,7 +14,8 @@ A Recipe's fields (all but name / task have a default):
     packed        (args) -> whether the data's rows are packed already (padding-free batches then do nothing)
     problems      (args, ctx, plan) -> its own preflight problems, one line each (after the shared checks)
     resolve       (args, ctx, plan) -> values of its own derived once (plan.recipe_values)
-    objective     (args, ctx, plan, model) -> Objective (hfpar.objectives), after parallelize
+    objective     (args, ctx, plan, model, data) -> Objective (hfpar.objectives), after parallelize (data: the
+                  RecipeData build_data returned)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _no_values(args, ctx, plan) -> Mapping[str, Any]:
     return {}
 
 
-def task_objective(args, ctx, plan, model) -> Objective:
+def task_objective(args, ctx, plan, model, data: RecipeData) -> Objective:
     """The task's token-normalized loss (hfpar.objectives.base)."""
     return Objective.for_task(plan.task, model)
 

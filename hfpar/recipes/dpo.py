@@ -136,7 +136,7 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
     return RecipeData(train, evals, collator, {"train_data": stats, "dpo_shared_prompt": share})
 
 
-def objective(args, ctx, plan, model) -> DPOObjective:
+def objective(args, ctx, plan, model, data: RecipeData) -> DPOObjective:
     """The DPO loss and the reference it owns: none (--reference_free), precomputed log-probs (the initial model,
     before resume), the LoRA base (adapters disabled), a frozen copy of this rank's shards, or under ZeRO-3 (its
     parameters live outside the module between forwards) a copy of the initial model in a DeepSpeed engine of its

@@ -29,7 +29,7 @@ class PolicyLossConfig:
     loss_type: str = "dapo"  # TRL's default
     importance_sampling_level: str = "token"
     epsilon: float = 0.2  # epsilon_low
-    epsilon_high: float | None = None  # None: epsilon (cispo: its clip, TRL's default 5.0 is set by the recipe)
+    epsilon_high: float | None = None  # None: epsilon, for every loss type (TRL's rule; for cispo TRL suggests 5.0)
     delta: float | None = None  # two-sided clipping's upper bound on the ratio
     beta: float = 0.0  # KL coefficient (0: no reference)
     use_bias_correction_kl: bool = True  # TRL 1.16's default: the KL term times the importance ratio

@@ -72,9 +72,11 @@ def sample(
     top_k: int = 0,
     eos_token_id=None,
     pad_token_id=None,
+    synced_gpus: bool = False,
 ) -> torch.Tensor:
     """prompt_ids / prompt_mask: (B, P) left-padded; keys: one row_key per row. -> (B, P + new) token ids, rows that
-    stopped at EOS padded with pad_token_id after it."""
+    stopped at EOS padded with pad_token_id after it. synced_gpus: every rank runs a forward per decoding step until
+    all are done (transformers' own flag; needed where the forward is collective: sharded or model-parallel layers)."""
     if len(keys) != prompt_ids.size(0):
         raise ValueError(f"sample: {len(keys)} row keys for {prompt_ids.size(0)} rows")
     processors = LogitsProcessorList([*warpers(temperature, top_k, top_p), RowGumbelNoise(keys, prompt_ids.device)])
@@ -91,6 +93,7 @@ def sample(
         top_p=None,
         top_k=None,
         use_cache=True,
+        synced_gpus=synced_gpus,
     )
 
 

@@ -135,7 +135,7 @@ class Trainer:
             merge_adapter=args.merge_adapter,
             identity=run_identity(args),
         )
-        self.checkpointer.register(self.scheduler)
+        self.checkpointer.register(self.scheduler, objective)
         self.start_step = 0
         objective.bind(self.model)  # e.g. a frozen reference: a copy of the parameters as the backend holds them
 
@@ -201,7 +201,7 @@ class Trainer:
         if self.comm is not None:
             self.comm.reset()
         obj = self.objective
-        feats = [[obj.sample("train", i, self.train_ds[i]) for i in ix] for ix in micro]
+        feats = obj.step_samples(self.backend, step, micro, self.train_ds)  # rollouts: generated here
         raw = [self._to_device(self.collator(f)) for f in feats]
         batches = [self.batch_plan(b) for b in raw]
         # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples

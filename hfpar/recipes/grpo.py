@@ -1,0 +1,242 @@
+"""grpo: online RL of a causal LM on rewards (GRPO and its variants: DAPO, Dr. GRPO, GSPO, CISPO; RLOO's advantage)
+with TRL 1.16 GRPOTrainer's semantics and option names (see recipes/grpo.py, docs/grpo.md).
+
+    from hfpar.recipe import main; main("grpo")      # what recipes/grpo.py runs
+
+Its record: GRPOArgs (GRPOConfig's options), prompt-only data (hfpar.data.prompts), its option checks, and
+GRPOObjective (hfpar.objectives.policy) with its rollout (hfpar.rollout.loop) and, with --beta > 0, the reference it
+owns (hfpar.objectives.reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfpar import data
+from hfpar.config import RecipeArgs
+from hfpar.data import DataError, prompts
+from hfpar.objectives.policy import GRPOObjective
+from hfpar.objectives.reference import FrozenReference, LoRABaseReference, ZeRO3Reference
+from hfpar.recipes import Recipe, RecipeData, register
+from hfpar.rollout.advantages import SCALE_REWARDS
+from hfpar.rollout.collate import RolloutCollator
+from hfpar.rollout.engine import GenerationConfig, InPlaceEngine
+from hfpar.rollout.loop import Rollout, RolloutConfig
+from hfpar.rollout.policy_loss import IMPORTANCE_LEVELS, LOSS_TYPES, PolicyLossConfig
+from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
+from hfpar.rollout.schedule import RolloutSchedule
+
+ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass
+class GRPOArgs(RecipeArgs):
+    # --- online RL (the grpo recipe; TRL GRPOConfig's names) ---------------------------------------------
+    reward_funcs: str = "exact_match"  # comma-separated: built-ins, module.path:function, reward-model dirs
+    reward_weights: str | None = None  # comma-separated, one per --reward_funcs entry (default 1 each)
+    num_generations: int = 8  # completions per prompt (a group)
+    generation_batch_size: int | None = None  # completions per generation (default: the global batch)
+    steps_per_generation: int | None = None  # micro-steps per generation (default: gradient_accumulation_steps)
+    num_iterations: int = 1  # times each generation batch is trained on (old log-probs, importance ratio)
+    max_prompt_length: int | None = 512  # longer prompts are refused, not cut (None: no limit)
+    max_completion_length: int = 256  # new tokens per completion
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    epsilon: float = 0.2  # lower clip of the ratio (1 - epsilon)
+    epsilon_high: float | None = None  # upper clip (1 + epsilon_high; default epsilon; cispo: its cap, TRL suggests 5.0)
+    delta: float | None = None  # two-sided GRPO: cap on the unclipped ratio (None: off)
+    scale_rewards: str = "group"  # group | batch | none
+    mask_truncated_completions: bool = False  # completions without EOS take no part in the loss
+    beta: float = 0.0  # KL coefficient to the reference model (0: no reference, TRL's default)
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default)
+    advantage_estimator: str = "grpo"  # grpo | rloo (RLOOTrainer's leave-one-out baseline)
+    normalize_advantages: bool = False  # rloo: standardize the advantages over the batch (RLOOConfig's)
+    log_completions: bool = False  # write every completion, its reward and advantage to completions.jsonl
+
+
+def _list(text: str | None) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else []
+
+
+def schedule(args, ctx, num_prompts: int) -> RolloutSchedule:
+    spg = args.steps_per_generation
+    if spg is None and args.generation_batch_size is not None:
+        spg = args.generation_batch_size // (args.per_device_train_batch_size * ctx.dp)
+    return RolloutSchedule(
+        num_prompts=num_prompts,
+        num_generations=args.num_generations,
+        per_device=args.per_device_train_batch_size,
+        dp=ctx.dp,
+        accum=args.gradient_accumulation_steps,
+        steps_per_generation=spg if spg is not None else args.gradient_accumulation_steps,
+        num_iterations=args.num_iterations,
+        seed=args.seed,
+    )
+
+
+def problems(args, ctx, plan) -> list[str]:
+    """Option problems of the grpo recipe, one line each (before the model loads)."""
+    p = []
+    for name, value, valid in (
+        ("loss_type", args.loss_type, LOSS_TYPES),
+        ("importance_sampling_level", args.importance_sampling_level, IMPORTANCE_LEVELS),
+        ("scale_rewards", args.scale_rewards, SCALE_REWARDS),
+        ("advantage_estimator", args.advantage_estimator, ESTIMATORS),
+    ):
+        if value not in valid:
+            p.append(f"--{name} {value!r}: valid values are {', '.join(valid)}")
+    if args.generation_batch_size is not None and args.steps_per_generation is not None:
+        p.append("--generation_batch_size and --steps_per_generation: set one of them (TRL's rule)")
+    elif args.generation_batch_size is not None and args.generation_batch_size % (
+        args.per_device_train_batch_size * ctx.dp
+    ):
+        p.append(
+            f"--generation_batch_size {args.generation_batch_size}: must be a multiple of the global micro-batch "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x dp {ctx.dp})"
+        )
+    else:
+        p += [x for x in schedule(args, ctx, 10**9).problems() if "prompts" not in x]
+    if args.max_completion_length < 1:
+        p.append(f"--max_completion_length {args.max_completion_length}: must be >= 1")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        p.append(f"--max_prompt_length {args.max_prompt_length}: must be >= 1 (or None)")
+    if args.temperature <= 0:
+        p.append(f"--temperature {args.temperature}: must be > 0")
+    if not 0 < args.top_p <= 1:
+        p.append(f"--top_p {args.top_p}: must be in (0, 1]")
+    if args.top_k < 0:
+        p.append(f"--top_k {args.top_k}: must be >= 0 (0: off)")
+    if args.beta < 0:
+        p.append(f"--beta {args.beta}: must be >= 0")
+    if not 0 <= args.epsilon < 1:
+        p.append(f"--epsilon {args.epsilon}: must be in [0, 1)")
+    try:
+        weights = [float(w) for w in _list(args.reward_weights)] if args.reward_weights else None
+        resolve_reward_funcs(_list(args.reward_funcs), weights)
+    except ValueError as exc:
+        p.append(str(exc) if isinstance(exc, RewardError) else f"--reward_weights {args.reward_weights!r}: {exc}")
+    if ctx.pp > 1:
+        p.append(
+            f"grpo with --pp_size {ctx.pp}: generation needs every layer on the generating rank, and no pipelined "
+            "generation is built yet; use tp / ep / cp / fsdp2 / zero3 to split the model"
+        )
+    if args.sequence_parallel:
+        p.append("grpo with --sequence_parallel: decoding one token a step cannot be cut over the tp ranks; drop it")
+    if args.eval_steps not in (0, None):
+        p.append(f"--eval_steps {args.eval_steps}: grpo has no evaluation yet (generation on eval prompts); pass 0")
+    if args.packing:
+        p.append("--packing: grpo's rows are prompt + completion, one per row; drop it")
+    return p
+
+
+def build_data(args, tokenizer, ctx, plan) -> RecipeData:
+    """The prompts (hfpar.data.prompts), and the rollout's rows as the trainer's training set."""
+    train, _, stats = prompts.load_prompts(dataclasses.replace(args, eval_steps=0), tokenizer)
+    sched = schedule(args, ctx, len(train))
+    bad = sched.problems()
+    if bad:
+        raise DataError(bad[0])
+    rows = RolloutRows(train, sched, tokenizer)
+    collator = RolloutCollator(tokenizer.pad_token_id or 0, ctx.seq_multiple)
+    return RecipeData(rows, None, collator, {"train_data": stats, "grpo_generation_batch": sched.generation_batch})
+
+
+class RolloutRows:
+    """The training set as the trainer counts it: the completion rows an epoch trains on (each generation batch
+    num_iterations times); its rows are made by the rollout (GRPOObjective.step_samples), not read by index."""
+
+    def __init__(self, prompts, schedule: RolloutSchedule, tokenizer):
+        self.prompts, self.schedule, self.tokenizer = prompts, schedule, tokenizer
+
+    def __len__(self) -> int:
+        return self.schedule.rows_per_epoch
+
+    def __getitem__(self, i):
+        raise IndexError("grpo's rows come from the rollout (GRPOObjective.step_samples)")
+
+
+def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
+    rows: RolloutRows = data_.train
+    sched, tok = rows.schedule, rows.tokenizer
+    cfg = PolicyLossConfig(
+        loss_type=args.loss_type,
+        importance_sampling_level=args.importance_sampling_level,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,  # None: epsilon, for every loss type (TRL's rule; cispo: 5.0 recommended)
+        delta=args.delta,
+        beta=args.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        max_completion_length=args.max_completion_length,
+    )
+    if args.beta == 0.0:
+        reference = None
+    elif args.use_peft:
+        reference = LoRABaseReference()
+    elif ctx.strategy.partitions_at_load:
+        reference = ZeRO3Reference(model)
+    else:
+        reference = FrozenReference()
+    specs = _list(args.reward_funcs)
+    weights = [float(w) for w in _list(args.reward_weights)] if args.reward_weights else [1.0] * len(specs)
+    rollout = Rollout(
+        sched,
+        rows.prompts,
+        tok,
+        InPlaceEngine(
+            GenerationConfig(
+                max_new_tokens=args.max_completion_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+            )
+        ),
+        resolve_reward_funcs(specs, weights),
+        weights,
+        ctx,
+        RolloutConfig(
+            advantage=args.advantage_estimator,
+            scale_rewards=args.scale_rewards,
+            normalize_advantages=args.normalize_advantages,
+            mask_truncated_completions=args.mask_truncated_completions,
+            old_logps=sched.num_iterations > 1 or sched.steps_per_pass > 1,
+            ref_logps=args.beta != 0.0,
+            seed=args.seed,
+            log_completions=str(Path(args.output_dir) / "completions.jsonl") if args.log_completions else None,
+        ),
+        plan.cp_mode,
+    )
+    return GRPOObjective(model, ctx, cfg=cfg, reference=reference, rollout=rollout)
+
+
+RECIPE = register(
+    Recipe(
+        name="grpo",
+        task="lm",
+        args_class=GRPOArgs,
+        build_data=build_data,
+        packed=lambda args: True,  # one prompt + completion per row, no packing or padding-free rows
+        problems=problems,
+        objective=objective,
+        defaults=dict(
+            output_dir="outputs/grpo",
+            model_name_or_path=data.EMBEDDED,
+            max_steps=40,
+            per_device_train_batch_size=32,
+            num_generations=8,
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            eval_steps=0,
+            max_completion_length=16,
+            max_prompt_length=64,
+            beta=0.0,
+        ),
+    )
+)

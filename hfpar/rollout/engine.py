@@ -1,0 +1,89 @@
+"""Where completions come from: the interface a rollout engine implements, and the engine hfpar has, the policy
+generating in its own parallel layout.
+
+    engine = InPlaceEngine(GenerationConfig(max_new_tokens=16, temperature=1.0, eos_token_id=2, pad_token_id=0))
+    completions = engine.generate(backend, prompt_ids, keys)    # collective; list of token-id lists, EOS kept
+
+InPlaceEngine calls transformers' `generate` (its KV cache, EOS stopping) on the model as the backend holds it:
+TP shards, EP experts, FSDP2 / ZeRO-3 parameters gathered layer by layer by their own forward hooks, in the
+backend's autocast. Every rank runs the same number of forwards per decoding step (transformers' `synced_gpus`)
+when there is more than one process, since those forwards are collective. Context-parallel ranks of a replica
+generate the same rows (generation needs no cut of the sequence); a pipeline has no whole model on a rank, so the
+recipe refuses it. Sampling is hfpar.rollout.sampling's: each row's tokens depend on its key, never on the batch.
+
+An engine of another kind (vLLM colocated, TRL's default, with weights synced from the sharded policy) implements the
+same `generate(backend, prompt_ids, keys) -> completions`; none is built in (docs/grpo.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hfpar.distributed import unwrap
+from hfpar.rollout.sampling import sample
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and attention mask, prompts right-aligned (generation continues at the right edge)."""
+    p = max(len(x) for x in prompt_ids)
+    ids = torch.full((len(prompt_ids), p), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), p), dtype=torch.long)
+    for r, x in enumerate(prompt_ids):
+        if x:
+            ids[r, p - len(x) :] = torch.tensor(x, dtype=torch.long)
+            mask[r, p - len(x) :] = 1
+    return ids, mask
+
+
+def cut_at_eos(row: list[int], eos_token_id: int | None) -> tuple[list[int], bool]:
+    """(the completion up to and including its first EOS, whether it ended with EOS)."""
+    if eos_token_id is not None and eos_token_id in row:
+        end = row.index(eos_token_id)
+        return row[: end + 1], True
+    return row, False
+
+
+class InPlaceEngine:
+    def __init__(self, config: GenerationConfig):
+        self.config = config
+
+    def generate(self, backend, prompt_ids: list[list[int]], keys: list[int]) -> list[list[int]]:
+        """Collective: every rank calls it with its rows (the same number of calls on every rank)."""
+        cfg = self.config
+        model = unwrap(backend.model)
+        device = backend.acc.device
+        ids, mask = left_pad(prompt_ids, cfg.pad_token_id)
+        synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        was_training = model.training
+        model.eval()
+        try:
+            with backend.autocast(), torch.no_grad():
+                out = sample(
+                    model,
+                    ids.to(device),
+                    mask.to(device),
+                    keys,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    eos_token_id=cfg.eos_token_id,
+                    pad_token_id=cfg.pad_token_id,
+                    synced_gpus=synced,
+                )
+        finally:
+            model.train(was_training)
+        new = out[:, ids.shape[1] :].cpu().tolist()
+        return [cut_at_eos(row, cfg.eos_token_id)[0] for row in new]
