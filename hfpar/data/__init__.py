@@ -15,6 +15,8 @@
     cache.py     cached(tokenize_*, ds, tok, ...): tokenized splits kept on disk, keyed like datasets' own cache
     collate.py   pack, pack_batch, DataCollator;  errors.py  DataError
     padding_free.py  padding_free_mode: whether padding-free batches apply to a run (task, model family, ...)
+    prompts.py   load_prompts -> PromptSet (GRPO's prompt-only data, TRL's formats), left_pad (import it from there);
+    grpo_task.py the embedded GRPO task; GRPO_START / grpo_start_path(): its warm-start model (hfpar/assets/grpo_start)
 
 Labels are NOT shifted: the target of position t is labels[t + 1] (the trainer shifts).
 
@@ -30,6 +32,8 @@ samples run one by one.
 Every user mistake raises `DataError` (a ValueError) with a one-line message naming the value.
 The embedded datasets live in hfpar/data/synthetic.py.
 """
+
+from importlib import resources
 
 from .cache import cached
 from .chat import _render_chat  # noqa: F401  (used by tests/unit/test_data.py)
@@ -50,18 +54,30 @@ from .load import (
 from .padding_free import padding_free_mode
 from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
+# The GRPO warm start: the embedded tiny model after a short SFT on the embedded GRPO task (hfpar/data/grpo_task.py),
+# a normal HF model directory built by scripts/make_grpo_start.py; a path, so it works as --model_name_or_path as is.
+GRPO_START = str(resources.files("hfpar") / "assets" / "grpo_start")
+
+
+def grpo_start_path() -> str:
+    """Directory of the shipped GRPO warm start (config.json, model.safetensors, tokenizer, chat template)."""
+    return str(resources.files("hfpar") / "assets" / "grpo_start")
+
+
 __all__ = [
     "BUILDERS",
     "EMBEDDED",
     "EVAL_NAMES",
     "FILE_LIKE",
     "FORMATS",
+    "GRPO_START",
     "IGNORE",
     "KINDS",
     "DataCollator",
     "DataError",
     "cached",
     "embedded_model_path",
+    "grpo_start_path",
     "label_names_of",
     "load_splits",
     "load_tokenizer",
