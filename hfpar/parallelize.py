@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
 from hfpar.loading.sharded import is_meta
 from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
-from hfpar.parallel.context_parallel import register_cp_attention
+from hfpar.parallel.context_parallel import enable_cp_attention
 from hfpar.parallel.errors import ParallelError
 from hfpar.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -144,7 +144,7 @@ def parallelize(model, args, ctx, plan) -> tuple:
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)
-        model.set_attn_implementation(register_cp_attention())
+        enable_cp_attention(model)
     if task == "lm":
         info["loss_chunk_size"] = chunk_loss(model, args, ctx)
     if args.gradient_checkpointing:

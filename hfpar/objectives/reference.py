@@ -154,14 +154,19 @@ class ZeRO3Reference(Reference):
     each rank holds 1/dp of the reference, gathered layer by layer in its forward, as the policy's. Within the
     context the backend's model is that engine."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, source: str | None = None):
+        """source: the policy's model directory, read again (partitioned as it loads, TRL's way) when the policy was
+        loaded partitioned (zero3_init_flag) and so has no whole copy; only for a model hfpar did not reshape."""
         if any(hasattr(p, "ds_id") for p in model.parameters()):
-            raise ValueError(
-                "the reference model under ZeRO-3: the policy was loaded partitioned (zero3_init_flag), "
-                "so no whole copy of it exists to build the reference from; pass "
-                "--precompute_ref_log_probs, or zero3_init_flag: false in the accelerate config"
-            )
-        self.copy = copy.deepcopy(model)
+            if source is None:
+                raise ValueError(
+                    "the reference model under ZeRO-3: the policy was loaded partitioned (zero3_init_flag), "
+                    "so no whole copy of it exists to build the reference from; pass "
+                    "--precompute_ref_log_probs, or zero3_init_flag: false in the accelerate config"
+                )
+            self.copy = type(model).from_pretrained(source, dtype=torch.float32, trust_remote_code=False)
+        else:
+            self.copy = copy.deepcopy(model)
         self.engine = None
 
     def bind(self, model: torch.nn.Module) -> None:

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
 from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import DataError, prompts
@@ -48,7 +50,7 @@ class GRPOArgs(RecipeArgs):
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     epsilon: float = 0.2  # lower clip of the ratio (1 - epsilon)
-    epsilon_high: float | None = None  # upper clip (1 + epsilon_high; default epsilon; cispo: its cap, TRL suggests 5.0)
+    epsilon_high: float | None = None  # upper clip (1 + epsilon_high; default epsilon; cispo: its cap, 5.0 suggested)
     delta: float | None = None  # two-sided GRPO: cap on the unclipped ratio (None: off)
     scale_rewards: str = "group"  # group | batch | none
     mask_truncated_completions: bool = False  # completions without EOS take no part in the loss
@@ -131,6 +133,20 @@ def problems(args, ctx, plan) -> list[str]:
         p.append(f"--eval_steps {args.eval_steps}: grpo has no evaluation yet (generation on eval prompts); pass 0")
     if args.packing:
         p.append("--packing: grpo's rows are prompt + completion, one per row; drop it")
+    reshaped = ctx.tp > 1 or ctx.ep > 1 or args.upcycle_experts
+    if (
+        args.beta
+        and not args.use_peft
+        and reshaped
+        and ctx.strategy.partitions_at_load
+        and is_deepspeed_zero3_enabled()
+    ):
+        p.append(
+            f"--beta {args.beta} with {ctx.strategy.name}, zero3_init_flag: true and tp / ep / upcycled experts: the "
+            "reference model needs a whole copy of the initial model, which a model loaded already partitioned "
+            "does not have; pass zero3_init_flag: false in the accelerate config, --use_peft (the reference is "
+            "the base), or --beta 0"
+        )
     return p
 
 
@@ -177,8 +193,10 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
         reference = None
     elif args.use_peft:
         reference = LoRABaseReference()
-    elif ctx.strategy.partitions_at_load:
-        reference = ZeRO3Reference(model)
+    elif ctx.strategy.partitions_at_load:  # loaded partitioned: the reference read again from the model's files
+        reference = ZeRO3Reference(
+            model, source=None if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
+        )
     else:
         reference = FrozenReference()
     specs = _list(args.reward_funcs)
@@ -226,11 +244,11 @@ RECIPE = register(
         objective=objective,
         defaults=dict(
             output_dir="outputs/grpo",
-            model_name_or_path=data.EMBEDDED,
+            model_name_or_path=data.grpo_start_path(),  # the embedded model after a short SFT on the task
             max_steps=40,
             per_device_train_batch_size=32,
             num_generations=8,
-            learning_rate=1e-4,
+            learning_rate=2e-4,
             lr_scheduler_type="constant",
             logging_steps=1,
             eval_steps=0,

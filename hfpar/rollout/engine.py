@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from hfpar.distributed import unwrap
+from hfpar.parallel.context_parallel import whole_sequence
 from hfpar.rollout.sampling import sample
 
 
@@ -58,6 +60,7 @@ def cut_at_eos(row: list[int], eos_token_id: int | None) -> tuple[list[int], boo
 class InPlaceEngine:
     def __init__(self, config: GenerationConfig):
         self.config = config
+        self._root_ran = False
 
     def generate(self, backend, prompt_ids: list[list[int]], keys: list[int]) -> list[list[int]]:
         """Collective: every rank calls it with its rows (the same number of calls on every rank)."""
@@ -68,8 +71,17 @@ class InPlaceEngine:
         synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         was_training = model.training
         model.eval()
+        # FSDP2: the root unit's own parameters (embeddings, final norm, head) gathered for the whole generation, as
+        # generate may call an inner module (PEFT's base model) and so bypass the root's pre-forward gather
+        root = model if isinstance(model, FSDPModule) else None
         try:
-            with backend.autocast(), torch.no_grad():
+            if root is not None:
+                if not self._root_ran:  # FSDP2 initializes on the root's first forward, which must come first
+                    with torch.no_grad():
+                        model(input_ids=ids[:, :1].to(device), use_cache=False)
+                    self._root_ran = True
+                root.unshard()
+            with backend.autocast(), torch.no_grad(), whole_sequence(model):
                 out = sample(
                     model,
                     ids.to(device),
@@ -85,5 +97,7 @@ class InPlaceEngine:
                 )
         finally:
             model.train(was_training)
+            if root is not None:
+                root.reshard()
         new = out[:, ids.shape[1] :].cpu().tolist()
         return [cut_at_eos(row, cfg.eos_token_id)[0] for row in new]

@@ -33,14 +33,13 @@ per step (the measured differences: BF16 lines with -s, benchmarks/results/dpo/b
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
+from tests.helpers import in_process
 from tests.helpers.launch import (
     RECIPE_RUNS,
     launch_all,
@@ -133,23 +132,8 @@ def _pairs(root) -> Path:
 
 
 def run_in_process(argv: list[str], env: dict | None = None) -> None:
-    """The dpo recipe as one process, here: one thread (a launch's OMP_NUM_THREADS=1; two threads on a loaded
-    2-core machine spin 10x slower), Accelerate's singletons reset around it."""
-    # the training stack: imported by the slow tests that run it, not at collection
-    from benchmarks.dpo.trl_compare import _reset_accelerate
-    from hfpar.recipe import main
-
-    threads, saved = torch.get_num_threads(), {k: os.environ.get(k) for k in env or {}}
-    torch.set_num_threads(1)
-    os.environ.update(env or {})
-    _reset_accelerate()
-    try:
-        main("dpo", argv)
-    finally:
-        _reset_accelerate()
-        torch.set_num_threads(threads)
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    """The dpo recipe as one process, here (tests/helpers/in_process.py)."""
+    in_process.run_in_process("dpo", argv, env)
 
 
 def _grouped_launches(root, data: str) -> dict:

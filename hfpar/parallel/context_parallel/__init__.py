@@ -14,9 +14,11 @@ from .attention import (
     cp_attention_forward,
     cp_row_slice,
     cp_rows,
+    enable_cp_attention,
     register_cp_attention,
     ring_attention,
     ulysses_attention,
+    whole_sequence,
 )
 from .blockwise import block_attention, doc_causal_mask
 from .layout import RowLayout, document_ids, shard_batch, shift_labels, zigzag_indices
@@ -28,7 +30,9 @@ __all__ = [
     "cp_attention_forward",
     "cp_row_slice",
     "cp_rows",
+    "enable_cp_attention",
     "register_cp_attention",
+    "whole_sequence",
     "ring_attention",
     "ulysses_attention",
     "RowLayout",

@@ -170,3 +170,25 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
 def register_cp_attention() -> str:
     AttentionInterface.register(NAME, cp_attention_forward)
     return NAME
+
+
+def enable_cp_attention(model) -> None:
+    """Every attention of `model` through hfpar's, the implementation it replaces remembered (whole_sequence)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(register_cp_attention())
+    model._hfpar_attn_before_cp = before
+
+
+@contextlib.contextmanager
+def whole_sequence(model):
+    """Within: the attention that context parallelism replaced (generation: each rank holds whole rows, with a KV
+    cache and transformers' masks); nothing to do for a model without it."""
+    before = getattr(model, "_hfpar_attn_before_cp", None)
+    if before is None:
+        yield
+        return
+    model.set_attn_implementation(before)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(NAME)
