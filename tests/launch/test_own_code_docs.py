@@ -40,7 +40,7 @@ def test_every_python_block_of_the_page_is_marked_with_how_it_runs():
 def _start(workdir, indices, rank=None, world=1, ports=()):
     """One process running the snippets `indices`: rank `rank` of `world` (rendezvous `ports`), or alone (None)."""
     e = {k: v for k, v in env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    e["PYTHONPATH"] = str(ROOT)
+    e.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # the snippets' gloo on CPU, on a GPU machine too
     if rank is not None:
         e.update(
             RANK=str(rank),
