@@ -37,6 +37,11 @@ def _worker_code() -> int | None:
     return next((c for c in QUIET_CODES[::-1] if c in codes), None)
 
 
+def _exit_codes(exc) -> set[int]:
+    """Every failed worker's exit code (a ChildFailedError's failures)."""
+    return {f.exitcode for f in exc.failures.values()}
+
+
 def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
@@ -55,10 +60,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(code)
         _fail(f"the launch was stopped by {signal.Signals(exc.sigval).name}", code)
     except ChildFailedError as exc:
+        # The agent stops the other workers (SIGTERM) once one fails: a rank still exiting after its refusal may be
+        # the first failure by timestamp (-15), so any worker's refusal / preemption code decides, not the first's.
+        said = _worker_code() or next((c for c in QUIET_CODES[::-1] if c in _exit_codes(exc)), None)
+        if said:
+            sys.exit(said)
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        if code in QUIET_CODES:
-            sys.exit(code)
         _fail(f"rank {rank} exited with code {code} (its own output above says why)", code if code > 0 else 1)
     except subprocess.CalledProcessError as exc:  # one process (accelerate's simple launcher)
         code = exc.returncode

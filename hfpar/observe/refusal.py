@@ -13,7 +13,9 @@ the same options) claim it first in a directory of this launch on this node (`O_
 printed once per node. A rank that then fails in a collective because its peer left (gloo: "Connection closed by
 peer") sees that a refusal of this launch was said and exits with the same code, quietly.
 
-`hfpar launch` (hfpar/launch.py) is `accelerate launch` with the workers' exit code and no launcher traceback.
+`hfpar launch` (hfpar/launch.py) is `accelerate launch` with the workers' exit code and no launcher traceback. Under
+plain `accelerate launch` / `torchrun` the agent's ChildFailedError (a traceback, exit code 1) follows any non-zero
+worker exit and no worker can prevent it; `tell_launcher` makes its summary name the refusal (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 REFUSED_EXIT = 2
+PREEMPTED_EXIT = 75  # hfpar.checkpoint.checkpointer's (not imported: the launcher reads this module)
 _PRUNE_AFTER_S = 24 * 3600
 
 
@@ -94,9 +98,25 @@ def say(problems: str, prefix: str = "hfpar: error: ") -> None:
     sys.stderr.flush()
 
 
+def tell_launcher(problems: str, prefix: str = "hfpar: error: ") -> None:
+    """Leave the refusal in this worker's elastic error file (TORCHELASTIC_ERROR_FILE, set by torchrun's agent, also
+    inside `accelerate launch`). The agent raises ChildFailedError for any worker that exits non-zero, whatever the
+    worker does (its traceback and exit code 1 cannot be avoided from here); with the file, the summary's root cause
+    reads `traceback : hfpar: error: ...` instead of a link to torch's docs. The format is the one torch's
+    ProcessFailure reads: {"message": str, "timestamp": int}."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = "\n".join(f"{prefix}{line}" for line in str(problems).splitlines() or [""])
+    with contextlib.suppress(OSError):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+
+
 def fail(problems: str, code: int = REFUSED_EXIT):
     """One `hfpar: error:` line per problem (from this rank, once per launch), then exit `code`."""
     say(problems)
+    tell_launcher(problems)
     sys.exit(code)
 
 
@@ -136,6 +156,12 @@ def guarded(fn):
         except SystemExit as exc:  # a refusal (2), a preemption (75): what `hfpar launch` exits with
             if isinstance(exc.code, int) and exc.code:
                 record_exit(exc.code)
+            if exc.code == PREEMPTED_EXIT:  # for the summary of a launcher that raises (a refusal wrote its line)
+                tell_launcher(
+                    f"preempted: a checkpoint was saved and the workers exited with code {PREEMPTED_EXIT}; "
+                    "relaunch with --resume_from_checkpoint latest",
+                    prefix="hfpar: ",
+                )
             raise
         except Exception:
             time.sleep(0.2)  # the peer that refused writes its line before it exits: let a racing one finish

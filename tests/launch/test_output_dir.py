@@ -43,8 +43,9 @@ def _only_the_line(proc, line: str) -> None:
 def test_a_refusal_found_on_rank_1_only_is_said_every_time(tmp_path, where, line):
     """Before the group exists rank 0 goes on into the rendezvous; after it, into the data's barrier: either way it
     loses its peer, and leaves quietly with the same code. The case of the issue (2 of 3 tries lost the line) is
-    repeated; the options case also under `accelerate launch`, whose own ChildFailedError summary then follows the
-    line (hfpar cannot change that launcher; `hfpar launch` ends with the line alone)."""
+    repeated; the options case also under `accelerate launch`, whose own ChildFailedError traceback then follows the
+    line (no worker can prevent it: docs/reliability.md), its root cause the refusing rank and its line (the elastic
+    error file hfpar writes); `hfpar launch` ends with the line alone."""
     for attempt in range(2):
         launcher = "accelerate.commands.launch" if where == "options" and attempt == 1 else "hfpar.launch"
         proc = launch(
@@ -61,6 +62,8 @@ def test_a_refusal_found_on_rank_1_only_is_said_every_time(tmp_path, where, line
         said = [x for x in proc.stderr.splitlines() if x.startswith("hfpar: ")]
         assert proc.returncode == 1 and said == [f"hfpar: error: {line}"], proc.stderr[-3000:]
         assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+        root_cause = proc.stderr.split("Root Cause")[-1]  # the summary names the refusal (hfpar's error file)
+        assert f"traceback : hfpar: error: {line}" in root_cause and "rank      : 1" in root_cause, root_cause
 
 
 def _sft(out: Path, *extra: str) -> list[str]:
