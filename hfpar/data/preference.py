@@ -18,9 +18,8 @@ Row layout: each pair is ONE row, its two sequences packed as documents (positio
 rejected one): the chosen and rejected sequences of a pair always travel together, through context-parallel
 shards and pipeline micro-batches alike (with a shared prompt, several pairs share a row: PairCollator).
 Labels carry the pair with each target (encode_targets): pair index in the batch, side (chosen / rejected) and
-token, IGNORE outside completions; so every cut of a batch keeps each target next to its pair. Why by hand: trl pulls
-its trainers in at import (seconds per process),
-and its data helpers are ten lines each.
+token, IGNORE outside completions; so every cut of a batch keeps each target next to its pair.
+why: docs/architecture.md#why-loading-data-and-the-planner
 """
 
 from __future__ import annotations

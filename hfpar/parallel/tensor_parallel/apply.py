@@ -25,10 +25,8 @@ Layout of one decoder layer at tp ranks (per-architecture plans in plans.py):
 Plans: plans.py (written: Llama family, Phi-3, Gemma, BERT, GPT-2 with Conv1D layers), else derived from the
 config's base_model_tp_plan (derived.py; TP only).
 
-Why the attention / MLP modules enter the TP region themselves (and not each column layer):
-transformers' attention takes its head shapes from its input (`view(*hidden_states.shape[:-1], -1,
-head_dim)`), so under SP the module must receive the full (B, T, H) sequence; and one entry per
-module costs one backward all-reduce instead of one per projection (q, k, v: 3 -> 1).
+The attention / MLP modules enter the TP region themselves, not each column layer
+(why: docs/architecture.md#why-the-parallel-layers).
 
 The embedding is NOT sequence-sharded: LlamaModel derives cache_position, default position_ids and
 the causal mask from inputs_embeds.shape[1]; they (and rotary cos/sin) stay full length, which is
