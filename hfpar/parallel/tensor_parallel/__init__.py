@@ -1,6 +1,7 @@
 """Tensor parallelism: Megatron-style layers, per-architecture plans as data, and apply_tensor_parallel.
 
-layers.py    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+layers.py    ColumnParallelLinear, RowParallelLinear (params.py: their shared parameter helpers)
+embedding.py VocabParallelEmbedding
 conv1d.py    ColumnParallelConv1D, RowParallelConv1D (transformers' Conv1D: GPT-2)
 loss.py      vocab_parallel_cross_entropy (from logit shards)
 hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
