@@ -122,7 +122,7 @@ def test_elastic_restart_after_a_rank_dies(reference, base_model, tmp_path, rdzv
 SAVE_THEN_DIE = r"""
 import os, signal, sys, torch
 from accelerate import Accelerator
-from hfpar.checkpoint import checkpointer as ckpt
+from hfpar.checkpoint import write as ckpt  # where a checkpoint is written (save_checkpoint, _fsync_tree)
 acc = Accelerator(cpu=True)
 torch.manual_seed(0)
 lin = torch.nn.Linear(8, 8)
