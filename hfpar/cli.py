@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"hfpar {hfpar.__version__}")
         return
     if argv[:1] in (["--help"], ["-h"]):
-        print(__doc__.strip().format(recipes=", ".join(recipe_names())))
+        print(__doc__.strip().replace("{recipes}", ", ".join(recipe_names())))
         return
     if argv[:1] == ["launch"]:
         from hfpar.launch import main as launch  # noqa: PLC0415  (on use, as the other subcommands)
