@@ -9,8 +9,9 @@ Three launches of the dpo recipe on its embedded model and pairs, accelerate_con
   precomputed  --precompute_ref_log_probs true: the reference log-probs computed once before training, no model kept
   no_reference --reference_free true: no reference at all (its log-probs are 0)
 Per rank, from run_info.json: the policy's parameter bytes (its ZeRO-3 partition), optimizer state, peak memory (on
-CPU the process's peak RSS); the reference's parameter bytes per rank from the line ZeRO3Reference prints (rank 0).
-live and precomputed train the same model (their losses are printed side by side; they agree within 1e-4).
+CPU the process's peak RSS); the reference's parameters per rank in MiB as the line ZeRO3Reference prints them
+(rank 0, 2 decimals). live and precomputed train the same model: the JSON records their largest relative per-step
+loss difference (live_vs_precomputed_max_rel_loss; 0.0 in the committed run).
 """
 
 from __future__ import annotations
