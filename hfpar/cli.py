@@ -1,6 +1,6 @@
 """The `hfpar` command.
 
-hfpar sft [options]         same as python recipes/sft.py (and clm, classify)
+hfpar RECIPE [options]      same as python recipes/RECIPE.py; RECIPE is one of: {recipes}
 accelerate launch --config_file accelerate_configs/fsdp2.yaml -m hfpar.cli sft [options]
 hfpar plan --model ID_OR_DIR --num_gpus 8 --gpu_memory_gb 80     memory per GPU of every strategy
 hfpar plot RUN_DIR [RUN_DIR ...] -o runs.png                     loss / lr / tokens/s of runs overlaid
@@ -20,8 +20,18 @@ from pathlib import Path
 
 import hfpar
 
-RECIPES = ("sft", "clm", "classify", "dpo")
 TOOLS = ("plan", "plot", "export", "launch")
+
+
+def recipe_names() -> tuple[str, ...]:
+    """The recipes `hfpar RECIPE` runs: the modules of hfpar/recipes/, as hfpar.recipes.builtin() lists them.
+
+    Read from the folder without importing the package (hfpar.recipes imports torch: seconds at every CLI start;
+    pkgutil imports inspect).
+    """
+    folder = Path(hfpar.__file__).with_name("recipes")
+    found = {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
+    return tuple(sorted(n for n in found if not n.startswith("_") and n.isidentifier()))
 
 
 def fail(message: str) -> None:
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"hfpar {hfpar.__version__}")
         return
     if argv[:1] in (["--help"], ["-h"]):
-        print(__doc__.strip())
+        print(__doc__.strip().replace("{recipes}", ", ".join(recipe_names())))
         return
     if argv[:1] == ["launch"]:
         from hfpar.launch import main as launch  # noqa: PLC0415  (on use, as the other subcommands)
@@ -218,11 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] and argv[0] in TOOLS:
         {"plan": plan_main, "plot": plot_main, "export": export_main}[argv[0]](argv[1:])
         return
-    if not argv or argv[0] not in RECIPES:
+    recipes = recipe_names()
+    if not argv or argv[0] not in recipes:
         given = repr(argv[0]) if argv else "nothing"
         print(
-            f"hfpar: error: expected a recipe ({', '.join(RECIPES)}), got {given} (or a tool: {', '.join(TOOLS)})\n"
-            f"usage: hfpar {{{','.join(RECIPES + TOOLS)}}} [options]   (hfpar sft --help lists the options)",
+            f"hfpar: error: expected a recipe ({', '.join(recipes)}), got {given} (or a tool: {', '.join(TOOLS)})\n"
+            f"usage: hfpar {{{','.join(recipes + TOOLS)}}} [options]   (hfpar sft --help lists the options)",
             file=sys.stderr,
         )
         sys.exit(2)

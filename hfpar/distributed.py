@@ -2,15 +2,10 @@
 
     accelerator = setup_accelerator(args)   # inside a script started by `accelerate launch`
 
-Why this module exists: stock Accelerate, on a machine without an accelerator, turns
-`accelerate launch --config_file fsdp2.yaml` into a *single-process* run (it finds no CUDA, so
-`PartialState` picks DistributedType.NO and every rank trains alone) and gives DeepSpeed a world
-size of 1. Its FSDP2 and DeepSpeed code paths themselves work on CPU once its state says FSDP /
-DEEPSPEED over a gloo group of the right size. So, only when the script was started by a
-launcher (torchrun env present) and no CUDA device exists, we wrap Accelerate's backend choice
-for the duration of `Accelerator(...)` so that it initialises a gloo process group of the
-launcher's world size and keeps the strategy the config asked for. Nothing installed is edited;
-on CUDA machines this code path is not taken and Accelerate runs untouched (NCCL).
+Only when the script was started by a launcher (torchrun env present) and no CUDA device exists, Accelerate's
+backend choice is wrapped for the duration of `Accelerator(...)`: a gloo process group of the launcher's world size,
+the strategy the config asked for. Nothing installed is edited; on CUDA Accelerate runs untouched (NCCL).
+why: docs/architecture.md#why-spine-and-launch
 """
 
 from __future__ import annotations
@@ -81,14 +76,9 @@ def restart_attempt() -> int:
 def _store_per_restart_attempt(timeout: datetime.timedelta):
     """Give a restarted attempt of an elastic job (`--max_restarts N`) keys of its own in the launcher's store.
 
-    Why by hand: torchrun's agent hosts one TCPStore for the whole job and every attempt's workers connect
-    to it unprefixed (env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE; torch 2.13's comment says a new
-    store is made per retry, but the static rendezvous keeps its first one). The default group then writes
-    its keys (`default_pg/...`) where the dead attempt wrote them, and a restarted worker can read a dead
-    peer's address: gloo fails with "Connection refused" to the previous attempt's port. On a restart we
-    therefore hand `init_process_group` (called by Accelerate or DeepSpeed, whichever backend they chose)
-    that store under a prefix unique to the attempt; `new_group` keys live under the default group's store,
-    so hfpar's TP/DP/EP groups are isolated too. First attempts and non-elastic launches are untouched.
+    On a restart, `init_process_group` (called by Accelerate or DeepSpeed) gets the launcher's store under a prefix
+    unique to the attempt (hfpar's TP / DP / EP groups live under it too). First attempts and non-elastic launches
+    are untouched. why: docs/architecture.md#why-spine-and-launch
     """
     attempt = restart_attempt()
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
@@ -156,10 +146,7 @@ def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP / DeepSpeed / torch.compile wrappers (FSDP2 wraps in place: the module itself).
-
-    Why not Accelerate's unwrap_model: its extract_model_from_parallel imports deepspeed whenever deepspeed is
-    installed (about 1 CPU-s, measured with cProfile), which lands in the first checkpoint save of a run that never
-    uses DeepSpeed, a stall inside the training loop. A DeepSpeed engine exists only once deepspeed is imported."""
+    Never imports deepspeed. why: docs/architecture.md#why-start-up-time"""
     ds = sys.modules.get("deepspeed")
     wrappers = (
         torch.nn.parallel.DistributedDataParallel,
@@ -177,9 +164,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def without_deepspeed_import():
     """A block in which Accelerate's unwrap (reached by transformers' save_pretrained) does not import deepspeed
-    when the run never did: it imports it whenever it is installed, about 0.3 CPU-s and a log line on the main
-    process of every DDP / FSDP2 export (measured). As in `unwrap`: a DeepSpeed engine exists only once deepspeed
-    is imported, so nothing is missed."""
+    when the run never did. why: docs/architecture.md#why-start-up-time"""
     if "deepspeed" in sys.modules:
         return contextlib.nullcontext()
     return swapped(accelerate_other, "is_deepspeed_available", lambda: False)

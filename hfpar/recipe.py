@@ -37,12 +37,8 @@ from hfpar.preflight import preflight
 
 
 def _is_collective_timeout(exc: BaseException) -> bool:
-    """By type where torch gives one: DistBackendError (a backend's failure, e.g. NCCL's). gloo gives none: on torch
-    2.13 a collective or recv that outlives the group's timeout raises a plain RuntimeError from gloo's transport
-    (measured with 2 processes, all_reduce / recv / barrier / async wait: '[.../gloo/transport/tcp/unbound_buffer.cc:78]
-    Timed out waiting 2000ms for recv operation to complete'; a dead peer: RuntimeError 'Connection closed by peer'),
-    and the store's DistStoreError covers more than its timeout ('wait timeout after 3000ms, keys: ...'): for those,
-    the text decides. NCCL's watchdog aborts the process itself, with its own message."""
+    """Whether exc is a collective that timed out: torch's DistBackendError by type, gloo's plain RuntimeError and
+    the store's DistStoreError by their text. why: docs/architecture.md#why-spine-and-launch"""
     if isinstance(exc, torch.distributed.DistBackendError):
         return True
     text = str(exc).lower()

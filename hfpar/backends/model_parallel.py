@@ -2,8 +2,7 @@
 
     backend = ModelParallelFSDP2(accelerator, ctx, "fsdp2", args); backend.prepare(tp_model)
 
-Why by hand: Accelerate's DDP and FSDP2 reduce / shard over the whole world, which would average (or mix)
-different TP shards and different experts together. The data-parallel wrap is a component (wraps.py) the
+The data-parallel wrap (why: docs/architecture.md#why-backends-and-integrations) is a component (wraps.py) the
 backend holds: TorchDDP for ModelParallelDDP, FullyShard for ModelParallelFSDP2; experts are left out of it
 (sharded by EP already) and hfpar reduces their grads over the ranks holding the same ones. Grads: the
 partial ones summed over their group, experts reduced, then one global norm.

@@ -21,8 +21,7 @@ optimizer as under ZeRO-1/2 without a pipeline (mp_deepspeed.ExpertsBesideZeRO):
 their squared norm summed over the stages and joined to DeepSpeed's inside its step, clipped by that one norm and
 stepped by an AdamW of their own, saved per rank.
 
-Why fp32 only: under bf16 DeepSpeed's zero1 runs its BF16_Optimizer and under fp16 it scales the loss in
-engine.backward, both of which the schedule's backwards bypass (refused in check()).
+fp32 only (bf16 / fp16 refused in check(); why: docs/architecture.md#why-backends-and-integrations).
 """
 
 from __future__ import annotations

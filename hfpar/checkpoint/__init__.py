@@ -1,6 +1,7 @@
 """Checkpoints: the layout of `checkpoint-<step>/`, trainer state, cadence, retention, resume, final export.
 
 checkpointer.py  Checkpointer (what the trainer calls): trainer state, cadence, save / retention, resume
+write.py         the one write of a checkpoint (staged, fsynced, manifested, renamed), its read, retention
 layout.py        the output dir's layout and what is read of it without a tensor (latest, trainer_state.json)
 output_dir.py    the output dir's lock (one run at a time) and ownership (only what hfpar wrote is touched)
 rank_state.py    per-rank tensors the backends' save_rank_state / load_rank_state write and read; each rank's RNG

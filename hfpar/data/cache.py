@@ -4,12 +4,10 @@ rank after the first read the tokenized rows instead of tokenizing again.
     ds, stats = cached(tokenize_sft, splits["train"], tok, 128, completion_only_loss=True)   # same as the call
     ds, stats, num_labels = cached(tokenize_classify, splits["train"], tok, 64)
 
-Why by hand: `datasets.Dataset.map` caches its results only for datasets backed by cache files; the recipes'
-rows come from the embedded generator or are built in memory, and the tokenizers here run over a whole split at
-once (packing, statistics). The key follows the same idea as `datasets`' own cache: the input dataset's
-fingerprint (datasets derives it from file contents / the in-memory table and every transform), the tokenizer's
-full serialized state (vocabulary, normalizer, added and special tokens, chat template), the function, its
-arguments, and the source of the tokenizing code (so editing hfpar's tokenizers never reads a stale entry).
+The key follows the same idea as `datasets`' own cache (why: docs/architecture.md#why-loading-data-and-the-planner):
+the input dataset's fingerprint (datasets derives it from file contents / the in-memory table and every transform),
+the tokenizer's full serialized state (vocabulary, normalizer, added and special tokens, chat template), the function,
+its arguments, and the source of the tokenizing code (so editing hfpar's tokenizers never reads a stale entry).
 
 Where: `<HF_DATASETS_CACHE>/hfpar_tokenized/<key>/` (the directory `datasets` uses for its own cache). Off when
 `datasets.disable_caching()` was called, or with HFPAR_TOKENIZED_CACHE=0; a slow (Python) tokenizer is never

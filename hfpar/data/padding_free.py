@@ -36,9 +36,8 @@ FAMILIES = (
 
 
 def _mask_attentions() -> tuple[str, ...]:
-    """Attention implementations whose masks transformers builds from the packed position ids. Imported on use:
-    transformers.masking_utils pulls in torch._dynamo (2.4 s measured with -X importtime), which a preflight
-    refusal must not pay (it answers in under 10 s)."""
+    """Attention implementations whose masks transformers builds from the packed position ids (transformers'
+    masking_utils imported on use: why: docs/architecture.md#why-start-up-time)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
     return tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())

@@ -18,8 +18,7 @@ What changes on THIS accelerator object (its methods replaced on the instance; n
   clip_grad_norm_      finished grads, then the ONE global norm (shards once, replicas once)
   get_state_dict / save_model   the gathered full state dict (collective) / save_pretrained by rank 0
 
-Why by hand: Accelerate's DDP spans the whole world and its data loader shards by process index; it has no notion
-of model-parallel groups outside its own DTensor TP (which does not cover hfpar's layers, EP or CPU).
+why: docs/architecture.md#why-backends-and-integrations
 """
 
 from __future__ import annotations

@@ -17,11 +17,7 @@ Still loaded whole by from_pretrained (loading_mode says why): --upcycle_experts
 blocks under model / pipeline parallelism, ZeRO-3 (partitioned as it loads) and DDP / ZeRO-1/2 without model
 parallelism (every rank holds the whole model).
 
-Why by hand (checked against transformers 5.24 / accelerate 1.15): transformers' own TP loading
-(`from_pretrained(tp_plan=...)`) shards into its DTensor layers, not hfpar's (whose ShardSpecs the backends, grad
-norm and export read, with packed qkv / gate_up split part by part), and its per-expert -> 3-D MoE converters
-collect every expert of a layer; accelerate's `load_checkpoint_in_model` reads whole tensors and its FSDP2
-`cpu_ram_efficient_loading` has rank 0 hold the whole model and broadcast it. Reused: accelerate's
+Reused (why: docs/architecture.md#why-loading-data-and-the-planner): accelerate's
 `init_empty_weights(include_buffers=False)` (non-persistent buffers such as rotary inv_freq are computed as at
 from_config), transformers' checkpoint conversion mapping (key renames; its MergeModulelist / Concatenate ops, fed
 only this rank's experts) and `initialize_weights` for keys the checkpoint lacks (before any sharding, so a missing

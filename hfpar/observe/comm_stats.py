@@ -15,8 +15,7 @@ addressed to other ranks, broadcast the payload on the source rank. That is the 
 parallelism's overlapped ring), payload = wire (what it receives are its peers' sends). The lone isend / irecv are not
 wrapped: P2POp checks its op by identity against torch's own functions.
 
-Why by hand: torch has no per-collective byte counter (the profiler records kernels, not bytes, and
-nothing on gloo). Python-level collectives (FSDP2, DeepSpeed, hfpar's TP/EP layers, Accelerate) go
+Python-level collectives (FSDP2, DeepSpeed, hfpar's TP/EP layers, Accelerate) go
 through `torch.distributed` functions, which are wrapped while installed; nested calls (a new-style
 `all_gather_single` calling the deprecated `all_gather_into_tensor`) are counted once.
 """

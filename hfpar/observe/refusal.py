@@ -5,13 +5,10 @@
     def main(...):
         ... fail("--tp_size 3 does not divide the world size 2")     # prints `hfpar: error: ...`, exits 2
 
-Why a file and not rank 0: under `accelerate launch` every worker is a separate process and the launcher kills
-the others as soon as one exits. Printing on rank 0 only loses the line whenever another rank exits first (the
-user then sees torchrun's ChildFailedError and nothing else), and a problem found by rank 1 alone is never said.
-So the rank that finds a problem prints it itself; ranks that find the same line (most refusals: every rank parses
-the same options) claim it first in a directory of this launch on this node (`O_EXCL`: one winner), so it is
-printed once per node. A rank that then fails in a collective because its peer left (gloo: "Connection closed by
-peer") sees that a refusal of this launch was said and exits with the same code, quietly.
+The rank that finds a problem prints it itself; ranks that find the same line claim it first in a directory of
+this launch on this node (`O_EXCL`: one winner), so it is printed once per node. A rank that then fails in a
+collective because its peer left sees that a refusal of this launch was said and exits with the same code, quietly.
+why: docs/architecture.md#why-spine-and-launch
 
 `hfpar launch` (hfpar/launch.py) is `accelerate launch` with the workers' exit code and no launcher traceback. Under
 plain `accelerate launch` / `torchrun` the agent's ChildFailedError (a traceback, exit code 1) follows any non-zero

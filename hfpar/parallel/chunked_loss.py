@@ -4,8 +4,7 @@
     with state.targets(shifted_labels):            # the next forward of the head returns the loss SUM, not logits
         loss_sum = model(**inputs).logits.reshape(())
 
-Why by hand: neither torch nor transformers has a chunked linear + cross-entropy (transformers' loss takes the
-full logits; Liger's fused kernel is CUDA-only and knows no vocab-parallel head). For each chunk of C tokens the
+For each chunk of C tokens the
 head's logits (C, V/tp) are formed in the compute dtype, upcast to fp32, reduced to the log-sum-exp (over the
 tensor-parallel group when the head is vocab-parallel: one max and one sum all-reduce per chunk), and turned at
 once into the gradients of the loss sum w.r.t. the head's input and weight (softmax - one-hot), so backward only

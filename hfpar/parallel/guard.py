@@ -5,10 +5,9 @@
     release(model)                                         # hfpar's own data-parallel wraps, before wrapping
     refuse_unlaunched("apply_tensor_parallel")             # WORLD_SIZE > 1 but no process group: refuse
 
-Why: the ranks of a TP / EP model hold DIFFERENT tensors under the same names. A stock data-parallel wrap over the
-whole world (DistributedDataParallel, which `accelerator.prepare` and `transformers.Trainer` use; FSDP2's
-`fully_shard`) broadcasts rank 0's tensors or averages different shards together: wrong weights, no error. Nothing
-global is patched; the two entry points read an attribute of the module they wrap, which the guard sets:
+Refused: a stock data-parallel wrap over the whole world of a TP / EP model
+(why: docs/architecture.md#why-the-parallel-layers). Nothing global is patched; the entry points read an attribute
+of the module they wrap, which the guard sets:
   DDP          DistributedDataParallel.__init__ reads `module._ddp_params_and_buffers_to_ignore` (and iterates it)
                before any broadcast: the guard is an object whose iteration raises the one-line refusal.
   fully_shard  torch's composable-API contract checks `func in module.__dict__[STATE_KEY]` before sharding: the

@@ -2,5 +2,6 @@
 
 memory.py    ModelStats, activation / host-RAM bytes, PlannerError (imports nothing else of planner/)
 pipeline.py  pipeline stages: bytes per stage, in-flight micro-batches, the bubble
-table.py     estimate / candidates / recommend / memory_table: the table `hfpar plan` prints
+candidates.py  the layouts considered (candidates), the one recommended (recommend), its launch command
+table.py     estimate / memory_table: the table `hfpar plan` prints
 """

@@ -50,12 +50,6 @@ from hfpar.loading.sharded import loading_mode
 from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
 
 
-# Resident memory of a recipe process before it loads a model: python + torch + transformers + accelerate +
-# hfpar's recipe stack. Measured (torch 2.13 CPU, transformers 5.23, accelerate 1.15; 445.3 and 445.1 MiB):
-#   python -c "import resource, hfpar.recipe, hfpar.parallelize, hfpar.train.trainer, hfpar.loading.sharded; \
-#              print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**20)"
-# A floor: tiny-model CPU runs' host_peak_rss_after_load_bytes_per_rank read 480-570 MiB (gloo, data,
-# tokenizer), and a CUDA context adds its own host memory (not measured: no GPU here).
 class PlannerError(ValueError):
     """A bad planner input; the message is one line naming the value and what is valid."""
 
@@ -69,6 +63,8 @@ def state_bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
     raise PlannerError(f"--mixed_precision {mixed_precision!r}: use bf16 or no")
 
 
+# resident memory of a recipe process before it loads a model, a measured floor
+# (why: docs/architecture.md#why-loading-data-and-the-planner)
 HOST_OVERHEAD = 445 * 2**20
 CHECKPOINT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # config dtype -> bytes/param of the files
 

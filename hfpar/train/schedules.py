@@ -1,10 +1,8 @@
 """Learning-rate schedules with transformers' names and formulas (linear, cosine, constant,
 constant_with_warmup, cosine_with_min_lr), as a torch LambdaLR.
 
-Why by hand: `transformers.get_scheduler` lives in `transformers.optimization`, which imports
-`transformers.trainer_utils`, which imports all of PEFT when it is installed (PEFT's constants import
-model code): 2.8 s of start-up in every rank of every launch on a 2-core machine, for five one-line
-formulas. tests/unit/test_schedules.py pins these to transformers' own schedules, step by step.
+tests/unit/test_schedules.py pins these to transformers' own schedules, step by step.
+why: docs/architecture.md#why-the-training-loop
 """
 
 from __future__ import annotations

@@ -43,11 +43,8 @@ class NonFiniteError(RuntimeError):
 
 
 def attention_kernels(device: torch.device):
-    """SDPA's kernels for a run: on CUDA, flash, memory-efficient and math, not cuDNN attention. torch prefers
-    cuDNN's on recent GPUs, and cuDNN builds an execution plan for every new (rows, length, mask) shape: hfpar's
-    padding-free and packed-pair batches change shape from step to step, and each new shape cost 2.3-3.9 s
-    (measured: an H200, torch 2.11, bf16, the DPO benchmark's packed rows, where the memory-efficient kernel took
-    76 ms a step; benchmarks/results/dpo/logs/cudnn_diag.log). CPU: SDPA's own choice."""
+    """SDPA's kernels for a run, as a context: on CUDA flash, memory-efficient and math (not cuDNN attention);
+    on CPU SDPA's own choice. why: docs/architecture.md#why-the-training-loop"""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -29,34 +28,9 @@ import torch.nn.functional as F
 
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed, value_error_message
+from tests.helpers.ep_models import MOE, TINY, TOL, _batch, _build, _rel
 
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=64,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MOE = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=40,
-        norm_topk_prob=False,
-    ),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
-}
 AUX, Z = 0.1, 0.01  # large enough to show in the gradients
-TOL = {"float64": 1e-5, "float32": 1e-4}  # routing is always fp32 (router.py): ~1e-7 seen in fp64, not 1e-15
 # (name, model_type, ep, dp groups (None = the world), dtype, export)
 CASES = [
     ("mixtral-ep4", "mixtral", 4, None, "float64", True),
@@ -68,32 +42,10 @@ CASES = [
 ]
 
 
-def _build(model_type: str, dtype: str = "float64", seed: int = 0, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, **{**TINY, **MOE.get(model_type, {}), **overrides})
-    torch.manual_seed(seed)
-    kw = {"experts_implementation": "eager"} if model_type in MOE else {}  # HF's grouped_mm has no fp64
-    return AutoModelForCausalLM.from_config(cfg, **kw).to(getattr(torch, dtype)).train()
-
-
-def _batch(seed: int):
-    """(2, 8) ids with right padding of a seed-dependent length; mask 1 = real token."""
-    g = torch.Generator().manual_seed(100 + seed)
-    ids = torch.randint(3, TINY["vocab_size"], (2, 8), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 4 + seed % 3 :] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
 def _sum_ce(logits, ids, mask):
     """Sum of next-token CE over real target tokens (not a mean: ranks hold different token counts)."""
     tgt = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), tgt.reshape(-1), reduction="sum")
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _forward(model, ids, mask, explicit_mask: bool):
@@ -320,107 +272,3 @@ def test_errors_on_ranks(ranks):
         assert "model.layers.1.mlp: num_experts 6" in res["err_div"]
         assert "model.layers.1.mlp router / expert weights differ" in res["err_weights"], res["err_weights"]
         assert res["in_step"] == 10.0
-
-
-# ----------------------------------------------------------------------------- one process
-def _fake_world(n):
-    return mock.patch.object(dist, "is_initialized", return_value=True), mock.patch.object(
-        dist, "get_world_size", return_value=n
-    )
-
-
-def _refused(model, n, match):
-    from hfpar.parallel.expert_parallel import apply_expert_parallel
-
-    before = {k: type(m) for k, m in model.named_modules()}
-    a, b = _fake_world(n)
-    with a, b, pytest.raises(ValueError, match=match) as e:
-        apply_expert_parallel(model)
-    assert {k: type(m) for k, m in model.named_modules()} == before and not any(
-        shard_spec(p) is not None for p in model.parameters()
-    )
-    return str(e.value)
-
-
-def test_validation_before_any_collective():
-    """No process group exists here: a collective would raise 'not initialized', not these messages."""
-    msg = _refused(_build("mixtral", "float32"), 3, r"num_experts 4 is not divisible by ep_size 3")
-    assert "model.layers.0.mlp" in msg and "model.layers.1.mlp" in msg
-    _refused(
-        _build("mixtral", "float32", num_experts_per_tok=5),
-        2,
-        r"model\.layers\.0\.mlp: top_k 5 must be in \[1, num_experts 4\]",
-    )
-    _refused(_build("llama", "float32"), 2, r"'llama' has no sparse MoE blocks .*upcycle_to_moe")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
-    msg = _refused(
-        gpt2,
-        2,
-        r"'gpt2' is not a supported MoE architecture "
-        r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe, or any block with 3-D experts",
-    )
-    assert "upcycle_to_moe" in msg
-
-
-def test_upcycle_refusals():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
-
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
-    with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama, mistral, qwen3\)"):
-        upcycle_to_moe(gpt2, 4)
-    with pytest.raises(ValueError, match=r"top_k 5 must be in \[1, num_experts 4\]"):
-        upcycle_to_moe(_build("llama", "float32"), 4, top_k=5)
-    with pytest.raises(ValueError, match=r"mlp_bias=True"):
-        upcycle_to_moe(_build("llama", "float32", mlp_bias=True), 4)
-    m = upcycle_to_moe(_build("llama", "float32", attention_bias=True), 4)
-    with pytest.raises(ValueError, match=r"mixtral cannot represent this llama model: attention_bias=True"):
-        upcycled_hf_config(m)
-    apply_expert_parallel(m)  # no process group: ep=1, fine
-    with pytest.raises(ValueError, match="already expert-parallel"):
-        apply_expert_parallel(m)
-
-
-@pytest.mark.parametrize("mt", ["qwen3_moe", "olmoe"])
-def test_other_families_match_hf(mt):
-    """Families in the table beyond the distributed cases: same logits and state-dict keys at ep=1."""
-    from hfpar.parallel.expert_parallel import apply_expert_parallel
-    from hfpar.parallel.expert_parallel.moe import MoELayer
-
-    hf = _build(mt).eval()
-    ids, mask = _batch(0)
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask).logits
-    keys = sorted(hf.state_dict())
-    model = apply_expert_parallel(copy.deepcopy(hf))
-    assert sum(isinstance(m, MoELayer) for m in model.modules()) == TINY["num_hidden_layers"]
-    with torch.no_grad():
-        assert _rel(model(ids, attention_mask=mask).logits, want) < TOL["float64"]
-    assert sorted(model.state_dict()) == keys
-
-
-@pytest.mark.parametrize("mt, target", [("mistral", "MixtralForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM")])
-def test_upcycle_export_single_process(tmp_path, mt, target):
-    from transformers import AutoModelForCausalLM
-
-    from hfpar.parallel.expert_parallel import save_upcycled_pretrained, upcycle_to_moe
-
-    dense = _build(mt).eval()
-    ids, mask = _batch(1)
-    with torch.no_grad():
-        want = dense(ids, attention_mask=mask).logits
-        model = upcycle_to_moe(copy.deepcopy(dense), 4, top_k=2, seed=3)
-        got = model(ids, attention_mask=mask).logits
-        assert _rel(got, want) < TOL["float64"]  # renormalized top-k of identical experts
-        again = upcycle_to_moe(copy.deepcopy(dense), 4, top_k=2, seed=3)
-        assert torch.equal(again.model.layers[1].mlp.gate.weight, model.model.layers[1].mlp.gate.weight)
-    save_upcycled_pretrained(model, str(tmp_path))
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), dtype=torch.float64, experts_implementation="eager"
-    ).eval()
-    assert type(loaded).__name__ == target
-    with torch.no_grad():
-        assert _rel(loaded(ids, attention_mask=mask).logits, got) < TOL["float64"]

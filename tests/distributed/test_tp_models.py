@@ -23,20 +23,8 @@ import torch.nn.functional as F
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed, value_error_message
 from tests.helpers.tp_models import batch
+from tests.helpers.tp_parity import ATTN, TINY, _build, _case_id, _full_grads, _rel, _tp_sharded, _worst
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 # (model_type, sequence_parallel, dtype, extra config); llama/mistral/qwen2 are the contract, the rest
 # check the written plans (qwen3 per-head norms, phi3 packed qkv / gate_up, gemma tied embeddings).
 CASES = [(mt, sp, "float64", {}) for mt in ("llama", "mistral", "qwen2") for sp in (False, True)] + [
@@ -51,45 +39,6 @@ CASES = [(mt, sp, "float64", {}) for mt in ("llama", "mistral", "qwen2") for sp 
     ("gemma2", True, "float64", {}),
 ]
 TOL = {"float64": 1e-5, "float32": 1e-4}
-ATTN = {"gemma2": "eager"}  # transformers 5.23 has no SDPA path for Gemma-2 (attention soft-capping)
-
-
-def _case_id(case) -> str:
-    mt, sp, dtype, extra = case
-    return f"{mt}-{'sp' if sp else 'tp'}-{dtype}" + ("".join(f"-{k}" for k in extra))
-
-
-def _build(model_type: str, dtype: str = "float64", seed: int = 0, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN.get(model_type, "sdpa"))
-    model = model.to(getattr(torch, dtype))
-    return model.train()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
-def _tp_sharded(p) -> bool:
-    spec = shard_spec(p)
-    return spec is not None and spec.kind == "tp" and spec.sharded
-
-
-def _full_grads(model) -> dict[str, torch.Tensor]:
-    from hfpar.parallel.tensor_parallel import gather_shards
-
-    out = {}
-    for n, p in model.named_parameters():
-        meta = shard_spec(p)
-        out[n] = p.grad if not _tp_sharded(p) else gather_shards(p.grad, meta.dim, meta.group, meta.packed_splits)
-    return out
-
-
-def _worst(got: dict, ref: dict) -> tuple[float, str]:
-    return max((_rel(got[n], ref[n]), n) for n in ref)
 
 
 def _parity_case(rank: int, case, outdir: str) -> dict:

@@ -7,6 +7,8 @@ run is the session fixture `ddp_reference` (tests/conftest.py), built once for e
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 from tests.helpers.launch import read_metrics
@@ -56,3 +58,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path} appeared"
+        assert time.time() - t0 < timeout, f"{path} did not appear in {timeout}s"
+        time.sleep(0.02)
+
+
+def worker_pids(out: Path) -> dict[int, int]:
+    """{RANK: pid} of the training processes whose command line names `out` (Linux /proc)."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            environ = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if str(out).encode() in cmd and b"RANK" in environ and b"sft.py" in b" ".join(cmd):
+            pids[int(environ[b"RANK"])] = int(d.name)
+    return pids

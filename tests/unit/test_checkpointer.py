@@ -292,7 +292,7 @@ def test_metrics_cut_back_to_the_resumed_step(tmp_path):
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), "torch"])
 def test_a_full_disk_is_reported_as_such_and_leaves_no_staging_dir(tmp_path, monkeypatch, error):
     """ENOSPC from a Python write, or torch.save's C++ 'basic_ios::clear: iostream error' on a disk that is full."""
-    from hfpar.checkpoint import checkpointer as ck_mod
+    from hfpar.checkpoint import write as ck_mod  # where a checkpoint is written: its disk check, DiskFullError
 
     class FullDiskAccelerator(FakeAccelerator):
         def save_state(self, path):

@@ -61,11 +61,24 @@ def test_resume_from_incomplete_checkpoint(tmp_path, capsys):
 
 
 def test_cli_rejects_unknown_recipe(capsys):
+    import hfpar.recipes
     from hfpar.cli import main as cli
 
     with pytest.raises(SystemExit) as e:
         cli(["train"])
-    assert e.value.code == 2 and "expected a recipe (sft, clm, classify, dpo), got 'train'" in capsys.readouterr().err
+    names = ", ".join(hfpar.recipes.builtin())  # classify, clm, dpo, sft, and any recipe module added since
+    assert e.value.code == 2 and f"expected a recipe ({names}), got 'train'" in capsys.readouterr().err
+
+
+def test_cli_recipes_are_the_registry_modules(capsys):
+    """`hfpar --help` and `hfpar RECIPE` take the names from hfpar/recipes/ (a new module appears by itself)."""
+    import hfpar.recipes
+    from hfpar.cli import main as cli
+    from hfpar.cli import recipe_names
+
+    assert list(recipe_names()) == hfpar.recipes.builtin()
+    cli(["--help"])
+    assert f"one of: {', '.join(hfpar.recipes.builtin())}" in capsys.readouterr().out
 
 
 def _bad_input_files(root):

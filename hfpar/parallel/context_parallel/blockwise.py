@@ -5,11 +5,9 @@ logit soft-capping (no fused kernel applies it), and the ring's all-gather form 
     out = block_attention(q, k, v, doc, q_pos, k_pos, scaling)            # k, v: the whole row (Ulysses)
     out = block_attention(q, k_local, v_local, doc, q_pos, k_pos, scaling, group=cp_group)   # ring
 
-Why by hand: SDPA with an explicit mask keeps the (Tq, Tk) mask, and on CPU its math path keeps the (H, Tq, Tk)
-probabilities, for backward; the memory-efficient kernels that return the log-sum-exp are per device (flash and
-efficient attention on CUDA, `_scaled_dot_product_flash_attention_for_cpu` on CPU) and take no document mask.
-Here the score blocks are transient: forward keeps q, k, v (the local shards only, under a group), the output and
-one log-sum-exp per query, like flash attention; backward recomputes each block's probabilities from them.
+The score blocks are transient: forward keeps q, k, v (the local shards only, under a group), the output and one
+log-sum-exp per query, like flash attention; backward recomputes each block's probabilities from them.
+why: docs/architecture.md#why-the-parallel-layers
 
 With a group (ring attention in its all-gather form, as Llama 3's context parallelism): K and V of the whole row
 are all-gathered in forward and again in backward (not kept), dK and dV are reduce-scattered back to their ranks.

@@ -9,13 +9,11 @@ a flash-attention backward then yields exactly this block's share of dq, dk, dv 
 exp(s - lse_merged), delta = rowsum(dout * out_merged)), which is how the ring merges backward without a second
 softmax pass.
 
-Why the private aten ops: F.scaled_dot_product_attention returns no log-sum-exp, and merging blocks needs it.
+The kernels (private aten ops, why: docs/architecture.md#why-the-parallel-layers):
     CPU   aten._scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA, an additive mask.
     CUDA  aten._scaled_dot_product_flash_attention (fp16 / bf16, no mask: GQA kv heads taken as they are) or
           aten._scaled_dot_product_efficient_attention (fp32, or a mask as an additive bias; kv heads repeated
-          for GQA and their gradients summed back). Checked on an H200 (torch 2.11) by
-          benchmarks/context_parallel/gpu_attention.py: fp32 and bf16, packed rows, GQA, sliding windows, every rank of
-          cp = 1, 2, 4 against SDPA's dense mask.
+          for GQA and their gradients summed back).
 """
 
 from __future__ import annotations
@@ -62,9 +60,8 @@ def _use_flash(q, mask) -> bool:
 
 
 def _half_masked(q, mask) -> bool:
-    """A window-cut block in bf16 / fp16: the efficient kernel's half-precision backward under a -inf bias gave NaN
-    dq / dk on an H200 (torch 2.11, benchmarks/context_parallel/gpu_attention.py) where its fp32 path was exact, so such
-    blocks (the edges of a sliding-window band, few per row) run in fp32."""
+    """A window-cut block in bf16 / fp16 (the edges of a sliding-window band, few per row): run in fp32.
+    why: docs/architecture.md#why-the-parallel-layers"""
     return mask is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 

@@ -4,7 +4,9 @@ router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), mo
 moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
 families.py  which HF modules are MoE blocks: MOE_FAMILIES / UPCYCLE_FAMILIES (data), generic detection
 hf_experts.py  any other HF MoE block: its own code, only its experts module sharded by expert (checked first)
+hf_experts_detect.py  which modules those are (find_hf_experts), and why not the others
 apply.py     apply_expert_parallel (HF's aux-loss semantics, or hfpar's global aux loss on request)
+params.py    expert_parallel_groups, expert_parameters / non_expert_parameters, attach_moe_token_mask, export
 hf_outputs.py  router logits for HF's output_router_logits / aux_loss after conversion
 upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
 """

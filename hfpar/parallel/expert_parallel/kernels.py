@@ -3,23 +3,13 @@
     y = grouped_linear(x_sorted, w, counts)       # x (M, in) sorted by group, w (G, out, in), counts: G python ints
     if grouped_linear_applies(x, w): ...          # CPU, same dtype, no autocast (else the callers' own path)
 
-Why by hand, where torch's F.grouped_mm (transformers' "grouped_mm" experts) already exists: on CPU both run the
-same per-group GEMMs, but a MoE block's training step there is dominated by memory, not flops. Each backward
-produces a weight gradient as large as the experts themselves (Qwen3-30B-A3B's layer narrowed to 192: 600 MB per
-step) in FRESH memory: the optimizer's zero_grad(set_to_none=True) frees it every step, torch has no caching
-allocator on CPU, so every step the kernel maps, zeroes and faults it in again 4 KiB at a time. torch.profiler and
-a timing of torch.empty + zero_() put that at ~240 ms per 400 MB on this machine, about as much as all the GEMMs of
-the step together (docs/expert-parallel.md, "Speed"). This backward writes the weight gradient into a buffer the
-experts module keeps (`cache`, a dict the module owns) and reuses a step later when nothing else holds it any more
-(its storage's reference count: the param's .grad dropped by zero_grad; while anything holds it, e.g. .grad under
-gradient accumulation, the backward takes fresh memory as before): what torch's CUDA caching allocator does for
-every tensor on a GPU. The price is that of zero_grad(set_to_none=False): the experts' gradient memory stays
-allocated between steps (one buffer per weight, no more). It also writes each hit expert's gradient once in place
-(torch.mm(out=)), zeroes unhit experts' slices, and skips the weight gradient of frozen experts. Forward and input
-gradient are the same per-group GEMMs as grouped_mm's: results agree to round-off
-(tests/distributed/test_moe_layers.py). (Asking the kernel for transparent huge pages on a fresh buffer instead
-was 3x cheaper alone but slower than plain pages once the heap was fragmented by other 4 KiB allocations:
-direct compaction; not kept.)
+The backward writes the weight gradient into a buffer the experts module keeps (`cache`, a dict the module owns)
+and reuses it a step later when nothing else holds it any more (its storage's reference count; while anything holds
+it, e.g. .grad under gradient accumulation, it takes fresh memory): the experts' gradient memory stays allocated
+between steps, one buffer per weight. It writes each hit expert's gradient once in place (torch.mm(out=)), zeroes
+unhit experts' slices and skips the weight gradient of frozen experts. Forward and input gradient are the same
+per-group GEMMs as F.grouped_mm's: results agree to round-off (tests/distributed/test_moe_layers.py).
+why: docs/architecture.md#why-the-parallel-layers
 """
 
 from __future__ import annotations

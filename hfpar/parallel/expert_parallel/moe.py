@@ -75,9 +75,8 @@ def _activation(name: str):
 
 
 def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Fused grouped GEMM: on CUDA sm90+ in bf16 with 16-byte aligned rows; on CPU in fp32 where torch has
-    the public F.grouped_mm (torch 2.13: measured at least as fast as transformers' grouped_mm and faster
-    than the expert loop; numbers in benchmarks/results/moe/block_speed.md)."""
+    """Whether the fused grouped GEMM applies: on CUDA sm90+ in bf16 with 16-byte aligned rows; on CPU in fp32
+    where torch has the public F.grouped_mm. why: docs/architecture.md#why-the-parallel-layers"""
     if x.device.type == "cpu":
         return hasattr(F, "grouped_mm") and x.dtype == w.dtype == torch.float32
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -14,12 +14,10 @@ walking the chunks in reverse; the bubble shrinks V-fold, (p - 1) / (V (m + p - 
 1F1B's. The last (virtual) stage computes the loss of each micro-batch (a SUM over its targets) and back-propagates
 loss_sum * scale.
 
-Why by hand, not torch.distributed.pipelining's schedules (ScheduleInterleaved1F1B included): its stages infer the
-shapes of the tensors they exchange from the first step and pre-allocate the receive buffers, while HF batches are
-padded to the longest row of each batch, so T changes from step to step (padding every batch to --max_seq_length
-would spend compute on padding). Here each activation and gradient travels after a small shape header. Sends are
-non-blocking and receives blocking; every schedule's order is free of deadlock and keeps each pair of ranks' messages
-in the same order on both ends (tests/distributed/test_pp_stages.py replays the orders of p <= 8, V <= 4 to check both).
+Each activation and gradient travels after a small shape header (why: docs/architecture.md#why-the-parallel-layers).
+Sends are non-blocking and receives blocking; every schedule's order is free of deadlock and keeps each pair of ranks'
+messages in the same order on both ends (tests/distributed/test_pp_stages.py replays the orders of p <= 8, V <= 4 to
+check both).
 """
 
 from __future__ import annotations

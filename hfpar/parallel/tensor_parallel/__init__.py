@@ -1,6 +1,7 @@
 """Tensor parallelism: Megatron-style layers, per-architecture plans as data, and apply_tensor_parallel.
 
-layers.py    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+layers.py    ColumnParallelLinear, RowParallelLinear (params.py: their shared parameter helpers)
+embedding.py VocabParallelEmbedding
 conv1d.py    ColumnParallelConv1D, RowParallelConv1D (transformers' Conv1D: GPT-2)
 loss.py      vocab_parallel_cross_entropy (from logit shards)
 hf_loss.py   model(**batch).loss / generate() on a TP model; gather_vocab_logits, full_vocab_logits
@@ -10,7 +11,9 @@ norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
 shape_check.py  the plan matched to the modules, names / shapes / degrees checked (no compute, no collective)
 block_check.py  the plan checked numerically: sharded copies of the blocks against unsharded ones (fp64)
 hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
-apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place
+apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place: which plan, then
+shard_modules.py  each matched module replaced or hooked by its style
+grads.py     sync_sequence_parallel_grads, clip_tp_grad_norm_, gather_full_state_dict (users' own loops)
 """
 
 from .apply import (

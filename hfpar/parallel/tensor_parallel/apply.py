@@ -25,10 +25,8 @@ Layout of one decoder layer at tp ranks (per-architecture plans in plans.py):
 Plans: plans.py (written: Llama family, Phi-3, Gemma, BERT, GPT-2 with Conv1D layers), else derived from the
 config's base_model_tp_plan (derived.py; TP only).
 
-Why the attention / MLP modules enter the TP region themselves (and not each column layer):
-transformers' attention takes its head shapes from its input (`view(*hidden_states.shape[:-1], -1,
-head_dim)`), so under SP the module must receive the full (B, T, H) sequence; and one entry per
-module costs one backward all-reduce instead of one per projection (q, k, v: 3 -> 1).
+The attention / MLP modules enter the TP region themselves, not each column layer
+(why: docs/architecture.md#why-the-parallel-layers).
 
 The embedding is NOT sequence-sharded: LlamaModel derives cache_position, default position_ids and
 the causal mask from inputs_embeds.shape[1]; they (and rotary cos/sin) stay full length, which is
@@ -37,9 +35,8 @@ what attention needs after its all-gather.
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -50,38 +47,27 @@ import torch.nn.functional as F
 from ..comm import all_reduce, group_rank, group_size
 from ..errors import ParallelError
 from ..guard import mark_parallel, refuse_unlaunched
-from ..sharding import (
-    ShardSpec,
-    clip_grads_,
-    full_state_dict,
-    grad_norm,
-    partial_grad_hooks,
-    set_shard_spec,
-    shard_spec,
-    shard_tensor,
-    sync_partial_grads,
-)
+from ..sharding import partial_grad_hooks
 from .block_check import verify_first_block
-from .conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from .derived import derive_plan
-from .heads import localize_heads
-from .hf_loss import install_hf_semantics
-from .hooks import (
-    HEAD_BIAS_ARGS,
-    embed_scale_hook,
-    enter_region_hook,
-    gather_sequence_hook,
-    local_head_bias_hook,
-    scatter_sequence_hook,
+
+# re-exported: the gradient and export names lived here before grads.py
+from .grads import (  # noqa: F401
+    clip_tp_grad_norm_,
+    gather_full_state_dict,
+    sequence_parallel_grad_hooks,
+    sync_sequence_parallel_grads,
+    tp_grad_norm,
 )
+from .hf_loss import install_hf_semantics
 from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
-from .norms import ShardedRMSNorm
-from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, packed_splits, validate_plan
+from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, validate_plan
 from .sequence_plan import sequence_parallel_plan
 from .shape_check import REGIONS as _REGIONS
 from .shape_check import match_plan, moe_block_names, validate_degrees
+from .shard_modules import RegionColumnParallelLinear, shard_modules
 
 __all__ = [
     "apply_tensor_parallel",
@@ -91,14 +77,6 @@ __all__ = [
     "gather_full_state_dict",
     "RegionColumnParallelLinear",
 ]
-
-
-class RegionColumnParallelLinear(ColumnParallelLinear):
-    """A ColumnParallelLinear inside an "attention" / "mlp" region: the region's forward pre-hook has
-    already brought its input into the TP region (copy, or the sequence all-gather under SP), so
-    this layer does no collective of its own. Same parameters and export as the parent class."""
-
-    in_region = True
 
 
 def _check_replicated(model: nn.Module, group) -> None:
@@ -128,12 +106,6 @@ def _check_replicated(model: nn.Module, group) -> None:
                 f"from_config): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
             ],
         )
-
-
-# ----------------------------------------------------------------------------- apply
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
 def apply_tensor_parallel(
@@ -246,7 +218,7 @@ def apply_tensor_parallel(
     if verify_weights:
         _check_replicated(model, tp_group)
 
-    shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
     if verify_plan:  # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
         model._hfpar_tp_verify_rel = verify_first_block(
             model,
@@ -268,107 +240,6 @@ def apply_tensor_parallel(
     install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
     mark_parallel(model, f"tensor-parallel over {tp} ranks")  # stock DDP / fully_shard refuse it (guard.py)
     return model
-
-
-def _shard_modules(
-    model: nn.Module, assigned: Mapping[str, str], *, config, tp: int, tp_group, sequence_parallel: bool
-) -> dict[str, nn.Module]:
-    """Replace / hook every module of `assigned` ({name: style}, names relative to `model`) in place; returns the
-    new layers by name. The whole model, or one block's copy for verify_first_block."""
-    regions = [n for n, s in assigned.items() if s in _REGIONS]
-    gathered = "sequence_gather" in assigned.values()
-    new_modules: dict[str, nn.Module] = {}
-    for name, style in assigned.items():
-        if style == "head_param":  # (H, ...) by head: this rank's heads, like the projections' (export gathers)
-            parent, _, leaf = name.rpartition(".")
-            owner, full = model.get_submodule(parent), model.get_parameter(name)
-            local = shard_tensor(full.detach(), 0, group_rank(tp_group), tp)
-            setattr(
-                owner,
-                leaf,
-                set_shard_spec(
-                    nn.Parameter(local, requires_grad=full.requires_grad),
-                    ShardSpec(kind="tp", group=tp_group, dim=0, size=tp),
-                ),
-            )
-            continue
-        if style == "output_param":  # replicated, its gradient already complete: not summed over TP
-            set_shard_spec(model.get_parameter(name), ShardSpec(kind="replicated"))
-            continue
-        mod, base = model.get_submodule(name), style.partition(":")[0]
-        if base == "vocab_embedding":
-            new = VocabParallelEmbedding.from_embedding(mod, tp_group, name=name)  # output all-reduced, full T
-            if hasattr(mod, "embed_scale"):  # Gemma's scaled embedding: forward(ids) * embed_scale
-                new.register_buffer("embed_scale", torch.as_tensor(mod.embed_scale).detach().clone(), persistent=False)
-                new.register_forward_hook(embed_scale_hook)
-        elif base in ("colwise", "colwise_packed"):
-            in_region = any(name.startswith(r + ".") for r in regions)
-            kw = {
-                "packed_splits": packed_splits(style, config),
-                "name": name,
-                "sequence_parallel": sequence_parallel and not in_region,
-            }
-            if is_conv1d(mod):  # GPT-2: keeps Conv1D's (in, out) layout
-                new = ColumnParallelConv1D.from_conv1d(mod, tp_group, **kw)
-                new.in_region = in_region
-            else:
-                cls = RegionColumnParallelLinear if in_region else ColumnParallelLinear
-                new = cls.from_linear(mod, tp_group, **kw)
-        elif base == "colwise_lm_head":  # under SP it gathers T itself, unless a sequence_gather did it before
-            new = ColumnParallelLinear.from_linear(
-                mod, tp_group, sequence_parallel=sequence_parallel and not gathered, name=name
-            )
-        elif base == "sharded_rmsnorm":  # a norm over all heads, on this rank's heads (norms.py)
-            new = ShardedRMSNorm.from_norm(mod, tp_group, name=name)
-        elif base == "rowwise" and is_conv1d(mod):
-            new = RowParallelConv1D.from_conv1d(mod, tp_group, sequence_parallel=sequence_parallel, name=name)
-        elif base == "rowwise_heads":  # reduce-scatter along the output features: this rank's heads' values
-            new = RowParallelLinear.from_linear(
-                mod, tp_group, input_is_parallel=True, sequence_parallel=True, sequence_dim=-1, name=name
-            )
-        elif base == "rowwise":
-            new = RowParallelLinear.from_linear(
-                mod, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel, name=name
-            )
-        else:
-            if base in _REGIONS:
-                mod.register_forward_pre_hook(
-                    partial(enter_region_hook, group=tp_group, name=name, sequence_parallel=sequence_parallel),
-                    with_kwargs=True,
-                )
-            if base == "attention":
-                localize_heads(mod, config, tp)
-                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
-                if bias_args and getattr(config, "num_attention_heads", None):  # ALiBi for all heads (Bloom, MPT)
-                    mod.register_forward_pre_hook(
-                        partial(
-                            local_head_bias_hook,
-                            names=bias_args,
-                            tp=tp,
-                            rank=group_rank(tp_group),
-                            heads=config.num_attention_heads,
-                        ),
-                        with_kwargs=True,
-                    )
-            elif base == "sequence_gather" and sequence_parallel:
-                mod.register_forward_pre_hook(
-                    partial(gather_sequence_hook, group=tp_group, name=name), with_kwargs=True
-                )
-            elif base == "sequence_scatter" and sequence_parallel:
-                mod.register_forward_pre_hook(
-                    partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name), with_kwargs=True
-                )
-            elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
-                for p in mod.parameters():  # replicated; each rank's grad covers its tokens / heads only
-                    set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
-            continue
-        new.train(mod.training)
-        new_modules[name] = new
-        _set_submodule(model, name, new)  # now: the full weight is freed layer by layer (peak ~ model + 1 layer)
-    whole = {id(model.get_parameter(n)) for n, s in assigned.items() if s == "output_param"}
-    for r in regions:  # other parameters inside a region act on this rank's heads / features: partial grads
-        _mark_region_replicated(model.get_submodule(r), tp_group, whole)
-    return new_modules
 
 
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:
@@ -399,7 +270,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         if verify_weights and not checked:
             _check_replicated(model, tp_group)
             checked = True
-        shard = partial(_shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
         try:
             model._hfpar_tp_verify_rel = verify_first_block(
                 model,
@@ -450,53 +321,6 @@ def _shards_blocks(model: nn.Module, plan: Mapping[str, str]) -> bool:
     dense MLPs, every layer of the tiny model being MoE)."""
     matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
     return any(s.partition(":")[0] in _REGIONS for s, _ in matched.values())
-
-
-def _mark_region_replicated(region: nn.Module, tp_group, whole: set[int] = frozenset()) -> None:
-    """Replicated parameters a region applies to its local heads / intermediate features (q/k norms without a plan
-    entry, a learnable activation such as Apertus' xIELU): each rank's gradient covers its part, so it is summed
-    over TP. One that acts across all heads instead (forward not exact) is caught by verify_first_block."""
-    for m in region.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm)):
-            continue
-        for p in m.parameters(recurse=False):
-            spec = shard_spec(p)
-            if id(p) in whole:  # output_param: applied after the region's all-reduce
-                continue
-            if spec is None or (spec.kind == "replicated" and spec.partial_grad_group is None):
-                set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
-
-
-# ----------------------------------------------------------------------------- gradients, export
-# Thin names for users' own loops; the one implementation is hfpar.parallel.sharding (each parameter's
-# ShardSpec names its groups, so the `group` arguments below are accepted for compatibility and unused).
-def sync_sequence_parallel_grads(model: nn.Module) -> int:
-    """SUM over the TP group the grads of replicated params that saw part of the data (SP norms, q/k norms
-    applied to local heads) and that no backward hook sums already (apply_tensor_parallel installs them; a
-    wrapper that replaces the parameters, FSDP2, drops them). Once per optimizer step after the last backward,
-    before clipping; returns how many grads it summed (0 on a model apply_tensor_parallel returned)."""
-    return sync_partial_grads(model.parameters())
-
-
-def sequence_parallel_grad_hooks(model: nn.Module) -> int:
-    """In-backward form of sync_sequence_parallel_grads (for DeepSpeed ZeRO, which takes grads in backward)."""
-    return partial_grad_hooks(model.parameters())
-
-
-def tp_grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, group=None) -> torch.Tensor:  # noqa: ARG001
-    """Global L2 norm of the grads, every shard counted once (collective over the TP group)."""
-    return grad_norm(parameters)
-
-
-def clip_tp_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, group=None) -> torch.Tensor:  # noqa: ARG001
-    """Scale grads so their global norm is at most max_norm; returns the norm before."""
-    return clip_grads_(parameters, max_norm)
-
-
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full tensors under the ORIGINAL HF names (collective; packed projections in their original order, tied
-    weights one tensor): `model.save_pretrained(d, state_dict=...)` on one rank writes a normal checkpoint."""
-    return full_state_dict(model)
 
 
 def _demo(rank: int, world_size: int) -> None:

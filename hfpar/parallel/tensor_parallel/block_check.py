@@ -14,13 +14,9 @@ differs and its plan entry; the model is left unsharded. The same check runs on 
 block structure in the stack (hybrid families: linear-attention layers, dense and MoE layers) and on the last block;
 under sequence parallelism those other blocks get this rank's T/tp tokens (block 0 splits T itself).
 
-Why float64 whatever the model's dtype: in fp32 an exact plan differs from the unsharded block by its rounding
-(up to ~1e-4 relative on a small gradient), so the tolerance had to be 1e-3 and a plan off by 2e-4 would pass; in
-float64 an exact plan agrees to ~1e-12, a wrong one is off by far more than 1e-6. Measured basis: over every family
-of benchmarks/tensor_parallel/family_sweep.py the worst verification error of an accepted plan is recorded in its
-results ("verify_rel"): at most 3.2e-7 (OLMo-2; fp32 casts inside the families' own code, RMSNorm's `.to(float32)`,
-bound it). Where the device has no float64 (MPS), or a kernel of the block has none (transformers' grouped_mm experts of
-an MoE block), the copies run in float32 with a 1e-3 tolerance.
+The copies run in float64 whatever the model's dtype (why: docs/architecture.md#why-the-parallel-layers); where the
+device has no float64 (MPS), or a kernel of the block has none (transformers' grouped_mm experts of an MoE block), in
+float32 with a 1e-3 tolerance.
 
 Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one short forward up to the block, one
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather

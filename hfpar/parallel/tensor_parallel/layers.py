@@ -3,7 +3,7 @@
     ColumnParallelLinear   W (out/tp, in)  shards the output features; bias sharded with them
     RowParallelLinear      W (out, in/tp)  shards the input features; output all-reduced (or
                            reduce-scattered along the sequence), bias added once after that
-    VocabParallelEmbedding W (V/tp, H)     each rank looks up its vocab rows, then sum over ranks
+    VocabParallelEmbedding W (V/tp, H)     each rank looks up its vocab rows, then sum over ranks (embedding.py)
 
 A Column -> Row pair (q/k/v -> o, gate/up -> down) needs one all-reduce forward and one backward.
 With sequence_parallel=True activations between TP regions are sharded along the sequence,
@@ -47,7 +47,9 @@ from ..comm import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_parallel_region,
 )
-from ..sharding import ShardSpec, gather_shards, set_shard_spec, shard_tensor, unpack_parts
+from ..sharding import ShardSpec, gather_shards, shard_tensor, unpack_parts
+from .embedding import VocabParallelEmbedding
+from .params import _check_divisible, _copy, _full_linear, _grads, _mark, _param
 
 __all__ = [
     "ColumnParallelLinear",
@@ -57,73 +59,6 @@ __all__ = [
     "shard_tensor",
     "tp_sharded_parameters",
 ]
-
-
-# ----------------------------------------------------------------------------- sharding helpers
-def _check_divisible(layer: str, what: str, n: int, tp: int) -> None:
-    if n % tp:
-        raise ValueError(f"{layer}: {what}={n} is not divisible by the tensor-parallel size {tp}")
-
-
-def _is_meta(device) -> bool:
-    return device is not None and torch.device(device).type == "meta"
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t.detach().clone()
-
-
-def _full_linear(in_features: int, out_features: int, bias: bool, device, dtype):
-    """Full (weight, bias) drawn exactly like nn.Linear(in, out) (same RNG stream); uninitialised on meta."""
-    if _is_meta(device):
-        return (
-            torch.empty(out_features, in_features, device="meta", dtype=dtype),
-            torch.empty(out_features, device="meta", dtype=dtype) if bias else None,
-        )
-    full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-    return full.weight, full.bias
-
-
-def _mark(param: nn.Parameter, dim: int, group, tp: int, packed_splits=None) -> nn.Parameter:
-    return set_shard_spec(
-        param,
-        ShardSpec(
-            kind="tp",
-            group=group,
-            dim=dim,
-            size=tp,
-            packed_splits=None if packed_splits is None else list(packed_splits),
-        ),
-    )
-
-
-def tp_sharded_parameters(model: nn.Module):
-    """Yield (qualified name, parameter, ShardSpec) for every TP-sharded parameter of `model`.
-
-    Found through the TP modules, so it also works after a wrapper (FSDP2) replaced the Parameter
-    objects. Parameters not yielded are replicated across the TP group (row-parallel biases, norms).
-    """
-    seen: set[int] = set()  # a tied lm_head / embedding: once
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            packed = getattr(mod, "packed_splits", None)
-            names = ("weight", "bias") if isinstance(mod, ColumnParallelLinear) else ("weight",)
-            for n in names:
-                p = getattr(mod, n, None)
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    dim = mod.weight_shard_dim if n == "weight" else 0
-                    spec = ShardSpec(kind="tp", group=mod.group, dim=dim, size=mod.tp, packed_splits=packed)
-                    yield (f"{mod_name}.{n}" if mod_name else n), p, spec
-
-
-def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=requires_grad)
-
-
-def _grads(linear: nn.Linear) -> tuple[bool, bool]:
-    """Keep a frozen source's requires_grad (e.g. LoRA base weights)."""
-    return linear.weight.requires_grad, linear.bias is not None and linear.bias.requires_grad
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -363,106 +298,24 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-# ----------------------------------------------------------------------------- embedding
-class VocabParallelEmbedding(nn.Module):
-    """nn.Embedding with rows split over the group: rank r holds ids [r*V/tp, (r+1)*V/tp).
+def tp_sharded_parameters(model: nn.Module):
+    """Yield (qualified name, parameter, ShardSpec) for every TP-sharded parameter of `model`.
 
-    Input ids (B, T) (full vocab ids, same on every rank). Output (B, T, H), or (B, T/tp, H) with
-    sequence_parallel. Ids outside [0, V) are not checked (they embed to zeros).
-    The row split matches ColumnParallelLinear's, so a tied lm_head can share `weight`.
+    Found through the TP modules, so it also works after a wrapper (FSDP2) replaced the Parameter
+    objects. Parameters not yielded are replicated across the TP group (row-parallel biases, norms).
     """
-
-    weight_shard_dim = 0
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        *,
-        group=None,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        device=None,
-        dtype=None,
-        name: str | None = None,
-    ):
-        super().__init__()
-        tp = group_size(group)
-        label = name or f"VocabParallelEmbedding(num_embeddings={num_embeddings}, embedding_dim={embedding_dim})"
-        _check_divisible(label, "num_embeddings (vocab size)", num_embeddings, tp)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group, self.tp, self.rank = group, tp, group_rank(group)
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.vocab_start = self.rank * (num_embeddings // tp)
-        self.vocab_end = self.vocab_start + num_embeddings // tp
-        if padding_idx is not None:  # as nn.Embedding does
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"{label}: padding_idx={padding_idx} must be within num_embeddings")
-            padding_idx %= num_embeddings
-        self.padding_idx = padding_idx
-        if _is_meta(device):
-            weight = torch.empty(num_embeddings, embedding_dim, device="meta", dtype=dtype)
-        else:  # nn.Embedding's RNG stream
-            weight = nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype).weight.detach()
-            if padding_idx is not None:
-                weight[padding_idx].zero_()
-        self._load_full(weight)
-
-    def _load_full(self, weight: torch.Tensor, requires_grad: bool = True) -> None:
-        w = shard_tensor(weight.detach(), 0, self.rank, self.tp)  # (V/tp, H)
-        self.weight = _mark(_param(w, requires_grad), 0, self.group, self.tp)
-        p = self.padding_idx
-        self._local_padding_idx = (
-            p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else None
-        )
-
-    @classmethod
-    def from_embedding(
-        cls,
-        embedding: nn.Embedding,
-        group=None,
-        *,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        name: str | None = None,
-    ) -> VocabParallelEmbedding:
-        layer = cls(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            embedding.padding_idx,
-            group=group,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            device="meta",
-            dtype=embedding.weight.dtype,
-            name=name,
-        )
-        layer._load_full(embedding.weight, embedding.weight.requires_grad)
-        return layer
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (B, T)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        y = F.embedding(local, self.weight, self._local_padding_idx)  # (B, T, H) this rank's rows
-        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, H)
-        return reduce_from_parallel_region(y, self.group)  # (B, T, H)
-
-    def full_weight(self) -> torch.Tensor:
-        """(V, H) on every rank. Collective."""
-        return gather_shards(self.weight, 0, self.group)
-
-    def to_embedding(self) -> nn.Embedding:
-        w = self.full_weight()
-        return nn.Embedding(w.shape[0], w.shape[1], self.padding_idx, _weight=w)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.tp}, "
-            f"rows=[{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}"
-        )
+    seen: set[int] = set()  # a tied lm_head / embedding: once
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            packed = getattr(mod, "packed_splits", None)
+            names = ("weight", "bias") if isinstance(mod, ColumnParallelLinear) else ("weight",)
+            for n in names:
+                p = getattr(mod, n, None)
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    dim = mod.weight_shard_dim if n == "weight" else 0
+                    spec = ShardSpec(kind="tp", group=mod.group, dim=dim, size=mod.tp, packed_splits=packed)
+                    yield (f"{mod_name}.{n}" if mod_name else n), p, spec
 
 
 def _demo(rank: int, world_size: int) -> None:

@@ -1,0 +1,125 @@
+"""Which modules of an HF model are MoE experts modules hf_experts.py can shard by expert, and why not the others.
+
+    found, problems = find_hf_experts(model)     # [HFExperts(path, module, block, E)], one line per module refused
+    is_hf_experts_sharded(module)                # after shard_hf_experts
+
+What fits and how it is checked: hf_experts.py's docstring.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+
+from .moe import GroupedExperts
+
+# attributes of transformers' experts classes that hold the expert count (set to the local count while sharded)
+_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "total_experts")
+
+
+@dataclass
+class HFExperts:
+    path: str  # the experts module's name in the model
+    module: nn.Module  # transformers' experts module (e.g. DeepseekV3NaiveMoe / GptOssExperts)
+    block: nn.Module  # its parent: the HF MoE block whose forward routes and calls it
+    E: int
+
+
+def _expert_candidate(name: str, m: nn.Module) -> bool:
+    own = list(m.parameters(recurse=False))
+    last = name.rpartition(".")[2].lower()
+    return (
+        bool(own)
+        and any(p.dim() == 3 for p in own)
+        and not last.startswith("shared")
+        and not isinstance(m, GroupedExperts)  # hfpar's own MoELayer experts
+        and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel"))
+    )
+
+
+def _forward_names(m: nn.Module) -> list[str]:
+    try:
+        return [
+            p.name
+            for p in inspect.signature(m.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return []
+
+
+def _forward_args(m: nn.Module) -> int:
+    return len(_forward_names(m))
+
+
+def _problem(m: nn.Module) -> tuple[int, str | None]:
+    own = dict(m.named_parameters(recurse=False))
+    E = next(p.shape[0] for p in own.values() if p.dim() == 3)
+    if {p.shape[0] for p in own.values()} != {E}:
+        dims = ", ".join(f"{n} {p.shape[0]}" for n, p in own.items())
+        return E, f"its parameters do not share one expert dim 0 ({dims})"
+    if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
+        return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
+    n_args = _forward_args(m)
+    if n_args == 1 and any(p.dim() != 3 for p in own.values()):
+        return E, (
+            "its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
+            "(zeroed) row would not give a zero output, so rows cannot be left out"
+        )
+    if n_args == 2 or n_args == 0:
+        return E, (
+            f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
+            f"top_k_weights) nor the dense (E*N, H) routed input"
+        )
+    if E < 2:
+        return E, f"it holds {E} expert"
+    return E, None
+
+
+def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
+    """The experts modules of HF MoE blocks in `model` and one line per module (class) that cannot be sharded."""
+    found, problems, seen = [], [], set()
+    for path, m in model.named_modules():
+        st = getattr(m, "_hfpar_ep", None)
+        if not path or not _expert_candidate(path, m) or (st is not None and st.count < st.E):  # sharded already
+            continue
+        E, why = _problem(m)
+        if why is None:
+            found.append(HFExperts(path, m, model.get_submodule(path.rpartition(".")[0]), E))
+        elif type(m) not in seen:
+            seen.add(type(m))
+            problems.append(f"{path} ({type(m).__name__}) cannot be sharded by expert: {why}")
+    return found, problems
+
+
+def is_hf_experts_sharded(m: nn.Module) -> bool:
+    """Whether m runs hfpar's forward (sharded over EP ranks, or at ep = 1 its CPU kernel)."""
+    return getattr(m, "_hfpar_ep", None) is not None
+
+
+def _plain_swiglu(m: nn.Module) -> bool:
+    """transformers' default experts layout (use_experts_implementation's defaults): gate_up_proj (E, 2I, H) [gate;
+    up], down_proj (E, H, I), the default gate act_fn(gate) * up, no bias, no post-expert norm."""
+    own = dict(m.named_parameters(recurse=False))
+    if set(own) != {"gate_up_proj", "down_proj"} or not callable(getattr(m, "act_fn", None)):
+        return False
+    gu, dn = own["gate_up_proj"], own["down_proj"]
+    gate = getattr(type(m), "_apply_gate", None)
+    flags = {
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
+    return (
+        gu.dim() == dn.dim() == 3
+        and gu.shape[0] == dn.shape[0]
+        and gu.shape[1] == 2 * dn.shape[2]
+        and gu.shape[2] == dn.shape[1]
+        and all(getattr(m, k, None) is v for k, v in flags.items())
+        and getattr(gate, "__name__", None) == "_default_apply_gate"
+        and getattr(gate, "__module__", None) == "transformers.integrations.moe"
+    )
