@@ -92,6 +92,7 @@ class Checkpointer:
         self.pp_virtual_stages = pp_virtual_stages  # model chunks per pipeline rank
         self.tokenizer, self.peft, self.merge_adapter = tokenizer, peft, merge_adapter
         self.scheduler = None
+        self.objective = None  # an Objective whose state_dict() a checkpoint keeps (register)
         self.identity = identity  # layout.run_identity: `latest` refuses another run's checkpoint
         self.signal_received: str | None = None
 

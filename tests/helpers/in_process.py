@@ -1,7 +1,7 @@
 """A recipe run as one process, in the test's own process (the one-process references of the parity tests).
 
-    run_in_process("dpo", argv)                     # main("dpo", argv), one thread, Accelerate's state reset around it
-    run_in_process("grpo", argv, {"ACCELERATE_MIXED_PRECISION": "bf16"})
+run_in_process("dpo", argv)                     # main("dpo", argv), one thread, Accelerate's state reset around it
+run_in_process("grpo", argv, {"ACCELERATE_MIXED_PRECISION": "bf16"})
 """
 
 from __future__ import annotations
