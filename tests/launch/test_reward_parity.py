@@ -1,0 +1,168 @@
+"""The reward recipe end to end: the parity contract through `accelerate launch`, and its embedded default.
+
+Parity (fp32, the embedded tiny Llama as a 1-logit reward model, 64 standard-text pairs with a `margin` column,
+--center_rewards_coefficient 0.01, 8 optimizer steps, accumulation 2, global batch 8 pairs, clipping active):
+  single   1 process x 4 pairs x 2 accumulation steps, in this process (the reference)
+  ddp      2 processes x 2 pairs: Accelerate's DDP                     (one launch)
+  fsdp2    2 processes x 2 pairs: FSDP2 shards                          (one launch)
+Each matches the reference per step (loss, grad_norm, accuracy, margin, min / mean / max_reward) within 1e-4
+relative, in the evaluations at steps 4 and 8 (12 held-out pairs, padding slots on the 2-process runs) and in the
+exported weights; the loss of a step is the mean over its 8 pairs (num_target_tokens counts pairs).
+
+Embedded default (`python recipes/reward.py`, no arguments; serial: its wall time is asserted): eval accuracy
+rises; the output directory loads with AutoModelForSequenceClassification and its tokenizer, and
+hfpar.rollout.rewards.resolve_reward_func accepts it as a reward model: scored there, the eval pairs give the run's
+final eval accuracy and margin, and a prompt's two completions scored alone give the rewards the batch gave them.
+
+    python -m pytest -q -s -p no:cacheprovider tests/launch/test_reward_parity.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT, env, launch_all, read_metrics
+from tests.helpers.parity import TOL, assert_export_matches
+
+pytestmark = pytest.mark.slow
+
+COMMON = [
+    *("--max_steps", "8", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3"),
+    *("--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--max_grad_norm", "0.05", "--logging_steps", "1"),
+    *("--eval_steps", "4", "--per_device_eval_batch_size", "4", "--center_rewards_coefficient", "0.01"),
+]
+CASES = {"ddp": ("ddp", 2, 2), "fsdp2": ("fsdp2", 2, 2)}  # name: (accelerate config, processes, pairs per device)
+METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+
+
+def _args(root, name: str, batch: int) -> list[str]:
+    out = ["--dataset_name", str(root / "pairs"), "--output_dir", str(root / name)]
+    return [*COMMON, *out, "--per_device_train_batch_size", str(batch)]
+
+
+def run_in_process(argv: list[str]) -> None:
+    """The reward recipe as one process, here, with one thread (a launch's OMP_NUM_THREADS=1)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from hfpar.recipe import main
+
+    def reset():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reset()
+    try:
+        main("reward", argv)
+    finally:
+        reset()
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from hfpar.data.reward_pairs import make_reward_text
+
+    root = tmp_path_factory.mktemp("reward")
+    (root / "pairs").mkdir()
+    for split, seed, n in (("train", 7, 64), ("eval", 8, 12)):
+        rows = make_reward_text(seed, n=n).to_list()
+        (root / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    failed = []
+
+    def launches():
+        try:
+            launch_all({name: (cfg, n, "reward", _args(root, name, bs)) for name, (cfg, n, bs) in CASES.items()})
+        except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=launches)  # the launches are mostly start-up: the reference trains meanwhile
+    thread.start()
+    try:
+        run_in_process(_args(root, "single", 4))
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return root
+
+
+def _close(a: float, b: float, floor: float = 0.0) -> bool:
+    return abs(a - b) <= TOL * max(abs(a), abs(b), floor, 1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_per_step_parity_with_single(runs, name):
+    ref, got = read_metrics(runs / "single"), read_metrics(runs / name)
+    assert len(ref[0]) == len(got[0]) == 8
+    assert any(r["grad_norm"] > 0.05 for r in ref[0]), "clipping never active"
+    worst = 0.0
+    for r, g in zip(ref[0], got[0]):
+        assert g["num_target_tokens"] == r["num_target_tokens"] == 8  # the pairs of the global batch
+        scale = max(abs(r["min_reward"]), abs(r["max_reward"]))  # margin / mean: differences of rewards this size
+        for k in ("loss", "grad_norm", *METRICS):
+            floor = scale if k in ("margin", "mean_reward") else 0.0
+            worst = max(worst, abs(g[k] - r[k]) / max(abs(r[k]), floor, 1e-12))
+            assert _close(g[k], r[k], floor), f"{name} step {r['step']} {k}: {g[k]} vs single {r[k]}"
+    assert [e["step"] for e in ref[1]] == [e["step"] for e in got[1]] == [4, 8]
+    for r, g in zip(ref[1], got[1]):  # the 12 eval pairs, whatever the ranks' batches and padding slots
+        scale = max(abs(r["eval_min_reward"]), abs(r["eval_max_reward"]))
+        for k in ("eval_loss", *(f"eval_{m}" for m in METRICS)):
+            floor = scale if k in ("eval_margin", "eval_mean_reward") else 0.0
+            assert _close(g[k], r[k], floor), f"{name} eval at step {r['step']} {k}: {g[k]} vs single {r[k]}"
+    print(f"STEPS reward {name}: max relative difference over the step metrics {worst:.2e}")
+    assert_export_matches(runs / "single", runs / name, f"reward {name}")
+
+
+def _score(model, tok, pairs) -> torch.Tensor:
+    """(P, 2) rewards of chosen / rejected, one batch (the collator's right padding)."""
+    from hfpar.data.reward_pairs import RewardCollator
+
+    batch = RewardCollator(tok.pad_token_id)(pairs)
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    return torch.stack(out.chunk(2), dim=1)
+
+
+@pytest.mark.serial  # its wall time is asserted (as tests/launch/test_recipes_default.py)
+def test_default_learns_and_exports_a_reward_model(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hfpar.data.reward_pairs import make_reward_pairs, tokenize_reward
+    from hfpar.rollout.rewards import resolve_reward_func
+
+    t0 = time.perf_counter()
+    script = str(ROOT / "recipes" / "reward.py")
+    proc = subprocess.run([sys.executable, script], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "outputs" / "reward"
+    train, evals = read_metrics(out)
+    accs = [e["eval_accuracy"] for e in evals]
+    print(f"DEFAULT reward: {elapsed:.0f} s, eval accuracy by step {[(e['step'], e['eval_accuracy']) for e in evals]}")
+    assert elapsed < 120, f"the embedded default took {elapsed:.0f} s"
+    assert len(evals) >= 3 and accs[-1] >= accs[0] + 0.15 and accs[-1] >= 0.7, accs
+    assert train[-1]["loss"] < train[0]["loss"] - 0.1, (train[0], train[-1])
+
+    rf = resolve_reward_func(str(out))  # what GRPO's --reward_funcs does with a directory
+    assert rf.model_dir == out and rf.func is None
+    model = AutoModelForSequenceClassification.from_pretrained(rf.model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(rf.model_dir)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
+    pairs, _ = tokenize_reward(make_reward_pairs(42)["eval"], tok, 128)
+    rewards = torch.cat([_score(model, tok, [pairs[i] for i in range(j, j + 50)]) for j in range(0, len(pairs), 50)])
+    acc, margin = float((rewards[:, 0] > rewards[:, 1]).double().mean()), float((rewards[:, 0] - rewards[:, 1]).mean())
+    assert abs(acc - evals[-1]["eval_accuracy"]) <= 1 / len(pairs), (acc, evals[-1])
+    assert abs(margin - evals[-1]["eval_margin"]) <= 1e-4 * max(abs(margin), 1.0), (margin, evals[-1])
+    # a prompt's two completions scored alone (no padding), as a reward function scores them: the batch's rewards
+    alone = [float(model(input_ids=torch.tensor([pairs[0][k]])).logits) for k in ("chosen_ids", "rejected_ids")]
+    assert torch.allclose(torch.tensor(alone), rewards[0].float(), rtol=1e-4, atol=1e-5), (alone, rewards[0])
