@@ -158,12 +158,13 @@ class RewardCollator:
         return batch
 
 
-def make_reward_pairs(seed: int = 42, off_task: float = 0.5) -> dict[str, Dataset]:
+def make_reward_pairs(seed: int = 42, off_task: float = 0.75) -> dict[str, Dataset]:
     """The embedded reward pairs: the dpo recipe's (hfpar.data.preference.make_preference: chosen = the right answer,
     rejected = a plausible wrong one), with the rejected answer of a fraction `off_task` of them replaced by the
     answer to a prompt of the other task (a count for a repeat, letters for a count). A reward model trained from
     scratch learns those within a minute; the plausible wrong answers (an off-by-one count, a wrong letter) take
-    far longer (measured: eval accuracy 0.45 -> 0.56 after 150 steps on the dpo pairs alone)."""
+    far longer (measured: eval accuracy 0.45 -> 0.56 after 150 steps on the dpo pairs alone; with half of them
+    off-task, training was unstable and ended between 0.62 and 0.77)."""
     rng = random.Random(f"reward-{seed}")
     out = {}
     for split, ds in make_preference(seed).items():

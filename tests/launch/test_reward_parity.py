@@ -3,8 +3,10 @@
 Parity (fp32, the embedded tiny Llama as a 1-logit reward model, 64 standard-text pairs with a `margin` column,
 --center_rewards_coefficient 0.01, 8 optimizer steps, accumulation 2, global batch 8 pairs, clipping active):
   single   1 process x 4 pairs x 2 accumulation steps, in this process (the reference)
-  ddp      2 processes x 2 pairs: Accelerate's DDP                     (one launch)
-  fsdp2    2 processes x 2 pairs: FSDP2 shards                          (one launch)
+  ddp      2 processes x 2 pairs: Accelerate's DDP
+  tp2      2 processes, --tp_size 2 (dp 1) x 4 pairs: the body sharded, the score head replicated
+  fsdp2    2 processes x 2 pairs: FSDP2 shards
+(ddp and tp2 in one launch, one run after the other: tests/helpers/recipe_runs.py; fsdp2 in another.)
 Each matches the reference per step (loss, grad_norm within 1e-4 relative; accuracy, margin, min / mean /
 max_reward within 1e-4 of the step's reward scale, max |reward|), in the evaluations at steps 4 and 8 (12 held-out
 pairs, padding slots on the 2-process runs) and in the exported weights; the loss of a step is the mean over its
@@ -39,13 +41,14 @@ COMMON = [
     *("--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--max_grad_norm", "0.05", "--logging_steps", "1"),
     *("--eval_steps", "4", "--per_device_eval_batch_size", "4", "--center_rewards_coefficient", "0.01"),
 ]
-CASES = {"ddp": ("ddp", 2, 2), "fsdp2": ("fsdp2", 2, 2)}  # name: (accelerate config, processes, pairs per device)
+# name: (accelerate config, processes, pairs per device, extra flags); ddp and tp2 share one launch (launch_all)
+CASES = {"ddp": ("ddp", 2, 2, []), "tp2": ("ddp", 2, 4, ["--tp_size", "2"]), "fsdp2": ("fsdp2", 2, 2, [])}
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
 
 
-def _args(root, name: str, batch: int) -> list[str]:
+def _args(root, name: str, batch: int, extra: list[str] = ()) -> list[str]:
     out = ["--dataset_name", str(root / "pairs"), "--output_dir", str(root / name)]
-    return [*COMMON, *out, "--per_device_train_batch_size", str(batch)]
+    return [*COMMON, *out, "--per_device_train_batch_size", str(batch), *extra]
 
 
 def run_in_process(argv: list[str]) -> None:
@@ -82,7 +85,7 @@ def runs(tmp_path_factory):
 
     def launches():
         try:
-            launch_all({name: (cfg, n, "reward", _args(root, name, bs)) for name, (cfg, n, bs) in CASES.items()})
+            launch_all({name: (cfg, n, "reward", _args(root, name, bs, x)) for name, (cfg, n, bs, x) in CASES.items()})
         except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
             failed.append(e)
 
@@ -153,8 +156,9 @@ def test_default_learns_and_exports_a_reward_model(tmp_path):
     accs = [e["eval_accuracy"] for e in evals]
     print(f"DEFAULT reward: {elapsed:.0f} s, eval accuracy by step {[(e['step'], e['eval_accuracy']) for e in evals]}")
     assert elapsed < 120, f"the embedded default took {elapsed:.0f} s"
-    assert len(evals) >= 3 and accs[-1] >= accs[0] + 0.15 and accs[-1] >= 0.7, accs
-    assert train[-1]["loss"] < train[0]["loss"] - 0.1, (train[0], train[-1])
+    # untrained, both rewards of a pair are ~equal: accuracy ~0.5, loss ln 2 = 0.693 (measured first step: 0.69)
+    assert len(evals) == 10 and accs[-1] >= 0.8 and accs[-1] > accs[0], accs
+    assert evals[-1]["eval_loss"] < 0.35 and train[0]["loss"] > 0.6, (train[0], evals[-1])
 
     rf = resolve_reward_func(str(out))  # what GRPO's --reward_funcs does with a directory
     assert rf.model_dir == out and rf.func is None
