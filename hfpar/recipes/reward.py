@@ -117,7 +117,7 @@ RECIPE = register(
             warmup_ratio=0.05,
             eval_steps=10,
             logging_steps=10,
-            max_seq_length=128,
+            max_seq_length=160,  # the longest embedded pair has 145 tokens: none left out
         ),
     )
 )
