@@ -25,11 +25,8 @@ from hfpar.recipes import Recipe, RecipeData, register
 @dataclass
 class RewardArgs(RecipeArgs):
     # --- reward modelling (the reward recipe; TRL RewardConfig's names) ------------------------------
-    # coefficient of the mean squared (r_chosen + r_rejected) added to the loss (mean-zero rewards; TRL recommends 0.01)
-    center_rewards_coefficient: float | None = None
-    max_length: int | None = (
-        None  # pairs with a longer chosen or rejected sequence are left out; unset = --max_seq_length
-    )
+    center_rewards_coefficient: float | None = None  # weight of mean (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)
+    max_length: int | None = None  # longer pairs (chosen or rejected) are left out, as TRL; unset = --max_seq_length
     disable_dropout: bool = True  # set every dropout module's p to 0 (LoRA's --lora_dropout kept)
     eos_token: str | None = None  # the tokenizer's eos (appended to standard-text completions); unset = its own
     pad_to_multiple_of: int | None = None  # pad each batch's rows to a multiple of this many tokens
