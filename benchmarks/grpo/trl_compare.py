@@ -126,8 +126,9 @@ def prompt_order(n_prompts: int, kw: dict) -> list[int]:
     return [i for w in range(sched.windows_per_epoch) for i in sched.prompts(w)]
 
 
-def run_trl(model_dir: str, data_file: str, out: str, completions: list[dict], **kw) -> list[dict]:
-    """TRL GRPOTrainer's per-step records, its rollout_func handing out hfpar's completions in order."""
+def run_trl(model_dir: str, data_file: str, out: str, completions: list[dict] | None, **kw) -> list[dict]:
+    """TRL GRPOTrainer's per-step records, its rollout_func handing out hfpar's completions in order (None: TRL
+    generates its own, with transformers' generate)."""
     from datasets import load_dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -136,7 +137,7 @@ def run_trl(model_dir: str, data_file: str, out: str, completions: list[dict], *
     ds = load_dataset("json", data_files=data_file)["train"]
     ds = ds.select(prompt_order(len(ds), kw))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    queue = list(completions)
+    queue = list(completions or [])
 
     per_call = c["batch"] * int(kw.get("steps_per_generation") or kw.get("gradient_accumulation_steps", 1))
 
@@ -187,7 +188,7 @@ def run_trl(model_dir: str, data_file: str, out: str, completions: list[dict], *
         args=args,
         train_dataset=ds,
         processing_class=tok,
-        rollout_func=rollout_func,
+        rollout_func=rollout_func if completions is not None else None,
     )
     trainer.train()
     _reset_accelerate()

@@ -37,15 +37,27 @@ def _figure(**kw):
     return Figure(**kw)
 
 
+# online RL runs (a `reward` in their records): what people watch there, in place of the eval loss
+# (with --beta 0, TRL's default, there is no reference and no KL: the policy's entropy is shown in its place)
+RL_PANELS = [
+    ("reward", "mean reward"),
+    ("kl", "KL to the reference"),
+    ("entropy", "entropy (no reference: --beta 0)"),
+    ("completions/mean_length", "completion length"),
+]
+
+
 def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title: str) -> Path:
-    fig = _figure(figsize=(11, 7.5))
-    axes = fig.subplots(2, 2)
-    panels = [
-        (axes[0, 0], "loss", "train loss"),
-        (axes[0, 1], "eval_loss", "eval loss"),
-        (axes[1, 0], "lr", "learning rate"),
-        (axes[1, 1], "tokens_per_s", "tokens / s"),
-    ]
+    rl = [(k, name) for k, name in RL_PANELS if any(k in r for _, train, _ in runs for r in train)]
+    rl = [(k, name) for k, name in rl if not (k == "entropy" and any(x == "kl" for x, _ in rl))]
+    keys = [("loss", "train loss"), *(rl if rl else [("eval_loss", "eval loss")])]
+    keys += [("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+    cols = 2 if len(keys) <= 4 else 3
+    fig = _figure(figsize=(5.5 * cols, 7.5))
+    axes = fig.subplots(2, cols).reshape(-1)
+    panels = [(axes[i], key, name) for i, (key, name) in enumerate(keys)]
+    for ax in axes[len(keys) :]:
+        ax.set_visible(False)
     for i, (label, train, evals) in enumerate(runs):
         color = f"C{i % 10}"
         for ax, key, _ in panels:
@@ -88,7 +100,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path = "runs.png") -> Path:
 
 
 def write_report(output_dir: str | Path) -> Path:
-    """output_dir/report.png: loss and eval loss, lr, tokens/s over the steps of one run."""
+    """output_dir/report.png: loss and eval loss (online RL: reward, KL, completion length), lr, tokens/s over the
+    steps of one run."""
     train, evals, info = read_run(output_dir)
     return _draw([(_label(output_dir, info), train, evals)], Path(output_dir) / "report.png", _label(output_dir, info))
 

@@ -32,12 +32,14 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "cp2_ring_ddp": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
     "cp2_ulysses_ddp": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_ring_fsdp2": ("fsdp2", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
-    "cp2_ulysses_fsdp2": ("fsdp2", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_ring_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
-    "cp2_ulysses_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--cp_size", "2"]),
     "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
     "cp2_tp2_sp": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
+}
+CP_EXTENDED = {  # moved out of CI on 2026-11-28 for its time budget (GRPO's tests came in); each passed there before
+    "cp2_ulysses_fsdp2": ("fsdp2", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
+    "cp2_ulysses_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_zero2_checkpointing": ("zero2", 2, "4", ["--cp_size", "2", "--gradient_checkpointing"]),
     "cp2_zero1": ("zero1", 2, "4", ["--cp_size", "2"]),
 }
@@ -79,6 +81,22 @@ def test_cp_matches_single_per_step(cp_runs, single_run, case):
     assert_close_series(ref, got, "loss", TOL, case)
     assert_close_series(ref, got, "grad_norm", TOL, case)
     assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+
+
+@pytest.fixture(scope="module")
+def cp_extended_runs(base_model, tmp_path_factory):
+    return launch_cases(CP_EXTENDED, base_model, tmp_path_factory.mktemp("cp_extended"))
+
+
+@pytest.mark.extended  # on demand (-m extended, docs/testing.md)
+@pytest.mark.parametrize("case", list(CP_EXTENDED))
+def test_cp_extended_matches_single(cp_extended_runs, single_run, base_weights, case):
+    ref, _ = read_metrics(single_run)
+    got, _ = read_metrics(cp_extended_runs[case])
+    assert len(got) == 8
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    assert_export_matches(single_run, cp_extended_runs[case], case, initial=base_weights)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -12,7 +12,7 @@ max_reward within 1e-4 of the step's reward scale, max |reward|), in the evaluat
 pairs, padding slots on the 2-process runs) and in the exported weights; the loss of a step is the mean over its
 8 pairs (num_target_tokens counts pairs).
 
-Embedded default (`python recipes/reward.py`, no arguments, one thread; serial: its CPU time is asserted, < 90 s):
+Embedded default (`python recipes/reward.py`, no arguments, one thread; its CPU time is asserted, < 90 s, so it runs beside the other tests):
 eval accuracy rises; the output directory loads with AutoModelForSequenceClassification and its tokenizer, and
 hfpar.rollout.rewards.resolve_reward_func accepts it as a reward model: scored there, the eval pairs give the run's
 final eval accuracy and margin, and a prompt's two completions scored alone give the rewards the batch gave them.
@@ -145,7 +145,6 @@ def _score(model, tok, pairs) -> torch.Tensor:
     return torch.stack(out.chunk(2), dim=1)
 
 
-@pytest.mark.serial  # its time is asserted (as tests/launch/test_recipes_default.py)
 def test_default_learns_and_exports_a_reward_model(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
