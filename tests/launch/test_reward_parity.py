@@ -12,7 +12,8 @@ max_reward within 1e-4 of the step's reward scale, max |reward|), in the evaluat
 pairs, padding slots on the 2-process runs) and in the exported weights; the loss of a step is the mean over its
 8 pairs (num_target_tokens counts pairs).
 
-Embedded default (`python recipes/reward.py`, no arguments, one thread; its CPU time is asserted, < 90 s, so it runs beside the other tests):
+Embedded default (`python recipes/reward.py`, no arguments, one thread; its CPU time is asserted, < 90 s, so it
+runs beside the other tests):
 eval accuracy rises; the output directory loads with AutoModelForSequenceClassification and its tokenizer, and
 hfpar.rollout.rewards.resolve_reward_func accepts it as a reward model: scored there, the eval pairs give the run's
 final eval accuracy and margin, and a prompt's two completions scored alone give the rewards the batch gave them.
