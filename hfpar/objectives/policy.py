@@ -73,8 +73,12 @@ class GRPOObjective(Objective):
         return self._plan if self._plan is not None and self._plan.matches(labels) else Targets(labels)
 
     def _token_values(self, out: torch.Tensor, labels: torch.Tensor, entropy: bool):
-        """(N,) log-probs of the targets (differentiable), their rows, flat positions, and (N,) entropies or None."""
+        """(N,) log-probs of the targets (differentiable), their rows, their flat positions in the micro-batch's
+        (B, T) tensors (a pipeline's loss gets a slice of its rows: each target's row is in its label), and (N,)
+        entropies or None."""
         t = self.targets(labels)
+        rows = t.seq // 2
+        whole = rows * labels.shape[1] + t.index % labels.shape[1]
         if out.shape[:-1] == labels.shape:  # full logits (or their vocab shard): the targets' positions
             token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
             lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
@@ -83,7 +87,7 @@ class GRPOObjective(Objective):
             flat = out.reshape(-1, out.shape[-1])
             lp = _token_logps(flat, t.token, None)
         ent = token_entropy(flat, self.tp_group) if entropy else None
-        return lp, t.seq // 2, t.index, ent
+        return lp, rows, whole, ent
 
     def _row_sum(self, values: torch.Tensor, rows: torch.Tensor, n: int, grad: bool) -> torch.Tensor:
         """(n,) per-row sums of per-target values, whole over the cp group (differentiable where grad)."""

@@ -24,7 +24,7 @@ from hfpar.objectives.reference import FrozenReference, LoRABaseReference, ZeRO3
 from hfpar.recipes import Recipe, RecipeData, register
 from hfpar.rollout.advantages import SCALE_REWARDS
 from hfpar.rollout.collate import RolloutCollator
-from hfpar.rollout.engine import GenerationConfig, InPlaceEngine
+from hfpar.rollout.engine import GenerationConfig, InPlaceEngine, ReplicaEngine
 from hfpar.rollout.loop import Rollout, RolloutConfig
 from hfpar.rollout.policy_loss import IMPORTANCE_LEVELS, LOSS_TYPES, PolicyLossConfig
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
@@ -122,10 +122,11 @@ def problems(args, ctx, plan) -> list[str]:
         resolve_reward_funcs(_list(args.reward_funcs), weights)
     except ValueError as exc:
         p.append(str(exc) if isinstance(exc, RewardError) else f"--reward_weights {args.reward_weights!r}: {exc}")
-    if ctx.pp > 1:
+    if ctx.pp > 1 and (args.use_peft or args.upcycle_experts):
         p.append(
-            f"grpo with --pp_size {ctx.pp}: generation needs every layer on the generating rank, and no pipelined "
-            "generation is built yet; use tp / ep / cp / fsdp2 / zero3 to split the model"
+            f"grpo with --pp_size {ctx.pp} and {'--use_peft' if args.use_peft else '--upcycle_experts'}: the "
+            "generation replica of a pipelined policy is built from the model's own config, which holds neither an "
+            "adapter nor upcycled experts; drop one of them"
         )
     if args.sequence_parallel:
         p.append("grpo with --sequence_parallel: decoding one token a step cannot be cut over the tp ranks; drop it")
@@ -201,20 +202,21 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
         reference = FrozenReference()
     specs = _list(args.reward_funcs)
     weights = [float(w) for w in _list(args.reward_weights)] if args.reward_weights else [1.0] * len(specs)
+    generation = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+    )
+    # a pipeline holds no whole model on a rank: a replica synced from the stages generates
+    engine = ReplicaEngine(generation, ctx) if ctx.pp > 1 else InPlaceEngine(generation)
     rollout = Rollout(
         sched,
         rows.prompts,
         tok,
-        InPlaceEngine(
-            GenerationConfig(
-                max_new_tokens=args.max_completion_length,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-            )
-        ),
+        engine,
         resolve_reward_funcs(specs, weights),
         weights,
         ctx,

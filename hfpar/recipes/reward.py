@@ -75,7 +75,7 @@ def build_data(args, tokenizer, ctx, plan) -> RecipeData:
     return RecipeData(train, evals, collator, info, num_labels=1)
 
 
-def objective(args, ctx, plan, model, data) -> RewardObjective:
+def objective(args, ctx, plan, model, built) -> RewardObjective:
     """The reward loss; the model's config told the tokenizer's pad token (TRL: the last non-pad token of a row is
     the one scored) and, with --eos_token, its eos; dropout off with --disable_dropout (TRL's default)."""
     tok = data.load_tokenizer(args.tokenizer_path, trust_remote_code=args.trust_remote_code)

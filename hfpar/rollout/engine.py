@@ -8,19 +8,24 @@ InPlaceEngine calls transformers' `generate` (its KV cache, EOS stopping) on the
 TP shards, EP experts, FSDP2 / ZeRO-3 parameters gathered layer by layer by their own forward hooks, in the
 backend's autocast. Every rank runs the same number of forwards per decoding step (transformers' `synced_gpus`)
 when there is more than one process, since those forwards are collective. Context-parallel ranks of a replica
-generate the same rows (generation needs no cut of the sequence); a pipeline has no whole model on a rank, so the
-recipe refuses it. Sampling is hfpar.rollout.sampling's: each row's tokens depend on its key, never on the batch.
+generate the same rows (generation needs no cut of the sequence). Sampling is hfpar.rollout.sampling's: each row's
+tokens depend on its key, never on the batch.
 
-An engine of another kind (vLLM colocated, TRL's default, with weights synced from the sharded policy) implements the
-same `generate(backend, prompt_ids, keys) -> completions`; none is built in (docs/grpo.md).
+ReplicaEngine is the colocated kind (TRL's vLLM colocate mode, transformers' generate in place of vLLM): a pipeline
+has no whole model on a rank, so each rank generates with a whole replica of the policy, its weights synced from
+the pipeline's stages before every generation (backend.full_state_dict, broadcast over the pipeline group). It holds
+a whole model per rank while it generates: the price of pipelining a model that otherwise would not fit (docs/grpo.md).
+An engine of another kind (vLLM) implements the same `generate(backend, prompt_ids, keys) -> completions`.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers import AutoModelForCausalLM
 
 from hfpar.distributed import unwrap
 from hfpar.parallel.context_parallel import whole_sequence
@@ -64,11 +69,13 @@ class InPlaceEngine:
 
     def generate(self, backend, prompt_ids: list[list[int]], keys: list[int]) -> list[list[int]]:
         """Collective: every rank calls it with its rows (the same number of calls on every rank)."""
-        cfg = self.config
-        model = unwrap(backend.model)
-        device = backend.acc.device
-        ids, mask = left_pad(prompt_ids, cfg.pad_token_id)
+        ids, mask = left_pad(prompt_ids, self.config.pad_token_id)
         synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        return self._run(unwrap(backend.model), backend, ids, mask, keys, synced)
+
+    def _run(self, model, backend, ids, mask, keys, synced: bool) -> list[list[int]]:
+        cfg = self.config
+        device = backend.acc.device
         was_training = model.training
         model.eval()
         # FSDP2: the root unit's own parameters (embeddings, final norm, head) gathered for the whole generation, as
@@ -101,3 +108,34 @@ class InPlaceEngine:
                 root.reshard()
         new = out[:, ids.shape[1] :].cpu().tolist()
         return [cut_at_eos(row, cfg.eos_token_id)[0] for row in new]
+
+
+class ReplicaEngine(InPlaceEngine):
+    def __init__(self, config: GenerationConfig, ctx):
+        super().__init__(config)
+        self.ctx, self.replica = ctx, None
+
+    def _synced(self, backend) -> torch.nn.Module:
+        """The whole policy as the stages hold it now (collective over the pipeline group)."""
+        full = backend.full_state_dict()  # merged on the pipeline's first rank
+        box = [full if self.ctx.rank == self.ctx.pp_peers[0] else None]
+        torch.distributed.broadcast_object_list(box, src=self.ctx.pp_peers[0], group=self.ctx.pp_group)
+        if self.replica is None:
+            stage = backend.unwrapped()
+            config = copy.deepcopy(getattr(stage, "full_config", None) or stage.config)  # the whole model's
+            # with the attention context parallelism replaced, if it did
+            config._attn_implementation = getattr(stage, "_hfpar_attn_before_cp", config._attn_implementation)
+            self.replica = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(backend.acc.device)
+        missing, unexpected = self.replica.load_state_dict(box[0], strict=False)
+        tied = {k for k in missing if self.replica.config.tie_word_embeddings and "lm_head" in k}
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"generation replica: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        if tied:
+            self.replica.tie_weights()
+        return self.replica
+
+    def generate(self, backend, prompt_ids: list[list[int]], keys: list[int]) -> list[list[int]]:
+        """Collective over the pipeline group (the weights' sync); the generation itself is this rank's own."""
+        model = self._synced(backend)
+        ids, mask = left_pad(prompt_ids, self.config.pad_token_id)
+        return self._run(model, backend, ids, mask, keys, synced=False)

@@ -215,16 +215,19 @@ class Rollout:
         mine = self.schedule.rank_rows(self.ctx.dp_rank)
         t = {k: torch.zeros((n, c), dtype=torch.float64) for k in ("ids", "targets", "old_logps", "ref_logps")}
         adv, lengths = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-        if self.owner:
-            for rows, batch in zip(mine, self.rows):
-                for r, row in zip(rows, batch):
-                    m = len(row["completion_ids"])
+        # the log-probs from the pipeline's last stage (where the loss, hence the capture, runs), the rest from the
+        # replica's leading rank: one writer per value
+        logp_owner = self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == self.ctx.pp - 1
+        for rows, batch in zip(mine, self.rows):
+            for r, row in zip(rows, batch):
+                m = len(row["completion_ids"])
+                if self.owner:
                     lengths[r], adv[r] = m, row["advantage"]
                     t["ids"][r, :m] = torch.tensor(row["completion_ids"], dtype=torch.float64)
                     t["targets"][r, :m] = torch.tensor(row["targets"], dtype=torch.float64)
-                    for k in ("old_logps", "ref_logps"):
-                        if row.get(k) is not None:
-                            t[k][r, :m] = torch.tensor(row[k], dtype=torch.float64)
+                for k in ("old_logps", "ref_logps"):
+                    if logp_owner and row.get(k) is not None:
+                        t[k][r, :m] = torch.tensor(row[k], dtype=torch.float64)
         keys = list(t)
         packed = torch.cat([*(t[k].view(-1) for k in keys), adv, lengths]).to(self.device)
         packed = all_reduce_sum(packed, self.device).cpu()

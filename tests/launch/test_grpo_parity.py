@@ -13,7 +13,8 @@ References, one-process runs in this process (`main("grpo", argv)`, one thread a
 Launched, each against its reference:
   ddp, fsdp2 (checkpoint-3, inside a generation window, resumed in `fsdp2_resumed`), zero3 (live reference),
   tp2 (vocab-parallel log-probs; generation on the TP shards), cp2_ring / cp2_ulysses (prompt + completion rows cut
-  over 2 ranks for the training forward), ep2 (the upcycled model's experts over 2 ranks), lora_fsdp2.
+  over 2 ranks for the training forward), pp2 (1F1B; the completions from a whole replica synced from the two
+  stages), ep2 (the upcycled model's experts over 2 ranks), lora_fsdp2.
 Each generates the completions of its reference, token for token (completions.jsonl), and matches it per step (loss,
 grad_norm, kl, entropy, reward, clip ratio) within 1e-4 relative and in the exported weights. bf16: ddp, fsdp2, tp2
 against the one-process bf16 run within BF16_TOL (the completions may then differ: bf16 logits).
@@ -60,6 +61,7 @@ CASES = {  # name: (config, processes, per-device completions, extra flags, refe
     "tp2": ("ddp", 2, 8, {"tp_size": 2}, "single"),
     "cp2_ring": ("ddp", 2, 8, {"cp_size": 2, "cp_mode": "ring"}, "single"),
     "cp2_ulysses": ("ddp", 2, 8, {"cp_size": 2, "cp_mode": "ulysses"}, "single"),
+    "pp2": ("ddp", 2, 8, {"pp_size": 2}, "single"),  # generation by a replica synced from the stages
     "ep2": ("ddp", 2, 4, {**MOE, "ep_size": 2}, "single_moe"),
     "lora_fsdp2": ("fsdp2", 2, 4, LORA, "single_lora"),
 }

@@ -1,20 +1,29 @@
-"""Each recipe with NO arguments trains the embedded default offline, in < 2 minutes, and learns."""
+"""Each recipe with NO arguments trains the embedded default offline, in < 2 minutes, and learns.
+
+The time asserted is the run's CPU time (user + system of the recipe's process, one thread as users' launches run
+it): on an idle core that is its wall time, and unlike wall time it does not grow when the suite's other worker
+shares the machine, so these tests run beside the others instead of alone after them (the suite's budget)."""
 
 import json
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.helpers.launch import ROOT, env
 from tests.helpers.results import record
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # asserts each default run's wall time (< 2 min)
+pytestmark = pytest.mark.slow
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _run(recipe, cwd):
-    t0 = time.perf_counter()
+    t0 = _children_cpu_s()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / f"{recipe}.py")],
         cwd=cwd,
@@ -23,7 +32,7 @@ def _run(recipe, cwd):
         text=True,
         timeout=300,
     )
-    elapsed = time.perf_counter() - t0
+    elapsed = _children_cpu_s() - t0  # CPU seconds of the run (module docstring)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "final eval loss" in proc.stdout and "median tokens/s" in proc.stdout  # the summary table
     out = cwd / "outputs" / recipe
@@ -40,7 +49,7 @@ def test_lm_recipe_default_learns(recipe, tmp_path):
         {"first_train_loss": train[0]["loss"], "eval_loss_by_step": {str(e["step"]): e["eval_loss"] for e in evals}},
         command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'",
     )
-    assert elapsed < 120, f"{recipe} took {elapsed:.0f}s"
+    assert elapsed < 120, f"{recipe} took {elapsed:.0f} CPU-s"
     assert len(evals) >= 2
     # eval loss falls clearly from the first evaluation to the last, and far below the untrained ~ln(V)
     assert evals[-1]["eval_loss"] < 0.75 * evals[0]["eval_loss"], evals
@@ -59,7 +68,7 @@ def test_classify_default_beats_majority_baseline(tmp_path):
     from hfpar import data
 
     elapsed, train, evals, out = _run("classify", tmp_path)
-    assert elapsed < 120, f"classify took {elapsed:.0f}s"
+    assert elapsed < 120, f"classify took {elapsed:.0f} CPU-s"
     labels = data.load_splits(None, "classify")["eval"]["label"]
     majority = Counter(labels).most_common(1)[0][1] / len(labels)
     assert evals[-1]["eval_accuracy"] > majority + 0.2, (evals[-1], majority)
@@ -82,11 +91,11 @@ def test_dpo_default_learns(tmp_path):
         {
             "rewards/accuracies steps 1-20, 101-120": acc,
             "rewards/margins steps 1-20, 101-120": margin,
-            "wall_s": elapsed,
+            "cpu_s": elapsed,
         },
         command="python -m pytest -q tests/launch/test_recipes_default.py -k 'lm_recipe or dpo'",
     )
-    assert elapsed < 120, f"dpo took {elapsed:.0f}s"
+    assert elapsed < 120, f"dpo took {elapsed:.0f} CPU-s"
     assert acc[1] >= acc[0] + 0.1, acc
     assert margin[1] > max(3 * margin[0], 0.02), margin
     assert (out / "model.safetensors").is_file()  # a normal HF model
@@ -95,7 +104,7 @@ def test_dpo_default_learns(tmp_path):
 def test_grpo_default_learns(tmp_path):
     """The embedded GRPO default (the warm-started tiny Llama, 8 prompts x 8 completions a step, exact-match reward on
     the repeat task): the mean reward of steps 51-60 clearly above that of steps 1-10; report.png drawn."""
-    t0 = time.perf_counter()
+    t0 = _children_cpu_s()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "grpo.py")],
         cwd=tmp_path,
@@ -104,7 +113,7 @@ def test_grpo_default_learns(tmp_path):
         text=True,
         timeout=300,
     )
-    elapsed = time.perf_counter() - t0
+    elapsed = _children_cpu_s() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "outputs" / "grpo"
     train = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
@@ -113,9 +122,9 @@ def test_grpo_default_learns(tmp_path):
     record(
         "recipes/default_cpu",
         "grpo",
-        {"reward steps 1-10, 51-60": (first, last), "wall_s": elapsed},
+        {"reward steps 1-10, 51-60": (first, last), "cpu_s": elapsed},
         command="python -m pytest -q tests/launch/test_recipes_default.py -k grpo",
     )
-    assert elapsed < 120, f"grpo took {elapsed:.0f}s"
+    assert elapsed < 120, f"grpo took {elapsed:.0f} CPU-s"
     assert last >= first + 0.1, (first, last)
     assert (out / "report.png").stat().st_size > 10_000 and (out / "model.safetensors").is_file()
