@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.dpo.trl_compare import _reset_accelerate
 from hfpar.data.load import embedded_model_path
 from hfpar.rollout.schedule import RolloutSchedule
 
@@ -99,14 +100,6 @@ def run_hfpar(model_dir: str, data_file: str, out: str, **kw) -> tuple[list[dict
     rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
     done = [json.loads(x) for x in Path(out, "completions.jsonl").read_text().splitlines() if x.strip()]
     return [r for r in rows if "loss" in r], done
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 def prompt_order(n_prompts: int, kw: dict) -> list[int]:
