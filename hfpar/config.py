@@ -30,6 +30,8 @@ PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 NONFINITE = ("error", "skip")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # --torch_compile_backend: torch.compile's backends
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's modes
 OPTIMIZERS = (
     "adamw_torch_fused",
     "adamw_torch",
@@ -86,11 +88,17 @@ class RecipeArgs:
     save_total_limit: int | None = None
     seed: int = 42
     gradient_checkpointing: bool = False
+    torch_compile: bool = False  # compile each decoder block with torch.compile (regional, in place)
+    torch_compile_backend: str = "inductor"  # inductor | aot_eager | eager (torch.compile's backend)
+    torch_compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     resume_from_checkpoint: str | None = None  # "latest" or a checkpoint path
     report_to: str = "none"  # trackers via Accelerate's log_with, comma separated
     run_name: str | None = None
     max_eval_samples: int | None = None
     log_comm_bytes: bool = False  # count the bytes each rank sends per step, by collective type (metrics.jsonl "comm")
+    # optimizer steps whose batches a background thread reads, collates and copies to the device (pinned, on CUDA)
+    # while earlier steps train; 0: loaded in the step (the rows and their order are the same either way)
+    dataloader_prefetch_factor: int = 2
     save_final_model: bool = True  # false: skip the final HF-format export (benchmarks, throwaway runs)
     sharded_loading: bool = (
         True  # false: every rank loads the whole checkpoint with from_pretrained (the reference / a fallback)
@@ -324,6 +332,12 @@ def validate(a: RecipeArgs) -> list[str]:
             f"--pp_virtual_stages {a.pp_virtual_stages}: interleaved_1f1b needs >= 2 chunks per rank "
             "(one is --pp_schedule 1f1b)"
         )
+    if a.torch_compile_backend not in COMPILE_BACKENDS:
+        p.append(f"--torch_compile_backend {a.torch_compile_backend!r}: valid values are {', '.join(COMPILE_BACKENDS)}")
+    if a.torch_compile_mode not in COMPILE_MODES:
+        p.append(f"--torch_compile_mode {a.torch_compile_mode!r}: valid values are {', '.join(COMPILE_MODES)}")
+    if a.dataloader_prefetch_factor < 0:
+        p.append(f"--dataloader_prefetch_factor {a.dataloader_prefetch_factor}: must be >= 0 (0: no prefetch)")
     if a.pp_microbatches < 0:
         p.append(f"--pp_microbatches {a.pp_microbatches}: must be >= 1, or 0 for 2 x --pp_size")
     if a.on_nonfinite not in NONFINITE:

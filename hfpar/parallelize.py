@@ -3,7 +3,7 @@
     model, info = parallelize(model, args, ctx, plan)   # plan: the preflight's RunPlan (hfpar.context)
         the strategy's adjustment (ctx.strategy.adjust_model) -> LoRA (PEFT adapters) -> MoE: upcycle + expert
         parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation
-        checkpointing -> pipeline stage
+        checkpointing -> regional compile (--torch_compile) -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -35,6 +35,7 @@ from hfpar.parallel.pipeline import (
     parse_split,
 )
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+from hfpar.train.compile import compile_blocks
 
 
 def is_moe(model) -> bool:
@@ -150,6 +151,8 @@ def parallelize(model, args, ctx, plan) -> tuple:
     if args.gradient_checkpointing:
         enable_checkpointing(model)
         model.config.use_cache = False
+    if args.torch_compile:  # each decoder block, in place, inside its parallel layers (before the stage split)
+        info["torch_compile"] = compile_blocks(model, args.torch_compile_backend, args.torch_compile_mode)
     if ctx.pp > 1:  # last: this rank keeps its stage of the (otherwise fully prepared) model
         # LoRA: the stage trims PEFT's base model (its layers hold the adapters); the PEFT model names the export
         peft_model = model if is_peft_model(model) else None

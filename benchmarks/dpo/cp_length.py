@@ -109,11 +109,11 @@ def child(spec_path: str) -> None:
     steps: list[dict] = []
     step = Trainer._train_step
 
-    def measured(self, i, micro):
+    def measured(self, i, *rest):
         if i != MEASURED_STEP:
-            rec = step(self, i, micro)
+            rec = step(self, i, *rest)
         else:
-            rec, peak, rss = _measure(lambda: step(self, i, micro))
+            rec, peak, rss = _measure(lambda: step(self, i, *rest))
             rec = {**rec, "peak_bytes": peak, "rss_peak_bytes": rss}
         steps.append(rec)
         return rec

@@ -137,7 +137,7 @@ def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, s
 
     preference.PairCollator.__call__ = first_batch
 
-    def stepped(self, i, micro):
+    def stepped(self, i, *rest):
         if "wrapped" not in state:  # the backend's calls: on this trainer's instance
             state["wrapped"] = True
             _wrap(self.backend, "train_micro", "policy forward + backward", clock)
@@ -149,7 +149,7 @@ def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, s
             state["prof"] = profile(activities=_activities(device))
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
-        rec = step(self, i, micro)
+        rec = step(self, i, *rest)
         if i == WARM + PROFILED - 1:
             _sync(device)
             state["wall"] = time.perf_counter() - state["t0"]

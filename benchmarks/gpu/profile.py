@@ -1,6 +1,10 @@
-"""Where the sft recipe's eager step spends its time on one GPU: torch.profiler over a few steps of the recipe.
+"""Where the sft (or dpo) recipe's step spends its time on one GPU: torch.profiler over a few steps of the recipe.
 
-    python -m benchmarks.gpu.profile --out /tmp/prof [--steps 12 --profile_from 8 -- <extra recipe options>]
+    python -m benchmarks.gpu.profile --out /tmp/prof [--recipe dpo --steps 12 --profile_from 8 -- <recipe options>]
+    bash benchmarks/gpu/busy.sh OUT      # sft and dpo, prefetch off / on, eager and compiled: GPU busy per step
+
+The GPU busy figure is the kernels' own device time over the profiled steps' wall time (run back to back), in
+OUT/profile_<tag>.json (step_wall_ms, kernel_ms, busy) and the first line of OUT/profile_<tag>.txt.
 
 The model is benchmarks/gpu/sft.py's (~0.9B Llama-style, random init, saved once so the recipe loads it with
 from_pretrained), trained in this process through hfpar.recipe.main with bf16 autocast (what `accelerate launch` with
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -60,30 +66,48 @@ def instrument(prof_box: dict, start: int, n: int) -> None:
             self.acc.backward = orig
 
     B.Backend.train_micro = train_micro
-    orig_collate = T.Trainer._to_device
-    T.Trainer._to_device = _ranged(orig_collate, "batch_to_device")
+    # a step's batches: read, collated, counted and copied in the prefetch thread (or in the step with
+    # --dataloader_prefetch_factor 0): its host time shows on that thread's timeline
+    T.Trainer._load_step = _ranged(T.Trainer._load_step, "load_step")
     orig_step = T.Trainer._train_step
 
-    def train_step(self, step, micro):
+    def train_step(self, step, *rest):
         if step == start:
             torch.cuda.synchronize()
             prof_box["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
             prof_box["prof"].__enter__()
+            prof_box["t0"] = time.perf_counter()
         with record_function("hfpar::train_step"):
-            rec = orig_step(self, step, micro)
+            rec = orig_step(self, step, *rest)
         if step == start + n - 1:
             torch.cuda.synchronize()
+            prof_box["wall_s"] = time.perf_counter() - prof_box["t0"]  # the profiled steps back to back, end to end
             prof_box["prof"].__exit__(None, None, None)
         return rec
 
     T.Trainer._train_step = train_step
 
 
-def report(prof, n: int) -> str:
+def busy(prof, n: int, wall_s: float) -> dict:
+    """GPU busy: the kernels' (and copies') own device time per step against the step's wall time."""
+    kernel_us = sum(
+        e.self_device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    wall_ms, kernel_ms = wall_s * 1e3 / n, kernel_us / 1e3 / n
+    return {"step_wall_ms": round(wall_ms, 2), "kernel_ms": round(kernel_ms, 2), "busy": round(kernel_ms / wall_ms, 4)}
+
+
+def report(prof, n: int, wall_s: float) -> str:
     ev = prof.key_averages()
     dev = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
     rows = sorted((e for e in ev if e.key.startswith("hfpar::")), key=dev, reverse=True)
-    lines = [f"phases, per step (mean over {n} steps): GPU ms of the kernels launched inside / CPU ms", ""]
+    b = busy(prof, n, wall_s)
+    lines = [
+        f"step wall {b['step_wall_ms']:.2f} ms, kernels {b['kernel_ms']:.2f} ms: GPU busy {100 * b['busy']:.1f}%",
+        "",
+        f"phases, per step (mean over {n} steps): GPU ms of the kernels launched inside / CPU ms",
+        "",
+    ]
     for e in rows:
         lines.append(f"{e.key:28s} gpu {dev(e) / 1e3 / n:9.2f} ms   cpu {e.cpu_time_total / 1e3 / n:9.2f} ms")
     kernels = sorted(
@@ -100,6 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tag", default="eager")
+    p.add_argument("--recipe", default="sft", choices=("sft", "dpo"))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--profile_from", type=int, default=8)
     p.add_argument("--profile_steps", type=int, default=3)
@@ -120,8 +145,8 @@ def main() -> None:
         str(model_dir),
         "--tokenizer_name_or_path",
         str(ROOT / "hfpar" / "assets" / "tiny"),
-        "--packing",
-        "--max_seq_length",
+        # sft: packed rows of seq_len tokens; dpo: each pair one row (the recipe's own packing), at most seq_len
+        *(["--packing", "--max_seq_length"] if args.recipe == "sft" else ["--max_length"]),
         str(args.seq_len),
         "--per_device_train_batch_size",
         str(args.batch_size),
@@ -137,9 +162,11 @@ def main() -> None:
         tempfile.mkdtemp(prefix="hfpar-prof-run-"),
         *extra,
     ]
-    recipe_main("sft", argv)
-    text = report(box["prof"], args.profile_steps)
+    recipe_main(args.recipe, argv)
+    text = report(box["prof"], args.profile_steps, box["wall_s"])
     (out / f"profile_{args.tag}.txt").write_text(f"options: {' '.join(extra)}\n\n{text}\n")
+    summary = {"recipe": args.recipe, "options": extra, **busy(box["prof"], args.profile_steps, box["wall_s"])}
+    (out / f"profile_{args.tag}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(text)
 
 

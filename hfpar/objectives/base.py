@@ -37,6 +37,9 @@ Batches = Callable[[], Iterator[tuple[list, Callable[[], tuple[dict, contextlib.
 
 class Objective:
     scope: Callable[[torch.Tensor], contextlib.AbstractContextManager] | None = None
+    # step_samples reads the dataset only (a function of the step's indices): the trainer may load a step's batches
+    # while earlier steps train (hfpar.train.prefetch); False where they depend on the weights (rollouts)
+    samples_from_data: bool = True
 
     def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
         """loss(out, labels) -> (loss sum, units); its `scope` (a chunked LM head's) is the objective's."""

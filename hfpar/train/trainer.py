@@ -34,6 +34,8 @@ from hfpar.observe.comm_stats import StepCommLog
 from hfpar.observe.recorder import RunRecorder
 from hfpar.parallel.labels import IGNORE
 from hfpar.train.batch_plan import BatchPlan
+from hfpar.train.compile import compile_seconds
+from hfpar.train.prefetch import StepBatches, StepLoader, pin_and_copy
 from hfpar.train.sampler import GlobalBatchSampler, eval_shard
 from hfpar.train.schedules import get_scheduler
 
@@ -134,6 +136,11 @@ class Trainer:
         )
         self.checkpointer.register(self.scheduler, objective)
         self.start_step = 0
+        # the copies of prefetched batches run on a stream of their own (CUDA); the step's counts are all-reduced
+        # on the device only where there is another rank to reduce with (one process: no device round trip)
+        self._copy_stream = torch.cuda.Stream(accelerator.device) if accelerator.device.type == "cuda" else None
+        multi = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self._count_device = accelerator.device if multi else torch.device("cpu")
         objective.bind(self.model)  # e.g. a frozen reference: a copy of the parameters as the backend holds them
 
     # ------------------------------------------------------------------ forward
@@ -191,19 +198,31 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ train
-    def _train_step(self, step: int, micro: list) -> dict:
-        """One optimizer step over the accumulation steps' micro-batches; returns its metrics record."""
+    def _load_step(self, step: int, micro: list) -> StepBatches:
+        """An optimizer step's micro-batches (the objective's samples of the sampler's rows), collated, counted and
+        copied to the device; on the host only, so that it can run ahead of the step (hfpar.train.prefetch)."""
+        obj = self.objective
+        feats = obj.step_samples(self.backend, step, micro, self.train_ds)  # rollouts: generated here (not ahead)
+        host = [self.collator(f) for f in feats]
+        # the units of each planned micro-batch (planned on the host: the same rows, cut the same way)
+        units = sum(obj.count(self.batch_plan(b)[0]) for b in host)
+        # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples
+        real = sum(obj.tokens(x) for f in feats for x in f) / self.ctx.cp
+        device, done = pin_and_copy(host, self.acc.device, self._copy_stream)
+        return StepBatches(device, done, units, real)
+
+    def _train_step(self, step: int, loaded: StepBatches, t0: float, c0: float) -> dict:
+        """One optimizer step over the accumulation steps' micro-batches (loaded: _load_step's, on the device;
+        t0, c0: when the loop asked for them, wall and CPU clocks); returns its metrics record."""
         args, acc, ctx = self.args, self.acc, self.ctx
-        t0, c0 = time.perf_counter(), time.process_time()
         if self.comm is not None:
             self.comm.reset()
         obj = self.objective
-        feats = obj.step_samples(self.backend, step, micro, self.train_ds)  # rollouts: generated here
-        raw = [self._to_device(self.collator(f)) for f in feats]
+        # collated, counted and copied on the host, ahead of this step where the samples come from the data
+        raw = loaded.device
         batches = [self.batch_plan(b) for b in raw]
-        # real (non-pad) tokens, whatever the rows' layout; the cp ranks of a replica hold the same samples
-        real = sum(obj.tokens(x) for f in feats for x in f) / ctx.cp
-        totals = all_reduce_sum([sum(obj.count(b) for b, _ in batches), real], acc.device) / ctx.data_replicas
+        # the loss units and real tokens were counted on the host (no device read): one collective, read once
+        totals = all_reduce_sum([loaded.units, loaded.real], self._count_device) / ctx.data_replicas
         n_global = float(totals[0])
         if n_global == 0:
             raise ValueError(
@@ -219,11 +238,13 @@ class Trainer:
             obj.before_micro(self.backend, batch, lambda r=r: self.batch_plan(r))
             # the backend averages grads over dp x cp ranks: this scale leaves exactly d(global loss sum / N_global)
             step_loss += self.backend.train_micro(batch, scope, obj, ctx.grad_replicas / n_global, self.task).double()
-        # the loss and the objective's metric sums (DPO's rewards): one collective and one host read a step
-        sums = all_reduce_sum(torch.cat([step_loss.view(1), obj.step_sums(acc.device)]), acc.device).tolist()
-        loss = sums[0] / ctx.data_replicas / n_global
+        # the loss and the objective's metric sums (DPO's rewards): one collective a step, read after the clip
+        # (whose norm is read anyway), so the step waits on the device once
+        sums = all_reduce_sum(torch.cat([step_loss.view(1), obj.step_sums(acc.device)]), acc.device)
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = self.backend.clip(max_norm)
+        sums = sums.tolist()
+        loss = sums[0] / ctx.data_replicas / n_global
         # fp16: overflowed grads are the loss scaler's business (it skips the step on every rank, lowers its scale)
         overflow = self.backend.overflowed(grad_norm)
         bad = not overflow and (
@@ -258,6 +279,8 @@ class Trainer:
             rec["skipped"] = True
         if loss_scale != 1.0:
             rec["loss_scale"] = loss_scale
+        if args.torch_compile:  # dynamo's compile time so far (the first steps compile the blocks): log and run_info
+            rec["compile_s"] = self.recorder.run_extra["torch_compile"]["compile_s"] = compile_seconds()
         if self.comm is not None:  # this rank's bytes for the step (rank 0's record is written)
             rec.update(self.comm.record())
         return rec
@@ -290,19 +313,32 @@ class Trainer:
         args = self.args
         last = {}
         self.model.train()
-        for step, _, micro in self.sampler.iterate(self.start_step, self.total_steps):
-            last = self._train_step(step, micro)
-            self.recorder.step(last)
-            done = last["step"]
-            if done == self.total_steps:  # the last step's eval and checkpoint come after the loop
-                continue
-            if args.eval_steps and done % args.eval_steps == 0:
-                self.recorder.eval(done, self.evaluate())
-            saved = self.checkpointer.should_save(done)
-            if saved:
-                self.checkpointer.save(done)
-            if self.checkpointer.preempted():
-                self.recorder.end_loop()
-                self.checkpointer.stop_for_preemption(done, saved)
+        # the next steps' batches loaded in a thread while this one runs, where they come from the data alone (not
+        # GRPO's rollouts of the weights this step updates); what was loaded ahead and not trained on is dropped
+        ahead = args.dataloader_prefetch_factor if self.objective.samples_from_data else 0
+        loader = StepLoader(self._load_step, self.sampler.iterate(self.start_step, self.total_steps), ahead)
+        steps = iter(loader)
+        try:
+            while True:
+                # a step's wall time includes waiting for its batches (all of their loading when nothing is ahead)
+                t0, c0 = time.perf_counter(), time.process_time()
+                if (item := next(steps, None)) is None:
+                    break
+                step, _, loaded = item
+                last = self._train_step(step, loaded, t0, c0)
+                self.recorder.step(last)
+                done = last["step"]
+                if done == self.total_steps:  # the last step's eval and checkpoint come after the loop
+                    continue
+                if args.eval_steps and done % args.eval_steps == 0:
+                    self.recorder.eval(done, self.evaluate())
+                saved = self.checkpointer.should_save(done)
+                if saved:
+                    self.checkpointer.save(done)
+                if self.checkpointer.preempted():
+                    self.recorder.end_loop()
+                    self.checkpointer.stop_for_preemption(done, saved)
+        finally:
+            loader.close()
         self.recorder.end_loop()
         return last

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -373,7 +374,7 @@ def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
     calls the backend's step (whose scaler skips and backs off) and records the step as skipped, with its scale."""
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]
     trainer = SimpleNamespace(
-        args=SimpleNamespace(max_grad_norm=1.0, on_nonfinite="error"),
+        args=SimpleNamespace(max_grad_norm=1.0, on_nonfinite="error", torch_compile=False),
         acc=SimpleNamespace(device=torch.device("cpu")),
         ctx=SimpleNamespace(cp=1, data_replicas=1, grad_replicas=1),
         comm=None,
@@ -389,7 +390,10 @@ def test_trainer_hands_an_overflowed_step_to_the_scaler(overflow):
         backend=_OverflowingBackend(overflow),
         sampler=SimpleNamespace(steps_per_epoch=10),
         scheduler=SimpleNamespace(get_last_lr=lambda: [0.01], step=lambda: None),
+        _copy_stream=None,
+        _count_device=torch.device("cpu"),
     )
-    rec = Trainer._train_step(trainer, 0, [[0, 1]])
+    loaded = Trainer._load_step(trainer, 0, [[0, 1]])
+    rec = Trainer._train_step(trainer, 0, loaded, time.perf_counter(), time.process_time())
     assert trainer.backend.calls == ["step", "zero_grad"]
     assert rec.get("skipped", False) is overflow and rec["loss_scale"] == SCALE
