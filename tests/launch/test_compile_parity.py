@@ -3,7 +3,7 @@
     python -m pytest -q -s -m extended tests/launch/test_compile_parity.py
 
 Dense cases (sft, the parity flags, 8 steps) against the session's single-process eager run (tests/conftest.py
-single_run): DDP, FSDP2, TP=2, CP=2 (ring) and PP=2 (1F1B) on 2 gloo processes; EP=2 (upcycled to 4 experts)
+single_run): DDP, FSDP2, ZeRO-3, TP=2, CP=2 (ring) and PP=2 (1F1B) on 2 gloo processes; EP=2 (upcycled to 4 experts)
 against its own eager twin, launched with it. Per step (loss, grad norm) and exported weights within the parity
 contract's 1e-4 (TOL); measured with aot_eager (the backend the suite can afford on CPU): 1e-7 or less, the
 size of the distributed runs' own difference from one process. In the extended tier: on this 2-core machine each
@@ -24,6 +24,7 @@ COMPILE = ["--torch_compile", "--torch_compile_backend", "aot_eager"]
 DENSE = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "ddp": ("ddp", 2, "2", COMPILE),
     "fsdp2": ("fsdp2", 2, "2", COMPILE),
+    "zero3": ("zero3", 2, "2", COMPILE),
     "tp2": ("ddp", 2, "4", ["--tp_size", "2", *COMPILE]),
     "cp2": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring", *COMPILE]),
     "pp2": ("ddp", 2, "4", ["--pp_size", "2", *COMPILE]),
