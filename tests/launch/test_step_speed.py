@@ -13,7 +13,7 @@ in ONE launch of three runs (tests/helpers/recipe_runs.py):
                 contract's 1e-4 (TOL) of the eager run; measured: identical on this machine (aot_eager runs the same
                 aten ops as eager, traced); its run_info.json names the compiled blocks and the compile time.
 aot_eager, not inductor, for the suite's budget: inductor compiles C++ with g++ (present here) but takes minutes of
-CPU under the suite's load; its parity is measured in docs/performance.md.
+CPU under the suite's load; its parity is measured in docs/recipes.md ("Speed").
 """
 
 from __future__ import annotations
