@@ -6,4 +6,6 @@ losses.py        the recipes' loss functions (token-summed, normalized by the gl
 batch_plan.py    the global-token count of a step's micro-batches, known before the first forward
 sampler.py       the global-batch sampler by data-parallel rank
 schedules.py     learning-rate schedules (HF names)
+prefetch.py      the next steps' batches read, collated, counted and copied to the device ahead, in a thread
+compile.py       regional compilation: each decoder block compiled in place (--torch_compile)
 """
