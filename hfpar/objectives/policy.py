@@ -225,6 +225,10 @@ class GRPOObjective(Objective):
             self._capture = None
         return _all_reduce(out, self.ctx.cp_group) if self.cp > 1 else out
 
+    def evaluate(self, backend, batches, dataset) -> dict:
+        """Generation on the eval prompts, scored (hfpar.rollout.evaluate): TRL's eval_* metrics."""
+        return self.rollout.evaluate(backend, batches, dataset)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return self.rollout.state_dict()

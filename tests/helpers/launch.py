@@ -180,7 +180,9 @@ def _grouped(jobs: dict, spec_dir: Path) -> list[tuple]:
 def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from metrics.jsonl."""
     rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+    return [r for r in rows if "loss" in r], [
+        r for r in rows if "loss" not in r and any(k.startswith("eval_") for k in r)
+    ]
 
 
 def read_run_info(out: str | Path) -> dict:

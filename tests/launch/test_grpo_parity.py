@@ -16,7 +16,8 @@ Launched, each against its reference:
   over 2 ranks for the training forward), pp2 (1F1B; the completions from a whole replica synced from the two
   stages), ep2 (the upcycled model's experts over 2 ranks), lora_fsdp2.
 Each generates the completions of its reference, token for token (completions.jsonl), and matches it per step (loss,
-grad_norm, kl, entropy, reward, clip ratio) within 1e-4 relative and in the exported weights. bf16: ddp, fsdp2, tp2
+grad_norm, kl, entropy, reward, clip ratio) within 1e-4 relative and in the exported weights; its evaluations (steps
+4 and 8: generation on the eval prompts, scored) equal the reference's. bf16: ddp, fsdp2, tp2
 against the one-process bf16 run within BF16_TOL (the completions may then differ: bf16 logits).
 """
 
@@ -50,6 +51,10 @@ COMMON = {
     "reward_funcs": REWARD,
     "log_completions": "true",
     "seed": 7,
+    # eval: 3 prompts carved from the 64 (5%), 2 a device (dp 2: one rank's second slot a padding slot), 2 each
+    "eval_steps": 4,
+    "per_device_eval_batch_size": 2,
+    "num_generations_eval": 2,
 }
 MOE = {"upcycle_experts": 4, "moe_top_k": 2, "moe_aux_loss_coef": 0.01}
 LORA = {"use_peft": "true", "lora_dropout": 0}
@@ -165,6 +170,17 @@ def test_same_completions_and_per_step_parity(runs, name):
             assert float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)) <= TOL, f"{name}: adapter {k}"
     else:
         assert_export_matches(root / ref_name, root / name, name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eval_on_prompts_as_single(runs, name):
+    """The evaluation generates the reference's eval completions on any mesh: its metrics are the reference's."""
+    ref, got = read_metrics(runs / CASES[name][4])[1], read_metrics(runs / name)[1]
+    assert [r["step"] for r in ref] == [r["step"] for r in got] == [4, 8]
+    for r, g in zip(ref, got):
+        assert g.keys() == r.keys() and "eval_reward" in r and "eval_completions/mean_length" in r
+        for k in r:
+            assert g[k] == pytest.approx(r[k], rel=1e-6, abs=1e-9), f"{name} eval step {r['step']} {k}"
 
 
 def test_resume_inside_a_window_is_exact(runs):
