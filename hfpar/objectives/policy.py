@@ -22,70 +22,35 @@ import contextlib
 import torch
 
 from hfpar.objectives.base import Objective
-from hfpar.objectives.preference import Targets, _token_logps
 from hfpar.objectives.reference import Reference
+from hfpar.objectives.targets import Targets, TargetsHead
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.labels import IGNORE
-from hfpar.parallel.sharding import shard_spec
 from hfpar.rollout.collate import SIDE
 from hfpar.rollout.entropy import token_entropy
-from hfpar.rollout.policy_loss import PolicyLossConfig
+from hfpar.rollout.policy_loss import PolicyLossConfig, clip_flags, surrogate
 
 POP = (*SIDE, "advantages", "columns")
 # step sums: kl, entropy, clip low, high, region (or cispo's), token weight, clip weight
 _KL, _ENT, _LOW, _HIGH, _REGION, _TOK, _CLIPW = range(7)
 
 
-class GRPOObjective(Objective):
+class GRPOObjective(TargetsHead, Objective):
     def __init__(self, model, ctx, *, cfg: PolicyLossConfig, reference: Reference | None, rollout):
         self.ctx, self.cfg, self.reference, self.rollout = ctx, cfg, reference, rollout
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        spec = shard_spec(head.weight) if head is not None else None
-        self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
         self._side: dict = {}  # the current micro-batch's advantages / per-token values (before_micro)
-        self._plan = None  # its Targets
         self._capture = None  # (B, T) being filled by a no-grad forward (capture_logps)
         self._sums = None
-        self.scope = None
-        self._targets = None
-        if head is not None and self.tp_group is None and ctx.pp == 1:
-            head.register_forward_pre_hook(self._head_rows)
-            self.scope = self.select_targets
-
-    # ------------------------------------------------------------------ the LM head on the targets only
-    @contextlib.contextmanager
-    def select_targets(self, labels: torch.Tensor):
-        """Within: the LM head computes the logits of the completion targets only (1, N, V) (as DPO's)."""
-        self._targets = self.targets(labels)
-        try:
-            yield
-        finally:
-            self._targets = None
-
-    def _head_rows(self, module, args):
-        x = args[0] if args else None
-        if self._targets is None or x is None or x.shape[:-1] != self._targets.shape:
-            return None
-        return (x.reshape(-1, x.shape[-1]).index_select(0, self._targets.index).unsqueeze(0), *args[1:])
-
-    def targets(self, labels: torch.Tensor) -> Targets:
-        return self._plan if self._plan is not None and self._plan.matches(labels) else Targets(labels)
+        self.init_targets_head(model, ctx)
 
     def _token_values(self, out: torch.Tensor, labels: torch.Tensor, entropy: bool):
         """(N,) log-probs of the targets (differentiable), their rows, their flat positions in the micro-batch's
         (B, T) tensors (a pipeline's loss gets a slice of its rows: each target's row is in its label), and (N,)
         entropies or None."""
-        t = self.targets(labels)
+        lp, t, flat = self.target_logps(out, labels, logits=entropy)
         rows = t.seq // 2
         whole = rows * labels.shape[1] + t.index % labels.shape[1]
-        if out.shape[:-1] == labels.shape:  # full logits (or their vocab shard): the targets' positions
-            token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
-            lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
-            flat = out.reshape(-1, out.shape[-1]).index_select(0, t.index) if entropy else None
-        else:  # the head computed the targets' logits only (select_targets)
-            flat = out.reshape(-1, out.shape[-1])
-            lp = _token_logps(flat, t.token, None)
         ent = token_entropy(flat, self.tp_group) if entropy else None
         return lp, rows, whole, ent
 
@@ -114,21 +79,9 @@ class GRPOObjective(Objective):
         log_ratio = lp - old
         if cfg.importance_sampling_level == "sequence":  # GSPO: the row's mean log-ratio
             log_ratio = (self._row_sum(log_ratio, rows, n_rows, grad=True) / length.clamp(min=1.0))[rows]
-        coef_1 = torch.exp(log_ratio)
-        kl = None
-        if cfg.beta != 0.0:
-            ref = side["ref_logps"].reshape(-1)[index].to(lp.dtype)
-            kl = torch.exp(ref - lp) - (ref - lp) - 1
-            if cfg.use_bias_correction_kl:
-                kl = kl * coef_1
-        if cfg.loss_type == "cispo":
-            per_token = -torch.clamp(coef_1, max=cfg.eps_high).detach() * adv * lp
-        else:
-            coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon, 1 + cfg.eps_high)
-            coef_1c = torch.clamp(coef_1, max=cfg.delta) if cfg.delta is not None else coef_1
-            per_token = -torch.min(coef_1c * adv, coef_2 * adv)
-        if kl is not None:
-            per_token = per_token + cfg.beta * kl
+        ref = side["ref_logps"].reshape(-1)[index].to(lp.dtype) if cfg.beta != 0.0 else None
+        terms = surrogate(lp, log_ratio, ref, adv, cfg)
+        per_token, coef_1, kl = terms.per_token_loss, terms.ratio, terms.kl
         if cfg.loss_type == "grpo":  # each row's token mean, summed over rows (units: rows)
             per_token = per_token / length.clamp(min=1.0)[rows]
         self._record(coef_1.detach(), adv, kl, ent, rows, length)
@@ -152,13 +105,7 @@ class GRPOObjective(Objective):
         sequence = cfg.importance_sampling_level == "sequence"
         # a row counts once at sequence level: each of its targets weighs 1 / its length
         w = (1.0 / length.clamp(min=1.0))[rows] if sequence else torch.ones_like(coef_1)
-        if cfg.loss_type == "cispo":
-            low = torch.zeros_like(coef_1, dtype=torch.bool)
-            high = region = (coef_1 > cfg.eps_high) & (adv > 0)
-        else:
-            low = (coef_1 < 1 - cfg.epsilon) & (adv < 0)
-            high = (coef_1 > 1 + cfg.eps_high) & (adv > 0)
-            region = low | high
+        low, high, region = clip_flags(coef_1, adv, cfg)
         d = torch.float64
         s = torch.stack(
             [
