@@ -142,9 +142,7 @@ ENCODER_STYLE = (
     "mllama",
     "got_ocr2",
     "emu3",
-    "fuyu",
     "phi4_multimodal",
-    "moss_transcribe_diarize",
 )
 STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
 
@@ -155,6 +153,16 @@ def _no_dropout(cfg) -> None:
             setattr(cfg, k, 0.0)
 
 
+def _shrunk(cfg, layers: int) -> dict:
+    """TINY / SHRINK's values for the size fields `cfg` has; per-layer lists (layer_types, Gemma-4's
+    per_layer_config) reset, so the family rebuilds them for the shrunk depth."""
+    fields = cfg.to_dict()
+    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in fields}
+    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    over.update({k: None for k in ("layer_types", "per_layer_config") if fields.get(k) is not None})
+    return over
+
+
 def tiny_config(model_type: str, layers: int = 2):
     """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
     layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
@@ -162,14 +170,17 @@ def tiny_config(model_type: str, layers: int = 2):
 
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
-    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
-    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    over = _shrunk(text, layers)
     if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
         over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
     if text is base:
         cfg = AutoConfig.for_model(model_type, **over)
-    else:
+    else:  # a multimodal wrapper: its text config shrunk, and its vision / audio towers the same way
         sub = {"text_config": {**text.to_dict(), **over}}
+        for key in getattr(base, "sub_configs", {}):
+            tower = getattr(base, key, None)
+            if key != "text_config" and tower is not None and hasattr(tower, "to_dict"):
+                sub[key] = {**tower.to_dict(), **_shrunk(tower, layers)}
         cfg = AutoConfig.for_model(model_type, **sub)
     _no_dropout(cfg)
     if cfg.get_text_config() is not cfg:
