@@ -154,12 +154,16 @@ def _no_dropout(cfg) -> None:
 
 
 def _shrunk(cfg, layers: int) -> dict:
-    """TINY / SHRINK's values for the size fields `cfg` has; per-layer lists (layer_types, Gemma-4's
-    per_layer_config) reset, so the family rebuilds them for the shrunk depth."""
+    """TINY / SHRINK's values for the size fields `cfg` has; per-layer settings (lists as long as the layer stack:
+    layer_types, Llama-4's no_rope_layers / moe_layers; Gemma-4's per_layer_config) reset, so the family rebuilds
+    them for the shrunk depth."""
     fields = cfg.to_dict()
     over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in fields}
-    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
-    over.update({k: None for k in ("layer_types", "per_layer_config") if fields.get(k) is not None})
+    depth = [k for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over]
+    over.update({k: layers for k in depth})
+    n = fields[depth[0]] if depth else None
+    per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
+    over.update({k: None for k in per_layer + ["per_layer_config"] if fields.get(k) is not None})
     return over
 
 

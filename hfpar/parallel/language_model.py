@@ -18,17 +18,27 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["describe_nesting", "is_nested", "language_model", "language_model_path", "text_config"]
+__all__ = [
+    "describe_nesting",
+    "is_nested",
+    "language_model",
+    "language_model_path",
+    "pipeline_refusal",
+    "text_config",
+]
 
 
 def text_config(config):
     """The config holding the language model's settings. transformers' own `PretrainedConfig.get_text_config()`
-    knows every family's nesting (text_config, text_encoder, decoder, ...); a config without the method (a user's
+    knows every family's nesting; decoder=True: the text model that generates (a config with both a text encoder and
+    a decoder is ambiguous otherwise, and raises). A legacy encoder-decoder's flat config comes back as a renamed
+    copy, which no module is built from: the config itself then. A config without the method (a user's
     SimpleNamespace) or None is returned as it is."""
     get = getattr(config, "get_text_config", None)
     if get is None:
         return config
-    return get()
+    text = get(decoder=True)
+    return text if text is config or any(v is text for v in vars(config).values()) else config
 
 
 def is_nested(config) -> bool:
@@ -36,13 +46,25 @@ def is_nested(config) -> bool:
     return config is not None and text_config(config) is not config
 
 
-def describe_nesting(config) -> str:
-    """'<model_type> (<architecture>) nests its language model (text_config <text model_type>)', for messages."""
-    arch = (getattr(config, "architectures", None) or [None])[0]
+def describe_nesting(config, name: str | None = None) -> str:
+    """'<model_type> (<architecture>) nests its language model (text_config <text model_type>)', for messages;
+    name: the model's class (default: the config's first architecture)."""
+    arch = name or (getattr(config, "architectures", None) or [None])[0]
     text = text_config(config)
     return (
         f"model_type {getattr(config, 'model_type', None)!r}{f' ({arch})' if arch else ''} nests its language model "
         f"(text_config {getattr(text, 'model_type', None)!r})"
+    )
+
+
+def pipeline_refusal(config, name: str | None = None) -> str | None:
+    """Why pipeline stages cannot cut this model, for a multimodal wrapper (its forward runs the towers and the
+    language model in one call, so no stage boundary falls between decoder layers); None for a text model."""
+    if not is_nested(config):
+        return None
+    return (
+        f"{describe_nesting(config, name)}; pipeline stages cut the decoder layers of a text causal LM only; valid: "
+        "pp_size 1 (tensor, context, expert and data parallelism apply to its language model)"
     )
 
 
