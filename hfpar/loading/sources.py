@@ -139,10 +139,11 @@ def causal_lm_problem(config) -> str | None:
     mt = getattr(config, "model_type", None)
     if config is None or mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
         return None
-    arch = (getattr(config, "architectures", None) or [mt])[0]
-    text = text_config(config)
-    alt = f"; its language model alone (model_type {text.model_type!r}) does" if is_nested(config) else ""
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    named = f"model_type {mt!r}" + (f" ({arch})" if arch else "")
+    text = text_config(config).model_type
+    alt = f"; its language model alone (model_type {text!r}) does" if is_nested(config) else ""
     return (
-        f"model_type {mt!r} ({arch}) has no causal-LM class in transformers (AutoModelForCausalLM), which hfpar's "
-        f"causal-LM recipes load{alt}"
+        f"{named} has no causal-LM class in transformers (AutoModelForCausalLM), which hfpar's causal-LM recipes "
+        f"load{alt}"
     )

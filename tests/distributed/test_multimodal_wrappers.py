@@ -6,6 +6,8 @@ tensor, context and pipeline parallelism, on 2 gloo ranks (one spawn), float32, 
            loss and every gradient equal to one process within 1e-4, twice (one SGD step between), the language
            model's blocks sharded, the vision / audio tower replicated (no TP layer outside the language model)
     SP     gemma3 with sequence parallelism: exact too
+    EP=2   aria (AriaForConditionalGeneration: an MoE language model under the wrapper): each rank's loss with the
+           router's aux loss and every gradient after the data-parallel reduction equal to one process, twice
     CP=2   llava, ring: logits at this rank's positions and the gradients (summed over cp) equal to one process;
            the language model's attention is hfpar's, the vision tower keeps its own
     PP     refused in one line naming the model type and what is valid (a wrapper's forward runs its towers and its
@@ -21,11 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.moe import ep_family_sweep as ep_sweep
 from hfpar.parallel.context_parallel import cp_rows, shard_batch, shift_labels
 from hfpar.parallel.context_parallel.attention import NAME as CP_ATTENTION
 from hfpar.parallel.context_parallel.attention import enable_cp_attention
+from hfpar.parallel.expert_parallel import apply_expert_parallel, expert_parallel_groups
 from hfpar.parallel.language_model import language_model_path
 from hfpar.parallel.pipeline import balanced_split
+from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.vlm_models import CAUSAL, IMAGE_TEXT, build_vlm, sharded_modules, text_batch, tp_step_diff
@@ -72,6 +77,20 @@ def _cp(model_type: str, rank: int, world: int) -> dict:
     return {"worst": worst, "text_attn": model.config.get_text_config()._attn_implementation, "tower_attn": tower}
 
 
+def _ep(rank: int, world: int) -> dict:
+    model = build_vlm("aria")
+    text = model.config.get_text_config()
+    if hasattr(text, "output_router_logits"):
+        text.output_router_logits = model.config.output_router_logits = True
+    ref = copy.deepcopy(model)
+    ids, labels = ep_sweep.batch(model.get_input_embeddings().num_embeddings, seed=1 + rank)  # rows by dp rank
+    ep_group, edp_group = expert_parallel_groups(world)
+    apply_expert_parallel(model, ep_group, edp_group=edp_group)
+    experts = [n for n, p in model.named_parameters() if shard_spec(p) is not None and shard_spec(p).kind == "ep"]
+    worst = max(ep_sweep._step_compare(model, ref, ids, labels), ep_sweep._step_compare(model, ref, ids, labels))
+    return {"worst": worst, "experts": experts, "lm": language_model_path(model)}
+
+
 def _pp(model_type: str) -> str:
     try:
         balanced_split(build_vlm(model_type), 2)
@@ -85,6 +104,7 @@ def _all(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {"tp": {mt: _tp(mt) for mt in CAUSAL + IMAGE_TEXT}}
     out["sp"] = _tp("gemma3", sequence_parallel=True)
+    out["ep"] = _ep(rank, world)
     out["cp"] = _cp("llava", rank, world)
     out["pp"] = _pp("gemma3")
     return out
@@ -112,6 +132,12 @@ def test_context_parallel_exact_and_the_tower_keeps_its_attention(results):
     r = results["cp"]
     assert r["worst"] < TOL, r
     assert r["text_attn"] == CP_ATTENTION and r["tower_attn"] != CP_ATTENTION, r
+
+
+def test_expert_parallel_exact_on_a_wrapped_moe_language_model(results):
+    r = results["ep"]
+    assert r["worst"][0] < TOL, r
+    assert r["experts"] and all(n.startswith(r["lm"] + ".") for n in r["experts"]), r
 
 
 def test_pipeline_refused_in_one_line(results):

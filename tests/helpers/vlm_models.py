@@ -4,6 +4,7 @@ same rules), built by the class transformers' own Auto mapping gives it, in floa
 
     model = build_vlm("gemma3")        # Gemma3ForConditionalGeneration, as AutoModelForCausalLM returns it
     model = build_vlm("llava")         # LlavaForConditionalGeneration (AutoModelForImageTextToText only)
+    model = build_vlm("llama4", image_text=True)   # Llama4ForConditionalGeneration: MoE text model, vision tower
     worst, name = tp_step_diff(model, ref, ids)   # TP model vs one process: loss and every gradient, then SGD
 """
 
@@ -23,11 +24,14 @@ CAUSAL = ("gemma3", "gemma4", "gemma4_unified", "fuyu", "moss_transcribe_diarize
 IMAGE_TEXT = ("llava", "mistral3", "smolvlm")
 
 
-def build_vlm(model_type: str, seed: int = 0, attn: str = "eager"):
+def build_vlm(model_type: str, seed: int = 0, attn: str = "eager", image_text: bool = False):
+    """image_text: AutoModelForImageTextToText's class even where AutoModelForCausalLM has one (Llama-4: its
+    Llama4ForCausalLM is the text model alone). MoE experts: the eager implementation."""
     cfg = tiny_config(model_type)
-    cls = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not image_text
+    cls = AutoModelForCausalLM if causal else AutoModelForImageTextToText
     torch.manual_seed(seed)
-    return cls.from_config(cfg, attn_implementation=attn).float().train()
+    return cls.from_config(cfg, attn_implementation=attn, experts_implementation="eager").float().train()
 
 
 def text_batch(vocab: int, seed: int = 1) -> torch.Tensor:
