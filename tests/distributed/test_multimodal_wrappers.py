@@ -10,6 +10,8 @@ tensor, context and pipeline parallelism, on 2 gloo ranks (one spawn), float32, 
            router's aux loss and every gradient after the data-parallel reduction equal to one process, twice
     CP=2   llava, ring: logits at this rank's positions and the gradients (summed over cp) equal to one process;
            the language model's attention is hfpar's, the vision tower keeps its own
+    load   fuyu saved, then loaded on a meta skeleton with TP=2 (each rank reads only its slices, the inferred plan
+           verified on a random probe): every tensor equal to from_pretrained + the same TP
     PP     refused in one line naming the model type and what is valid (a wrapper's forward runs its towers and its
            language model in one call)
 """
@@ -32,6 +34,7 @@ from hfpar.parallel.language_model import language_model_path
 from hfpar.parallel.pipeline import balanced_split
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+from tests.distributed.test_loading import _same_as_full_load
 from tests.helpers.dist import run_distributed
 from tests.helpers.vlm_models import CAUSAL, IMAGE_TEXT, build_vlm, sharded_modules, text_batch, tp_step_diff
 
@@ -99,20 +102,24 @@ def _pp(model_type: str) -> str:
     return "accepted"
 
 
-def _all(rank: int, world: int) -> dict:
+def _all(rank: int, world: int, saved: str) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    out_load = _same_as_full_load(rank, world, {"fuyu": (saved, "tp")})
     out = {"tp": {mt: _tp(mt) for mt in CAUSAL + IMAGE_TEXT}}
     out["sp"] = _tp("gemma3", sequence_parallel=True)
     out["ep"] = _ep(rank, world)
     out["cp"] = _cp("llava", rank, world)
     out["pp"] = _pp("gemma3")
+    out["load"] = out_load
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_all, 2, timeout=900)[0]
+def results(tmp_path_factory):
+    saved = tmp_path_factory.mktemp("vlm") / "fuyu"
+    build_vlm("fuyu").save_pretrained(saved)
+    return run_distributed(_all, 2, str(saved), timeout=900)[0]
 
 
 @pytest.mark.parametrize("model_type", CAUSAL + IMAGE_TEXT)
@@ -138,6 +145,11 @@ def test_expert_parallel_exact_on_a_wrapped_moe_language_model(results):
     r = results["ep"]
     assert r["worst"][0] < TOL, r
     assert r["experts"] and all(n.startswith(r["lm"] + ".") for n in r["experts"]), r
+
+
+def test_sharded_loading_of_a_wrapper_equals_full_load_then_shard(results):
+    worst, read, total = results["load"]["fuyu"]
+    assert worst == 0.0 and read < total, results["load"]
 
 
 def test_pipeline_refused_in_one_line(results):
