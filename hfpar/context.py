@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hfpar.parallel.expert_parallel import config_num_experts
 from hfpar.parallel.groups import expert_rank_lists, new_groups
+from hfpar.parallel.language_model import text_config
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -264,7 +265,7 @@ def model_config_problems(ctx: ParallelContext, config) -> list[str]:
     intermediate size by tp, experts by ep. One line each, naming the field and the valid degrees."""
     if config is None:
         return []
-    cfg = getattr(config, "text_config", None) or config
+    cfg = text_config(config)  # a multimodal wrapper: its language model's settings
     p = []
 
     def need(field_name: str, value, degree: int, opt: str) -> None:

@@ -35,9 +35,11 @@ from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
+from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
+from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
@@ -149,10 +151,13 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
         config, problem = read_model_config(args)
         if config is None:
             return [problem]
+    if task == "lm" and (why := causal_lm_problem(config)):  # e.g. LLaVA: AutoModelForImageTextToText builds it
+        return [why]
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
-    if ctx.tp > 1 and model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
-        refusal = derived_plan_refusal(config)
+    text = text_config(config)  # a multimodal wrapper is parallelized as its language model (Gemma-3: gemma3_text)
+    if ctx.tp > 1 and text.model_type not in TP_PLANS:  # else a plan derived from the config's base_model_tp_plan
+        refusal = derived_plan_refusal(text)
         if refusal is not None:  # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
             p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
@@ -195,7 +200,7 @@ def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     the meta device: hfpar.parallel.context_parallel.probe), and --cp_mode ulysses against the heads (auto: see
     resolve_cp_mode)."""
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
-    heads = getattr(config, "num_attention_heads", 0) // ctx.tp
+    heads = getattr(text_config(config), "num_attention_heads", 0) // ctx.tp
     if args.cp_mode == "ulysses" and heads % ctx.cp:
         p.append(
             f"--cp_mode ulysses: {heads} attention heads{' per TP rank' if ctx.tp > 1 else ''} are not divisible "
@@ -240,6 +245,8 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     """What the config says about cutting the model into ctx.pp stages (decoder-only, enough layers, the split)."""
     archs = getattr(config, "architectures", None) or []
     name = (archs or [getattr(config, "model_type", "model")])[0]
+    if why := pipeline_refusal(config):  # a multimodal wrapper
+        return [f"--pp_size {ctx.pp}: {why}"]
     if getattr(config, "is_encoder_decoder", False) or (archs and not any(a.endswith("ForCausalLM") for a in archs)):
         return [
             f"--pp_size {ctx.pp}: {name} is not a decoder-only causal LM; pipeline parallelism cuts the decoder "
@@ -320,8 +327,9 @@ def resolve_cp_mode(args, tp: int, cp: int, config) -> str:
     """--cp_mode auto: ulysses when the per-TP-rank heads and kv heads divide by cp, else ring."""
     if args.cp_mode != "auto":
         return args.cp_mode
-    heads = getattr(config, "num_attention_heads", 0) // tp
-    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)) // tp
+    text = text_config(config)
+    heads = getattr(text, "num_attention_heads", 0) // tp
+    kv = (getattr(text, "num_key_value_heads", None) or heads * tp) // tp
     return "ulysses" if heads % cp == 0 and kv % cp == 0 else "ring"
 
 

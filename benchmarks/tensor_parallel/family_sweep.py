@@ -142,9 +142,7 @@ ENCODER_STYLE = (
     "mllama",
     "got_ocr2",
     "emu3",
-    "fuyu",
     "phi4_multimodal",
-    "moss_transcribe_diarize",
 )
 STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
 
@@ -155,21 +153,46 @@ def _no_dropout(cfg) -> None:
             setattr(cfg, k, 0.0)
 
 
+def _shrunk(cfg, layers: int, reset: bool) -> dict:
+    """TINY / SHRINK's values for the size fields `cfg` has; reset: per-layer settings (lists as long as the layer
+    stack: layer_types, Llama-4's no_rope_layers / moe_layers; Gemma-4's per_layer_config) set to None, so the family
+    rebuilds them for the shrunk depth."""
+    fields = cfg.to_dict()
+    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in fields}
+    depth = [k for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over]
+    over.update({k: layers for k in depth})
+    n = fields[depth[0]] if depth else None
+    per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
+    over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
+    return over
+
+
 def tiny_config(model_type: str, layers: int = 2):
-    """A tiny config of `model_type` (text part shrunk for composite configs); raises when it cannot be built.
-    layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer."""
+    """A tiny config of `model_type` (text part and towers shrunk for composite configs); raises when it cannot be
+    built. layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer.
+    Where the per-layer lists of the full depth fail validation (Gemma-3, Llama-4), they are reset and rebuilt."""
+    try:
+        return _tiny_config(model_type, layers, reset=False)
+    except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors
+        return _tiny_config(model_type, layers, reset=True)
+
+
+def _tiny_config(model_type: str, layers: int, reset: bool):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
-    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in text.to_dict()}
-    over.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over})
+    over = _shrunk(text, layers, reset)
     if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
         over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
     if text is base:
         cfg = AutoConfig.for_model(model_type, **over)
-    else:
+    else:  # a multimodal wrapper: its text config shrunk, and its vision / audio towers the same way
         sub = {"text_config": {**text.to_dict(), **over}}
+        for key in getattr(base, "sub_configs", {}):
+            tower = getattr(base, key, None)
+            if key != "text_config" and tower is not None and hasattr(tower, "to_dict"):
+                sub[key] = {**tower.to_dict(), **_shrunk(tower, layers, reset)}
         cfg = AutoConfig.for_model(model_type, **sub)
     _no_dropout(cfg)
     if cfg.get_text_config() is not cfg:

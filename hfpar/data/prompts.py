@@ -64,11 +64,12 @@ class PromptSet:
 
 def load_prompts(args, tokenizer) -> tuple[PromptSet, PromptSet | None, dict]:
     """-> (train, eval or None, stats). args: dataset_name (None = embedded task), max_prompt_length (int | None),
-    seed, eval_steps (0: no eval set), max_eval_samples (optional, None = all), eval_split_fraction (optional)."""
+    seed, eval_steps (0: no eval set; None: evaluated at the end), max_eval_samples (optional, None = all),
+    eval_split_fraction (optional)."""
     name = getattr(args, "dataset_name", None)
     seed = getattr(args, "seed", 42)
     limit = getattr(args, "max_prompt_length", None)
-    want_eval = (getattr(args, "eval_steps", 0) or 0) > 0
+    want_eval = getattr(args, "eval_steps", 0) != 0
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise DataError(f"--max_prompt_length {limit!r}: must be a positive integer or None")
     if name is None:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hfpar.parallel.language_model import is_nested, text_config
+
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "adapter_config.json")
 MAX_CONFIG_BYTES = 16 << 20  # a config is kilobytes; 16 MiB leaves room for huge vocab maps
 MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
@@ -126,3 +130,20 @@ def check_sources(args) -> None:
         from hfpar.config import ConfigError  # noqa: PLC0415  (hfpar.cli imports this module for plan, without the recipe stack)
 
         raise ConfigError("\n".join(problems))
+
+
+def causal_lm_problem(config) -> str | None:
+    """Why hfpar's causal-LM recipes (AutoModelForCausalLM) cannot build this config's model, in one line, or None.
+    A multimodal wrapper whose type only AutoModelForImageTextToText builds (LLaVA, Qwen2-VL, SmolVLM) names its
+    text model, which does build. A config of custom code (auto_map) is left to transformers."""
+    mt = getattr(config, "model_type", None)
+    if config is None or mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
+        return None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    named = f"model_type {mt!r}" + (f" ({arch})" if arch else "")
+    text = text_config(config).model_type
+    alt = f"; its language model alone (model_type {text!r}) does" if is_nested(config) else ""
+    return (
+        f"{named} has no causal-LM class in transformers (AutoModelForCausalLM), which hfpar's causal-LM recipes "
+        f"load{alt}"
+    )

@@ -17,6 +17,7 @@ whose unit is the pair and which owns a reference model). The trainer calls, in 
     __call__(out, labels)                 (loss sum, units) of a forward; `scope(labels)` around it if not None
     step_sums(device) / metrics(sums)     extra sums reduced with the step's loss -> fields of its record
     begin_eval() / end_eval(device)       around an evaluation -> fields of the eval record
+    evaluate(backend, batches, dataset)   an evaluation of its own instead (online RL: generation on eval prompts)
     state_dict() / load_state_dict(state) what a checkpoint keeps of the objective (tensors; safetensors, no pickle)
 """
 
@@ -106,6 +107,11 @@ class Objective:
     def end_eval(self, device: torch.device) -> dict:
         """Fields of the eval record (collective: every rank calls it)."""
         return {}
+
+    def evaluate(self, backend, batches: list[list[int | None]], dataset) -> dict | None:
+        """The objective's own evaluation (collective; `batches`: this rank's eval batches by dataset index, None a
+        padding slot, every rank the same number) -> the eval record; None: the trainer's, the loss over them."""
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:

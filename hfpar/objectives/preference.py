@@ -26,19 +26,15 @@ FSDP2 shards alike, no grads, no optimizer state).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
-from hfpar.data.preference import decode_targets, with_attention_mask
+from hfpar.data.preference import with_attention_mask
 from hfpar.distributed import all_reduce_sum
 from hfpar.objectives.base import Batches, Objective
 from hfpar.objectives.reference import Reference
+from hfpar.objectives.targets import Targets, TargetsHead
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
-from hfpar.parallel.labels import IGNORE
-from hfpar.parallel.sharding import shard_spec
-from hfpar.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "apo_zero", "sppo_hard")
 
@@ -96,33 +92,7 @@ def num_pairs(batch: dict, pop: bool = False) -> int:
     return pairs.shape[0] if pairs is not None else batch["input_ids"].shape[0]
 
 
-def _token_logps(out: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
-    """-cross-entropy per token (0 where IGNORE), fp32 at least. out (B, T, V) or its vocab shard (group)."""
-    if group is not None:
-        return -vocab_parallel_cross_entropy(out, target, group=group, reduction="none")
-    logits = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
-    return -F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE, reduction="none"
-    ).reshape(target.shape)
-
-
-class Targets:
-    """The completion targets of a (planned) micro-batch's labels, found once per micro-batch (ONE host sync: the
-    nonzero) and shared by its reference and policy forwards: flat positions `index` (N,), their tokens and
-    sequences (2 * pair + side). Everything after it indexes with them: no boolean-mask indexing (each would be a
-    host sync) inside a forward."""
-
-    def __init__(self, labels: torch.Tensor):
-        token, seq, valid = decode_targets(labels)
-        self.labels, self.shape = labels, labels.shape
-        self.index = valid.reshape(-1).nonzero().squeeze(1)
-        self.token, self.seq = token.reshape(-1)[self.index], seq.reshape(-1)[self.index]
-
-    def matches(self, labels: torch.Tensor) -> bool:
-        return labels is self.labels
-
-
-class DPOObjective(Objective):
+class DPOObjective(TargetsHead, Objective):
     def __init__(
         self,
         model,
@@ -139,53 +109,17 @@ class DPOObjective(Objective):
         self.terms = [(loss_type, 1.0)] if isinstance(loss_type, str) else list(loss_type)
         self.reference = reference
         self.reference_free = reference is None
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        spec = shard_spec(head.weight) if head is not None else None
-        self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self.cp = ctx.cp
         self.ref = None  # (P, 2) reference log-probs of the current batch's pairs
         self.rows = 0  # pairs of the current batch
         self._capture = None  # (P, 2) being filled by a reference forward
-        self._targets = None  # the Targets of the labels of a forward (select_targets)
-        self._plan = None  # the current micro-batch's Targets (before_micro)
-        self.scope = None  # the backend enters scope(labels) around a forward (hfpar.backends.base)
-        if head is not None and self.tp_group is None and ctx.pp == 1:
-            head.register_forward_pre_hook(self._head_rows)
-            self.scope = self.select_targets
+        self.init_targets_head(model, ctx)
         self.reset_metrics()
-
-    # ------------------------------------------------------------------ the LM head on the targets only
-    @contextlib.contextmanager
-    def select_targets(self, labels: torch.Tensor):
-        """Within: the LM head computes the logits of the completion targets' positions only, (1, N, V) in place
-        of (B, T, V): prompts and padding (most of a DPO row) never reach the head, in forward or backward. Not
-        for a vocab-parallel head (its sequence-parallel input) nor a pipeline (its stages call the head)."""
-        self._targets = self.targets(labels)
-        try:
-            yield
-        finally:
-            self._targets = None
-
-    def _head_rows(self, module, args):
-        x = args[0] if args else None
-        if self._targets is None or x is None or x.shape[:-1] != self._targets.shape:
-            return None
-        return (x.reshape(-1, x.shape[-1]).index_select(0, self._targets.index).unsqueeze(0), *args[1:])
-
-    def targets(self, labels: torch.Tensor) -> Targets:
-        """The Targets of `labels`: the micro-batch's (found in before_micro) or found now (a pipeline's
-        micro-batch, a slice of the batch's rows)."""
-        return self._plan if self._plan is not None and self._plan.matches(labels) else Targets(labels)
 
     # ------------------------------------------------------------------ per-sequence log-probs
     def sequence_logps(self, out: torch.Tensor, labels: torch.Tensor, rows: int):
         """(rows, 2) summed completion log-probs (differentiable) and (rows, 2) completion lengths, whole over cp."""
-        t = self.targets(labels)
-        if out.shape[:-1] == labels.shape:
-            token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
-            lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
-        else:  # the head computed the targets' logits only (select_targets): (1, N, V), in labels' order
-            lp = _token_logps(out.reshape(-1, out.shape[-1]), t.token, None)
+        lp, t, _ = self.target_logps(out, labels)
         sums = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, lp)
         counts = torch.zeros(2 * rows, dtype=lp.dtype, device=lp.device).index_add(0, t.seq, torch.ones_like(lp))
         if self.cp > 1:  # each cp rank holds part of every sequence: all-reduce, forward and backward

@@ -23,7 +23,8 @@ def read_run(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     info_path = Path(run_dir) / "run_info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r], info
+    evals = [r for r in rows if "loss" not in r and any(k.startswith("eval_") for k in r)]
+    return [r for r in rows if "loss" in r], evals, info
 
 
 def _figure(**kw):
@@ -71,6 +72,9 @@ def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title
                     marker="o" if key == "eval_loss" or len(pts) < 3 else None,
                     markersize=3,
                 )
+            ev = [(r["step"], r["eval_reward"]) for r in evals if key == "reward" and r.get("eval_reward") is not None]
+            if ev:  # online RL: the eval prompts' mean reward beside the training batches'
+                ax.plot(*zip(*ev), color=color, linestyle="--", marker="o", markersize=3, label=f"{label} (eval)")
     for ax, _, name in panels:
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -130,8 +134,11 @@ def summary_table(output_dir: str | Path) -> str:
         ("run", _label(output_dir, info)),
         ("steps", str(train[-1]["step"]) if train else "-"),
         ("final loss", f"{train[-1]['loss']:.4f}" if train else "-"),
-        ("final eval loss", f"{evals[-1]['eval_loss']:.4f}" if evals else "-"),
     ]
+    if evals and "eval_reward" in evals[-1] and "eval_loss" not in evals[-1]:
+        rows.append(("final eval reward", f"{evals[-1]['eval_reward']:.4f}"))
+    else:
+        rows.append(("final eval loss", f"{evals[-1]['eval_loss']:.4f}" if evals else "-"))
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     rows.append(("median tokens/s", f"{statistics.median(tps):,.0f}" if tps else "-"))
     if info.get("peak_mem_bytes_per_rank"):

@@ -96,7 +96,8 @@ def candidates(
         out += [Candidate(s, ep=e) for e in eps if e > 1 for s in over("ep")]
     cps = [cp_size] if cp_size else [2, 4, 8]
     out += [Candidate(s, cp=c) for c in cps if c > 1 and world % c == 0 for s in over("cp")]
-    if stats.n_layer_params:  # pipeline (over DDP): one stage per node, and powers of two up to the layers
+    # pipeline (over DDP): one stage per node, and powers of two up to the layers; none for a multimodal wrapper
+    if stats.n_layer_params and not stats.pipeline_refusal:
         pps = sorted({nodes, 2, 4, 8})
         out += [
             Candidate(s, pp=k)

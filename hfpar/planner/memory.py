@@ -47,7 +47,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hfpar.loading.sharded import loading_mode
+from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
+from hfpar.parallel.language_model import language_model_path, pipeline_refusal, text_config
 
 
 class PlannerError(ValueError):
@@ -89,6 +91,7 @@ class ModelStats:
     n_head_untied: int = 0  # n_head when not tied to the embedding, else 0 (then not in n_params)
     model_type: str = ""  # config.model_type: whether the recipe's chunked LM loss applies (chunked_loss.FAMILIES)
     checkpoint_bytes: int = 4  # bytes per parameter of the checkpoint files (config dtype; unknown: fp32)
+    pipeline_refusal: str = ""  # why pipeline stages cannot cut it (a multimodal wrapper), "" when they can
 
 
 def _cfg(config, *names: str, default: int = 0) -> int:
@@ -103,24 +106,30 @@ def _cfg(config, *names: str, default: int = 0) -> int:
 def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
     fields = json.loads(config_json)
     config = config_cls.from_dict(fields)
+    if why := causal_lm_problem(config):
+        raise PlannerError(why)
     with torch.device("meta"):
         # a config of custom code (auto_map) exists only if its code was trusted: `hfpar plan --trust_remote_code`
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
     total = replicated = expert = lora = 0
     per_layer: dict[str, int] = {}
+    # a multimodal wrapper: decoder layers are its language model's; its towers stay whole (replicated) under TP
+    lm = language_model_path(model)
+    embeds = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m for p in m.parameters()}
     for name, p in model.named_parameters():  # unique parameters: a tied lm_head is counted once
         n = p.numel()
         total += n
         is_expert = ".experts." in name and "shared_expert" not in name
         expert += n if is_expert else 0
-        if p.dim() < 2 or re.search(r"\.(gate|router)\.weight$", name):
+        tower = bool(lm) and not name.startswith(lm + ".") and id(p) not in embeds
+        if tower or p.dim() < 2 or re.search(r"\.(gate|router)\.weight$", name):
             replicated += n
         m = re.search(r"\.layers\.(\d+)\.", name)
-        if m:
+        if m and not tower:
             per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + n
             if p.dim() >= 2:  # [out, in] or experts [E, a, b]
                 lora += (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     n_head = head.weight.numel() if head is not None else 0
     tied = head is not None and head.weight is embed.weight
@@ -137,6 +146,7 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
         largest_layer=max(per_layer.values(), default=total),
         lora_unit=lora,
         n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
+        pipeline_refusal=pipeline_refusal(config) or "",
         hidden=_cfg(text, "hidden_size", "n_embd", "d_model"),
         heads=_cfg(text, "num_attention_heads", "n_head"),
         kv_heads=_cfg(text, "num_key_value_heads", "num_attention_heads", "n_head"),

@@ -63,6 +63,8 @@ def pipeline_estimate(
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     if schedule not in SCHEDULES:
         raise PlannerError(f"--pp_schedule {schedule!r}: valid values are {', '.join(SCHEDULES)}")
+    if stats.pipeline_refusal:
+        raise PlannerError(f"--pp_size {pp}: {stats.pipeline_refusal}")
     if pp < 2 or world % pp:
         raise PlannerError(f"--pp_size {pp}: must be >= 2 and divide the {world} GPUs")
     if pp * v > stats.n_layers:

@@ -10,7 +10,6 @@ owns (hfpar.objectives.reference).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ class GRPOArgs(RecipeArgs):
     reward_funcs: str = "exact_match"  # comma-separated: built-ins, module.path:function, reward-model dirs
     reward_weights: str | None = None  # comma-separated, one per --reward_funcs entry (default 1 each)
     num_generations: int = 8  # completions per prompt (a group)
+    num_generations_eval: int | None = None  # completions per eval prompt (default num_generations)
     generation_batch_size: int | None = None  # completions per generation (default: the global batch)
     steps_per_generation: int | None = None  # micro-steps per generation (default: gradient_accumulation_steps)
     num_iterations: int = 1  # times each generation batch is trained on (old log-probs, importance ratio)
@@ -130,8 +130,8 @@ def problems(args, ctx, plan) -> list[str]:
         )
     if args.sequence_parallel:
         p.append("grpo with --sequence_parallel: decoding one token a step cannot be cut over the tp ranks; drop it")
-    if args.eval_steps not in (0, None):
-        p.append(f"--eval_steps {args.eval_steps}: grpo has no evaluation yet (generation on eval prompts); pass 0")
+    if args.num_generations_eval is not None and args.num_generations_eval < 1:
+        p.append(f"--num_generations_eval {args.num_generations_eval}: must be >= 1 (or None: num_generations)")
     if args.packing:
         p.append("--packing: grpo's rows are prompt + completion, one per row; drop it")
     reshaped = ctx.tp > 1 or ctx.ep > 1 or args.upcycle_experts
@@ -153,14 +153,14 @@ def problems(args, ctx, plan) -> list[str]:
 
 def build_data(args, tokenizer, ctx, plan) -> RecipeData:
     """The prompts (hfpar.data.prompts), and the rollout's rows as the trainer's training set."""
-    train, _, stats = prompts.load_prompts(dataclasses.replace(args, eval_steps=0), tokenizer)
+    train, evals, stats = prompts.load_prompts(args, tokenizer)
     sched = schedule(args, ctx, len(train))
     bad = sched.problems()
     if bad:
         raise DataError(bad[0])
     rows = RolloutRows(train, sched, tokenizer)
     collator = RolloutCollator(tokenizer.pad_token_id or 0, ctx.seq_multiple)
-    return RecipeData(rows, None, collator, {"train_data": stats, "grpo_generation_batch": sched.generation_batch})
+    return RecipeData(rows, evals, collator, {"train_data": stats, "grpo_generation_batch": sched.generation_batch})
 
 
 class RolloutRows:
@@ -225,6 +225,7 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
             scale_rewards=args.scale_rewards,
             normalize_advantages=args.normalize_advantages,
             mask_truncated_completions=args.mask_truncated_completions,
+            eval_generations=args.num_generations_eval or args.num_generations,
             old_logps=sched.num_iterations > 1 or sched.steps_per_pass > 1,
             ref_logps=args.beta != 0.0,
             seed=args.seed,

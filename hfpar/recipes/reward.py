@@ -19,6 +19,7 @@ from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import reward_pairs
 from hfpar.objectives.reward import RewardObjective
+from hfpar.parallel.language_model import text_config
 from hfpar.recipes import Recipe, RecipeData, register
 
 
@@ -79,7 +80,7 @@ def objective(args, ctx, plan, model, built) -> RewardObjective:
     """The reward loss; the model's config told the tokenizer's pad token (TRL: the last non-pad token of a row is
     the one scored) and, with --eos_token, its eos; dropout off with --disable_dropout (TRL's default)."""
     tok = data.load_tokenizer(args.tokenizer_path, trust_remote_code=args.trust_remote_code)
-    text = model.config.get_text_config()
+    text = text_config(model.config)
     text.pad_token_id = model.config.pad_token_id = tok.pad_token_id
     if args.eos_token is not None:
         tok.eos_token = args.eos_token

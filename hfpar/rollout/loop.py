@@ -25,6 +25,7 @@ from hfpar.distributed import all_reduce_sum
 from hfpar.rollout import advantages as A
 from hfpar.rollout.collate import RolloutCollator
 from hfpar.rollout.engine import cut_at_eos
+from hfpar.rollout.evaluate import evaluate_prompts
 from hfpar.rollout.metrics import window_metrics
 from hfpar.rollout.rewards import score
 from hfpar.rollout.sampling import row_key
@@ -37,6 +38,7 @@ class RolloutConfig:
     scale_rewards: str = "group"
     normalize_advantages: bool = False  # rloo: standardized over the batch
     mask_truncated_completions: bool = False
+    eval_generations: int = 8  # completions per eval prompt (num_generations_eval, default num_generations)
     old_logps: bool = False  # a window trained more than once (num_iterations > 1 or more passes than one step)
     ref_logps: bool = False  # beta != 0
     seed: int = 42
@@ -52,6 +54,7 @@ class Rollout:
         self.collate = RolloutCollator(tokenizer.pad_token_id or 0, ctx.seq_multiple)
         self.plan = BatchPlan("lm", ctx, cp_mode)
         self.window = None
+        self.step = 0  # the last optimizer step's (0-based): an eval's reward functions get it
         self.rows: list[list[dict]] = []  # this rank's rows, per micro-step of a pass
         self._metrics: dict = {}
         self.owner = ctx.tp_rank == 0 and ctx.cp_rank == 0 and ctx.pp_rank == 0
@@ -59,7 +62,7 @@ class Rollout:
     # ------------------------------------------------------------------ the trainer's side
     def step_samples(self, backend, step: int, objective) -> list[list[dict]]:
         window, k = self.schedule.position(step)
-        self.device = backend.acc.device
+        self.device, self.step = backend.acc.device, step
         if window != self.window:
             self._generate(backend, window, step, objective)
         accum = self.schedule.accum
@@ -85,7 +88,7 @@ class Rollout:
         eos = self.tokenizer.eos_token_id
         ended = [cut_at_eos(c, eos)[1] for c in completions]
         per_func = self._score(items, completions, step)
-        table = self._gather(flat, per_func, completions, ended)
+        table = self._gather(flat, per_func, completions, ended, sched.generation_batch)
         rewards = A.weighted_rewards(table["rewards"], torch.tensor(self.weights, dtype=torch.float64))
         if cfg.advantage == "rloo":
             adv = A.rloo_advantages(rewards, sched.num_generations, cfg.normalize_advantages)
@@ -140,11 +143,11 @@ class Rollout:
             self.reward_models[rf.name] = RewardModel(rf.model_dir, self.device)
         return self.reward_models[rf.name]
 
-    def _gather(self, flat, per_func, completions, ended) -> dict:
-        """The whole generation batch's table, the same on every rank: rewards (N, F) (NaN: None), completion
-        lengths, ended-with-EOS flags and ids (N, max_new_tokens, -1 padded): each row written by its replica's
-        leading rank, summed over the world (exact: one writer per row)."""
-        n, f = self.schedule.generation_batch, len(self.rewards)
+    def _gather(self, flat, per_func, completions, ended, n: int) -> dict:
+        """The whole batch's table of n rows (`flat`: this rank's row numbers), the same on every rank: rewards (n, F)
+        (NaN: None), completion lengths, ended-with-EOS flags and ids (n, max_new_tokens, -1 padded): each row
+        written by its replica's leading rank, summed over the world (exact: one writer per row)."""
+        f = len(self.rewards)
         c = self.engine.config.max_new_tokens
         rewards = torch.zeros((n, f), dtype=torch.float64)
         none = torch.zeros((n, f), dtype=torch.float64)
@@ -204,6 +207,10 @@ class Rollout:
                     )
                     + "\n"
                 )
+
+    def evaluate(self, backend, batches: list[list[int | None]], prompts) -> dict:
+        """Collective: a group of completions for each eval prompt, scored -> TRL's eval_* metrics."""
+        return evaluate_prompts(self, backend, batches, prompts)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

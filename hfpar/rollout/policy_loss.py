@@ -61,6 +61,14 @@ def policy_terms(
     log_ratio = logps - old_logps
     if cfg.importance_sampling_level == "sequence":  # GSPO: the length-normalized sequence log-ratio
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return surrogate(logps, log_ratio, ref_logps, adv, cfg)
+
+
+def surrogate(
+    logps: torch.Tensor, log_ratio: torch.Tensor, ref_logps: torch.Tensor | None, adv: torch.Tensor, cfg
+) -> PolicyTerms:
+    """The per-token loss from the log-ratio to the old policy (already the sequence's at sequence level), in any
+    layout that broadcasts: (B, T) tensors here, a micro-batch's flat completion targets in GRPOObjective."""
     coef_1 = torch.exp(log_ratio)
     kl = None
     if cfg.beta != 0.0:
@@ -76,6 +84,16 @@ def policy_terms(
     if kl is not None:
         per_token = per_token + cfg.beta * kl
     return PolicyTerms(per_token, coef_1, kl)
+
+
+def clip_flags(ratio: torch.Tensor, adv: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(low, high, region) bool flags of TRL's clip ratios (cispo: no low; high = region = its cap reached)."""
+    if cfg.loss_type == "cispo":
+        high = (ratio > cfg.eps_high) & (adv > 0)
+        return torch.zeros_like(high), high, high
+    low = (ratio < 1 - cfg.epsilon) & (adv < 0)
+    high = (ratio > 1 + cfg.eps_high) & (adv > 0)
+    return low, high, low | high
 
 
 def aggregate(
@@ -103,12 +121,11 @@ def clip_stats(
     def share(flag: torch.Tensor):
         return (flag.to(mask.dtype) * weight).sum(), weight.sum()
 
+    low, high, region = clip_flags(ratio, adv, cfg)
     if cfg.loss_type == "cispo":
-        return {"cispo_clip_ratio": share((ratio > cfg.eps_high) & (adv > 0))}
-    low = (ratio < 1 - cfg.epsilon) & (adv < 0)
-    high = (ratio > 1 + cfg.eps_high) & (adv > 0)
+        return {"cispo_clip_ratio": share(region)}
     return {
         "clip_ratio/low_mean": share(low),
         "clip_ratio/high_mean": share(high),
-        "clip_ratio/region_mean": share(low | high),
+        "clip_ratio/region_mean": share(region),
     }

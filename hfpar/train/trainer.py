@@ -171,6 +171,9 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.eval_ds is None or len(self.eval_ds) == 0:
             return {}
+        own = self.objective.evaluate(self.backend, list(self._eval_indices()), self.eval_ds)
+        if own is not None:
+            return own
         self.model.eval()
         stats = torch.zeros(3, dtype=torch.float64, device=self.acc.device)  # loss sum, targets, correct
         obj = self.objective

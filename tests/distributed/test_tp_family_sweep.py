@@ -21,6 +21,10 @@ float64, within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the 
     diffllama            inferred (4 kv heads: two halves of 2 per rank): differential attention pairs head i with
                          head i + H/2, q / k / v split as two halves; with the sweep's 2 kv heads its blocks stay
                          replicated (exact), a pair's k / v head cannot be split
+    gemma3, gemma4, gemma4_unified, fuyu, moss_transcribe_diarize
+                         multimodal wrappers (what AutoModelForCausalLM returns): the language model nested in
+                         text_config / model.language_model, sharded as its text family; the towers replicated
+                         (hfpar/parallel/language_model.py; the former AttributeError of issue 42)
     jetmoe               refused in one line naming its first block and modules (mixture-of-attention experts)
 every exact one with its blocks sharded (not only the embedding and the LM head);
 and with sequence parallelism (plans from the structure: sequence_plan.py): OLMo-2, Falcon, GPT-BigCode, MPT exact;
@@ -55,6 +59,11 @@ EXACT = (
     "bitnet",
     "gpt_neox_japanese",
     "doge",
+    "gemma3",
+    "gemma4",
+    "gemma4_unified",
+    "fuyu",
+    "moss_transcribe_diarize",
 )
 SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")  # sequence parallelism on derived / inferred plans
 

@@ -151,6 +151,34 @@ def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = No
             f.result()
 
 
+def parity_launches(root: Path, kind: str, cases: dict, argv, bf16=(), bf16_env=None, resumed=None) -> dict:
+    """The launches of a recipe's parity module, one per (accelerate config, processes), its cases run one after
+    the other in the same workers (RECIPE_RUNS): cases {name: (config, processes, ...)}, argv(name, tag="") their
+    command lines; each of `bf16` again in <name>_bf16 under `bf16_env`; resumed (name, step): <name>_resumed
+    resumed from <name>'s checkpoint-<step>, after the run that writes it (same launch)."""
+    groups: dict = {}
+    for name, (cfg, n, *_) in cases.items():
+        groups.setdefault((cfg, n), []).append(argv(name))
+    for name in bf16:
+        cfg, n, *_ = cases[name]
+        groups[(cfg, n)].append({"argv": argv(name, tag="_bf16"), "env": bf16_env})
+    if resumed is not None:
+        name, step = resumed
+        cfg, n, *_ = cases[name]
+        groups[(cfg, n)].append(
+            {
+                "argv": [*argv(name, tag="_resumed"), "--resume_from_checkpoint", "latest"],
+                "copy": [str(root / name / f"checkpoint-{step}"), str(root / f"{name}_resumed" / f"checkpoint-{step}")],
+            }
+        )
+    jobs = {}
+    for (cfg, n), runs in groups.items():
+        spec = root / f"runs_{cfg}_{n}.json"
+        spec.write_text(json.dumps({"kind": kind, "runs": runs}))
+        jobs[f"{cfg}_{n}"] = (cfg, n, RECIPE_RUNS, [str(spec)])
+    return jobs
+
+
 def _timeout(job: tuple) -> int:
     """600 s per launch, 240 s per run for a launch of several runs (a spec file of RECIPE_RUNS)."""
     runs = job[4] if len(job) > 4 else 1
@@ -180,7 +208,9 @@ def _grouped(jobs: dict, spec_dir: Path) -> list[tuple]:
 def read_metrics(out: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from metrics.jsonl."""
     rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+    return [r for r in rows if "loss" in r], [
+        r for r in rows if "loss" not in r and any(k.startswith("eval_") for k in r)
+    ]
 
 
 def read_run_info(out: str | Path) -> dict:

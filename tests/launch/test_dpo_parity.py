@@ -41,8 +41,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import in_process
 from tests.helpers.launch import (
-    RECIPE_RUNS,
     launch_all,
+    parity_launches,
     read_metrics,
     read_run_info,
     rel_diff,
@@ -141,25 +141,9 @@ def _grouped_launches(root, data: str) -> dict:
     its cases
     run one after the other in the same workers (tests/helpers/recipe_runs.py: the start-up paid once, each run
     the recipe as users run it)."""
-    groups: dict = {}
-    for name, (cfg, n, *_) in CASES.items():
-        groups.setdefault((cfg, n), []).append(_args(name, root, data))
-    for name in BF16:  # output in <name>_bf16
-        cfg, n, *_ = CASES[name]
-        groups[(cfg, n)].append({"argv": _args(name, root, data, tag="_bf16"), "env": BF16_ENV})
-    # fsdp2 resumed from its checkpoint-4 into fsdp2_resumed, after the run that writes it (same launch)
-    groups[("fsdp2", 2)].append(
-        {
-            "argv": [*_args("fsdp2", root, data, tag="_resumed"), "--resume_from_checkpoint", "latest"],
-            "copy": [str(root / "fsdp2" / "checkpoint-4"), str(root / "fsdp2_resumed" / "checkpoint-4")],
-        }
+    return parity_launches(
+        root, "dpo", CASES, lambda name, tag="": _args(name, root, data, tag=tag), BF16, BF16_ENV, ("fsdp2", 4)
     )
-    jobs = {}
-    for (cfg, n), argvs in groups.items():
-        spec = root / f"runs_{cfg}.json"
-        spec.write_text(json.dumps({"kind": "dpo", "runs": argvs}))
-        jobs[cfg] = (cfg, n, RECIPE_RUNS, [str(spec)])
-    return jobs
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def _refused(argv, capsys) -> list[str]:
         (["--importance_sampling_level", "doc"], "valid values are token, sequence"),
         (["--steps_per_generation", "3", "--gradient_accumulation_steps", "2"], "must be a multiple of"),
         (["--generation_batch_size", "64", "--steps_per_generation", "2"], "set one of them"),
-        (["--eval_steps", "5"], "grpo has no evaluation yet"),
+        (["--num_generations_eval", "0"], "--num_generations_eval 0: must be >= 1"),
         (["--max_prompt_length", "4"], "longer than --max_prompt_length"),
     ],
 )

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..comm import all_to_all_single_autograd, group_size
+from ..language_model import language_model
 from .blockwise import BLOCK, block_attention
 from .fused import fused_attention
 from .layout import RowLayout
@@ -173,9 +174,11 @@ def register_cp_attention() -> str:
 
 
 def enable_cp_attention(model) -> None:
-    """Every attention of `model` through hfpar's, the implementation it replaces remembered (whole_sequence)."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(register_cp_attention())
+    """Every attention of `model`'s language model through hfpar's, the implementation it replaces remembered
+    (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence."""
+    lm = language_model(model)
+    before = lm.config._attn_implementation
+    lm.set_attn_implementation(register_cp_attention())
     model._hfpar_attn_before_cp = before
 
 
@@ -187,8 +190,9 @@ def whole_sequence(model):
     if before is None:
         yield
         return
-    model.set_attn_implementation(before)
+    lm = language_model(model)
+    lm.set_attn_implementation(before)
     try:
         yield
     finally:
-        model.set_attn_implementation(NAME)
+        lm.set_attn_implementation(NAME)

@@ -25,6 +25,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 # tensors); transformers' own marker for "zero.Init is already active" keeps the probe a plain meta model
 from transformers.modeling_utils import set_zero3_state
 
+from ..language_model import language_model, language_model_path
+
 PROBE = "hfpar_cp_probe"
 SUPPORTED_KWARGS = ("sliding_window", "softcap")  # honoured (kernel_calls.py / blockwise.py)
 REFUSED_KWARGS = {"s_aux": "attention sinks (s_aux)"}  # would be silently dropped: refused
@@ -73,7 +75,8 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
         ]
     called = {id(m) for m, _, _ in calls}
     problems = []
-    for mod_name, mod in model.named_modules():
+    lm_path = language_model_path(model)  # a multimodal wrapper: its towers are not the sharded sequence
+    for mod_name, mod in language_model(model).named_modules(prefix=lm_path):
         if (
             type(mod).__name__.endswith("Attention")
             and id(mod) not in called

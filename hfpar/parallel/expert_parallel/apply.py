@@ -55,6 +55,7 @@ import torch.nn as nn
 from ..comm import all_gather, group_rank, group_size
 from ..errors import ParallelError, Problem
 from ..guard import mark_parallel, refuse_unlaunched
+from ..language_model import text_config
 from ..sharding import set_shard_spec, shard_spec
 from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
 from .hf_experts import HFExperts, find_hf_experts, shard_hf_experts, speed_up_hf_experts
@@ -346,7 +347,7 @@ def apply_expert_parallel(
         raise ParallelError("apply_expert_parallel", problems)
     if check_replicated:
         _check_same_weights([*blocks, *hf], dp_group)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)  # a multimodal wrapper: its language model's sizes
     if hf and ep == 1:  # ep 1: HF blocks, plain experts on hfpar's
         speed_up_hf_experts(hf, hidden_size=int(text.hidden_size), vocab_size=getattr(text, "vocab_size", None))
     if hf and ep > 1:

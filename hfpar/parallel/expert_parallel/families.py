@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..language_model import text_config
 from .hf_experts import find_hf_experts
 from .moe import MoELayer
 
@@ -110,7 +111,7 @@ class MoEBlock:
 def config_num_experts(config) -> int | None:
     """The routed-expert count a model config declares (its text config; nested sub-configs too), or None: what the
     recipes' preflight reads before any model is built (after loading, has_moe_blocks / apply_expert_parallel)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     values = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
     for d in [values, *(v for v in values.values() if isinstance(v, dict))]:
         for f in _EXPERT_FIELDS:

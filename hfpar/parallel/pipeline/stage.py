@@ -29,6 +29,7 @@ from hfpar.parallel.expert_parallel import (
     save_upcycled_pretrained,
     upcycle_to_moe,
 )
+from hfpar.parallel.language_model import pipeline_refusal
 from hfpar.parallel.sharding import local_tensor
 
 
@@ -50,6 +51,8 @@ def _base(model: nn.Module) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a *ForCausalLM, or ValueError in one line naming the model."""
+    if why := pipeline_refusal(getattr(model, "config", None), type(model).__name__):
+        raise ValueError(f"pipeline parallelism: {why}")
     base = _base(model)
     layers = getattr(base, "layers", None)
     if (

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from ..comm import all_reduce, group_rank, group_size
 from ..errors import ParallelError
 from ..guard import mark_parallel, refuse_unlaunched
+from ..language_model import language_model_path, text_config
 from ..sharding import partial_grad_hooks
 from .block_check import verify_first_block
 from .derived import derive_plan
@@ -63,7 +64,7 @@ from .hf_loss import install_hf_semantics
 from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
-from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, validate_plan
+from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, reroot_plan, validate_plan
 from .sequence_plan import sequence_parallel_plan
 from .shape_check import REGIONS as _REGIONS
 from .shape_check import match_plan, moe_block_names, validate_degrees
@@ -143,7 +144,10 @@ def apply_tensor_parallel(
         raise ParallelError("apply_tensor_parallel", ["the model is already tensor-parallel"])
     if tp == 1:  # nothing to shard; logits stay full
         return model
-    config = getattr(model, "config", None)
+    # a multimodal wrapper (Gemma-3, LLaVA, Fuyu, ...) is sized and planned by its language model: heads, layers,
+    # vocabulary and model_type from the text config; the towers beside it stay replicated (language_model.py)
+    config = text_config(getattr(model, "config", None))
+    lm_path = language_model_path(model)
     moe = moe_block_names(model)
     if moe and sequence_parallel:
         raise ParallelError(
@@ -160,6 +164,10 @@ def apply_tensor_parallel(
             raise ParallelError("apply_tensor_parallel", ["the model has no config.model_type; pass plan="])
         if config.model_type in TP_PLANS:
             plan = get_plan(config.model_type)
+            if lm_path:  # the text family's written plan, moved under the wrapper's language model
+                head = model.get_output_embeddings()
+                names = {id(m): n for n, m in model.named_modules()}
+                plan = reroot_plan(plan, config.model_type, lm_path, names.get(id(head)))
         elif not getattr(config, "base_model_tp_plan", None) or not _shards_blocks(
             model, derived_plan := derive_plan(model)
         ):

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import ParallelError, Problem
+from ..language_model import language_model_path, text_config
 from .plans import TP_PLANS, compile_pattern
 from .shape_check import lookup_only
 
@@ -134,6 +135,9 @@ def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
     """Where the base model sits in a task model (`model.` for LlamaForCausalLM, `transformer.` for GPT-2). Where
     base_model_prefix names no child (Llama4ForCausalLM's is `language_model`, its decoder sits in `model`): the
     direct child in which the most of HF's entries match a module (their first component names a child of it)."""
+    lm_path = language_model_path(model)  # a multimodal wrapper: HF's entries are relative to its language model
+    if lm_path:
+        return f"{lm_path}."
     name = getattr(model, "base_model_prefix", "")
     if name and isinstance(getattr(model, name, None), nn.Module):
         return f"{name}."
@@ -152,7 +156,7 @@ def _prefix(model: nn.Module, hf: Mapping[str, str] | None = None) -> str:
 def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> dict[str, str]:
     """An hfpar plan from `model.config.base_model_tp_plan` (or `hf_plan`); ValueError in one line naming the
     family and the first entry that cannot map."""
-    config = model.config
+    config = text_config(model.config)  # a multimodal wrapper's plan is its language model's (language_model.py)
     model_type = getattr(config, "model_type", None)
     hf = dict(hf_plan if hf_plan is not None else getattr(config, "base_model_tp_plan", None) or {})
     refusal = _refusal(model_type, hf)
@@ -226,7 +230,7 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
 
 
 def _head_counts(model: nn.Module) -> set[int]:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     h = getattr(cfg, "num_attention_heads", None)
     return {n for n in (h, getattr(cfg, "num_key_value_heads", None) or h) if isinstance(n, int) and n > 1}
 
@@ -235,7 +239,7 @@ def _per_head_output(model: nn.Module, pattern: str) -> bool:
     """A rowwise Linear whose output is one value per (kv) head, not the model width (Doge's dt_proj)."""
     rx = compile_pattern(pattern)
     m = next((m for n, m in model.named_modules() if rx.fullmatch(n)), None)
-    hidden = getattr(model.config, "hidden_size", None)
+    hidden = getattr(text_config(model.config), "hidden_size", None)
     return isinstance(m, nn.Linear) and m.out_features in _head_counts(model) and m.out_features != hidden
 
 

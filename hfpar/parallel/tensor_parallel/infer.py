@@ -21,6 +21,7 @@ import re
 
 from torch import nn
 
+from ..language_model import language_model_path, text_config
 from .conv1d import is_conv1d
 from .plans import compile_pattern
 from .shape_check import lookup_only
@@ -40,7 +41,11 @@ def _linears(mod: nn.Module) -> list[str]:
 
 
 def _blocks(model: nn.Module) -> str | None:
-    for name, m in model.named_modules():
+    """The first ModuleList of blocks holding Linears, inside the language model (a multimodal wrapper's vision
+    tower, listed first, has blocks too: they stay replicated)."""
+    lm_path = language_model_path(model)
+    root = model.get_submodule(lm_path) if lm_path else model
+    for name, m in root.named_modules(prefix=lm_path):
         if (
             isinstance(m, nn.ModuleList)
             and len(m)
@@ -74,8 +79,7 @@ def _norms(region: nn.Module, widths: set[int], head_dim) -> list[str]:
 
 
 def _heads(model: nn.Module, attn: nn.Module) -> set[int]:
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = text_config(getattr(model, "config", None))
     vals = {getattr(attn, a, None) for a in ("num_heads", "num_attention_heads", "n_heads", "n_head")}
     vals.add(getattr(cfg, "num_attention_heads", None))
     return {v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 1}

@@ -62,6 +62,7 @@ __all__ = [
     "PARAM_STYLES",
     "PACKED_SPLIT_RULES",
     "get_plan",
+    "reroot_plan",
     "compile_pattern",
     "packed_splits",
 ]
@@ -236,6 +237,25 @@ def get_plan(model_type: str) -> dict[str, str]:
             ],
         )
     return dict(TP_PLANS[model_type])
+
+
+def reroot_plan(plan: Mapping[str, str], model_type: str, lm_path: str, head: str | None) -> dict[str, str]:
+    """A written plan (paths of a text *ForCausalLM: `model.layers.*...`, `lm_head`) moved onto a multimodal
+    wrapper whose language model sits at `lm_path` (`model.language_model`): the first component (the text model's
+    base prefix) becomes lm_path, the LM head entry names `head` (the wrapper's output embedding; None: dropped)."""
+    out = {}
+    for pattern, style in plan.items():
+        if style == "colwise_lm_head":
+            if head is not None:
+                out[head] = style
+        elif pattern.startswith("re:") or "." not in pattern:
+            raise ParallelError(
+                "apply_tensor_parallel",
+                [f"the written plan of {model_type!r} cannot be moved under {lm_path!r} ({pattern!r}); pass plan="],
+            )
+        else:
+            out[f"{lm_path}.{pattern.partition('.')[2]}"] = style
+    return out
 
 
 def compile_pattern(pattern: str) -> re.Pattern:
