@@ -9,7 +9,10 @@ importance sampling; k3 KL to a reference), an Objective of hfpar's one training
 
 Every value is per completion target, found from the labels (hfpar.rollout.collate: each target carries its row), so
 the same code holds for padded rows, context-parallel cuts (per-row sums all-reduced over the cp group,
-differentiably) and a vocab-parallel head (per-token log-probs from the logit shards, never the full logits). The
+differentiably) and a vocab-parallel head. Where the recipe's chunked head is installed (--loss_chunk_size unset or
+> 0; hfpar.parallel.chunked_loss) it computes the completion targets' log-probs and entropies chunk by chunk
+(hfpar.parallel.chunked_logps), so no (targets, vocab) logits exist at once; with --loss_chunk_size 0 the head forms
+the targets' logits (1, N, V) (under TP: the vocab shard's logits of every position). The
 units (count) follow hfpar.rollout.policy_loss.aggregate: tokens (dapo, bnpo, cispo), rows (grpo), rows x
 max_completion_length (dr_grpo), over the whole global batch. Metrics are global ratios (TRL's names): kl, entropy,
 clip_ratio/*.
@@ -24,6 +27,7 @@ import torch
 from hfpar.objectives.base import Objective
 from hfpar.objectives.preference import Targets, _token_logps
 from hfpar.objectives.reference import Reference
+from hfpar.parallel.chunked_loss import chunked_loss_state
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.labels import IGNORE
 from hfpar.parallel.sharding import shard_spec
@@ -49,17 +53,23 @@ class GRPOObjective(Objective):
         self._sums = None
         self.scope = None
         self._targets = None
-        if head is not None and self.tp_group is None and ctx.pp == 1:
+        # the recipe's chunked head (hfpar.parallel.chunked_loss, --loss_chunk_size): it returns the targets'
+        # log-probs and entropies, chunked (hfpar.parallel.chunked_logps; vocab-parallel heads too)
+        self.chunked = chunked_loss_state(model) if ctx.pp == 1 else None
+        if head is not None and (self.tp_group is None or self.chunked is not None) and ctx.pp == 1:
             head.register_forward_pre_hook(self._head_rows)
             self.scope = self.select_targets
 
     # ------------------------------------------------------------------ the LM head on the targets only
     @contextlib.contextmanager
     def select_targets(self, labels: torch.Tensor):
-        """Within: the LM head computes the logits of the completion targets only (1, N, V) (as DPO's)."""
+        """Within: the LM head computes the completion targets only: their logits (1, N, V) (as DPO's), or with the
+        chunked head their log-probs and entropies (1, N, 2), never the (N, V) logits at once."""
         self._targets = self.targets(labels)
+        values = self.chunked.token_values(self._targets.token) if self.chunked else contextlib.nullcontext()
         try:
-            yield
+            with values:
+                yield
         finally:
             self._targets = None
 
@@ -79,6 +89,9 @@ class GRPOObjective(Objective):
         t = self.targets(labels)
         rows = t.seq // 2
         whole = rows * labels.shape[1] + t.index % labels.shape[1]
+        if self.chunked is not None:  # the chunked head's (1, N, 2): log-prob, entropy (select_targets)
+            lp, ent = out.reshape(-1, 2).unbind(-1)
+            return lp, rows, whole, ent.detach() if entropy else None
         if out.shape[:-1] == labels.shape:  # full logits (or their vocab shard): the targets' positions
             token = torch.full_like(labels, IGNORE).reshape(-1).index_copy(0, t.index, t.token).view(labels.shape)
             lp = _token_logps(out, token, self.tp_group).reshape(-1).index_select(0, t.index)
