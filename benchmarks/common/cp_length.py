@@ -322,6 +322,35 @@ def main(case: LengthCase, doc: str) -> None:
         raise SystemExit(f"--runs {a.runs!r}: names of {', '.join(case.runs)}, cp1 first (the reference)")
     t0, load0 = time.perf_counter(), os.getloadavg()
     budget = int(a.budget_mib * 2**20)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(rows: list, failures: list, done: list) -> dict:
+        """The results so far (after each configuration: a run cut short keeps the configurations it finished)."""
+        res = {
+            "command": command(),
+            "model": case.config,
+            "budget_bytes": budget,
+            "base": a.base,
+            "cap": a.cap,
+            "bisect_steps": case.bisect,
+            "round": ROUND,
+            "measured_step": case.measured_step + 1,
+            "flags": case.flags,
+            "phases": list(case.phases),
+            "budget_excludes": list(case.budget_excludes),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpus": os.cpu_count(),
+            "load": [load0[0], os.getloadavg()[0]],
+            "minutes": (time.perf_counter() - t0) / 60,
+            "runs_asked": names,
+            "limits": limits(rows, done, a.cap),
+            "parity": parity(rows),
+            "rows": rows,
+            "failed_launches": failures,
+        }
+        (out / "cp_length_cpu.json").write_text(json.dumps(res, indent=1) + "\n")
+        return res
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(a.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -329,33 +358,11 @@ def main(case: LengthCase, doc: str) -> None:
         spec = {"root": str(root), "model": model, "budget_bytes": budget, "base": a.base, "cap": a.cap, "also": []}
         rows, failures = [], []
         with tqdm(total=None, desc=f"{case.recipe} cp length", unit="run") as bar:
-            for n in names:
+            for i, n in enumerate(names):
                 rows += search(case, n, spec, root, bar, failures)
                 if n == "cp1" and case.rerun_cp1_fits:
                     spec["also"] = sorted(r["length"] for r in rows if r["fits"])
-    res = {
-        "command": command(),
-        "model": case.config,
-        "budget_bytes": budget,
-        "base": a.base,
-        "cap": a.cap,
-        "bisect_steps": case.bisect,
-        "round": ROUND,
-        "measured_step": case.measured_step + 1,
-        "flags": case.flags,
-        "phases": list(case.phases),
-        "budget_excludes": list(case.budget_excludes),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpus": os.cpu_count(),
-        "load": [load0[0], os.getloadavg()[0]],
-        "minutes": (time.perf_counter() - t0) / 60,
-        "limits": limits(rows, names, a.cap),
-        "parity": parity(rows),
-        "rows": rows,
-        "failed_launches": failures,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cp_length_cpu.json").write_text(json.dumps(res, indent=1) + "\n")
+                res = write(rows, failures, names[: i + 1])
     md = case.report(res)
     (out / "cp_length_cpu.md").write_text(md)
     case.plot(res, out / "cp_length_cpu.png")

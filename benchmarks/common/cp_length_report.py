@@ -78,6 +78,9 @@ def parity_lines(res: dict) -> list[str]:
             f"norms of every step): largest relative difference {worst:.1e} (tolerance {TOL:g})."
         ),
     ]
+    missing = [n for n in res.get("runs_asked", []) if n not in res["limits"]]
+    if missing:
+        md.append(f"\nCut short before {', '.join(missing)} ran (the results are written after each configuration).")
     for f in res["failed_launches"]:
         md.append(
             f"\nLaunch {f['attempt']} of {f['run']} failed after lengths {f['lengths_done']} and was launched "

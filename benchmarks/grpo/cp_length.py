@@ -30,7 +30,7 @@ Memory: torch.profiler's memory events over the whole third step (benchmarks.com
 marked as spans. The budget counts the training: the step's peak outside the generation span (old + reference
 log-probs, the policy's forward and backward, clipping, the optimizer step). Generation under CP runs the whole
 sequence on every rank (hfpar.context_parallel.whole_sequence), so its memory does not shrink with cp: its own peak
-is reported beside, not in the budget. Budget --budget_mib per rank (default 24 MiB); the search as the DPO
+is reported beside, not in the budget. Budget --budget_mib per rank (default 12 MiB); the search as the DPO
 benchmark's (doubling from --base 32, then 2 bisection steps), the parity check (losses and grad norms of the 3
 steps against cp1 at the same length, 1e-4 relative; the same completions under every mesh) at the doubling's
 lengths, which every configuration runs.
@@ -58,7 +58,7 @@ CASE = LengthCase(
     metrics=("completions/mean_length", "generation_time_s"),
     bisect=2,
     rerun_cp1_fits=False,  # compared at the doubling's lengths (every configuration runs them): half the runs
-    defaults={"budget_mib": 24.0, "base": 32, "cap": 16384},
+    defaults={"budget_mib": 12.0, "base": 32, "cap": 16384},
 )
 
 if __name__ == "__main__":
