@@ -53,6 +53,7 @@ class GRPOObjective(Objective):
         self._sums = None
         self.scope = None
         self._targets = None
+        self._head_values = False  # the last forward's head returned chunked token values
         # the recipe's chunked head (hfpar.parallel.chunked_loss, --loss_chunk_size): it returns the targets'
         # log-probs and entropies, chunked (hfpar.parallel.chunked_logps; vocab-parallel heads too)
         self.chunked = chunked_loss_state(model) if ctx.pp == 1 else None
@@ -67,11 +68,15 @@ class GRPOObjective(Objective):
         chunked head their log-probs and entropies (1, N, 2), never the (N, V) logits at once."""
         self._targets = self.targets(labels)
         values = self.chunked.token_values(self._targets.token) if self.chunked else contextlib.nullcontext()
+        made = self.chunked.values_made if self.chunked else 0
         try:
             with values:
                 yield
         finally:
             self._targets = None
+            # whether this forward's output is the chunked head's values (a reference model of its own, ZeRO-3's,
+            # has another head: its forward returns the full logits)
+            self._head_values = self.chunked is not None and self.chunked.values_made > made
 
     def _head_rows(self, module, args):
         x = args[0] if args else None
@@ -89,7 +94,7 @@ class GRPOObjective(Objective):
         t = self.targets(labels)
         rows = t.seq // 2
         whole = rows * labels.shape[1] + t.index % labels.shape[1]
-        if self.chunked is not None:  # the chunked head's (1, N, 2): log-prob, entropy (select_targets)
+        if self._head_values:  # the chunked head's (1, N, 2): log-prob, entropy (select_targets)
             lp, ent = out.reshape(-1, 2).unbind(-1)
             return lp, rows, whole, ent.detach() if entropy else None
         if out.shape[:-1] == labels.shape:  # full logits (or their vocab shard): the targets' positions

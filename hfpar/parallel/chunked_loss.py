@@ -137,6 +137,7 @@ class ChunkedLoss:
 
     def __init__(self, head: nn.Module, chunk: int | None):
         self.head, self.chunk, self._target, self._values = head, chunk, None, None
+        self.values_made = 0  # forwards that returned token values (token_values): whether a forward went here
         self._forward = head.forward
         tp = isinstance(head, ColumnParallelLinear) and head.tp > 1
         self.group = head.group if tp else None
@@ -181,6 +182,7 @@ class ChunkedLoss:
             lp, ent = chunked_token_logps(
                 x, self.head.weight, self.head.bias, self._values, group=self.group, chunk=self.chunk
             )
+            self.values_made += 1
             return torch.stack([lp, ent], -1).view(*x.shape[:-1], 2)
         if self._target is None:
             return self._forward(x)
