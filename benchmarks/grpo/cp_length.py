@@ -29,8 +29,8 @@ Memory: torch.profiler's memory events over the whole third step (benchmarks.com
 (hfpar.rollout.engine.InPlaceEngine.generate) and the log-prob forwards (hfpar.rollout.loop.Rollout._logps) are
 marked as spans. The budget counts the training: the step's peak outside the generation span (old + reference
 log-probs, the policy's forward and backward, clipping, the optimizer step). Generation under CP runs the whole
-sequence on every rank (hfpar.context_parallel.whole_sequence), so its memory does not shrink with cp: its own peak
-is reported beside, not in the budget. Budget --budget_mib per rank (default 12 MiB); the search as the DPO
+sequence on every rank (hfpar.parallel.context_parallel.whole_sequence), so its memory does not shrink with cp: its
+own peak is reported beside, not in the budget. Budget --budget_mib per rank (default 12 MiB); the search as the DPO
 benchmark's (doubling from --base 32, then 2 bisection steps), the parity check (losses and grad norms of the 3
 steps against cp1 at the same length, 1e-4 relative; the same completions under every mesh) at the doubling's
 lengths, which every configuration runs.

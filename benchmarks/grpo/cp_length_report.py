@@ -49,13 +49,19 @@ def _generation(res: dict) -> list[str]:
             out.append(
                 f"{n} {human_bytes(r['generation_bytes'])} at {r['length']} (training {human_bytes(r['peak_bytes'])})"
             )
+    cp_runs = [n for n in res["limits"] if n != "cp1_full_logits"]
+    shared = set.intersection(*({r["length"] for r in res["rows"] if r["run"] == n} for n in cp_runs))
+    if shared:
+        at = max(shared)
+        peaks = {n: human_bytes(_at(res, n, at)["generation_bytes"]) for n in cp_runs}
+        out.append(f"at L = {at}, which every one of {', '.join(cp_runs)} ran: {', '.join(peaks.values())}")
     return [
         "",
         (
             "Generation is not cut by context parallelism: every rank of a replica generates its whole rows "
-            "(hfpar.context_parallel.whole_sequence; KV cache of prompt + completion, fp32), so its peak grows "
-            "with the group's whole length whatever cp is, and it is measured apart (the `generation` span of the "
-            "step) and not counted in the budget. Its peak above its start at each configuration's longest group: "
+            "(hfpar.parallel.context_parallel.whole_sequence; KV cache of prompt + completion, fp32), so its peak "
+            "grows with the group's whole length whatever cp is, and it is measured apart (the `generation` span of "
+            "the step) and not counted in the budget. Its peak above its start at each configuration's longest group: "
             + "; ".join(out)
             + "."
         ),
