@@ -8,37 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.dpo.cp_length_spec import BISECT, ROUND, RUNS, TOL
+from benchmarks.common.cp_length_report import limits_table, parity_lines
+from benchmarks.common.cp_length_report import plot as plot_lengths
+from benchmarks.dpo.cp_length_spec import RUNS
 from hfpar.observe.plot import human_bytes
-
-
-def limits(rows: list[dict], names: list[str], cap: int) -> dict:
-    """Per configuration: the longest length that fits, the shortest measured one that does not."""
-    out = {}
-    for n in names:
-        mine = [r for r in rows if r["run"] == n]
-        fit = [r["length"] for r in mine if r["fits"]]
-        over = [r["length"] for r in mine if not r["fits"] and r["length"] > max(fit, default=0)]
-        out[n] = {
-            "longest_fit": max(fit, default=None),
-            "shortest_over": min(over, default=None),
-            "capped": not over and max(fit, default=0) * 2 > cap,
-        }
-    return out
-
-
-def parity(rows: list[dict]) -> list[dict]:
-    """Every (configuration, length) that cp1 ran too: the largest relative difference of the losses and grad
-    norms of its steps."""
-    base = {r["length"]: r for r in rows if r["run"] == "cp1"}
-    out = []
-    for r in rows:
-        b = base.get(r["length"])
-        if r["run"] == "cp1" or b is None:
-            continue
-        diff = max(abs(x - y) / max(abs(y), 1e-12) for k in ("losses", "grad_norms") for x, y in zip(r[k], b[k]))
-        out.append({"run": r["run"], "length": r["length"], "max_rel_diff": diff, "both_fit": r["fits"] and b["fits"]})
-    return out
 
 
 def row_width(r: dict) -> int:
@@ -66,21 +39,11 @@ def report(res: dict) -> str:
         (
             f"Budget: **{mib:.0f} MiB per rank**. Longest pair that trains within it (doubling from {res['base']}, "
             "then "
-            f"{BISECT} bisection steps, lengths rounded to {ROUND} tokens):"
+            f"{res['bisect_steps']} bisection steps, lengths rounded to {res.get('round', 16)} tokens):"
         ),
         "",
-        "| configuration | processes | longest pair within budget | first over budget | vs cp1 |",
-        "|---|---|---|---|---|",
     ]
-    base = res["limits"].get("cp1", {}).get("longest_fit")
-    for n, lim in res["limits"].items():
-        f = lim["longest_fit"]
-        md.append(
-            f"| {n} | {RUNS[n][1]} | {f if f else 'none'}{' (cap)' if lim['capped'] else ''} | "
-            f"{lim['shortest_over'] or ''} | {f / base:.2f}x |"
-            if f and base
-            else f"| {n} | {RUNS[n][1]} | {f or 'none'} | {lim['shortest_over'] or ''} | |"
-        )
+    md += limits_table(res, RUNS, "pair")
     md += [
         "",
         "Memory against length (every run; `*` over budget):",
@@ -98,41 +61,15 @@ def report(res: dict) -> str:
             f"{' / '.join(f'{t:.1f}' for t in r['step_time_s'])} | "
             f"{' / '.join(f'{x:.6f}' for x in r['losses'])} |"
         )
-    p = res["parity"]
-    worst = max((x["max_rel_diff"] for x in p), default=0.0)
-    md += [
-        "",
-        (
-            f"Same training: {len(p)} (configuration, length) runs against cp1's at the same length (losses and grad "
-            f"norms of both steps): largest relative difference {worst:.1e} (tolerance {TOL:g})."
-        ),
-    ]
-    for f in res["failed_launches"]:
-        md.append(
-            f"\nLaunch {f['attempt']} of {f['run']} failed after lengths {f['lengths_done']} and was launched "
-            f"again, those lengths kept: `{f['error'][-200:]}`"
-        )
+    md += parity_lines(res)
     return "\n".join(md) + "\n"
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib  # an optional extra, for the plot only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"cp1": "k-o", "cp2_ring": "b-o", "cp4_ring": "g-o", "cp2_ulysses": "c--s", "cp4_ulysses": "y--s"}
-    for n in res["limits"]:
-        pts = sorted((r["length"], r["peak_bytes"] / 2**20) for r in res["rows"] if r["run"] == n)
-        ax.plot(*zip(*pts), styles[n], label=n.replace("_", " "), ms=4)
-    ax.axhline(res["budget_bytes"] / 2**20, color="r", lw=1, ls=":", label="budget")
-    ax.set_xscale("log", base=2)
-    ax.set(
+    plot_lengths(
+        res,
+        path,
+        {"cp1": "k-o", "cp2_ring": "b-o", "cp4_ring": "g-o", "cp2_ulysses": "c--s", "cp4_ulysses": "y--s"},
         xlabel="pair length (prompt + chosen + rejected tokens)",
-        ylabel="per-rank step peak above its start (MiB)",
         title="DPO step memory per rank vs pair length (CPU, fp32)",
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

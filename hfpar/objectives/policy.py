@@ -9,7 +9,10 @@ importance sampling; k3 KL to a reference), an Objective of hfpar's one training
 
 Every value is per completion target, found from the labels (hfpar.rollout.collate: each target carries its row), so
 the same code holds for padded rows, context-parallel cuts (per-row sums all-reduced over the cp group,
-differentiably) and a vocab-parallel head (per-token log-probs from the logit shards, never the full logits). The
+differentiably) and a vocab-parallel head. Where the recipe's chunked head is installed (--loss_chunk_size unset or
+> 0; hfpar.parallel.chunked_loss) it computes the completion targets' log-probs and entropies chunk by chunk
+(hfpar.parallel.chunked_logps), so no (targets, vocab) logits exist at once; with --loss_chunk_size 0 the head forms
+the targets' logits (1, N, V) (under TP: the vocab shard's logits of every position). The
 units (count) follow hfpar.rollout.policy_loss.aggregate: tokens (dapo, bnpo, cispo), rows (grpo), rows x
 max_completion_length (dr_grpo), over the whole global batch. Metrics are global ratios (TRL's names): kl, entropy,
 clip_ratio/*.
@@ -23,7 +26,8 @@ import torch
 
 from hfpar.objectives.base import Objective
 from hfpar.objectives.reference import Reference
-from hfpar.objectives.targets import Targets, TargetsHead
+from hfpar.objectives.targets import TargetsHead
+from hfpar.parallel.chunked_loss import chunked_loss_state
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.labels import IGNORE
 from hfpar.rollout.collate import SIDE
@@ -44,12 +48,35 @@ class GRPOObjective(TargetsHead, Objective):
         self._side: dict = {}  # the current micro-batch's advantages / per-token values (before_micro)
         self._capture = None  # (B, T) being filled by a no-grad forward (capture_logps)
         self._sums = None
-        self.init_targets_head(model, ctx)
+        self._head_values = False  # the last forward's head returned chunked token values
+        # the recipe's chunked head (hfpar.parallel.chunked_loss, --loss_chunk_size): it returns the targets'
+        # log-probs and entropies, chunked (hfpar.parallel.chunked_logps; vocab-parallel heads too)
+        self.chunked = chunked_loss_state(model) if ctx.pp == 1 else None
+        self.init_targets_head(model, ctx, under_tp=self.chunked is not None)
+
+    @contextlib.contextmanager
+    def select_targets(self, labels: torch.Tensor):
+        """Within: the LM head computes the completion targets only: their logits (1, N, V) (as DPO's), or with the
+        chunked head their log-probs and entropies (1, N, 2), never the (N, V) logits at once."""
+        made = self.chunked.values_made if self.chunked else 0
+        try:
+            with TargetsHead.select_targets(self, labels):
+                with self.chunked.token_values(self._targets.token) if self.chunked else contextlib.nullcontext():
+                    yield
+        finally:
+            # whether this forward's output is the chunked head's values (a reference model of its own, ZeRO-3's,
+            # has another head: its forward returns the full logits)
+            self._head_values = self.chunked is not None and self.chunked.values_made > made
 
     def _token_values(self, out: torch.Tensor, labels: torch.Tensor, entropy: bool):
         """(N,) log-probs of the targets (differentiable), their rows, their flat positions in the micro-batch's
         (B, T) tensors (a pipeline's loss gets a slice of its rows: each target's row is in its label), and (N,)
         entropies or None."""
+        if self._head_values:  # the chunked head's (1, N, 2): log-prob, entropy (select_targets)
+            t = self.targets(labels)
+            rows = t.seq // 2
+            lp, ent = out.reshape(-1, 2).unbind(-1)
+            return lp, rows, rows * labels.shape[1] + t.index % labels.shape[1], ent.detach() if entropy else None
         lp, t, flat = self.target_logps(out, labels, logits=entropy)
         rows = t.seq // 2
         whole = rows * labels.shape[1] + t.index % labels.shape[1]

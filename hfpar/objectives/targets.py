@@ -55,14 +55,16 @@ class Targets:
 class TargetsHead:
     """Mixin of an Objective: the targets of a micro-batch (set `_plan` in before_micro) and the head on them."""
 
-    def init_targets_head(self, model, ctx) -> None:
+    def init_targets_head(self, model, ctx, under_tp: bool = False) -> None:
+        """under_tp: the head on the targets also when it is vocab-parallel (a chunked head computes the targets'
+        values from its shard's logits: hfpar.parallel.chunked_logps)."""
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         spec = shard_spec(head.weight) if head is not None else None
         self.tp_group = spec.group if spec is not None and spec.kind == "tp" and spec.sharded else None
         self._targets = None  # the Targets of the labels of a forward (select_targets)
         self._plan = None  # the current micro-batch's Targets (before_micro)
         self.scope = None  # the backend enters scope(labels) around a forward (hfpar.backends.base)
-        if head is not None and self.tp_group is None and ctx.pp == 1:
+        if head is not None and (self.tp_group is None or under_tp) and ctx.pp == 1:
             head.register_forward_pre_hook(self._head_rows)
             self.scope = self.select_targets
 

@@ -12,6 +12,10 @@ scales them: the same three matmuls as the unchunked head, no recomputation. Pea
 logits plus the weight's gradient (which backward allocates anyway), instead of the full logits, their fp32
 copy, their softmax and its gradient.
 
+Inside `state.token_values(target)` the head returns per input row the target's log-prob and the entropy instead
+(hfpar.parallel.chunked_logps: what GRPO's objective takes; its gradient per token is known only in backward, so
+that one forms each chunk's logits again there).
+
 The patched forward stays the original one whenever no targets are set (generation, users' own calls). Exact by
 construction only where the model returns lm_head(hidden) as its logits: FAMILIES lists the model types checked
 by tests/distributed/test_chunked_loss.py; models that scale or soft-cap their logits after the head are not among them.
@@ -27,17 +31,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hfpar.parallel.chunked_logps import (  # noqa: F401  (LOGITS_PER_CHUNK: hfpar.planner reads it here)
+    LOGITS_PER_CHUNK,
+    chunked_apply,
+    chunked_token_logps,
+    vocab_shard,
+)
 from hfpar.parallel.comm import (
     all_reduce,
     copy_to_parallel_region,
     gather_from_sequence_parallel_region,
-    group_rank,
-    group_size,
 )
 from hfpar.parallel.labels import IGNORE
 from hfpar.parallel.tensor_parallel import ColumnParallelLinear
 
-LOGITS_PER_CHUNK = 1 << 26  # default chunk: C x V/tp ~ 64M fp32 logits (256 MiB) -> C = 2048 tokens at V = 32k
 FAMILIES = (
     "llama",
     "mistral",
@@ -60,9 +67,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, target, group, chunk, cdt):
-        tp = group_size(group) if group is not None else 1
-        start = group_rank(group) * weight.shape[0] if tp > 1 else 0
-        acc = torch.promote_types(cdt, torch.float32)
+        tp, start, acc = vocab_shard(weight, group, cdt)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(h.device.type, enabled=False):
             w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
@@ -120,29 +125,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None
 
 
-def chunked_linear_cross_entropy(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    *,
-    group=None,
-    chunk: int | None = None,
-) -> torch.Tensor:
+def chunked_linear_cross_entropy(h, weight, bias, target, *, group=None, chunk: int | None = None) -> torch.Tensor:
     """Sum of the cross-entropy of F.linear(h, weight, bias) against target (IGNORE = -100 skipped), chunked over
     tokens. h (..., H) and target (...) flattened alike; weight the local vocab rows of a vocab-parallel head when
     group is its tensor-parallel group. Under autocast the matmuls run in the autocast dtype, the softmax in fp32."""
-    dev = h.device.type
-    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    chunk = chunk or max(1, LOGITS_PER_CHUNK // weight.shape[0])
-    return _ChunkedLinearCE.apply(h.reshape(-1, h.shape[-1]), weight, bias, target.reshape(-1), group, chunk, cdt)
+    return chunked_apply(_ChunkedLinearCE, h, weight, bias, target, group, chunk)
 
 
 class ChunkedLoss:
     """The chunked-loss mode of one LM head (see the module docstring)."""
 
     def __init__(self, head: nn.Module, chunk: int | None):
-        self.head, self.chunk, self._target = head, chunk, None
+        self.head, self.chunk, self._target, self._values = head, chunk, None, None
+        self.values_made = 0  # forwards that returned token values (token_values): whether a forward went here
         self._forward = head.forward
         tp = isinstance(head, ColumnParallelLinear) and head.tp > 1
         self.group = head.group if tp else None
@@ -157,6 +152,17 @@ class ChunkedLoss:
         finally:
             self._target = None
 
+    @contextlib.contextmanager
+    def token_values(self, target: torch.Tensor):
+        """The head's forwards inside the block return (..., 2) per input row: the log-prob of its `target` token
+        (target's elements in the order of the head's input rows; differentiable) and the entropy of its next-token
+        distribution (no gradient), chunked (hfpar.parallel.chunked_logps): what an RL objective takes."""
+        self._values = target
+        try:
+            yield self
+        finally:
+            self._values = None
+
     def _head_input(self, x: torch.Tensor) -> torch.Tensor:
         h = self.head
         if isinstance(h, ColumnParallelLinear) and not h.in_region:  # as ColumnParallelLinear.forward
@@ -166,6 +172,18 @@ class ChunkedLoss:
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._values is not None:
+            x = self._head_input(x)
+            if x.shape[:-1].numel() != self._values.numel():
+                raise ValueError(
+                    f"chunked log-probs: the head's input {tuple(x.shape)} does not match the targets "
+                    f"{tuple(self._values.shape)}"
+                )
+            lp, ent = chunked_token_logps(
+                x, self.head.weight, self.head.bias, self._values, group=self.group, chunk=self.chunk
+            )
+            self.values_made += 1
+            return torch.stack([lp, ent], -1).view(*x.shape[:-1], 2)
         if self._target is None:
             return self._forward(x)
         x = self._head_input(x)

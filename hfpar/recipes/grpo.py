@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from hfpar import data
@@ -47,6 +48,7 @@ class GRPOArgs(RecipeArgs):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    generation_kwargs: str | None = None  # extra generation settings, a JSON / YAML mapping (TRL's): min_new_tokens
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
     epsilon: float = 0.2  # lower clip of the ratio (1 - epsilon)
@@ -63,6 +65,31 @@ class GRPOArgs(RecipeArgs):
 
 def _list(text: str | None) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()] if text else []
+
+
+GENERATION_KWARGS = ("min_new_tokens",)  # --generation_kwargs keys hfpar's mesh-independent sampler honours
+
+
+def generation_kwargs(text: str | None) -> dict:
+    """--generation_kwargs as a mapping (TRL's GRPOConfig.generation_kwargs, given as JSON on its command line);
+    ValueError naming what is wrong."""
+    if not text:
+        return {}
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"--generation_kwargs {text!r}: expected a mapping, e.g. '{{\"min_new_tokens\": 64}}'")
+    other = sorted(set(value) - set(GENERATION_KWARGS))
+    if other:
+        raise ValueError(
+            f"--generation_kwargs: {', '.join(other)} not supported (supported: {', '.join(GENERATION_KWARGS)})"
+        )
+    n = value.get("min_new_tokens", 0)
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"--generation_kwargs min_new_tokens {n!r}: must be an integer >= 0")
+    return value
 
 
 def schedule(args, ctx, num_prompts: int) -> RolloutSchedule:
@@ -113,6 +140,15 @@ def problems(args, ctx, plan) -> list[str]:
         p.append(f"--top_p {args.top_p}: must be in (0, 1]")
     if args.top_k < 0:
         p.append(f"--top_k {args.top_k}: must be >= 0 (0: off)")
+    try:
+        extra = generation_kwargs(args.generation_kwargs)
+        if extra.get("min_new_tokens", 0) > args.max_completion_length:
+            p.append(
+                f"--generation_kwargs min_new_tokens {extra['min_new_tokens']}: above --max_completion_length "
+                f"{args.max_completion_length}"
+            )
+    except ValueError as exc:
+        p.append(str(exc))
     if args.beta < 0:
         p.append(f"--beta {args.beta}: must be >= 0")
     if not 0 <= args.epsilon < 1:
@@ -207,6 +243,7 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_new_tokens=generation_kwargs(args.generation_kwargs).get("min_new_tokens", 0),
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
     )

@@ -38,6 +38,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_new_tokens: int = 0  # no EOS before this many new tokens (transformers' min_new_tokens)
     eos_token_id: int | None = None
     pad_token_id: int = 0
 
@@ -98,6 +99,7 @@ class InPlaceEngine:
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
                     top_k=cfg.top_k,
+                    min_new_tokens=cfg.min_new_tokens,
                     eos_token_id=cfg.eos_token_id,
                     pad_token_id=cfg.pad_token_id,
                     synced_gpus=synced,

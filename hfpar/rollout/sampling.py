@@ -70,13 +70,16 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_new_tokens: int = 0,
     eos_token_id=None,
     pad_token_id=None,
     synced_gpus: bool = False,
 ) -> torch.Tensor:
     """prompt_ids / prompt_mask: (B, P) left-padded; keys: one row_key per row. -> (B, P + new) token ids, rows that
-    stopped at EOS padded with pad_token_id after it. synced_gpus: every rank runs a forward per decoding step until
-    all are done (transformers' own flag; needed where the forward is collective: sharded or model-parallel layers)."""
+    stopped at EOS padded with pad_token_id after it. min_new_tokens: EOS masked before that many new tokens
+    (transformers' processor, before the warpers and the noise: a row's draws stay its own). synced_gpus: every rank
+    runs a forward per decoding step until all are done (transformers' own flag; needed where the forward is
+    collective: sharded or model-parallel layers)."""
     if len(keys) != prompt_ids.size(0):
         raise ValueError(f"sample: {len(keys)} row keys for {prompt_ids.size(0)} rows")
     processors = LogitsProcessorList([*warpers(temperature, top_k, top_p), RowGumbelNoise(keys, prompt_ids.device)])
@@ -86,6 +89,7 @@ def sample(
         logits_processor=processors,
         do_sample=False,
         max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens or None,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         num_beams=1,

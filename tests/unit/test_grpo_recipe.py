@@ -41,6 +41,9 @@ def _refused(argv, capsys) -> list[str]:
         (["--generation_batch_size", "64", "--steps_per_generation", "2"], "set one of them"),
         (["--num_generations_eval", "0"], "--num_generations_eval 0: must be >= 1"),
         (["--max_prompt_length", "4"], "longer than --max_prompt_length"),
+        (["--generation_kwargs", '{"num_beams": 4}'], "num_beams not supported (supported: min_new_tokens)"),
+        (["--generation_kwargs", "[1]"], "--generation_kwargs '[1]': expected a mapping"),
+        (["--generation_kwargs", '{"min_new_tokens": 300}'], "min_new_tokens 300: above --max_completion_length"),
     ],
 )
 def test_bad_input_is_one_line_before_the_model_loads(case, tmp_path, capsys, flags, says):

@@ -78,3 +78,16 @@ def test_row_keys_are_stable_and_distinct():
 def test_completion_mask_keeps_up_to_the_first_eos():
     ids = torch.tensor([[4, 1, 0, 0], [4, 5, 6, 7], [1, 1, 0, 0]])
     assert completion_mask(ids, 1).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_min_new_tokens_keeps_eos_out_until_then_and_rows_their_own():
+    """--generation_kwargs '{"min_new_tokens": n}': no row ends before n tokens (a model that favours EOS), and a
+    row's tokens still do not depend on what it is batched with."""
+    model = _model()
+    with torch.no_grad():
+        model.lm_head.weight[1] += 2 * model.lm_head.weight.abs().max() * torch.sign(model.lm_head.weight[1])
+    prompts, keys = [[5, 6, 7], [9, 10]], [row_key(0, 0, 0, 0), row_key(0, 0, 1, 0)]
+    assert min(map(len, _completions(model, prompts, keys))) < 8  # EOS is drawn early without it
+    together = _completions(model, prompts, keys, min_new_tokens=8)
+    assert [len(c) for c in together] == [8, 8] and all(1 not in c for c in together)
+    assert together == [_completions(model, [p], [k], min_new_tokens=8)[0] for p, k in zip(prompts, keys)]
