@@ -130,10 +130,9 @@ def one(kind: str, model: str, data: str, opts: dict) -> dict:
         wall, cpu = [], []  # wall and CPU-seconds (all threads of the process) of each optimizer step
         step = Trainer._train_step
 
-        def timed(self, *args):
-            sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            rec = step(self, *args)
+        def timed(self, i, loaded, t0, c0):
+            # from when the loop asked for the step's batches (hfpar.train.trainer._loop): waiting for them counts
+            rec = step(self, i, loaded, t0, c0)
             sync()
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)

@@ -26,7 +26,7 @@ import torch
 
 from hfpar.objectives.base import Objective
 from hfpar.objectives.reference import Reference
-from hfpar.objectives.targets import TargetsHead
+from hfpar.objectives.targets import Targets, TargetsHead
 from hfpar.parallel.chunked_loss import chunked_loss_state
 from hfpar.parallel.comm import copy_to_parallel_region, reduce_from_parallel_region
 from hfpar.parallel.labels import IGNORE
