@@ -4,6 +4,7 @@ shared by the parity, plan and reliability tests; each built once per test run e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,12 @@ from tests.helpers.launch import launch
 from tests.helpers.parity import BACKENDS, COMMON, RESUMED_BACKENDS, launch_cases
 from tests.helpers.reliability import run_args
 from tests.helpers.shared import built_once
+
+# One thread in the pytest workers and the processes they start (a launch's own OMP_NUM_THREADS=1): the suite runs
+# two workers on two cores, each next to the other's launches, and two OpenMP threads on a loaded core spin-wait
+# rather than compute (measured: tests/unit/test_grpo_objective.py 5 s alone, 300 s beside launches with two threads)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

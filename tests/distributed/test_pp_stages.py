@@ -112,7 +112,7 @@ def _check(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])  # 4: on demand (budget)
 def test_stages_match_the_unsplit_model(world):
     for per_rank in run_distributed(_check, world, timeout=600):
         # Gemma's RMSNorm computes in float32 even in a float64 model (x.float()): float32 rounding there
@@ -197,7 +197,7 @@ def _check_interleaved(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])  # 4: on demand (budget)
 def test_interleaved_and_more_families_match_the_unsplit_model(world):
     per_rank = run_distributed(_check_interleaved, world, timeout=600)
     for key in per_rank[0]:

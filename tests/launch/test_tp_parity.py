@@ -111,6 +111,7 @@ def _classify_initial_weights(out) -> dict:
     return AutoModelForSequenceClassification.from_config(config).state_dict()
 
 
+@pytest.mark.extended  # on demand since 2026-11-28 (the suite's budget; a launch of its own); it passed before
 def test_tp_classify_matches_single(tmp_path):
     """classify (LlamaForSequenceClassification): body sharded over tp=2, score head replicated, full logits."""
     outs = {}
