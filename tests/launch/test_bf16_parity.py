@@ -46,9 +46,6 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags,
     "pp2": ("ddp", 2, "4", ["--pp_size", "2"], "single"),
     "single_moe": ("single", 1, "4", MOE, None),
     "ep2": ("ddp", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
-    # hfpar's own FSDP2 wrap (dp = 1 here: the config's bf16 policy still casts the gathered weights)
-    "tp2_fsdp2": ("fsdp2", 2, "4", ["--tp_size", "2"], "single"),
-    "ep2_fsdp2": ("fsdp2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     # bf16 + ZeRO-1 with fp32 grad accumulation: DeepSpeed's BF16_Optimizer (zero1.yaml runs its ZeRO optimizer)
     "ep2_zero1": ("zero1_fp32_accum", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     # LoRA (dropout 0: its masks depend on how a batch is split over ranks) against its own single bf16 run
@@ -59,6 +56,10 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags,
 # each launch costs 40-90 s on 2 cores, and their backends are those of CASES above (their fp32 parity is in
 # the other suites).
 EXTRA = {
+    # hfpar's own FSDP2 wrap (dp = 1 here: the config's bf16 policy still casts the gathered weights); in CASES until
+    # 2026-11-28 (moved for the suite's budget)
+    "tp2_fsdp2": ("fsdp2", 2, "4", ["--tp_size", "2"], "single"),
+    "ep2_fsdp2": ("fsdp2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),
     # moved here on 2026-11-28 (GRPO's tests came in): two DeepSpeed launches (ZeRO-2 with EP, ZeRO-3)
     "zero2": ("zero2", 2, "2", [], "single"),
     "ep2_zero2": ("zero2", 2, "2", [*MOE, "--ep_size", "2"], "single_moe"),

@@ -70,6 +70,14 @@ CASES = {  # name: (config, processes, per-device completions, extra flags, refe
     "ep2": ("ddp", 2, 4, {**MOE, "ep_size": 2}, "single_moe"),
     "lora_fsdp2": ("fsdp2", 2, 4, LORA, "single_lora"),
 }
+# on demand (-m extended): ZeRO-2 and compositions of the support table, each against one process
+COMPOSED = {
+    "zero2": ("zero2", 2, 4, {}, "single"),
+    "tp2_fsdp2": ("fsdp2", 4, 4, {"tp_size": 2}, "single"),  # dp 2
+    "cp2_tp2": ("ddp", 4, 8, {"cp_size": 2, "tp_size": 2, "cp_mode": "ring"}, "single"),
+    "pp2_tp2": ("ddp", 4, 8, {"pp_size": 2, "tp_size": 2}, "single"),
+    "cp2_dp2_fsdp2": ("fsdp2", 4, 4, {"cp_size": 2, "cp_mode": "ulysses"}, "single"),
+}
 KEYS = ("loss", "grad_norm", "kl", "entropy")
 BF16 = ("ddp", "fsdp2", "tp2")
 BF16_ENV = {"ACCELERATE_MIXED_PRECISION": "bf16"}
@@ -84,7 +92,8 @@ BF16_CMD = "python -m pytest -q -s tests/launch/test_grpo_parity.py -k bf16"
 
 
 def _argv(name: str, root, case, tag: str = "", extra: dict | None = None) -> list[str]:
-    flags, bs = (REFS[name], 8) if name in REFS else (CASES[name][3], CASES[name][2])
+    cases = {**CASES, **COMPOSED}
+    flags, bs = (REFS[name], 8) if name in REFS else (cases[name][3], cases[name][2])
     model, data = case
     opts = {**COMMON, **flags, "model_name_or_path": model, "dataset_name": data}
     opts.update(output_dir=str(root / f"{name}{tag}"), per_device_train_batch_size=bs, **(extra or {}))
@@ -137,8 +146,25 @@ def _close(a: float, b: float, floor: float) -> bool:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_same_completions_and_per_step_parity(runs, name):
-    root = runs
-    ref_name = CASES[name][4]
+    _assert_parity(runs, name, CASES[name][4])
+
+
+@pytest.fixture(scope="module")
+def composed_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_composed")
+    case = make_case(root / "case")
+    _run_in_process(_argv("single", root, case))
+    launch_all(parity_launches(root, "grpo", COMPOSED, lambda name, tag="": _argv(name, root, case, tag=tag)))
+    return root
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_composed_same_completions_and_per_step_parity(composed_runs, name):
+    _assert_parity(composed_runs, name, COMPOSED[name][4])
+
+
+def _assert_parity(root, name: str, ref_name: str) -> None:
     assert _completions(root / name) == _completions(root / ref_name), f"{name}: other completions than {ref_name}"
     ref, got = read_metrics(root / ref_name)[0], read_metrics(root / name)[0]
     assert len(ref) == len(got) == 8

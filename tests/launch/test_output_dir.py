@@ -38,7 +38,11 @@ def _only_the_line(proc, line: str) -> None:
 
 @pytest.mark.parametrize(
     "where,line",
-    [("options", "rank 1 only: --planted_option 7 is refused"), ("data", "rank 1 only: tokenizer /planted unreadable")],
+    [
+        ("options", "rank 1 only: --planted_option 7 is refused"),
+        # after the process group exists: on demand since 2026-11-28 (the suite's budget); it passed before
+        pytest.param("data", "rank 1 only: tokenizer /planted unreadable", marks=pytest.mark.extended),
+    ],
 )
 def test_a_refusal_found_on_rank_1_only_is_said_every_time(tmp_path, where, line):
     """Before the group exists rank 0 goes on into the rendezvous; after it, into the data's barrier: either way it

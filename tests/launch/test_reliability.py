@@ -48,6 +48,7 @@ def reference(ddp_reference) -> Path:
     return ddp_reference
 
 
+@pytest.mark.extended  # on demand since 2026-11-28 (budget): SIGTERM's relaunch, the damaged-checkpoint fallback stay
 def test_sigkill_then_relaunch_same_command(reference, base_model, tmp_path):
     out = tmp_path / "killed"
     cmd = launch_cmd("ddp", 2, "sft", _args(base_model, out))
