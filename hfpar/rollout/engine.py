@@ -85,7 +85,8 @@ class InPlaceEngine:
         try:
             if root is not None:
                 if not self._root_ran:  # FSDP2 initializes on the root's first forward, which must come first
-                    with torch.no_grad():
+                    # (a whole-sequence forward: under CP the attention is the model's own here, as in generation)
+                    with torch.no_grad(), whole_sequence(model):
                         model(input_ids=ids[:, :1].to(device), use_cache=False)
                     self._root_ran = True
                 root.unshard()
