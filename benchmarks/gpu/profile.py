@@ -73,19 +73,25 @@ def instrument(prof_box: dict, start: int, n: int) -> None:
 
     def train_step(self, step, *rest):
         if step == start:
-            torch.cuda.synchronize()
-            prof_box["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
+            _sync()
+            acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+            prof_box["prof"] = profile(activities=acts, record_shapes=False)
             prof_box["prof"].__enter__()
             prof_box["t0"] = time.perf_counter()
         with record_function("hfpar::train_step"):
             rec = orig_step(self, step, *rest)
         if step == start + n - 1:
-            torch.cuda.synchronize()
+            _sync()
             prof_box["wall_s"] = time.perf_counter() - prof_box["t0"]  # the profiled steps back to back, end to end
             prof_box["prof"].__exit__(None, None, None)
         return rec
 
     T.Trainer._train_step = train_step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():  # the code path runs on CPU too (benchmarks/gpu/round.sh with HFPAR_ROUND_CPU=1)
+        torch.cuda.synchronize()
 
 
 def busy(prof, n: int, wall_s: float) -> dict:
@@ -130,12 +136,21 @@ def main() -> None:
     p.add_argument("--profile_steps", type=int, default=3)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048, help="the Llama's width (MLP 2.75x, heads of 128)")
+    p.add_argument("--layers", type=int, default=16)
     args, extra = p.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(tempfile.mkdtemp(prefix="hfpar-prof-model-"))
-    ns = argparse.Namespace(hidden=2048, intermediate=5632, layers=16, heads=16, kv_heads=8)
+    heads = max(1, args.hidden // 128)
+    ns = argparse.Namespace(
+        hidden=args.hidden,
+        intermediate=args.hidden * 11 // 4,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+    )
     build_model(model_dir, ns)
     os.environ.setdefault("ACCELERATE_MIXED_PRECISION", "bf16")
     box: dict = {}

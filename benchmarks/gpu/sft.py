@@ -63,7 +63,7 @@ def build_model(path: Path, args) -> dict:
         use_cache=False,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
     n_total = sum(p.numel() for p in model.parameters())

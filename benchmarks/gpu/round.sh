@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue #41's GPU benchmarks in one pass on one CUDA GPU, each section under its own time limit (a section that fails
+# or runs out of time leaves the others' results): writes OUT/round.log and OUT/all.tgz (every section's folder, raw
+# logs included; re-packed after each section: two files, as the benchmark machine's tool returns few).
+#   bash benchmarks/gpu/round.sh OUT [BUDGET_S]          # ~9.5 minutes on an H200 (BUDGET_S, default 570)
+#   HFPAR_ROUND_CPU=1 bash benchmarks/gpu/round.sh OUT   # every section's code path on CPU, tiny shapes (~6 minutes)
+# Sections: 1. SFT, Llama-3.2-3B shape, rows of 4096: hfpar eager / compiled / FP8 + compiled vs TRL's SFTTrainer
+# (benchmarks/gpu/peers.py); 2. GPU busy (kernel time / step wall) of hfpar's SFT steps, prefetch on and off
+# (benchmarks/gpu/profile.py); 3. DPO vs TRL's DPOTrainer on the 1024-wide model, profiled (GPU busy), and on a 3.3B
+# Llama shape (benchmarks/dpo/speed.py); 4. the Qwen3-30B-A3B-shaped MoE block and 4-layer slice vs transformers'
+# grouped_mm (benchmarks/moe/gpu.py).
+set -uo pipefail
+out=${1:?usage: round.sh OUT [BUDGET_S]}
+budget=${2:-570}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d /tmp/hfpar-round-XXXX)
+cd "$(dirname "$0")/../.."
+start=$SECONDS
+exec > >(tee "$out/round.log") 2>&1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+cpu=${HFPAR_ROUND_CPU:-}
+
+pack() { cp "$out/round.log" "$work/" && tar czf "$out/all.tgz.tmp" -C "$work" . && mv "$out/all.tgz.tmp" "$out/all.tgz"; }
+# section NAME SECONDS CMD...: runs CMD under `timeout` (at most SECONDS, at most what is left of the budget)
+section() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((budget - (SECONDS - start) - 15))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 30 ]; then
+        echo "[round] $name: skipped, $left s of the budget left"
+        return
+    fi
+    echo "[round] $name: start at $((SECONDS - start)) s, limit $limit s: $*"
+    timeout --signal=INT --kill-after=10 "$limit" "$@"
+    echo "[round] $name: exit $? at $((SECONDS - start)) s"
+    pack
+}
+
+python3 - <<'PY'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+for m in ("transformers", "accelerate", "datasets", "trl", "liger_kernel", "torchao", "pyarrow", "peft"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:  # noqa: BLE001
+        print(m, "MISSING", type(e).__name__, str(e)[:200])
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv 2>/dev/null
+
+if [ -n "$cpu" ]; then
+    peers=(--shape tiny --device cpu --seq_len 256 --steps 3 --warmup 1 --docs 40)
+    prof=(--steps 4 --profile_from 2 --profile_steps 1 --seq_len 128 --batch_size 2 --hidden 128 --layers 2)
+    dpo=(--device cpu --dtype float32 --steps 3 --rounds 1)
+    dpo_big=(--device cpu --dtype float32 --hidden 128 --layers 2 --steps 3 --rounds 1 --no-profile)
+    moe=(--device cpu --scale tiny --dtype float32 --budget_s 60)
+else
+    peers=()
+    prof=()
+    dpo=(--device cuda --steps 20)
+    dpo_big=(--device cuda --hidden 3072 --layers 28 --vocab 128256 --batch 8 --steps 8 --rounds 1 --no-profile)
+    moe=(--device cuda --budget_s 60)
+fi
+section sft_peers 330 python3 -m benchmarks.gpu.peers --out "$work/peers" "${peers[@]}" --variant_timeout 150 \
+    --variants "${HFPAR_ROUND_VARIANTS:-hfpar,hfpar_compile,hfpar_fp8_compile,trl,trl_liger}"
+for pf in 2 0; do
+    section "sft_busy_prefetch$pf" 60 python3 -m benchmarks.gpu.profile --out "$work/busy" --recipe sft \
+        --tag "sft_prefetch$pf" "${prof[@]}" -- --dataloader_prefetch_factor "$pf"
+done
+section dpo_busy 100 python3 -m benchmarks.dpo.speed --out "$work/dpo" "${dpo[@]}"
+section moe 90 python3 -m benchmarks.moe.gpu --out "$work/moe" "${moe[@]}"
+section dpo_3b 130 python3 -m benchmarks.dpo.speed --out "$work/dpo_3b" "${dpo_big[@]}"
+echo "[round] done at $((SECONDS - start)) s"
+pack
