@@ -1,9 +1,9 @@
 """Parallelism applied to a loaded HF model by plain functions, in a fixed order, before the data-parallel wrap:
 
     model, info = parallelize(model, args, ctx, plan)   # plan: the preflight's RunPlan (hfpar.context)
-        the strategy's adjustment (ctx.strategy.adjust_model) -> LoRA (PEFT adapters) -> MoE: upcycle + expert
-        parallel -> tensor parallel (MoE blocks left whole) -> context-parallel attention -> chunked loss -> activation
-        checkpointing -> regional compile (--torch_compile) -> pipeline stage
+        the strategy's adjustment (ctx.strategy.adjust_model) -> Liger's kernels (--use_liger_kernel) -> LoRA (PEFT
+        adapters) -> MoE: upcycle + expert parallel -> tensor parallel (MoE blocks left whole) -> context-parallel
+        attention -> chunked loss -> activation checkpointing -> regional compile (--torch_compile) -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -36,6 +36,7 @@ from hfpar.parallel.pipeline import (
 )
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from hfpar.train.compile import compile_blocks
+from hfpar.train.liger import apply_liger
 
 
 def is_moe(model) -> bool:
@@ -136,6 +137,8 @@ def parallelize(model, args, ctx, plan) -> tuple:
     info, task = {}, plan.task
     if ctx.strategy is not None:  # e.g. FSDP2's wrap classes (hfpar.backends.strategies)
         ctx.strategy.adjust_model(model)
+    if args.use_liger_kernel:  # the model's own modules get Liger's kernels, before any layer wraps them
+        info["liger"] = apply_liger(model)
     if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
         model = apply_lora(model, args, task)
         info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}

@@ -43,6 +43,7 @@ from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
+from hfpar.train.liger import liger_problems
 
 
 def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None):
@@ -83,6 +84,7 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
         problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
     problems += feature_problems(args, ctx, task)
     config, config_problem = read_model_config(args)  # config.json: read once per run, here
+    problems += liger_problems(args, ctx, accelerator.device.type, config)
     if degrees_ok:  # what the model's config says about the degrees
         problems += [config_problem] if config is None else model_problems(args, ctx, task, config)
     if not problems and backend_cls is not None:
