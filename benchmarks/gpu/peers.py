@@ -50,12 +50,14 @@ SHAPES = {  # Llama-3.2-3B's published config (tied embeddings, GQA 24:8, 128256
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, max_position_embeddings=512),
 }  # fmt: skip
-FP8_CONFIG = ROOT / "accelerate_configs" / "single_fp8.yaml"
+FP8 = "single_fp8"  # single.yaml with the fp8 lines of accelerate_configs/fsdp2_fp8.yaml (written by fp8_config)
 VARIANTS = {  # name -> (framework, hfpar launch config or TRL SFTConfig overrides, hfpar recipe flags)
     "hfpar": ("hfpar", "single", []),
     "hfpar_compile": ("hfpar", "single", ["--torch_compile"]),
-    "hfpar_fp8": ("hfpar", str(FP8_CONFIG), []),
-    "hfpar_fp8_compile": ("hfpar", str(FP8_CONFIG), ["--torch_compile"]),
+    "hfpar_fp8": ("hfpar", FP8, []),
+    "hfpar_fp8_compile": ("hfpar", FP8, ["--torch_compile"]),
+    "hfpar_fp8_rowwise_compile": ("hfpar", FP8, ["--torch_compile", "--fp8_recipe", "rowwise"]),
+    "hfpar_liger": ("hfpar", "single", ["--use_liger_kernel"]),
     "trl": ("trl", {}, []),
     "trl_liger": ("trl", {"use_liger_kernel": True}, []),  # Liger's RMSNorm / SwiGLU / RoPE / fused linear CE
     "trl_compile": ("trl", {"torch_compile": True}, []),
@@ -71,6 +73,19 @@ def write_data(path: Path, docs: int, seed: int = 0) -> None:
     with open(path, "w") as f:
         for _ in range(docs):
             f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(50, 600)))}) + "\n")
+
+
+def fp8_config(work: Path) -> Path | None:
+    """single.yaml made fp8 (Accelerate's `mixed_precision: fp8` with its torchao backend, tensorwise: the recipe
+    flag --fp8_recipe picks rowwise), as accelerate_configs/fsdp2_fp8.yaml says any config becomes; None where this
+    tree has no fp8 support."""
+    if not (ROOT / "accelerate_configs" / "fsdp2_fp8.yaml").exists():
+        return None
+    text = (ROOT / "accelerate_configs" / "single.yaml").read_text()
+    text = text.replace("mixed_precision: bf16", "mixed_precision: fp8")
+    path = work / f"{FP8}.yaml"
+    path.write_text(text + "fp8_config:\n  backend: AO\n  recipe: tensorwise\n")
+    return path
 
 
 def build_model(path: Path, shape: str, device: str) -> dict:
@@ -172,9 +187,12 @@ def run_variant(name: str, a, data: Path, model: Path, logs: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"peers-{name}-"))
     flags = recipe_flags(a, data, model)
     if kind == "hfpar":
-        if cfg == str(FP8_CONFIG) and not FP8_CONFIG.exists():
-            return {"variant": name, "error": f"{FP8_CONFIG.name} not in this tree"}
-        mp = None if cfg == str(FP8_CONFIG) else ("bf16" if a.device == "cuda" else "no")
+        if cfg == FP8:
+            cfg = fp8_config(data.parent)
+            if cfg is None:
+                return {"variant": name, "error": "no fp8 support in this tree (accelerate_configs/fsdp2_fp8.yaml)"}
+            cfg = str(cfg.with_suffix(""))  # accelerate_cmd adds .yaml (an absolute path replaces its folder)
+        mp = None if str(cfg).endswith(FP8) else ("bf16" if a.device == "cuda" else "no")
         cmd = accelerate_cmd(cfg, 1, "sft", [*flags, "--output_dir", str(run_dir), *extra], mixed_precision=mp)
     else:
         spec = {"flags": flags, "steps": a.steps, "batch": a.batch_size, "warmup": a.warmup, "model": str(model),
@@ -185,7 +203,8 @@ def run_variant(name: str, a, data: Path, model: Path, logs: Path) -> dict:
     with open(log, "w") as f:
         f.write("$ " + " ".join(map(str, cmd)) + "\n")
         f.flush()
-        e = env(cpu=a.device == "cpu", threads=None)
+        # on CPU (the code path only) fp8 runs in torchao's emulation, which hfpar takes only when asked
+        e = env(cpu=a.device == "cpu", threads=None, **({"HFPAR_FP8_EMULATE": "1"} if a.device == "cpu" else {}))
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=e, timeout=a.variant_timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -225,8 +244,13 @@ def table(env_: dict, results: list[dict]) -> str:
         best = max(peers, key=lambda v: ok[v]["tokens_per_s"])
         for v in (v for v in ok if v.startswith("hfpar")):
             lines.append(f"\n{v} / {best} (best peer): {ok[v]['tokens_per_s'] / ok[best]['tokens_per_s']:.2f}x")
-    if "hfpar_fp8" in ok:
-        lines.append(f"\nhfpar_fp8 / hfpar: {ok['hfpar_fp8']['tokens_per_s'] / ok['hfpar']['tokens_per_s']:.2f}x")
+    for v, b in (
+        ("hfpar_fp8", "hfpar"),
+        ("hfpar_fp8_compile", "hfpar_compile"),
+        ("hfpar_fp8_rowwise_compile", "hfpar_compile"),
+    ):
+        if v in ok and b in ok:
+            lines.append(f"\n{v} / {b}: {ok[v]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x")
     return "\n".join(lines) + "\n"
 
 

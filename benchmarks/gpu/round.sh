@@ -63,8 +63,8 @@ else
     dpo_big=(--device cuda --hidden 3072 --layers 28 --vocab 128256 --batch 8 --steps 8 --rounds 1 --no-profile)
     moe=(--device cuda --budget_s 60)
 fi
-section sft_peers 330 python3 -m benchmarks.gpu.peers --out "$work/peers" "${peers[@]}" --variant_timeout 150 \
-    --variants "${HFPAR_ROUND_VARIANTS:-hfpar,hfpar_compile,hfpar_fp8_compile,trl,trl_liger}"
+section sft_peers 360 python3 -m benchmarks.gpu.peers --out "$work/peers" "${peers[@]}" --variant_timeout 150 \
+    --variants "${HFPAR_ROUND_VARIANTS:-hfpar,trl,hfpar_compile,trl_liger,hfpar_fp8_compile,hfpar_liger}"
 for pf in 2 0; do
     section "sft_busy_prefetch$pf" 60 python3 -m benchmarks.gpu.profile --out "$work/busy" --recipe sft \
         --tag "sft_prefetch$pf" "${prof[@]}" -- --dataloader_prefetch_factor "$pf"
