@@ -22,6 +22,7 @@ from torch import nn
 from tests.helpers.dist import run_distributed
 
 pytest.importorskip("torchao")
+pytestmark = pytest.mark.slow  # 2 spawned ranks importing torchao: ~40 s on the loaded 2 cores
 
 
 def _config(recipe: str):

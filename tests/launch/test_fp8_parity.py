@@ -54,12 +54,13 @@ REFERENCE = {  # parallel case: the one-process fp8 run with its micro-batches
 }
 # Measured (2026-11-28, `-s -m "slow or extended"`, largest relative difference over the 8 steps, loss / grad_norm):
 # fp8 vs bf16, one process: rowwise 1.2e-3 / 1.2e-2, tensorwise 3.6e-3 / 2.0e-2; FSDP2 rowwise 2.1e-3 / 8.4e-3,
-# tensorwise 3.4e-3 / 1.9e-2; TP=2 rowwise 9.9e-4 / 9.4e-3, tensorwise 3.4e-3 / 2.0e-2.
+# tensorwise (fp8 all-gather) 4.2e-3 / 2.6e-2; TP=2 rowwise 9.9e-4 / 9.4e-3, tensorwise 3.4e-3 / 2.0e-2; TP=2 x FSDP2
+# rowwise 2.3e-3 / 6.2e-3. The final eval loss of the one-process runs: 7.7e-5 (rowwise), 2.2e-3 (tensorwise).
 # fp8 parallel vs fp8 one process: TP=2 rowwise 2.8e-4 / 2.1e-3, tensorwise 4.2e-4 / 3.4e-3 (the bf16 partial sums of
 # the row-parallel layers, re-rounded by the fp8 casts of the gradients; tests/distributed/test_tp_fp8.py); FSDP2
-# rowwise 2.1e-3 / 6.5e-3, tensorwise 1.1e-3 / 7.1e-3: FSDP2's bf16 parameters (norms, embeddings and the weights
-# before their fp8 cast), the layout's own bf16 difference (fsdp2_bf16 vs bf16 here: <FSDP2_BF16>).
-FP8_LOSS_TOL, FP8_NORM_TOL = 1e-2, 5e-2
+# rowwise 2.1e-3 / 6.5e-3, tensorwise 1.9e-3 / 6.0e-3, TP=2 x FSDP2 rowwise 2.1e-3 / 6.7e-3: FSDP2's bf16 parameters
+# (norms, embeddings), the layout's own difference in bf16 (fsdp2_bf16 vs bf16: 2.1e-3 / 3.3e-3).
+FP8_LOSS_TOL, FP8_NORM_TOL = 1.2e-2, 7.5e-2
 # (loss, grad_norm) by layout; with FSDP2's bf16 parameters: the bf16 suite's FSDP2 loss tolerance
 PAR_TOL = {"fsdp2": (6e-3, 2e-2), "tp2_fsdp2": (6e-3, 2e-2), "tp2": (1.5e-3, 1e-2)}
 
