@@ -92,6 +92,7 @@ class RecipeArgs:
     torch_compile_backend: str = "inductor"  # inductor | aot_eager | eager (torch.compile's backend)
     torch_compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     use_liger_kernel: bool = False  # Liger's RMSNorm / SwiGLU / RoPE kernels in the model's modules (CUDA)
+    fp8_recipe: str | None = None  # tensorwise | rowwise under mixed_precision fp8; unset: the accelerate config's
     resume_from_checkpoint: str | None = None  # "latest" or a checkpoint path
     report_to: str = "none"  # trackers via Accelerate's log_with, comma separated
     run_name: str | None = None

@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from accelerate.utils import other as accelerate_other
 
 from hfpar.config import ConfigError
+from hfpar.train import fp8
 
 
 def _launched_by_torchrun() -> bool:
@@ -122,14 +123,17 @@ def gpus_per_node_problem() -> str | None:
 def setup_accelerator(args, *, log_with=None, project_dir=None) -> Accelerator:
     """Build the Accelerator for the launched strategy (CPU-capable: see the module docstring). ConfigError (one
     line) before any process group exists when the node has fewer CUDA devices than processes."""
-    problem = gpus_per_node_problem()
-    if problem:
+    problem = gpus_per_node_problem() or (fp8.torchao_problem() if fp8.requested() else None)
+    if problem:  # without torchao Accelerate's own fp8 check fails in the constructor, with a traceback
         raise ConfigError(problem)
+    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=args.dist_timeout_s))]
+    if fp8.requested():  # torchao's float8 (hfpar converts the model; the rest of the preflight checks the options)
+        handlers.append(fp8.accelerate_handler(fp8.fp8_settings(args)))
     kwargs = dict(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=log_with,
         project_dir=project_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=args.dist_timeout_s))],
+        kwargs_handlers=handlers,
     )
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         # DeepSpeed reads its own timeout at init_distributed; keep it equal to ours.

@@ -3,7 +3,8 @@
     model, info = parallelize(model, args, ctx, plan)   # plan: the preflight's RunPlan (hfpar.context)
         the strategy's adjustment (ctx.strategy.adjust_model) -> Liger's kernels (--use_liger_kernel) -> LoRA (PEFT
         adapters) -> MoE: upcycle + expert parallel -> tensor parallel (MoE blocks left whole) -> context-parallel
-        attention -> chunked loss -> activation checkpointing -> regional compile (--torch_compile) -> pipeline stage
+        attention -> fp8 Linear layers (mixed_precision fp8) -> chunked loss -> activation checkpointing -> regional
+        compile (--torch_compile) -> pipeline stage
     backend.prepare(model)      the data-parallel wrap (DDP / FSDP2 / ZeRO, over ctx's dp group)
 
 Every degree comes from the ParallelContext; each step is a no-op when its degree is 1. Raises ValueError
@@ -35,7 +36,8 @@ from hfpar.parallel.pipeline import (
     parse_split,
 )
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
-from hfpar.train.compile import compile_blocks
+from hfpar.train.compile import compile_blocks, repeated_blocks
+from hfpar.train.fp8 import convert_model
 from hfpar.train.liger import apply_liger
 
 
@@ -149,6 +151,8 @@ def parallelize(model, args, ctx, plan) -> tuple:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)
         enable_cp_attention(model)
+    if plan.fp8 is not None:  # after TP (its layers' shards), before the data-parallel wrap (FSDP2's fp8 all-gather)
+        info["fp8"] = convert_model(model, plan.fp8, repeated_blocks(model))
     if task == "lm":
         info["loss_chunk_size"] = chunk_loss(model, args, ctx)
     if args.gradient_checkpointing:

@@ -43,6 +43,7 @@ from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
+from hfpar.train.fp8 import fp8_problems, fp8_settings
 from hfpar.train.liger import liger_problems
 
 
@@ -82,6 +83,7 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
         problems.append(p)
     if backend_cls is not None:
         problems += backend_cls.check(args, ctx, strategy.name, accelerator.mixed_precision)
+    problems += fp8_problems(args, ctx, strategy, accelerator.device)  # mixed_precision fp8 (torchao's float8)
     problems += feature_problems(args, ctx, task)
     config, config_problem = read_model_config(args)  # config.json: read once per run, here
     problems += liger_problems(args, ctx, accelerator.device.type, config)
@@ -352,6 +354,7 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
         padding_free=padding_free,
         padding_free_why_not=why_not,
         cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
+        fp8=fp8_settings(args, all_gather=ctx.strategy.fp8_all_gather and ctx.tp == 1),
     )
     values = recipe.resolve(args, ctx, plan)
     return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from accelerate.utils import fsdp_utils
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from hfpar.distributed import swapped
 from hfpar.loading.sharded import fsdp2_loader
@@ -74,6 +75,7 @@ class AccelerateBackend(Backend):
             self._prepare_meta_fsdp2(model)
             return
         self.base_optimizer = build_optimizer(model, self.args)
+        _unwrap_subclass_params(self.base_optimizer)
         self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
 
     def _prepare_meta_fsdp2(self, model) -> None:
@@ -95,3 +97,13 @@ class AccelerateBackend(Backend):
 
     def clip(self, max_norm: float) -> float:
         return accelerate_clip(self.acc, self.model, max_norm)
+
+
+def _unwrap_subclass_params(optimizer) -> None:
+    """Accelerate's FSDP2 prepare matches the optimizer's parameters to the sharded ones by data_ptr, which torchao's
+    fp8 all-gather weight (mixed_precision fp8, tensorwise) reports as 0; Accelerate reads the wrapped tensor on the
+    model's side (its `_tensor`), and in its own flow converts the model after the optimizer was built, so the
+    optimizer holds that tensor: hfpar converts first (after TP) and gives the optimizer the wrapped tensor too
+    (prepare replaces every entry with its sharded parameter)."""
+    for group in optimizer.param_groups:
+        group["params"] = [p._tensor if is_traceable_wrapper_subclass(p) else p for p in group["params"]]

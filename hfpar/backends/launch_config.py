@@ -1,12 +1,15 @@
-"""The accelerate YAML a run was launched with: misspelt keys of its deepspeed_config / fsdp_config refused.
+"""The accelerate YAML a run was launched with: misspelt keys of its deepspeed_config / fsdp_config / fp8_config
+refused.
 
     problems = launch_config_problems()      # [] or one line per unknown key, with a did-you-mean
 
-Accelerate's launcher turns every key of these two sections into a launcher attribute and ignores the ones it does
-not know: `zero_stag: 3` silently runs ZeRO-2 (the default stage), `fsdp_versoin: 2` falls back to FSDP1. The known
-keys are the launcher's own DeepSpeed / FSDP arguments (accelerate.commands.launch's parser), so this list follows
-the installed Accelerate. The YAML is found on the launcher's command line (`--config_file`, the parent process of
-every rank under `accelerate launch`), else Accelerate's default config file; none found: nothing to check.
+Accelerate's launcher turns every key of these sections into a launcher attribute and ignores the ones it does not
+know: `zero_stag: 3` silently runs ZeRO-2 (the default stage), `fsdp_versoin: 2` falls back to FSDP1, fp8_config's
+`recipie: rowwise` trains tensorwise. The known keys are the launcher's own DeepSpeed / FSDP / FP8 arguments
+(accelerate.commands.launch's parser), so this list follows the installed Accelerate, plus hfpar's fp8_config `recipe`
+(exported by the launcher like any key of the section: ACCELERATE_FP8_RECIPE, read by hfpar.train.fp8). The YAML is
+found on the launcher's command line (`--config_file`, the parent process of every rank under `accelerate launch`),
+else Accelerate's default config file; none found: nothing to check.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from pathlib import Path
 
 import yaml
 
-SECTIONS = {"deepspeed_config": "DeepSpeed Arguments", "fsdp_config": "FSDP Arguments"}
+SECTIONS = {"deepspeed_config": "DeepSpeed Arguments", "fsdp_config": "FSDP Arguments", "fp8_config": "FP8 Arguments"}
+PREFIX = {"fsdp_config": "fsdp_", "fp8_config": "fp8_"}  # Accelerate prefixes these sections' keys when they lack it
+HFPAR_KEYS = {"fp8_config": {"fp8_recipe"}}
 
 
 def known_keys() -> dict[str, set[str]]:
@@ -26,7 +31,7 @@ def known_keys() -> dict[str, set[str]]:
     from accelerate.commands.launch import launch_command_parser  # noqa: PLC0415  (argparse only; a refusal path)
 
     groups = {g.title: {a.dest for a in g._group_actions} for g in launch_command_parser()._action_groups}
-    return {section: groups.get(title, set()) for section, title in SECTIONS.items()}
+    return {section: groups.get(title, set()) | HFPAR_KEYS.get(section, set()) for section, title in SECTIONS.items()}
 
 
 def launcher_config_file(pid: int | None = None) -> Path | None:
@@ -60,8 +65,8 @@ def config_problems(path: Path) -> list[str]:
     known, p = known_keys(), []
     for section in SECTIONS:
         for key in (config.get(section) or {}) if isinstance(config, dict) else {}:
-            # Accelerate prefixes fsdp_config keys with "fsdp_" when they lack it
-            name = key if section != "fsdp_config" or key.startswith("fsdp_") else f"fsdp_{key}"
+            prefix = PREFIX.get(section, "")
+            name = key if key.startswith(prefix) else f"{prefix}{key}"
             if name not in known[section]:
                 close = difflib.get_close_matches(name, sorted(known[section]), n=1, cutoff=0.6)
                 hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known[section]))}"

@@ -30,6 +30,7 @@ class Strategy:
     partitions_at_load: bool = False  # from_pretrained under DeepSpeed's zero.Init (ZeRO-3)
     offload: bool = False  # states kept in host RAM (ZeRO-3 offload)
     holds_embedding_units: bool = False  # Accelerate's FSDP2 gives the input embedding a unit of its own
+    fp8_all_gather: bool = False  # its wrap all-gathers torchao's Float8Linear weights in fp8 (tensorwise fp8)
     planner_with: str = ""  # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
     tier: str | None = None  # `hfpar plan`'s recommendation order: first | fallback | last (None:
     # shown, not recommended)
@@ -57,6 +58,7 @@ _TABLE = (
         buffers="gathered",
         wrap_load="fsdp2",
         holds_embedding_units=True,
+        fp8_all_gather=True,
         planner_with="tp cp",
         tier="first",
     ),

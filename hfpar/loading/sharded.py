@@ -35,6 +35,7 @@ import torch.nn as nn
 from accelerate import init_empty_weights
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import AutoConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
@@ -305,6 +306,17 @@ def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
     return {"tensors": len(todo), "bytes_read": done}
 
 
+def _like_skeleton(local: torch.Tensor, t: DTensor) -> torch.Tensor:
+    """The loaded shard in the skeleton's tensor subclass, if it has one: torchao's fp8 all-gather weight
+    (mixed_precision fp8, tensorwise), which assign=True would otherwise replace by a plain tensor (FSDP2 would then
+    all-gather it in bf16). Rebuilt through the subclass protocol (__tensor_flatten__ / __tensor_unflatten__)."""
+    inner = t.to_local()
+    if not is_traceable_wrapper_subclass(inner):
+        return local
+    (name, *_), meta = inner.__tensor_flatten__()
+    return type(inner).__tensor_unflatten__({name: local}, meta, local.shape, local.stride())
+
+
 def fsdp2_loader(index: dict[str, str]):
     """A stand-in for accelerate's fsdp2_load_full_state_dict(accelerator, model, full_sd, cpu_offload): each
     rank reads its own shard of every DTensor from the files (no rank holds the full model, no broadcast).
@@ -326,7 +338,7 @@ def fsdp2_loader(index: dict[str, str]):
                 local = full[tuple(slice(a, b) for a, b in box)].to(t.dtype).contiguous()
             else:
                 local = _load_tensor(files, sources, [names[name]], t, hf)
-            local = local.to(accelerator.device if not cpu_offload else "cpu")
+            local = _like_skeleton(local.to(accelerator.device if not cpu_offload else "cpu"), t)
             out[name] = DTensor.from_local(
                 local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
             )

@@ -73,6 +73,7 @@ class ColumnParallelLinear(nn.Module):
 
     weight_shard_dim = 0
     in_region = False
+    local_matmul = None  # (x, local W) -> x @ W^T set per layer, e.g. fp8 (tensor_parallel/fp8.py); None: F.linear
 
     def __init__(
         self,
@@ -148,7 +149,10 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.local_matmul is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.local_matmul(x, self.weight)  # (B, T, out/tp)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and not self.in_region:  # in a region: its hook did this once for q/k/v
@@ -191,6 +195,7 @@ class RowParallelLinear(nn.Module):
     """
 
     weight_shard_dim = 1
+    local_matmul = None  # as ColumnParallelLinear's
 
     def __init__(
         self,
@@ -270,7 +275,7 @@ class RowParallelLinear(nn.Module):
         return y if bias is None else y + bias
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight) if self.local_matmul is None else self.local_matmul(x, self.weight)
 
     def full_weight(self) -> torch.Tensor:
         """(out, in) on every rank. Collective."""
