@@ -4,6 +4,7 @@
 # logs included; re-packed after each section: two files, as the benchmark machine's tool returns few).
 #   bash benchmarks/gpu/round.sh OUT [BUDGET_S]          # ~9.5 minutes on an H200 (BUDGET_S, default 570)
 #   HFPAR_ROUND_CPU=1 bash benchmarks/gpu/round.sh OUT   # every section's code path on CPU, tiny shapes (~6 minutes)
+#   HFPAR_ROUND_SECTIONS=sft_peers bash benchmarks/gpu/round.sh OUT 380    # some sections (two calls of a lease)
 # Sections: 1. SFT, Llama-3.2-3B shape, rows of 4096: hfpar eager / compiled / FP8 + compiled vs TRL's SFTTrainer
 # (benchmarks/gpu/peers.py); 2. GPU busy (kernel time / step wall) of hfpar's SFT steps, prefetch on and off
 # (benchmarks/gpu/profile.py); 3. DPO vs TRL's DPOTrainer on the 1024-wide model, profiled (GPU busy), and on a 3.3B
@@ -27,6 +28,9 @@ pack() { cp "$out/round.log" "$work/" && tar czf "$out/all.tgz.tmp" -C "$work" .
 section() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${HFPAR_ROUND_SECTIONS:-}" ] && ! [[ ",$HFPAR_ROUND_SECTIONS," == *",${name%%_prefetch*},"* ]]; then
+        return  # not asked for (HFPAR_ROUND_SECTIONS=sft_peers,sft_busy,dpo_busy,moe,dpo_3b: a subset, in this order)
+    fi
     local left=$((budget - (SECONDS - start) - 15))
     [ "$limit" -gt "$left" ] && limit=$left
     if [ "$limit" -lt 30 ]; then
