@@ -13,9 +13,10 @@ Attention is transformers' sdpa in both (the packed-sequence mask from the posit
 which TRL documents for padding-free, cannot be installed on the benchmark machine (no network, no wheel for its
 torch).
 
-Per variant, each in a fresh process: tokens/s (real tokens of the steps after --warmup over their wall time, the
-step synchronised), MFU (6 N + 12 L d T FLOPs per token, PaLM's convention; recomputation not counted), peak memory
-(torch.cuda.max_memory_allocated), per-step losses. Raw logs: OUT/logs/<variant>.log; summary OUT/peers.{json,md}.
+Per variant, each in a fresh process: tokens/s (mean real tokens of the steps after --warmup over their median step
+time, the step synchronised: a compiled run's later steps can still recompile), MFU (6 N + 12 L d T FLOPs per token,
+PaLM's convention; recomputation not counted), peak memory (torch.cuda.max_memory_allocated), per-step losses.
+Raw logs: OUT/logs/<variant>.log; summary OUT/peers.{json,md}; benchmarks/gpu/round_report.py makes the tables.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def trl_worker(spec: dict) -> None:
     times = [b - a for a, b in zip([t0, *ends[:-1]], ends)]
     w = spec["warmup"]
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    result = {"tokens_per_s": sum(tokens[w:]) / sum(times[w:]), "losses": losses, "peak_mem_bytes": peak,
+    result = {"tokens_per_s": statistics.mean(tokens[w:]) / statistics.median(times[w:]), "losses": losses,
+              "peak_mem_bytes": peak, "step_times": times, "tokens": tokens,
               "step_time_s": statistics.median(times[w:])}  # fmt: skip
     Path(spec["result"]).write_text(json.dumps(result))
 
@@ -214,11 +216,14 @@ def run_variant(name: str, a, data: Path, model: Path, logs: Path) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in recs if "loss" in r]
     timed = steps[a.warmup :]
-    rate = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    # at the median step: a compiled run's later steps can still recompile (packed rows vary in length)
+    rate = statistics.mean(r["tokens_per_s"] * r["step_time_s"] for r in timed) / statistics.median(
+        r["step_time_s"] for r in timed
+    )
     return {"variant": name, "tokens_per_s": rate, "losses": [r["loss"] for r in steps],
             "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in steps),
             "step_time_s": statistics.median(r["step_time_s"] for r in timed), "wall_s": wall,
-            "compile_s": steps[-1].get("compile_s")}  # fmt: skip
+            "compile_s": steps[-1].get("compile_s"), "steps": steps}  # fmt: skip
 
 
 def table(env_: dict, results: list[dict]) -> str:

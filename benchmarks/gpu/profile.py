@@ -94,10 +94,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _annotation(e) -> bool:
+    return getattr(e, "is_user_annotation", False) or e.key.startswith(("hfpar::", "Optimizer.", "ProfilerStep"))
+
+
 def busy(prof, n: int, wall_s: float) -> dict:
     """GPU busy: the kernels' (and copies') own device time per step against the step's wall time."""
+    # torch 2.11 reports record_function ranges (hfpar::*, Optimizer.step#...) as GPU events too: not kernels
     kernel_us = sum(
-        e.self_device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not _annotation(e)
     )
     wall_ms, kernel_ms = wall_s * 1e3 / n, kernel_us / 1e3 / n
     return {"step_wall_ms": round(wall_ms, 2), "kernel_ms": round(kernel_ms, 2), "busy": round(kernel_ms / wall_ms, 4)}

@@ -63,7 +63,7 @@ if [ -n "$cpu" ]; then
 else
     peers=()
     prof=()
-    dpo=(--device cuda --steps 20)
+    dpo=(--device cuda --steps "${HFPAR_ROUND_DPO_STEPS:-20}")
     dpo_big=(--device cuda --hidden 3072 --layers 28 --vocab 128256 --batch 8 --steps 8 --rounds 1 --no-profile)
     moe=(--device cuda --budget_s 60)
 fi
