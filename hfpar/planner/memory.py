@@ -187,6 +187,16 @@ def output_layer_bytes(stats, tokens: int, *, tp: int = 1, loss_chunk: int = 0, 
     return grad_h + (2 if tokens > c else 1) * c * v * 4
 
 
+def _gated(stats) -> bool:
+    """Whether the MLP has three matmuls (SwiGLU / GeGLU: gate, up, down) or two, from a dense layer's weights."""
+    if stats.num_experts or not stats.intermediate or not stats.hidden or not stats.heads:
+        return True  # MoE experts of today's families are gated
+    q = stats.hidden
+    kv = stats.kv_heads * stats.hidden // stats.heads
+    mlp = stats.largest_layer - stats.hidden * (2 * q + 2 * kv)
+    return mlp > 2.5 * stats.hidden * stats.intermediate
+
+
 def activation_bytes(
     stats,
     seq_len: int,
@@ -197,20 +207,48 @@ def activation_bytes(
     act_bytes: int = 2,
     attn_implementation: str = "sdpa",
     loss_chunk: int = 0,
+    autocast: bool = True,
 ) -> int:
-    """Activations kept for backward on one rank (Korthikanti et al. 2022, eq. 1-2, 16-bit units).
+    """Activations kept for backward on one rank: measured per layer, Korthikanti et al. 2022's structure.
 
-    Per layer, no TP: s*b*h*(34 + 5*a*s/h); TP degree t without sequence parallelism: s*b*h*(10 + 24/t +
-    5*a*s/(h*t)). The 5*a*s/h term is the s x s attention scores: counted for eager attention only
-    (sdpa / flash attention never store them). Full recomputation keeps each layer's input, 2*s*b*h,
-    plus one layer's activations while it is recomputed. Scaled by act_bytes / 2 (fp32 activations take twice
-    the bytes). Output layer: output_layer_bytes (loss_chunk tokens per chunk, 0: 4*s*b*v/t fp32 logits)."""
+    hfpar keeps fp32 master weights and computes under bf16 autocast, which Korthikanti's 34 s b h (every saved tensor
+    16-bit, a 4h GELU MLP) undercounts: the residual stream and the RMSNorms stay fp32, RoPE's output is fp32 (fp32
+    cos / sin), and autocast's bf16 copy of every weight is saved for its matmul's backward. Per token and layer,
+    the saved-tensor bytes of transformers' Llama decoder layer (sdpa, packed rows; benchmarks/common/
+    activation_bytes.py, CPU, any shape: the terms below fit h 1024-3072, I 2816-8192, kv 512-1024 exactly):
+      bf16 autocast over fp32 weights (autocast True: DDP, one process, TP / EP / CP / PP over DDP):
+                     26 h + 4 q + 4 kv + 8 I (+ 4 per head: sdpa's fp32 logsumexp)
+      bf16 weights (autocast False: FSDP2's bf16 policy gathers bf16 weights, DeepSpeed's bf16 casts the module):
+                     16 h + 4 q + 4 kv + 8 I (+ 4 per head), no weight copies, a bf16 residual stream
+      fp32:          24 h + 8 q + 8 kv + 16 I (+ 4 per head)
+    q = h (the heads' width), kv = kv_heads x h / heads, I the MLP's width (gated; a two-matmul MLP saves half the
+    I term). With TP degree t the q, kv and I terms are split, the h term (norms, residual, the matmuls' full-width
+    inputs) is not. Under autocast the bf16 weight copies add 2 bytes per layer parameter (/ t for the split
+    matrices). Eager attention adds the s x s scores, 5 a s / t per token (16-bit units, Korthikanti). Full
+    recomputation keeps each layer's input (4 h per token fp32, 2 h bf16), plus one layer's activations and weight
+    copies while it is recomputed.
+    Output layer: output_layer_bytes (loss_chunk tokens per chunk, 0: 4*s*b*v/t fp32 logits).
+    Checked against the GPU (H200, bf16, one process, benchmarks/results/gpu/round/): a 0.9B Llama at 2048 x 8
+    tokens, peak 42.0 GiB measured; a 3.2B Llama at 2 rows padded to 4000, 81.7 GiB (docs/planner.md)."""
     s, b, h, a = seq_len, batch_size, stats.hidden, stats.heads
-    scores = 5 * a * s / (h * tp) if attn_implementation == "eager" else 0.0
-    layer = s * b * h * ((34 if tp == 1 else 10 + 24 / tp) + scores)
-    body = stats.n_layers * 2 * s * b * h + layer if checkpointing else stats.n_layers * layer
-    head = output_layer_bytes(stats, s * b, tp=tp, loss_chunk=loss_chunk, bf16=act_bytes == 2)
-    return int(body * act_bytes / 2 + head)
+    bf16 = act_bytes == 2
+    q = h
+    kv = stats.kv_heads * h // a if a else h
+    mlp = stats.intermediate * (1 if _gated(stats) else 0.5)
+    if bf16:
+        per_token = (26 if autocast else 16) * h + (4 * q + 4 * kv + 8 * mlp) / tp + 4 * a / tp
+    else:
+        per_token = 24 * h + (8 * q + 8 * kv + 16 * mlp) / tp + 4 * a / tp
+    if attn_implementation == "eager":
+        per_token += 5 * a * s / tp * act_bytes / 2
+    copies = 0.0
+    if bf16 and autocast and stats.n_layers:
+        copies = 2 * stats.largest_layer / tp  # the pipeline planner passes n_layers=1 copies of the stats: per layer
+    layer = s * b * per_token + copies
+    kept_input = 2 if bf16 and not autocast else 4  # bytes per element of a layer's input (the residual stream)
+    body = stats.n_layers * kept_input * s * b * h + layer if checkpointing else stats.n_layers * layer
+    head = output_layer_bytes(stats, s * b, tp=tp, loss_chunk=loss_chunk, bf16=bf16)
+    return int(body + head)
 
 
 def load_mode(stats, strategy, *, tp: int = 1, ep: int = 1, pp: int = 1, lora: bool = False) -> str:

@@ -93,7 +93,8 @@ def estimate(
     shard_p, shard_g, shard_o = (dp if sharded else 1 for sharded in s.shards)
     out = {"params": local * bp / shard_p, "grads": trainable * bg / shard_g, "optimizer": trainable * bo / shard_o}
     if s.buffers == "bucket":
-        buffers = trainable * bg  # DDP's bucket copy of the gradients (gradient_as_bucket_view off)
+        # DDP's bucket copy of the gradients (gradient_as_bucket_view off); one process runs unwrapped (single.yaml)
+        buffers = trainable * bg if world_size > 1 else 0
     elif s.buffers == "gathered":
         buffers = 2 * layer * bp + layer * bg  # gathered layer + prefetched next + its unsharded grads
     else:
@@ -113,6 +114,7 @@ def estimate(
         act_bytes=act_bytes,
         attn_implementation=attn_implementation,
         loss_chunk=chunk_tokens(stats, tp_size, loss_chunk_size),
+        autocast=strategy == "ddp",  # fp32 weights under autocast; FSDP2's policy and DeepSpeed compute in bf16
     )
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
