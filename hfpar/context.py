@@ -303,4 +303,6 @@ class RunPlan:
     padding_free: bool  # the collator packs each micro-batch's samples into rows
     padding_free_why_not: str | None
     cp_mode: str  # ring | ulysses (--cp_mode auto resolved)
+    # a vision-language model a recipe of image rows trains (Recipe.image_text): AutoModelForImageTextToText builds it
+    image_text: bool = False
     recipe_values: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))

@@ -35,6 +35,7 @@ from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
+from hfpar.data.vision import is_image_text
 from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
@@ -84,7 +85,8 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
     problems += feature_problems(args, ctx, task)
     config, config_problem = read_model_config(args)  # config.json: read once per run, here
     if degrees_ok:  # what the model's config says about the degrees
-        problems += [config_problem] if config is None else model_problems(args, ctx, task, config)
+        image_text = recipe.image_text and is_image_text(config)
+        problems += [config_problem] if config is None else model_problems(args, ctx, task, config, image_text)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, backend_cls)
     if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
@@ -145,13 +147,14 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     return p
 
 
-def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[str]:
-    """What the model's config says about the options (config: as the preflight read it; None: read here)."""
+def model_problems(args, ctx: ParallelContext, task: str, config=None, image_text: bool = False) -> list[str]:
+    """What the model's config says about the options (config: as the preflight read it; None: read here).
+    image_text: a recipe of image rows builds it with AutoModelForImageTextToText (no causal-LM class needed)."""
     if config is None:
         config, problem = read_model_config(args)
         if config is None:
             return [problem]
-    if task == "lm" and (why := causal_lm_problem(config)):  # e.g. LLaVA: AutoModelForImageTextToText builds it
+    if task == "lm" and not image_text and (why := causal_lm_problem(config)):  # LLaVA: AutoModelForImageTextToText
         return [why]
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
@@ -303,7 +306,8 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
 # ---------------------------------------------------------------------------------------- the run plan
 def read_model_config(args) -> tuple[Any, str | None]:
     """-> (the model's config, None) or (None, the one-line problem)."""
-    path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
+    name = args.model_name_or_path
+    path = data.embedded_model_path(name) if name in data.EMBEDDED_MODELS else name
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False)), None
     except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
@@ -350,6 +354,7 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
         padding_free=padding_free,
         padding_free_why_not=why_not,
         cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
+        image_text=recipe.image_text and is_image_text(config),
     )
     values = recipe.resolve(args, ctx, plan)
     return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

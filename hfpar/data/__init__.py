@@ -42,6 +42,8 @@ from .errors import DataError
 from .load import (
     BUILDERS,
     EMBEDDED,
+    EMBEDDED_MODELS,
+    EMBEDDED_VLM,
     EVAL_NAMES,
     FILE_LIKE,
     FORMATS,
@@ -67,6 +69,8 @@ def grpo_start_path() -> str:
 __all__ = [
     "BUILDERS",
     "EMBEDDED",
+    "EMBEDDED_MODELS",
+    "EMBEDDED_VLM",
     "EVAL_NAMES",
     "FILE_LIKE",
     "FORMATS",

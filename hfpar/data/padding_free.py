@@ -43,6 +43,12 @@ def _mask_attentions() -> tuple[str, ...]:
     return tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())
 
 
+def _image_text_types():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) -> tuple[bool, str | None]:
     """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
 
@@ -57,6 +63,11 @@ def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) 
         return False, (
             f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
             "of rows, and padding-free batches vary in their number of rows"
+        )
+    if model_type in _image_text_types():
+        return False, (
+            f"model_type {model_type!r} is a vision-language model, whose rows keep their image tokens where the "
+            "processor put them: padded batches"
         )
     if model_type not in FAMILIES:
         return False, (
