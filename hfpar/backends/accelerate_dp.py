@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from accelerate.utils import fsdp_utils
+from accelerate.utils import DistributedDataParallelKwargs, fsdp_utils
 
 from hfpar.distributed import swapped
 from hfpar.loading.sharded import fsdp2_loader
@@ -74,6 +74,9 @@ class AccelerateBackend(Backend):
             self._prepare_meta_fsdp2(model)
             return
         self.base_optimizer = build_optimizer(model, self.args)
+        if self.run_plan is not None and self.run_plan.image_text:  # parameters without a gradient in some steps:
+            # LLaVA's unused post_layernorm, the vision tower in a batch without images (TRL does the same for VLMs)
+            self.acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
 
     def _prepare_meta_fsdp2(self, model) -> None:

@@ -45,6 +45,7 @@ def check_image(src, index: int, j: int, root: Path | None):
 
     if isinstance(src, dict):  # datasets' Image feature, undecoded: {"bytes": ..., "path": ...}
         src = src.get("bytes") or src.get("path")
+    named = _describe(src)  # as the row gives it
     if isinstance(src, str):
         src = _confined(src, index, j, root)
     elif not isinstance(src, (bytes, bytearray, Image.Image)):
@@ -55,7 +56,7 @@ def check_image(src, index: int, j: int, root: Path | None):
         open_image(src)
     except Exception as exc:  # noqa: BLE001  (an untrusted file: whatever PIL raises is one line)
         raise DataError(
-            f"example {index}: image {j} ({_describe(src)}) cannot be opened: {type(exc).__name__}: {_one_line(exc)}"
+            f"example {index}: image {j} ({named}) cannot be opened: {type(exc).__name__}: {_one_line(exc)}"
         ) from None
     return src
 

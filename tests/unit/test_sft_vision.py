@@ -1,0 +1,143 @@
+"""Image + text SFT data (hfpar.data.vision, hfpar.data.images, hfpar.recipes._vision) on the embedded tiny VLM's
+processor (hfpar/assets/tiny_vlm, Idefics3): labels (the answer only; image tokens never targets, also with the
+loss on every token), TRL's formats (messages with string or typed contents, conversational prompt / completion, an
+`images` or `image` column of PIL images, paths or bytes), the collated batch, and every bad input refused in one
+line naming the example before the model loads: an image that cannot be opened, a path outside the dataset's
+directory, more image references than images, a model without an image processor, image rows for a text model,
+CP with image rows, PP on a VLM, --packing on a VLM.
+"""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+from transformers import AutoConfig
+
+from hfpar import data
+from hfpar import preflight as pf
+from hfpar.context import ParallelContext
+from hfpar.data.shapes import make_shapes
+from hfpar.data.vision import VisionCollator, is_image_text, load_processor, tokenize_vision
+from hfpar.recipes import sft
+from hfpar.recipes._vision import cp_refusal, text_rows_problem
+from tests.helpers.preflight import _args
+
+VLM = data.embedded_model_path(data.EMBEDDED_VLM)
+
+
+@pytest.fixture(scope="module")
+def proc():
+    return load_processor(VLM, "idefics3", 0)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return make_shapes(seed=3, n_train=4, n_eval=1)["train"]
+
+
+def _image_ids(proc) -> set[int]:
+    tok = proc.tokenizer
+    return {tok.convert_tokens_to_ids(t) for t in ("<image>", "<fake_token_around_image>", "<global-img>")}
+
+
+def test_labels_are_the_answer_and_never_an_image_token(proc, rows):
+    ds, stats = tokenize_vision(rows, proc, 128)
+    tok = proc.tokenizer
+    for row, sample in zip(rows, ds.rows):
+        targets = [t for t in sample["labels"] if t != -100]
+        assert tok.decode(targets) == row["messages"][1]["content"] + tok.eos_token
+        assert _image_ids(proc) & set(sample["input_ids"]) == _image_ids(proc)  # 4 image tokens + the markers
+    full, _ = tokenize_vision(rows, proc, 128, completion_only_loss=False)
+    for sample in full.rows:
+        labelled = {t for t in sample["labels"] if t != -100}
+        assert not labelled & _image_ids(proc) and tok.convert_tokens_to_ids("W") in labelled  # the question too
+    assert stats["images"] == 4 and stats["dropped"] == 0
+
+
+def test_trl_formats_give_the_same_rows(proc, rows, tmp_path):
+    row = rows[0]
+    buf = io.BytesIO()
+    row["images"][0].save(buf, format="PNG")
+    row["images"][0].save(tmp_path / "a.png")
+    user, answer = row["messages"]
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user["content"]}]}, answer]
+    variants = [
+        row,
+        {"image": buf.getvalue(), "messages": typed},  # bytes, typed contents
+        {"images": ["a.png"], "prompt": [user], "completion": [answer]},  # a path in the dataset's directory
+    ]
+    (want, *others), _ = tokenize_vision(variants, proc, 128, root=tmp_path)
+    assert all(o["input_ids"] == want["input_ids"] and o["labels"] == want["labels"] for o in others)
+
+
+def test_collated_batch_carries_the_pixels(proc, rows):
+    ds, _ = tokenize_vision(rows, proc, 128)
+    batch = VisionCollator(proc, pad_to_multiple_of=8)([ds[i] for i in range(3)])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    assert batch["input_ids"].shape[1] % 8 == 0
+    assert tuple(batch["pixel_values"].shape) == (3, 1, 3, 32, 32) and "pixel_attention_mask" in batch
+
+
+def _refusal(rows, proc, root=None) -> str:
+    with pytest.raises(data.DataError) as exc:
+        tokenize_vision(rows, proc, 128, root=root)
+    assert "\n" not in str(exc.value)
+    return str(exc.value)
+
+
+def test_bad_images_are_refused_naming_the_example(proc, rows, tmp_path):
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    (tmp_path.parent / "outside.png").write_bytes(b"x")
+    msgs = rows[0]["messages"]
+    why = _refusal([rows[0], {"images": ["bad.png"], "messages": msgs}], proc, tmp_path)
+    assert why.startswith("example 1: image 0 ('bad.png') cannot be opened: UnidentifiedImageError"), why
+    why = _refusal([{"images": ["../outside.png"], "messages": msgs}], proc, tmp_path)
+    assert why.startswith("example 0: image 0 path '../outside.png' lies outside the dataset's directory"), why
+    why = _refusal([{"images": ["a.png"], "messages": msgs}], proc, None)
+    assert "was not read from a local directory" in why, why
+    assert "cannot be opened" in _refusal([{"images": [b"\x89PNG broken"], "messages": msgs}], proc)
+
+
+def test_more_image_references_than_images(proc, rows):
+    two = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is red?"}]
+    row = {"images": rows[0]["images"], "messages": [{"role": "user", "content": two}, rows[0]["messages"][1]]}
+    why = _refusal([rows[1], row], proc)
+    assert why.startswith("example 1: the messages refer to 2 image(s) and the row has 1; give one image per"), why
+
+
+def test_a_model_without_an_image_processor(rows):
+    with pytest.raises(data.DataError) as exc:
+        load_processor(data.embedded_model_path(), "idefics3", 0)  # a tokenizer only
+    why = str(exc.value)
+    assert why.startswith("example 0 has images, but --model_name_or_path ") and "has no image processor" in why, why
+
+
+def test_image_rows_for_a_text_model():
+    from datasets import Dataset
+
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "images": []}] * 2)
+    args = types.SimpleNamespace(dataset_name="d.jsonl", model_name_or_path="hfpar-tiny")
+    plan = types.SimpleNamespace(model_type="llama")
+    assert text_rows_problem(args, plan, ds) is None  # an empty images column is a text dataset
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "images": ["a.png"] * n} for n in (0, 1)])
+    why = text_rows_problem(args, plan, ds)
+    assert why.startswith("dataset d.jsonl: example 1 has images, but --model_name_or_path hfpar-tiny "), why
+
+
+def test_parallel_layouts_on_a_vlm_refused_in_one_line(rows):
+    cfg = AutoConfig.from_pretrained(VLM)
+    assert is_image_text(cfg) and not is_image_text(AutoConfig.from_pretrained(data.embedded_model_path()))
+    why = cp_refusal(ParallelContext(world=2, cp=2), rows, 0)
+    assert why.startswith("--cp_size 2 with image rows (example 0 has 1 image(s)): context parallelism splits"), why
+    (pp,) = pf.model_problems(_args("--pp_size", "2"), ParallelContext(world=2, pp=2), "lm", cfg, image_text=True)
+    assert pp.startswith("--pp_size 2: model_type 'idefics3'") and "valid: pp_size 1" in pp and "\n" not in pp, pp
+    # an image-text-only type: refused by a text recipe, trained by sft (AutoModelForImageTextToText)
+    assert "has no causal-LM class" in pf.model_problems(_args(), ParallelContext(world=1), "lm", cfg)[0]
+    assert pf.model_problems(_args("--tp_size", "2"), ParallelContext(world=2, tp=2), "lm", cfg, image_text=True) == []
+    plan = types.SimpleNamespace(image_text=True, model_type="idefics3")
+    (packing,) = sft.problems(types.SimpleNamespace(packing=True), None, plan)
+    assert packing.startswith("--packing with model_type 'idefics3', a vision-language model")
+    on, why = data.padding_free_mode(_args(), "lm", "idefics3", packed=False)
+    assert not on and "vision-language model" in why
