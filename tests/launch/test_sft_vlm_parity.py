@@ -11,7 +11,8 @@ relative, eval_loss at steps 4 and 8, exported weights:
   fsdp2  2 processes x 2 rows: FSDP2 shards of every parameter (the tower's too)
   zero3  2 processes x 2 rows: DeepSpeed ZeRO-3
 Default tier (slow): idefics3's ddp + tp2 (one launch) and fsdp2; its exported directory loads with
-AutoModelForImageTextToText and AutoProcessor and generates from an image. Extended tier: idefics3's zero3, and
+AutoModelForImageTextToText and AutoProcessor and generates from an image, and `hfpar export` of its checkpoint-8
+writes the same weights with the processor. Extended tier: idefics3's zero3, and
 llava (a second family: CLIP tower, MLP projector) under all four. PP and CP refusals: tests/unit/test_sft_vision.py.
 
     python -m pytest -q -s tests/launch/test_sft_vlm_parity.py            # -m extended for the rest
@@ -39,7 +40,7 @@ COMMON = [
 LAYOUTS = {  # name: (config, processes, rows per device, extra flags)
     "ddp": ("ddp", 2, 2, []),
     "tp2": ("ddp", 2, 4, ["--tp_size", "2"]),
-    "fsdp2": ("fsdp2", 2, 2, []),
+    "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "8"]),  # its checkpoint-8: `hfpar export` with the processor
     "zero3": ("zero3", 2, 2, []),
 }
 DEFAULT = {"idefics3": ("ddp", "tp2", "fsdp2")}
@@ -160,3 +161,15 @@ def test_export_loads_with_its_processor_and_generates(default_runs):
     enc = proc(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
     ids = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert ids.shape[1] == enc["input_ids"].shape[1] + 4
+
+
+def test_hfpar_export_of_a_checkpoint_keeps_the_processor(default_runs, tmp_path):
+    from transformers import AutoProcessor
+
+    from hfpar.checkpoint.export import export_checkpoint
+
+    run = default_runs / "idefics3_fsdp2"
+    export_checkpoint(run / "checkpoint-8", tmp_path / "out")
+    assert type(AutoProcessor.from_pretrained(tmp_path / "out")).__name__ == "Idefics3Processor"
+    a, b = (load_file(str(d / "model.safetensors")) for d in (run, tmp_path / "out"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

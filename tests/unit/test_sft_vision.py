@@ -141,3 +141,21 @@ def test_parallel_layouts_on_a_vlm_refused_in_one_line(rows):
     assert packing.startswith("--packing with model_type 'idefics3', a vision-language model")
     on, why = data.padding_free_mode(_args(), "lm", "idefics3", packed=False)
     assert not on and "vision-language model" in why
+
+
+def test_fsdp2_wrapper_class_keeps_the_checkpoint_renames(tmp_path):
+    """transformers saves LLaVA under its legacy names (language_model.model.*) and renames them by the model's
+    class on load; FSDP2's subclass (FSDPLlavaForConditionalGeneration) must find the same renames."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForImageTextToText
+
+    from hfpar.loading.files import checkpoint_index
+    from hfpar.loading.sharded import _Sources
+    from scripts.make_tiny_vlm import write_vlm
+
+    path = write_vlm(tmp_path / "llava", "llava", weights=True)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    cls = type(model)
+    model.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})  # as fully_shard builds it
+    sources = _Sources(model, checkpoint_index(path))
+    assert all(sources.has(n) for n in model.state_dict()) and type(model).__name__.startswith("FSDP")
