@@ -6,10 +6,14 @@ processor (hfpar.data.vision), or with no --dataset_name the embedded shapes tas
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from datasets import Dataset
 
 from hfpar import data
 from hfpar.data.images import row_images
+from hfpar.data.load import EVAL_NAMES, _builder_of, _carve_eval, _check_json, _dir_files, _is_json_lines
 from hfpar.data.shapes import make_shapes
 from hfpar.data.vision import VisionCollator, has_images, load_processor, tokenize_vision
 from hfpar.recipes import RecipeData
@@ -21,11 +25,42 @@ def _rows(args) -> tuple[dict[str, list[dict]], Path | None]:
     """{train, eval} rows as dicts, and the directory image paths resolve in (None: no local directory)."""
     if args.dataset_name is None:
         return make_shapes(args.seed), None
-    splits = data.load_splits(args.dataset_name, "sft", eval_split_fraction=args.eval_split_fraction, seed=args.seed)
     path = Path(args.dataset_name).expanduser()
     root = path if path.is_dir() else path.parent if path.is_file() else None
-    # to_list: datasets' Image columns stay undecoded ({bytes, path}); hfpar.data.images opens them
-    return {k: v.to_list() for k, v in splits.items()}, root
+    if root is not None and (rows := json_rows(path, args.eval_split_fraction, args.seed)) is not None:
+        return rows, root
+    splits = data.load_splits(args.dataset_name, "sft", eval_split_fraction=args.eval_split_fraction, seed=args.seed)
+    # rows as the dataset decodes them (Image columns as PIL images; to_list() would leave Json columns as strings)
+    return {k: list(v) for k, v in splits.items()}, root
+
+
+def json_rows(path: Path, eval_fraction: float, seed: int) -> dict[str, list[dict]] | None:
+    """{train, eval} rows of a local JSON / JSON Lines dataset (files and splits found as load_splits finds them),
+    each row as written: `datasets` gives one type to a column across a split's files, and turns message contents
+    that are typed parts in one file and strings in another into JSON strings. None for other formats."""
+    builder, files = _dir_files(path) if path.is_dir() else (_builder_of(path), {"train": [str(path)]})
+    if builder != "json":
+        return None
+    out = {}
+    for split, names in files.items():
+        rows = []
+        for name in names:
+            _check_json(Path(name))  # malformed JSON: one line naming the file and line
+            text = Path(name).read_text(encoding="utf-8")
+            rows += (
+                json.loads(text)
+                if Path(name).suffix == ".json" and not _is_json_lines(text)
+                else [json.loads(line) for line in text.splitlines() if line.strip()]
+            )
+        out[split] = rows
+    train = out.get("train", next(iter(out.values())))
+    evals = next((out[s] for s in EVAL_NAMES if s in out and out[s] is not train), None)
+    if not train:
+        raise data.DataError(f"dataset {path}: the train split is empty")
+    if evals is None:  # carved as load_splits carves (a seeded permutation)
+        keep, held = _carve_eval(Dataset.from_dict({"i": list(range(len(train)))}), eval_fraction, seed, str(path))
+        train, evals = [train[i] for i in keep["i"]], [train[i] for i in held["i"]]
+    return {"train": train, "eval": evals}
 
 
 def cp_refusal(ctx, rows: list[dict], first: int | None) -> str | None:

@@ -159,3 +159,23 @@ def test_fsdp2_wrapper_class_keeps_the_checkpoint_renames(tmp_path):
     model.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})  # as fully_shard builds it
     sources = _Sources(model, checkpoint_index(path))
     assert all(sources.has(n) for n in model.state_dict()) and type(model).__name__.startswith("FSDP")
+
+
+def test_json_rows_keep_their_types_across_files(tmp_path):
+    """`datasets` would read the typed contents of train.jsonl as JSON strings (eval.jsonl's are strings)."""
+    import json
+
+    from hfpar.recipes._vision import json_rows
+
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}]
+    plain = [{"role": "user", "content": "Which?"}]
+    (tmp_path / "train.jsonl").write_text(json.dumps({"images": ["a.png"], "messages": typed}) + "\n")
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"images": ["a.png"], "messages": plain}) + "\n")
+    rows = json_rows(tmp_path, 0.05, 42)
+    assert rows["train"][0]["messages"] == typed and rows["eval"][0]["messages"] == plain
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "rows.jsonl").write_text("".join(json.dumps({"messages": plain, "n": i}) + "\n" for i in range(40)))
+    rows = json_rows(one, 0.05, 42)  # no eval file: 2 of 40 rows carved, as load_splits carves
+    assert len(rows["train"]) == 38 and len(rows["eval"]) == 2
+    assert sorted(r["n"] for r in rows["train"] + rows["eval"]) == list(range(40))
