@@ -35,7 +35,7 @@ from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
-from hfpar.data.vision import is_image_text
+from hfpar.data.vision import image_cp_refusal, is_image_text
 from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
@@ -164,7 +164,10 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
         if refusal is not None:  # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
             p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
-        p += cp_problems(args, ctx, config)
+        # a VLM only AutoModelForImageTextToText builds: refused here (its CP probe cannot build it); one that
+        # AutoModelForCausalLM builds too (Gemma-3) is probed, and refused by the sft data if its rows have images
+        vlm_only = image_text and causal_lm_problem(config)
+        p += [image_cp_refusal(ctx.cp, model_type)] if vlm_only else cp_problems(args, ctx, config)
     if ctx.pp > 1:
         p += pp_model_problems(args, ctx, config)
     if args.loss_chunk_size and task == "lm":  # asked for explicitly (unset: where it is exact, silently)

@@ -42,6 +42,15 @@ def is_image_text(config) -> bool:
     )
 
 
+def image_cp_refusal(cp: int, model_type: str | None) -> str:
+    """Context parallelism on a vision-language model's image rows, refused in one line (the preflight's)."""
+    return (
+        f"--cp_size {cp}: model_type {model_type!r} is a vision-language model, whose rows hold image tokens: context "
+        "parallelism would split them across ranks, apart from the features the vision tower computes for all of "
+        "them; valid: cp_size 1 (DDP, FSDP2, ZeRO and --tp_size apply)"
+    )
+
+
 def has_images(rows) -> int | None:
     """The index of the first row with an image (None: a text dataset)."""
     return next((i for i, r in enumerate(rows) if row_images(r, i)), None)

@@ -12,10 +12,9 @@ from pathlib import Path
 from datasets import Dataset
 
 from hfpar import data
-from hfpar.data.images import row_images
 from hfpar.data.load import EVAL_NAMES, _builder_of, _carve_eval, _check_json, _dir_files, _is_json_lines
 from hfpar.data.shapes import make_shapes
-from hfpar.data.vision import VisionCollator, has_images, load_processor, tokenize_vision
+from hfpar.data.vision import VisionCollator, has_images, image_cp_refusal, load_processor, tokenize_vision
 from hfpar.recipes import RecipeData
 
 SHAPES = "hfpar-shapes"  # stats["dataset"] of the embedded task
@@ -63,22 +62,11 @@ def json_rows(path: Path, eval_fraction: float, seed: int) -> dict[str, list[dic
     return {"train": train, "eval": evals}
 
 
-def cp_refusal(ctx, rows: list[dict], first: int | None) -> str | None:
-    """Context parallelism with image rows, refused in one line (an image's tokens would be split across ranks)."""
-    if ctx.cp == 1 or first is None:
-        return None
-    return (
-        f"--cp_size {ctx.cp} with image rows (example {first} has {len(row_images(rows[first], first))} image(s)): "
-        "context parallelism splits each row's tokens across ranks, which parts an image's tokens from the features "
-        "the vision tower computes for all of them; valid: cp_size 1 (DDP, FSDP2, ZeRO and --tp_size apply)"
-    )
-
-
 def vision_data(args, ctx, plan) -> RecipeData:
     splits, root = _rows(args)
     first = has_images(splits["train"])
-    if why := cp_refusal(ctx, splits["train"], first):
-        raise data.DataError(why)
+    if ctx.cp > 1 and first is not None:  # (a VLM only AutoModelForImageTextToText builds: refused by the preflight)
+        raise data.DataError(f"example {first} has images: {image_cp_refusal(ctx.cp, plan.model_type)}")
     path = data.embedded_model_path(args.tokenizer_path) if args.tokenizer_path in data.EMBEDDED_MODELS else None
     processor = load_processor(path or args.tokenizer_path, plan.model_type, first, args.trust_remote_code)
     info, out = {}, {}

@@ -4,7 +4,7 @@ loss on every token), TRL's formats (messages with string or typed contents, con
 `images` or `image` column of PIL images, paths or bytes), the collated batch, and every bad input refused in one
 line naming the example before the model loads: an image that cannot be opened, a path outside the dataset's
 directory, more image references than images, a model without an image processor, image rows for a text model,
-CP with image rows, PP on a VLM, --packing on a VLM.
+CP and PP on a VLM, --packing on a VLM.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import types
 import pytest
 from transformers import AutoConfig
 
+from benchmarks.tensor_parallel.family_sweep import tiny_config
 from hfpar import data
 from hfpar import preflight as pf
 from hfpar.context import ParallelContext
 from hfpar.data.shapes import make_shapes
 from hfpar.data.vision import VisionCollator, is_image_text, load_processor, tokenize_vision
 from hfpar.recipes import sft
-from hfpar.recipes._vision import cp_refusal, text_rows_problem
+from hfpar.recipes._vision import text_rows_problem
 from tests.helpers.preflight import _args
 
 VLM = data.embedded_model_path(data.EMBEDDED_VLM)
@@ -126,11 +127,13 @@ def test_image_rows_for_a_text_model():
     assert why.startswith("dataset d.jsonl: example 1 has images, but --model_name_or_path hfpar-tiny "), why
 
 
-def test_parallel_layouts_on_a_vlm_refused_in_one_line(rows):
+def test_parallel_layouts_on_a_vlm_refused_in_one_line():
     cfg = AutoConfig.from_pretrained(VLM)
     assert is_image_text(cfg) and not is_image_text(AutoConfig.from_pretrained(data.embedded_model_path()))
-    why = cp_refusal(ParallelContext(world=2, cp=2), rows, 0)
-    assert why.startswith("--cp_size 2 with image rows (example 0 has 1 image(s)): context parallelism splits"), why
+    (cp,) = pf.model_problems(_args("--cp_size", "2"), ParallelContext(world=2, cp=2), "lm", cfg, image_text=True)
+    assert cp.startswith("--cp_size 2: model_type 'idefics3' is a vision-language model, whose rows hold image"), cp
+    gemma3 = _args("--cp_size", "2", "--cp_mode", "ring")  # AutoModelForCausalLM builds it: text rows may use CP
+    assert pf.model_problems(gemma3, ParallelContext(world=2, cp=2), "lm", tiny_config("gemma3"), image_text=True) == []
     (pp,) = pf.model_problems(_args("--pp_size", "2"), ParallelContext(world=2, pp=2), "lm", cfg, image_text=True)
     assert pp.startswith("--pp_size 2: model_type 'idefics3'") and "valid: pp_size 1" in pp and "\n" not in pp, pp
     # an image-text-only type: refused by a text recipe, trained by sft (AutoModelForImageTextToText)
@@ -179,3 +182,14 @@ def test_json_rows_keep_their_types_across_files(tmp_path):
     rows = json_rows(one, 0.05, 42)  # no eval file: 2 of 40 rows carved, as load_splits carves
     assert len(rows["train"]) == 38 and len(rows["eval"]) == 2
     assert sorted(r["n"] for r in rows["train"] + rows["eval"]) == list(range(40))
+
+
+def test_cp_with_image_rows_refused_by_the_data(tmp_path):
+    """A VLM that AutoModelForCausalLM also builds (Gemma-3) passes the preflight with --cp_size; its image rows are
+    refused when the data is read, before the model loads."""
+    from hfpar.recipes._vision import vision_data
+
+    args = types.SimpleNamespace(dataset_name=None, seed=0)
+    with pytest.raises(data.DataError) as exc:
+        vision_data(args, ParallelContext(world=2, cp=2), types.SimpleNamespace(model_type="gemma3"))
+    assert str(exc.value).startswith("example 0 has images: --cp_size 2: model_type 'gemma3' is a vision-language")
