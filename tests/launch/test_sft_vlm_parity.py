@@ -12,7 +12,8 @@ relative, eval_loss at steps 4 and 8, exported weights:
   zero3  2 processes x 2 rows: DeepSpeed ZeRO-3
 Default tier (slow): idefics3's ddp + tp2 (one launch) and fsdp2; its exported directory loads with
 AutoModelForImageTextToText and AutoProcessor and generates from an image, and `hfpar export` of its checkpoint-8
-writes the same weights with the processor. Extended tier: idefics3's zero3, and
+writes the same weights with the processor; resumed from its checkpoint-4 (same launch), steps 5-8 equal the
+uninterrupted run's. Extended tier: idefics3's zero3, and
 llava (a second family: CLIP tower, MLP projector) under all four. PP and CP refusals: tests/unit/test_sft_vision.py.
 
     python -m pytest -q -s tests/launch/test_sft_vlm_parity.py            # -m extended for the rest
@@ -40,7 +41,8 @@ COMMON = [
 LAYOUTS = {  # name: (config, processes, rows per device, extra flags)
     "ddp": ("ddp", 2, 2, []),
     "tp2": ("ddp", 2, 4, ["--tp_size", "2"]),
-    "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "8"]),  # its checkpoint-8: `hfpar export` with the processor
+    # its checkpoint-4: resumed in the same launch; its checkpoint-8: `hfpar export` with the processor
+    "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "4"]),
     "zero3": ("zero3", 2, 2, []),
 }
 DEFAULT = {"idefics3": ("ddp", "tp2", "fsdp2")}
@@ -66,7 +68,8 @@ def _runs(root, plan: dict) -> None:
 
     def launches():
         try:
-            launch_all(parity_launches(root, "sft", cases, argv))
+            resumed = ("idefics3_fsdp2", 4) if "idefics3_fsdp2" in cases else None
+            launch_all(parity_launches(root, "sft", cases, argv, resumed=resumed))
         except BaseException as e:  # noqa: BLE001 - raised below, in the test's thread
             failed.append(e)
 
@@ -161,6 +164,16 @@ def test_export_loads_with_its_processor_and_generates(default_runs):
     enc = proc(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
     ids = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert ids.shape[1] == enc["input_ids"].shape[1] + 4
+
+
+def test_resumed_run_continues_the_uninterrupted_one(default_runs):
+    run, resumed = default_runs / "idefics3_fsdp2", default_runs / "idefics3_fsdp2_resumed"
+    ref, got = read_metrics(run)[0][4:], read_metrics(resumed)[0]
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    for r, g in zip(ref, got):
+        for k in ("loss", "grad_norm"):
+            assert abs(g[k] - r[k]) <= 1e-6 * max(abs(r[k]), 1.0), f"resumed step {r['step']} {k}: {g[k]} vs {r[k]}"
+    _assert_export_matches(run, resumed, "idefics3_fsdp2 resumed")
 
 
 def test_hfpar_export_of_a_checkpoint_keeps_the_processor(default_runs, tmp_path):

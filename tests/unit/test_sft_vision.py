@@ -193,3 +193,23 @@ def test_cp_with_image_rows_refused_by_the_data(tmp_path):
     with pytest.raises(data.DataError) as exc:
         vision_data(args, ParallelContext(world=2, cp=2), types.SimpleNamespace(model_type="gemma3"))
     assert str(exc.value).startswith("example 0 has images: --cp_size 2: model_type 'gemma3' is a vision-language")
+
+
+@pytest.mark.parametrize("family", ["idefics3", "llava"])
+def test_a_batch_mixing_image_and_text_rows_runs(family, rows):
+    """Rows without images beside rows with them (the image processor gets the rows that have some)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from scripts.make_tiny_vlm import build
+
+    cfg, proc = build(family)
+    text_only = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
+    ds, stats = tokenize_vision([rows[0], text_only, rows[1]], proc, 128)
+    assert stats["images"] == 2
+    batch = VisionCollator(proc)([ds[i] for i in range(3)])
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    loss = model(**inputs, labels=batch["labels"], use_cache=False).loss
+    assert torch.isfinite(loss)
