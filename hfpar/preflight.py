@@ -181,7 +181,8 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
                 f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
                 "computes its loss from the logits; pass 0 or leave it unset"
             )
-    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing)
+    text_type = getattr(text_config(config), "model_type", None)
+    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing, text_model_type=text_type)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
     if task == "lm" and args.upcycle_experts:
@@ -344,7 +345,13 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
     """The run plan of a run that passed the preflight (recipe: an hfpar.recipes.Recipe)."""
     model_type = getattr(config, "model_type", None)
     stages = pipeline_stage_count(args)
-    padding_free, why_not = data.padding_free_mode(args, recipe.task, model_type, packed=recipe.packed(args))
+    padding_free, why_not = data.padding_free_mode(
+        args,
+        recipe.task,
+        model_type,
+        packed=recipe.packed(args),
+        text_model_type=getattr(text_config(config), "model_type", None),
+    )
     plan = RunPlan(
         recipe=recipe.name,
         task=recipe.task,

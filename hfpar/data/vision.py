@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .chat import _render_chat
-from .collate import DataCollator
+from .collate import DataCollator, first_fit_decreasing, join_samples
 from .errors import DataError, _one_line
 from .images import check_image, open_image, row_images
 from .tokenize import IGNORE, _check_args, _tokenize_spans
@@ -207,6 +207,22 @@ def tokenize_vision(
     return VisionSamples(out), stats
 
 
+def _text_part(f: dict) -> dict:
+    return {k: f[k] for k in ("input_ids", "labels", "position_ids") if k in f}
+
+
+def _packed(features: list[dict], max_seq_length: int) -> list[dict]:
+    """Rows of packed samples (join_samples' layout), each with the images of its samples in order."""
+    rows = []
+    for b in first_fit_decreasing([len(f["input_ids"]) for f in features], max_seq_length):
+        row = join_samples([(features[i]["input_ids"], features[i]["labels"]) for i in b])
+        for k in features[b[0]]:
+            if k not in ("input_ids", "labels", "images"):  # per-token inputs, concatenated as the tokens are
+                row[k] = [t for i in b for t in features[i][k]]
+        rows.append({**row, "images": [img for i in b for img in features[i]["images"]]})
+    return rows
+
+
 def _per_token(v, n: int) -> bool:
     try:
         return len(v) == 1 and len(v[0]) == n and not isinstance(v[0][0], (list, torch.Tensor))
@@ -216,18 +232,31 @@ def _per_token(v, n: int) -> bool:
 
 class VisionCollator:
     """Samples of VisionSamples -> the text batch (hfpar.data.DataCollator: padded rows) + the images of its rows
-    through the processor's image processor (its model inputs: pixel_values, pixel_attention_mask, image_grid_thw)."""
+    through the processor's image processor (its model inputs: pixel_values, pixel_attention_mask, image_grid_thw).
 
-    def __init__(self, processor, pad_to_multiple_of: int | None = None):
+    padding_free: the samples packed into rows of at most max_seq_length tokens first (first-fit decreasing, position
+    ids restarting per sample: hfpar.data.collate), their images in the order of their image tokens in the rows (the
+    model merges image features into the image tokens in that order); only for hfpar.data.padding_free.VLM_FAMILIES."""
+
+    def __init__(
+        self,
+        processor,
+        pad_to_multiple_of: int | None = None,
+        padding_free: bool = False,
+        max_seq_length: int | None = None,
+    ):
         self.image_processor = processor.image_processor
         self.text = DataCollator(processor.tokenizer, pad_to_multiple_of=pad_to_multiple_of)
         self.keys = tuple(getattr(self.image_processor, "model_input_names", None) or ("pixel_values",))
+        self.padding_free, self.max_seq_length = padding_free, max_seq_length
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.text([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
+        if self.padding_free:
+            features = _packed(features, self.max_seq_length)
+        batch = self.text([_text_part(f) for f in features])
         length = batch["input_ids"].shape[1]
         for k in features[0]:
-            if k not in ("input_ids", "labels", "images"):  # per-token inputs (token_type_ids, ...): padded with 0
+            if k not in ("input_ids", "labels", "images", "position_ids"):  # per-token inputs: padded with 0
                 batch[k] = torch.zeros(len(features), length, dtype=torch.long)
                 for r, f in enumerate(features):
                     batch[k][r, : len(f[k])] = torch.as_tensor(f[k])

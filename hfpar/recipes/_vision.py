@@ -82,7 +82,12 @@ def vision_data(args, ctx, plan) -> RecipeData:
         out[name] = ds
         info[f"{name}_data"] = {**stats, "rows": len(ds), **({"dataset": SHAPES} if args.dataset_name is None else {})}
     seq_multiple = ctx.seq_multiple
-    collator = VisionCollator(processor, pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None)
+    collator = VisionCollator(
+        processor,
+        pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
+        padding_free=plan.padding_free,
+        max_seq_length=args.max_seq_length,
+    )
     return RecipeData(out["train"], out["eval"], collator, info, processor=processor)
 
 

@@ -142,8 +142,9 @@ def test_parallel_layouts_on_a_vlm_refused_in_one_line():
     plan = types.SimpleNamespace(image_text=True, model_type="idefics3")
     (packing,) = sft.problems(types.SimpleNamespace(packing=True), None, plan)
     assert packing.startswith("--packing with model_type 'idefics3', a vision-language model")
-    on, why = data.padding_free_mode(_args(), "lm", "idefics3", packed=False)
-    assert not on and "vision-language model" in why
+    assert data.padding_free_mode(_args(), "lm", "idefics3", packed=False, text_model_type="llama") == (True, None)
+    on, why = data.padding_free_mode(_args(), "lm", "qwen2_vl", packed=False, text_model_type="qwen2_vl_text")
+    assert not on and why.startswith("model_type 'qwen2_vl' is a vision-language model not among those verified")
 
 
 def test_fsdp2_wrapper_class_keeps_the_checkpoint_renames(tmp_path):
@@ -213,3 +214,37 @@ def test_a_batch_mixing_image_and_text_rows_runs(family, rows):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     loss = model(**inputs, labels=batch["labels"], use_cache=False).loss
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("family", ["idefics3", "llava"])
+def test_padding_free_image_rows_give_each_row_its_own_logits(family):
+    """Packed image rows (position ids restarting per row, the images in the order of their tokens): every row's
+    logits equal its logits alone, float64, sdpa (hfpar.data.padding_free.VLM_FAMILIES)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from scripts.make_tiny_vlm import build
+
+    cfg, proc = build(family)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa").double().eval()
+    rows = make_shapes(seed=5, n_train=6, n_eval=1)["train"]
+    rows.insert(2, {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]})
+    ds, _ = tokenize_vision(rows, proc, 128)
+    feats = [ds[i] for i in range(len(ds))]
+    free = VisionCollator(proc, padding_free=True, max_seq_length=128)(feats)
+    assert free["input_ids"].shape[0] < len(feats) and "attention_mask" not in free  # packed: fewer rows
+
+    def logits(batch):
+        inputs = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+        return model(**{k: v for k, v in inputs.items() if k not in ("labels", "token_mask")}, use_cache=False).logits
+
+    with torch.no_grad():
+        packed = logits(free)
+        for f in feats:  # rows with the same text (another image) may match too: the closest is the row itself
+            alone, n, diffs = logits(VisionCollator(proc)([f]))[0], len(f["input_ids"]), []
+            for r, pos in enumerate(free["position_ids"].tolist()):
+                for s in (j for j, p in enumerate(pos) if p == 0):
+                    if free["input_ids"][r, s : s + n].tolist() == f["input_ids"]:
+                        diffs.append(float((packed[r, s : s + n] - alone).abs().max()))
+            assert diffs and min(diffs) < 1e-10, (family, diffs)
