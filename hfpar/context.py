@@ -304,4 +304,6 @@ class RunPlan:
     padding_free_why_not: str | None
     cp_mode: str  # ring | ulysses (--cp_mode auto resolved)
     fp8: Any = None  # hfpar.train.fp8.FP8Settings under mixed_precision fp8, else None
+    # a vision-language model a recipe of image rows trains (Recipe.image_text): AutoModelForImageTextToText builds it
+    image_text: bool = False
     recipe_values: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))

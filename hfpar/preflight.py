@@ -35,6 +35,7 @@ from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
 from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
+from hfpar.data.vision import image_cp_refusal, is_image_text
 from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
@@ -88,7 +89,8 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
     config, config_problem = read_model_config(args)  # config.json: read once per run, here
     problems += liger_problems(args, ctx, accelerator.device.type, config)
     if degrees_ok:  # what the model's config says about the degrees
-        problems += [config_problem] if config is None else model_problems(args, ctx, task, config)
+        image_text = recipe.image_text and is_image_text(config)
+        problems += [config_problem] if config is None else model_problems(args, ctx, task, config, image_text)
     if not problems and backend_cls is not None:
         problems += resume_problems(args, ctx, backend_cls)
     if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
@@ -149,13 +151,14 @@ def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     return p
 
 
-def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[str]:
-    """What the model's config says about the options (config: as the preflight read it; None: read here)."""
+def model_problems(args, ctx: ParallelContext, task: str, config=None, image_text: bool = False) -> list[str]:
+    """What the model's config says about the options (config: as the preflight read it; None: read here).
+    image_text: a recipe of image rows builds it with AutoModelForImageTextToText (no causal-LM class needed)."""
     if config is None:
         config, problem = read_model_config(args)
         if config is None:
             return [problem]
-    if task == "lm" and (why := causal_lm_problem(config)):  # e.g. LLaVA: AutoModelForImageTextToText builds it
+    if task == "lm" and not image_text and (why := causal_lm_problem(config)):  # LLaVA: AutoModelForImageTextToText
         return [why]
     p = model_config_problems(ctx, config)
     model_type = getattr(config, "model_type", None)
@@ -165,7 +168,10 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
         if refusal is not None:  # (--sequence_parallel on derived / inferred plans: apply_tensor_parallel's checks)
             p.append(f"--tp_size {ctx.tp}: {refusal.reasons}")
     if ctx.cp > 1:
-        p += cp_problems(args, ctx, config)
+        # a VLM only AutoModelForImageTextToText builds: refused here (its CP probe cannot build it); one that
+        # AutoModelForCausalLM builds too (Gemma-3) is probed, and refused by the sft data if its rows have images
+        vlm_only = image_text and causal_lm_problem(config)
+        p += [image_cp_refusal(ctx.cp, model_type)] if vlm_only else cp_problems(args, ctx, config)
     if ctx.pp > 1:
         p += pp_model_problems(args, ctx, config)
     if args.loss_chunk_size and task == "lm":  # asked for explicitly (unset: where it is exact, silently)
@@ -179,7 +185,8 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None) -> list[s
                 f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
                 "computes its loss from the logits; pass 0 or leave it unset"
             )
-    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing)
+    text_type = getattr(text_config(config), "model_type", None)
+    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing, text_model_type=text_type)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
     if task == "lm" and args.upcycle_experts:
@@ -307,7 +314,8 @@ def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
 # ---------------------------------------------------------------------------------------- the run plan
 def read_model_config(args) -> tuple[Any, str | None]:
     """-> (the model's config, None) or (None, the one-line problem)."""
-    path = data.embedded_model_path() if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path
+    name = args.model_name_or_path
+    path = data.embedded_model_path(name) if name in data.EMBEDDED_MODELS else name
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=getattr(args, "trust_remote_code", False)), None
     except Exception as exc:  # noqa: BLE001  (any loader failure is the user's path / hub id: one line)
@@ -341,7 +349,13 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
     """The run plan of a run that passed the preflight (recipe: an hfpar.recipes.Recipe)."""
     model_type = getattr(config, "model_type", None)
     stages = pipeline_stage_count(args)
-    padding_free, why_not = data.padding_free_mode(args, recipe.task, model_type, packed=recipe.packed(args))
+    padding_free, why_not = data.padding_free_mode(
+        args,
+        recipe.task,
+        model_type,
+        packed=recipe.packed(args),
+        text_model_type=getattr(text_config(config), "model_type", None),
+    )
     plan = RunPlan(
         recipe=recipe.name,
         task=recipe.task,
@@ -355,6 +369,7 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
         padding_free_why_not=why_not,
         cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
         fp8=fp8_settings(args, all_gather=ctx.strategy.fp8_all_gather and ctx.tp == 1),
+        image_text=recipe.image_text and is_image_text(config),
     )
     values = recipe.resolve(args, ctx, plan)
     return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

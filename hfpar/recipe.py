@@ -22,7 +22,12 @@ import sys
 
 import torch
 from accelerate.utils import set_seed
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+)
 from transformers.integrations import deepspeed as hf_ds
 
 from hfpar import data, recipes
@@ -53,20 +58,24 @@ def _without_zero3_init():
         yield
 
 
-def load_model(args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, config=None):
+def load_model(
+    args: RecipeArgs, task: str, num_labels: int | None = None, ctx=None, config=None, image_text: bool = False
+):
     """-> (model, load): load = {"mode": sharded | fsdp2 | full | embedded, "why": ..., "index": ...}. Modes
     sharded / fsdp2 return a meta skeleton that hfpar.loading.sharded fills with this rank's slices (after LoRA, TP / EP
-    and the pipeline stage split, or during the FSDP2 wrap)."""
+    and the pipeline stage split, or during the FSDP2 wrap). image_text: a vision-language model
+    (AutoModelForImageTextToText; plan.image_text)."""
     from hfpar.loading import sharded as loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
 
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
+    cls = AutoModelForImageTextToText if image_text else cls
     model_kwargs = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
-    if args.model_name_or_path == data.EMBEDDED:
+    if args.model_name_or_path in data.EMBEDDED_MODELS:
         # a copy of the preflight's (num_labels is set on it)
         config = (
             copy.deepcopy(config)
             if config is not None
-            else AutoConfig.from_pretrained(data.embedded_model_path(), trust_remote_code=False)
+            else AutoConfig.from_pretrained(data.embedded_model_path(args.model_name_or_path), trust_remote_code=False)
         )
         if num_labels is not None:
             config.num_labels = num_labels
@@ -153,7 +162,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
             accelerator.print(f"[hfpar] padded batches (padding-free does not apply): {plan.padding_free_why_not}")
         with accelerator.main_process_first():
             built = recipe.build_data(args, tokenizer, ctx, plan)
-            train_ds, eval_ds, collator, info, num_labels = built
+            train_ds, eval_ds, collator, info, num_labels = built[:5]
         announce_data_loss(info, args, accelerator.print, len(train_ds), ctx.dp)  # what truncation left out: said
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
@@ -163,7 +172,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     if log_with:
         accelerator.init_trackers(args.run_name or f"hfpar-{kind}", config=to_dict(args))
     strategy = ctx.strategy  # resolved once, by the preflight
-    model, load = load_model(args, task, num_labels, ctx, plan.model_config)
+    model, load = load_model(args, task, num_labels, ctx, plan.model_config, plan.image_text)
     try:
         model, extra = parallelize(model, args, ctx, plan)
         if extra.get("moe_note"):
@@ -188,7 +197,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         ctx,
         backend,
         model,
-        tokenizer,
+        built.processor or tokenizer,  # saved beside the model: a vision-language model's processor
         train_ds,
         eval_ds,
         collator,

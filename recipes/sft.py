@@ -12,6 +12,9 @@ Real models and data, HF TrainingArguments names (or --config recipe.yaml with t
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my_chats.jsonl --output_dir out/sft \
         --per_device_train_batch_size 4 --gradient_accumulation_steps 4 --learning_rate 2e-5 --max_steps 1000
+A vision-language model trains on image + text rows (TRL's messages + images columns) through its processor; the
+embedded tiny VLM on generated shapes (docs/recipes.md, "Images and text"):
+    accelerate launch --config_file accelerate_configs/single.yaml recipes/sft.py --model_name_or_path hfpar-tiny-vlm
 `python recipes/sft.py --help` lists every option.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from accelerate.utils import fsdp_utils
+from accelerate.utils import DistributedDataParallelKwargs, fsdp_utils
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from hfpar.distributed import swapped
@@ -76,6 +76,9 @@ class AccelerateBackend(Backend):
             return
         self.base_optimizer = build_optimizer(model, self.args)
         _unwrap_subclass_params(self.base_optimizer)
+        if self.run_plan is not None and self.run_plan.image_text:  # parameters without a gradient in some steps:
+            # LLaVA's unused post_layernorm, the vision tower in a batch without images (TRL does the same for VLMs)
+            self.acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
 
     def _prepare_meta_fsdp2(self, model) -> None:

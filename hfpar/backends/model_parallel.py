@@ -35,6 +35,8 @@ class ModelParallelBackend(Backend):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.dp_wrap = self.data_parallel() if self.data_parallel is not None else None
+        if self.dp_wrap is not None and self.run_plan is not None:
+            self.dp_wrap.find_unused_parameters = self.run_plan.image_text
 
     @classmethod
     def resume_needs_same_world(cls, strategy: str) -> bool:

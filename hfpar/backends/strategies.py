@@ -135,9 +135,15 @@ def fsdp2_wrap_classes(model) -> None:
     """Accelerate's FSDP2 makes one unit per class in model._no_split_modules and then another for the input
     embedding; when such a class contains the embedding (BERT's BertEmbeddings) the second `fully_shard` fails
     on an already sharded weight ("value was None when it should not be"). Drop those classes: the embedding
-    still gets a unit of its own."""
+    still gets a unit of its own. Classes the model does not hold are dropped too (Accelerate raises "Could not find
+    the transformer layer class"): a multimodal wrapper lists its towers' classes, e.g. LLaVA's CLIPTextEmbeddings of
+    a CLIP text model it does not have."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     names = getattr(model, "_no_split_modules", None)
+    if names:
+        present = {type(m).__name__ for m in model.modules()}
+        if not set(names) <= present:
+            model._no_split_modules = names = [n for n in names if n in present]
     if emb is None or not names:
         return
     holders = {type(m).__name__ for m in model.modules() if m is not emb and any(c is emb for c in m.modules())}

@@ -46,6 +46,9 @@ class DataParallelWrap:
     """The interface: check (before any model is loaded), wrap (the model or stage, in place or wrapped)."""
 
     per_rank_shards = False  # the ranks of a replica hold different shards of a parameter
+    # some parameters may get no gradient in a step (a vision-language model: LLaVA's unused post_layernorm, the
+    # tower of a batch without images): DDP then looks for them each step (TRL does the same for VLMs)
+    find_unused_parameters = False
     prepends_hooks = False  # adds forward pre-hooks of its own ahead of the model's (a stage re-hooks after it)
 
     @staticmethod
@@ -68,7 +71,9 @@ class TorchDDP(DataParallelWrap):
         if names:
             DDP._set_params_and_buffers_to_ignore_for_model(model, names)
         dev = [accelerator.device.index] if accelerator.device.type == "cuda" else None
-        return DDP(model, process_group=ctx.replica_group, device_ids=dev)
+        return DDP(
+            model, process_group=ctx.replica_group, device_ids=dev, find_unused_parameters=self.find_unused_parameters
+        )
 
 
 class HfparAllReduce(DataParallelWrap):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from hfpar.checkpoint import layout
 from hfpar.checkpoint.full_state import read_full_state
@@ -113,7 +113,9 @@ def export_checkpoint(
     model.save_pretrained(str(out), safe_serialization=True)
     if tok_dir is not None:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=trust_remote_code)
+            # a vision-language model's processor (its image processor, chat template and tokenizer) beside it
+            auto = AutoProcessor if (tok_dir / "processor_config.json").is_file() else AutoTokenizer
+            tokenizer = auto.from_pretrained(str(tok_dir), trust_remote_code=trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - an untrusted file's parser: one line
             raise ExportError(
                 f"{tok_dir}: the tokenizer cannot be read ({type(exc).__name__}: "

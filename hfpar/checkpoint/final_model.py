@@ -18,6 +18,7 @@ from transformers.integrations import deepspeed as hf_ds
 from hfpar.distributed import gathered_state_dict, swapped, unwrap, without_deepspeed_import
 from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
+from hfpar.parallel.language_model import is_nested
 
 
 def export_final(
@@ -53,7 +54,26 @@ def _write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: 
     elif is_upcycled(backend.unwrapped()):  # written as the HF MoE architecture it became
         save_upcycled_pretrained(backend.unwrapped(), output_dir, state_dict=full, is_main_process=True)
     else:
-        unwrap(backend.model).save_pretrained(output_dir, state_dict=on_cpu(full), safe_serialization=True)
+        saving_model(unwrap(backend.model)).save_pretrained(
+            output_dir, state_dict=on_cpu(full), safe_serialization=True
+        )
+
+
+def saving_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose save_pretrained writes the weights. transformers writes a multimodal wrapper's checkpoint
+    under its legacy names (LLaVA: language_model.model.*) by reversing the conversion mapping it finds by class name
+    on the module tree; FSDP2's subclass (FSDPLlavaForConditionalGeneration) finds none, and a ZeRO-3-loaded LLaVA
+    wrote language_model.model.model.* (measured, tests/launch/test_sft_vlm_parity.py): a nested model is saved
+    through a fresh meta-device instance of its own class instead (text models: the model itself)."""
+    if not is_nested(getattr(model, "config", None)):
+        return model
+    cls = type(model)
+    cls = next((b for b in cls.__bases__ if f"FSDP{b.__name__}" == cls.__name__), cls)
+    with torch.device("meta"):
+        fresh = cls._from_config(model.config)
+    if getattr(model, "generation_config", None) is not None:
+        fresh.generation_config = model.generation_config
+    return fresh
 
 
 def write_lora(backend, full: dict[str, torch.Tensor], output_dir: str, merge_adapter: bool) -> None:

@@ -17,6 +17,8 @@
     padding_free.py  padding_free_mode: whether padding-free batches apply to a run (task, model family, ...)
     prompts.py   load_prompts -> PromptSet (GRPO's prompt-only data, TRL's formats), left_pad (import it from there);
     grpo_task.py the embedded GRPO task; GRPO_START / grpo_start_path(): its warm-start model (hfpar/assets/grpo_start)
+    vision.py    image + text SFT rows through a vision-language model's processor (tokenize_vision, VisionCollator);
+    images.py    their images (PIL, bytes, paths inside the dataset's directory);  shapes.py  the embedded VLM task
 
 Labels are NOT shifted: the target of position t is labels[t + 1] (the trainer shifts).
 
@@ -42,6 +44,8 @@ from .errors import DataError
 from .load import (
     BUILDERS,
     EMBEDDED,
+    EMBEDDED_MODELS,
+    EMBEDDED_VLM,
     EVAL_NAMES,
     FILE_LIKE,
     FORMATS,
@@ -67,6 +71,8 @@ def grpo_start_path() -> str:
 __all__ = [
     "BUILDERS",
     "EMBEDDED",
+    "EMBEDDED_MODELS",
+    "EMBEDDED_VLM",
     "EVAL_NAMES",
     "FILE_LIKE",
     "FORMATS",

@@ -23,6 +23,8 @@ from .errors import DataError, _one_line
 logger = logging.getLogger(__name__)
 
 EMBEDDED = "hfpar-tiny"
+EMBEDDED_VLM = "hfpar-tiny-vlm"  # the embedded tiny vision-language model (Idefics3, hfpar/assets/tiny_vlm)
+EMBEDDED_MODELS = {EMBEDDED: "tiny", EMBEDDED_VLM: "tiny_vlm"}  # name -> its directory under hfpar/assets
 KINDS = ("sft", "clm", "classify")
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 EVAL_NAMES = ("eval", "validation", "valid", "dev", "test")
@@ -31,9 +33,10 @@ FILE_LIKE = set(BUILDERS) | {".tsv", ".xlsx", ".xls", ".arrow", ".gz", ".zip", "
 
 
 # ------------------------------------------------------------------------------------- tokenizer
-def embedded_model_path() -> str:
-    """Directory of the embedded tiny Llama config + tokenizer (inside the installed package)."""
-    return str(resources.files("hfpar") / "assets" / "tiny")
+def embedded_model_path(name: str = EMBEDDED) -> str:
+    """Directory of an embedded model's config + tokenizer (inside the installed package): the tiny Llama, or
+    (EMBEDDED_VLM) the tiny Idefics3 with its processor."""
+    return str(resources.files("hfpar") / "assets" / EMBEDDED_MODELS[name])
 
 
 def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = False):
@@ -41,7 +44,7 @@ def load_tokenizer(name_or_path: str | None = None, trust_remote_code: bool = Fa
     # lazy: +0.8 s (measured), paid by paths that import hfpar.data but load no tokenizer (recipe argument errors)
     from transformers import AutoTokenizer
 
-    path = embedded_model_path() if name_or_path in (None, EMBEDDED) else name_or_path
+    path = embedded_model_path(name_or_path or EMBEDDED) if name_or_path in (None, *EMBEDDED_MODELS) else name_or_path
     try:  # an untrusted file: whatever its parser raises (tokenizers' own Exception, RecursionError) is one line
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001

@@ -35,6 +35,12 @@ FAMILIES = (
 )
 
 
+# vision-language model types whose image rows pack (hfpar.data.vision.VisionCollator(padding_free=True)): 1-D
+# position ids into a language model of FAMILIES, image features merged in the order of their image tokens; verified
+# in tests/unit/test_sft_vision.py (every row's logits in a padding-free batch equal its logits alone)
+VLM_FAMILIES = ("idefics3", "llava")
+
+
 def _mask_attentions() -> tuple[str, ...]:
     """Attention implementations whose masks transformers builds from the packed position ids (transformers'
     masking_utils imported on use: why: docs/architecture.md#why-start-up-time)."""
@@ -43,11 +49,20 @@ def _mask_attentions() -> tuple[str, ...]:
     return tuple(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys())
 
 
-def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) -> tuple[bool, str | None]:
+def _image_text_types():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def padding_free_mode(
+    args, task: str, model_type: str | None, *, packed: bool, text_model_type: str | None = None
+) -> tuple[bool, str | None]:
     """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
 
     args: padding_free (None = wherever it applies, True, False), pp_size, attn_implementation.
     packed: the rows are packed already (--packing, the clm recipe): nothing to do.
+    text_model_type: a multimodal wrapper's language model type (its text_config's).
     """
     if args.padding_free is False or packed:
         return False, None
@@ -58,6 +73,13 @@ def padding_free_mode(args, task: str, model_type: str | None, *, packed: bool) 
             f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
             "of rows, and padding-free batches vary in their number of rows"
         )
+    if model_type in _image_text_types() and model_type not in VLM_FAMILIES:
+        return False, (
+            f"model_type {model_type!r} is a vision-language model not among those verified to keep packed image "
+            f"rows apart ({', '.join(VLM_FAMILIES)}; Qwen-VL's 3-D position ids cannot mark samples)"
+        )
+    if model_type in VLM_FAMILIES:  # its language model must be a family of FAMILIES
+        model_type = text_model_type
     if model_type not in FAMILIES:
         return False, (
             f"model_type {model_type!r} is not among the families verified to keep packed samples apart "

@@ -107,12 +107,29 @@ def is_meta(model: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- checkpoint keys -> model tensors
+def _conversion_mapping(model: nn.Module) -> list:
+    """transformers' conversion mapping of `model`, which it looks up per sub-model by class name first: FSDP2's
+    wrapper subclasses (FSDP<Name>) are looked up as the class they wrap (LLaVA's key renames are its class's)."""
+    wrapped = []
+    for m in model.modules():
+        cls = type(m)
+        base = next((b for b in cls.__bases__ if f"FSDP{b.__name__}" == cls.__name__), None)
+        if base is not None:
+            wrapped.append((m, cls))
+            m.__class__ = base
+    try:
+        return get_model_conversion_mapping(model)
+    finally:
+        for m, cls in wrapped:
+            m.__class__ = cls
+
+
 class _Sources:
     """For each model state-dict name: the checkpoint key that holds it, or (converter, {pattern: [(index, key)]})
     when transformers' conversion mapping builds it from several keys (per-expert weights -> 3-D experts)."""
 
     def __init__(self, model: nn.Module, index: dict[str, str], names: dict | None = None):
-        mapping = get_model_conversion_mapping(model)
+        mapping = _conversion_mapping(model)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         by_pattern = {p: c for c in converters for p in c.source_patterns}

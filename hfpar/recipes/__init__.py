@@ -16,6 +16,8 @@ A Recipe's fields (all but name / task have a default):
     resolve       (args, ctx, plan) -> values of its own derived once (plan.recipe_values)
     objective     (args, ctx, plan, model, data) -> Objective (hfpar.objectives), after parallelize (data: the
                   RecipeData build_data returned)
+    image_text    the recipe trains vision-language models too (sft: image + text rows): a model whose config is one
+                  (hfpar.data.vision.is_image_text) is built by AutoModelForImageTextToText (plan.image_text)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RecipeData(NamedTuple):
     collator: Callable  # samples -> a batch of tensors
     info: dict  # run_info.json fields (data statistics)
     num_labels: int | None = None  # classify: the head's size
+    processor: Any = None  # saved beside the model instead of the tokenizer (a vision-language model's processor)
 
 
 def _packing(args) -> bool:
@@ -66,6 +69,7 @@ class Recipe:
     problems: Callable[..., list[str]] = _no_problems
     resolve: Callable[..., Mapping[str, Any]] = _no_values
     objective: Callable[..., Objective] = task_objective
+    image_text: bool = False
 
 
 _REGISTRY: dict[str, Recipe] = {}

@@ -22,10 +22,10 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(recipe, cwd):
+def _run(recipe, cwd, argv=()):
     t0 = _children_cpu_s()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / f"{recipe}.py")],
+        [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), *argv],
         cwd=cwd,
         env=env(),
         capture_output=True,
@@ -128,3 +128,36 @@ def test_grpo_default_learns(tmp_path):
     assert elapsed < 120, f"grpo took {elapsed:.0f} CPU-s"
     assert last >= first + 0.1, (first, last)
     assert (out / "report.png").stat().st_size > 10_000 and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.extended
+def test_sft_vlm_default_learns_the_shapes(tmp_path):
+    """The embedded VLM default (`--model_name_or_path hfpar-tiny-vlm`: a random-init tiny Idefics3 on generated
+    shapes): the loss falls from ~ln(128) to a fraction, and the exported model (AutoModelForImageTextToText +
+    AutoProcessor) answers most eval images exactly ("2 red"), which the question alone cannot tell."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hfpar.data.shapes import make_shapes
+
+    elapsed, train, evals, out = _run("sft", tmp_path, ["--model_name_or_path", "hfpar-tiny-vlm"])
+    model, proc = AutoModelForImageTextToText.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    right = 0
+    for row in make_shapes(42)["eval"]:
+        question = {"type": "text", "text": row["messages"][0]["content"]}
+        msgs = [{"role": "user", "content": [{"type": "image"}, question]}]
+        text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        enc = proc(text=[text], images=[row["images"]], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=10, do_sample=False)
+        answer = proc.tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        right += answer.strip() == row["messages"][1]["content"]
+    record(
+        "recipes/default_cpu",
+        "sft_vlm",
+        {"first_train_loss": train[0]["loss"], "last_eval_loss": evals[-1]["eval_loss"], "exact_of_64": right},
+        command="python -m pytest -q tests/launch/test_recipes_default.py -k vlm -m extended",
+    )
+    assert elapsed < 120, f"sft on hfpar-tiny-vlm took {elapsed:.0f} CPU-s"
+    assert evals[-1]["eval_loss"] < 0.1 * train[0]["loss"], (train[0], evals[-1])
+    assert right >= 48, f"{right} of 64 eval images answered exactly"  # 4 colours x 3 counts: chance is 1 in 12
