@@ -13,7 +13,17 @@ run all four with --tp_size / --ep_size / --cp_size / --pp_size (docs/own-code.m
 Names are imported lazily so `import hfpar` stays cheap (torch + transformers: ~4 s per process).
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# transformers imports torchao whenever it is installed (its quantizer registry), and torchao 0.18 under another torch
+# than its compiled kernels were built for logs "Failed to load ..._C...so" and torch's Enum-registration deprecation,
+# on every process, fp8 or not: two or four lines before each refusal or log line of a run. hfpar's fp8 uses none of
+# those kernels (float8 training is torchao's Python + torch._scaled_mm), and what fp8 needs is checked by the
+# preflight in one line, so these two loggers are set to errors only.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 _LAZY = {
     "apply_tensor_parallel": "hfpar.parallel.tensor_parallel",

@@ -303,7 +303,7 @@ class RunPlan:
     padding_free: bool  # the collator packs each micro-batch's samples into rows
     padding_free_why_not: str | None
     cp_mode: str  # ring | ulysses (--cp_mode auto resolved)
-    fp8: Any = None  # hfpar.train.fp8.FP8Settings under mixed_precision fp8, else None
+    fp8: Any = None  # hfpar.precision.fp8.FP8Settings under mixed_precision fp8, else None
     # a vision-language model a recipe of image rows trains (Recipe.image_text): AutoModelForImageTextToText builds it
     image_text: bool = False
     recipe_values: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))

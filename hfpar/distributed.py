@@ -23,7 +23,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from accelerate.utils import other as accelerate_other
 
 from hfpar.config import ConfigError
-from hfpar.train import fp8
+from hfpar.precision import fp8
 
 
 def _launched_by_torchrun() -> bool:

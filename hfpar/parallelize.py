@@ -36,8 +36,8 @@ from hfpar.parallel.pipeline import (
     parse_split,
 )
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
+from hfpar.precision.fp8 import convert_model
 from hfpar.train.compile import compile_blocks, repeated_blocks
-from hfpar.train.fp8 import convert_model
 from hfpar.train.liger import apply_liger
 
 

@@ -44,7 +44,7 @@ from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
-from hfpar.train.fp8 import fp8_problems, fp8_settings
+from hfpar.precision.fp8 import fp8_problems, fp8_settings
 from hfpar.train.liger import liger_problems
 
 

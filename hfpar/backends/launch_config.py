@@ -7,7 +7,7 @@ Accelerate's launcher turns every key of these sections into a launcher attribut
 know: `zero_stag: 3` silently runs ZeRO-2 (the default stage), `fsdp_versoin: 2` falls back to FSDP1, fp8_config's
 `recipie: rowwise` trains tensorwise. The known keys are the launcher's own DeepSpeed / FSDP / FP8 arguments
 (accelerate.commands.launch's parser), so this list follows the installed Accelerate, plus hfpar's fp8_config `recipe`
-(exported by the launcher like any key of the section: ACCELERATE_FP8_RECIPE, read by hfpar.train.fp8). The YAML is
+(exported by the launcher like any key of the section: ACCELERATE_FP8_RECIPE, read by hfpar.precision.fp8). The YAML is
 found on the launcher's command line (`--config_file`, the parent process of every rank under `accelerate launch`),
 else Accelerate's default config file; none found: nothing to check.
 """

@@ -31,6 +31,8 @@ class Strategy:
     offload: bool = False  # states kept in host RAM (ZeRO-3 offload)
     holds_embedding_units: bool = False  # Accelerate's FSDP2 gives the input embedding a unit of its own
     fp8_all_gather: bool = False  # its wrap all-gathers torchao's Float8Linear weights in fp8 (tensorwise fp8)
+    bf16_weights: bool = False  # under bf16 the model computes with bf16 weights (FSDP2's policy, DeepSpeed's cast),
+    # not autocast over fp32 ones: smaller activations (planner), no bf16 weight copies
     planner_with: str = ""  # what `hfpar plan` composes it with: tp, ep, cp, pp (over it)
     tier: str | None = None  # `hfpar plan`'s recommendation order: first | fallback | last (None:
     # shown, not recommended)
@@ -59,6 +61,7 @@ _TABLE = (
         wrap_load="fsdp2",
         holds_embedding_units=True,
         fp8_all_gather=True,
+        bf16_weights=True,
         planner_with="tp cp",
         tier="first",
     ),
@@ -68,6 +71,7 @@ _TABLE = (
         "deepspeed",
         in_planner=True,
         deepspeed=True,
+        bf16_weights=True,
         shards=(False, False, True),
         buffers="reduce_bucket",
     ),
@@ -77,6 +81,7 @@ _TABLE = (
         "deepspeed",
         in_planner=True,
         deepspeed=True,
+        bf16_weights=True,
         shards=(False, True, True),
         buffers="reduce_bucket",
     ),
@@ -86,6 +91,7 @@ _TABLE = (
         "deepspeed",
         in_planner=True,
         deepspeed=True,
+        bf16_weights=True,
         shards=(True, True, True),
         buffers="gathered",
         partitions_at_load=True,
@@ -98,6 +104,7 @@ _TABLE = (
         "deepspeed",
         in_planner=True,
         deepspeed=True,
+        bf16_weights=True,
         shards=(True, True, True),
         buffers="gathered",
         partitions_at_load=True,

@@ -114,7 +114,7 @@ def estimate(
         act_bytes=act_bytes,
         attn_implementation=attn_implementation,
         loss_chunk=chunk_tokens(stats, tp_size, loss_chunk_size),
-        autocast=strategy == "ddp",  # fp32 weights under autocast; FSDP2's policy and DeepSpeed compute in bf16
+        autocast=not s.bf16_weights,  # fp32 weights under autocast; FSDP2's policy and DeepSpeed compute in bf16
     )
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())

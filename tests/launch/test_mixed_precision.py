@@ -210,7 +210,8 @@ def _pipeline(rank: int) -> dict:
     acc = _accelerator()
     acc.autocast = contextlib.nullcontext  # fp32 compute: what is under test is the scale, not fp16 rounding
     args = parse_args(["--pp_size", "2", "--pp_schedule", "1f1b", "--pp_microbatches", "2"], recipe="sft")
-    backend = PipelineDDP(acc, ctx, "ddp", args, run_plan=SimpleNamespace(microbatches=2))  # the RunPlan's
+    plan = SimpleNamespace(microbatches=2, image_text=False)
+    backend = PipelineDDP(acc, ctx, "ddp", args, run_plan=plan)  # the RunPlan's fields the backend reads
     backend.prepare(stage)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(3))
     batch = shift_labels({"input_ids": ids, "labels": ids.clone()})

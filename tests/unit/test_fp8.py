@@ -1,4 +1,4 @@
-"""mixed_precision fp8 (hfpar/train/fp8.py): its settings, its one-line refusals and the model conversion, in process.
+"""mixed_precision fp8 (hfpar/precision/fp8.py): its settings, one-line refusals and the model conversion, in process.
 
 python -m pytest -q tests/unit/test_fp8.py
 """
@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hfpar import data
 from hfpar.backends import STRATEGY
 from hfpar.context import ParallelContext
-from hfpar.train import fp8
+from hfpar.precision import fp8
 from hfpar.train.compile import repeated_blocks
 from tests.helpers.preflight import _args
 from tests.helpers.tiny_configs import MOE, TINY

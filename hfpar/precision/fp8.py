@@ -162,6 +162,7 @@ def convert_model(model: nn.Module, s: FP8Settings, blocks: list[nn.Module]) -> 
     layer qualifies. (torchao is imported here, as the preflight and the Accelerator import this module first.)"""
     from torchao.float8 import convert_to_float8_training  # noqa: PLC0415
 
+    # imported on use: hfpar.distributed imports this module at start-up, before the model stack is needed
     from hfpar.parallel.tensor_parallel.fp8 import float8_shard_layers  # noqa: PLC0415
 
     config = float8_config(s)
