@@ -50,8 +50,9 @@ def fresh_model(seed: int = 0):
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data.embedded_model_path()))
 
 
-def recipe_rows(flags: list[str], steps: int) -> tuple:
-    """(train dataset, per-step row indices) exactly as `recipes/sft.py <flags>` builds and samples them."""
+def recipe_rows(flags: list[str], steps: int, batch: int = BS) -> tuple:
+    """(train dataset, per-step row indices) exactly as `recipes/sft.py <flags>` builds and samples them (one
+    process, `batch` rows a step)."""
     from types import SimpleNamespace
 
     from hfpar import data, recipes
@@ -61,9 +62,9 @@ def recipe_rows(flags: list[str], steps: int) -> tuple:
     recipe = recipes.get("sft")
     args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
     one_process = SimpleNamespace(seq_multiple=1)  # the data builder's view of the context and run plan
-    plan = SimpleNamespace(task="lm", padding_free=False)
+    plan = SimpleNamespace(task="lm", padding_free=False, image_text=False)  # a text model: the text data builder
     train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), one_process, plan)
-    sampler = GlobalBatchSampler(len(train), BS, 1, 0, 1, args.seed)
+    sampler = GlobalBatchSampler(len(train), batch, 1, 0, 1, args.seed)
     return train, [[i for ix in micro for i in ix] for _, _, micro in sampler.iterate(0, steps)]
 
 

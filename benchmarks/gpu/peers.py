@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.baselines.sft_runs import recipe_rows
 from benchmarks.common.launch import ROOT, accelerate_cmd, command, env, module_cmd
 from benchmarks.gpu.sft import peak_flops
 
@@ -113,24 +114,14 @@ def recipe_flags(a, data: Path, model: Path) -> list[str]:
 
 
 def rows_in_order(flags: list[str], steps: int, batch: int) -> list[dict]:
-    """The packed rows hfpar's sft recipe trains, step by step (its data builder and sampler), with seq_lengths."""
-    from types import SimpleNamespace
-
-    from hfpar import data, recipes
-    from hfpar.config import parse_args
-    from hfpar.train.sampler import GlobalBatchSampler
-
-    recipe = recipes.get("sft")
-    args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
-    plan = SimpleNamespace(task="lm", padding_free=False)
-    train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), SimpleNamespace(seq_multiple=1), plan)
-    sampler = GlobalBatchSampler(len(train), batch, 1, 0, 1, args.seed)
+    """The packed rows hfpar's sft recipe trains, step by step (benchmarks/baselines/sft_runs.py's recipe_rows: its
+    data builder and sampler), with each row's document lengths (seq_lengths, from the position ids)."""
+    train, per_step = recipe_rows(flags, steps, batch)
     out = []
-    for _, _, micro in sampler.iterate(0, steps):
-        for i in (i for ix in micro for i in ix):
-            pos = train[i]["position_ids"]
-            starts = [j for j, p in enumerate(pos) if p == 0] + [len(pos)]
-            out.append({"input_ids": train[i]["input_ids"], "seq_lengths": [b - a for a, b in zip(starts, starts[1:])]})
+    for i in (i for ix in per_step for i in ix):
+        pos = train[i]["position_ids"]
+        starts = [j for j, p in enumerate(pos) if p == 0] + [len(pos)]
+        out.append({"input_ids": train[i]["input_ids"], "seq_lengths": [b - a for a, b in zip(starts, starts[1:])]})
     return out
 
 

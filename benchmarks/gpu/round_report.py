@@ -23,7 +23,7 @@ import statistics
 import zlib
 from pathlib import Path
 
-PEAK_BF16 = 989e12  # H100 / H200 dense bf16 (benchmarks/gpu/sft.py PEAK_BF16)
+from benchmarks.gpu.sft import peak_flops
 
 
 def step_tokens(log: Path) -> list[int]:
@@ -62,7 +62,7 @@ def sft_table(peers: Path) -> list[str]:
             per = hfpar_rates(peers / "logs" / f"{v}.log")
             slow = ", ".join(str(i + 1) for i, x in enumerate(per) if i >= 1 and x < 0.2 * statistics.median(per))
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base))
-        mfu = 100 * rate * env["flops_per_token"] / PEAK_BF16
+        mfu = 100 * rate * env["flops_per_token"] / peak_flops(env["gpu"])
         lines.append(
             f"| {v} | {1e3 * r['step_time_s']:.0f} | {rate:,.0f} | {mfu:.1f}% | {r['peak_mem_bytes'] / 2**30:.1f} "
             f"| {r.get('compile_s') or ''} | {slow} | {diff:.1e} |"
