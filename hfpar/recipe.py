@@ -50,6 +50,19 @@ def _is_collective_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _tear_down(accelerator) -> None:
+    """Collective, at a run's end (the caller has dropped its references to the trainer, backend and model):
+    Accelerate's references to the prepared engine, optimizer and scheduler dropped (DeepSpeed's engine destroyed
+    by Accelerate's free_memory) and the garbage collected while the process group is alive, every rank past a
+    barrier, then the group destroyed. Left to Python's exit, an engine's collective handles are freed while the
+    interpreter tears down and a peer may have closed its connections: a rank that had trained and exported
+    everything ended with SIGABRT once (CI, DPO under ZeRO-3, 2026-11-28), failing a finished run."""
+    accelerator.free_memory()
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @contextlib.contextmanager
 def _without_zero3_init():
     """Build the embedded (tiny, random-init) model outside DeepSpeed's zero.Init, so its initial weights are
@@ -212,17 +225,13 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
             **extra,
         },
     )
+    preempted = None
     try:
         result = trainer.train()
     except ConfigError as exc:  # e.g. a checkpoint missing a rank's shard: a user problem, said in one line
         _fail(str(exc))
     except Preempted as exc:  # SIGTERM / SIGUSR1: a checkpoint was saved by every rank; a distinct exit code
-        if accelerator.is_main_process:
-            print(f"hfpar: preempted: {exc}", file=sys.stderr)
-        accelerator.wait_for_everyone()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        sys.exit(PREEMPTED_EXIT)
+        preempted = str(exc)  # handled below, once the exception's frames (which hold the trainer) are gone
     except NonFiniteError as exc:  # the numerical guard: one line, no traceback, non-zero exit
         _fail(f"{exc} (checkpoints written so far are intact; --on_nonfinite skip skips such steps instead)")
     except RuntimeError as exc:
@@ -236,8 +245,13 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
             file=sys.stderr,
         )
         os._exit(3)  # the process group is broken: no clean shutdown is possible
+    del trainer, backend, model, objective
+    if preempted is not None:
+        if accelerator.is_main_process:
+            print(f"hfpar: preempted: {preempted}", file=sys.stderr)
+        _tear_down(accelerator)
+        sys.exit(PREEMPTED_EXIT)
     accelerator.print(f"[hfpar] done: {result}  -> {args.output_dir}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    _tear_down(accelerator)
     release_output_dir(lock)
     return result

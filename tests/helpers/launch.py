@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,18 @@ def env() -> dict:
     """The suite's launches compare CPU + gloo runs with each other (the parity contract): on a machine with a GPU
     they are kept on the CPU too, since a 2-process launch on a one-GPU machine is refused (one CUDA device per
     process) and a GPU reference would add device-numerics noise. HFPAR_TEST_CUDA=1 launches on the GPUs instead."""
-    return launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1")
+    # PYTHONFAULTHANDLER: a worker killed by a fatal signal (SIGABRT, SIGSEGV) prints every thread's Python stack
+    return {**launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1"), "PYTHONFAULTHANDLER": "1"}
+
+
+_BAR = re.compile(r"(it/s|s/it)(, [^\]]*)?\]\s*$|^\s*$")
+
+
+def log_tail(text: str, n: int) -> str:
+    """The last n characters of a launch's output without its progress-bar redraws (tqdm's \\r lines), which
+    otherwise fill a failure message and push out the lines that say why."""
+    lines = [line for line in re.split(r"[\r\n]", text) if not _BAR.search(line)]
+    return "\n".join(lines)[-n:]
 
 
 def launch_cmd(
@@ -125,8 +137,8 @@ def launch(
         proc = _ZYGOTE.run(cmd, run_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-8000:]}"
+            f"launch failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{log_tail(proc.stdout, 4000)}"
+            f"\n--- stderr\n{log_tail(proc.stderr, 8000)}"
         )
     return proc
 
