@@ -8,7 +8,8 @@ against its own eager twin, launched with it. Per step (loss, grad norm) and exp
 contract's 1e-4 (TOL); measured with aot_eager (the backend the suite can afford on CPU): 1e-7 or less, the
 size of the distributed runs' own difference from one process. In the extended tier: on this 2-core machine each
 case spends 1-5 minutes of CPU in dynamo under the suite's load (graph breaks at every collective make several
-graphs per block).
+graphs per block). One process with inductor (the default backend, C++ kernels from g++) against the same eager run:
+test_inductor_matches_eager_single.
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ def test_compiled_matches_eager_single(runs, single_run, base_weights, case):
     assert_steps_match(single_run, runs[case], f"compiled {case}")
     assert_export_matches(single_run, runs[case], f"compiled {case}", initial=base_weights)
     assert read_run_info(runs[case])["torch_compile"]["regions"] == 4
+
+
+@pytest.fixture(scope="module")
+def inductor_run(base_model, tmp_path_factory):
+    """One process compiled with inductor (C++ kernels built by g++ on the CPU): the backend users get by default."""
+    cases = {"inductor": ("single", 1, "4", ["--torch_compile", "--torch_compile_backend", "inductor"])}
+    return launch_cases(cases, base_model, tmp_path_factory.mktemp("inductor"))["inductor"]
+
+
+def test_inductor_matches_eager_single(inductor_run, single_run, base_weights):
+    """inductor generates its own kernels (fused, reordered reductions): the contract's 1e-4 still holds."""
+    assert_steps_match(single_run, inductor_run, "compiled single (inductor)")
+    assert_export_matches(single_run, inductor_run, "compiled single (inductor)", initial=base_weights)
+    info = read_run_info(inductor_run)["torch_compile"]
+    assert info["regions"] == 4 and info["backend"] == "inductor", info
 
 
 def test_compiled_ep_matches_eager_ep(runs):
