@@ -58,8 +58,8 @@ def _tear_down(accelerator) -> None:
     interpreter tears down and a peer may have closed its connections: a rank that had trained and exported
     everything ended with SIGABRT once (CI, DPO under ZeRO-3, 2026-11-28), failing a finished run."""
     accelerator.free_memory()
-    accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized():  # Accelerate's end_training destroys it already when trackers are on
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
