@@ -63,13 +63,12 @@ class _GroupedLinear(torch.autograd.Function):
             # traced (--torch_compile): no writes into views of a fresh tensor. Under no_grad (evaluation) dynamo
             # inlines this forward, DDP's graph splitter can cut between the buffer and its writes, and AOT
             # autograd then fails on the mutated aliased inputs (torch 2.13, dynamic shapes). Same GEMMs.
-            ctx.save_for_backward(x, w)
-            ctx.counts, ctx.cache = counts, cache
-            return torch.cat([xg @ w[g].t() for g, xg in enumerate(x.split(counts))])
-        out = x.new_empty(x.shape[0], w.shape[1])  # (M, out)
-        for g, (xg, og) in enumerate(zip(x.split(counts), out.split(counts))):
-            if xg.shape[0]:
-                torch.mm(xg, w[g].t(), out=og)
+            out = torch.cat([xg @ w[g].t() for g, xg in enumerate(x.split(counts))])
+        else:
+            out = x.new_empty(x.shape[0], w.shape[1])  # (M, out)
+            for g, (xg, og) in enumerate(zip(x.split(counts), out.split(counts))):
+                if xg.shape[0]:
+                    torch.mm(xg, w[g].t(), out=og)
         ctx.save_for_backward(x, w)
         ctx.counts, ctx.cache = counts, cache
         return out
