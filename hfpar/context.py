@@ -301,6 +301,7 @@ class RunPlan:
     pipeline_stages: int  # stages the layers are cut into (pp, or pp x V interleaved)
     chunks_per_rank: int  # model chunks a pipeline rank holds (V interleaved, else 1)
     padding_free: bool  # the collator packs each micro-batch's samples into rows
+    one_row: bool  # ... into ONE row, packed rows concatenated (hfpar.data.padding_free.one_row)
     padding_free_why_not: str | None
     cp_mode: str  # ring | ulysses (--cp_mode auto resolved)
     fp8: Any = None  # hfpar.precision.fp8.FP8Settings under mixed_precision fp8, else None

@@ -45,6 +45,7 @@ from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 from hfpar.precision.fp8 import fp8_problems, fp8_settings
+from hfpar.train import varlen
 from hfpar.train.liger import liger_problems
 
 
@@ -186,9 +187,14 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
                 "computes its loss from the logits; pass 0 or leave it unset"
             )
     text_type = getattr(text_config(config), "model_type", None)
+    if args.attn_implementation == varlen.NAME:  # in transformers' registries before the model is built
+        varlen.register()
     _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing, text_model_type=text_type)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
+    if args.attn_implementation == varlen.NAME and (why_not or args.padding_free is False):
+        why = why_not or "--padding_free false asks for padded rows"
+        p.append(f"--attn_implementation {varlen.NAME} takes padding-free rows only, and here {why}; use sdpa")
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
             p.append(
@@ -366,6 +372,7 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
         pipeline_stages=stages,
         chunks_per_rank=stages // ctx.pp,
         padding_free=padding_free,
+        one_row=padding_free and data.one_row(args),
         padding_free_why_not=why_not,
         cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
         fp8=fp8_settings(args, all_gather=ctx.strategy.fp8_all_gather and ctx.tp == 1),

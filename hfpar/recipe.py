@@ -220,6 +220,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
             "recipe": kind,
             "sequence_parallel": args.sequence_parallel,
             "padding_free": plan.padding_free,
+            "one_row": plan.one_row,
             **({"cp_mode": plan.cp_mode} if ctx.cp > 1 else {}),
             **info,
             **extra,

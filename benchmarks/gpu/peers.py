@@ -11,7 +11,8 @@ order hfpar's sampler trains them (a sequential sampler), as a pre-tokenized dat
 its padding-free collator (TRL's documented fast path: padding_free; Liger kernels and compile as variants).
 Attention is transformers' sdpa in both (the packed-sequence mask from the position ids): FlashAttention's package,
 which TRL documents for padding-free, cannot be installed on the benchmark machine (no network, no wheel for its
-torch).
+torch). The hfpar_varlen variants join each step's packed rows into one row and run torch's own FlashAttention-2
+varlen kernel (`--attn_implementation hfpar_varlen`), which needs no package.
 
 Per variant, each in a fresh process: tokens/s (mean real tokens of the steps after --warmup over their median step
 time, the step synchronised: a compiled run's later steps can still recompile), MFU (6 N + 12 L d T FLOPs per token,
@@ -60,6 +61,10 @@ VARIANTS = {  # name -> (framework, hfpar launch config or TRL SFTConfig overrid
     "hfpar_fp8_compile": ("hfpar", FP8, ["--torch_compile"]),
     "hfpar_fp8_rowwise_compile": ("hfpar", FP8, ["--torch_compile", "--fp8_recipe", "rowwise"]),
     "hfpar_liger": ("hfpar", "single", ["--use_liger_kernel"]),
+    # a step's packed rows joined into one row, attention by torch's FlashAttention-2 varlen kernel (hfpar.train.varlen)
+    "hfpar_varlen": ("hfpar", "single", ["--attn_implementation", "hfpar_varlen"]),
+    "hfpar_varlen_compile": ("hfpar", "single", ["--attn_implementation", "hfpar_varlen", "--torch_compile"]),
+    "hfpar_varlen_fp8_compile": ("hfpar", FP8, ["--attn_implementation", "hfpar_varlen", "--torch_compile"]),
     "trl": ("trl", {}, []),
     "trl_liger": ("trl", {"use_liger_kernel": True}, []),  # Liger's RMSNorm / SwiGLU / RoPE / fused linear CE
     "trl_compile": ("trl", {"torch_compile": True}, []),
@@ -244,6 +249,9 @@ def table(env_: dict, results: list[dict]) -> str:
         ("hfpar_fp8", "hfpar"),
         ("hfpar_fp8_compile", "hfpar_compile"),
         ("hfpar_fp8_rowwise_compile", "hfpar_compile"),
+        ("hfpar_varlen", "hfpar"),
+        ("hfpar_varlen_compile", "hfpar_compile"),
+        ("hfpar_varlen_fp8_compile", "hfpar_varlen_compile"),
     ):
         if v in ok and b in ok:
             lines.append(f"\n{v} / {b}: {ok[v]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x")

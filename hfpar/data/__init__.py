@@ -55,7 +55,7 @@ from .load import (
     load_splits,
     load_tokenizer,
 )
-from .padding_free import padding_free_mode
+from .padding_free import one_row, padding_free_mode
 from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
 # The GRPO warm start: the embedded tiny model after a short SFT on the embedded GRPO task (hfpar/data/grpo_task.py),
@@ -89,6 +89,7 @@ __all__ = [
     "load_tokenizer",
     "pack",
     "pack_batch",
+    "one_row",
     "padding_free_mode",
     "tokenize_classify",
     "tokenize_clm",

@@ -47,6 +47,20 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def join_rows(features: list[dict]) -> dict[str, list[int]]:
+    """Samples or packed rows -> ONE row, in order (DataCollator one_row): each keeps its position ids (a sample's
+    restart at 0), and the first label of each is -100, as `join_samples` does: unjoined, nothing precedes it, so
+    it is no target either (a packed row's samples already start with -100; a clm row's first token is a target of
+    nothing). Same targets, same loss."""
+    row = {"input_ids": [], "labels": [], "position_ids": []}
+    for f in features:
+        ids = list(f["input_ids"])
+        row["input_ids"] += ids
+        row["labels"] += [IGNORE] + list(f.get("labels", ids))[1:]
+        row["position_ids"] += list(f["position_ids"]) if "position_ids" in f else range(len(ids))
+    return row
+
+
 def join_samples(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     """(input_ids, labels) samples -> one row. position_ids restart at 0 at every sample, which is how
     transformers tells the samples apart (block-diagonal causal mask, or varlen flash attention), so attention
@@ -105,6 +119,8 @@ class DataCollator:
 
     padding_free: pack each batch's samples into rows of at most max_seq_length tokens (`pack_batch`) first;
     rows that are already packed are left as they are.
+    one_row (with padding_free): the batch's samples, or its packed rows, joined into ONE row (`join_rows`), for
+    attention that skips the pairs between samples (hfpar.data.padding_free.ONE_ROW_ATTENTIONS).
     """
 
     def __init__(
@@ -116,6 +132,7 @@ class DataCollator:
         pad_to_multiple_of: int | None = None,
         padding_free: bool = False,
         max_seq_length: int | None = None,
+        one_row: bool = False,
     ):
         if task not in ("lm", "classify"):
             raise DataError(f"collator task {task!r}: valid tasks are lm, classify")
@@ -129,16 +146,20 @@ class DataCollator:
                 f"padding_free needs max_seq_length, the longest row to pack into: got {max_seq_length!r}, "
                 "expected an integer >= 2"
             )
+        if one_row and not padding_free:
+            raise DataError("one_row joins padding-free batches into one row: pass padding_free=True with it")
         if pad_token_id is None and tokenizer is not None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_token_id is None:
             raise DataError("DataCollator needs a pad id: pass a tokenizer with a pad or eos token, or pad_token_id")
         self.task, self.pad_id, self.multiple = task, pad_token_id, pad_to_multiple_of
-        self.padding_free, self.max_seq_length = padding_free, max_seq_length
+        self.padding_free, self.max_seq_length, self.one_row = padding_free, max_seq_length, one_row
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         packed = all("position_ids" in f for f in features)
-        if self.padding_free and not packed:
+        if self.one_row:
+            features, packed = [join_rows(features)], True
+        elif self.padding_free and not packed:
             features, packed = pack_batch(features, self.max_seq_length), True
         ids = [list(f["input_ids"]) for f in features]
         length = max(len(x) for x in ids)

@@ -1,4 +1,5 @@
-"""Where padding-free batching applies: each micro-batch's samples packed into rows (DataCollator(padding_free=True)).
+"""Where padding-free batching applies: each micro-batch's samples packed into rows (DataCollator(padding_free=True)),
+or into one row where the attention skips the pairs between samples (`one_row`: DataCollator(one_row=True)).
 
     on, why_not = padding_free_mode(args, "lm", "llama", packed=args.packing)   # (True, None)
 
@@ -40,6 +41,17 @@ FAMILIES = (
 # in tests/unit/test_sft_vision.py (every row's logits in a padding-free batch equal its logits alone)
 VLM_FAMILIES = ("idefics3", "llava")
 
+# attention implementations that spend no work on the masked pairs between a row's samples (varlen kernels, flex's
+# block mask): with them each micro-batch goes into ONE row, packed rows concatenated too (no padding at all, as TRL's
+# padding_free). sdpa and eager compute every block of the (T, T) block-diagonal mask, so with them rows stay at most
+# --max_seq_length long and packed rows stay as they are.
+ONE_ROW_ATTENTIONS = ("hfpar_varlen", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+
+
+def one_row(args) -> bool:
+    """Whether a padding-free micro-batch is one row (the attention skips the pairs between samples)."""
+    return args.attn_implementation in ONE_ROW_ATTENTIONS
+
 
 def _mask_attentions() -> tuple[str, ...]:
     """Attention implementations whose masks transformers builds from the packed position ids (transformers'
@@ -61,10 +73,11 @@ def padding_free_mode(
     """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
 
     args: padding_free (None = wherever it applies, True, False), pp_size, attn_implementation.
-    packed: the rows are packed already (--packing, the clm recipe): nothing to do.
+    packed: the rows are packed already (--packing, the clm recipe): nothing to do, unless `one_row` (they are then
+    concatenated into one row per micro-batch).
     text_model_type: a multimodal wrapper's language model type (its text_config's).
     """
-    if args.padding_free is False or packed:
+    if args.padding_free is False or (packed and not one_row(args)):
         return False, None
     if task != "lm":
         return False, "sequence classification reads each row's last non-pad token, so classify keeps padded batches"

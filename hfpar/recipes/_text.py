@@ -24,6 +24,7 @@ def text_data(args, kind: str, tokenizer, ctx, plan, tokenize) -> RecipeData:
         task=plan.task,
         pad_to_multiple_of=seq_multiple if seq_multiple > 1 else None,
         padding_free=plan.padding_free,
+        one_row=plan.one_row,
         max_seq_length=args.max_seq_length,
     )
     return RecipeData(out["train"], out["eval"], collator, info, num_labels)

@@ -29,6 +29,7 @@ from hfpar.rollout.loop import Rollout, RolloutConfig
 from hfpar.rollout.policy_loss import IMPORTANCE_LEVELS, LOSS_TYPES, PolicyLossConfig
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
 from hfpar.rollout.schedule import RolloutSchedule
+from hfpar.train import varlen
 
 ESTIMATORS = ("grpo", "rloo")
 
@@ -130,6 +131,11 @@ def problems(args, ctx, plan) -> list[str]:
         )
     else:
         p += [x for x in schedule(args, ctx, 10**9).problems() if "prompts" not in x]
+    if args.attn_implementation == varlen.NAME:
+        p.append(
+            f"--attn_implementation {varlen.NAME}: computes training forwards only, and grpo generates with a KV "
+            "cache; use sdpa or flash_attention_2"
+        )
     if args.max_completion_length < 1:
         p.append(f"--max_completion_length {args.max_completion_length}: must be >= 1")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:

@@ -8,4 +8,6 @@ sampler.py       the global-batch sampler by data-parallel rank
 schedules.py     learning-rate schedules (HF names)
 prefetch.py      the next steps' batches read, collated, counted and copied to the device ahead, in a thread
 compile.py       regional compilation: each decoder block compiled in place (--torch_compile)
+liger.py         Liger's kernels in the model's modules (--use_liger_kernel)
+varlen.py        variable-length attention over one-row padding-free batches (--attn_implementation hfpar_varlen)
 """

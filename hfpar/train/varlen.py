@@ -1,0 +1,125 @@
+"""Variable-length attention over padding-free rows (`--attn_implementation hfpar_varlen`): each sample attends
+only to itself, and no work is spent on the masked-out pairs between samples.
+
+    register()                                                  # once, before the model is built
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
+    model(input_ids=ids, position_ids=pos, labels=labels)       # (1, T) rows, position ids restarting per sample
+
+Why hfpar writes this: transformers' sdpa / eager paths for packed rows build a (T, T) block-diagonal mask and
+compute every masked block (SDPA's masked kernels skip none); its varlen path needs the flash-attn package (or a hub
+download), and flex attention has no backward on CPU. torch ships FlashAttention-2's varlen kernel itself
+(torch.nn.attention.varlen.varlen_attn), so this runs it on CUDA (bf16 / fp16, head dims <= 256) with nothing else
+to install, and elsewhere (CPU, fp32) computes the same attention one sample at a time with SDPA: exact, and what
+the CPU tests hold against sdpa's masked attention (tests/unit/test_varlen_attention.py).
+
+The samples are found the way transformers' masking_utils.find_packed_sequence_indices finds them: a new sample
+starts wherever a position id is not the previous one + 1 (and at every row start). The sample boundaries of one
+forward are computed once (every layer gets the same position_ids tensor) and read on the host once (the kernel
+takes the longest sample's length as an int): one sync per forward on CUDA.
+
+Refused loudly where it would compute something else: an attention mask (padded rows), a KV cache or q / k lengths
+that differ (generation), no position ids reaching the attention, attention dropout, logit soft-capping,
+attention sinks and position biases.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # older torch: the per-sample SDPA path only
+    varlen_attn = None
+
+NAME = "hfpar_varlen"
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_cache: list = [None, None, None]  # [weakref to the position_ids tensor, its _version, (cu_seqlens, bounds)]
+
+
+def register() -> str:
+    """Adds hfpar_varlen to transformers' attention and mask registries (idempotent); returns the name."""
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    # no (T, T) mask: None, or a 2-D padding mask that the attention refuses (padded rows have no place here)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """position_ids (B, T) -> (cu_seqlens int32 (N + 1,) on their device, the same boundaries as ints) over the
+    B * T tokens flattened: a sample starts at every row start and wherever a position is not the previous + 1."""
+    ref, version, value = _cache
+    if ref is not None and ref() is position_ids and version == position_ids._version:
+        return value
+    b, t = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    idx = torch.nonzero(starts.reshape(-1)).reshape(-1)  # the one host sync of a forward
+    cu = torch.cat([idx, idx.new_tensor([b * t])]).to(torch.int32)
+    value = (cu, cu.tolist())
+    _cache[:] = [weakref.ref(position_ids), position_ids._version, value]
+    return value
+
+
+def _refuse(why: str):
+    raise ValueError(f"--attn_implementation {NAME}: {why}")
+
+
+def _per_sample(q, k, v, bounds: list[int], scale, window: int | None, gqa: bool) -> torch.Tensor:
+    """q (T, H, D), k / v (T, Hkv, D): each sample's causal SDPA on its own tokens -> (T, H, D)."""
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # (H, n, D)
+        n, mask, causal = e - s, None, True
+        if window is not None and n > window:  # transformers' sliding window: key j visible from i when i - j < window
+            i = torch.arange(n, device=q.device)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+            causal = False
+        outs.append(
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        )
+    return torch.cat(outs, dim=1).transpose(0, 1)  # (H, T, D) -> (T, H, D)
+
+
+@torch.compiler.disable  # data-dependent sample boundaries: a graph break under --torch_compile
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, H, T, D)
+    key: torch.Tensor,  # (B, Hkv, T, D)
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature -> ((B, T, H, D), None)."""
+    if attention_mask is not None:
+        _refuse("takes padding-free rows with position ids and no attention mask (got an attention mask)")
+    if query.shape[2] != key.shape[2] or kwargs.get("past_key_values") is not None:
+        _refuse("computes training forwards, not generation with a KV cache (query and key lengths differ)")
+    if dropout:
+        _refuse(f"attention dropout {dropout} is not implemented; set the config's attention_dropout to 0")
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            _refuse(f"this model's attention uses {name}, which it does not implement; use sdpa or eager")
+    if not getattr(module, "is_causal", True):
+        _refuse("computes causal attention only (this module is bidirectional)")
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        _refuse("no position_ids reached the attention (this family does not pass them); use sdpa")
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    window = kwargs.get("sliding_window")
+    cu, bounds = segments(position_ids.reshape(-1, t) if position_ids.dim() != 2 else position_ids)
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))  # (B*T, heads, D)
+    if varlen_attn is not None and q.is_cuda and q.dtype in _FLASH_DTYPES and d <= 256 and v.shape[-1] == d:
+        left = -1 if window is None else window - 1  # (W - 1, 0): transformers' flash convention
+        longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=hkv != h)
+    else:
+        out = _per_sample(q, k, v, bounds, scaling, window, hkv != h)
+    return out.reshape(b, t, h, v.shape[-1]), None
