@@ -159,7 +159,13 @@ def profile_hfpar(model: str, data: str, opts: dict, out: Path) -> tuple[dict, s
 
     trainer.Trainer._train_step = stepped
     trl_compare.run_hfpar(
-        model, data, tempfile.mkdtemp(), steps=WARM + PROFILED, batch=opts["batch"], max_length=opts["max_length"]
+        model,
+        data,
+        tempfile.mkdtemp(),
+        steps=WARM + PROFILED,
+        batch=opts["batch"],
+        max_length=opts["max_length"],
+        extra=opts.get("hfpar_extra") or None,  # e.g. --torch_compile (benchmarks/dpo/speed.py --hfpar_extra)
     )
     trainer.Trainer._train_step = step
     prof = state["prof"]

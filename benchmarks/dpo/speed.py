@@ -125,6 +125,7 @@ def one(kind: str, model: str, data: str, opts: dict) -> dict:
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    warm = 1  # steps left out: the first (allocation, lazy init)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if kind == "hfpar":
         wall, cpu = [], []  # wall and CPU-seconds (all threads of the process) of each optimizer step
@@ -139,9 +140,15 @@ def one(kind: str, model: str, data: str, opts: dict) -> dict:
             return rec
 
         Trainer._train_step = timed
-        recs = run_hfpar(model, data, out, steps=steps, batch=batch, max_length=max_length)
+        extra = opts.get("hfpar_extra") or None
+        recs = run_hfpar(model, data, out, steps=steps, batch=batch, max_length=max_length, extra=extra)
         Trainer._train_step = step
-        wall_s, cpu_s = sum(wall[1:]), sum(cpu[1:])
+        # compiled, also every step that compiled (metrics' compile_s grew: new row lengths, the reference's
+        # no-grad graphs, a dynamic batch dimension: dynamo recompiles a few times in the first steps)
+        spent = [r.get("compile_s", 0.0) for r in recs if "step_time_s" in r]
+        keep = [i for i in range(1, len(wall)) if i >= len(spent) or spent[i] <= spent[i - 1]]
+        warm = len(wall) - len(keep)
+        wall_s, cpu_s = sum(wall[i] for i in keep), sum(cpu[i] for i in keep)
     else:
         timing = {}
         recs = run_trl(
@@ -158,8 +165,8 @@ def one(kind: str, model: str, data: str, opts: dict) -> dict:
         )
         wall_s, cpu_s = timing["steady_s"], timing["steady_cpu_s"]
     res = {
-        "pairs_per_s": (steps - 1) * batch / wall_s,
-        "pairs_per_cpu_s": (steps - 1) * batch / cpu_s,
+        "pairs_per_s": (steps - warm) * batch / wall_s,
+        "pairs_per_cpu_s": (steps - warm) * batch / cpu_s,
         "losses": [r["loss"] for r in recs],
     }
     if device == "cuda":
@@ -187,6 +194,12 @@ def main() -> None:
         default=None,
         help="profile a few steps of hfpar and TRL after the timed runs (default: on CUDA only)",
     )
+    ap.add_argument(
+        "--hfpar_extra",
+        default="",
+        help='options added to hfpar\'s dpo recipe, e.g. --hfpar_extra="--torch_compile" (results: speed_<device>_'
+        "compile.*)",
+    )
     ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # kind model data opts-json: a child run
     a = ap.parse_args()
     if a.one:
@@ -204,6 +217,7 @@ def main() -> None:
         "steps": o["steps"],
         "batch": o["batch"],
         "max_length": 2 * o["seq"] if o["seq"] else 128,
+        "hfpar_extra": a.hfpar_extra.split(),
     }
     root = Path(tempfile.mkdtemp())
     n = o["steps"] * o["batch"]
@@ -277,12 +291,13 @@ def main() -> None:
         f"{result['speedup_vs_trl_no_gc']:.2f}x ({result['cpu_speedup_vs_trl_no_gc']:.2f}x) against TRL with "
         "gradient checkpointing off\n"
     )
-    name = f"speed_{a.device}"
+    tag = "".join("_" + x.lstrip("-").replace("torch_", "") for x in opts["hfpar_extra"] if x.startswith("--"))
+    name = f"speed_{a.device}{tag}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(md)
     print(md)
     if a.profile or (a.profile is None and a.device == "cuda"):
-        profiled(model, data, opts, out, f"profile_{a.device}", result["command"])
+        profiled(model, data, opts, out, f"profile_{a.device}{tag}", result["command"])
 
 
 def profiled(model: str, data: str, opts: dict, out: Path, name: str, command: str) -> None:

@@ -9,7 +9,9 @@
 # (benchmarks/gpu/peers.py); 2. GPU busy (kernel time / step wall) of hfpar's SFT steps, prefetch on and off
 # (benchmarks/gpu/profile.py); 3. DPO vs TRL's DPOTrainer on the 1024-wide model, profiled (GPU busy), and on a 3.3B
 # Llama shape (benchmarks/dpo/speed.py); 4. the Qwen3-30B-A3B-shaped MoE block and 4-layer slice vs transformers'
-# grouped_mm (benchmarks/moe/gpu.py).
+# grouped_mm (benchmarks/moe/gpu.py); 5. hfpar_varlen (torch's FlashAttention-2 varlen kernel over one-row batches):
+# its CUDA test against sdpa and one attention layer's speed (benchmarks/varlen/attention.py); 6. DPO compiled
+# (--torch_compile), profiled (GPU busy). Add hfpar_varlen,hfpar_varlen_compile to HFPAR_ROUND_VARIANTS for SFT.
 set -uo pipefail
 out=${1:?usage: round.sh OUT [BUDGET_S]}
 budget=${2:-570}
@@ -29,7 +31,7 @@ section() {
     local name=$1 limit=$2
     shift 2
     if [ -n "${HFPAR_ROUND_SECTIONS:-}" ] && ! [[ ",$HFPAR_ROUND_SECTIONS," == *",${name%%_prefetch*},"* ]]; then
-        return  # not asked for (HFPAR_ROUND_SECTIONS=sft_peers,sft_busy,dpo_busy,moe,dpo_3b: a subset, in this order)
+        return  # not asked for (HFPAR_ROUND_SECTIONS=varlen,sft_peers,sft_busy,dpo_busy,...: a subset, in this order)
     fi
     local left=$((budget - (SECONDS - start) - 15))
     [ "$limit" -gt "$left" ] && limit=$left
@@ -60,13 +62,17 @@ if [ -n "$cpu" ]; then
     dpo=(--device cpu --dtype float32 --steps 3 --rounds 1)
     dpo_big=(--device cpu --dtype float32 --hidden 128 --layers 2 --steps 3 --rounds 1 --no-profile)
     moe=(--device cpu --scale tiny --dtype float32 --budget_s 60)
+    varlen=(--device cpu --heads 8 --kv_heads 2 --dtype float32 --row_len 1024 --repeats 3)
 else
     peers=()
     prof=()
     dpo=(--device cuda --steps "${HFPAR_ROUND_DPO_STEPS:-20}")
     dpo_big=(--device cuda --hidden 3072 --layers 28 --vocab 128256 --batch 8 --steps 8 --rounds 1 --no-profile)
     moe=(--device cuda --budget_s 60)
+    varlen=()
 fi
+section varlen 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_varlen_attention.py \
+    && python3 -m benchmarks.varlen.attention --out "$0/varlen" "${@}"' "$work" "${varlen[@]}"
 section sft_peers 360 python3 -m benchmarks.gpu.peers --out "$work/peers" "${peers[@]}" --variant_timeout 150 \
     --variants "${HFPAR_ROUND_VARIANTS:-hfpar,trl,hfpar_compile,trl_liger,hfpar_fp8_compile,hfpar_liger}"
 for pf in 2 0; do
@@ -75,6 +81,7 @@ for pf in 2 0; do
 done
 section dpo_busy 100 python3 -m benchmarks.dpo.speed --out "$work/dpo" "${dpo[@]}"
 section moe 90 python3 -m benchmarks.moe.gpu --out "$work/moe" "${moe[@]}"
+section dpo_busy_compile 150 python3 -m benchmarks.dpo.speed --out "$work/dpo" "${dpo[@]}" --hfpar_extra="--torch_compile"
 section dpo_3b 130 python3 -m benchmarks.dpo.speed --out "$work/dpo_3b" "${dpo_big[@]}"
 echo "[round] done at $((SECONDS - start)) s"
 pack
