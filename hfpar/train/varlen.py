@@ -65,6 +65,12 @@ def segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return value
 
 
+def _flash_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention-2 varlen kernel takes q (T, H, D) / v: CUDA, bf16 / fp16, head dims <= 256."""
+    d = q.shape[-1]
+    return varlen_attn is not None and q.is_cuda and q.dtype in _FLASH_DTYPES and d <= 256 and v.shape[-1] == d
+
+
 def _refuse(why: str):
     raise ValueError(f"--attn_implementation {NAME}: {why}")
 
@@ -115,8 +121,8 @@ def varlen_attention_forward(
     hkv = key.shape[1]
     window = kwargs.get("sliding_window")
     cu, bounds = segments(position_ids.reshape(-1, t) if position_ids.dim() != 2 else position_ids)
-    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))  # (B*T, heads, D)
-    if varlen_attn is not None and q.is_cuda and q.dtype in _FLASH_DTYPES and d <= 256 and v.shape[-1] == d:
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (query, key, value))  # (B*T, n, D)
+    if _flash_applies(q, v):
         left = -1 if window is None else window - 1  # (W - 1, 0): transformers' flash convention
         longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=hkv != h)

@@ -183,6 +183,45 @@ def test_preflight_refuses_rows_that_cannot_be_padding_free():
     assert any(varlen.NAME in p and "KV cache" in p for p in on_grpo), on_grpo
 
 
+def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's documented semantics, written out (explicit softmax per sample):
+    window_size (left, right), -1 unbounded, right 0 causal; query head h reads kv head h // (H / Hkv)."""
+    assert cu_q is cu_k and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max()) and cu_q.dtype == torch.int32
+    assert enable_gqa == (q.shape[1] != k.shape[1])
+    out, (left, right) = torch.empty_like(q), window_size
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # (heads, n, D)
+        ks, vs = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=0) for x in (ks, vs))
+        i = torch.arange(e - s)
+        ok = (i[None, :] <= i[:, None] + right) if right >= 0 else torch.ones(e - s, e - s, dtype=torch.bool)
+        if left >= 0:
+            ok &= i[None, :] >= i[:, None] - left
+        scores = (qs @ ks.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        out[s:e] = (scores.masked_fill(~ok, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3_moe", "gpt2"])
+def test_the_kernel_path_hands_the_kernel_what_it_expects(model_type, monkeypatch):
+    """The CUDA branch's glue on CPU (float64): layout, cu_seqlens, longest sample, GQA, the sliding window in
+    flash's (left, right) convention, the scale: a written-out reference of varlen_attn's documented semantics in
+    the kernel's place gives sdpa's block-diagonal loss and gradients."""
+    monkeypatch.setattr(varlen, "_flash_applies", lambda q, v: True)
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or _flash_reference(*a, **kw))
+    fast, ref = _pair(model_type, "sdpa", **NO_DROPOUT.get(model_type, {}))
+    row = _one_row(_samples())
+    inputs = {k: row[k] for k in ("input_ids", "position_ids", "labels")}
+    a, b = fast(**inputs, use_cache=False), ref(**inputs, use_cache=False)
+    a.loss.backward()
+    b.loss.backward()
+    assert len(calls) == fast.config.num_hidden_layers
+    assert (a.logits - b.logits).abs().max() <= 1e-10
+    for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= 1e-10 * max(1.0, float(q.grad.abs().max())), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA only")
 def test_flash_varlen_kernel_on_cuda_matches_sdpa_in_bf16():
     for model_type in ("llama", "mistral", "qwen3"):  # GQA; a sliding window shorter than the samples
