@@ -61,6 +61,7 @@ _LAZY = {
     "PipelineStage": "hfpar.parallel.pipeline",
     "PipelineRunner": "hfpar.parallel.pipeline",
     "balanced_split": "hfpar.parallel.pipeline",
+    "register_varlen_attention": "hfpar.train.varlen",
 }
 
 __all__ = sorted(_LAZY)

@@ -15,7 +15,9 @@ the CPU tests hold against sdpa's masked attention (tests/unit/test_varlen_atten
 The samples are found the way transformers' masking_utils.find_packed_sequence_indices finds them: a new sample
 starts wherever a position id is not the previous one + 1 (and at every row start). The sample boundaries of one
 forward are computed once (every layer gets the same position_ids tensor) and read on the host once (the kernel
-takes the longest sample's length as an int): one sync per forward on CUDA.
+takes the longest sample's length as an int): one sync per forward on CUDA, and a graph break per block under
+torch.compile. A batch that brings transformers' flash kwargs (cu_seq_lens_q / max_length_q, e.g. from
+transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True)) needs neither.
 
 Refused loudly where it would compute something else: an attention mask (padded rows), a KV cache or q / k lengths
 that differ (generation), no position ids reaching the attention, attention dropout, logit soft-capping,
@@ -41,12 +43,15 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _cache: list = [None, None, None]  # [weakref to the position_ids tensor, its _version, (cu_seqlens, bounds)]
 
 
-def register() -> str:
+def register() -> str:  # also hfpar.register_varlen_attention
     """Adds hfpar_varlen to transformers' attention and mask registries (idempotent); returns the name."""
     AttentionInterface.register(NAME, varlen_attention_forward)
     # no (T, T) mask: None, or a 2-D padding mask that the attention refuses (padded rows have no place here)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
     return NAME
+
+
+register_varlen_attention = register  # the name hfpar exports (users' own code: Trainer, TRL, a plain loop)
 
 
 def segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -92,6 +97,15 @@ def _per_sample(q, k, v, bounds: list[int], scale, window: int | None, gqa: bool
 
 
 @torch.compiler.disable  # data-dependent sample boundaries: a graph break under --torch_compile
+def _found(position_ids: torch.Tensor, t: int) -> tuple[torch.Tensor, list[int]]:
+    return segments(position_ids.reshape(-1, t) if position_ids.dim() != 2 else position_ids)
+
+
+@torch.compiler.disable  # a loop over the samples
+def _per_sample_of(q, k, v, cu: torch.Tensor, bounds: list[int] | None, scale, window, gqa: bool) -> torch.Tensor:
+    return _per_sample(q, k, v, bounds if bounds is not None else cu.tolist(), scale, window, gqa)
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # (B, H, T, D)
@@ -102,7 +116,11 @@ def varlen_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature -> ((B, T, H, D), None)."""
+    """transformers' attention-function signature -> ((B, T, H, D), None).
+
+    The samples: from transformers' flash kwargs when the batch brings them (cu_seq_lens_q and max_length_q, as
+    transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them: no host sync, and under
+    torch.compile the kernel is traced with the block), else found from the position ids."""
     if attention_mask is not None:
         _refuse("takes padding-free rows with position ids and no attention mask (got an attention mask)")
     if query.shape[2] != key.shape[2] or kwargs.get("past_key_values") is not None:
@@ -114,18 +132,19 @@ def varlen_attention_forward(
             _refuse(f"this model's attention uses {name}, which it does not implement; use sdpa or eager")
     if not getattr(module, "is_causal", True):
         _refuse("computes causal attention only (this module is bidirectional)")
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        _refuse("no position_ids reached the attention (this family does not pass them); use sdpa")
-    b, h, t, d = query.shape
-    hkv = key.shape[1]
-    window = kwargs.get("sliding_window")
-    cu, bounds = segments(position_ids.reshape(-1, t) if position_ids.dim() != 2 else position_ids)
+    b, h, t, _ = query.shape
+    cu, longest, bounds = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"), None
+    if cu is None or longest is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            _refuse("no position_ids reached the attention (this family does not pass them); use sdpa")
+        cu, bounds = _found(position_ids, t)
+        longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    window, gqa = kwargs.get("sliding_window"), key.shape[1] != h
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (query, key, value))  # (B*T, n, D)
     if _flash_applies(q, v):
         left = -1 if window is None else window - 1  # (W - 1, 0): transformers' flash convention
-        longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=hkv != h)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=gqa)
     else:
-        out = _per_sample(q, k, v, bounds, scaling, window, hkv != h)
+        out = _per_sample_of(q, k, v, cu, bounds, scaling, window, gqa)
     return out.reshape(b, t, h, v.shape[-1]), None
