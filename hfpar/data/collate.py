@@ -99,6 +99,24 @@ def pack_batch(features: list[dict], max_seq_length: int) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------- collate
+def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids (B, T) -> bool (B, T), True where a sample starts: at every row start and wherever a position is
+    not the previous one + 1 (how transformers' masking_utils.find_packed_sequence_indices tells samples apart)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def flash_kwargs(position_ids: torch.Tensor) -> dict:
+    """The samples' bounds over the rows flattened, as transformers' flash kwargs (its DataCollatorWithFlattening
+    return_flash_attn_kwargs names): cu_seq_lens_q / _k (int32 (N + 1,)) and max_length_q / _k (ints), computed on
+    the host, so that varlen attention needs no device-to-host read of them (hfpar.train.varlen)."""
+    idx = torch.nonzero(sample_starts(position_ids).reshape(-1)).reshape(-1)
+    cu = torch.cat([idx, idx.new_tensor([position_ids.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
     out = torch.full((len(rows), length), value, dtype=torch.long)  # (B, T)
     for i, r in enumerate(rows):
@@ -120,7 +138,8 @@ class DataCollator:
     padding_free: pack each batch's samples into rows of at most max_seq_length tokens (`pack_batch`) first;
     rows that are already packed are left as they are.
     one_row (with padding_free): the batch's samples, or its packed rows, joined into ONE row (`join_rows`), for
-    attention that skips the pairs between samples (hfpar.data.padding_free.ONE_ROW_ATTENTIONS).
+    attention that skips the pairs between samples (hfpar.data.padding_free.ONE_ROW_ATTENTIONS); the batch then
+    also holds the samples' bounds as transformers' flash kwargs (`flash_kwargs`: two ints among the tensors).
     """
 
     def __init__(
@@ -179,4 +198,6 @@ class DataCollator:
             batch["token_mask"] = real
         else:
             batch["attention_mask"] = real
+        if self.one_row:  # model inputs too: attention that takes them (varlen kernels) reads no device tensor
+            batch.update(flash_kwargs(batch["position_ids"]))
         return batch

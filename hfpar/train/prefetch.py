@@ -46,9 +46,12 @@ def pin_and_copy(batches: list[dict], device: torch.device, stream) -> tuple[lis
     """The host batches on `device`: on CUDA pinned, copied non_blocking on `stream`, with the event that marks
     the copies done (None elsewhere: the tensors as they are, no copy on the CPU)."""
     if device.type != "cuda":
-        return [{k: v.to(device) for k, v in b.items()} for b in batches], None
+        return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches], None
     with torch.cuda.stream(stream):
-        out = [{k: v.pin_memory().to(device, non_blocking=True) for k, v in b.items()} for b in batches]
+        out = [
+            {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+            for b in batches
+        ]  # the ints: one-row batches' max_length_q / _k (hfpar.data.collate.flash_kwargs)
         done = torch.cuda.Event()
         done.record(stream)
     return out, done
@@ -61,7 +64,8 @@ def wait_for(batches: list[dict], done) -> list[dict]:
         current.wait_event(done)
         for b in batches:
             for v in b.values():
-                v.record_stream(current)
+                if torch.is_tensor(v):
+                    v.record_stream(current)
     return batches
 
 

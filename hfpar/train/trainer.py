@@ -145,7 +145,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.acc.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(self.acc.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _train_batches(self):
         """Every micro-batch of the run, in order: (dataset indices, plan() -> (planned batch, scope))."""

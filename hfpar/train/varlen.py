@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
+from hfpar.data.collate import sample_starts
+
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # older torch: the per-sample SDPA path only
@@ -60,11 +62,8 @@ def segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     ref, version, value = _cache
     if ref is not None and ref() is position_ids and version == position_ids._version:
         return value
-    b, t = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    idx = torch.nonzero(starts.reshape(-1)).reshape(-1)  # the one host sync of a forward
-    cu = torch.cat([idx, idx.new_tensor([b * t])]).to(torch.int32)
+    idx = torch.nonzero(sample_starts(position_ids).reshape(-1)).reshape(-1)  # the one host sync of a forward
+    cu = torch.cat([idx, idx.new_tensor([position_ids.numel()])]).to(torch.int32)
     value = (cu, cu.tolist())
     _cache[:] = [weakref.ref(position_ids), position_ids._version, value]
     return value
@@ -81,10 +80,11 @@ def _refuse(why: str):
 
 
 def _per_sample(q, k, v, bounds: list[int], scale, window: int | None, gqa: bool) -> torch.Tensor:
-    """q (T, H, D), k / v (T, Hkv, D): each sample's causal SDPA on its own tokens -> (T, H, D)."""
+    """q (T, H, D), k / v (T, Hkv, D): each sample's causal SDPA on its own tokens -> (T, H, D). 4-D inputs: SDPA's
+    fused CPU kernel takes nothing else (3-D runs the math path, which keeps each sample's (H, n, n) scores)."""
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))  # (H, n, D)
+        qs, ks, vs = (x[None, s:e].transpose(1, 2) for x in (q, k, v))  # (1, H, n, D)
         n, mask, causal = e - s, None, True
         if window is not None and n > window:  # transformers' sliding window: key j visible from i when i - j < window
             i = torch.arange(n, device=q.device)
@@ -93,7 +93,7 @@ def _per_sample(q, k, v, bounds: list[int], scale, window: int | None, gqa: bool
         outs.append(
             F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         )
-    return torch.cat(outs, dim=1).transpose(0, 1)  # (H, T, D) -> (T, H, D)
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D)
 
 
 @torch.compiler.disable  # data-dependent sample boundaries: a graph break under --torch_compile

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -64,6 +65,9 @@ def test_one_row_holds_the_same_samples_targets_and_positions():
     batch = _one_row(samples)
     assert batch["input_ids"].shape == (1, sum(LENS)) and "attention_mask" not in batch
     assert int(batch["token_mask"].sum()) == sum(LENS)
+    cu = [0, *itertools.accumulate(LENS)]  # the samples' bounds, as transformers' flash kwargs
+    assert batch["cu_seq_lens_q"].tolist() == cu and batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == batch["max_length_k"] == 14
     t = 0
     for s in samples:  # in order, whole, positions from 0, first label -100
         n = len(s["input_ids"])
@@ -73,6 +77,7 @@ def test_one_row_holds_the_same_samples_targets_and_positions():
         t += n
     padded = _one_row(samples, pad_to_multiple_of=16)
     assert padded["input_ids"].shape == (1, 64) and int(padded["token_mask"].sum()) == sum(LENS)
+    assert padded["cu_seq_lens_q"].tolist() == cu + list(range(51, 65))  # each pad token a sample of its own
     # rows packed already (--packing, clm): concatenated, positions kept, each row's first token no target
     rows = [
         {"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8], "position_ids": [2, 3, 0, 1]},  # a clm row
@@ -110,7 +115,7 @@ def test_varlen_equals_the_block_diagonal_mask(model_type):
     ref_attn = "sdpa" if "sdpa" in CONFIGS[model_type][1] else "eager"
     fast, ref = _pair(model_type, ref_attn, **NO_DROPOUT.get(model_type, {}))
     batch = _one_row(_samples())
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+    inputs = {k: v for k, v in batch.items() if k != "token_mask"}  # + the samples' bounds as flash kwargs
     out_fast, out_ref = fast(**inputs, use_cache=False), ref(**inputs, use_cache=False)
     out_fast.loss.backward()
     out_ref.loss.backward()
@@ -211,7 +216,7 @@ def test_the_kernel_path_hands_the_kernel_what_it_expects(model_type, monkeypatc
     monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or _flash_reference(*a, **kw))
     fast, ref = _pair(model_type, "sdpa", **NO_DROPOUT.get(model_type, {}))
     row = _one_row(_samples())
-    inputs = {k: row[k] for k in ("input_ids", "position_ids", "labels")}
+    inputs = {k: v for k, v in row.items() if k != "token_mask"}
     a, b = fast(**inputs, use_cache=False), ref(**inputs, use_cache=False)
     a.loss.backward()
     b.loss.backward()
