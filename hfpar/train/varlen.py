@@ -12,12 +12,13 @@ download), and flex attention has no backward on CPU. torch ships FlashAttention
 to install, and elsewhere (CPU, fp32) computes the same attention one sample at a time with SDPA: exact, and what
 the CPU tests hold against sdpa's masked attention (tests/unit/test_varlen_attention.py).
 
-The samples are found the way transformers' masking_utils.find_packed_sequence_indices finds them: a new sample
-starts wherever a position id is not the previous one + 1 (and at every row start). The sample boundaries of one
-forward are computed once (every layer gets the same position_ids tensor) and read on the host once (the kernel
-takes the longest sample's length as an int): one sync per forward on CUDA, and a graph break per block under
-torch.compile. A batch that brings transformers' flash kwargs (cu_seq_lens_q / max_length_q, e.g. from
-transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True)) needs neither.
+The samples' bounds come with the batch as transformers' flash kwargs (cu_seq_lens_q / max_length_q): hfpar's
+one-row batches carry them (hfpar.data.collate.flash_kwargs, computed on the host), and so do transformers'
+DataCollatorWithFlattening(return_flash_attn_kwargs=True) batches; then nothing is read back from the device and,
+under torch.compile, the kernel is traced with its block. Without them they are found from the position ids the
+way transformers' masking_utils.find_packed_sequence_indices finds them (a new sample wherever a position id is not
+the previous one + 1, and at every row start), once per forward (every layer gets the same position_ids tensor):
+one host sync per forward on CUDA and a graph break per block under torch.compile.
 
 Refused loudly where it would compute something else: an attention mask (padded rows), a KV cache or q / k lengths
 that differ (generation), no position ids reaching the attention, attention dropout, logit soft-capping,
