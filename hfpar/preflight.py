@@ -355,12 +355,15 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
     """The run plan of a run that passed the preflight (recipe: an hfpar.recipes.Recipe)."""
     model_type = getattr(config, "model_type", None)
     stages = pipeline_stage_count(args)
+    image_text = recipe.image_text and is_image_text(config)
+    joins = recipe.one_row and not image_text  # the recipe's collator joins rows (image rows: VisionCollator, never)
     padding_free, why_not = data.padding_free_mode(
         args,
         recipe.task,
         model_type,
         packed=recipe.packed(args),
         text_model_type=getattr(text_config(config), "model_type", None),
+        joins=joins,
     )
     plan = RunPlan(
         recipe=recipe.name,
@@ -372,11 +375,11 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
         pipeline_stages=stages,
         chunks_per_rank=stages // ctx.pp,
         padding_free=padding_free,
-        one_row=padding_free and data.one_row(args),
+        one_row=padding_free and joins and data.one_row(args),
         padding_free_why_not=why_not,
         cp_mode=resolve_cp_mode(args, ctx.tp, ctx.cp, config) if ctx.cp > 1 else "ring",
         fp8=fp8_settings(args, all_gather=ctx.strategy.fp8_all_gather and ctx.tp == 1),
-        image_text=recipe.image_text and is_image_text(config),
+        image_text=image_text,
     )
     values = recipe.resolve(args, ctx, plan)
     return dataclasses.replace(plan, recipe_values=types.MappingProxyType(dict(values))) if values else plan

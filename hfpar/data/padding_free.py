@@ -68,16 +68,16 @@ def _image_text_types():
 
 
 def padding_free_mode(
-    args, task: str, model_type: str | None, *, packed: bool, text_model_type: str | None = None
+    args, task: str, model_type: str | None, *, packed: bool, text_model_type: str | None = None, joins: bool = True
 ) -> tuple[bool, str | None]:
     """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
 
     args: padding_free (None = wherever it applies, True, False), pp_size, attn_implementation.
-    packed: the rows are packed already (--packing, the clm recipe): nothing to do, unless `one_row` (they are then
-    concatenated into one row per micro-batch).
+    packed: the rows are packed already (--packing, the clm recipe): nothing to do, unless `one_row` and `joins`
+    (the collator then concatenates them into one row per micro-batch; joins: it can, DataCollator(one_row=True)).
     text_model_type: a multimodal wrapper's language model type (its text_config's).
     """
-    if args.padding_free is False or (packed and not one_row(args)):
+    if args.padding_free is False or (packed and not (joins and one_row(args))):
         return False, None
     if task != "lm":
         return False, "sequence classification reads each row's last non-pad token, so classify keeps padded batches"

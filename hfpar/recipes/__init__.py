@@ -16,6 +16,8 @@ A Recipe's fields (all but name / task have a default):
     resolve       (args, ctx, plan) -> values of its own derived once (plan.recipe_values)
     objective     (args, ctx, plan, model, data) -> Objective (hfpar.objectives), after parallelize (data: the
                   RecipeData build_data returned)
+    one_row       its collator joins a micro-batch into ONE row where the attention skips the pairs between samples
+                  (hfpar.data.DataCollator one_row: plan.one_row; sft and clm's text rows)
     image_text    the recipe trains vision-language models too (sft: image + text rows): a model whose config is one
                   (hfpar.data.vision.is_image_text) is built by AutoModelForImageTextToText (plan.image_text)
 """
@@ -69,6 +71,7 @@ class Recipe:
     problems: Callable[..., list[str]] = _no_problems
     resolve: Callable[..., Mapping[str, Any]] = _no_values
     objective: Callable[..., Objective] = task_objective
+    one_row: bool = False
     image_text: bool = False
 
 

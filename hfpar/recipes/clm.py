@@ -27,6 +27,7 @@ RECIPE = register(
         name="clm",
         task="lm",
         build_data=build_data,
+        one_row=True,  # hfpar.recipes._text: DataCollator(one_row=plan.one_row)
         packed=packed,
         defaults=dict(
             output_dir="outputs/clm",

@@ -48,6 +48,7 @@ RECIPE = register(
         name="sft",
         task="lm",
         build_data=build_data,
+        one_row=True,  # hfpar.recipes._text: DataCollator(one_row=plan.one_row)
         problems=problems,
         image_text=True,
         defaults=dict(

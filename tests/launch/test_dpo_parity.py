@@ -9,6 +9,8 @@ single.yaml launch without its ~8 CPU-s start-up):
   single_lora  the same, --use_peft (dropout 0), the reference = the base with the adapter disabled
 Launched, each against its reference:
   ddp          2 processes x 2 pairs: Accelerate's DDP
+  ddp_varlen   the same with --attn_implementation hfpar_varlen (each pair's two sequences attended apart, found
+               from the position ids; no shared prompt: the reference shares it)
   fsdp2        2 processes: the frozen copy is each rank's FSDP2 shards (checkpoint-4 resumed in `resumed`)
   zero2        2 processes: DeepSpeed ZeRO-2 (the frozen copy swapped into its partitioned module; on demand)
   zero3        2 processes, --precompute_ref_log_probs (the reference forward done once, before training)
@@ -79,6 +81,7 @@ LORA = ["--use_peft", "--lora_dropout", "0"]
 REFS = {"single": [], "single_moe": MOE, "single_lora": LORA}  # in-process one-process runs x 4 pairs
 CASES = {  # name: (config, processes, per-device pairs, extra flags, reference)
     "ddp": ("ddp", 2, 2, [], "single"),
+    "ddp_varlen": ("ddp", 2, 2, ["--attn_implementation", "hfpar_varlen"], "single"),  # no shared prompt: varlen rows
     "fsdp2": ("fsdp2", 2, 2, ["--save_steps", "4"], "single"),  # its checkpoint-4: the resume test
     "zero3": ("zero3", 2, 2, ["--precompute_ref_log_probs", "true"], "single"),
     "tp2": ("ddp", 2, 4, ["--tp_size", "2"], "single"),

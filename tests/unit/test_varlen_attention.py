@@ -103,6 +103,8 @@ def test_padding_free_mode_joins_packed_rows_for_attention_that_skips_masked_pai
     args = SimpleNamespace(padding_free=None, pp_size=1, attn_implementation=varlen.NAME)
     varlen.register()
     assert data.padding_free_mode(args, "lm", "llama", packed=True) == (True, None) and data.one_row(args)
+    # a recipe whose collator builds rows of its own (dpo's pair rows) keeps them: they are not padding-free rows
+    assert data.padding_free_mode(args, "lm", "llama", packed=True, joins=False) == (False, None)
     sdpa = SimpleNamespace(padding_free=None, pp_size=1, attn_implementation="sdpa")
     assert data.padding_free_mode(sdpa, "lm", "llama", packed=True) == (False, None) and not data.one_row(sdpa)
 
