@@ -10,7 +10,8 @@ tokens/s = real (non-padding) input tokens / time in the training steps, counted
 used (not from each tool's own counter).
   frameworks: `python recipes/sft.py`, transformers.Trainer with the same collator, a hand-written Accelerate loop
               (final loss = mean of the last 10 steps; all three: mean over the batch's target tokens)
-  packing:    padding tokens per batch padded, padding-free (the default) and --packing, hfpar's tokens/s in each
+  packing:    padding tokens per batch padded, padding-free (the default), --packing, and one row per batch
+              (hfpar_varlen, unpacked and packed), hfpar's tokens/s in each
   trl:        TRL's SFTTrainer (`pip install trl`, for this benchmark only; hfpar never depends on it) against
               hfpar, each in its default configuration and packed, in fresh processes, `--rounds` rounds whose
               order alternates (ABAB, then BABA) so that machine load falls on both alike. TRL gets the recipe's
@@ -163,6 +164,14 @@ def main() -> None:
             },
             "padding-free (default)": {"padding_fraction": padding_fraction("padding_free"), **run_hfpar([], steps)},
             "--packing": {"padding_fraction": padding_fraction("packing"), **run_hfpar(["--packing"], steps)},
+            "one row (--attn_implementation hfpar_varlen)": {
+                "padding_fraction": padding_fraction("one_row"),
+                **run_hfpar(["--attn_implementation", "hfpar_varlen"], steps),
+            },
+            "--packing, one row (hfpar_varlen)": {
+                "padding_fraction": padding_fraction("one_row"),
+                **run_hfpar(["--packing", "--attn_implementation", "hfpar_varlen"], steps),
+            },
         }
     if "trl" in sections:
         import trl

@@ -62,7 +62,7 @@ def recipe_rows(flags: list[str], steps: int, batch: int = BS) -> tuple:
     recipe = recipes.get("sft")
     args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
     one_process = SimpleNamespace(seq_multiple=1)  # the data builder's view of the context and run plan
-    plan = SimpleNamespace(task="lm", padding_free=False, image_text=False)  # a text model: the text data builder
+    plan = SimpleNamespace(task="lm", padding_free=False, one_row=False, image_text=False)  # the text data builder
     train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), one_process, plan)
     sampler = GlobalBatchSampler(len(train), batch, 1, 0, 1, args.seed)
     return train, [[i for ix in micro for i in ix] for _, _, micro in sampler.iterate(0, steps)]
@@ -193,7 +193,8 @@ def run_accelerate_loop(steps: int) -> dict:
 def padding_fraction(mode: str) -> float:
     """Padding tokens / all tokens over the first 50 batches in the collator's layout: `padded` rows padded to the
     batch's longest sample, `padding_free` the batch's samples packed first-fit-decreasing into rows of at most
-    max_seq_length padded to the longest row (the default), `packing` the packed dataset's rows."""
+    max_seq_length padded to the longest row (the default), `packing` the packed dataset's rows, `one_row` a batch
+    in one row (hfpar_varlen: none)."""
     from hfpar.data.collate import first_fit_decreasing
 
     ds, _, _ = dataset(mode == "packing")
@@ -201,7 +202,9 @@ def padding_fraction(mode: str) -> float:
     for i in range(0, min(len(ds), BS * 50), BS):
         lengths = [len(ds[j]["input_ids"]) for j in range(i, min(i + BS, len(ds)))]
         real += sum(lengths)
-        if mode == "padding_free":
+        if mode == "one_row":
+            total += sum(lengths)
+        elif mode == "padding_free":
             rows = [sum(lengths[k] for k in row) for row in first_fit_decreasing(lengths, SEQ)]
             total += len(rows) * max(rows)
         else:
