@@ -27,6 +27,7 @@ attention sinks and position biases.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -40,6 +41,8 @@ try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # older torch: the per-sample SDPA path only
     varlen_attn = None
+# torch 2.13's varlen_attn takes enable_gqa; 2.11's has no such argument (k / v then get the query's heads here)
+_GQA_ARG = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 NAME = "hfpar_varlen"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -145,7 +148,12 @@ def varlen_attention_forward(
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1]) for x in (query, key, value))  # (B*T, n, D)
     if _flash_applies(q, v):
         left = -1 if window is None else window - 1  # (W - 1, 0): transformers' flash convention
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=gqa)
+        kw = {"scale": scaling, "window_size": (left, 0)}
+        if gqa and _GQA_ARG:
+            kw["enable_gqa"] = True
+        elif gqa:  # query head j reads kv head j // (H / Hkv), as SDPA's enable_gqa and transformers' repeat_kv
+            k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
     else:
         out = _per_sample_of(q, k, v, cu, bounds, scaling, window, gqa)
     return out.reshape(b, t, h, v.shape[-1]), None

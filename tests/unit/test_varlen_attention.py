@@ -194,7 +194,7 @@ def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     """torch.nn.attention.varlen.varlen_attn's documented semantics, written out (explicit softmax per sample):
     window_size (left, right), -1 unbounded, right 0 causal; query head h reads kv head h // (H / Hkv)."""
     assert cu_q is cu_k and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max()) and cu_q.dtype == torch.int32
-    assert enable_gqa == (q.shape[1] != k.shape[1])
+    assert enable_gqa == (q.shape[1] != k.shape[1]), "GQA heads without enable_gqa (or enable_gqa without GQA)"
     out, (left, right) = torch.empty_like(q), window_size
     for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         qs, ks, vs = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # (heads, n, D)
@@ -208,12 +208,14 @@ def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return out
 
 
+@pytest.mark.parametrize("gqa_arg", [True, False])  # torch 2.13's varlen_attn takes enable_gqa, 2.11's does not
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3_moe", "gpt2"])
-def test_the_kernel_path_hands_the_kernel_what_it_expects(model_type, monkeypatch):
+def test_the_kernel_path_hands_the_kernel_what_it_expects(model_type, gqa_arg, monkeypatch):
     """The CUDA branch's glue on CPU (float64): layout, cu_seqlens, longest sample, GQA, the sliding window in
     flash's (left, right) convention, the scale: a written-out reference of varlen_attn's documented semantics in
     the kernel's place gives sdpa's block-diagonal loss and gradients."""
     monkeypatch.setattr(varlen, "_flash_applies", lambda q, v: True)
+    monkeypatch.setattr(varlen, "_GQA_ARG", gqa_arg)
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **kw: calls.append(1) or _flash_reference(*a, **kw))
     fast, ref = _pair(model_type, "sdpa", **NO_DROPOUT.get(model_type, {}))
