@@ -102,7 +102,7 @@ def _per_sample(q, k, v, bounds: list[int], scale, window: int | None, gqa: bool
 
 @torch.compiler.disable  # data-dependent sample boundaries: a graph break under --torch_compile
 def _found(position_ids: torch.Tensor, t: int) -> tuple[torch.Tensor, list[int]]:
-    return segments(position_ids.reshape(-1, t) if position_ids.dim() != 2 else position_ids)
+    return segments(position_ids if position_ids.dim() == 2 else position_ids.reshape(-1, t))
 
 
 @torch.compiler.disable  # a loop over the samples
@@ -142,6 +142,11 @@ def varlen_attention_forward(
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             _refuse("no position_ids reached the attention (this family does not pass them); use sdpa")
+        if position_ids.numel() != b * t:
+            _refuse(
+                f"position ids of shape {tuple(position_ids.shape)} for {b} row(s) of {t} tokens (multimodal "
+                "positions, e.g. Qwen-VL's 3-D ones, cannot mark samples); use sdpa"
+            )
         cu, bounds = _found(position_ids, t)
         longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     window, gqa = kwargs.get("sliding_window"), key.shape[1] != h

@@ -166,6 +166,10 @@ def test_refused_where_it_would_compute_something_else():
         _refusal(lambda: fast(input_ids=row["input_ids"][:, 5:6], past_key_values=cache, use_cache=True), "KV cache")
     dropout, _ = _pair("llama", "sdpa", attention_dropout=0.1)
     _refusal(lambda: dropout(input_ids=row["input_ids"], position_ids=row["position_ids"]), "dropout 0.1")
+    three_d = row["position_ids"].expand(3, -1, -1)  # Qwen-VL-like multimodal positions (3, B, T): no sample marks
+    q = torch.zeros(1, 4, 50, 8)
+    attn = fast.model.layers[0].self_attn
+    _refusal(lambda: varlen.varlen_attention_forward(attn, q, q, q, None, position_ids=three_d), "(3, 1, 50)")
     gemma2, _ = _pair("gemma2", "eager")
     _refusal(lambda: gemma2(input_ids=row["input_ids"], position_ids=row["position_ids"]), "softcap")
 
