@@ -195,6 +195,11 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
     if args.attn_implementation == varlen.NAME and (why_not or args.padding_free is False):
         why = why_not or "--padding_free false asks for padded rows"
         p.append(f"--attn_implementation {varlen.NAME} takes padding-free rows only, and here {why}; use sdpa")
+    elif args.attn_implementation == varlen.NAME and image_text:
+        p.append(
+            f"--attn_implementation {varlen.NAME}: computes causal attention only, and this vision-language "
+            "model's vision encoder attends both ways; use sdpa"
+        )
     if task == "lm" and args.upcycle_experts:
         if model_type not in UPCYCLE_FAMILIES:
             p.append(

@@ -185,6 +185,9 @@ def test_preflight_refuses_rows_that_cannot_be_padding_free():
         problems = [p for p in model_problems(parse_args(argv, recipe=recipe), ctx, task) if varlen.NAME in p]
         assert len(problems) == 1 and needle in problems[0] and "use sdpa" in problems[0], problems
     assert not [p for p in model_problems(parse_args(varlen_arg, recipe="sft"), ctx, "lm") if varlen.NAME in p]
+    vlm = AutoConfig.from_pretrained(data.embedded_model_path(data.load.EMBEDDED_VLM))  # a vision encoder: both ways
+    on_vlm = model_problems(parse_args(varlen_arg, recipe="sft"), ctx, "lm", vlm, image_text=True)
+    assert any(varlen.NAME in p and "vision encoder attends both ways" in p for p in on_vlm), on_vlm
     cp = feature_problems(
         parse_args([*varlen_arg, "--cp_size", "2"], recipe="sft"), ParallelContext(world=2, cp=2), "lm"
     )
