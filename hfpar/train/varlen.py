@@ -21,8 +21,9 @@ the previous one + 1, and at every row start), once per forward (every layer get
 one host sync per forward on CUDA and a graph break per block under torch.compile.
 
 Refused loudly where it would compute something else: an attention mask (padded rows), a KV cache or q / k lengths
-that differ (generation), no position ids reaching the attention, attention dropout, logit soft-capping,
-attention sinks and position biases.
+that differ (generation), attention dropout, logit soft-capping, attention sinks, position biases, a bidirectional
+module (an encoder, a vision tower), and, without the flash kwargs, no position ids reaching the attention or
+position ids that are not one per token (multimodal 3-D positions).
 """
 
 from __future__ import annotations
