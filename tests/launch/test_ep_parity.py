@@ -53,6 +53,8 @@ def ep_runs(base_model, tmp_path_factory):
         "ep2_zero1": ("zero1", 2, "2", ["--ep_size", "2"]),
         "ep2_zero3_dp4": ("zero3", 4, "1", ["--ep_size", "2"]),
         "ep2_tp2": ("ddp", 4, "2", ["--ep_size", "2", "--tp_size", "2"]),
+        # one-row batches (hfpar_varlen): the routers see each micro-batch's tokens as one row
+        "ep2_varlen": ("ddp", 2, "2", ["--ep_size", "2", "--attn_implementation", "hfpar_varlen", *_NO_EVAL]),
         **EP_CP,
     }
     return {"_configs": runs, **launch_cases(runs, base_model, root, common=[*COMMON, *MOE], resume=EP_RESUMED)}
@@ -62,7 +64,8 @@ def ep_runs(base_model, tmp_path_factory):
 # tokens of its part of every row), 2 processes, per-device batch 4 (global 8, as single); launched with the cases
 # above (same accelerate config and process count: one launch each, tests/helpers/launch.py); no eval, no
 # checkpoint (the per-step metrics and the final export are compared): ~7 CPU-s a run instead of ~11
-_EPCP = ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0", "--eval_steps", "0"]
+_NO_EVAL = ["--save_steps", "0", "--eval_steps", "0"]
+_EPCP = ["--ep_size", "2", "--cp_size", "2", *_NO_EVAL]
 EP_CP = {
     "ep2_cp2_ring": ("ddp", 2, "4", [*_EPCP, "--cp_mode", "ring"]),
     "ep2_cp2_ulysses_fsdp2": ("fsdp2", 2, "4", [*_EPCP, "--cp_mode", "ulysses"]),
@@ -86,7 +89,7 @@ EP_CP_EXTENDED = {  # with the EP cases moved out of CI on 2026-11-26 (its time 
     "ep2_tp2_cp2_zero3": ("zero3", 4, "4", [*_EPCP, "--tp_size", "2", "--cp_mode", "ulysses"]),
 }
 
-CASES = ["ddp_ep1", "ep2", "ep2_fsdp2", "ep2_zero1", "ep2_zero3_dp4", "ep2_tp2"]
+CASES = ["ddp_ep1", "ep2", "ep2_fsdp2", "ep2_zero1", "ep2_zero3_dp4", "ep2_tp2", "ep2_varlen"]
 
 
 @pytest.mark.parametrize("case", CASES)
