@@ -107,12 +107,18 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def sample_bounds(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids (B, T) -> the samples' bounds over the B * T tokens flattened, cu_seqlens int32 (N + 1,), on
+    position_ids' device (there, finding them is a device-to-host read: nonzero's size)."""
+    idx = torch.nonzero(sample_starts(position_ids).reshape(-1)).reshape(-1)
+    return torch.cat([idx, idx.new_tensor([position_ids.numel()])]).to(torch.int32)
+
+
 def flash_kwargs(position_ids: torch.Tensor) -> dict:
     """The samples' bounds over the rows flattened, as transformers' flash kwargs (its DataCollatorWithFlattening
     return_flash_attn_kwargs names): cu_seq_lens_q / _k (int32 (N + 1,)) and max_length_q / _k (ints), computed on
     the host, so that varlen attention needs no device-to-host read of them (hfpar.train.varlen)."""
-    idx = torch.nonzero(sample_starts(position_ids).reshape(-1)).reshape(-1)
-    cu = torch.cat([idx, idx.new_tensor([position_ids.numel()])]).to(torch.int32)
+    cu = sample_bounds(position_ids)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 

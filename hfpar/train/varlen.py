@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-from hfpar.data.collate import sample_starts
+from hfpar.data.collate import sample_bounds
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -67,8 +67,7 @@ def segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     ref, version, value = _cache
     if ref is not None and ref() is position_ids and version == position_ids._version:
         return value
-    idx = torch.nonzero(sample_starts(position_ids).reshape(-1)).reshape(-1)  # the one host sync of a forward
-    cu = torch.cat([idx, idx.new_tensor([position_ids.numel()])]).to(torch.int32)
+    cu = sample_bounds(position_ids)  # the host sync of a forward
     value = (cu, cu.tolist())
     _cache[:] = [weakref.ref(position_ids), position_ids._version, value]
     return value
