@@ -253,9 +253,13 @@ def table(env_: dict, results: list[dict]) -> str:
         ("hfpar_varlen_compile", "hfpar_compile"),
         ("hfpar_varlen_fp8_compile", "hfpar_varlen_compile"),
     ):
-        if v in ok and b in ok:
-            lines.append(f"\n{v} / {b}: {ok[v]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x")
+        lines += ratio_lines(ok, v, b)
     return "\n".join(lines) + "\n"
+
+
+def ratio_lines(ok: dict, v: str, b: str) -> list[str]:
+    """ "v / b: N.NNx" (tokens/s) when both variants ran ({variant: result}), else nothing."""
+    return [f"\n{v} / {b}: {ok[v]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x"] if v in ok and b in ok else []
 
 
 def main() -> None:

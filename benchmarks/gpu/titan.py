@@ -50,7 +50,7 @@ from torch.nn.attention.flex_attention import create_mask
 from torch.utils.data import IterableDataset
 
 from benchmarks.common.launch import ROOT, command, env, module_cmd
-from benchmarks.gpu.peers import SHAPES, recipe_flags, write_data
+from benchmarks.gpu.peers import SHAPES, ratio_lines, recipe_flags, write_data
 from benchmarks.gpu.sft import peak_flops
 from hfpar import data, recipes
 from hfpar.config import parse_args
@@ -263,8 +263,7 @@ def table(env_: dict, results: list[dict]) -> str:
     ok = {r["variant"]: r for r in results if "error" not in r}
     for v, b in (("titan", "hfpar"), ("titan_compile", "hfpar_compile"), ("titan_fp8_compile", "hfpar_fp8_compile"),
                  ("titan_fp8_compile", "hfpar_fp8_rowwise_compile"), ("titan_compile", "titan")):  # fmt: skip
-        if v in ok and b in ok:
-            lines.append(f"\n{v} / {b}: {ok[v]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x")
+        lines += ratio_lines(ok, v, b)
     return "\n".join(lines) + "\n"
 
 
