@@ -67,12 +67,7 @@ def join_samples(samples: list[tuple[list[int], list[int]]]) -> dict[str, list[i
     never crosses samples. The first label of every sample is -100: the target of a sample's last token would
     otherwise be the next sample's first token. Unpacked, that first label is never a target either (nothing
     precedes it), so packing does not change the loss."""
-    row = {"input_ids": [], "labels": [], "position_ids": []}
-    for ids, labels in samples:
-        row["input_ids"] += list(ids)
-        row["labels"] += [IGNORE] + list(labels[1:])
-        row["position_ids"] += range(len(ids))
-    return row
+    return join_rows([{"input_ids": ids, "labels": labels} for ids, labels in samples])
 
 
 def pack(ds: Dataset, max_seq_length: int) -> Dataset:
