@@ -164,6 +164,14 @@ def swiglu_experts(m: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Te
 
 
 # ----------------------------------------------------------------------------- the MoE layer
+def sorted_counts(sorted_ids: torch.Tensor, E: int) -> torch.Tensor:
+    """(E,) int64 rows per expert of ascending expert ids (ids >= E, dropped or padding copies, not counted).
+    Not torch.bincount: its CUDA kernel reads the largest id on the host to size its output, a host sync in every
+    MoE forward; the bounds of a sorted array need none (transformers uses histc for the same reason)."""
+    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=sorted_ids.device, dtype=sorted_ids.dtype))
+    return bounds[1:] - bounds[:-1]
+
+
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -313,11 +321,11 @@ class MoELayer(nn.Module):
         if self.capacity_factor is not None and token_mask is not None:  # padding copies sort last, dropped
             flat_expert = torch.where(token_mask.repeat_interleave(k), flat_expert, E)
         order = torch.argsort(flat_expert, stable=True)  # (N*k,) copies by expert, token order kept
-        counts = torch.bincount(flat_expert, minlength=E + 1)[:E]  # (E,)
+        counts = sorted_counts(flat_expert[order], E)  # (E,)
         if self.capacity_factor is not None:
             keep = self._capacity_keep(flat_expert[order], counts)  # (N*k,) bool, sorted order
             order = order[keep]
-            counts = torch.bincount(flat_expert[order], minlength=E)[:E]
+            counts = sorted_counts(flat_expert[order], E)
             self.last_dropped = (flat_expert < E).sum() - keep.sum()  # real copies dropped
         x_sorted = x_flat[order // k]  # (M, H), M = copies kept
 

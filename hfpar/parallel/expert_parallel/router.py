@@ -4,7 +4,9 @@
     weights, experts, logits = router(x)          # x (N, H) -> (N, k) fp32, (N, k) int64, (N, E) fp32
     router.last_aux_loss, router.last_z_loss, router.last_load   # detached, for logging
 
-Routing (Mixtral / Qwen2-MoE): logits = x @ W^T in fp32, probs = softmax(logits), top-k of probs,
+Routing (Mixtral / Qwen2-MoE): logits = x @ W^T in the common dtype of x and W (HF's routers: bf16 weights and
+activations give bf16 logits; under autocast, autocast's dtype; fp32 when either is fp32), then in fp32:
+probs = softmax(logits), top-k of probs,
 optionally renormalized so the k weights sum to 1 (`norm_topk_prob`). Optional multiplicative
 jitter x * U(1-eps, 1+eps) on the *router input only*, in training (Switch Transformer; Mixtral
 jitters the whole block input instead).
@@ -106,7 +108,7 @@ def current_token_mask() -> torch.Tensor | None:
 
 # ----------------------------------------------------------------------------- router
 class TopKRouter(nn.Module):
-    """Linear gate (no bias, fp32) -> softmax -> top-k; `weight` is (E, H) like HF's `mlp.gate.weight`."""
+    """Linear gate (no bias; fp32 softmax) -> top-k; `weight` is (E, H) like HF's `mlp.gate.weight`."""
 
     def __init__(
         self,
@@ -142,10 +144,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None):
         """x (N, H), token_mask (N,) nonzero = real token -> weights (N, k) fp32, indices (N, k), logits (N, E)."""
-        x = x.float()
         if self.training and self.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-        logits = F.linear(x, self.weight.float())  # (N, E)
+        dtype = torch.promote_types(x.dtype, self.weight.dtype)  # bf16 x bf16: bf16, as HF's routers
+        logits = F.linear(x.to(dtype), self.weight.to(dtype)).float()  # (N, E)
         probs = logits.softmax(dim=-1)  # (N, E)
         weights, indices = torch.topk(probs, self.top_k, dim=-1)  # (N, k), (N, k)
         if self.norm_topk_prob:
