@@ -186,10 +186,11 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
                 f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
                 "computes its loss from the logits; pass 0 or leave it unset"
             )
-    text_type = getattr(text_config(config), "model_type", None)
     if args.attn_implementation == varlen.NAME:  # in transformers' registries before the model is built
         varlen.register()
-    _, why_not = data.padding_free_mode(args, task, model_type, packed=args.packing, text_model_type=text_type)
+    why_not = None
+    if args.padding_free or args.attn_implementation == varlen.NAME:  # asked for (unset: decided by the run plan)
+        _, why_not = data.padding_free_mode(args, task, config, packed=args.packing)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
     if args.attn_implementation == varlen.NAME and (why_not or args.padding_free is False):
@@ -362,14 +363,7 @@ def resolve_plan(args, ctx, recipe, config) -> RunPlan:
     stages = pipeline_stage_count(args)
     image_text = recipe.image_text and is_image_text(config)
     joins = recipe.one_row and not image_text  # the recipe's collator joins rows (image rows: VisionCollator, never)
-    padding_free, why_not = data.padding_free_mode(
-        args,
-        recipe.task,
-        model_type,
-        packed=recipe.packed(args),
-        text_model_type=getattr(text_config(config), "model_type", None),
-        joins=joins,
-    )
+    padding_free, why_not = data.padding_free_mode(args, recipe.task, config, packed=recipe.packed(args), joins=joins)
     plan = RunPlan(
         recipe=recipe.name,
         task=recipe.task,

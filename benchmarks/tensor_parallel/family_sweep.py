@@ -39,70 +39,12 @@ import torch.distributed as dist
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from benchmarks.common.launch import results_dir, run_ranks
+from hfpar.loading.tiny_config import shrink
 
 TOL = 1e-4
 LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
 DTYPE = torch.float32 if os.environ.get("TP_SWEEP_FP32") else torch.float64  # see below
 SP = bool(os.environ.get("TP_SWEEP_SP"))  # with sequence_parallel=True
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-# other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
-SHRINK = {
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "kv_lora_rank": 32,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "qk_head_dim": 16,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_kv_shared_layers": 0,
-    "sliding_window": 4,
-    "hidden_size_per_layer_input": 16,
-    "vocab_size_per_layer_input": 128,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 4,
-    "n_positions": 64,
-    "d_model": 64,
-    "ffn_dim": 128,
-    "n_heads": 4,
-    "n_layers": 2,
-    "num_layers": 2,
-    "ffn_hidden_size": 128,
-    "n_inner": 128,
-    "multi_query": False,
-    "d_ff": 128,
-    "word_embed_proj_dim": 64,
-    "max_seq_len": 64,
-    "attention_chunk_size": 4,
-    "rotary_dim": 8,
-    "partial_rotary_factor": 0.5,
-    "num_nextn_predict_layers": 0,
-}
 ENCODER_STYLE = (
     "bart",
     "bert",
@@ -147,57 +89,13 @@ ENCODER_STYLE = (
 STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
 
 
-def _no_dropout(cfg) -> None:
-    for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):  # PhiMoE's router noise
-            setattr(cfg, k, 0.0)
-
-
-def _shrunk(cfg, layers: int, reset: bool) -> dict:
-    """TINY / SHRINK's values for the size fields `cfg` has; reset: per-layer settings (lists as long as the layer
-    stack: layer_types, Llama-4's no_rope_layers / moe_layers; Gemma-4's per_layer_config) set to None, so the family
-    rebuilds them for the shrunk depth."""
-    fields = cfg.to_dict()
-    over = {k: v for k, v in {**TINY, **SHRINK}.items() if k in fields}
-    depth = [k for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in over]
-    over.update({k: layers for k in depth})
-    n = fields[depth[0]] if depth else None
-    per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
-    over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
-    return over
-
-
 def tiny_config(model_type: str, layers: int = 2):
-    """A tiny config of `model_type` (text part and towers shrunk for composite configs); raises when it cannot be
-    built. layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention layer.
-    Where the per-layer lists of the full depth fail validation (Gemma-3, Llama-4), they are reset and rebuilt."""
-    try:
-        return _tiny_config(model_type, layers, reset=False)
-    except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors
-        return _tiny_config(model_type, layers, reset=True)
-
-
-def _tiny_config(model_type: str, layers: int, reset: bool):
+    """A tiny config of `model_type` (hfpar.loading.tiny_config.shrink of the family's defaults); raises when it
+    cannot be built. layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention
+    layer."""
     from transformers import AutoConfig
 
-    base = AutoConfig.for_model(model_type)
-    text = base.get_text_config() if hasattr(base, "get_text_config") else base
-    over = _shrunk(text, layers, reset)
-    if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
-        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
-    if text is base:
-        cfg = AutoConfig.for_model(model_type, **over)
-    else:  # a multimodal wrapper: its text config shrunk, and its vision / audio towers the same way
-        sub = {"text_config": {**text.to_dict(), **over}}
-        for key in getattr(base, "sub_configs", {}):
-            tower = getattr(base, key, None)
-            if key != "text_config" and tower is not None and hasattr(tower, "to_dict"):
-                sub[key] = {**tower.to_dict(), **_shrunk(tower, layers, reset)}
-        cfg = AutoConfig.for_model(model_type, **sub)
-    _no_dropout(cfg)
-    if cfg.get_text_config() is not cfg:
-        _no_dropout(cfg.get_text_config())
-    return cfg
+    return shrink(AutoConfig.for_model(model_type), layers, keep=False)
 
 
 def build(model_type: str, seed: int = 0, layers: int = 2):

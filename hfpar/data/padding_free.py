@@ -1,44 +1,29 @@
 """Where padding-free batching applies: each micro-batch's samples packed into rows (DataCollator(padding_free=True)),
 or into one row where the attention skips the pairs between samples (`one_row`: DataCollator(one_row=True)).
 
-    on, why_not = padding_free_mode(args, "lm", "llama", packed=args.packing)   # (True, None)
+    on, why_not = padding_free_mode(args, "lm", config, packed=args.packing)   # (True, None)
 
 Packed rows keep samples apart only through the position ids: transformers 5 detects packed sequences from
 them when there is no attention_mask (masking_utils.find_packed_sequence_indices) and then builds the
 block-diagonal causal mask for eager / sdpa / flex attention (sliding windows included: a window is a distance
-inside the sample, the same in both layouts) or uses varlen kernels for flash attention. That holds for the
-model families below, verified sample by sample against each sample run alone (tests/unit/test_padding_free.py,
-eager and sdpa on CPU in float64; also run once on an H100 with torch 2.11 / transformers 5.17: eager, sdpa and
-flex_attention in fp32 and bf16, Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2); other families (encoders,
-encoder-decoders, models that build masks without the position ids or have
-recurrent / chunked-attention layers) keep padded batches.
+inside the sample, the same in both layouts) or uses varlen kernels for flash attention. Whether a model's code does
+so is checked on the model itself, not looked up by its name: hfpar.data.packing_probe runs a tiny float64 copy of
+it (the run's config, widths shrunk) on one padding-free batch against each sample alone. Families whose masks
+ignore the position ids (OPT, BLOOM), whose layers carry state along the row (Mamba, linear attention) or encoders
+keep padded batches, with the reason in the log (refused in one line where --padding_free true asks for them).
+Checked on a GPU once (an H100, torch 2.11 / transformers 5.17): eager, sdpa and flex_attention in fp32 and bf16,
+Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2.
 """
 
 from __future__ import annotations
 
-# model_type -> verified in tests/unit/test_padding_free.py (a tiny random-init model of each: every sample's logits
-# in a padding-free batch equal its logits alone)
-FAMILIES = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "olmo2",
-    "starcoder2",
-    "gpt2",
-)
-
+from ..parallel.language_model import text_config
+from .packing_probe import packing_problem
 
 # vision-language model types whose image rows pack (hfpar.data.vision.VisionCollator(padding_free=True)): 1-D
-# position ids into a language model of FAMILIES, image features merged in the order of their image tokens; verified
-# in tests/unit/test_sft_vision.py (every row's logits in a padding-free batch equal its logits alone)
+# position ids into a language model that keeps packed samples apart, image features merged in the order of their
+# image tokens; verified in tests/unit/test_sft_vision.py (every row's logits in a padding-free batch equal its
+# logits alone)
 VLM_FAMILIES = ("idefics3", "llava")
 
 # attention implementations that spend no work on the masked pairs between a row's samples (varlen kernels, flex's
@@ -67,15 +52,13 @@ def _image_text_types():
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def padding_free_mode(
-    args, task: str, model_type: str | None, *, packed: bool, text_model_type: str | None = None, joins: bool = True
-) -> tuple[bool, str | None]:
+def padding_free_mode(args, task: str, config, *, packed: bool, joins: bool = True) -> tuple[bool, str | None]:
     """(pack each micro-batch's samples into rows?, why not, when it cannot apply).
 
     args: padding_free (None = wherever it applies, True, False), pp_size, attn_implementation.
+    config: the model's config (a multimodal wrapper's language model is the one checked: its text config).
     packed: the rows are packed already (--packing, the clm recipe): nothing to do, unless `one_row` and `joins`
     (the collator then concatenates them into one row per micro-batch; joins: it can, DataCollator(one_row=True)).
-    text_model_type: a multimodal wrapper's language model type (its text_config's).
     """
     if args.padding_free is False or (packed and not (joins and one_row(args))):
         return False, None
@@ -86,17 +69,11 @@ def padding_free_mode(
             f"--pp_size {args.pp_size}: the pipeline cuts every batch into --pp_microbatches equal parts "
             "of rows, and padding-free batches vary in their number of rows"
         )
+    model_type = getattr(config, "model_type", None)
     if model_type in _image_text_types() and model_type not in VLM_FAMILIES:
         return False, (
             f"model_type {model_type!r} is a vision-language model not among those verified to keep packed image "
             f"rows apart ({', '.join(VLM_FAMILIES)}; Qwen-VL's 3-D position ids cannot mark samples)"
-        )
-    if model_type in VLM_FAMILIES:  # its language model must be a family of FAMILIES
-        model_type = text_model_type
-    if model_type not in FAMILIES:
-        return False, (
-            f"model_type {model_type!r} is not among the families verified to keep packed samples apart "
-            f"({', '.join(FAMILIES)})"
         )
     attn = args.attn_implementation
     if attn is not None and attn not in _mask_attentions():
@@ -104,4 +81,8 @@ def padding_free_mode(
             f"--attn_implementation {attn}: transformers builds no packed-sequence mask for it "
             f"(it does for {', '.join(_mask_attentions())})"
         )
+    # the language model's own code decides (a VLM of VLM_FAMILIES: its text model; image rows: vision.py)
+    problem = packing_problem(text_config(config) if model_type in VLM_FAMILIES else config, attn)
+    if problem:
+        return False, f"model_type {model_type!r}: {problem}"
     return True, None

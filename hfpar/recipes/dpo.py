@@ -92,7 +92,7 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
 def problems(args, ctx, plan) -> list[str]:
     # the pair rows are packed documents whatever --padding_free / --pp_size say (a row is a pair)
     _, why_not = data.padding_free_mode(
-        dataclasses.replace(args, padding_free=None, pp_size=1), "lm", plan.model_type, packed=False
+        dataclasses.replace(args, padding_free=None, pp_size=1), "lm", plan.model_config, packed=False
     )
     return dpo_problems(args, ctx, why_not_packed=why_not)
 

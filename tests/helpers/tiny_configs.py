@@ -1,7 +1,8 @@
 """Tiny configs of the decoder families the tests build from scratch (no weights downloaded).
 
-CONFIGS[model_type] -> (config kwargs, attention implementations): every family of
-hfpar.data.padding_free.FAMILIES (tests/unit/test_padding_free.py, tests/distributed/test_chunked_loss.py)
+CONFIGS[model_type] -> (config kwargs, attention implementations): the families whose padding-free rows the tests
+check against each sample alone (tests/unit/test_padding_free.py, tests/unit/test_varlen_attention.py,
+tests/distributed/test_chunked_loss.py)
 """
 
 TINY = {
@@ -18,7 +19,7 @@ TINY = {
 }
 WINDOW = {"sliding_window": 5}  # shorter than most samples: the window is really cut
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-CONFIGS = {  # every family of hfpar.data.padding_free.FAMILIES: (config kwargs, attention implementations)
+CONFIGS = {  # (config kwargs, attention implementations)
     "llama": (TINY, ("eager", "sdpa")),
     "mistral": ({**TINY, **WINDOW}, ("eager", "sdpa")),
     "mixtral": ({**TINY, **WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}, ("eager", "sdpa")),

@@ -10,21 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
+from hfpar.loading.tiny_config import TINY
 from hfpar.parallel.tensor_parallel.plans import TESTED_DERIVED_MODEL_TYPES
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 DERIVED = list(TESTED_DERIVED_MODEL_TYPES)  # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
 # MoE families: 4 small experts; Qwen MoE with a dense MLP in layer 1 (TP-sharded next to whole MoE blocks)
 MOE_TINY = {

@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from benchmarks.tensor_parallel.family_sweep import tiny_config
 from hfpar import data
 from hfpar.train.sampler import GlobalBatchSampler
 from tests.helpers.launch import launch_all, read_metrics, read_run_info, rel_close
@@ -31,20 +34,34 @@ CASES = {  # name: (accelerate config, processes, extra argv)
 }
 
 
+# a family the packing check admits by what its code does (no list names it): Cohere-2's sliding-window layers with
+# RoPE and a global layer without it (4 layers hold one), LayerNorm, parallel attention and MLP, scaled logits
+OTHER = "cohere2"
+BS4 = ["--per_device_train_batch_size", "4"]
+OTHER_CASES = {OTHER: BS4, f"{OTHER}_padded": [*BS4, "--padding_free", "false"]}
+
+
+def _save_tiny(model_type: str, path: Path) -> str:
+    cfg = tiny_config(model_type, 4)
+    cfg.max_position_embeddings = 512  # the recipe's rows are longer than the sweep's 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def runs(base_model, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("padding_free")
-    launch_all(
-        {
-            name: (
-                cfg,
-                n,
-                "sft",
-                [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(root / name), *extra],
-            )
-            for name, (cfg, n, extra) in CASES.items()
-        }
-    )
+    other = _save_tiny(OTHER, root / f"{OTHER}_base")
+    specs = {
+        name: ("single", 1, "sft", [*COMMON, "--model_name_or_path", other, "--output_dir", str(root / name), *extra])
+        for name, extra in OTHER_CASES.items()
+    }
+    for name, (cfg, n, extra) in CASES.items():
+        argv = [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(root / name), *extra]
+        specs[name] = (cfg, n, "sft", argv)
+    launch_all(specs)
     return root
 
 
@@ -87,3 +104,12 @@ def test_one_row_varlen_runs_reproduce_the_padding_free_runs(single_run, runs):
     for name in ("varlen", "ddp_varlen", "tp_sp_varlen"):
         _same_training(Path(single_run), runs / name, 1e-5)
     _same_training(runs / "packed", runs / "packed_varlen", 1e-5)
+
+
+@pytest.mark.slow
+def test_a_family_no_list_names_trains_padding_free(runs):
+    """Cohere-2 (outside the 14 families padding-free rows once applied to): its tiny copy keeps packed samples
+    apart, so the default run packs its rows, and trains as the padded run does (8 steps, 1e-5)."""
+    assert read_run_info(runs / OTHER)["padding_free"] is True
+    assert read_run_info(runs / f"{OTHER}_padded")["padding_free"] is False
+    _same_training(runs / OTHER, runs / f"{OTHER}_padded", 1e-5)

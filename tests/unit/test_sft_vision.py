@@ -142,8 +142,8 @@ def test_parallel_layouts_on_a_vlm_refused_in_one_line():
     plan = types.SimpleNamespace(image_text=True, model_type="idefics3")
     (packing,) = sft.problems(types.SimpleNamespace(packing=True), None, plan)
     assert packing.startswith("--packing with model_type 'idefics3', a vision-language model")
-    assert data.padding_free_mode(_args(), "lm", "idefics3", packed=False, text_model_type="llama") == (True, None)
-    on, why = data.padding_free_mode(_args(), "lm", "qwen2_vl", packed=False, text_model_type="qwen2_vl_text")
+    assert data.padding_free_mode(_args(), "lm", cfg, packed=False) == (True, None)  # its Llama text model checked
+    on, why = data.padding_free_mode(_args(), "lm", tiny_config("qwen2_vl"), packed=False)
     assert not on and why.startswith("model_type 'qwen2_vl' is a vision-language model not among those verified")
 
 

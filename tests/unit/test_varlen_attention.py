@@ -4,7 +4,7 @@
 
 - a micro-batch in ONE row: the same samples, targets and loss as padded rows; packed rows concatenated keep their
   position ids and lose no target and gain none (each row's first label -100);
-- every family of hfpar.data.padding_free.FAMILIES (tiny random-init models, float64) except Gemma2 (soft-capping:
+- every family of tests/helpers/tiny_configs.CONFIGS (tiny random-init models, float64) except Gemma2 (soft-capping:
   refused): the one-row batch through hfpar_varlen gives each sample's logits alone, and the loss and every
   parameter gradient of sdpa's block-diagonal mask over the same row (eager where transformers has no sdpa);
 - refused in one line where it would compute something else (an attention mask, a KV cache, dropout, soft-capping),
@@ -25,7 +25,6 @@ from hfpar import data
 from hfpar.config import parse_args
 from hfpar.context import ParallelContext
 from hfpar.data import IGNORE
-from hfpar.data.padding_free import FAMILIES
 from hfpar.preflight import feature_problems, model_problems
 from hfpar.recipes import grpo
 from hfpar.train import varlen
@@ -102,15 +101,16 @@ def test_segments_start_at_rows_and_position_breaks():
 def test_padding_free_mode_joins_packed_rows_for_attention_that_skips_masked_pairs():
     args = SimpleNamespace(padding_free=None, pp_size=1, attn_implementation=varlen.NAME)
     varlen.register()
-    assert data.padding_free_mode(args, "lm", "llama", packed=True) == (True, None) and data.one_row(args)
+    llama = AutoConfig.for_model("llama", **CONFIGS["llama"][0])
+    assert data.padding_free_mode(args, "lm", llama, packed=True) == (True, None) and data.one_row(args)
     # a recipe whose collator builds rows of its own (dpo's pair rows) keeps them: they are not padding-free rows
-    assert data.padding_free_mode(args, "lm", "llama", packed=True, joins=False) == (False, None)
+    assert data.padding_free_mode(args, "lm", llama, packed=True, joins=False) == (False, None)
     sdpa = SimpleNamespace(padding_free=None, pp_size=1, attn_implementation="sdpa")
-    assert data.padding_free_mode(sdpa, "lm", "llama", packed=True) == (False, None) and not data.one_row(sdpa)
+    assert data.padding_free_mode(sdpa, "lm", llama, packed=True) == (False, None) and not data.one_row(sdpa)
 
 
 # ------------------------------------------------------------------------------------------- the attention
-@pytest.mark.parametrize("model_type", [m for m in FAMILIES if m not in SOFTCAP])
+@pytest.mark.parametrize("model_type", [m for m in CONFIGS if m not in SOFTCAP])
 def test_varlen_equals_the_block_diagonal_mask(model_type):
     """Loss, logits per sample and every parameter gradient: hfpar_varlen over one row == sdpa's (or eager's)
     block-diagonal mask over the same row, float64; each sample's logits == the sample alone."""

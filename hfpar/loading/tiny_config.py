@@ -1,0 +1,134 @@
+"""A tiny copy of a model's config: the same family and features, every size field shrunk, so that a model of it
+builds in well under a second on CPU (hfpar's probes of what a model does; the family sweeps of tests/ and benchmarks/).
+
+    cfg = shrink(config)                       # the user's config, its features kept (windows, layer kinds, MoE, ...)
+    cfg = shrink(AutoConfig.for_model("olmo2"), keep=False)   # a family's defaults, sizes shrunk
+
+Size fields are shrunk by name (TINY, SHRINK: the names transformers' configs use); windows and chunks (sliding_window,
+attention_chunk_size) shrink too, below the probes' sample lengths, so they act. Per-layer settings (lists as long as
+the layer stack: layer_types, Llama-4's no_rope_layers / moe_layers, Gemma-4's per_layer_config) are kept where the
+family accepts them for the shrunk depth, else reset so that the family rebuilds them. Dropout and router noise are
+set to 0. A multimodal wrapper's text config is shrunk, and its vision / audio towers the same way.
+"""
+
+from __future__ import annotations
+
+# the size fields of transformers' configs, shrunk (by name) so every tiny model builds in well under a second
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
+SHRINK = {
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_head_dim": 16,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_kv_shared_layers": 0,
+    "sliding_window": 4,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 128,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "d_model": 64,
+    "ffn_dim": 128,
+    "n_heads": 4,
+    "n_layers": 2,
+    "num_layers": 2,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "multi_query": False,
+    "d_ff": 128,
+    "word_embed_proj_dim": 64,
+    "max_seq_len": 64,
+    "attention_chunk_size": 4,
+    "rotary_dim": 8,
+    "partial_rotary_factor": 0.5,
+    "num_nextn_predict_layers": 0,
+}
+DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+
+
+def _no_dropout(cfg) -> None:
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "jitter" in k):  # PhiMoE's router noise
+            setattr(cfg, k, 0.0)
+
+
+def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool = False) -> dict:
+    """TINY / SHRINK's values (and `extra`'s) for the size fields `cfg` has; reset: per-layer settings (lists as long
+    as the layer stack) set to None, so the family rebuilds them for the shrunk depth; cut (else): cut to the first
+    `layers` entries (the layer kinds of the stack's start)."""
+    fields = cfg.to_dict()
+    over = {k: v for k, v in {**TINY, **SHRINK, **(extra or {})}.items() if k in fields}
+    stack = [k for k in DEPTH_FIELDS if k in over]
+    over.update({k: layers for k in stack})
+    n = fields[stack[0]] if stack else None
+    per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
+    over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
+    over.update({k: fields[k][:layers] for k in per_layer if cut and not reset})
+    return over
+
+
+def depth(config) -> int | None:
+    """The number of layers of `config`'s language model (None where no depth field is known)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((v for k in DEPTH_FIELDS if isinstance(v := getattr(text, k, None), int)), None)
+
+
+def shrink(config, layers: int = 2, *, keep: bool = True, extra: dict | None = None):
+    """A tiny config of `config`'s model. layers: its depth, at most `config`'s own (hybrid families, linear attention
+    every 3 of 4 layers, need 4 to hold a full-attention layer). keep: start from `config`'s own values, its
+    per-layer lists cut to the first `layers` entries (False: from its class's defaults, as
+    `AutoConfig.for_model(model_type)` gives them). extra: more size fields to shrink. Raises when the family cannot
+    build it."""
+    layers = min(layers, depth(config) or layers)
+    try:
+        return _shrink(config, layers, reset=False, keep=keep, extra=extra)
+    except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors
+        return _shrink(config, layers, reset=True, keep=keep, extra=extra)
+
+
+def _shrink(base, layers: int, reset: bool, keep: bool, extra: dict | None):
+    text = base.get_text_config() if hasattr(base, "get_text_config") else base
+    over = shrunk(text, layers, reset, extra, cut=keep)
+    if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
+        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
+    if text is not base:  # a multimodal wrapper: its text config shrunk, and its vision / audio towers the same way
+        over = {"text_config": {**text.to_dict(), **over}}
+        for key in getattr(base, "sub_configs", {}):
+            tower = getattr(base, key, None)
+            if key != "text_config" and tower is not None and hasattr(tower, "to_dict"):
+                over[key] = {**tower.to_dict(), **shrunk(tower, layers, reset, extra)}
+    cfg = type(base).from_dict({**base.to_dict(), **over}) if keep else type(base)(**over)
+    _no_dropout(cfg)
+    if cfg.get_text_config() is not cfg:
+        _no_dropout(cfg.get_text_config())
+    return cfg
