@@ -11,7 +11,9 @@
 # Llama shape (benchmarks/dpo/speed.py); 4. the Qwen3-30B-A3B-shaped MoE block and 4-layer slice vs transformers'
 # grouped_mm (benchmarks/moe/gpu.py); 5. hfpar_varlen (torch's FlashAttention-2 varlen kernel over one-row batches):
 # its CUDA test against sdpa and one attention layer's speed (benchmarks/varlen/attention.py); 6. DPO compiled
-# (--torch_compile), profiled (GPU busy). Add hfpar_varlen,hfpar_varlen_compile to HFPAR_ROUND_VARIANTS for SFT.
+# (--torch_compile), profiled (GPU busy); 7. DPO on the 3.3B Llama shape vs TRL; 8. torchtitan's own trainer on
+# peers.py's rows (benchmarks/gpu/titan.py; its wheels travel in .devwheels/titan: `carry` it). Add
+# hfpar_varlen,hfpar_varlen_compile to HFPAR_ROUND_VARIANTS for SFT.
 set -uo pipefail
 out=${1:?usage: round.sh OUT [BUDGET_S]}
 budget=${2:-570}
@@ -63,6 +65,7 @@ if [ -n "$cpu" ]; then
     dpo_big=(--device cpu --dtype float32 --hidden 128 --layers 2 --steps 3 --rounds 1 --no-profile)
     moe=(--device cpu --scale tiny --dtype float32 --budget_s 60)
     varlen=(--device cpu --heads 8 --kv_heads 2 --dtype float32 --row_len 1024 --repeats 3)
+    titan=(--device cpu --shape tiny --seq_len 256 --steps 3 --warmup 1 --docs 40)
 else
     peers=()
     prof=()
@@ -70,6 +73,7 @@ else
     dpo_big=(--device cuda --hidden 3072 --layers 28 --vocab 128256 --batch 8 --steps 8 --rounds 1 --no-profile)
     moe=(--device cuda --budget_s 60)
     varlen=()
+    titan=()
 fi
 section varlen 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_varlen_attention.py \
     && python3 -m benchmarks.varlen.attention --out "$0/varlen" "${@}"' "$work" "${varlen[@]}"
@@ -83,5 +87,14 @@ section dpo_busy 100 python3 -m benchmarks.dpo.speed --out "$work/dpo" "${dpo[@]
 section moe 90 python3 -m benchmarks.moe.gpu --out "$work/moe" "${moe[@]}"
 section dpo_busy_compile 150 python3 -m benchmarks.dpo.speed --out "$work/dpo" "${dpo[@]}" --hfpar_extra="--torch_compile"
 section dpo_3b 130 python3 -m benchmarks.dpo.speed --out "$work/dpo_3b" "${dpo_big[@]}"
+# torchtitan beside peers.py's rows (its wheels: .devwheels/titan, git-ignored: carry it to the machine); 0.3.0 on
+# torch >= 2.13, else 0.2.2 (the newest that trains on torch 2.11, the H200 image's)
+tv=$(python3 -c 'import torch; print("0.3.0" if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else "0.2.2")')
+section titan 330 bash -c 'work=$0 v=$1 && shift && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target "$work/titan_pkgs" ".devwheels/titan/torchtitan-$v-py3-none-any.whl" \
+    .devwheels/titan/{torchdata,tyro,docstring_parser,typeguard,spmd_types}-*.whl || exit 1
+    peers=() && [ -f "$work/peers/peers.json" ] && peers=(--peers "$work/peers/peers.json")
+    PYTHONPATH="$work/titan_pkgs:$PYTHONPATH" python3 -m benchmarks.gpu.titan --out "$work/titan" "${peers[@]}" "$@"' \
+    "$work" "$tv" "${titan[@]}"
 echo "[round] done at $((SECONDS - start)) s"
 pack

@@ -1,24 +1,31 @@
-"""torchtitan 0.3 beside benchmarks/gpu/peers.py (issue #41): torchtitan's own Trainer and Llama-3 model
-(`torchtitan.models.llama3`, flavor 3B: the Llama-3.2-3B shape of peers.py's SHAPES["llama3_3b"], checked field by
-field, tied embeddings included) on the packed rows that hfpar's sft recipe trains in peers.py, in the same order.
+"""torchtitan beside benchmarks/gpu/peers.py (issue #41): torchtitan's own Trainer and Llama-3 model on the packed
+rows that hfpar's sft recipe trains in peers.py, in the same order, with the Llama-3.2-3B shape of peers.py's
+SHAPES["llama3_3b"] (checked field by field, tied embeddings included, and by parameter count against hfpar's model).
 
     python -m benchmarks.gpu.titan --out DIR            # one CUDA GPU: titan, titan_compile, titan_fp8_compile
     python -m benchmarks.gpu.titan --out DIR --device cpu --shape tiny --seq_len 256 --steps 3 --warmup 1 --docs 40
 
-torchtitan is optional (no hfpar dependency; imported by the worker and the import check only). 0.3.0 needs
-torch >= 2.13 (main() says what fails with 2.11 and 2.12.1) and triton (imported at module level, on CPU too). Offline
-install of .devwheels/titan (torchtitan 0.3.0 and what it imports: torchdata, tyro, docstring_parser, typeguard,
-spmd_types; wandb is imported only when enabled, torch_checkpointing only for that checkpointer):
+torchtitan is optional (no hfpar dependency; imported by the worker and the import check only). The installed version
+picks the setup: 0.3.x -> titan_v03.py (needs torch >= 2.13, main() says what fails with 2.11 and 2.12.1, and triton,
+imported at module level, on CPU too); 0.2.x -> titan_v02.py (0.2.2: the newest release that trains on torch 2.11,
+the H200 image's). Offline install of the wheels in .devwheels/titan (torchtitan 0.2.2 and 0.3.0, and what they import
+that the image lacks: torchdata, tyro, docstring_parser, typeguard; spmd_types for 0.3; wandb only when enabled), one
+torchtitan at a time (0.3.0: its wheel and spmd_types' instead of torchtitan-0.2.2's):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan .devwheels/titan/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan \
+        .devwheels/titan/{torchtitan-0.2.2,torchdata,tyro,docstring_parser,typeguard}-*.whl
     export PYTHONPATH=/tmp/titan:$PYTHONPATH
 
-torchtitan's single-GPU setup (its llama3 configs): fp32 weights under FSDP2 fully_shard on a 1-rank mesh (always
-applied: bf16 params, fp32 reduce), fused AdamW (hfpar's betas, no weight decay, peers.py's constant lr), flex attention
-with its per-document causal mask from the position ids (compiled in every variant), its chunked cross-entropy, on CUDA
-the forward+backward in a CUDA graph (fixed shapes); no activation checkpointing (as peers.py), seed 42. titan_compile:
-per-block torch.compile + the loss. fp8: torchao's rowwise recipe (torchtitan has no tensorwise one), lm_head left
-out (hfpar converts the decoder blocks' Linear layers only). Data: peers.py's rows (hfpar's tokenizer, --packing and
+Both: torchtitan's single-GPU setup (its llama3 configs), fused AdamW (hfpar's betas, no weight decay, peers.py's
+constant lr), flex attention with a per-document causal mask (compiled in every variant), no activation checkpointing
+(as peers.py), seed 42; titan_compile: its per-block torch.compile + the loss; fp8: torchao's rowwise recipe through
+its float8 converter, the head left out (hfpar converts the decoder blocks' Linear layers only). 0.3: its 3B flavor,
+fp32 weights under FSDP2 fully_shard on a 1-rank mesh (bf16 params, fp32 reduce), the document mask from the position
+ids, its chunked cross-entropy, on CUDA the forward+backward in a CUDA graph (fixed shapes). 0.2 (what differs,
+titan_v02.py says how): no 3B flavor and no weight tying in its llama3, so the model is its Transformer built from
+SHAPES with the head tied here; one GPU gets no FSDP (fp32 weights, bf16 torch.autocast); the document mask is by EOS
+token (the rows are checked: each position restart follows an EOS; pads are EOS); cross-entropy over the whole logits
+(more memory than 0.3's chunked one); no CUDA graph. Data: peers.py's rows (hfpar's tokenizer, --packing and
 sampler), each document with its own positions, targets = the next token (transformers' shift), padded to --seq_len
 (--pad longest: to the batch's longest row, as hfpar's collator, no CUDA graph) with position 0 and label -100.
 Figures as peers.py's: tokens/s = mean real tokens of the steps after --warmup / their median step time (synchronised),
@@ -31,6 +38,7 @@ mfu and reserved memory. Logs OUT/logs/<variant>.log, summary OUT/titan.{json,md
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -40,14 +48,13 @@ import subprocess
 import tempfile
 import time
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch._utils
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
-from torch.utils.data import IterableDataset
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common.launch import ROOT, command, env, module_cmd
 from benchmarks.gpu.peers import SHAPES, ratio_lines, recipe_flags, write_data
@@ -57,16 +64,16 @@ from hfpar.config import parse_args
 from hfpar.train.compile import compile_seconds
 from hfpar.train.sampler import GlobalBatchSampler
 
-FLAVORS = {"llama3_3b": "3B", "tiny": "debugmodel"}  # torchtitan's llama3 flavors (debugmodel: its own small shape)
+SETUPS = {"0.2": "benchmarks.gpu.titan_v02", "0.3": "benchmarks.gpu.titan_v03"}  # torchtitan minor -> its setup
+TORCH_NEEDS = {"0.3": ((2, 13), "2.11: ImportError, no torch.distributed.fsdp.DataParallelMeshDims; 2.12.1: "
+                                "TypeError, create_block_mask() has no separate_full_blocks")}  # fmt: skip
+PRECISION = {"0.2": "no FSDP on 1 rank: fp32 weights, bf16 autocast",
+             "0.3": "FSDP2 on 1 rank: bf16 params, fp32 reduce"}  # torchtitan's single-GPU precision  # fmt: skip
 VARIANTS = {"titan": (False, False), "titan_compile": (True, False), "titan_fp8": (False, True),
             "titan_fp8_compile": (True, True)}  # name -> (torch.compile, float8 rowwise)  # fmt: skip
 DEFAULTS = {"cuda": "titan,titan_compile,titan_fp8_compile", "cpu": "titan,titan_compile,titan_fp8"}
 LR = 2e-5  # peers.py's
-NOTES = [
-    "torchtitan's Llama3Model: fused QKV, rope theta 500000 with its 'llama' frequency scaling (factor 8; peers.py's "
-    "HF config has none), its own init (losses comparable to hfpar's in magnitude only)",
-    "flex attention is compiled in every variant: titan's compile_s is not 0",
-]
+IGNORE_INDEX = -100  # torchtitan's and transformers' label to leave out of the loss
 
 
 def hfpar_rows(flags: list[str], steps: int, batch: int) -> list[dict]:
@@ -83,15 +90,33 @@ def hfpar_rows(flags: list[str], steps: int, batch: int) -> list[dict]:
     return [{"input_ids": train[i]["input_ids"], "position_ids": train[i]["position_ids"]} for i in order]
 
 
+def hf_params(shape: str) -> int:
+    """Parameters of hfpar's model of that shape (transformers' Llama as peers.py builds it; tied: counted once)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).parameters())
+
+
+def setup_version() -> tuple[str, str]:
+    """(installed torchtitan version, its setup's minor); one line where it is missing or neither 0.2 nor 0.3."""
+    try:
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit("torchtitan is not installed (wheels: this file's docstring)") from None
+    minor = ".".join(version.split(".")[:2])
+    if minor not in SETUPS:
+        raise SystemExit(f"torchtitan {version}: this file sets up {' and '.join(SETUPS)} only")
+    return version, minor
+
+
 def cpu_shim() -> None:
-    """torchtitan 0.3 cannot train its Llama-3 on CPU. 1. No CPU device: torchtitan/tools/utils.py takes
-    `_get_available_device_type() or "cuda"`, so on a CPU build Trainer.__init__ fails in torch.cuda.set_device
-    (AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'). 2. Its language-model attention is flex or
-    varlen (sdpa is refused): flex has no CPU backward (NotImplementedError: FlexAttention does not support backward on
-    CPU), varlen calls aten::_flash_attention_forward (CUDA only). 3. Its barrier after step 1 passes
+    """torchtitan (0.2 and 0.3) cannot train its Llama-3 on CPU. 1. No CPU device: torchtitan/tools/utils.py takes
+    `_get_available_device_type() or "cuda"`, so on a CPU build its Trainer fails in torch.cuda.set_device
+    (AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'). 2. Its flex attention has no CPU backward
+    (NotImplementedError: FlexAttention does not support backward on CPU); varlen calls aten::_flash_attention_forward
+    (CUDA only); 0.3 refuses sdpa for its language models. 3. Its barrier after step 1 passes
     device_ids=[torch.cpu.current_device()] = ['cpu'] (TypeError in c10d). For the code path only: torch.cpu as its
     device (gloo; the memory calls of its metrics answered by zeros), set before torchtitan is imported (it reads the
-    device at import); after it, SDPA with flex's own mask (dense) for flex, and no barrier."""
+    device at import); after it, the setup's stand_ins: SDPA with flex's own mask (dense) for flex, and no barrier."""
     torch._utils._get_available_device_type = lambda: "cpu"
     stubs = dict(get_device_name=lambda *a: "cpu", memory_stats=lambda *a: {}, empty_cache=lambda: None,
                  reset_peak_memory_stats=lambda *a: None,
@@ -101,10 +126,10 @@ def cpu_shim() -> None:
             setattr(torch.cpu, name, fn)
 
 
-def sdpa_attend(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+def sdpa_attend(q, k, v, *, block_mask, scale=None, enable_gqa=False, **unused):
     """CPU stand-in for torchtitan's compiled flex_attention call (q, k, v: (B, N, L, H))."""
     mask = create_mask(block_mask.mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)  # (B, 1, L, L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def worker(spec: dict) -> None:
@@ -117,30 +142,15 @@ def worker(spec: dict) -> None:
     cuda = spec["device"] == "cuda"
     if not cuda:
         cpu_shim()
-    # torchtitan is optional: imported only where used
-    import torchtitan.distributed.utils
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import BaseLogger, MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.components.quantization import Float8LinearConverter
-    from torchtitan.config import CompileConfig, DebugConfig, TrainingConfig
-    from torchtitan.models.common.attention import FlexAttention
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.tools.logging import init_logger
-    from torchtitan.trainer import Trainer
-
-    init_logger()  # its own step lines (loss, memory, tps, mfu) into the raw log, as its train.py does
+    setup = importlib.import_module(spec["setup"])  # imports torchtitan: after cpu_shim
     if not cuda:
-        FlexAttention._compiled_flex_attn = staticmethod(sdpa_attend)
-        torchtitan.distributed.utils.set_pg_timeouts = lambda **kw: None
+        setup.stand_ins(sdpa_attend)
     rows = json.loads(Path(spec["rows"]).read_text())
     tokens, padded = [], []
 
-    def collate(batch: list[dict]):
+    def collate(batch: list[dict], pad_id: int = 0):
         width = spec["seq_len"] if spec["pad"] == "seq_len" else max(len(r["input_ids"]) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T) pad: id 0, position 0 (one-token documents)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T) pads at position 0
         pos, labels = torch.zeros_like(ids), torch.full_like(ids, IGNORE_INDEX)
         for i, r in enumerate(batch):
             n = len(r["input_ids"])
@@ -150,49 +160,20 @@ def worker(spec: dict) -> None:
         padded.append(ids.numel())
         return {"input": ids, "positions": pos}, labels
 
-    class Rows(IterableDataset):
-        def __iter__(self):
-            yield from rows
-
-    class RowsLoader(ParallelAwareDataloader):  # torchtitan's dataloader hook: a Configurable with its own Config
-        @dataclass(kw_only=True, slots=True)
-        class Config(ParallelAwareDataloader.Config):
-            pass
-
-        def __init__(self, config, *, dp_world_size, dp_rank, local_batch_size, **kw):
-            super().__init__(Rows(), dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
-                             collate_fn=collate)  # fmt: skip
-
-    compiled, fp8 = VARIANTS[spec["variant"]]
-    graph = cuda and spec["pad"] == "seq_len" and spec["attn"] == "flex"  # fixed shapes, no host sync (varlen has)
-    fp8_cfg = Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"], emulate=not cuda,
-                                           model_compile_enabled=compiled)  # on CPU: emulated, eager only  # fmt: skip
-    flavor, converters = FLAVORS[spec["shape"]], [fp8_cfg] if fp8 else None
-    model_spec = model_registry(flavor, attn_backend=spec["attn"], converters=converters)
-    m, a = model_spec.model, model_spec.model.layers[0].attention
-    got = dict(hidden_size=m.dim, intermediate_size=m.layers[0].feed_forward.w1.out_features,
-               num_hidden_layers=len(m.layers), num_attention_heads=a.n_heads,
-               num_key_value_heads=a.n_kv_heads or a.n_heads, vocab_size=m.vocab_size,
-               tie_word_embeddings=m.enable_weight_tying, rope_theta=float(a.rope.theta))  # fmt: skip
-    diff = {k: [v, SHAPES[spec["shape"]][k]] for k, v in got.items() if v != SHAPES[spec["shape"]].get(k, v)}
-    if diff and spec["shape"] == "llama3_3b":
-        raise SystemExit(f"torchtitan's 3B flavor differs from peers.py's SHAPES['llama3_3b'] ([titan, peers]): {diff}")
-    config = Trainer.Config(
-        model_spec=model_spec, hf_assets_path=str(ROOT / "hfpar" / "assets" / "tiny"), dump_folder=spec["dump"],
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))),
-        optimizer=default_adamw(lr=LR, betas=(0.9, 0.999), weight_decay=0.0),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),  # constant
-        training=TrainingConfig(local_batch_size=spec["batch"], seq_len=spec["seq_len"], steps=spec["steps"],
-                                max_norm=1.0, disable_cuda_graphs=not graph),
-        dataloader=RowsLoader.Config(), metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
-        activation_checkpoint=None, compile=CompileConfig(enable=compiled), debug=DebugConfig(seed=42),
-    )  # fmt: skip
-    trainer = config.build()
+    trainer, info = setup.build(spec, rows, collate, LR)
+    params = sum(p.numel() for p in trainer.model_parts[0].parameters())
+    diff = {k: [v, SHAPES[spec["shape"]][k]] for k, v in info["shape"].items() if v != SHAPES[spec["shape"]].get(k, v)}
+    if spec["shape"] in setup.SHAPED and (diff or params != hf_params(spec["shape"])):
+        raise SystemExit(f"torchtitan's {setup.FLAVORS[spec['shape']]} differs from peers.py's SHAPES: {diff} "
+                         f"([titan, peers]), {params} parameters vs hfpar's {hf_params(spec['shape'])}")  # fmt: skip
     records, ends = [], []
 
-    class Capture(BaseLogger):  # each step's metrics dict, before MetricsProcessor.log resets the memory peak
+    class Capture:  # torchtitan's metric logger: each step's metrics, before MetricsProcessor.log resets the peak
         def log(self, metrics, step):
             records.append({**metrics, "peak_alloc": torch.cuda.max_memory_allocated() if cuda else 0})
+
+        def close(self):
+            pass
 
     trainer.metrics_processor.logger = Capture()
     step = trainer.train_step
@@ -220,16 +201,16 @@ def worker(spec: dict) -> None:
               "titan_tps_median": statistics.median(r["throughput(tps)"] for r in records[w:]),
               "titan_mfu": [r.get("mfu(%)") for r in records],
               "titan_max_reserved_gib": max(r["memory/max_reserved(GiB)"] for r in records),
-              "params": sum(p.numel() for p in trainer.model_parts[0].parameters()), "shape": got,
-              "shape_vs_peers": diff, "cuda_graph": graph}  # fmt: skip
+              "params": params, "shape": info["shape"], "shape_vs_peers": diff,
+              "cuda_graph": info["cuda_graph"]}  # fmt: skip
     Path(spec["result"]).write_text(json.dumps(result))
 
 
-def run_variant(name: str, a, rows: Path, logs: Path) -> dict:
+def run_variant(name: str, a, setup: str, rows: Path, logs: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"titan-{name}-"))
-    spec = {"variant": name, "shape": a.shape, "device": a.device, "seq_len": a.seq_len, "batch": a.batch_size,
-            "steps": a.steps, "warmup": a.warmup, "attn": a.attn, "pad": a.pad, "rows": str(rows),
-            "dump": str(run_dir), "result": str(run_dir / "titan.json")}  # fmt: skip
+    spec = {"variant": name, "setup": setup, "compile_fp8": VARIANTS[name], "shape": a.shape, "device": a.device,
+            "seq_len": a.seq_len, "batch": a.batch_size, "steps": a.steps, "warmup": a.warmup, "attn": a.attn,
+            "pad": a.pad, "rows": str(rows), "dump": str(run_dir), "result": str(run_dir / "titan.json")}  # fmt: skip
     cmd = module_cmd("benchmarks.gpu.titan", "--worker", json.dumps(spec))
     log = logs / f"{name}.log"
     t0 = time.perf_counter()
@@ -247,7 +228,7 @@ def run_variant(name: str, a, rows: Path, logs: Path) -> dict:
 def table(env_: dict, results: list[dict]) -> str:
     lines = [f"{env_['gpu']}, torchtitan {env_['torchtitan']} llama3 {env_['flavor']} ({env_['params'] / 1e9:.2f}B), "
              f"rows of <= {env_['seq_len']} tokens x {env_['batch_size']} (padded to {env_['pad']}), {env_['steps']} "
-             f"steps ({env_['warmup']} warm-up), {env_['attn']} attention, FSDP2 on 1 rank: bf16 params, fp32 reduce",
+             f"steps ({env_['warmup']} warm-up), {env_['attn']} attention, {env_['precision']}",
              "", f"`{env_['command']}`", "", *[f"- {n}" for n in env_["notes"]], "",
              "| variant | tokens/s | MFU | step ms | peak GiB | compile s | loss first / last | titan tps (padded) |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -271,7 +252,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for titan.{json,md} and logs/ (required)")
     p.add_argument("--variants", help=f"comma separated, from {','.join(VARIANTS)} (default: {DEFAULTS})")
-    p.add_argument("--shape", default="llama3_3b", choices=list(FLAVORS))
+    p.add_argument("--shape", default="llama3_3b", choices=list(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--seq_len", type=int, default=4096)
     p.add_argument("--batch_size", type=int, default=2)
@@ -297,15 +278,16 @@ def main() -> None:
         raise SystemExit("--device cuda: torch sees no CUDA device (--device cpu --shape tiny runs the code path)")
     if a.device == "cpu" and a.attn == "varlen":
         raise SystemExit("--attn varlen: CUDA only (torch's aten::_flash_attention_forward has no CPU kernel)")
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):  # torchtitan 0.3.0's need
-        raise SystemExit(f"torchtitan 0.3 needs torch >= 2.13, here {torch.__version__} (2.11: ImportError, no "
-                         "torch.distributed.fsdp.DataParallelMeshDims; 2.12.1: TypeError, create_block_mask() has no "
-                         "separate_full_blocks)")  # fmt: skip
-    try:  # torchtitan is optional: a one-line refusal where it is missing, before any run
-        importlib.import_module("torchtitan.trainer")
+    version, minor = setup_version()
+    need, why = TORCH_NEEDS.get(minor, ((0, 0), ""))
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < need:
+        raise SystemExit(f"torchtitan {minor} needs torch >= {'.'.join(map(str, need))}, here {torch.__version__} "
+                         f"({why})")  # fmt: skip
+    try:  # torchtitan is optional: a one-line refusal where it does not import, before any run
+        setup = importlib.import_module(SETUPS[minor])
     except ImportError as e:
         raise SystemExit(
-            f"torchtitan does not import: {type(e).__name__}: {e} (wheels: this file's docstring)"
+            f"torchtitan {version} does not import: {type(e).__name__}: {e} (wheels: this file's docstring)"
         ) from None
     out, logs, work = Path(a.out), Path(a.out) / "logs", Path(tempfile.mkdtemp(prefix="titan-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -315,15 +297,15 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     peak = peak_flops(gpu) if a.device == "cuda" else float("nan")
     cpu_note = ["CPU: the code path only, with stand-ins for what torchtitan lacks there (titan.py's cpu_shim)"]
-    env_ = {"gpu": gpu, "shape": a.shape, "flavor": FLAVORS[a.shape], "seq_len": a.seq_len, "batch_size": a.batch_size,
-            "steps": a.steps, "warmup": a.warmup, "attn": a.attn, "pad": a.pad, "command": command(),
-            "torch": torch.__version__, "torchtitan": importlib.metadata.version("torchtitan"), "params": 0,
-            "notes": NOTES + (cpu_note if a.device == "cpu" else [])}  # fmt: skip
+    env_ = {"gpu": gpu, "shape": a.shape, "flavor": setup.FLAVORS[a.shape], "seq_len": a.seq_len,
+            "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup, "attn": a.attn, "pad": a.pad,
+            "precision": PRECISION[minor], "command": command(), "torch": torch.__version__, "torchtitan": version,
+            "params": 0, "notes": setup.NOTES + (cpu_note if a.device == "cpu" else [])}  # fmt: skip
     results = json.loads(Path(a.peers).read_text())["results"] if a.peers else []
     for name in names:
         print(f"[titan] {name}", flush=True)
         try:
-            r = run_variant(name, a, work / "rows.json", logs)
+            r = run_variant(name, a, SETUPS[minor], work / "rows.json", logs)
         except subprocess.TimeoutExpired:
             r = {"variant": name, "error": f"over --variant_timeout {a.variant_timeout} s"}
         if "error" not in r:  # peers.py's MFU: 6 N + 12 L d T FLOPs per token (N: torchtitan's params, tied once)
