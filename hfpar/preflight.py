@@ -37,7 +37,7 @@ from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
 from hfpar.data.vision import image_cp_refusal, is_image_text
 from hfpar.loading.sources import causal_lm_problem
-from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
+from hfpar.parallel.chunked_loss import logits_problem
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
 from hfpar.parallel.language_model import pipeline_refusal, text_config
@@ -176,10 +176,10 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
     if ctx.pp > 1:
         p += pp_model_problems(args, ctx, config)
     if args.loss_chunk_size and task == "lm":  # asked for explicitly (unset: where it is exact, silently)
-        if model_type not in CHUNK_FAMILIES:
+        if why := logits_problem(config):
             p.append(
-                f"--loss_chunk_size {args.loss_chunk_size}: model_type {model_type!r} is not among the families "
-                f"checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset"
+                f"--loss_chunk_size {args.loss_chunk_size}: model_type {model_type!r}: {why}, so the chunked loss "
+                "would not compute its loss; pass 0 or leave it unset"
             )
         if ctx.pp > 1:
             p.append(

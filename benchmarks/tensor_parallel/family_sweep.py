@@ -39,7 +39,7 @@ import torch.distributed as dist
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from benchmarks.common.launch import results_dir, run_ranks
-from hfpar.loading.tiny_config import shrink
+from hfpar.parallel.tiny_copy import shrink
 
 TOL = 1e-4
 LR = float(os.environ.get("TP_SWEEP_LR", "0.1"))
@@ -90,7 +90,7 @@ STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_ge
 
 
 def tiny_config(model_type: str, layers: int = 2):
-    """A tiny config of `model_type` (hfpar.loading.tiny_config.shrink of the family's defaults); raises when it
+    """A tiny config of `model_type` (hfpar.parallel.tiny_copy.shrink of the family's defaults); raises when it
     cannot be built. layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention
     layer."""
     from transformers import AutoConfig

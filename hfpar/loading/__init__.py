@@ -5,5 +5,4 @@ files.py     safetensors / .bin (zip, read without pickle) checkpoint files and 
 views.py     the slice of a checkpoint tensor a sharded parameter holds
 upcycle.py   --upcycle_experts on the meta skeleton (each rank builds only its experts)
 lora.py      PEFT LoRA adapters: applied before the data-parallel wrap, exported after training
-tiny_config.py  a tiny copy of a model's config (sizes shrunk) for probes of what the model's code does
 """

@@ -17,8 +17,10 @@ Inside `state.token_values(target)` the head returns per input row the target's 
 that one forms each chunk's logits again there).
 
 The patched forward stays the original one whenever no targets are set (generation, users' own calls). Exact by
-construction only where the model returns lm_head(hidden) as its logits: FAMILIES lists the model types checked
-by tests/distributed/test_chunked_loss.py; models that scale or soft-cap their logits after the head are not among them.
+construction only where the model returns lm_head(hidden) as its logits. Which models do is decided by what their code
+does, not by their names (logits_problem): a tiny float64 copy of the model's config (hfpar.parallel.tiny_copy) runs
+one forward, and its logits must be exactly what its output embedding returned; models that scale (Cohere, Granite)
+or soft-cap (Gemma 2) their logits after the head keep the full logits.
 """
 
 from __future__ import annotations
@@ -43,22 +45,10 @@ from hfpar.parallel.comm import (
     gather_from_sequence_parallel_region,
 )
 from hfpar.parallel.labels import IGNORE
+from hfpar.parallel.language_model import text_config
 from hfpar.parallel.tensor_parallel import ColumnParallelLinear
+from hfpar.parallel.tiny_copy import check_once
 
-FAMILIES = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "phi3",
-    "olmo2",
-    "starcoder2",
-    "gpt2",
-)
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head module -> ChunkedLoss
 
 
@@ -198,11 +188,37 @@ class ChunkedLoss:
         return loss.reshape(1, 1, 1)
 
 
+def logits_problem(config) -> str | None:
+    """Why `config`'s causal LM does not return its output embedding's output as its logits (so the chunked loss
+    would not compute its loss), or None: checked on a tiny float64 copy, once per config."""
+    if hasattr(config, "to_json_string") and text_config(config) is not config:
+        return "a multimodal wrapper (its image / audio rows: the chunked loss is checked on text models only)"
+    return check_once("logits", config, _logits_check)
+
+
+def _logits_check(model) -> str | None:
+    head = model.get_output_embeddings()
+    if head is None:
+        return "it has no output embedding (LM head)"
+    seen = []
+    hook = head.register_forward_hook(lambda m, i, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            ids = torch.arange(1, 9).remainder(model.get_input_embeddings().weight.shape[0] - 1)[None] + 1
+            logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    if len(seen) != 1 or not torch.equal(seen[0], logits):
+        diff = float((seen[0] - logits).abs().max()) if seen and seen[0].shape == logits.shape else float("nan")
+        return f"its logits are not its LM head's output (scaled or soft-capped after it: {diff:.1e} apart)"
+    return None
+
+
 def chunkable(model: nn.Module) -> str | None:
     """Why the model's LM head cannot take the chunked loss, or None."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        return f"model_type {model_type!r} is not among the families checked for it ({', '.join(FAMILIES)})"
+    config = getattr(model, "config", None)
+    if why := logits_problem(config):
+        return f"model_type {getattr(config, 'model_type', None)!r}: {why}"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is nn.Linear:
         return None

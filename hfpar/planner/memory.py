@@ -8,9 +8,9 @@ of each rank as hfpar loads the model.
 ModelStats: a model's parameter statistics, from its config built on the meta device (model_stats).
 
 Output layer. Unchunked (--loss_chunk_size 0, or where the recipe leaves it off): 4*s*b*v/t, the fp32 logits
-(Korthikanti et al. 2022). Chunked (hfpar.parallel.chunked_loss, on by default for the model types in its FAMILIES, off
-with pipeline parallelism): the head's forward runs the whole loss at once and keeps, beyond the body's
-activations:
+(Korthikanti et al. 2022). Chunked (hfpar.parallel.chunked_loss, on by default where the model's logits are its
+head's output: chunked_loss.logits_problem; off with pipeline parallelism): the head's forward runs the whole loss
+at once and keeps, beyond the body's activations:
   grad_h          the precomputed gradient of the head's input, N x H fp32 (hfpar's fp32 master weights keep the
                   residual stream fp32 under autocast), N = s*b tokens of the rank (the full N under TP)
   one chunk       C x V/t fp32 logits, turned in place into their gradient; in bf16 plus its bf16 copy (dz), and
@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM
 
 from hfpar.loading.sharded import loading_mode
 from hfpar.loading.sources import causal_lm_problem
-from hfpar.parallel.chunked_loss import FAMILIES, LOGITS_PER_CHUNK
+from hfpar.parallel.chunked_loss import LOGITS_PER_CHUNK, logits_problem
 from hfpar.parallel.language_model import language_model_path, pipeline_refusal, text_config
 
 
@@ -89,7 +89,8 @@ class ModelStats:
     n_embed: int = 0  # input embedding
     n_head: int = 0  # output head, also when tied (a pipeline's last stage holds its own copy)
     n_head_untied: int = 0  # n_head when not tied to the embedding, else 0 (then not in n_params)
-    model_type: str = ""  # config.model_type: whether the recipe's chunked LM loss applies (chunked_loss.FAMILIES)
+    model_type: str = ""  # config.model_type
+    chunk_problem: str = ""  # why the recipe's chunked LM loss is off for it (chunked_loss.logits_problem), "" if on
     checkpoint_bytes: int = 4  # bytes per parameter of the checkpoint files (config dtype; unknown: fp32)
     pipeline_refusal: str = ""  # why pipeline stages cannot cut it (a multimodal wrapper), "" when they can
 
@@ -139,6 +140,7 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
         n_head=n_head,
         n_head_untied=0 if tied else n_head,
         model_type=getattr(config, "model_type", "") or "",
+        chunk_problem=logits_problem(config) or "",
         checkpoint_bytes=CHECKPOINT_BYTES.get(str(fields.get("dtype") or fields.get("torch_dtype")), 4),
         n_params=total,
         n_tp_replicated=replicated,
@@ -167,7 +169,7 @@ def chunk_tokens(stats, tp: int = 1, loss_chunk_size: int | None = None) -> int:
     """Tokens per chunk of the recipe's chunked LM loss for this model (hfpar.parallelize.chunk_loss), 0 when
     the recipe computes the full logits: --loss_chunk_size 0, or unset (auto) for a model type it is not checked
     for (soft-capped / scaled logits: Gemma 2, Cohere, ...). Auto: LOGITS_PER_CHUNK // (vocab / tp) tokens."""
-    if loss_chunk_size == 0 or not stats.vocab or stats.model_type not in FAMILIES:
+    if loss_chunk_size == 0 or not stats.vocab or stats.chunk_problem:
         return 0
     return loss_chunk_size or max(1, LOGITS_PER_CHUNK // (stats.vocab // tp))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from hfpar.backends.strategies import PLANNER_ROWS, STRATEGY
 from hfpar.context import ParallelContext
-from hfpar.parallel.chunked_loss import FAMILIES as CHUNK_FAMILIES
 from hfpar.planner.candidates import (  # noqa: F401  (the table's API: re-exported)
     Candidate,
     _pp_worst,
@@ -129,10 +128,10 @@ def check_loss_chunk(stats: ModelStats, loss_chunk_size: int | None) -> None:
     """The recipe's checks of --loss_chunk_size (hfpar.config, hfpar.preflight), as one-line PlannerErrors."""
     if loss_chunk_size is not None and loss_chunk_size < 0:
         raise PlannerError(f"--loss_chunk_size {loss_chunk_size}: must be >= 1 token, 0 (off) or unset (auto)")
-    if loss_chunk_size and stats.model_type not in CHUNK_FAMILIES:
+    if loss_chunk_size and stats.chunk_problem:
         raise PlannerError(
-            f"--loss_chunk_size {loss_chunk_size}: model_type {stats.model_type!r} is not among the "
-            f"families checked for the chunked loss ({', '.join(CHUNK_FAMILIES)}); pass 0 or leave it unset"
+            f"--loss_chunk_size {loss_chunk_size}: model_type {stats.model_type!r}: {stats.chunk_problem}, so the "
+            "chunked loss would not compute its loss; pass 0 or leave it unset"
         )
 
 
@@ -233,7 +232,7 @@ def memory_table(
             + (
                 "--loss_chunk_size 0)"
                 if loss_chunk_size == 0
-                else f"the recipe's chunked loss is off for model_type {stats.model_type!r})"
+                else f"the recipe's chunked loss is off for model_type {stats.model_type!r}: {stats.chunk_problem})"
             )
         )
     )

@@ -5,14 +5,16 @@
 - the function: loss and gradients (input, weight, bias) of chunked_linear_cross_entropy equal F.linear +
   F.cross_entropy(reduction="sum") in fp32 (1e-6 relative) for chunk sizes that do and do not divide the tokens,
   with ignored targets; under bf16 autocast within the measured bf16 noise of the unchunked path;
-- every family it is on by default for (FAMILIES): one forward + backward through the patched head equals the
-  model's logits -> shifted_lm_loss_sum in loss and every parameter gradient (fp32, 1e-6), and without targets
-  the head returns the model's logits unchanged; a soft-capping family (Gemma 2) would differ, which is why the
-  list exists;
+- where it is on by default (decided by chunked_loss.logits_problem on a tiny copy of the model's config, not by a
+  list of names: the tests' 14 families and others no list named, GLM-4, OLMo, Phi, GPT-NeoX, DeepSeek-V3, Granite
+  with unscaled logits): one forward + backward through the patched head equals the model's logits ->
+  shifted_lm_loss_sum in loss and every parameter gradient (fp32, 1e-6), and without targets the head returns the
+  model's logits unchanged; where logits are soft-capped (Gemma 2) or scaled (Cohere, Granite's logits_scaling) after
+  the head, the chunked loss would differ, which is why the check exists;
 - tensor parallelism (2 gloo ranks): the vocab-parallel head, with and without sequence parallelism, gives the
   unsharded model's loss and gradients;
-- the recipe: the default (chunked) run equals --loss_chunk_size 0 per step, and explicit chunking of a family
-  outside the list is refused before the model loads.
+- the recipe: the default (chunked) run equals --loss_chunk_size 0 per step, and explicit chunking of a model the
+  check refuses is refused before the model loads.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.tensor_parallel.family_sweep import tiny_config
 from hfpar.config import ConfigError, parse_args
 from hfpar.context import ParallelContext
 from hfpar.parallel.chunked_loss import (
-    FAMILIES,
     ChunkedLoss,
     chunkable,
     chunked_linear_cross_entropy,
     install_chunked_loss,
+    logits_problem,
 )
 from hfpar.parallel.context_parallel import shift_labels
 from hfpar.preflight import model_problems
@@ -104,8 +107,16 @@ def test_bf16_autocast_within_the_unchunked_noise():
 
 
 # ------------------------------------------------------------------------------------------ model families
-def _tiny(model_type: str):
-    cfg = AutoConfig.for_model(model_type, **CONFIGS[model_type][0])
+OTHERS = ("glm4", "olmo", "phi", "gpt_neox", "deepseek_v3", "granite")  # no list of hfpar's names them
+SCALED = {"gemma2": {}, "cohere": {}, "granite": {"logits_scaling": 4.0}}  # logits changed after the head
+
+
+def _tiny(model_type: str, **over):
+    cfg = (
+        AutoConfig.for_model(model_type, **CONFIGS[model_type][0]) if model_type in CONFIGS else tiny_config(model_type)
+    )
+    for k, v in over.items():
+        setattr(cfg, k, v)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
     return model.eval()  # no dropout (GPT-2): the two paths see the same function
@@ -129,13 +140,10 @@ def _loss_and_grads(model, batch, loss_fn):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_every_default_family_is_checked_here():
-    assert set(FAMILIES) <= set(CONFIGS)
-
-
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [m for m in CONFIGS if m not in SCALED] + list(OTHERS))
 def test_family_loss_and_grads_equal_the_models_own(model_type):
     ref_model = _tiny(model_type)
+    assert chunkable(ref_model) is None  # on by default
     model = copy.deepcopy(ref_model)
     batch = _batch(model.config.vocab_size)
     with torch.no_grad():
@@ -153,10 +161,14 @@ def test_family_loss_and_grads_equal_the_models_own(model_type):
     assert worst < 1e-5, worst
 
 
-def test_a_soft_capping_family_is_not_chunked():
-    """Gemma 2 soft-caps its logits after the head: chunking its head would change the loss, so it is refused."""
-    model = _tiny("gemma2")
-    assert "gemma2" in chunkable(model)
+@pytest.mark.parametrize("model_type", sorted(SCALED))
+def test_logits_changed_after_the_head_are_not_chunked(model_type):
+    """Gemma 2 soft-caps its logits after the head, Cohere and Granite scale them: chunking the head would change the
+    loss, so the check refuses them (Granite by its config: logits_scaling 1 is chunked above)."""
+    model = _tiny(model_type, **SCALED[model_type])
+    why = chunkable(model)
+    assert why and "its logits are not its LM head's output" in why and "\n" not in why, why
+    assert logits_problem(model.config) in why
     batch = _batch(model.config.vocab_size)
     ref, _ = _loss_and_grads(model, batch, shifted_lm_loss_sum)
     head = model.get_output_embeddings()
@@ -206,6 +218,6 @@ def test_explicit_chunking_is_refused_before_the_model_loads(tmp_path):
         args = parse_args(["--model_name_or_path", str(tmp_path), *argv], recipe="sft")
         lines = [p for p in model_problems(args, ParallelContext(world=1), "lm") if p.startswith("--loss_chunk_size")]
         assert len(lines) == int(refused), lines
-        assert not refused or ("'gemma2'" in lines[0] and "llama" in lines[0] and "\n" not in lines[0])
+        assert not refused or ("'gemma2'" in lines[0] and "LM head's output" in lines[0] and "\n" not in lines[0])
     with pytest.raises(ConfigError, match="--loss_chunk_size -1: must be >= 1 token"):
         parse_args(["--loss_chunk_size", "-1"], recipe="sft")

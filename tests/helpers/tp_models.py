@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
-from hfpar.loading.tiny_config import TINY
 from hfpar.parallel.tensor_parallel.plans import TESTED_DERIVED_MODEL_TYPES
+from hfpar.parallel.tiny_copy import TINY
 
 DERIVED = list(TESTED_DERIVED_MODEL_TYPES)  # granite, starcoder2, smollm3, olmo, cohere, phi, 3 MoE families
 # MoE families: 4 small experts; Qwen MoE with a dense MLP in layer 1 (TP-sharded next to whole MoE blocks)

@@ -284,7 +284,7 @@ def test_chunked_loss_activations_128k_vocab(mixed_precision, tp):
 
 
 def test_chunked_loss_off_where_the_recipe_leaves_it_off():
-    """Gemma 2 soft-caps its logits after the head: not among chunked_loss.FAMILIES, so the recipe's auto mode
+    """Gemma 2 soft-caps its logits after the head (chunked_loss.logits_problem), so the recipe's auto mode
     takes the full logits (the plan too), and an explicit chunk is refused like the recipe's preflight."""
     cfg = Gemma2Config(
         hidden_size=256,
@@ -297,7 +297,9 @@ def test_chunked_loss_off_where_the_recipe_leaves_it_off():
     )
     auto, off = (estimate(cfg, "ddp", 2, seq_len=4096, loss_chunk_size=c)["activations"] for c in (None, 0))
     assert auto == off
-    with pytest.raises(PlanError, match="--loss_chunk_size 512: model_type 'gemma2' is not among the families"):
+    with pytest.raises(
+        PlanError, match="--loss_chunk_size 512: model_type 'gemma2': its logits are not its LM head's output"
+    ):
         estimate(cfg, "ddp", 2, loss_chunk_size=512)
     with pytest.raises(PlanError, match=r"^--loss_chunk_size -1: must be >= 1 token, 0 \(off\) or unset \(auto\)$"):
         estimate(LlamaConfig(**LLAMA3_8B), "ddp", 2, loss_chunk_size=-1)

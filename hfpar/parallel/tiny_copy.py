@@ -1,8 +1,11 @@
-"""A tiny copy of a model's config: the same family and features, every size field shrunk, so that a model of it
-builds in well under a second on CPU (hfpar's probes of what a model does; the family sweeps of tests/ and benchmarks/).
+"""A tiny copy of a model: its config with every size field shrunk (the same family and features), and a float64
+model of it that builds and runs in well under a second on CPU: what hfpar's checks of what a model's code does run
+(padding-free rows: hfpar.data.packing_probe; the chunked loss: chunked_loss.logits_problem), and the family sweeps
+of tests/ and benchmarks/.
 
     cfg = shrink(config)                       # the user's config, its features kept (windows, layer kinds, MoE, ...)
     cfg = shrink(AutoConfig.for_model("olmo2"), keep=False)   # a family's defaults, sizes shrunk
+    model = tiny_model(config)                 # its first 8 layers, float64, CPU, seed 0 (or why not, a string)
 
 Size fields are shrunk by name (TINY, SHRINK: the names transformers' configs use); windows and chunks (sliding_window,
 attention_chunk_size) shrink too, below the probes' sample lengths, so they act. Per-layer settings (lists as long as
@@ -12,6 +15,11 @@ set to 0. A multimodal wrapper's text config is shrunk, and its vision / audio t
 """
 
 from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
 
 # the size fields of transformers' configs, shrunk (by name) so every tiny model builds in well under a second
 TINY = {
@@ -132,3 +140,99 @@ def _shrink(base, layers: int, reset: bool, keep: bool, extra: dict | None):
     if cfg.get_text_config() is not cfg:
         _no_dropout(cfg.get_text_config())
     return cfg
+
+
+LAYERS = 8  # the tiny copy's depth (at most the model's): its first 8 layers, which hold every kind of the usual
+# hybrid patterns (3 linear-attention or chunked layers to 1 full, 5 sliding to 1 global)
+MAX_PARAMS = 20_000_000  # a size field no shrink rule knows: not probed (no memory blow-up before training)
+# size fields a config holds explicitly once derived (Falcon's num_kv_heads from its 71 heads) and those of
+# state-space layers (Mamba-2 heads, states, chunks), shrunk so a tiny hybrid runs in milliseconds
+PROBE_SHRINK = {
+    "num_kv_heads": 4,  # as many as the tiny heads (TINY): valid whether the family shares them or not
+    "mamba_d_ssm": 32,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 8,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 8,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "ssm_state_size": 8,
+    "state_size": 8,
+    "chunk_size": 8,
+    "time_step_rank": 8,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 8,
+    "n_groups": 1,
+}
+# the attention the tiny copy runs: the run's where it runs on CPU in float64, else transformers' default for the
+# model (sdpa where the family has it: the same packed mask; flash kernels take the same position ids)
+CPU_ATTENTIONS = ("eager", "sdpa", "hfpar_varlen")
+
+
+@contextlib.contextmanager
+def _quiet_seeded():
+    """transformers' config and init warnings silenced (the tiny sizes trip them), the global RNG left as it was."""
+    # transformers imported on use: why: docs/architecture.md#why-start-up-time
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def tiny_model(config, attn: str | None = None):
+    """A tiny float64 copy of `config`'s causal LM on CPU (its first LAYERS layers, sizes shrunk, random weights from
+    seed 0, the global RNG untouched; attn: None = transformers' default), or why it cannot be had (a string);
+    raises where the family cannot build or shrink it."""
+    # transformers imported on use: why: docs/architecture.md#why-start-up-time
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.modeling_utils import set_zero3_state  # noqa: PLC0415
+
+    with _quiet_seeded(), set_zero3_state():
+        tiny = shrink(config, LAYERS, extra=PROBE_SHRINK)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in _build(AutoModelForCausalLM, tiny, attn).parameters())
+        if n > MAX_PARAMS:
+            return f"its tiny copy still has {n / 1e6:.0f}M parameters (a size field the checker does not shrink)"
+        with torch.device("cpu"):
+            model = _build(AutoModelForCausalLM, tiny, attn)
+    return model.double().eval()
+
+
+def _build(auto, tiny, attn: str | None):
+    """MoE families with the per-expert loop (grouped_mm has no float64); transformers' default attention where
+    none is asked and the family has no sdpa (eager, as its from_pretrained falls back to)."""
+    for kw in (
+        {"attn_implementation": attn or "sdpa", "experts_implementation": "eager"},
+        {"attn_implementation": attn or "sdpa"},
+    ):
+        with contextlib.suppress(TypeError, ValueError):
+            return auto.from_config(tiny, **kw)
+    return auto.from_config(tiny, attn_implementation=attn or "eager")
+
+
+_ANSWERS: dict[tuple, str | None] = {}
+
+
+def check_once(name: str, config, check, attn: str | None = None) -> str | None:
+    """`check(model)` (why not, or None) run on the tiny copy of `config` (tiny_model), once per check, config and
+    attention. Why not, without running it: no config, custom code (a config's auto_map: not run); and where the
+    tiny copy cannot be had, built or run (whatever the family raises, in one line)."""
+    if not hasattr(config, "to_json_string"):
+        return f"no model config to check (got {type(config).__name__})"
+    if getattr(config, "auto_map", None):
+        return "its model is custom code (the config's auto_map), which the check does not run"
+    key = (name, type(config).__name__, config.to_json_string(use_diff=False), attn)
+    if key not in _ANSWERS:
+        try:
+            model = tiny_model(copy.deepcopy(config), attn)
+            _ANSWERS[key] = model if isinstance(model, str) else check(model)
+        except Exception as e:  # noqa: BLE001 - whatever the family raises: it cannot be checked
+            first = str(e).splitlines()[0][:160] if str(e) else ""
+            _ANSWERS[key] = f"its tiny copy could not be checked ({type(e).__name__}: {first})"
+    return _ANSWERS[key]
