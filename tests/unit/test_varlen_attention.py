@@ -185,6 +185,10 @@ def test_preflight_refuses_rows_that_cannot_be_padding_free():
         problems = [p for p in model_problems(parse_args(argv, recipe=recipe), ctx, task) if varlen.NAME in p]
         assert len(problems) == 1 and needle in problems[0] and "use sdpa" in problems[0], problems
     assert not [p for p in model_problems(parse_args(varlen_arg, recipe="sft"), ctx, "lm") if varlen.NAME in p]
+    # what its forward refuses (Gemma2's soft-capping) is found on the tiny copy, before the model loads
+    gemma2 = AutoConfig.for_model("gemma2", **CONFIGS["gemma2"][0])
+    (capped,) = [p for p in model_problems(parse_args(varlen_arg, recipe="sft"), ctx, "lm", gemma2) if varlen.NAME in p]
+    assert "softcap" in capped and capped.endswith("use sdpa") and "\n" not in capped, capped
     vlm = AutoConfig.from_pretrained(data.embedded_model_path(data.load.EMBEDDED_VLM))  # a vision encoder: both ways
     on_vlm = model_problems(parse_args(varlen_arg, recipe="sft"), ctx, "lm", vlm, image_text=True)
     assert any(varlen.NAME in p and "vision encoder attends both ways" in p for p in on_vlm), on_vlm
