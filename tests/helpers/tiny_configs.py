@@ -3,7 +3,19 @@
 CONFIGS[model_type] -> (config kwargs, attention implementations): the families whose padding-free rows the tests
 check against each sample alone (tests/unit/test_padding_free.py, tests/unit/test_varlen_attention.py,
 tests/distributed/test_chunked_loss.py)
+save_tiny(model_type, layers, path): a random-init tiny model of any family (the family sweep's tiny config) and the
+embedded tokenizer saved for a recipe launch (tests/launch/test_tp_families_recipe.py, test_padding_free_recipe.py)
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.tensor_parallel.family_sweep import tiny_config
+from hfpar import data
 
 TINY = {
     "hidden_size": 32,
@@ -41,3 +53,12 @@ CONFIGS = {  # (config kwargs, attention implementations)
         ("eager", "sdpa"),
     ),  # learned absolute positions, from the position ids
 }
+
+
+def save_tiny(model_type: str, layers: int, path: Path) -> str:
+    cfg = tiny_config(model_type, layers)
+    cfg.max_position_embeddings = 512  # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    return str(path)

@@ -10,14 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from benchmarks.tensor_parallel.family_sweep import tiny_config
 from hfpar import data
 from hfpar.train.sampler import GlobalBatchSampler
 from tests.helpers.launch import launch_all, read_metrics, read_run_info, rel_close
 from tests.helpers.parity import COMMON
+from tests.helpers.tiny_configs import save_tiny
 
 VARLEN = ["--attn_implementation", "hfpar_varlen"]
 CASES = {  # name: (accelerate config, processes, extra argv)
@@ -41,19 +39,10 @@ BS4 = ["--per_device_train_batch_size", "4"]
 OTHER_CASES = {OTHER: BS4, f"{OTHER}_padded": [*BS4, "--padding_free", "false"]}
 
 
-def _save_tiny(model_type: str, path: Path) -> str:
-    cfg = tiny_config(model_type, 4)
-    cfg.max_position_embeddings = 512  # the recipe's rows are longer than the sweep's 64
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    data.load_tokenizer(None).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def runs(base_model, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("padding_free")
-    other = _save_tiny(OTHER, root / f"{OTHER}_base")
+    other = save_tiny(OTHER, 4, root / f"{OTHER}_base")
     specs = {
         name: ("single", 1, "sft", [*COMMON, "--model_name_or_path", other, "--output_dir", str(root / name), *extra])
         for name, extra in OTHER_CASES.items()

@@ -23,7 +23,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.helpers.launch import RECIPE_RUNS, launch_all, read_metrics, rel_close
@@ -34,26 +33,13 @@ from tests.helpers.parity import (
     assert_export_matches,
     export_eval_loss,
 )
+from tests.helpers.tiny_configs import save_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
 FAMILIES = {"olmo2": 2, "qwen3_5_text": 4, "deepseek_v2": 2, "falcon": 2, "gpt_bigcode": 2}  # model_type: layers
 SP = ("olmo2", "falcon", "gpt_bigcode")
 CASES = [(mt, "tp2") for mt in FAMILIES] + [(mt, "tp2_sp") for mt in SP]
-
-
-def _save_tiny(model_type: str, layers: int, path: Path) -> str:
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.tensor_parallel.family_sweep import tiny_config
-    from hfpar import data
-
-    cfg = tiny_config(model_type, layers)
-    cfg.max_position_embeddings = 512  # the recipe's packed rows are longer than the sweep's 64 (GPT-BigCode's wpe)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    data.load_tokenizer(None).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +49,7 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tp_families")
     out, specs = {}, {"single": [], "tp2": []}
     for mt, layers in FAMILIES.items():
-        base = _save_tiny(mt, layers, root / mt / "base")
+        base = save_tiny(mt, layers, root / mt / "base")
         out[mt] = (base, root / mt / "single", {"tp2": root / mt / "tp2", "tp2_sp": root / mt / "tp2_sp"})
         common = [*COMMON, "--model_name_or_path", base, "--per_device_train_batch_size", "4"]
         specs["single"].append([*common, "--output_dir", str(out[mt][1])])
