@@ -321,11 +321,12 @@ class MoELayer(nn.Module):
         if self.capacity_factor is not None and token_mask is not None:  # padding copies sort last, dropped
             flat_expert = torch.where(token_mask.repeat_interleave(k), flat_expert, E)
         order = torch.argsort(flat_expert, stable=True)  # (N*k,) copies by expert, token order kept
-        counts = sorted_counts(flat_expert[order], E)  # (E,)
+        expert_sorted = flat_expert[order]  # (N*k,) ascending
+        counts = sorted_counts(expert_sorted, E)  # (E,)
         if self.capacity_factor is not None:
-            keep = self._capacity_keep(flat_expert[order], counts)  # (N*k,) bool, sorted order
+            keep = self._capacity_keep(expert_sorted, counts)  # (N*k,) bool, sorted order
             order = order[keep]
-            counts = sorted_counts(flat_expert[order], E)
+            counts = sorted_counts(expert_sorted[keep], E)
             self.last_dropped = (flat_expert < E).sum() - keep.sum()  # real copies dropped
         x_sorted = x_flat[order // k]  # (M, H), M = copies kept
 
