@@ -112,12 +112,12 @@ def depth(config) -> int | None:
 
 
 def shrink(config, layers: int = 2, *, keep: bool = True, extra: dict | None = None):
-    """A tiny config of `config`'s model. layers: its depth, at most `config`'s own (hybrid families, linear attention
-    every 3 of 4 layers, need 4 to hold a full-attention layer). keep: start from `config`'s own values, its
+    """A tiny config of `config`'s model. layers: its depth (hybrid families, linear attention every 3 of 4 layers,
+    need 4 to hold a full-attention layer). keep: start from `config`'s own values, at most its own depth, its
     per-layer lists cut to the first `layers` entries (False: from its class's defaults, as
-    `AutoConfig.for_model(model_type)` gives them). extra: more size fields to shrink. Raises when the family cannot
-    build it."""
-    layers = min(layers, depth(config) or layers)
+    `AutoConfig.for_model(model_type)` gives them, at the depth asked). extra: more size fields to shrink. Raises when
+    the family cannot build it."""
+    layers = min(layers, depth(config) or layers) if keep else layers
     try:
         return _shrink(config, layers, reset=False, keep=keep, extra=extra)
     except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors
