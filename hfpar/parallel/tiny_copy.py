@@ -217,6 +217,7 @@ def _build(auto, tiny, attn: str | None):
 
 
 _ANSWERS: dict[tuple, str | None] = {}
+_LAST_COPY: list = [None, None]  # (config and attention, its tiny copy or why not): the latest one only
 
 
 def check_once(name: str, config, check, attn: str | None = None) -> str | None:
@@ -227,10 +228,13 @@ def check_once(name: str, config, check, attn: str | None = None) -> str | None:
         return f"no model config to check (got {type(config).__name__})"
     if getattr(config, "auto_map", None):
         return "its model is custom code (the config's auto_map), which the check does not run"
-    key = (name, type(config).__name__, config.to_json_string(use_diff=False), attn)
+    copy_key = (type(config).__name__, config.to_json_string(use_diff=False), attn)
+    key = (name, *copy_key)
     if key not in _ANSWERS:
         try:
-            model = tiny_model(copy.deepcopy(config), attn)
+            if _LAST_COPY[0] != copy_key:  # the checks of one run share its tiny copy (built once)
+                _LAST_COPY[:] = [copy_key, tiny_model(copy.deepcopy(config), attn)]
+            model = _LAST_COPY[1]
             _ANSWERS[key] = model if isinstance(model, str) else check(model)
         except Exception as e:  # noqa: BLE001 - whatever the family raises: it cannot be checked
             first = str(e).splitlines()[0][:160] if str(e) else ""
