@@ -69,7 +69,7 @@ class PairCollator:
             n += 1
         return max(n - 1, 0)  # the last common prompt token stays: it predicts the first rejected token
 
-    def _segment(self, b: int, f: dict) -> tuple[list, list, list, int, int]:
+    def segment(self, b: int, f: dict) -> tuple[list, list, list, int, int]:
         """Pair b's tokens, labels, positions, chosen length and shared prompt tokens."""
         seqs = truncate_pair(f, **self.limits)
         shared = self._shared(seqs["chosen"], seqs["rejected"])
@@ -89,7 +89,7 @@ class PairCollator:
         return ids, labels, pos, len(seqs["chosen"][0]), shared
 
     @staticmethod
-    def _pack(lengths: list[int]) -> list[list[int]]:
+    def pack_rows(lengths: list[int]) -> list[list[int]]:
         """Pair indices per row: first-fit decreasing into rows of the longest pair's length."""
         cap, rows, room = max(lengths), [], []
         for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -103,8 +103,8 @@ class PairCollator:
         return rows
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        segs = [self._segment(b, f) for b, f in enumerate(features)]
-        rows = self._pack([len(s[0]) for s in segs]) if self.pack else [[b] for b in range(len(segs))]
+        segs = [self.segment(b, f) for b, f in enumerate(features)]
+        rows = self.pack_rows([len(s[0]) for s in segs]) if self.pack else [[b] for b in range(len(segs))]
         length = max(sum(len(segs[i][0]) for i in r) for r in rows)
         if self.multiple:
             length = -(-length // self.multiple) * self.multiple

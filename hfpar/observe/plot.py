@@ -82,7 +82,9 @@ def _draw(runs: list[tuple[str, list[dict], list[dict]]], out: str | Path, title
         if ax.has_data():
             ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    # fixed margins, not tight_layout(): the same layout for 2 or 3 columns, and a report drawn in 0.5 s instead of
+    # 0.8 s (tight_layout measures every tick label first); every run's rank 0 draws one at its end
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.91, wspace=0.22, hspace=0.32)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -8,7 +8,8 @@ of tests/ and benchmarks/.
     model = tiny_model(config)                 # its first 8 layers, float64, CPU, seed 0 (or why not, a string)
 
 Size fields are shrunk by name (TINY, SHRINK: the names transformers' configs use); windows and chunks (sliding_window,
-attention_chunk_size) shrink too, below the probes' sample lengths, so they act. Per-layer settings (lists as long as
+attention_chunk_size) shrink too, below the probes' sample lengths, so they act; one the config leaves off (None)
+stays off. Per-layer settings (lists as long as
 the layer stack: layer_types, Llama-4's no_rope_layers / moe_layers, Gemma-4's per_layer_config) are kept where the
 family accepts them for the shrunk depth, else reset so that the family rebuilds them. Dropout and router noise are
 set to 0. A multimodal wrapper's text config is shrunk, and its vision / audio towers the same way.
@@ -82,6 +83,7 @@ SHRINK = {
     "num_nextn_predict_layers": 0,
 }
 DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+OFF_WHEN_NONE = ("sliding_window", "attention_chunk_size")  # features a config turns off with None: kept off
 
 
 def _no_dropout(cfg) -> None:
@@ -96,6 +98,7 @@ def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool =
     `layers` entries (the layer kinds of the stack's start)."""
     fields = cfg.to_dict()
     over = {k: v for k, v in {**TINY, **SHRINK, **(extra or {})}.items() if k in fields}
+    over = {k: v for k, v in over.items() if k not in OFF_WHEN_NONE or fields[k] is not None}
     stack = [k for k in DEPTH_FIELDS if k in over]
     over.update({k: layers for k in stack})
     n = fields[stack[0]] if stack else None

@@ -16,6 +16,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import preference
+from hfpar.data.share_probe import prompt_sharing_problem
 from hfpar.objectives.preference import LOSS_TYPES, DPOObjective, loss_terms
 from hfpar.objectives.reference import FrozenReference, LoRABaseReference, PrecomputedReference, ZeRO3Reference
 from hfpar.recipes import Recipe, RecipeData, register
@@ -97,22 +98,15 @@ def problems(args, ctx, plan) -> list[str]:
     return dpo_problems(args, ctx, why_not_packed=why_not)
 
 
-# families whose attention takes a custom (B, 1, T, T) mask as given (transformers' masking_utils returns a 4D
-# attention_mask unchanged) and has no layer of its own kind (sliding windows: checked on the config)
-PROMPT_SHARING = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "phi3")
-
-
 def shares_prompt(args, ctx, config) -> bool:
-    """Whether each pair's prompt is computed once (hfpar.data.preference.PairCollator share_prompt): sdpa attention
-    (a boolean mask; eager adds masks as floats), a family of PROMPT_SHARING without sliding windows, and neither
+    """Whether each pair's prompt is computed once (hfpar.data.preference.PairCollator share_prompt): where the
+    model's attention takes the rows' (B, 1, T, T) mask as given, checked on a tiny copy of its config
+    (hfpar.data.share_probe: every sequence's logits in shared-prompt rows equal the sequence alone), and neither
     context parallelism (its attention finds the documents from the position ids) nor a pipeline (its stages take
     no attention mask)."""
-    if ctx.cp > 1 or ctx.pp > 1 or args.attn_implementation not in (None, "sdpa"):
+    if ctx.cp > 1 or ctx.pp > 1 or config is None:
         return False
-    if config is None or getattr(config, "model_type", None) not in PROMPT_SHARING:
-        return False
-    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    return not windowed and "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+    return prompt_sharing_problem(config, args.attn_implementation) is None
 
 
 def packs_pairs(args, plan) -> bool:
