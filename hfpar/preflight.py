@@ -39,7 +39,7 @@ from hfpar.data.vision import image_cp_refusal, is_image_text
 from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import logits_problem
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
-from hfpar.parallel.expert_parallel import UPCYCLE_FAMILIES, config_num_experts
+from hfpar.parallel.expert_parallel import config_num_experts, upcycle_problem
 from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
@@ -202,11 +202,8 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
             "model's vision encoder attends both ways; use sdpa"
         )
     if task == "lm" and args.upcycle_experts:
-        if model_type not in UPCYCLE_FAMILIES:
-            p.append(
-                f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled "
-                f"(supported: {', '.join(sorted(UPCYCLE_FAMILIES))})"
-            )
+        if why := upcycle_problem(config):
+            p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled: {why}")
         elif args.upcycle_experts % ctx.ep:
             p.append(f"--upcycle_experts {args.upcycle_experts} is not divisible by --ep_size {ctx.ep}")
     if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and config_num_experts(config) is None:

@@ -17,7 +17,7 @@ from transformers.integrations import deepspeed as hf_ds
 
 from hfpar.distributed import gathered_state_dict, swapped, unwrap, without_deepspeed_import
 from hfpar.loading.lora import full_peft_model, merged_state_model
-from hfpar.parallel.expert_parallel.upcycle import is_upcycled, save_upcycled_pretrained
+from hfpar.parallel.expert_parallel import is_upcycled, save_upcycled_pretrained
 from hfpar.parallel.language_model import is_nested
 
 

@@ -34,7 +34,7 @@ from hfpar.checkpoint.layout import (
 from hfpar.checkpoint.manifest import write_manifest
 from hfpar.checkpoint.safe_load import CheckpointError
 from hfpar.distributed import unwrap
-from hfpar.parallel.expert_parallel.upcycle import is_upcycled, upcycled_hf_config
+from hfpar.parallel.expert_parallel import is_upcycled, upcycled_hf_config
 
 
 def save_checkpoint(

@@ -207,6 +207,18 @@ def tiny_model(config, attn: str | None = None):
     return model.double().eval()
 
 
+def build_float64(config, attn: str | None = None):
+    """A float64 CPU model of a config already tiny (no shrink), as tiny_model builds its copies: seed 0, the global
+    RNG untouched, outside any ZeRO-3 init (transformers partitions the models it builds under one)."""
+    # transformers imported on use: why: docs/architecture.md#why-start-up-time
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.modeling_utils import set_zero3_state  # noqa: PLC0415
+
+    with _quiet_seeded(), set_zero3_state(), torch.device("cpu"):
+        model = _build(AutoModelForCausalLM, config, attn)
+    return model.double().eval()
+
+
 def _build(auto, tiny, attn: str | None):
     """MoE families with the per-expert loop (grouped_mm has no float64); transformers' default attention where
     none is asked and the family has no sdpa (eager, as its from_pretrained falls back to)."""

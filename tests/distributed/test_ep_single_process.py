@@ -46,7 +46,7 @@ def test_validation_before_any_collective():
         2,
         r"model\.layers\.0\.mlp: top_k 5 must be in \[1, num_experts 4\]",
     )
-    _refused(_build("llama", "float32"), 2, r"'llama' has no sparse MoE blocks .*upcycle_to_moe")
+    _refused(_build("llama", "float32"), 2, r"'llama' is not a supported MoE architecture .*upcycle_to_moe")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
@@ -65,15 +65,19 @@ def test_upcycle_refusals():
     from hfpar.parallel.expert_parallel import apply_expert_parallel, upcycle_to_moe, upcycled_hf_config
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
-    with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama, mistral, qwen3\)"):
+    with pytest.raises(
+        ValueError, match=r"no SwiGLU MLP \(gate_proj / up_proj / down_proj Linear layers\) in this gpt2"
+    ):
         upcycle_to_moe(gpt2, 4)
+    with pytest.raises(ValueError, match=r"this mixtral model has experts already"):
+        upcycle_to_moe(_build("mixtral", "float32"), 4)
     with pytest.raises(ValueError, match=r"top_k 5 must be in \[1, num_experts 4\]"):
         upcycle_to_moe(_build("llama", "float32"), 4, top_k=5)
     with pytest.raises(ValueError, match=r"mlp_bias=True"):
         upcycle_to_moe(_build("llama", "float32", mlp_bias=True), 4)
     m = upcycle_to_moe(_build("llama", "float32", attention_bias=True), 4)
-    with pytest.raises(ValueError, match=r"mixtral cannot represent this llama model: attention_bias=True"):
-        upcycled_hf_config(m)
+    with pytest.raises(ValueError, match=r"this llama model cannot be exported: no HF MoE architecture reproduces"):
+        upcycled_hf_config(m)  # Mixtral has no attention bias: no candidate computes what it computes
     apply_expert_parallel(m)  # no process group: ep=1, fine
     with pytest.raises(ValueError, match="already expert-parallel"):
         apply_expert_parallel(m)
@@ -97,8 +101,12 @@ def test_other_families_match_hf(mt):
     assert sorted(model.state_dict()) == keys
 
 
-@pytest.mark.parametrize("mt, target", [("mistral", "MixtralForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM")])
+@pytest.mark.parametrize(
+    "mt, target",
+    [("mistral", "MixtralForCausalLM"), ("qwen3", "Qwen3MoeForCausalLM"), ("olmo2", "FlexOlmoForCausalLM")],
+)
 def test_upcycle_export_single_process(tmp_path, mt, target):
+    """The export target is found by what the models compute (upcycle_check), not a table: OLMo-2 -> FlexOlmo too."""
     from transformers import AutoModelForCausalLM
 
     from hfpar.parallel.expert_parallel import save_upcycled_pretrained, upcycle_to_moe

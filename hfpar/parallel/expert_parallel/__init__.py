@@ -2,18 +2,19 @@
 
 router.py    TopKRouter (softmax top-k, aux / z losses injected in backward), moe_token_mask
 moe.py       GroupedExperts, MoELayer (expert-parallel all-to-all dispatch / combine)
-families.py  which HF modules are MoE blocks: MOE_FAMILIES / UPCYCLE_FAMILIES (data), generic detection
+families.py  which HF modules are MoE blocks: MOE_FAMILIES (data), generic detection
 hf_experts.py  any other HF MoE block: its own code, only its experts module sharded by expert (checked first)
 hf_experts_detect.py  which modules those are (find_hf_experts), and why not the others
 apply.py     apply_expert_parallel (HF's aux-loss semantics, or hfpar's global aux loss on request)
 params.py    expert_parallel_groups, expert_parameters / non_expert_parameters, attach_moe_token_mask, export
 hf_outputs.py  router logits for HF's output_router_logits / aux_loss after conversion
-upcycle.py   upcycle_to_moe (dense -> MoE) and export as the matching HF MoE architecture
+upcycle.py   upcycle_to_moe (dense -> MoE: every SwiGLU MLP, found by what it holds)
+upcycle_check.py  which HF MoE architecture reproduces an upcycled model (a tiny copy decides), upcycle_problem
+upcycle_export.py  upcycled_hf_config, save_upcycled_pretrained
 """
 
 from .apply import (
     MOE_FAMILIES,
-    UPCYCLE_FAMILIES,
     apply_expert_parallel,
     attach_moe_token_mask,
     expert_parallel_groups,
@@ -24,11 +25,12 @@ from .apply import (
 from .families import config_num_experts, has_moe_blocks
 from .moe import GroupedExperts, MoELayer
 from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale, set_aux_loss_loss_scale
-from .upcycle import is_upcycled, save_upcycled_pretrained, upcycle_to_moe, upcycled_hf_config
+from .upcycle import is_upcycled, upcycle_to_moe
+from .upcycle_check import upcycle_problem
+from .upcycle_export import save_upcycled_pretrained, upcycled_hf_config
 
 __all__ = [
     "MOE_FAMILIES",
-    "UPCYCLE_FAMILIES",
     "apply_expert_parallel",
     "attach_moe_token_mask",
     "expert_parallel_groups",
@@ -46,5 +48,6 @@ __all__ = [
     "is_upcycled",
     "save_upcycled_pretrained",
     "upcycle_to_moe",
+    "upcycle_problem",
     "upcycled_hf_config",
 ]

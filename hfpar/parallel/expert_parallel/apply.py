@@ -21,7 +21,7 @@ Layout of one MoE layer after apply_expert_parallel (ep = size of ep_group, E ex
       experts      GroupedExperts holding experts [ep_rank * E/ep, (ep_rank+1) * E/ep): (E/ep, 2I, H), (E/ep, H, I)
       shared_expert / shared_expert_gate   the HF modules themselves, replicated (Qwen2-MoE)
 
-Architectures are data (families.py: MOE_FAMILIES, UPCYCLE_FAMILIES); other model types are detected
+Architectures are data (families.py: MOE_FAMILIES); other model types are detected
 generically (3-D experts + an (E, H) router, checked against the original block's output). What TopKRouter
 cannot do (sigmoid / group-limited routing and routed scaling of DeepSeek-V2/V3, GLM-4-MoE; biases; sparsemixer;
 Llama-4's dense experts) keeps the HF block's own code with only its experts module sharded by expert
@@ -57,7 +57,7 @@ from ..errors import ParallelError, Problem
 from ..guard import mark_parallel, refuse_unlaunched
 from ..language_model import text_config
 from ..sharding import set_shard_spec, shard_spec
-from .families import MOE_FAMILIES, UPCYCLE_FAMILIES, MoEBlock, MoEFamily, UpcycleFamily, config_value, find_moe_blocks
+from .families import MOE_FAMILIES, MoEBlock, MoEFamily, config_value, find_moe_blocks
 from .hf_experts import HFExperts, find_hf_experts, shard_hf_experts, speed_up_hf_experts
 from .hf_outputs import record_router_logits
 from .moe import GroupedExperts, MoELayer
@@ -72,9 +72,7 @@ from .router import TopKRouter, moe_token_mask
 
 __all__ = [
     "MoEFamily",
-    "UpcycleFamily",
     "MOE_FAMILIES",
-    "UPCYCLE_FAMILIES",
     "apply_expert_parallel",
     "gather_expert_state_dict",
     "expert_parallel_groups",

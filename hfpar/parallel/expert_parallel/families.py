@@ -18,7 +18,7 @@ apply_expert_parallel tries when these problems are found. Tested generically: f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,10 +29,8 @@ from .moe import MoELayer
 
 __all__ = [
     "MOE_FAMILIES",
-    "UPCYCLE_FAMILIES",
     "MoEBlock",
     "MoEFamily",
-    "UpcycleFamily",
     "config_num_experts",
     "find_moe_blocks",
     "has_moe_blocks",
@@ -69,33 +67,6 @@ MOE_FAMILIES: dict[str, MoEFamily] = {
     ),
     "qwen3_moe": MoEFamily("Qwen3MoeSparseMoeBlock"),
     "olmoe": MoEFamily("OlmoeSparseMoeBlock"),
-}
-
-
-@dataclass(frozen=True)
-class UpcycleFamily:
-    """A dense architecture whose SwiGLU MLPs (gate_proj / up_proj / down_proj, no bias) upcycle_to_moe
-    converts, and the HF MoE architecture the result is exported as (upcycled_hf_config)."""
-
-    mlp_class: str  # class name of the dense MLP
-    export_model_type: str  # HF MoE model_type of the export
-    export_num_experts: str = "num_local_experts"
-    export_intermediate: tuple[str, ...] = ("intermediate_size",)  # export fields = dense intermediate size
-    export_constants: dict = field(default_factory=dict)  # e.g. every layer sparse, renormalized top-k
-    not_exportable: tuple[str, ...] = ("attention_bias", "mlp_bias")  # truthy source fields the export lacks
-
-
-UPCYCLE_FAMILIES: dict[str, UpcycleFamily] = {
-    "llama": UpcycleFamily("LlamaMLP", "mixtral"),
-    "mistral": UpcycleFamily("MistralMLP", "mixtral"),
-    "qwen3": UpcycleFamily(
-        "Qwen3MLP",
-        "qwen3_moe",
-        export_num_experts="num_experts",
-        export_intermediate=("moe_intermediate_size",),
-        export_constants={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-        not_exportable=("attention_bias",),
-    ),
 }
 
 
@@ -146,22 +117,15 @@ def find_moe_blocks(model: nn.Module, probe) -> tuple[list[MoEBlock], list[str]]
             blocks.append(MoEBlock(path, m, None, m.num_experts, m.top_k))
         elif fam is not None and type(m).__name__ == fam.block:
             blocks.append(MoEBlock(path, m, fam, int(getattr(cfg, fam.num_experts)), int(getattr(cfg, fam.top_k))))
-    if not blocks and fam is None and model_type not in UPCYCLE_FAMILIES:
+    if not blocks and fam is None:
         blocks, problems = _generic_blocks(model, cfg, model_type, probe)
     if not blocks and not problems:
-        if fam is not None or model_type in UPCYCLE_FAMILIES:
-            problems.append(
-                f"model_type {model_type!r} has no sparse MoE blocks (a dense model): convert it "
-                f"first with upcycle_to_moe(model, num_experts, top_k) (supported: "
-                f"{', '.join(sorted(UPCYCLE_FAMILIES))})"
-            )
-        else:
-            problems.append(
-                f"model_type {model_type!r} is not a supported MoE architecture (supported: "
-                f"{', '.join(sorted(MOE_FAMILIES))}, or any block with 3-D experts gate_up_proj / "
-                f"down_proj and an (E, H) router); a dense model must first be converted with "
-                f"upcycle_to_moe (supported: {', '.join(sorted(UPCYCLE_FAMILIES))})"
-            )
+        problems.append(
+            f"model_type {model_type!r} is not a supported MoE architecture (supported: "
+            f"{', '.join(sorted(MOE_FAMILIES))}, or any block with 3-D experts gate_up_proj / "
+            f"down_proj and an (E, H) router); a dense model must first be converted with "
+            f"upcycle_to_moe(model, num_experts, top_k) (its SwiGLU MLPs: gate_proj / up_proj / down_proj)"
+        )
     return blocks, problems
 
 
