@@ -33,16 +33,25 @@ COMMON = {"steps": 8, "batch": 4, "lr": 1e-3, "max_grad_norm": 0.5, "seed": 42}
 
 
 def make_case(
-    root: Path, pairs: int = 64, config_updates: dict | None = None, rows: list[dict] | None = None
+    root: Path,
+    pairs: int = 64,
+    config_updates: dict | None = None,
+    rows: list[dict] | None = None,
+    model_type: str | None = None,
 ) -> tuple[str, str]:
-    """(model dir, pairs file): a random-init tiny Llama saved with the embedded tokenizer, conversational pairs
-    (the embedded set's, or `rows`)."""
+    """(model dir, pairs file): a random-init tiny Llama (or another family: model_type, its defaults with the sizes
+    it has of SMALL and config_updates) saved with the embedded tokenizer, conversational pairs (the embedded set's,
+    or `rows`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     root = Path(root)
     cfg = AutoConfig.from_pretrained(embedded_model_path())
+    if model_type is not None:
+        ids = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+        cfg = AutoConfig.for_model(model_type, **{k: getattr(cfg, k) for k in ids})
     for k, v in {**SMALL, **(config_updates or {})}.items():
-        setattr(cfg, k, v)
+        if model_type is None or hasattr(cfg, k):
+            setattr(cfg, k, v)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(root / "model")

@@ -91,6 +91,11 @@ def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str |
 
 
 def problems(args, ctx, plan) -> list[str]:
+    """The option problems; the rows' own: shared-prompt rows carry each pair's attention mask (shares_prompt), so
+    any model that takes it trains them; plain pair rows are two documents told apart by their position ids, which
+    the model's attention must honour (OPT, BLOOM, GPT-OSS build their mask without them)."""
+    if shares_prompt(args, ctx, plan.model_config):
+        return dpo_problems(args, ctx)
     # the pair rows are packed documents whatever --padding_free / --pp_size say (a row is a pair)
     _, why_not = data.padding_free_mode(
         dataclasses.replace(args, padding_free=None, pp_size=1), "lm", plan.model_config, packed=False

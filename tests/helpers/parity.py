@@ -46,7 +46,10 @@ COMMON = [
 ]
 
 
-BACKENDS = ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
+BACKENDS = ["ddp", "fsdp2", "zero2", "zero3", "zero3_offload"]
+# on demand (-m extended; in BACKENDS until 2026-11-29, moved for the CI time budget, passed there): ZeRO-1 alone
+# (in CI it runs composed: tp2_sp_zero1 in test_tp_parity.py, ep2_zero1 in test_bf16_parity.py)
+EXTENDED_BACKENDS = ["zero1"]
 RESUMED_BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")  # also resumed from checkpoint-4 in their launch (zero1: off
 # since 2026-11-28 for the suite's budget: its optimizer state is ZeRO-2's layout, resumed there)
 

@@ -2,7 +2,7 @@
 
 fp32, sft recipe, tiny Llama, 8 optimizer steps, global batch 8:
   single: 1 process x batch 4 x accumulation 2
-  ddp / fsdp2 / zero1 / zero2 / zero3: 2 gloo processes x batch 2 x accumulation 2
+  ddp / fsdp2 / zero2 / zero3 (/ zero1: on demand, -m extended): 2 gloo processes x batch 2 x accumulation 2
 Each must match `single` per step (loss, grad_norm) and in the exported weights within 1e-4
 relative (and within UPDATE_TOL of the training update, ||got - ref|| / ||ref - base||); the export must load with
 from_pretrained and reproduce the trainer's eval loss; run_info.json must name the strategy really used and show the
@@ -17,12 +17,16 @@ import pytest
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
 from tests.helpers.parity import (
     BACKENDS,
+    COMMON,
+    EXTENDED_BACKENDS,
     RESUMED_BACKENDS,
     TOL,
     assert_close_series,
     assert_export_matches,
     assert_resumed_like_uninterrupted,
+    assert_steps_match,
     export_eval_loss,
+    launch_cases,
 )
 from tests.helpers.planting import assert_no_planted_payload_runs, assert_reads_in_both_pickle_forms
 
@@ -52,6 +56,20 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     assert_close_series(ref, got, "grad_norm", TOL, strategy)
     # the same global batch: identical target-token counts per step
     assert [r["num_target_tokens"] for r in ref] == [r["num_target_tokens"] for r in got]
+
+
+@pytest.fixture(scope="module")
+def extended_runs(base_model, single_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("backends_extended")
+    cases = {name: (name, 2, "2", []) for name in EXTENDED_BACKENDS}
+    return {"single": single_run, **launch_cases(cases, base_model, root, COMMON)}
+
+
+@pytest.mark.extended  # on demand (-m extended, docs/testing.md)
+@pytest.mark.parametrize("strategy", EXTENDED_BACKENDS)
+def test_extended_backends_match_single(extended_runs, strategy, base_weights):
+    assert_steps_match(extended_runs["single"], extended_runs[strategy], strategy)
+    assert_export_matches(extended_runs["single"], extended_runs[strategy], strategy, initial=base_weights)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -32,10 +32,10 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "cp2_ring_ddp": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
     "cp2_ulysses_ddp": ("ddp", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),
     "cp2_ring_fsdp2": ("fsdp2", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
-    "cp2_ring_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),
     "cp2_tp2": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--cp_mode", "ring"]),
 }
 CP_EXTENDED = {  # moved out of CI on 2026-11-28 for its time budget (GRPO's tests came in); each passed there before
+    "cp2_ring_zero3": ("zero3", 2, "4", ["--cp_size", "2", "--cp_mode", "ring"]),  # moved 2026-11-29 (CI time)
     "cp2_tp2_sp": ("ddp", 4, "4", ["--cp_size", "2", "--tp_size", "2", "--sequence_parallel"]),
     "cp2_dp2_fsdp2": ("fsdp2", 4, "2", ["--cp_size", "2"]),
     "cp2_ulysses_fsdp2": ("fsdp2", 2, "4", ["--cp_size", "2", "--cp_mode", "ulysses"]),

@@ -24,6 +24,7 @@ from tests.helpers.parity import (
     assert_continues_uninterrupted,
     assert_export_matches,
     assert_resume_from_step_4,
+    assert_steps_match,
     export_eval_loss,
     launch_cases,
     resume_on_other_meshes,
@@ -37,10 +38,12 @@ CASES = {  # name: (accelerate config, processes, per-device batch, extra flags)
     "tp2_sp": ("ddp", 2, "4", ["--tp_size", "2", "--sequence_parallel"]),
     "tp2_ddp2": ("ddp", 4, "2", ["--tp_size", "2"]),
     "tp2_fsdp2": ("fsdp2", 4, "2", ["--tp_size", "2"]),
-    "tp2_zero2": ("zero2", 4, "2", ["--tp_size", "2"]),
     "tp2_zero3": ("zero3", 4, "2", ["--tp_size", "2"]),
     "tp2_sp_zero1": ("zero1", 2, "4", ["--tp_size", "2", "--sequence_parallel"]),
 }
+# on demand (-m extended; in CASES until 2026-11-29, moved for the CI time budget, each passed there): TP x ZeRO-2
+# on 4 processes (TP x DeepSpeed stays in CI through tp2_zero3 and tp2_sp_zero1)
+TP_EXTENDED = {"tp2_zero2": ("zero2", 4, "2", ["--tp_size", "2"])}
 
 
 RESUMED = ("tp2", "tp2_fsdp2", "tp2_sp_zero1")  # resumed from checkpoint-4 (tp2_zero3 too, on demand)
@@ -198,7 +201,14 @@ def test_unsupported_mesh_change_is_refused_before_any_weight_is_read(tp_runs, b
     assert "Traceback" not in "\n".join(x for x in proc.stderr.splitlines() if "hfpar" in x)
 
 
-@pytest.mark.parametrize("case", ["tp2_ddp2", "tp2_zero2"])
+@pytest.mark.extended  # on demand (-m extended, docs/testing.md)
+def test_tp_extended_cases_match_single(base_model, single_run, base_weights, tmp_path):
+    for case, out in launch_cases(TP_EXTENDED, base_model, tmp_path).items():
+        assert_steps_match(single_run, out, case)
+        assert_export_matches(single_run, out, case, initial=base_weights)
+
+
+@pytest.mark.parametrize("case", ["tp2_ddp2", "tp2_zero3"])
 def test_tp_planted_pickle_never_runs(tp_runs, case, tmp_path):
     """Per-TP-rank files (and DeepSpeed's under ZeRO) each replaced by a pickle payload: refused, never run."""
     assert assert_no_planted_payload_runs(tp_runs[case] / "checkpoint-4", tmp_path) >= 6

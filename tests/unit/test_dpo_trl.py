@@ -12,6 +12,8 @@ they are differences of nearly equal numbers, so they (and rewards/margins) are 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.dpo.trl_compare import make_case, run_hfpar, run_trl
@@ -57,3 +59,18 @@ def test_per_step_equal_to_trl(case, tmp_path, loss_type, smoothing, precompute)
             assert _close(h[key], t[key], BETA), f"step {step} {key}: hfpar {h[key]} vs TRL {t[key]}"
         assert h["rewards/accuracies"] == t["rewards/accuracies"], f"step {step}"
     assert ours[0]["num_target_tokens"] == 4  # the pairs of the step (the unit of the DPO loss)
+
+
+def test_a_family_whose_mask_ignores_position_ids_trains_through_shared_rows(tmp_path):
+    """OPT builds its causal mask without the position ids, so two documents of one plain pair row would see each
+    other (hfpar.data.packing_probe); its shared-prompt rows carry their own mask (hfpar.data.share_probe), so the
+    recipe trains it and equals TRL's padded pairs (was refused: the plain layout's packed documents)."""
+    sizes = {"ffn_dim": 128, "word_embed_proj_dim": 64, "max_position_embeddings": 256, "dropout": 0.0}
+    case = make_case(tmp_path / "case", model_type="opt", config_updates=sizes)
+    trl = run_trl(*case, str(tmp_path / "trl"))
+    ours = run_hfpar(*case, str(tmp_path / "hfpar"))
+    assert json.loads((tmp_path / "hfpar" / "run_info.json").read_text())["dpo_shared_prompt"] is True
+    assert len(trl) == len(ours) == 8
+    for step, (t, h) in enumerate(zip(trl, ours), start=1):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            assert _close(h[key], t[key]), f"step {step} {key}: hfpar {h[key]} vs TRL {t[key]}"
