@@ -200,11 +200,9 @@ def tiny_model(config, attn: str | None = None):
         tiny = shrink(config, LAYERS, extra=PROBE_SHRINK)
         with torch.device("meta"):
             n = sum(p.numel() for p in _build(AutoModelForCausalLM, tiny, attn).parameters())
-        if n > MAX_PARAMS:
-            return f"its tiny copy still has {n / 1e6:.0f}M parameters (a size field the checker does not shrink)"
-        with torch.device("cpu"):
-            model = _build(AutoModelForCausalLM, tiny, attn)
-    return model.double().eval()
+    if n > MAX_PARAMS:
+        return f"its tiny copy still has {n / 1e6:.0f}M parameters (a size field the checker does not shrink)"
+    return build_float64(tiny, attn)
 
 
 def build_float64(config, attn: str | None = None):

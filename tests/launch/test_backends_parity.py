@@ -17,7 +17,6 @@ import pytest
 from tests.helpers.launch import read_metrics, read_run_info, rel_close
 from tests.helpers.parity import (
     BACKENDS,
-    COMMON,
     EXTENDED_BACKENDS,
     RESUMED_BACKENDS,
     TOL,
@@ -59,17 +58,16 @@ def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
 
 
 @pytest.fixture(scope="module")
-def extended_runs(base_model, single_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("backends_extended")
+def extended_runs(base_model, tmp_path_factory):
     cases = {name: (name, 2, "2", []) for name in EXTENDED_BACKENDS}
-    return {"single": single_run, **launch_cases(cases, base_model, root, COMMON)}
+    return launch_cases(cases, base_model, tmp_path_factory.mktemp("backends_extended"))
 
 
 @pytest.mark.extended  # on demand (-m extended, docs/testing.md)
 @pytest.mark.parametrize("strategy", EXTENDED_BACKENDS)
-def test_extended_backends_match_single(extended_runs, strategy, base_weights):
-    assert_steps_match(extended_runs["single"], extended_runs[strategy], strategy)
-    assert_export_matches(extended_runs["single"], extended_runs[strategy], strategy, initial=base_weights)
+def test_extended_backends_match_single(extended_runs, single_run, strategy, base_weights):
+    assert_steps_match(single_run, extended_runs[strategy], strategy)
+    assert_export_matches(single_run, extended_runs[strategy], strategy, initial=base_weights)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -8,8 +8,8 @@ upcycle_to_moe turns every dense SwiGLU MLP (gate_proj / up_proj / down_proj) in
 result must be saved as an HF MoE architecture whose decoder is the dense one's with MoE blocks in place of the MLPs,
 and which routes as hfpar's router does (softmax, top-k, renormalized). The check, on a tiny float64 copy of the
 run's own config (hfpar.parallel.tiny_copy: the same family and flags, its first 8 layers):
-1. upcycled with 4 experts, top-2, the model still computes the dense function (logits to 1e-10): the MLPs are
-   the SwiGLU upcycle_to_moe rebuilds, with the config's activation (1e-6: the router's softmax is fp32);
+1. upcycled with 4 experts, top-2, the model still computes the dense function (logits to 1e-6: the router's
+   softmax is fp32): the MLPs are the SwiGLU upcycle_to_moe rebuilds, with the config's activation;
 2. the experts made different and the router non-trivial (seeded noise), each candidate of EXPORT_TARGETS in turn
    is built from the dense config's shared fields (export_config), loads the upcycled state dict with no key missing
    or left over, and must give the upcycled model's logits (1e-6): the first one that does is the target.
@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from ..tiny_copy import build_float64, check_once
+from .moe import MoELayer
 from .upcycle import upcycle_to_moe
 
 
@@ -135,13 +136,13 @@ def _diverse(model) -> torch.nn.Module:
 
 def _reproduces(model, target: ExportTarget) -> str | None:
     up = _diverse(model)
-    layer = next(m for m in up.modules() if hasattr(m, "experts") and hasattr(m.experts, "intermediate_size"))
+    layer = next(m for m in up.modules() if isinstance(m, MoELayer))
     cfg = export_config(model.config, target, EXPERTS, TOP_K, 0.0, layer.experts.intermediate_size)
     shell = build_float64(cfg, model.config._attn_implementation)
-    want = {k for k in shell.state_dict()}
-    sd = {k: v for k, v in up.state_dict().items()}
-    if want != set(sd):
-        return f"{target.model_type}: other weights ({sorted(want ^ set(sd))[:2]})"
+    sd = up.state_dict()
+    if other := set(shell.state_dict()) ^ set(sd):
+        return f"{target.model_type}: other weights ({sorted(other)[:2]})"
     shell.load_state_dict(sd)
-    d = _rel(_logits(shell, _ids(model)), _logits(up, _ids(model)))
+    ids = _ids(model)
+    d = _rel(_logits(shell, ids), _logits(up, ids))
     return None if d <= TOL else f"{target.model_type}: logits {d:.1e} apart"
