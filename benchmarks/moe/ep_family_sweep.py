@@ -39,32 +39,20 @@ from benchmarks.tensor_parallel.family_sweep import (
     report,
     sweep,
     tiny_config,
+    vocab,
     worst_then_sgd,
 )
 
 TOL = 1e-4
 LR = 0.1
 DTYPE = torch.float64 if os.environ.get("EP_SWEEP_FP64") else torch.float32
-# MoE size fields the TP sweep's shrink rules do not know (LongCat, Ernie), shrunk on the text config
-EXTRA = {
-    "expert_ffn_hidden_size": 32,
-    "moe_topk": 2,
-    "zero_expert_num": 2,
-    "ffn_hidden_size": 128,
-    "moe_k": 2,
-    "moe_num_experts": 4,
-}
 
 
 def build(model_type: str, layers: int = 2):
-    """The TP sweep's tiny model (eager attention and experts, seed 0) with EXTRA applied, in DTYPE, train mode."""
+    """The TP sweep's tiny model (eager attention and experts, seed 0), in DTYPE, train mode."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type, layers)
-    text = cfg.get_text_config()
-    for k, v in EXTRA.items():
-        if hasattr(text, k):
-            setattr(text, k, v)
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     if n > 20_000_000:
@@ -74,15 +62,21 @@ def build(model_type: str, layers: int = 2):
         model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", attn_implementation="eager")
     except (TypeError, ValueError):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    for name, buf in model.named_buffers():  # routing corrections (DeepSeek-V3's e_score_correction_bias, LFM2-MoE's
+        if buf.is_floating_point() and name.rpartition(".")[2].endswith("bias"):  # expert_bias): zero at init,
+            buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)  # a checkpoint's move the routing: exercised
     return model.to(DTYPE).train()
 
 
 def _is_moe(model) -> bool:
+    """MoE blocks found, or expert parameters of another layout (DBRX's 2-D expert tensors: refused, not dense)."""
     from hfpar.parallel.expert_parallel.hf_experts import find_hf_experts
     from hfpar.parallel.expert_parallel.moe import MoELayer
 
     found, problems = find_hf_experts(model)
-    return bool(found or problems) or any(
+    experts = any("experts" in name.split(".") for name, _ in model.named_parameters())
+    return bool(found or problems or experts) or any(
         isinstance(m, MoELayer) or "moe" in type(m).__name__.lower() for m in model.modules()
     )
 
@@ -151,7 +145,7 @@ def check(model_type: str) -> dict:
         if hasattr(cfg, "output_router_logits"):
             cfg.output_router_logits = model.config.output_router_logits = True
         ref = copy.deepcopy(model)
-        ids, labels = batch(model.get_input_embeddings().num_embeddings, seed=1 + dist.get_rank())
+        ids, labels = batch(vocab(model), seed=1 + dist.get_rank())
         try:
             ref(input_ids=ids, labels=labels, use_cache=False).loss.backward()
             ref.zero_grad(set_to_none=True)

@@ -89,16 +89,41 @@ ENCODER_STYLE = (
 STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma")
 
 
+# what a family's own defaults lack to build at all in transformers 5.24 (a real checkpoint's config has it): DBRX's
+# attention reads a rope_theta its sub-config does not default and clamps by clip_qkv even when None; LFM2-MoE and
+# Cohere-Compass default no layer kinds / no RoPE per kind; Qwen4-Exp's default layers hold its sparse (QSA) attention,
+# whose indexer sizes default to None
+_QSA = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+_ROPE = {"rope_type": "default", "rope_theta": 1e4}
+FAMILY_KW = {
+    "qwen4_exp_text": {"head_dim": 16, **_QSA},
+    "qwen4_exp": {"text_config": {"head_dim": 16, **_QSA}},
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "lfm2_moe": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "cohere_compass_text": {"rope_parameters": {k: _ROPE for k in ("full_attention", "sliding_attention")}},
+}
+# layer patterns given by a period (Jamba: attention every 8th layer from the 4th; Bailing-hybrid: every 6th):
+# shortened so a copy of 2-4 layers holds every kind of layer
+PERIODS = {
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "layer_group_size": 2,
+}
+
+
 def tiny_config(model_type: str, layers: int = 2):
-    """A tiny config of `model_type` (hfpar.parallel.tiny_copy.shrink of the family's defaults); raises when it
-    cannot be built. layers: hybrid families (linear attention every 3 of 4 layers) need 4 to hold a full-attention
-    layer."""
+    """A tiny config of `model_type` (hfpar.parallel.tiny_copy.shrink of the family's defaults, or of FAMILY_KW's
+    config where the defaults do not build); raises when it cannot be built. layers: hybrid families (linear attention
+    every 3 of 4 layers) need 4 to hold a full-attention layer."""
     from transformers import AutoConfig
 
-    return shrink(AutoConfig.for_model(model_type), layers, keep=False)
+    kw = FAMILY_KW.get(model_type)
+    return shrink(AutoConfig.for_model(model_type, **(kw or {})), layers, keep=kw is not None, extra=PERIODS)
 
 
-def build(model_type: str, seed: int = 0, layers: int = 2):
+def build(model_type: str, seed: int = 0, layers: int = 2, dtype: torch.dtype = DTYPE):
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type, layers)
@@ -112,7 +137,14 @@ def build(model_type: str, seed: int = 0, layers: int = 2):
         model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager", **kw)
     except (TypeError, ValueError):
         model = AutoModelForCausalLM.from_config(cfg, **kw)
-    return model.to(DTYPE).train()
+    return model.to(dtype).train()
+
+
+def vocab(model) -> int:
+    """The ids a batch may draw: the config's vocabulary (CPM-Ant's embedding also holds its prompt tokens, which the
+    LM head does not predict)."""
+    n = model.get_input_embeddings().num_embeddings
+    return min(n, getattr(model.config.get_text_config(), "vocab_size", None) or n)
 
 
 def batch(vocab: int = 128, seed: int = 1):
@@ -187,16 +219,17 @@ def check(model_type: str, sp: bool = SP) -> dict:
         return {"status": "skipped", "why": "encoder-style / encoder-decoder / multimodal with a non-text input"}
     if model_type in STATE_SPACE:
         return {"status": "skipped", "why": "pure state-space / recurrent model"}
-    for layers in (2, 4):
+    # float32 where a family's code cannot run in float64 (XGLM's mask fill, Inkling-2's float32 buffers)
+    for layers, dtype in [(n, d) for n in (2, 4) for d in dict.fromkeys((DTYPE, torch.float32))]:
         try:
-            model = build(model_type, layers=layers)
+            model = build(model_type, layers=layers, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - a family whose tiny config does not build is skipped with the reason
             why = f"tiny model does not build: {type(e).__name__}: {str(e)[:160]}"
             continue
         ref = copy.deepcopy(model)
         if getattr(ref, "loss_type", None) in (None, "ForCausalLM", "ForConditionalGeneration"):  # as hf_loss.py
             ref.loss_function = ref_loss
-        ids, labels = batch(model.get_input_embeddings().num_embeddings)
+        ids, labels = batch(vocab(model))
         try:
             ref(input_ids=ids, labels=labels).loss.backward()
             ref.zero_grad(set_to_none=True)
@@ -229,6 +262,7 @@ def check(model_type: str, sp: bool = SP) -> dict:
         "worst": name,
         "apply_s": round(apply_s, 3),
         "verify_rel": getattr(model, "_hfpar_tp_verify_rel", None),
+        "dtype": str(dtype).removeprefix("torch."),
         "blocks_sharded": blocks,
     }  # False: HF's plan shards only the embedding and the LM head
 

@@ -33,6 +33,7 @@ rank sends for all-to-all. When disabled the cost is one attribute check per col
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
@@ -147,15 +148,29 @@ def all_reduce(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tenso
     return out
 
 
+def _result(x: torch.Tensor, dim: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the result, shaped as `x` with `n` along `dim`, or None; the dim-first contiguous buffer a collective
+    writes). Where the dims before `dim` are all 1 (dim 0, or a (1, T, H) packed row along dim 1) the buffer is a
+    view of the result, which is then a tensor of its own, never a view (an autograd Function's output that is a view
+    of a tensor made inside it cannot be modified in place: Falcon's `mlp_output += attention_output`). Else None:
+    the caller moves dim back, and .contiguous() of the permuted buffer copies it."""
+    shape = list(x.shape)
+    shape[dim] = n
+    if math.prod(shape[:dim]) == 1:
+        out = x.new_empty(shape)
+        return out, out.movedim(dim, 0)
+    return None, x.new_empty((n, *shape[:dim], *shape[dim + 1 :]))
+
+
 def all_gather(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order)."""
     ws = group_size(group)
     x0 = x.movedim(dim, 0).contiguous()  # gather dim in front
-    out = x0.new_empty((ws * x0.shape[0], *x0.shape[1:]))
+    res, out = _result(x, dim, ws * x0.shape[0])
     if comm_stats.enabled:
         comm_stats.record("all_gather", _nbytes(out))
     _all_gather_base(out, x0, group=group)
-    return out.movedim(0, dim).contiguous()
+    return res if res is not None else out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
@@ -167,10 +182,10 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     if not _reduce_scatter_unsupported:
         if comm_stats.enabled:
             comm_stats.record("reduce_scatter", _nbytes(x0))
-        out = x0.new_empty((n, *x0.shape[1:]))
+        res, out = _result(x, dim, n)
         try:
             _reduce_scatter_base(out, x0, group=group)
-            return out.movedim(0, dim).contiguous()
+            return res if res is not None else out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError) as e:  # backend has no reduce-scatter
             if "support" not in str(e).lower() and "implement" not in str(e).lower():
                 raise
@@ -183,7 +198,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
                 stacklevel=2,
             )
     full = all_reduce(x0, group)  # fallback: (ws*n, ...) summed
-    return full.narrow(0, group_rank(group) * n, n).movedim(0, dim).contiguous()
+    return full.narrow(0, group_rank(group) * n, n).movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 def split(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

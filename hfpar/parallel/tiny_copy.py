@@ -35,6 +35,7 @@ TINY = {
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    "use_cache": False,  # a hybrid copy whose first layers are all linear attention has no cache length to read
 }
 # other size fields of the families' configs, shrunk (by name) so every tiny model builds in well under a second
 SHRINK = {
@@ -44,6 +45,18 @@ SHRINK = {
     "num_local_experts": 4,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
+    "kv_n_heads": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "num_expert_group": 1,
+    "num_shared_experts": 1,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
     "n_shared_experts": 1,
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
@@ -56,6 +69,7 @@ SHRINK = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
     "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
     "n_group": 1,
     "topk_group": 1,
     "num_kv_shared_layers": 0,
@@ -84,6 +98,9 @@ SHRINK = {
 }
 DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 OFF_WHEN_NONE = ("sliding_window", "attention_chunk_size")  # features a config turns off with None: kept off
+# how many experts (or groups) a token picks: top-2 (a top-1 router's renormalized weight is 1: no gradient to
+# compare), the config's own where the family refuses more (ZAYA validates top-1)
+TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "moe_k", "topk_group")
 
 
 def _no_dropout(cfg) -> None:
@@ -92,20 +109,42 @@ def _no_dropout(cfg) -> None:
             setattr(cfg, k, 0.0)
 
 
-def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool = False) -> dict:
+def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool = False, own_k: bool = False) -> dict:
     """TINY / SHRINK's values (and `extra`'s) for the size fields `cfg` has; reset: per-layer settings (lists as long
     as the layer stack) set to None, so the family rebuilds them for the shrunk depth; cut (else): cut to the first
     `layers` entries (the layer kinds of the stack's start)."""
     fields = cfg.to_dict()
     over = {k: v for k, v in {**TINY, **SHRINK, **(extra or {})}.items() if k in fields}
     over = {k: v for k, v in over.items() if k not in OFF_WHEN_NONE or fields[k] is not None}
+    over.update({k: min(v, fields[k]) for k, v in over.items() if own_k and k in TOP_K and isinstance(fields[k], int)})
     stack = [k for k in DEPTH_FIELDS if k in over]
     over.update({k: layers for k in stack})
     n = fields[stack[0]] if stack else None
     per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
     over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
-    over.update({k: fields[k][:layers] for k in per_layer if cut and not reset})
+    if cut and not reset:
+        kept = layer_sample([fields[k] for k in per_layer], layers)
+        over.update({k: [fields[k][i] for i in kept] for k in per_layer})
     return over
+
+
+def layer_sample(per_layer: list[list], layers: int) -> list[int]:
+    """Which of the stack's layers a copy `layers` deep keeps: the first ones, the last of them swapped for the first
+    layer of each kind they would miss (a kind: the layer's values in the per-layer lists of strings, as
+    ["linear_attention", "full_attention"]), so that every kind of layer the model has is in its copy."""
+    lists = [v for v in per_layer if all(isinstance(x, str) for x in v)]
+    kind = [tuple(v[i] for v in lists) for i in range(len(per_layer[0]))] if per_layer else []
+    kept = list(range(min(layers, len(kind)))) if kind else []
+    for i, k in enumerate(kind):
+        held = [kind[j] for j in kept]
+        if k in held:
+            continue
+        spare = [p for p in range(len(kept) - 1, 0, -1) if held.count(held[p]) > 1]  # a kind held twice: give one
+        if not spare:
+            break
+        kept[spare[0]] = i
+        kept.sort()
+    return kept
 
 
 def depth(config) -> int | None:
@@ -117,27 +156,32 @@ def depth(config) -> int | None:
 def shrink(config, layers: int = 2, *, keep: bool = True, extra: dict | None = None):
     """A tiny config of `config`'s model. layers: its depth (hybrid families, linear attention every 3 of 4 layers,
     need 4 to hold a full-attention layer). keep: start from `config`'s own values, at most its own depth, its
-    per-layer lists cut to the first `layers` entries (False: from its class's defaults, as
-    `AutoConfig.for_model(model_type)` gives them, at the depth asked). extra: more size fields to shrink. Raises when
-    the family cannot build it."""
+    per-layer lists sampled to `layers` entries (layer_sample: the first ones, and every kind of layer) (False: from
+    its class's defaults, as `AutoConfig.for_model(model_type)` gives them, at the depth asked). extra: more size
+    fields to shrink. Raises when the family cannot build it. Tried in turn until the family accepts one: per-layer
+    lists sampled (else reset for the family to rebuild), top-k shrunk to 2 (else the config's own)."""
     layers = min(layers, depth(config) or layers) if keep else layers
-    try:
-        return _shrink(config, layers, reset=False, keep=keep, extra=extra)
-    except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors
-        return _shrink(config, layers, reset=True, keep=keep, extra=extra)
+    for reset, own_k in ((False, False), (False, True), (True, False)):
+        # huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors: the next try
+        with contextlib.suppress(Exception):
+            return _shrink(config, layers, reset=reset, keep=keep, extra=extra, own_k=own_k)
+    return _shrink(config, layers, reset=True, keep=keep, extra=extra, own_k=True)
 
 
-def _shrink(base, layers: int, reset: bool, keep: bool, extra: dict | None):
+def _shrink(base, layers: int, reset: bool, keep: bool, extra: dict | None, own_k: bool = False):
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
-    over = shrunk(text, layers, reset, extra, cut=keep)
+    over = shrunk(text, layers, reset, extra, cut=True, own_k=own_k)
     if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
         over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
-    if text is not base:  # a multimodal wrapper: its text config shrunk, and its vision / audio towers the same way
+    # the other sub-configs shrunk the same way: a multimodal wrapper's vision / audio towers, DBRX's attn / ffn
+    towers = {
+        key: {**tower.to_dict(), **shrunk(tower, layers, reset, extra, own_k=own_k)}
+        for key in getattr(base, "sub_configs", {})
+        if (tower := getattr(base, key, None)) is not None and tower is not text and hasattr(tower, "to_dict")
+    }
+    if text is not base:  # a multimodal wrapper: its text config shrunk
         over = {"text_config": {**text.to_dict(), **over}}
-        for key in getattr(base, "sub_configs", {}):
-            tower = getattr(base, key, None)
-            if key != "text_config" and tower is not None and hasattr(tower, "to_dict"):
-                over[key] = {**tower.to_dict(), **shrunk(tower, layers, reset, extra)}
+    over.update(towers)
     cfg = type(base).from_dict({**base.to_dict(), **over}) if keep else type(base)(**over)
     _no_dropout(cfg)
     if cfg.get_text_config() is not cfg:

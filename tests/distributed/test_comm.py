@@ -203,6 +203,18 @@ def _comm_checks(rank: int, ws: int) -> int:
             _close(y, sum(xs2).chunk(2, 1)[rank], "sub-group reduce_scatter")
         n += 1
 
+    # a packed row (1, T, H) or dim 0: the output is a tensor of its own, not a view made inside the Function, so
+    # the model may add to it in place (Falcon's `mlp_output += attention_output` after the SP reduce-scatter)
+    for shape, dim in (((1, 4 * ws, 3), 1), ((2 * ws, 3), 0)):
+        xs3 = [_t(50, r, shape) for r in range(ws)]
+        y = reduce_scatter_to_sequence_parallel_region(_leaf(xs3[rank]), dim, group)
+        y += 1  # raised "Output 0 of _ReduceScatter is a view and is being modified inplace" before
+        _close(y, sum(xs3).chunk(ws, dim)[rank] + 1, f"reduce_scatter of {shape} along {dim}, then += 1")
+        y = gather_from_sequence_parallel_region(_leaf(xs3[rank]), dim, group)
+        y += 1
+        _close(y, torch.cat(xs3, dim) + 1, f"all_gather of {shape} along {dim}, then += 1")
+        n += 1
+
     # uneven sizes fail loudly, naming the shape
     with pytest.raises(ValueError, match="not divisible"):
         scatter_to_sequence_parallel_region(torch.ones(2, 2 * ws + 1, 3), 1, group)

@@ -11,6 +11,8 @@ Families whose blocks keep their own HF code, only the experts sharded (hfpar.pa
     phimoe          sparsemixer routing
     glm4_moe        DeepSeek-V3-style routing in GLM's block
     llama4_text     dense experts input (every token for every expert, scaled by its sigmoid score)
+    lfm2_moe        the block's own expert_bias (drawn at random by the sweep, as every routing-correction buffer)
+    kimi_linear     linear-attention hybrid, DeepSeek-V3-style routing
 and refused in one line naming the module: jetmoe (experts split into two modules called with per-expert counts).
 Plus the check's sensitivity: a block whose experts weight their input (not their output) is refused, not sharded.
 """
@@ -27,7 +29,7 @@ from tests.helpers.dist import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
-EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text")
+EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text", "lfm2_moe", "kimi_linear")
 
 
 class _InputWeightedExperts(nn.Module):

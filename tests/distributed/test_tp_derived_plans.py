@@ -94,6 +94,35 @@ def test_head_spanning_norms_latent_and_linear_attention():
     )
 
 
+def test_attention_lists_replicate_entries_and_width_attributes():
+    """LongCat-Flash's two attentions per layer (`layers.*.self_attn.*`: a region inside a list inside the layer,
+    not the layer), Inkling-2's `replicate` entry (kept whole), DBRX's fused qkv split by the module's `hidden_size`
+    (localized with the heads); a region that IS the decoder layer stays refused."""
+    from benchmarks.tensor_parallel.family_sweep import build as sweep_build
+    from hfpar.parallel.tensor_parallel import derive_plan
+    from hfpar.parallel.tensor_parallel.heads import localize_heads
+
+    longcat = sweep_build("longcat_flash")
+    plan = derive_plan(longcat)
+    assert plan["model.layers.*.self_attn.*"] == "attention" and plan["model.layers.*.mlps.*"] == "mlp", plan
+    assert plan["model.layers.*.self_attn.*.q_b_proj"] == "colwise"
+    with pytest.raises(ValueError, match="sit directly in 'model.layers.\\*'"):
+        derive_plan(longcat, {"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise"})
+    inkling = sweep_build("inkling2_text")
+    assert inkling.config.base_model_tp_plan["embed_tokens"] == "replicate"
+    assert derive_plan(inkling) == {"lm_head": "colwise_lm_head"}  # mapped to nothing, not refused (experts: EP)
+    attn = sweep_build("dbrx").transformer.blocks[0].norm_attn_norm.attn
+    localize_heads(attn, None, 2)  # an `attention` region: the heads only (CodeGen's forward needs embed_dim whole)
+    assert (attn.num_heads, attn.num_key_value_heads, attn.hidden_size, attn.head_dim) == (2, 1, 64, 16)
+    attn = sweep_build("dbrx").transformer.blocks[0].norm_attn_norm.attn
+    localize_heads(attn, None, 2, widths=True)  # `attention_widths` (a candidate the block check verifies)
+    assert (attn.num_heads, attn.num_key_value_heads, attn.hidden_size, attn.head_dim) == (2, 1, 32, 16)
+    attn = build("llama").model.layers[0].self_attn
+    width = {k: v for k, v in vars(attn).items() if isinstance(v, int)}
+    localize_heads(attn, None, 1, widths=True)  # Llama's attention holds no all-heads width: nothing moves
+    assert {k: v for k, v in vars(attn).items() if isinstance(v, int)} == width
+
+
 def test_moe_experts_are_left_out_and_missing_plan_is_refused():
     from transformers import AutoConfig
 

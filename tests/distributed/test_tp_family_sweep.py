@@ -25,6 +25,12 @@ float64, within 1e-4), on 2 gloo ranks (one spawn). Families not covered by the 
                          multimodal wrappers (what AutoModelForCausalLM returns): the language model nested in
                          text_config / model.language_model, sharded as its text family; the towers replicated
                          (hfpar/parallel/language_model.py; the former AttributeError of issue 42)
+    dbrx, xglm           inferred, the attention's all-heads width attribute localized with the heads (DBRX splits
+                         its fused qkv by hidden_size, XGLM reshapes by embed_dim: attention_widths)
+    longcat_flash        derived: two attentions per layer (`layers.*.self_attn.*`, a region inside a list)
+    lfm2_moe, jamba, kimi_linear
+                         hybrids (convolution / Mamba / linear-attention layers beside attention: both kinds in the
+                         tiny copy, tiny_copy.layer_sample) with MoE blocks
     jetmoe               refused in one line naming its first block and modules (mixture-of-attention experts)
 every exact one with its blocks sharded (not only the embedding and the LM head);
 and with sequence parallelism (plans from the structure: sequence_plan.py): OLMo-2, Falcon, GPT-BigCode, MPT exact;
@@ -37,8 +43,8 @@ from unittest import mock
 
 import pytest
 
-from benchmarks.tensor_parallel import family_sweep as tp_sweep
 from benchmarks.tensor_parallel.family_sweep import sweep_worker
+from hfpar.parallel import tiny_copy
 from tests.helpers.dist import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
@@ -64,13 +70,19 @@ EXACT = (
     "gemma4_unified",
     "fuyu",
     "moss_transcribe_diarize",
+    "dbrx",
+    "xglm",
+    "longcat_flash",
+    "lfm2_moe",
+    "jamba",
+    "kimi_linear",
 )
 SP_EXACT = ("olmo2", "falcon", "gpt_bigcode", "mpt")  # sequence parallelism on derived / inferred plans
 
 
 def _both(rank: int, world_size: int) -> tuple[dict, dict]:
     res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
-    with mock.patch.dict(tp_sweep.TINY, num_key_value_heads=4):  # DiffLlama's pairs: 2 kv heads per half
+    with mock.patch.dict(tiny_copy.TINY, num_key_value_heads=4):  # DiffLlama's pairs: 2 kv heads per half
         res.update({"diffllama_kv4": sweep_worker(rank, world_size, ["diffllama"])["diffllama"]})
     return res, sweep_worker(rank, world_size, [*SP_EXACT, "qwen3_5_text"], sp=True)
 

@@ -73,3 +73,18 @@ def test_hf_blocks_without_ep_stay_hf_but_an_aux_loss_is_refused():
 
 def test_dense_model_has_no_moe_blocks():
     assert not has_moe_blocks(_model("llama"))
+
+
+def test_a_block_with_its_own_routing_state_keeps_its_hf_code():
+    """LFM2-MoE's block holds expert_bias (a score correction, zero at init: a probe of the fresh block cannot tell
+    it from plain softmax top-k); its blocks are not converted to hfpar's router but keep the HF code, only the
+    experts sharded (hf_experts), whatever a checkpoint's bias is."""
+    from hfpar.parallel.expert_parallel.families import find_moe_blocks
+    from hfpar.parallel.expert_parallel.hf_experts import find_hf_experts
+
+    model = _model("lfm2_moe")
+    blocks, problems = find_moe_blocks(model, lambda *a: 0.0)  # a probe that would accept anything
+    assert not blocks and len(problems) == 1, (blocks, problems)
+    assert "holds expert_bias itself (bias-corrected routing is not supported)" in problems[0], problems
+    found, why = find_hf_experts(model)
+    assert [f.path for f in found] == ["model.layers.1.feed_forward.experts"] and not why

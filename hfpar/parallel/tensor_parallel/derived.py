@@ -24,6 +24,7 @@ split by expert parallelism instead (apply_expert_parallel / --ep_size); their a
                                     module stays whole and replicated on every rank: exact, not sharded
     colwise on a parameter          head_param (attention sinks (H,), Beam's per-head gate bias: split by head)
     local_params                    nothing (HF uses the module's DTensors as local tensors; hfpar's are local)
+    replicate                       nothing (the module whole on every rank; Inkling-2's embedding)
     all_reduce                      nothing (HF sums the module's output over TP, InklingSharedExperts': the hfpar
                                     region around its colwise / rowwise children does that; verified)
     rowwise on a Linear with one    rowwise_heads (Doge's dt_proj: all value heads -> one value per kv head; the
@@ -60,6 +61,7 @@ HF_STYLES = {
 }
 _WHY = {"moe_tp_experts": "MoE experts: use apply_expert_parallel"}
 _MAPPED = (
+    "replicate",
     "colwise_gather_output",
     "rowwise_split_input",
     "mla_kv_a_proj",
@@ -178,6 +180,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
             continue
         if style == "all_reduce":  # HF: the module's output summed over TP; an hfpar region does that itself
             continue
+        if style == "replicate":  # HF: the module whole on every rank, as hfpar leaves a module it has no entry for
+            continue
         if style == "colwise" and _is_parameter(model, path):  # attention sinks, a per-head gate bias
             plan[path] = "head_param"
             continue
@@ -197,8 +201,8 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
             parents.setdefault(parent, []).append(leaf)
     _complete_regions(model, plan, parents, dense, prefix)
     for parent, leaves in parents.items():  # each parent of column/row layers is one TP region
-        tail = parent.rpartition(".")[2].lower()
-        if tail in ("*", "") or tail.isdigit():  # a decoder layer: its input also feeds the residual
+        tail = next((c for c in reversed(parent.lower().split(".")) if c != "*" and not c.isdigit()), "")
+        if _is_decoder_layer(model, parent):  # its input also feeds the residual
             raise ParallelError(
                 "apply_tensor_parallel",
                 [
@@ -227,6 +231,18 @@ def derive_plan(model: nn.Module, hf_plan: Mapping[str, str] | None = None) -> d
     if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
         plan[names[id(out)]] = "colwise_lm_head"
     return plan
+
+
+def _is_decoder_layer(model: nn.Module, parent: str) -> bool:
+    """Whether the region pattern names a decoder layer (`layers.*`: an element of the layer stack, the only list
+    index in its name), not a module of a list inside one (LongCat-Flash's two attentions per layer,
+    `layers.*.self_attn.*`)."""
+    tail = parent.rpartition(".")[2]
+    if tail not in ("*", "") and not tail.isdigit():
+        return False
+    rx = compile_pattern(parent)
+    first = next((n for n, _ in model.named_modules() if rx.fullmatch(n)), parent)
+    return sum(part.isdigit() for part in first.split(".")) <= 1
 
 
 def _head_counts(model: nn.Module) -> set[int]:

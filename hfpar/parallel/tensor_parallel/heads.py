@@ -9,6 +9,9 @@ from torch import nn
 
 __all__ = ["localize_heads"]
 
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
+
 
 class _LocalHeadsConfig:
     """The model config as one attention module sees it: per-rank head counts, every other field
@@ -35,9 +38,17 @@ class _LocalHeadsConfig:
         return f"_LocalHeadsConfig({self._overrides}, base={type(self._base).__name__})"
 
 
-def localize_heads(attn: nn.Module, config, tp: int) -> None:
+def localize_heads(attn: nn.Module, config, tp: int, widths: bool = False) -> None:
     """Per-rank head counts on the attention module (never on the shared config); GPT-2's split_size (the
-    width of each of q, k, v in c_attn's output) with them."""
+    width of each of q, k, v in c_attn's output) with them; widths: an attribute that is all the heads' width (heads x
+    head_dim: DBRX splits its fused qkv by `hidden_size`, XGLM reshapes its output by `embed_dim`) too (the plan's
+    `attention_widths` regions: CodeGen's forward needs its embed_dim whole, so only a verified plan says which)."""
+    heads = next((v for a in _HEAD_COUNTS if isinstance(v := getattr(attn, a, None), int)), None)
+    head_dim = getattr(attn, "head_dim", None)
+    for attr in _WIDTHS if widths else ():
+        v = getattr(attn, attr, None)
+        if isinstance(v, int) and isinstance(heads, int) and isinstance(head_dim, int) and v == heads * head_dim:
+            setattr(attn, attr, v // tp)
     for attr in (
         "num_heads",
         "num_attention_heads",

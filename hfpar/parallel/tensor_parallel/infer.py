@@ -24,7 +24,7 @@ from torch import nn
 from ..language_model import language_model_path, text_config
 from .conv1d import is_conv1d
 from .plans import compile_pattern
-from .shape_check import lookup_only
+from .shape_check import ATTENTION, lookup_only
 
 __all__ = ["infer_plans", "unrecognised"]
 
@@ -195,7 +195,7 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         common.update({at(idx, r): s for r, s in ent})
         qkv += [at(idx, r) for r in fq]
         gate_up += [at(idx, r) for r in fg]
-        regions = [r for r, s in ent if s == "attention"]
+        regions = [r for r, s in ent if s in ATTENTION]
         split += [
             at(idx, r)
             for r, s in ent
@@ -233,9 +233,11 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     }
     if paired:
         out_plans.append({**out_plans[0], **paired})
+    # the same with the attention modules' all-heads width attributes localized too (DBRX, XGLM: attention_widths)
+    out_plans += [{p: "attention_widths" if st == "attention" else st for p, st in pl.items()} for pl in out_plans]
     # last: the attention left whole (replicated), the MLPs sharded (a hybrid stack whose attention no candidate
     # verifies: LFM's)
-    attn = [p for p, st in common.items() if st == "attention"]
+    attn = [p for p, st in common.items() if st in ATTENTION]
     mlp_only = {
         p: st
         for p, st in out_plans[0].items()

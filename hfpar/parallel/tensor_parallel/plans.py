@@ -75,6 +75,7 @@ STYLES = (
     "rowwise_heads",
     "colwise_lm_head",
     "attention",
+    "attention_widths",
     "mlp",
     "sequence_scatter",
     "sequence_gather",

@@ -21,7 +21,10 @@ from .conv1d import is_conv1d
 from .norms import rmsnorm_problem
 from .plans import PARAM_STYLES, compile_pattern, packed_splits
 
-REGIONS = ("attention", "mlp")
+# attention_widths: an attention region whose module also holds all the heads' width (heads x head_dim) as an
+# attribute its forward splits or reshapes by (DBRX's hidden_size, XGLM's embed_dim): localized with the heads
+ATTENTION = ("attention", "attention_widths")
+REGIONS = (*ATTENTION, "mlp")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -149,7 +152,7 @@ def validate_degrees(
                         f"{sub} ({type(m).__name__}) is inside the TP region {name!r} but has no plan entry "
                         f"(its input gradient would be summed over the TP ranks)"
                     )
-        if base == "attention" and config is not None:
+        if base in ATTENTION and config is not None:
             nh = getattr(config, "num_attention_heads")
             nkv = getattr(config, "num_key_value_heads", None) or nh
             for field, n in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):

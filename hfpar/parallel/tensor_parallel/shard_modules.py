@@ -114,8 +114,8 @@ def shard_modules(
                     partial(enter_region_hook, group=tp_group, name=name, sequence_parallel=sequence_parallel),
                     with_kwargs=True,
                 )
-            if base == "attention":
-                localize_heads(mod, config, tp)
+            if base in ("attention", "attention_widths"):
+                localize_heads(mod, config, tp, widths=base == "attention_widths")
                 bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
                 if bias_args and getattr(config, "num_attention_heads", None):  # ALiBi for all heads (Bloom, MPT)
                     mod.register_forward_pre_hook(
