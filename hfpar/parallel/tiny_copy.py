@@ -124,7 +124,8 @@ def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool =
     over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
     if cut and not reset:
         kept = layer_sample([fields[k] for k in per_layer], layers)
-        over.update({k: [fields[k][i] for i in kept] for k in per_layer})
+        sizes = {**TINY, **SHRINK, **(extra or {})}  # a size given per layer (Gemma-3n's intermediate_size): shrunk
+        over.update({k: [sizes[k] if k in sizes else fields[k][i] for i in kept] for k in per_layer})
     return over
 
 

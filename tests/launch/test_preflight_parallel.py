@@ -50,6 +50,17 @@ def test_context_parallel_refusals_and_mode(tmp_path):
         vocab_size=64,
     )
     assert pf.cp_problems(_args("--cp_size", "4"), ctx, mistral) == []
+    # a hybrid whose attention layers do call the registry, beside layers that carry state along the row: it passed
+    # the meta probe and trained other math under CP (Qwen3-Next: loss 5.6e-4 from one process, fp32); refused
+    qwen3_next = AutoConfig.for_model("qwen3_next")
+    assert pf.cp_problems(_args("--cp_size", "4"), ctx, qwen3_next) == [
+        (
+            "--cp_size 4: model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) mixes tokens outside the attention "
+            "(its output at one position moves with another position's token: state carried along the sequence, a "
+            "convolution or a linear attention), which context parallelism, cutting the row over the cp ranks, "
+            "would compute on this rank's part alone"
+        )
+    ]
     llama6 = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, num_hidden_layers=1)
     lines = pf.cp_problems(_args("--cp_size", "4", "--cp_mode", "ulysses"), ctx, llama6)
     assert lines == [

@@ -35,6 +35,7 @@ from ..language_model import language_model
 from .blockwise import BLOCK, block_attention
 from .fused import fused_attention
 from .layout import RowLayout
+from .mixing import token_mixing_problem
 from .ring import overlapped_ring_attention
 
 NAME = "hfpar_cp"
@@ -175,7 +176,11 @@ def register_cp_attention() -> str:
 
 def enable_cp_attention(model) -> None:
     """Every attention of `model`'s language model through hfpar's, the implementation it replaces remembered
-    (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence."""
+    (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence.
+    ValueError in one line where a module mixes tokens outside the attention (mixing.py: it would see this rank's
+    part of the row alone)."""
+    if why := token_mixing_problem(model.config):
+        raise ValueError(f"context parallelism: {why}")
     lm = language_model(model)
     before = lm.config._attn_implementation
     lm.set_attn_implementation(register_cp_attention())
