@@ -154,6 +154,7 @@ def _result(x: torch.Tensor, dim: int, n: int) -> tuple[torch.Tensor | None, tor
     view of the result, which is then a tensor of its own, never a view (an autograd Function's output that is a view
     of a tensor made inside it cannot be modified in place: Falcon's `mlp_output += attention_output`). Else None:
     the caller moves dim back, and .contiguous() of the permuted buffer copies it."""
+    dim %= x.dim()
     shape = list(x.shape)
     shape[dim] = n
     if math.prod(shape[:dim]) == 1:

@@ -205,7 +205,7 @@ def _comm_checks(rank: int, ws: int) -> int:
 
     # a packed row (1, T, H) or dim 0: the output is a tensor of its own, not a view made inside the Function, so
     # the model may add to it in place (Falcon's `mlp_output += attention_output` after the SP reduce-scatter)
-    for shape, dim in (((1, 4 * ws, 3), 1), ((2 * ws, 3), 0)):
+    for shape, dim in (((1, 4 * ws, 3), 1), ((2 * ws, 3), 0), ((1, 4 * ws, 3), -2), ((2, 3, 2 * ws), -1)):
         xs3 = [_t(50, r, shape) for r in range(ws)]
         y = reduce_scatter_to_sequence_parallel_region(_leaf(xs3[rank]), dim, group)
         y += 1  # raised "Output 0 of _ReduceScatter is a view and is being modified inplace" before

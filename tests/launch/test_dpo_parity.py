@@ -99,6 +99,11 @@ EXTENDED = {
 }
 KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+# an exported LoRA adapter, normwise: lora_B starts at zero, so it IS the 8 steps' update, which Adam's m / sqrt(v)
+# amplifies where a component's gradient changes sign (m cancels); FSDP2's reduce-scatter order moved layer 3's
+# down_proj lora_B by 1.05e-4 on the +cpu torch wheel (under 1e-4 on PyPI's CUDA build), per-step loss and grad norm
+# within 1e-4 on both
+ADAPTER_TOL = 2e-4
 
 # bf16 runs of these cases, in the same launches (ACCELERATE_MIXED_PRECISION for those runs only)
 BF16 = ("ddp", "fsdp2", "tp2", "cp2_ring")
@@ -229,7 +234,7 @@ def _assert_parity(root, name: str, ref_name: str) -> None:
         assert a.keys() == b.keys() and any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)
         for k in a:
             diff = float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12))
-            assert diff <= TOL, f"{name}: adapter {k} relative diff {diff:.2e}"
+            assert diff <= ADAPTER_TOL, f"{name}: adapter {k} relative diff {diff:.2e}"
     else:
         assert_export_matches(root / ref_name, root / name, name)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..language_model import text_config
 from ..tiny_copy import check_once
 
 SELF_ONLY = "hfpar_self_only"  # the attention the check registers: each token attends to itself alone
@@ -38,7 +39,8 @@ def token_mixing_problem(config) -> str | None:
     from transformers import AttentionInterface  # noqa: PLC0415
 
     AttentionInterface.register(SELF_ONLY, _self_only)
-    why = check_once("cp_token_mixing", config, _mixing, attn=SELF_ONLY)
+    # a multimodal wrapper: its language model (the sharded sequence; the towers keep their own attention)
+    why = check_once("cp_token_mixing", text_config(config), _mixing, attn=SELF_ONLY)
     if why is None or "mixes tokens" in why:
         return why
     return f"whether it mixes tokens outside its attention could not be checked: {why}"
