@@ -24,6 +24,9 @@ MIXING = {  # model_type: the module of its first layer that carries state along
     "nemotron_h": "model.layers.0.mixer (NemotronHMamba2Mixer)",
     "lfm3": "model.layers.0.conv (Lfm3ShortConv)",
     "olmo_hybrid": "model.layers.0.linear_attn",
+    # short convolutions over k / v INSIDE the attention module, which calls the registry: accepted by the meta probe
+    "inkling_text": "model.layers.0.self_attn (InklingAttention)",
+    "zaya": "model.layers.0.self_attn (ZayaAttention)",
 }
 CLEAN = ("llama", "gemma2", "cohere2", "olmo2", "deepseek_v3", "qwen3_moe", "gpt2", "llama4_text", "gemma3n_text")
 

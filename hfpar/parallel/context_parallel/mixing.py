@@ -66,6 +66,16 @@ def _outputs(model: nn.Module, ids: torch.Tensor) -> list[tuple[str, nn.Module, 
     return [*seen, ("the model's logits", model, logits)]
 
 
+def _calls(outputs: list) -> list[tuple[str, int]]:
+    """(module name, how many times it had been called before) of each recorded output."""
+    seen: dict[str, int] = {}
+    keys = []
+    for name, _, _ in outputs:
+        keys.append((name, seen.get(name, 0)))
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
 def _in_layer(model: nn.Module, name: str, mod: nn.Module) -> tuple[str, nn.Module]:
     """The module of its decoder layer that holds `name` (`model.layers.0.mamba` for `model.layers.0.mamba.x_proj`,
     the first module a Mamba mixer's convolution reaches): what a user recognises."""
@@ -84,8 +94,12 @@ def _mixing(model: nn.Module) -> str | None:
     changed[0, T // 2] = 3 + (ids[0, T // 2] - 2) % (vocab - 3)  # another token at the middle position only
     others = [t for t in range(T) if t != T // 2]
     a, b = _outputs(model, ids), _outputs(model, changed)
-    for (name, mod, x), (_, _, y) in zip(a, b, strict=False):
-        x, y = x[:, others], y[:, others]
+    # matched by module and call (a module called a data-dependent number of times stays aligned)
+    by_call = {key: y for key, (_, _, y) in zip(_calls(b), b, strict=True)}
+    for key, (name, mod, x) in zip(_calls(a), a, strict=True):
+        if key not in by_call or by_call[key].shape != x.shape:
+            continue
+        x, y = x[:, others], by_call[key][:, others]
         if ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item() > TOL:
             name, mod = _in_layer(model, name, mod)
             return (
