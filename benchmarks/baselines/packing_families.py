@@ -12,7 +12,6 @@ packing_families.md (counts and the types of each outcome).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +21,8 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
-from benchmarks.common.launch import command, results_dir
+from benchmarks.common.family_report import write_report
+from benchmarks.common.launch import results_dir
 from hfpar.data.packing_probe import packing_problem
 
 
@@ -49,21 +49,8 @@ def main() -> None:
     for mt, why in answers.items():
         groups[outcome(why)].append(mt)
     out = Path(a.out) if a.out else results_dir("baselines")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "packing_families.json").write_text(json.dumps(answers, indent=1) + "\n")
-    lines = [
-        "# Padding-free rows by model type (hfpar.data.packing_probe)",
-        "",
-        f"`{command()}`; transformers' causal-LM model types, each type's default config; {time.time() - t0:.0f} s.",
-        "",
-        "| outcome | types |",
-        "|---|---|",
-        *(f"| {k} | {len(groups[k])} |" for k in ("apart", "mixed", "not checked")),
-        "",
-        *(f"**{k}**: {', '.join(groups[k])}\n" for k in ("apart", "mixed", "not checked")),
-        "Reasons: packing_families.json.",
-    ]
-    (out / "packing_families.md").write_text("\n".join(lines) + "\n")
+    title = "# Padding-free rows by model type (hfpar.data.packing_probe)"
+    lines = write_report(out, "packing_families", title, t0, answers, groups, ("apart", "mixed", "not checked"))
     print("\n".join(lines[:9]))
 
 
