@@ -111,10 +111,11 @@ def _no_dropout(cfg) -> None:
 
 def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool = False, own_k: bool = False) -> dict:
     """TINY / SHRINK's values (and `extra`'s) for the size fields `cfg` has; reset: per-layer settings (lists as long
-    as the layer stack) set to None, so the family rebuilds them for the shrunk depth; cut (else): cut to the first
-    `layers` entries (the layer kinds of the stack's start)."""
+    as the layer stack) set to None, so the family rebuilds them for the shrunk depth; cut (else): sampled to `layers`
+    entries (layer_sample), a size among them shrunk; own_k: top-k fields at most the config's own."""
     fields = cfg.to_dict()
-    over = {k: v for k, v in {**TINY, **SHRINK, **(extra or {})}.items() if k in fields}
+    sizes = {**TINY, **SHRINK, **(extra or {})}
+    over = {k: v for k, v in sizes.items() if k in fields}
     over = {k: v for k, v in over.items() if k not in OFF_WHEN_NONE or fields[k] is not None}
     over.update({k: min(v, fields[k]) for k, v in over.items() if own_k and k in TOP_K and isinstance(fields[k], int)})
     stack = [k for k in DEPTH_FIELDS if k in over]
@@ -124,7 +125,7 @@ def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool =
     over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
     if cut and not reset:
         kept = layer_sample([fields[k] for k in per_layer], layers)
-        sizes = {**TINY, **SHRINK, **(extra or {})}  # a size given per layer (Gemma-3n's intermediate_size): shrunk
+        # a size given per layer (Gemma-3n's intermediate_size): shrunk like the scalar
         over.update({k: [sizes[k] if k in sizes else fields[k][i] for i in kept] for k in per_layer})
     return over
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["localize_heads"]
+__all__ = ["HEAD_COUNTS", "localize_heads"]
 
-_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+# the attributes attention modules hold their (query) head count in
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _WIDTHS = ("hidden_size", "embed_dim", "all_head_size")
 
 
@@ -43,7 +44,7 @@ def localize_heads(attn: nn.Module, config, tp: int, widths: bool = False) -> No
     width of each of q, k, v in c_attn's output) with them; widths: an attribute that is all the heads' width (heads x
     head_dim: DBRX splits its fused qkv by `hidden_size`, XGLM reshapes its output by `embed_dim`) too (the plan's
     `attention_widths` regions: CodeGen's forward needs its embed_dim whole, so only a verified plan says which)."""
-    heads = next((v for a in _HEAD_COUNTS if isinstance(v := getattr(attn, a, None), int)), None)
+    heads = next((v for a in HEAD_COUNTS if isinstance(v := getattr(attn, a, None), int)), None)
     head_dim = getattr(attn, "head_dim", None)
     for attr in _WIDTHS if widths else ():
         v = getattr(attn, attr, None)
