@@ -123,10 +123,18 @@ def shrunk(cfg, layers: int, reset: bool, extra: dict | None = None, cut: bool =
     n = fields[stack[0]] if stack else None
     per_layer = [k for k, v in fields.items() if isinstance(v, list) and isinstance(n, int) and len(v) == n != layers]
     over.update({k: None for k in per_layer + ["per_layer_config"] if reset and fields.get(k) is not None})
+    overrides = fields.get("per_layer_config")  # transformers' heterogeneous configs: {layer: its own values}
+    overrides = {int(i): v for i, v in overrides.items()} if isinstance(overrides, dict) and n else None
     if cut and not reset:
-        kept = layer_sample([fields[k] for k in per_layer], layers)
+        # a layer with its own values is a kind of layer too (Dots3-note's 64-head layers beside its 128-head ones)
+        kinds = [[repr(sorted(overrides.get(i, {}).items())) for i in range(n)]] if overrides else []
+        kept = layer_sample([fields[k] for k in per_layer] + kinds, layers)
         # a size given per layer (Gemma-3n's intermediate_size): shrunk like the scalar
         over.update({k: [sizes[k] if k in sizes else fields[k][i] for i in kept] for k in per_layer})
+        if overrides:  # the kept layers' own values, sizes shrunk, at their new indices
+            over["per_layer_config"] = {
+                j: {k: sizes.get(k, v) for k, v in overrides[i].items()} for j, i in enumerate(kept) if i in overrides
+            }
     return over
 
 
@@ -163,18 +171,34 @@ def shrink(config, layers: int = 2, *, keep: bool = True, extra: dict | None = N
     fields to shrink. Raises when the family cannot build it. Tried in turn until the family accepts one: per-layer
     lists sampled (else reset for the family to rebuild), top-k shrunk to 2 (else the config's own)."""
     layers = min(layers, depth(config) or layers) if keep else layers
-    for reset, own_k in ((False, False), (False, True), (True, False)):
-        # huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors: the next try
-        with contextlib.suppress(Exception):
-            return _shrink(config, layers, reset=reset, keep=keep, extra=extra, own_k=own_k)
+    whole_mla_head = {"head_dim": SHRINK["qk_rope_head_dim"] + SHRINK["qk_nope_head_dim"]}
+    for more in ({}, _mamba_heads(config, extra), whole_mla_head):
+        for reset, own_k in ((False, False), (False, True), (True, False)):
+            # huggingface_hub's strict-dataclass validation errors, transformers' ValueErrors: the next try
+            with contextlib.suppress(Exception):
+                return _shrink(config, layers, reset=reset, keep=keep, extra={**(extra or {}), **more}, own_k=own_k)
     return _shrink(config, layers, reset=True, keep=keep, extra=extra, own_k=True)
+
+
+def _mamba_heads(config, extra: dict | None) -> dict:
+    """The Mamba-2 head count a shrunk config needs where the family checks heads x head_dim == expand x hidden (a
+    checkpoint's Bamba config holds both explicitly; its class defaults derive them)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = {**TINY, **SHRINK, **(extra or {})}
+    got = {k: sizes.get(k, getattr(text, k, None)) for k in ("mamba_d_head", "mamba_expand", "hidden_size")}
+    if not all(isinstance(v, int) and v > 0 for v in got.values()) or not hasattr(text, "mamba_n_heads"):
+        return {}
+    n, rem = divmod(got["mamba_expand"] * got["hidden_size"], got["mamba_d_head"])
+    return {"mamba_n_heads": n} if n and not rem else {}
 
 
 def _shrink(base, layers: int, reset: bool, keep: bool, extra: dict | None, own_k: bool = False):
     text = base.get_text_config() if hasattr(base, "get_text_config") else base
     over = shrunk(text, layers, reset, extra, cut=True, own_k=own_k)
-    if "qk_rope_head_dim" in over:  # MLA: rotary runs on the rope part of each head; one k/v per head
-        over.update(head_dim=over["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
+    if "qk_rope_head_dim" in over:  # MLA: rotary on the rope part of each head (DeepSeek's head_dim; `extra` may
+        # give the whole query head, nope + rope: Dots3-note's sliding layers); one k/v per head
+        head_dim = (extra or {}).get("head_dim", over["qk_rope_head_dim"])
+        over.update(head_dim=head_dim, num_key_value_heads=TINY["num_attention_heads"])
     # the other sub-configs shrunk the same way: a multimodal wrapper's vision / audio towers, DBRX's attn / ffn
     towers = {
         key: {**tower.to_dict(), **shrunk(tower, layers, reset, extra, own_k=own_k)}
@@ -261,6 +285,41 @@ def build_float64(config, attn: str | None = None):
     with _quiet_seeded(), set_zero3_state(), torch.device("cpu"):
         model = _build(AutoModelForCausalLM, config, attn)
     return model.double().eval()
+
+
+def tiny_like(model, extra: dict | None = None):
+    """A tiny float64 CPU copy of `model`: its own class (a wrapper, a task head) built from its config shrunk as
+    tiny_model shrinks it (its first LAYERS layers, every kind of layer kept; `extra`: more size fields), random
+    weights from seed 0, the global RNG untouched; or why it cannot be had (a string). The model itself may be a
+    meta skeleton: only its config and class are read. Raises where the family cannot build or shrink it."""
+    # transformers imported on use: why: docs/architecture.md#why-start-up-time
+    from transformers.modeling_utils import set_zero3_state  # noqa: PLC0415
+
+    config = model.config
+    if getattr(config, "auto_map", None):
+        return "its model is custom code (the config's auto_map), which the check does not run"
+    own = getattr(config, "_attn_implementation", None)
+    attn = own if own in ("eager", "sdpa") else None
+    cls = _Class(type(model))
+    with _quiet_seeded(), set_zero3_state():
+        tiny = shrink(copy.deepcopy(config), LAYERS, extra={**PROBE_SHRINK, **(extra or {})})
+        with torch.device("meta"):
+            n = sum(p.numel() for p in _build(cls, tiny, attn).parameters())
+        if n > MAX_PARAMS:
+            return f"its tiny copy still has {n / 1e6:.0f}M parameters (a size field the checker does not shrink)"
+        with torch.device("cpu"):
+            built = _build(cls, tiny, attn)
+    return built.double().eval()
+
+
+class _Class:
+    """A model class spelled like an Auto class for _build: from_config(config, **kw) builds that class itself."""
+
+    def __init__(self, cls) -> None:
+        self.cls = cls
+
+    def from_config(self, config, **kw):
+        return self.cls._from_config(config, dtype=torch.float32, **kw)
 
 
 def _build(auto, tiny, attn: str | None):

@@ -21,19 +21,7 @@ import torch.distributed as dist
 
 from hfpar.parallel.sharding import shard_spec
 from tests.helpers.dist import run_distributed
-from tests.helpers.tp_models import batch, build, rel
-
-_OLMO2_PER_HEAD = {  # wrong on purpose: olmo2's q_norm / k_norm span every head (HF: colwise_gather_output)
-    "model.embed_tokens": "vocab_embedding",
-    "model.layers.*.self_attn": "attention",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.self_attn.q_norm": "replicated_heads",
-    "model.layers.*.self_attn.k_norm": "replicated_heads",
-    "lm_head": "colwise_lm_head",
-}
+from tests.helpers.tp_models import OLMO2_PER_HEAD, batch, build, rel
 
 
 def _full_grads(model) -> dict:
@@ -71,7 +59,7 @@ def _worker(rank: int, world_size: int, outdir: str) -> dict:
     olmo = build("olmo2")
     before = {n: p.detach().clone() for n, p in olmo.named_parameters()}
     try:
-        apply_tensor_parallel(olmo, dist.group.WORLD, plan=_OLMO2_PER_HEAD)
+        apply_tensor_parallel(olmo, dist.group.WORLD, plan=OLMO2_PER_HEAD)
         res["olmo2"] = "accepted"
     except ValueError as e:
         res["olmo2"] = str(e)

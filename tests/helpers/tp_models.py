@@ -72,3 +72,16 @@ def batch(vocab: int = 128, seed: int = 1):
 def rel(a, b) -> float:
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+OLMO2_PER_HEAD = {  # wrong on purpose: olmo2's q_norm / k_norm span every head (HF: colwise_gather_output)
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.q_norm": "replicated_heads",
+    "model.layers.*.self_attn.k_norm": "replicated_heads",
+    "lm_head": "colwise_lm_head",
+}

@@ -13,8 +13,8 @@ linear attention kept whole and DeepSeek-V2's MoE blocks see the full sequence, 
 
 Tiny models built from configs (benchmarks/tensor_parallel/family_sweep.py tiny_config, vocab 128 = the embedded
 tokenizer's), one module fixture: per family one one-process reference, one TP=2 run (and one TP=2 + SP run), in two
-launches. In the recipe TP is applied to the meta skeleton of the sharded loading: an inferred plan (Falcon,
-GPT-BigCode) is verified on a random-weight copy of the first block; a derived one is not verified there (a warning).
+launches. In the recipe TP is applied to the meta skeleton of the sharded loading: every plan (written, derived,
+inferred) is verified there on a tiny float64 copy of the model (hfpar.parallel.tensor_parallel.tiny_check).
 """
 
 from __future__ import annotations

@@ -89,3 +89,26 @@ def test_the_checks_copy_of_a_hybrid_runs():
     assert "attention" in model.config.layers_block_type
     ids = torch.arange(3, 11).view(1, 8)
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "dots3_note_text", "llama"])
+def test_a_checkpoints_config_copies_tiny_in_its_own_class(model_type):
+    """What TP's check of a meta skeleton builds (tiny_check.py): a copy of the model's own class from its config at
+    full size. Bamba's checkpoint config holds its Mamba heads x head_dim == expand x hidden explicitly (shrunk
+    together); Dots3-note gives heads and MLA sizes per layer (transformers' heterogeneous per_layer_config:
+    sampled with the layers and shrunk; its sliding layers' head_dim is the whole query head)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from hfpar.parallel.tiny_copy import tiny_like
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    model = tiny_like(skeleton)
+    assert not isinstance(model, str), model
+    assert type(model) is type(skeleton) and next(model.parameters()).dtype == torch.float64
+    assert sum(p.numel() for p in model.parameters()) < 4_000_000  # Dots3-note's indexer: 3.2M
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+    if model_type == "dots3_note_text":  # both kinds of layer, each with its own (shrunk) values
+        assert set(model.config.layer_types) == {"indexed_attention", "sliding_attention"}

@@ -67,8 +67,9 @@ from .loss import vocab_parallel_cross_entropy
 from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, reroot_plan, validate_plan
 from .sequence_plan import sequence_parallel_plan
 from .shape_check import REGIONS as _REGIONS
-from .shape_check import match_plan, moe_block_names, validate_degrees
+from .shape_check import drop_empty_regions, match_plan, moe_block_names, validate_degrees
 from .shard_modules import RegionColumnParallelLinear, shard_modules
+from .tiny_check import on_meta, verify_on_tiny_copy
 
 __all__ = [
     "apply_tensor_parallel",
@@ -197,7 +198,7 @@ def apply_tensor_parallel(
     # derived plans list every variant a family has (DeepSeek's q_proj or q_a/q_b_proj): the absent ones are skipped
     matched = match_plan(model, plan, optional, allow_unmatched=bool(moe) or derived)
     if derived:
-        matched = _drop_empty_regions(matched)
+        matched = drop_empty_regions(matched)
     assigned = {n: s for n, (s, _) in matched.items()}
     lm_head = any(s == "colwise_lm_head" for s in assigned.values())
     if sequence_parallel and not lm_head:
@@ -227,7 +228,11 @@ def apply_tensor_parallel(
         _check_replicated(model, tp_group)
 
     shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if verify_plan:  # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
+    if verify_plan and on_meta(model):  # no weights yet (sharded loading): the plan on a tiny copy (tiny_check.py)
+        model._hfpar_tp_verify_rel = verify_on_tiny_copy(
+            model, plan, tp_group, optional=optional, drop_empty=derived, sequence_parallel=sequence_parallel
+        )
+    elif verify_plan:  # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
         model._hfpar_tp_verify_rel = verify_first_block(
             model,
             assigned,
@@ -270,7 +275,7 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
         try:
             if sequence_parallel:
                 plan = sequence_parallel_plan(model, plan)
-            matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
+            matched = drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
             validate_degrees(model, matched, config, tp, sequence_parallel, tied)
         except ValueError as e:
             last = e
@@ -279,15 +284,21 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             _check_replicated(model, tp_group)
             checked = True
         shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-        try:
-            model._hfpar_tp_verify_rel = verify_first_block(
-                model,
-                {n: s for n, (s, _) in matched.items()},
-                shard,
-                tp_group,
-                sequence_parallel=sequence_parallel,
-                model_type=mt,
-                probe_meta=True,
+        try:  # a skeleton: on its tiny copy, else (custom code) its first block with random weights at full size
+            kw = {"optional": ("colwise_lm_head",), "drop_empty": True, "sequence_parallel": sequence_parallel}
+            rel = verify_on_tiny_copy(model, plan, tp_group, warn=False, **kw) if on_meta(model) else None
+            model._hfpar_tp_verify_rel = (
+                rel
+                if rel is not None
+                else verify_first_block(
+                    model,
+                    {n: s for n, (s, _) in matched.items()},
+                    shard,
+                    tp_group,
+                    sequence_parallel=sequence_parallel,
+                    model_type=mt,
+                    probe_meta=True,
+                )
             )
         except ValueError as e:
             last = e
@@ -310,24 +321,10 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
     )
 
 
-def _drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
-    """A derived / inferred region pattern can match a module built differently from the one the plan describes
-    (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
-    plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
-    proj = ("colwise", "colwise_packed", "rowwise", "rowwise_heads")
-    empty = [
-        r
-        for r, (s, _) in matched.items()
-        if s in _REGIONS
-        and not any(n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())
-    ]
-    return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
-
-
 def _shards_blocks(model: nn.Module, plan: Mapping[str, str]) -> bool:
     """Whether a derived plan shards a region of this model (HF's plan may name only layer kinds it lacks: Inkling's
     dense MLPs, every layer of the tiny model being MoE)."""
-    matched = _drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
+    matched = drop_empty_regions(match_plan(model, plan, ("colwise_lm_head",), allow_unmatched=True))
     return any(s.partition(":")[0] in _REGIONS for s, _ in matched.values())
 
 

@@ -22,10 +22,12 @@ Cost: two float64 copies of one block (peak: model + 2 blocks in fp64), one shor
 forward and backward of the block on 2 x T tokens (T = 8 rounded up to a multiple of tp) per copy, one all-gather
 per sharded parameter of the block and one all-reduce; per block structure. Milliseconds on a tiny model; on a 7B
 model on GPU well under a second, negligible beside the loading it follows. Weights on the meta device (the recipes'
-sharded loading shards the skeleton before reading any weight): not verified (a warning), except an inferred plan
-(probe_meta: its candidates, e.g. a fused qkv's layouts, only a run tells apart), verified on a copy whose first
-block and everything outside the blocks are drawn at random, the same on every rank (costs that much memory at load
-time: the embedding and head in fp32, the block in fp64 twice; TP after EP: skipped as before).
+sharded loading shards the skeleton before reading any weight): apply_tensor_parallel verifies the plan on a tiny
+copy of the model instead (tiny_check.py); called here directly on meta, not verified (a warning), except with
+probe_meta (an inferred plan: its candidates, e.g. a fused qkv's layouts, only a run at the real sizes tells apart):
+the first block verified on a copy whose first block and everything outside the blocks are drawn at random, the same
+on every rank (costs that much memory at load time: the embedding and head, the block in fp64 twice; TP after EP:
+skipped as before); the other block structures are then checked on the tiny copy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import copy
 import warnings
 from collections.abc import Callable, Mapping
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -163,6 +166,14 @@ def verify_first_block(
                 f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device)", stacklevel=3
             )
             return 0.0
+        need, free = _probe_bytes(model, parent, name), _free_bytes(tp_group)
+        if need > free / 4:  # every rank of the node builds one: a quarter of what is free, at most
+            warnings.warn(
+                f"apply_tensor_parallel: the plan is not verified on {name} (weights on the meta device; a random-"
+                f"weight copy of it would take {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)",
+                stacklevel=3,
+            )
+            return 0.0
         model, names = _random_probe(model, parent, name, tp_group), [name]
     worst = 0.0
     for block_name in dict.fromkeys(names):  # SP: block 0 splits T itself (sequence_scatter), the others get T/tp
@@ -182,16 +193,39 @@ def verify_first_block(
     return worst
 
 
+def _probe_bytes(model: nn.Module, blocks: str, first: str) -> int:
+    """What _random_probe and the check of its first block hold: the parameters outside the blocks (not an untied LM
+    head) in fp32, and the first block three times in float64 (the probe's, the reference and the sharded copy with
+    their gradients)."""
+    stack, block = model.get_submodule(blocks), model.get_submodule(first)
+    in_blocks = {id(p) for b in stack for p in b.parameters()}
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and (emb is None or head.weight is not emb.weight):
+        in_blocks |= {id(p) for p in head.parameters()}
+    outside = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    return 4 * outside + 8 * 4 * sum(p.numel() for p in block.parameters())
+
+
+def _free_bytes(tp_group) -> int:
+    """Memory free where the probe runs: this rank's GPU under NCCL, else the host's available memory."""
+    if dist.get_backend(tp_group) == "nccl":
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available
+
+
 def _random_probe(model: nn.Module, blocks: str, first: str, tp_group) -> nn.Module:
     """A copy of a meta skeleton (the recipe's sharded loading applies TP before any weight is read) whose parameters
     outside the blocks and in the first block are drawn at random, the same on every rank: a plan's correctness is a
     matter of structure, not of values, so the first block is verified on it. The other blocks stay on meta (running
-    up to them would need every block before them): they are not verified (one warning)."""
+    up to them would need every block before them): apply_tensor_parallel checks them on a tiny copy."""
     probe = copy.deepcopy(model, _handles(model))
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp_group) == "nccl" else None
     gen = torch.Generator().manual_seed(2024)
     stack = probe.get_submodule(blocks)
     skip = {id(m) for b in stack if b is not probe.get_submodule(first) for m in b.modules()}
+    head, emb = probe.get_output_embeddings(), probe.get_input_embeddings()
+    if head is not None and (emb is None or head.weight is not emb.weight):  # after the blocks: never run here
+        skip.add(id(head))
     for m in probe.modules():
         if id(m) in skip:
             continue
@@ -203,12 +237,6 @@ def _random_probe(model: nn.Module, blocks: str, first: str, tp_group) -> nn.Mod
         if device is not None:  # NCCL: the probe runs on this rank's GPU
             for n, b in list(m.named_buffers(recurse=False)):
                 m._buffers[n] = b.to(device)
-    if len(stack) > 1:
-        warnings.warn(
-            f"apply_tensor_parallel: weights on the meta device: the plan is verified on {first} with random "
-            "weights, not on the other blocks",
-            stacklevel=4,
-        )
     return probe
 
 
@@ -307,18 +335,15 @@ def _verify_block(
             if what.endswith(" gradient") and "." in what[len(name) :]
             else name
         )
-        if what == f"{name} output":  # the first submodule (in execution order) whose full-shape output differs
-            first = next(
-                (
-                    n
-                    for n, t in seen
-                    if n in seen_ref
-                    and t.shape == seen_ref[n].shape
-                    and t.is_floating_point()
-                    and not _rel_err(t, seen_ref[n]) <= tol
-                ),
-                "",
-            )
+        if what == f"{name} output":  # the first submodule call (in execution order) whose full-shape output differs
+            calls: dict[str, int] = {}  # a module called twice (Gemma-3n's altup router norm): matched call by call
+            first = ""
+            for n, t in seen:
+                i = calls[n] = calls.get(n, -1) + 1
+                r = seen_ref.get(n, [])[i] if i < len(seen_ref.get(n, [])) else None
+                if r is not None and t.shape == r.shape and t.is_floating_point() and not _rel_err(t, r) <= tol:
+                    first = n
+                    break
             module = f"{name}.{first}" if first else name
         entry = _entry(assigned, module)
         raise ParallelError(
@@ -339,8 +364,8 @@ def _reference(block: nn.Module, call, dtype):
     args, kwargs = _cast(call, dtype)
     hidden, rebuild = _split_hidden(args, kwargs)
     ref = copy.deepcopy(block, _handles(block)).to(dtype).eval()
-    seen_ref: dict[str, torch.Tensor] = {}
-    _record(ref, lambda n, t: seen_ref.__setitem__(n, t))
+    seen_ref: dict[str, list[torch.Tensor]] = {}
+    _record(ref, lambda n, t: seen_ref.setdefault(n, []).append(t))
     x_ref = hidden.detach().clone().requires_grad_()
     out_ref = _first_tensor(ref(*rebuild(x_ref)[0], **rebuild(x_ref)[1]))
     cot = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(4321), dtype=dtype).to(out_ref.device)

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..errors import ParallelError, Problem
 from ..language_model import language_model_path, text_config
+from .heads import head_count_values
 from .plans import TP_PLANS, compile_pattern
 from .shape_check import lookup_only
 
@@ -246,9 +247,7 @@ def _is_decoder_layer(model: nn.Module, parent: str) -> bool:
 
 
 def _head_counts(model: nn.Module) -> set[int]:
-    cfg = text_config(model.config)
-    h = getattr(cfg, "num_attention_heads", None)
-    return {n for n in (h, getattr(cfg, "num_key_value_heads", None) or h) if isinstance(n, int) and n > 1}
+    return head_count_values(text_config(model.config))
 
 
 def _per_head_output(model: nn.Module, pattern: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["HEAD_COUNTS", "localize_heads"]
+__all__ = ["HEAD_COUNTS", "config_heads", "head_count_values", "layer_config", "localize_heads"]
 
 # the attributes attention modules hold their (query) head count in
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -63,6 +63,45 @@ def localize_heads(attn: nn.Module, config, tp: int, widths: bool = False) -> No
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(attn, attr, v // tp)
     if getattr(attn, "config", None) is not None and config is not None:  # e.g. Phi-3 reads config.num_attention_heads
-        nh = config.num_attention_heads
-        nkv = getattr(config, "num_key_value_heads", None) or nh
+        nh, nkv = config_heads(config, attn)
         attn.config = _LocalHeadsConfig(config, num_attention_heads=nh // tp, num_key_value_heads=nkv // tp)
+
+
+def layer_config(config, module: nn.Module):
+    """The config that sizes `module`'s layer: config.per_layer_config[module.layer_idx] where the config is given per
+    layer (Dots3-note: 64 heads in some layers, 128 in others; its global head count raises as ambiguous), else the
+    config itself."""
+    per_layer, idx = _per_layer(config), getattr(module, "layer_idx", None)
+    return per_layer[idx] if isinstance(idx, int) and 0 <= idx < len(per_layer) else config
+
+
+def _per_layer(config) -> list:
+    """The config's per-layer configs (transformers' heterogeneous configs: a sequence view), else []."""
+    view = getattr(config, "per_layer_config", None)
+    try:
+        return list(view) if view is not None and not isinstance(view, (str, dict)) else []
+    except (TypeError, AttributeError):  # not a sequence (BLT's view has no layer count)
+        return []
+
+
+def config_heads(config, attn: nn.Module) -> tuple[int, int]:
+    """(query heads, key-value heads) of the attention module `attn` as its config gives them (per layer, where
+    the config is: layer_config)."""
+    cfg = layer_config(config, attn)
+    nh = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(nh, int):  # a config without the field (BLT's): the module's own count
+        nh = next((v for a in HEAD_COUNTS if isinstance(v := getattr(attn, a, None), int)), 1)
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(attn, "num_key_value_heads", None)
+    return nh, kv if isinstance(kv, int) else nh
+
+
+def head_count_values(config, kv: bool = True) -> set[int]:
+    """Every query (and, with kv, key-value) head count the config gives, over its layers where it is given per layer
+    (a global read of a per-layer field raises in transformers' heterogeneous configs)."""
+    layers = _per_layer(config)
+    out: set[int] = set()
+    for cfg in layers or [config]:
+        h = getattr(cfg, "num_attention_heads", None)
+        both = (h, getattr(cfg, "num_key_value_heads", None) or h) if kv else (h,)
+        out.update(n for n in both if isinstance(n, int) and n > 1)
+    return out

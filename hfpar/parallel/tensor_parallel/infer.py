@@ -23,7 +23,7 @@ from torch import nn
 
 from ..language_model import language_model_path, text_config
 from .conv1d import is_conv1d
-from .heads import HEAD_COUNTS
+from .heads import HEAD_COUNTS, head_count_values
 from .plans import compile_pattern
 from .shape_check import ATTENTION, lookup_only
 
@@ -82,7 +82,7 @@ def _norms(region: nn.Module, widths: set[int], head_dim) -> list[str]:
 def _heads(model: nn.Module, attn: nn.Module) -> set[int]:
     cfg = text_config(getattr(model, "config", None))
     vals = {getattr(attn, a, None) for a in HEAD_COUNTS}
-    vals.add(getattr(cfg, "num_attention_heads", None))
+    vals |= head_count_values(cfg, kv=False) if cfg is not None else set()
     return {v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 1}
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import ParallelError
 from .conv1d import is_conv1d
+from .heads import config_heads
 from .norms import rmsnorm_problem
 from .plans import PARAM_STYLES, compile_pattern, packed_splits
 
@@ -102,6 +103,20 @@ def match_plan(
     return out
 
 
+def drop_empty_regions(matched: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """A derived / inferred region pattern can match a module built differently from the one the plan describes
+    (MiniMax's linear-attention layers share the name `self_attn` with its full-attention layers): where none of the
+    plan's projections sit inside it, the module stays whole and replicated (exact; its blocks are verified too)."""
+    proj = ("colwise", "colwise_packed", "rowwise", "rowwise_heads")
+    empty = [
+        r
+        for r, (s, _) in matched.items()
+        if s in REGIONS
+        and not any(n.startswith(r + ".") and t.partition(":")[0] in proj for n, (t, _) in matched.items())
+    ]
+    return {n: v for n, v in matched.items() if not any(n == r or n.startswith(r + ".") for r in empty)}
+
+
 def _acts_as_linear(mod: nn.Module, known: dict[type, bool]) -> bool:
     """An nn.Linear, or a subclass that only re-spells its forward (Falcon's FalconLinear: x @ W.T + b): no other
     parameter, buffer or child, and on a random input the same output as F.linear (checked once per class, on the
@@ -153,8 +168,7 @@ def validate_degrees(
                         f"(its input gradient would be summed over the TP ranks)"
                     )
         if base in ATTENTION and config is not None:
-            nh = getattr(config, "num_attention_heads")
-            nkv = getattr(config, "num_key_value_heads", None) or nh
+            nh, nkv = config_heads(config, mod)
             for field, n in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):
                 if n % tp:
                     add(f"{field} {n} is not divisible by tp_size {tp}")
