@@ -42,7 +42,7 @@ from hfpar.parallel.context_parallel.mixing import token_mixing_problem
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.expert_parallel import config_num_experts, upcycle_problem
 from hfpar.parallel.language_model import pipeline_refusal, text_config
-from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_stages
+from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_problem, pipeline_stages
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 from hfpar.precision.fp8 import fp8_problems, fp8_settings
@@ -285,6 +285,8 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
             f"fewer than the {stages} virtual stages; valid: "
             + (f"--pp_virtual_stages 2..{layers // ctx.pp}" if layers >= 2 * ctx.pp else "--pp_schedule 1f1b or gpipe")
         ]
+    if why := pipeline_problem(config):  # what the model's forward does between its layers, on its tiny copy
+        return [f"--pp_size {ctx.pp}: pipeline stages of {name} would not compute it ({why}); valid: pp_size 1"]
     p = []
     if args.pp_split:
         try:

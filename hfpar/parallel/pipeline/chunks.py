@@ -19,7 +19,8 @@ import re
 import torch
 import torch.nn as nn
 
-from .stage import PipelineStage, _base
+from .boundary import _base, drop_post_layer, post_layer_modules
+from .stage import PipelineStage
 
 
 def _shell(module: nn.Module) -> nn.Module:
@@ -47,7 +48,7 @@ def _trim(model: nn.Module, first: bool, last: bool) -> None:
     if not first:
         base.embed_tokens = None
     if not last:
-        base.norm = nn.Identity()
+        drop_post_layer(base, post_layer_modules(model.config))  # as PipelineStage does
         model.lm_head = None
 
 

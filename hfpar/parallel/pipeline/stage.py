@@ -16,7 +16,6 @@ other stages, the embedding (not first) and the norm / LM head (not last) are dr
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 
 import torch
@@ -29,8 +28,10 @@ from hfpar.parallel.expert_parallel import (
     save_upcycled_pretrained,
     upcycle_to_moe,
 )
-from hfpar.parallel.language_model import pipeline_refusal
 from hfpar.parallel.sharding import local_tensor
+
+from .boundary import _base, decoder_layers, drop_post_layer, post_layer_modules, stage_config
+from .check import stage_problem
 
 
 def tied_embedding_group(pipelines: list[list[int]]):
@@ -42,29 +43,6 @@ def tied_embedding_group(pipelines: list[list[int]]):
         if rank in (peers[0], peers[-1]):
             mine = group
     return mine
-
-
-def _base(model: nn.Module) -> nn.Module:
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    return base if base is not None else getattr(model, "model", None)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a *ForCausalLM, or ValueError in one line naming the model."""
-    if why := pipeline_refusal(getattr(model, "config", None), type(model).__name__):
-        raise ValueError(f"pipeline parallelism: {why}")
-    base = _base(model)
-    layers = getattr(base, "layers", None)
-    if (
-        getattr(model.config, "is_encoder_decoder", False)
-        or not isinstance(layers, nn.ModuleList)
-        or not hasattr(model, "lm_head")
-    ):
-        raise ValueError(
-            f"pipeline parallelism: {type(model).__name__} is not a decoder-only causal LM whose base "
-            "model holds a `layers` ModuleList (Llama, Mistral, Qwen2/3, Gemma, Phi-3 style)"
-        )
-    return layers
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -127,11 +105,30 @@ def parse_split(text: str, num_layers: int, pp: int) -> list[int]:
     return bounds
 
 
+def pipeline_problem(config) -> str | None:
+    """Why pipeline stages would not compute `config`'s model (one line), or None: check.stage_problem on its tiny
+    copy, cut at every layer (cached per config). The recipes' preflight asks it before the model loads."""
+    return stage_problem(config, PipelineStage)
+
+
 class PipelineStage(nn.Module):
     """The stage `stage_index` of `model` (trimmed in place; keep no other reference to the full model)."""
 
-    def __init__(self, model: nn.Module, stage_index: int, bounds: list[int], peft_model: nn.Module | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        stage_index: int,
+        bounds: list[int],
+        peft_model: nn.Module | None = None,
+        post_layer: tuple[str, ...] | None = None,
+        check: bool = True,
+    ):
+        """post_layer: the base model's children that run after its layers (post_layer_children; None: found on the
+        model's tiny copy, post_layer_modules), dropped from every stage but the last. check: refuse (ValueError, one
+        line) a model whose stages would not compute it (check.stage_problem on its tiny copy; cached per config)."""
         super().__init__()
+        if check and (why := stage_problem(model.config, PipelineStage)):
+            raise ValueError(f"pipeline parallelism: {type(model).__name__}'s stages would not compute it: {why}")
         layers = decoder_layers(model)
         self.stage_index, self.num_stages = stage_index, len(bounds) - 1
         self.start, self.stop = bounds[stage_index], bounds[stage_index + 1]
@@ -147,17 +144,13 @@ class PipelineStage(nn.Module):
             and model.get_output_embeddings().weight is model.get_input_embeddings().weight
         )
         self._holds_tied = self.ties_embeddings and (self.is_first or self.is_last)
+        post = post_layer_modules(model.config) if post_layer is None else post_layer
         base.layers = nn.ModuleList(list(layers)[self.start : self.stop])
-        # the base model loops over config.num_hidden_layers and may index per-layer config lists by position
-        cfg = copy.copy(base.config)
-        cfg.num_hidden_layers = self.stop - self.start
-        if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[self.start : self.stop]
-        base.config = cfg
+        base.config = stage_config(base.config, len(layers), self.start, self.stop)
         if not self.is_first:
             base.embed_tokens = None
         if not self.is_last:
-            base.norm = nn.Identity()
+            drop_post_layer(base, post)
             model.lm_head = None
         self.lm = model
         self._received = None
@@ -208,7 +201,16 @@ class PipelineStage(nn.Module):
         self._received = None if self.is_first else x
         if self.is_last:
             return self.lm(**inputs, **kw).logits
-        return _base(self.lm)(**inputs, **kw).last_hidden_state
+        # what the base model does after its layers (a final norm by any name, LFM2's `embedding_norm`) belongs to
+        # the last stage: the states handed on are the last layer's output itself, taken by a hook
+        sent: list = []
+        handle = _base(self.lm).layers[-1].register_forward_hook(lambda mod, args, out: sent.append(out))
+        try:
+            _base(self.lm)(**inputs, **kw)
+        finally:
+            handle.remove()
+        out = sent[-1]
+        return out if isinstance(out, torch.Tensor) else out[0]
 
     @contextlib.contextmanager
     def receiving(self, x: torch.Tensor | None):
