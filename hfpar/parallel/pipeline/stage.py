@@ -9,8 +9,11 @@ Every stage runs the HF model's own forward, so its own semantics stay: rotary e
 position ids on each stage, masks built by transformers on each stage (packed rows from the position ids, padding
 from attention_mask), the last stage's final norm, LM head and any logit soft-capping. Stages after the first
 hand the received hidden states to their first layer through a forward pre-hook, so what the base model does
-between embedding and first layer (Gemma's sqrt(hidden) scaling) happens once, on the first stage. Layers of
-other stages, the embedding (not first) and the norm / LM head (not last) are dropped from the stage.
+between embedding and first layer (Gemma's sqrt(hidden) scaling) happens once, on the first stage; stages before
+the last hand on their last layer's output itself (a forward hook), so what the base model does after its layers
+happens once, on the last. Layers of other stages, the embedding (not first) and what runs after the layers (not
+last: the final norm by whatever name, boundary.post_layer_modules) are dropped from the stage. A model whose
+stages would not compute it (check.py, on its tiny copy) is refused in one line at construction.
 """
 
 from __future__ import annotations
