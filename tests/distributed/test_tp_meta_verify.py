@@ -8,8 +8,9 @@ Skeletons of the families' DEFAULT configs (real sizes: Llama 7B, Gemma-3n E4B, 
 - Llama (written plan) and Qwen3-Next (derived plan: gated-DeltaNet and full attention, MoE) are accepted with no
   "not verified" warning, and the skeleton is sharded;
 - Gemma-3n's activation-sparse MLPs (a Gaussian top-k over the intermediate width: sharded, its statistics differ)
-  are refused in one line naming the MLP, before any weight is read; the skeleton is left unsharded (before this
-  check the recipes trained it wrongly with one warning: step-1 loss 2.1e-4 apart);
+  are found on the tiny copy before any weight is read and kept whole (its attention sharded), or refused in one
+  line under sequence parallelism (before this check the recipes trained them wrongly with one warning: step-1 loss
+  2.1e-4 apart);
 - a wrong user plan (OLMo-2's all-heads q/k norms as per-head) is refused on the skeleton as on loaded weights;
 - an inferred plan (GPT-BigCode) is accepted, its other blocks checked on the tiny copy;
 - a config with custom code (auto_map) is applied unverified with one warning saying why.
@@ -57,7 +58,12 @@ def _worker(rank: int, world_size: int) -> dict:
     res = {}
     res["llama"] = _apply(_skeleton("llama"))
     res["qwen3_next"] = _apply(_skeleton("qwen3_next"))
-    res["gemma3n"] = _apply(_skeleton("gemma3n_text"))
+    gemma = _skeleton("gemma3n_text")
+    res["gemma3n"] = _apply(gemma)
+    layer = gemma.model.layers[0]
+    res["gemma3n_mlp_sharded"] = shard_spec(layer.mlp.down_proj.weight) is not None
+    res["gemma3n_attn_sharded"] = shard_spec(layer.self_attn.q_proj.weight) is not None
+    res["gemma3n_sp"] = _apply(_skeleton("gemma3n_text"), sequence_parallel=True)
     res["olmo2_wrong"] = _apply(_skeleton("olmo2"), plan=OLMO2_PER_HEAD)
     res["bigcode"] = _apply(_skeleton("gpt_bigcode", multi_query=False, vocab_size=50304))
     custom = _skeleton("llama")
@@ -79,11 +85,19 @@ def test_sound_plans_on_a_skeleton_are_verified_and_applied(ranks):
             assert not [w for w in said if "not verified" in w], (case, said)
 
 
-def test_activation_sparse_mlps_refused_before_any_weight_is_read(ranks):
+def test_activation_sparse_mlps_kept_whole_before_any_weight_is_read(ranks):
+    """Gemma-3n's derived plan shards its MLPs, whose Gaussian top-k spans the intermediate width: the tiny copy's
+    check names the MLP, the MLP region is kept whole on every rank and the rest (attention, embedding, LM head)
+    verified again; under sequence parallelism refused in one line (a kept-whole MLP would see part of the tokens,
+    so a derived plan is never cut down there; Gemma-3n's stack is refused earlier, by its modules after the layers)."""
     for r in ranks:
-        outcome, _, sharded = r["gemma3n"]
-        assert "\n" not in outcome and "does not reproduce the unsharded model.layers." in outcome, outcome
-        assert ".mlp" in outcome and "tiny float64 copy" in outcome and "left unsharded" in outcome, outcome
+        outcome, said, sharded = r["gemma3n"]
+        assert outcome == "accepted" and sharded, outcome
+        kept = [w for w in said if "model.layers.*.mlp is kept whole on every TP rank" in w]
+        assert kept and "module model.layers.0.mlp.down_proj, its plan entry: 'rowwise'" in kept[0], said
+        assert r["gemma3n_mlp_sharded"] is False and r["gemma3n_attn_sharded"] is True
+        outcome, _, sharded = r["gemma3n_sp"]
+        assert "sequence_parallel for model_type 'gemma3n_text'" in outcome and "\n" not in outcome, outcome
         assert not sharded
 
 

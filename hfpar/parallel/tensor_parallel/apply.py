@@ -64,7 +64,7 @@ from .hf_loss import install_hf_semantics
 from .infer import infer_plans, unrecognised
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy
-from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, get_plan, reroot_plan, validate_plan
+from .plans import TESTED_DERIVED_MODEL_TYPES, TP_PLANS, compile_pattern, get_plan, reroot_plan, validate_plan
 from .sequence_plan import sequence_parallel_plan
 from .shape_check import REGIONS as _REGIONS
 from .shape_check import drop_empty_regions, match_plan, moe_block_names, validate_degrees
@@ -228,19 +228,26 @@ def apply_tensor_parallel(
         _check_replicated(model, tp_group)
 
     shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if verify_plan and on_meta(model):  # no weights yet (sharded loading): the plan on a tiny copy (tiny_check.py)
-        model._hfpar_tp_verify_rel = verify_on_tiny_copy(
-            model, plan, tp_group, optional=optional, drop_empty=derived, sequence_parallel=sequence_parallel
-        )
-    elif verify_plan:  # the first decoder block, sharded on a copy, against the unsharded block (block_check.py)
-        model._hfpar_tp_verify_rel = verify_first_block(
-            model,
-            assigned,
-            shard,
-            tp_group,
-            sequence_parallel=sequence_parallel,
-            model_type=getattr(config, "model_type", None),
-        )
+    while verify_plan:
+        try:
+            model._hfpar_tp_verify_rel = _verify(
+                model, plan, assigned, shard, tp_group, sequence_parallel, optional, derived
+            )
+            break
+        except ParallelError as e:  # a derived plan: the region that differs kept whole, the rest verified again
+            region = _failing_region(plan, getattr(e, "module", None)) if derived and not sequence_parallel else None
+            if region is None:
+                raise
+            plan = {p: s for p, s in plan.items() if p != region and not p.startswith(region + ".")}
+            why = e.reasons.split("; the model is left")[0]
+            warnings.warn(
+                f"apply_tensor_parallel: {region} is kept whole on every TP rank: sharded by the plan derived from "
+                f"base_model_tp_plan it does not reproduce the unsharded model ({why})",
+                stacklevel=2,
+            )
+            matched = drop_empty_regions(match_plan(model, plan, optional, allow_unmatched=True))
+            assigned = {n: s for n, (s, _) in matched.items()}
+            validate_degrees(model, matched, config, tp, sequence_parallel, tied)
     new_modules = shard(model, assigned)
     if tied:  # the lm_head keeps sharing the embedding's Parameter: same rows, same vocab split
         emb = next(new_modules[n] for n, s in assigned.items() if s == "vocab_embedding")
@@ -253,6 +260,26 @@ def apply_tensor_parallel(
     install_hf_semantics(model, tp_group, sequence_parallel=sequence_parallel, vocab_parallel_head=lm_head)
     mark_parallel(model, f"tensor-parallel over {tp} ranks")  # stock DDP / fully_shard refuse it (guard.py)
     return model
+
+
+def _verify(model: nn.Module, plan, assigned, shard, tp_group, sequence_parallel: bool, optional, derived) -> float:
+    """The plan verified: on a tiny copy of a meta skeleton (tiny_check.py; no weights yet: the sharded loading),
+    else on copies of the model's own blocks (block_check.py)."""
+    if on_meta(model):
+        kw = {"optional": optional, "drop_empty": derived, "sequence_parallel": sequence_parallel}
+        return verify_on_tiny_copy(model, plan, tp_group, **kw)
+    mt = getattr(text_config(getattr(model, "config", None)), "model_type", None)
+    return verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel, model_type=mt)
+
+
+def _failing_region(plan: Mapping[str, str], module: str | None) -> str | None:
+    """The plan's region pattern (attention / mlp) holding `module`, the one a failed verification named."""
+    parts = (module or "").split(".")
+    prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    for pattern, style in plan.items():
+        if style.partition(":")[0] in _REGIONS and any(compile_pattern(pattern).fullmatch(p) for p in prefixes):
+            return pattern
+    return None
 
 
 def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool, verify_weights: bool) -> dict:

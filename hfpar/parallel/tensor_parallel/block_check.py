@@ -302,7 +302,7 @@ def _verify_block(
         out.backward(cot)
     except Exception as e:
         where = f"{name}.{stack[-1]}" if stack and stack[-1] else name
-        raise ParallelError(
+        err = ParallelError(
             "apply_tensor_parallel",
             [
                 f"the tensor-parallel plan for model_type {model_type!r} breaks "
@@ -310,7 +310,9 @@ def _verify_block(
                 f"entry: {_entry(assigned, where)}); the model is left unsharded; pass "
                 "plan={module pattern: style} or run without tensor parallelism"
             ],
-        ) from e
+        )
+        err.module = where  # what apply_tensor_parallel may keep whole instead (a derived plan's region)
+        raise err from e
 
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
         (f"{name} output", out.detach(), out_ref.detach()),
@@ -346,7 +348,7 @@ def _verify_block(
                     break
             module = f"{name}.{first}" if first else name
         entry = _entry(assigned, module)
-        raise ParallelError(
+        err = ParallelError(
             "apply_tensor_parallel",
             [
                 f"the tensor-parallel plan for model_type {model_type!r} does not "
@@ -355,6 +357,8 @@ def _verify_block(
                 f"plan={{module pattern: style}} or run without tensor parallelism"
             ],
         )
+        err.module = module
+        raise err
     return max(errs.tolist(), default=0.0)
 
 

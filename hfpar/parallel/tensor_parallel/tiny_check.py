@@ -122,10 +122,12 @@ def verify_on_tiny_copy(
             model_type=model_type,
         )
     except ParallelError as e:
-        raise ParallelError(
+        err = ParallelError(
             e.where,
             [f"{e.detail} (checked on a tiny float64 copy of the model's config: its weights are not read yet)"],
-        ) from e
+        )
+        err.module = getattr(e, "module", None)
+        raise err from e
 
 
 def _runs(model: nn.Module) -> bool:
