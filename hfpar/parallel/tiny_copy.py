@@ -312,6 +312,20 @@ def tiny_like(model, extra: dict | None = None):
     return built.double().eval()
 
 
+def runnable(model):
+    """`model` (a float64 tiny copy) where its forward runs in float64 on 2 rows of 8 random ids, else a float32 copy
+    of it (a family whose code cannot run float64: XGLM's mask fill); a copy, so a copy shared by the checks
+    (check_once) stays float64."""
+    emb = model.get_input_embeddings()
+    ids = torch.randint(3, min(emb.num_embeddings, 100), (2, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(emb.weight.device), use_cache=False)
+    except Exception:  # noqa: BLE001 - any failure: float32 (the caller's check names what still fails)
+        return copy.deepcopy(model).float()
+    return model
+
+
 class _Class:
     """A model class spelled like an Auto class for _build: from_config(config, **kw) builds that class itself."""
 

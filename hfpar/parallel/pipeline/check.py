@@ -26,7 +26,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..tiny_copy import check_once
+from ..tiny_copy import check_once, runnable
 from .boundary import _base, _ids, decoder_layers, post_layer_children
 
 __all__ = ["stage_problem"]
@@ -40,11 +40,7 @@ def stage_problem(config, stage_cls) -> str | None:
 
 
 def _stages(model: nn.Module, stage_cls) -> str | None:
-    try:
-        with torch.no_grad():
-            model(input_ids=_ids(model), use_cache=False)
-    except Exception:  # noqa: BLE001 - a family whose code cannot run float64 (XGLM's mask fill): float32
-        model = model.float()
+    model = runnable(model)  # float32 where the family cannot run float64 (the shared copy left float64)
     tol = 1e-10 if next(model.parameters()).dtype == torch.float64 else 1e-5
     ids = _ids(model)
     pos = torch.arange(ids.shape[1]).expand_as(ids)

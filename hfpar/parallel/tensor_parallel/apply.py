@@ -262,14 +262,21 @@ def apply_tensor_parallel(
     return model
 
 
-def _verify(model: nn.Module, plan, assigned, shard, tp_group, sequence_parallel: bool, optional, derived) -> float:
+def _verify(
+    model: nn.Module, plan, assigned, shard, tp_group, sequence_parallel: bool, optional, derived, probe_meta=False
+) -> float:
     """The plan verified: on a tiny copy of a meta skeleton (tiny_check.py; no weights yet: the sharded loading),
-    else on copies of the model's own blocks (block_check.py)."""
+    else on copies of the model's own blocks (block_check.py). probe_meta (an inferred plan): where a skeleton has
+    no tiny copy, its first block with random weights at full size instead of the warning."""
     if on_meta(model):
         kw = {"optional": optional, "drop_empty": derived, "sequence_parallel": sequence_parallel}
-        return verify_on_tiny_copy(model, plan, tp_group, **kw)
+        rel = verify_on_tiny_copy(model, plan, tp_group, warn=not probe_meta, **kw)
+        if rel is not None:
+            return rel
     mt = getattr(text_config(getattr(model, "config", None)), "model_type", None)
-    return verify_first_block(model, assigned, shard, tp_group, sequence_parallel=sequence_parallel, model_type=mt)
+    return verify_first_block(
+        model, assigned, shard, tp_group, sequence_parallel=sequence_parallel, model_type=mt, probe_meta=probe_meta
+    )
 
 
 def _failing_region(plan: Mapping[str, str], module: str | None) -> str | None:
@@ -312,20 +319,10 @@ def _infer(model: nn.Module, config, tp: int, tp_group, sequence_parallel: bool,
             checked = True
         shard = partial(shard_modules, config=config, tp=tp, tp_group=tp_group, sequence_parallel=sequence_parallel)
         try:  # a skeleton: on its tiny copy, else (custom code) its first block with random weights at full size
-            kw = {"optional": ("colwise_lm_head",), "drop_empty": True, "sequence_parallel": sequence_parallel}
-            rel = verify_on_tiny_copy(model, plan, tp_group, warn=False, **kw) if on_meta(model) else None
-            model._hfpar_tp_verify_rel = (
-                rel
-                if rel is not None
-                else verify_first_block(
-                    model,
-                    {n: s for n, (s, _) in matched.items()},
-                    shard,
-                    tp_group,
-                    sequence_parallel=sequence_parallel,
-                    model_type=mt,
-                    probe_meta=True,
-                )
+            assigned = {n: s for n, (s, _) in matched.items()}
+            lm_head = ("colwise_lm_head",)
+            model._hfpar_tp_verify_rel = _verify(
+                model, plan, assigned, shard, tp_group, sequence_parallel, lm_head, True, probe_meta=True
             )
         except ValueError as e:
             last = e

@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import group_size
 from ..errors import ParallelError
 from ..language_model import text_config
-from ..tiny_copy import PROBE_SHRINK, SHRINK, TINY, tiny_like
+from ..tiny_copy import PROBE_SHRINK, SHRINK, TINY, runnable, tiny_like
 from .block_check import verify_first_block
 from .shape_check import drop_empty_regions, match_plan, validate_degrees
 from .shard_modules import shard_modules
@@ -92,8 +92,7 @@ def verify_on_tiny_copy(
     if not isinstance(tiny, str):
         if dist.get_backend(tp_group) == "nccl":  # the collectives run on this rank's GPU
             tiny = tiny.to(torch.device("cuda", torch.cuda.current_device()))
-        if not _runs(tiny):  # a family whose code cannot run float64 (XGLM's mask fill): the copy in float32
-            tiny = tiny.float()
+        tiny = runnable(tiny)  # float32 where the family cannot run float64
         cfg = text_config(tiny.config)
         try:
             matched = match_plan(tiny, plan, optional, allow_unmatched=True)  # a kind of module the copy lacks
@@ -128,15 +127,3 @@ def verify_on_tiny_copy(
         )
         err.module = getattr(e, "module", None)
         raise err from e
-
-
-def _runs(model: nn.Module) -> bool:
-    """Whether the copy's forward runs (2 rows of 8 random ids; the copies are tiny: milliseconds)."""
-    emb = model.get_input_embeddings()
-    ids = torch.randint(3, emb.num_embeddings, (2, 8), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids.to(emb.weight.device))
-    except Exception:  # noqa: BLE001 - any failure: the caller tries float32 (block_check names what still fails)
-        return False
-    return True
