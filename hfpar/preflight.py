@@ -40,6 +40,7 @@ from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import logits_problem
 from hfpar.parallel.context_parallel.mixing import token_mixing_problem
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
+from hfpar.parallel.context_parallel.shard_check import shard_problem
 from hfpar.parallel.expert_parallel import config_num_experts, upcycle_problem
 from hfpar.parallel.language_model import pipeline_refusal, text_config
 from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_problem, pipeline_stages
@@ -219,10 +220,11 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     """Whether the model's attention goes through transformers' registry with nothing CP cannot honour (probed on
     the meta device: hfpar.parallel.context_parallel.probe), no other module mixes tokens (its tiny copy:
-    context_parallel.mixing), and --cp_mode ulysses against the heads (auto: see resolve_cp_mode)."""
+    context_parallel.mixing), the tiny copy cut over emulated cp ranks computes what it computes whole
+    (context_parallel.shard_check), and --cp_mode ulysses against the heads (auto: see resolve_cp_mode)."""
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
-    if not p and (why := token_mixing_problem(config)):  # the other token mixers: state along the row
-        p.append(f"--cp_size {ctx.cp}: {why}")
+    if not p and (why := token_mixing_problem(config) or shard_problem(config)):  # other token mixers: state
+        p.append(f"--cp_size {ctx.cp}: {why}")  # along the row; a model that computes otherwise once its rows are cut
     heads = getattr(text_config(config), "num_attention_heads", 0) // ctx.tp
     if args.cp_mode == "ulysses" and heads % ctx.cp:
         p.append(

@@ -267,8 +267,9 @@ def check(model_type: str, sp: bool = SP) -> dict:
     }  # False: HF's plan shards only the embedding and the LM head
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
-    """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
+def per_type(types: list[str], check, line=None) -> dict:
+    """{type: check(type) with its seconds} on this rank, warnings off, one thread; rank 0 prints line(type, result)
+    when given; the ranks meet after each type (a sweep worker of run_ranks)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -276,18 +277,25 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
     res = {}
     for mt in types:
         t0 = time.perf_counter()
-        res[mt] = check(mt, sp)
+        res[mt] = check(mt)
         res[mt]["s"] = round(time.perf_counter() - t0, 2)
-        if rank == 0 and verbose:
-            r = res[mt]
-            blocks = {True: "blocks", False: "flat"}.get(r.get("blocks_sharded"), "")
-            print(
-                f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
-                f"{r.get('why', '')[:600]}",
-                flush=True,
-            )
+        if dist.get_rank() == 0 and line is not None:
+            print(line(mt, res[mt]), flush=True)
         dist.barrier()
     return res
+
+
+def _line(mt: str, r: dict) -> str:
+    blocks = {True: "blocks", False: "flat"}.get(r.get("blocks_sharded"), "")
+    return (
+        f"{mt:28s} {r['status']:10s} {blocks:6s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} "
+        f"{r.get('why', '')[:600]}"
+    )
+
+
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, sp: bool = SP) -> dict:
+    """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
+    return per_type(types, lambda mt: check(mt, sp), _line if verbose else None)
 
 
 def sweep(worker, argv: list[str], statuses: tuple[str, ...]) -> dict:

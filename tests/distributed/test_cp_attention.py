@@ -2,7 +2,8 @@
 
 Rows: one causal document; packed documents whose boundaries straddle the shard cuts, with right padding; uneven
 document lengths; GQA with kv heads fewer than cp (Ulysses repeats them); sliding windows (fused kernel with band
-masks) and logit soft-capping (the blockwise fallback); the ring's all-gather form. Reference: SDPA over the full
+masks) and logit soft-capping (the blockwise fallback); attention sinks (GPT-OSS: the sink logits' gradient too);
+the ring's all-gather form. Reference: SDPA over the full
 row with a document-causal (windowed) mask built directly from the documents; with soft-capping, the same in
 explicit float64 ops (cap * tanh(s / cap) before the mask, as Gemma 2's eager attention).
 """
@@ -50,12 +51,18 @@ def _reference_mask(pos, mask, window=None):
     return ((same & causal) | pad_self)[:, None]
 
 
-def _reference(q, k, v, mask, softcap):
-    if not softcap:
+def _reference(q, k, v, mask, softcap, sink=None):
+    if not softcap and sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, -1) @ v
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sink is None:
+        return torch.softmax(s, -1) @ v
+    # attention sinks as GPT-OSS's eager attention: one more logit per head in each softmax, its share dropped
+    s = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    return torch.softmax(s, -1)[..., :-1] @ v
 
 
 def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch.float64, **opts):
@@ -65,8 +72,10 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     q, k, v, w = (
         torch.randn(2, n, T, D, generator=g, dtype=torch.float64).to(device, dtype) for n in (h, hkv, hkv, h)
     )  # w: d loss / d out
+    sink = torch.randn(h, generator=g, dtype=torch.float64).to(device, dtype) if opts.pop("sink", False) else None
     # reference: the whole row on one rank
     qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+    sf = None if sink is None else sink.clone().requires_grad_()
     rep = h // hkv
     out_ref = _reference(
         qf,
@@ -74,6 +83,7 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
         vf.repeat_interleave(rep, 1),
         _reference_mask(pos, mask, opts.get("window")),
         opts.get("softcap"),
+        sf,
     )
     (out_ref * w).sum().backward()
     # this rank's shard
@@ -85,10 +95,14 @@ def _check(rank, world, case, mode, h, hkv, block=512, device="cpu", dtype=torch
     _, rows = shard_batch(batch, rank, world)
     idx = zigzag_indices(T, rank, world).to(device)
     ql, kl, vl = (x[:, :, idx].clone().requires_grad_() for x in (q, k, v))
+    sl = None if sink is None else sink.clone().requires_grad_()
     fn = ring_attention if mode == "ring" else ulysses_attention
-    out = fn(ql, kl, vl, rows, group, block=block, **opts)
+    out = fn(ql, kl, vl, rows, group, block=block, sink=sl, **opts)
     (out * w[:, :, idx]).sum().backward()
     res = {"out": (out - out_ref[:, :, idx]).abs().max().item()}
+    if sink is not None:  # each rank: its queries' (ring) or heads' (Ulysses) part, summed over the cp ranks
+        torch.distributed.all_reduce(ds := sl.grad.clone(), group=group)
+        res["dsink"] = (ds - sf.grad).abs().max().item()
     order = gathered_order(T, world)
     for name, got, ref in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
         full = all_gather(got.grad, dim=2, group=group)  # gathered order
@@ -112,6 +126,12 @@ OPTS += [
     ("packed", mode, 4, 2, 5, (("softcap", 2.0),) + w) for mode in ("ring", "ulysses") for w in ((), (("window", 6),))
 ]
 OPTS += [("packed", "ring", 4, 2, 512, (("overlap", False),)), ("uneven", "ring", 4, 1, 512, (("pieces", 1),))]
+# attention sinks (GPT-OSS's s_aux): alone, with a window, with soft-capping and a window (the blockwise fallback),
+# in the ring's all-gather form
+OPTS += [(case, mode, 4, 2, 512, (("sink", True),)) for case in ("causal", "packed") for mode in ("ring", "ulysses")]
+OPTS += [("uneven", mode, 4, 1, 512, (("sink", True), ("window", 3))) for mode in ("ring", "ulysses")]
+OPTS += [("packed", mode, 4, 2, 5, (("sink", True), ("softcap", 2.0), ("window", 6))) for mode in ("ring", "ulysses")]
+OPTS += [("packed", "ring", 4, 2, 512, (("sink", True), ("overlap", False)))]
 
 
 def _check_all(rank, world, device="cpu", dtype=torch.float64):

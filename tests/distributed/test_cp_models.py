@@ -1,8 +1,8 @@
 """Context parallelism on HF families, float64, 2 gloo ranks, ring and Ulysses: the original five (Llama, Mistral,
 Qwen2, Qwen3 with q/k norms, Gemma with scaled embeddings) and families accepted by the behaviour probe alone
 (no name list): OLMo-2, Phi-3, Granite, Cohere, StableLM, SmolLM3 (no-RoPE layers), Mistral and Qwen2 with
-sliding windows shorter than the row, Cohere 2 (sliding layers) and Gemma 2 (sliding layers and logit
-soft-capping, hard enough to bite: cap 1.0).
+sliding windows shorter than the row, Cohere 2 (sliding layers), GPT-OSS (attention sinks, sliding layers, MoE)
+and Gemma 2 (sliding layers and logit soft-capping, hard enough to bite: cap 1.0).
 
 hfpar's attention injected through transformers' registry (`set_attn_implementation("hfpar_cp")`) on a row cut
 over the cp ranks gives the logits of the unsharded model with its stock attention (SDPA; eager for Gemma 2,
@@ -53,6 +53,17 @@ FAMILIES = {  # name: (model_type, config overrides, reference attention)
     "mistral_window": ("mistral", {"sliding_window": WINDOW}, "sdpa"),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}, "sdpa"),
     "cohere2_window": ("cohere2", {"sliding_window": WINDOW}, "sdpa"),
+    # attention sinks (s_aux) on sliding and full layers, MoE experts (eager: GPT-OSS has no SDPA path)
+    "gpt_oss_sinks_window": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "eager",
+    ),
     "gemma2_softcap_window": (
         "gemma2",
         {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8},
@@ -68,7 +79,8 @@ def _config(name: str):
 
 def _model(name: str):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(name), attn_implementation=FAMILIES[name][2]).double()
+    moe = {"experts_implementation": "eager"} if name.startswith("gpt_oss") else {}  # grouped_mm: no float64
+    return AutoModelForCausalLM.from_config(_config(name), attn_implementation=FAMILIES[name][2], **moe).double()
 
 
 def _check(rank: int, world: int) -> dict:

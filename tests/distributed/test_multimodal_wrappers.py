@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.moe import ep_family_sweep as ep_sweep
-from hfpar.parallel.context_parallel import cp_rows, shard_batch, shift_labels
+from hfpar.parallel.context_parallel import cp_rows, enable_cp_attention, shard_batch, shift_labels
 from hfpar.parallel.context_parallel.attention import NAME as CP_ATTENTION
-from hfpar.parallel.context_parallel.attention import enable_cp_attention
 from hfpar.parallel.expert_parallel import apply_expert_parallel, expert_parallel_groups
 from hfpar.parallel.language_model import language_model_path
 from hfpar.parallel.pipeline import balanced_split

@@ -12,6 +12,7 @@ the training update).
     phi3       fused qkv and gate_up projections
     granite    embedding, attention, residual and logits multipliers (none of them 1)
     stablelm   partial rotary (half of each head), per-head q / k LayerNorm, qkv biases
+    gpt_oss    attention sinks (one more logit per head in every softmax) on sliding and full layers, MoE experts
 
 Batches: padding-free rows where hfpar.data.padding_free applies (gemma2, olmo2, phi3), padded rows with their
 attention mask elsewhere (the padding-free family list is its own, not CP's), the same in the reference.
@@ -78,6 +79,8 @@ FAMILIES = {  # name: (model_type, config overrides, the reference's attention i
         "sdpa",
     ),
     "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "qk_layernorm": True, "use_qkv_bias": True}, "sdpa"),
+    # attention sinks on sliding and full layers, MoE experts (eager: GPT-OSS has no SDPA path)
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, **LAYERS}, "eager"),
 }
 MODES = ("ring", "ulysses")
 # no evaluation, no intermediate checkpoint: what the contract compares is the training and the export; clipping

@@ -6,6 +6,8 @@ ring.py       the overlapped ring: K / V pieces passed by batched isend / irecv 
 fused.py      attention through the device's fused kernel per block, merged by log-sum-exp (kernels.py)
 kernel_calls.py  which kernel calls (no mask / causal / window mask) cover a block's documents
 probe.py      whether a model's attention goes through transformers' registry (the preflight's CP check)
+mixing.py     whether anything else mixes tokens; shard_check.py: whether the tiny copy cut over emulated ranks agrees
+enable.py     a model's attention switched to CP's (checked) and back (whole_sequence)
 blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """
 
@@ -14,13 +16,12 @@ from .attention import (
     cp_attention_forward,
     cp_row_slice,
     cp_rows,
-    enable_cp_attention,
     register_cp_attention,
     ring_attention,
     ulysses_attention,
-    whole_sequence,
 )
 from .blockwise import block_attention, doc_causal_mask
+from .enable import enable_cp_attention, whole_sequence
 from .layout import RowLayout, document_ids, shard_batch, shift_labels, zigzag_indices
 
 __all__ = [

@@ -30,12 +30,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..comm import all_to_all_single_autograd, group_size
-from ..language_model import language_model
+from ..comm import all_to_all_single_autograd, group_rank, group_size
 from .blockwise import BLOCK, block_attention
 from .fused import fused_attention
 from .layout import RowLayout
-from .mixing import token_mixing_problem
 from .ring import overlapped_ring_attention
 
 NAME = "hfpar_cp"
@@ -83,18 +81,30 @@ def ring_attention(
     *,
     window=None,
     softcap=None,
+    sink=None,
     overlap: bool = True,
     pieces: int = 4,
 ) -> torch.Tensor:
     """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) local -> (B, H, Tl, D). overlap=False, or a softcap:
-    the all-gather form over blockwise attention (`block` rows per block)."""
+    the all-gather form over blockwise attention (`block` rows per block). sink: (H,) attention-sink logits."""
     if softcap or not overlap:
         return block_attention(
-            q, k, v, rows.doc, rows.local, rows.order, scaling, group=group, block=block, window=window, softcap=softcap
+            q,
+            k,
+            v,
+            rows.doc,
+            rows.local,
+            rows.order,
+            scaling,
+            group=group,
+            block=block,
+            window=window,
+            softcap=softcap,
+            sink=sink,
         )
     if group_size(group) == 1:
-        return fused_attention(q, k, v, rows, rows.local, rows.local, scaling, window)
-    return overlapped_ring_attention(q, k, v, rows, group, scaling, window, pieces)
+        return fused_attention(q, k, v, rows, rows.local, rows.local, scaling, window, sink)
+    return overlapped_ring_attention(q, k, v, rows, group, scaling, window, pieces, sink)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,7 +127,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def ulysses_attention(
-    q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None, softcap=None
+    q, k, v, rows: RowLayout, group, scaling=None, block: int = BLOCK, *, window=None, softcap=None, sink=None
 ) -> torch.Tensor:
     cp = group_size(group)
     h, hkv = q.shape[1], k.shape[1]
@@ -130,13 +140,18 @@ def ulysses_attention(
         k, v = _repeat_kv(k, h // hkv), _repeat_kv(v, h // hkv)
     order = rows.order  # equals rows.local at cp 1
     qh, kh, vh = (_seq_to_heads(x, group) for x in (q, k, v))  # (B, H/cp, T, D) gathered order
+    if sink is not None:  # this rank's block of heads (head block j to rank j)
+        j = group_rank(group)
+        sink = sink[j * (h // cp) : (j + 1) * (h // cp)]
     if softcap:  # no fused kernel soft-caps: the blockwise fallback
-        out = block_attention(qh, kh, vh, rows.doc, order, order, scaling, block=block, window=window, softcap=softcap)
+        out = block_attention(
+            qh, kh, vh, rows.doc, order, order, scaling, block=block, window=window, softcap=softcap, sink=sink
+        )
     else:  # positions in order: one causal kernel call per document (and window band)
         inv = torch.argsort(order)
         qh, kh, vh = (x.index_select(2, inv) for x in (qh, kh, vh))  # (B, H/cp, T, D) position order
         pos = torch.arange(inv.numel(), device=inv.device)
-        out = fused_attention(qh, kh, vh, rows, pos, pos, scaling, window).index_select(2, order)
+        out = fused_attention(qh, kh, vh, rows, pos, pos, scaling, window, sink).index_select(2, order)
     return _heads_to_seq(out, group)
 
 
@@ -155,7 +170,8 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if dq != dv:  # MLA (DeepSeek-V2/V3): the fused kernels take one head size; zero columns change no dot product
         scaling = dq**-0.5 if scaling is None else scaling  # and no output column kept
         query, key, value = (F.pad(x, (0, max(dq, dv) - x.shape[-1])) for x in (query, key, value))
-    fn = ring_attention if mode == "ring" else ulysses_attention
+    # an emulated group (shard_check.py: cp ranks as threads of one process) brings its own exchange
+    fn = getattr(group, "attention", None) or (ring_attention if mode == "ring" else ulysses_attention)
     out = fn(
         query,
         key,
@@ -165,6 +181,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         scaling,
         window=kwargs.get("sliding_window") or None,
         softcap=kwargs.get("softcap") or None,
+        sink=kwargs.get("s_aux"),  # attention sinks (GPT-OSS): (H,) logits, one per (this TP rank's) head
     )
     return out[..., :dv].transpose(1, 2).contiguous(), None
 
@@ -172,32 +189,3 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
 def register_cp_attention() -> str:
     AttentionInterface.register(NAME, cp_attention_forward)
     return NAME
-
-
-def enable_cp_attention(model) -> None:
-    """Every attention of `model`'s language model through hfpar's, the implementation it replaces remembered
-    (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence.
-    ValueError in one line where a module mixes tokens outside the attention (mixing.py: it would see this rank's
-    part of the row alone)."""
-    if why := token_mixing_problem(model.config):
-        raise ValueError(f"context parallelism: {why}")
-    lm = language_model(model)
-    before = lm.config._attn_implementation
-    lm.set_attn_implementation(register_cp_attention())
-    model._hfpar_attn_before_cp = before
-
-
-@contextlib.contextmanager
-def whole_sequence(model):
-    """Within: the attention that context parallelism replaced (generation: each rank holds whole rows, with a KV
-    cache and transformers' masks); nothing to do for a model without it."""
-    before = getattr(model, "_hfpar_attn_before_cp", None)
-    if before is None:
-        yield
-        return
-    lm = language_model(model)
-    lm.set_attn_implementation(before)
-    try:
-        yield
-    finally:
-        lm.set_attn_implementation(NAME)

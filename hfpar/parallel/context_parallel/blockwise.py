@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather, group_size, reduce_scatter
+from .fused import sink_backward, sink_factor
 
 BLOCK = 512  # query and key rows per block: (B, H, 512, 512) fp32 scores = 1 MiB per batch row and head
 
@@ -105,28 +106,33 @@ def _backward(dout, q5, k, v, out, lse, doc, q_pos, k_pos, scale, size, acc, win
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc, q_pos, k_pos, scale, size, group, window, softcap):
+    def forward(ctx, q, k, v, doc, q_pos, k_pos, scale, size, group, window, softcap, sink):
         b, h, tq, d = q.shape
         hkv = k.shape[1]
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         q5 = q.reshape(b, hkv, h // hkv, tq, d)
         kf, vf = (k, v) if group is None else (all_gather(k, 2, group), all_gather(v, 2, group))
         out, lse = _forward(q5, kf, vf, doc, q_pos, k_pos, scale, size, acc, window, softcap)
+        if sink is not None:  # attention sinks (fused.sink_factor); lse (B, Hkv, rep, Tq)
+            out = out * sink_factor(lse, sink)[..., None]
         out = out.to(q.dtype).reshape(b, h, tq, d)
-        ctx.save_for_backward(q, k, v, out, lse, doc, q_pos, k_pos)
+        ctx.save_for_backward(q, k, v, out, lse, doc, q_pos, k_pos, sink)
         ctx.meta = (scale, size, group, acc, window, softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, doc, q_pos, k_pos = ctx.saved_tensors
+        q, k, v, out, lse, doc, q_pos, k_pos, sink = ctx.saved_tensors
         scale, size, group, acc, window, softcap = ctx.meta
         b, h, tq, d = q.shape
         hkv = k.shape[1]
         kf, vf = (k, v) if group is None else (all_gather(k, 2, group), all_gather(v, 2, group))
         shape5 = (b, hkv, h // hkv, tq, d)
+        dout, dsink = dout.reshape(shape5), None
+        if sink is not None:
+            dout, dsink = sink_backward(dout, out.reshape(shape5), sink_factor(lse, sink), sink)
         dq, dk, dv = _backward(
-            dout.reshape(shape5),
+            dout,
             q.reshape(shape5),
             kf,
             vf,
@@ -143,7 +149,7 @@ class _BlockAttention(torch.autograd.Function):
         )
         if group is not None:
             dk, dv = reduce_scatter(dk, 2, group), reduce_scatter(dv, 2, group)
-        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 8)
+        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 8), dsink
 
 
 def block_attention(
@@ -159,13 +165,15 @@ def block_attention(
     block: int = BLOCK,
     window: int | None = None,
     softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Document-causal attention of queries at global positions q_pos over keys at k_pos -> (B, H, Tq, D).
     With `group`, k and v are this rank's shards and k_pos the positions of their all-gather (rank order).
-    window: sliding window (key visible when q - window < k <= q); softcap: logit soft-capping (Gemma 2)."""
+    window: sliding window (key visible when q - window < k <= q); softcap: logit soft-capping (Gemma 2); sink: (H,)
+    attention-sink logits (GPT-OSS's s_aux)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     if group is not None and group_size(group) == 1:
         group = None
-    return _BlockAttention.apply(q, k, v, doc, q_pos, k_pos, scale, block, group, window, softcap)
+    return _BlockAttention.apply(q, k, v, doc, q_pos, k_pos, scale, block, group, window, softcap, sink)

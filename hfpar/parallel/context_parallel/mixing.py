@@ -76,7 +76,7 @@ def _calls(outputs: list) -> list[tuple[str, int]]:
     return keys
 
 
-def _in_layer(model: nn.Module, name: str, mod: nn.Module) -> tuple[str, nn.Module]:
+def in_layer(model: nn.Module, name: str, mod: nn.Module) -> tuple[str, nn.Module]:
     """The module of its decoder layer that holds `name` (`model.layers.0.mamba` for `model.layers.0.mamba.x_proj`,
     the first module a Mamba mixer's convolution reaches): what a user recognises."""
     parts = name.split(".")
@@ -101,7 +101,7 @@ def _mixing(model: nn.Module) -> str | None:
             continue
         x, y = x[:, others], by_call[key][:, others]
         if ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item() > TOL:
-            name, mod = _in_layer(model, name, mod)
+            name, mod = in_layer(model, name, mod)
             return (
                 f"{name} ({type(mod).__name__}) mixes tokens outside the attention (its output at one position moves "
                 "with another position's token: state carried along the sequence, a convolution or a linear "

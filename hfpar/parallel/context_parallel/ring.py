@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import comm_stats, group_rank, group_size
-from .fused import add_blocks, blocks_backward, new_state, row_calls
+from .fused import add_blocks, blocks_backward, new_state, row_calls, sink_backward, sink_factor
 from .kernel_calls import segments
 from .layout import RowLayout, zigzag_indices
 
@@ -64,7 +64,7 @@ def _ring_layout(rows, group, local_len: int, pieces: int):
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rows, group, scale, window, pieces):
+    def forward(ctx, q, k, v, rows, group, scale, window, pieces, sink):
         cp, r, peers, bounds, q_segs, src_pos = _ring_layout(rows, group, k.shape[2], pieces)
         out, lse = new_state(q)
         hold = [(k[:, :, a:b], v[:, :, a:b]) for a, b in bounds]  # own pieces: contiguous copies when sent
@@ -80,15 +80,20 @@ class _Ring(torch.autograd.Function):
                 _wait(reqs)
                 hold[i] = None  # this piece has been computed and passed on
             hold = nxt
+        if sink is not None:  # attention sinks: the merged output's share (fused.sink_factor)
+            out = out * sink_factor(lse, sink)[..., None]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.meta = (rows, group, scale, window, pieces)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         rows, group, scale, window, pieces = ctx.meta
+        dsink = None
+        if sink is not None:
+            dout, dsink = sink_backward(dout, out, sink_factor(lse, sink), sink)
         dout = dout.contiguous()
         cp, r, peers, bounds, q_segs, src_pos = _ring_layout(rows, group, k.shape[2], pieces)
         acc = lse.dtype
@@ -125,14 +130,14 @@ class _Ring(torch.autograd.Function):
             done[i] = None
         dk = torch.cat([g[0] for g in grads], dim=2)
         dv = torch.cat([g[1] for g in grads], dim=2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
 
 
 def overlapped_ring_attention(
-    q, k, v, rows: RowLayout, group, scaling=None, window: int | None = None, pieces: int = 4
+    q, k, v, rows: RowLayout, group, scaling=None, window: int | None = None, pieces: int = 4, sink=None
 ) -> torch.Tensor:
-    """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) this rank's shard -> (B, H, Tl, D)."""
+    """(B, H, Tl, D) local queries; k, v (B, Hkv, Tl, D) this rank's shard -> (B, H, Tl, D); sink: (H,) logits."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    return _Ring.apply(q, k, v, rows, group, scale, window, pieces)
+    return _Ring.apply(q, k, v, rows, group, scale, window, pieces, sink)

@@ -1,0 +1,44 @@
+"""Switching a model's attention to context parallelism's and back, once the model is checked.
+
+enable_cp_attention(model)        # every attention of its language model through "hfpar_cp"
+with whole_sequence(model):       # the attention it replaced (generation: whole rows, a KV cache)
+    ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..language_model import language_model
+from .attention import NAME, register_cp_attention
+from .mixing import token_mixing_problem
+from .shard_check import shard_problem
+
+
+def enable_cp_attention(model) -> None:
+    """Every attention of `model`'s language model through hfpar's, the implementation it replaces remembered
+    (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence.
+    ValueError in one line where a module mixes tokens outside the attention (mixing.py: it would see this rank's
+    part of the row alone) or the model computes otherwise once its rows are cut (shard_check.py)."""
+    if why := token_mixing_problem(model.config) or shard_problem(model.config):
+        raise ValueError(f"context parallelism: {why}")
+    lm = language_model(model)
+    before = lm.config._attn_implementation
+    lm.set_attn_implementation(register_cp_attention())
+    model._hfpar_attn_before_cp = before
+
+
+@contextlib.contextmanager
+def whole_sequence(model):
+    """Within: the attention that context parallelism replaced (generation: each rank holds whole rows, with a KV
+    cache and transformers' masks); nothing to do for a model without it."""
+    before = getattr(model, "_hfpar_attn_before_cp", None)
+    if before is None:
+        yield
+        return
+    lm = language_model(model)
+    lm.set_attn_implementation(before)
+    try:
+        yield
+    finally:
+        lm.set_attn_implementation(NAME)
