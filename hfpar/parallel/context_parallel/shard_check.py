@@ -13,14 +13,16 @@ positions and ignores the model's), or a computation that reads the local sequen
 family sweep, benchmarks/context_parallel/family_sweep.py: relative differences 1.0-1.2 in gradients).
 
 The check: the run's tiny float64 copy (hfpar.parallel.tiny_copy: its first layers, every kind of layer, windows and
-chunks shrunk below a shard) runs two rows of 16 tokens whole with its stock attention (SDPA, else eager), and cut over
-two emulated cp ranks: threads of this process, each calling the model with its zigzag part of the rows and their
-global position ids (what the trainer does), through hfpar's CP attention function (cp_attention_forward: its dropout,
-MLA and window handling), whose exchange between the ranks is done in memory: K / V of the whole row gathered, exact
-document-causal attention by blockwise.block_attention (the reference the ring and Ulysses kernels are tested
-against). Every module's output at every position, the logits, and every parameter's gradient of a random cotangent
-must agree within 1e-6 relative (1e-3 for a family that runs float32 only); the first module whose output differs is
-named, else the first parameter. Milliseconds to a second, once per config.
+chunks shrunk below a shard) runs two rows of 16 tokens (the second padded on the right, with its attention_mask, as
+the collator pads; padding is neither compared nor in the loss) whole with its stock attention (SDPA, else eager),
+and cut over two emulated cp ranks: threads of this process, each calling the model with its zigzag part of the rows
+and their global position ids (what the trainer does), through hfpar's CP attention function (cp_attention_forward:
+its dropout, MLA and window handling), whose exchange between the ranks is done in memory: K / V of the whole row
+gathered, exact document-causal attention by blockwise.block_attention (the reference the ring and Ulysses kernels
+are tested against). Every module's output at every position, the logits, and every parameter's gradient of a random
+cotangent must agree within 1e-6 relative (1e-3 for a family that runs float32 only); the first module whose output
+differs is named, else the first parameter.
+Milliseconds to a second, once per config.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .mixing import in_layer
 
 CP = 2  # emulated ranks
 T = 16  # tokens per row: 4 chunks of 4, shards of 8 (the tiny copy's windows and chunks: 4)
+PAD = 5  # right padding of the second row: inside the last chunk and the one before (both ranks hold some)
 TOL64, TOL32 = 1e-6, 1e-3
 _WAIT_S = 60.0
 
@@ -138,24 +141,30 @@ def _compare(model: nn.Module) -> str | None:
     vocab = min(model.get_input_embeddings().num_embeddings, getattr(model.config, "vocab_size", 0) or 10**9, 100)
     ids = torch.randint(3, vocab, (2, T), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(T).expand(2, T)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, T - PAD :] = 0  # the second row padded on the right, as the collator pads (attention_mask 0)
+    real = mask.bool()
     ref_out: dict = {}
     handles = _recorder(ref, ref_out, lambda: 0)
     try:
-        logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits = ref(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
     finally:
         for h in handles:
             h.remove()
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
+    # padding takes no part in the loss: its cotangent is 0, and no output is compared there
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype) * real[..., None]
     (logits * w).sum().backward()
 
     cp_model.set_attn_implementation(register_cp_attention())
     group = EmulatedGroup(CP)
-    shards = [shard_batch(shift_labels({"input_ids": ids, "labels": ids}), r, CP) for r in range(CP)]
+    batch = shift_labels({"input_ids": ids, "labels": ids, "attention_mask": mask})
+    shards = [shard_batch(batch, r, CP) for r in range(CP)]
     cp_out: dict = {}
 
     def rank_forward(rank: int, local: dict, rows) -> torch.Tensor:
         with cp_rows(rows, group, "ring"):
-            return cp_model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            kw = {k: local[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            return cp_model(**kw, use_cache=False).logits
 
     handles = _recorder(cp_model, cp_out, lambda: group.local.rank)
     try:
@@ -173,12 +182,12 @@ def _compare(model: nn.Module) -> str | None:
         got = torch.empty_like(want)
         for (_, rows), (_, t) in zip(shards, parts, strict=True):
             got[:, rows.local] = t
-        if (d := _rel(got, want)) > tol:
+        if (d := _rel(got[real], want[real])) > tol:
             return _named(*in_layer(ref, key[0], mod), d, tol)
     full = torch.empty_like(logits)
     for (_, rows), lg in zip(shards, shard_logits, strict=True):
         full[:, rows.local] = lg.detach()
-    if (d := _rel(full, logits.detach())) > tol:
+    if (d := _rel(full[real], logits.detach()[real])) > tol:
         return _named("the model's logits", model, d, tol)
     for (name, p), q in zip(cp_model.named_parameters(), ref.parameters(), strict=True):
         if q.grad is None:
