@@ -13,8 +13,10 @@ Families whose blocks keep their own HF code, only the experts sharded (hfpar.pa
     llama4_text     dense experts input (every token for every expert, scaled by its sigmoid score)
     lfm2_moe        the block's own expert_bias (drawn at random by the sweep, as every routing-correction buffer)
     kimi_linear     linear-attention hybrid, DeepSeek-V3-style routing
+    dbrx            experts stacked as 2-D row blocks (E * F, H) in a child GLU module, rows handed unflattened
 and refused in one line naming the module: jetmoe (experts split into two modules called with per-expert counts).
-Plus the check's sensitivity: a block whose experts weight their input (not their output) is refused, not sharded.
+Plus the check's sensitivity: a block whose experts weight their input (not their output), and row-block experts
+holding a shared matrix whose dim 0 also divides by E, are refused, not sharded.
 """
 
 from __future__ import annotations
@@ -29,7 +31,17 @@ from tests.helpers.dist import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
-EXACT = ("deepseek_v3", "gpt_oss", "ernie4_5_moe", "phimoe", "glm4_moe", "llama4_text", "lfm2_moe", "kimi_linear")
+EXACT = (
+    "deepseek_v3",
+    "gpt_oss",
+    "ernie4_5_moe",
+    "phimoe",
+    "glm4_moe",
+    "llama4_text",
+    "lfm2_moe",
+    "kimi_linear",
+    "dbrx",
+)
 
 
 class _InputWeightedExperts(nn.Module):
@@ -53,11 +65,38 @@ class _InputWeightedExperts(nn.Module):
         return out
 
 
+class _RowBlockGLU(nn.Module):
+    """DBRX's layout (experts as (E * F, H) row blocks) plus a shared (H, H) mixing matrix whose dim 0 also divides by
+    E: slicing it by expert would change the block, so the equality check must refuse it."""
+
+    def __init__(self, E: int = 4, H: int = 8, F: int = 6):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(E * F, H, generator=g) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(E * F, H, generator=g) * 0.3)
+        self.mix = nn.Parameter(torch.randn(H, H, generator=g) * 0.3)
+
+
+class _RowBlockExperts(nn.Module):
+    def __init__(self, E: int = 4, F: int = 6):
+        super().__init__()
+        self.mlp, self.num_experts, self.F = _RowBlockGLU(E, F=F), E, F
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        w1, w2 = (w.view(-1, self.F, w.shape[-1]) for w in (self.mlp.w1, self.mlp.w2))
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            y = (nn.functional.silu(hidden_states[tok] @ w1[e].T) @ w2[e]) @ self.mlp.mix
+            out = out.index_add(0, tok, y * top_k_weights[tok, pos, None])
+        return out
+
+
 class _Block(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: type = _InputWeightedExperts):
         super().__init__()
         self.gate = nn.Linear(8, 4, bias=False)
-        self.experts = _InputWeightedExperts()
+        self.experts = experts()
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
@@ -66,21 +105,22 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: type = _InputWeightedExperts):
         super().__init__()
         torch.manual_seed(0)
-        self.mlp = _Block()
+        self.mlp = _Block(experts)
         self.config = type("Cfg", (), {"hidden_size": 8, "model_type": "toy"})()
 
 
-def _sensitivity(rank: int, world_size: int) -> str:
+def _sensitivity(rank: int, world_size: int, experts: type = _InputWeightedExperts) -> str:
     from hfpar.parallel.expert_parallel import apply_expert_parallel
 
-    model = _Model()
+    model = _Model(experts)
     try:
         apply_expert_parallel(model, dist.group.WORLD)
-    except ValueError as exc:
-        assert type(model.mlp.experts) is _InputWeightedExperts and model.mlp.experts.down_proj.shape[0] == 4
+    except ValueError as exc:  # nothing left sharded
+        assert type(model.mlp.experts) is experts
+        assert all(p.shape[0] in (4, 24, 8) for p in model.mlp.experts.parameters())
         return str(exc)
     return "accepted"
 
@@ -88,6 +128,7 @@ def _sensitivity(rank: int, world_size: int) -> str:
 def _worker(rank: int, world_size: int) -> dict:
     res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
     res["sensitivity"] = _sensitivity(rank, world_size)
+    res["sensitivity_rows"] = _sensitivity(rank, world_size, _RowBlockExperts)
     return res
 
 
@@ -112,3 +153,5 @@ def test_check_refuses_a_block_it_would_change(results):
     why = results["sensitivity"]
     assert "mlp.experts (_InputWeightedExperts): the expert-parallel block differs from the HF block" in why, why
     assert "\n" not in why
+    why = results["sensitivity_rows"]  # a shared tensor among row-block experts: sliced, it fails the check
+    assert "mlp.experts (_RowBlockExperts): the expert-parallel block" in why and "\n" not in why, why

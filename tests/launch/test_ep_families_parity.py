@@ -7,10 +7,12 @@ configs (random init, the embedded tokenizer) of
                     routed scaling 2.5, a shared expert, a dense first layer
     gpt_oss         transposed experts with biases, clamped SwiGLU, a router with a bias, sliding / full attention
     ernie4_5_moe    moe_statics.e_score_correction_bias, a shared expert (refused even without --ep_size before)
-each trained once in one process and once with EP=2 under DDP (DeepSeek-V3 and Ernie-4.5-MoE also with EP=2 x CP=2,
-EP drawn from the cp ranks): loss and grad_norm per step within 1e-4 relative, and
-the exported checkpoint (experts gathered back, HF names) within 1e-4 of the one-process one. Two launches (the
-one-process runs, the EP=2 runs), shared by every assertion.
+    dbrx            experts stacked as 2-D row blocks (w1 / v1 / w2 (E * F, H)) in a child GLU module, rows handed
+                    to the experts unflattened (B, T, H), router jitter off (the tiny copy zeroes it)
+each trained once in one process and once with EP=2 under DDP (DeepSeek-V3, Ernie-4.5-MoE and GPT-OSS, whose attention
+sinks CP now computes, also with EP=2 x CP=2, EP drawn from the cp ranks): loss and grad_norm per step within 1e-4
+relative, and the exported checkpoint (experts gathered back, HF names) within 1e-4 of the one-process one. Two
+launches (the one-process runs, the EP=2 runs), shared by every assertion.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ FAMILIES = {
     },
     "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"]},
     "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
+    "dbrx": {},
 }
 
 
@@ -60,7 +63,7 @@ def _save_tiny(model_type: str, over: dict, path) -> str:
     return str(path)
 
 
-EP_CP = ("deepseek_v3", "ernie4_5_moe")  # GPT-OSS: its attention sinks are refused by context parallelism
+EP_CP = ("deepseek_v3", "ernie4_5_moe", "gpt_oss")  # GPT-OSS: attention sinks under CP
 
 
 @pytest.fixture(scope="module")

@@ -356,7 +356,7 @@ def apply_expert_parallel(
         except ValueError as exc:  # a failed equality check: nothing sharded
             raise ParallelError("apply_expert_parallel", [str(exc)]) from None
         for x in hf:
-            for p in x.module.parameters(recurse=False):
+            for p in x.module.parameters():
                 set_shard_spec(p, dp_reduce_group=edp_group, dp_size=dp)
 
     ep_rank = group_rank(ep_group) if ep > 1 else 0

@@ -48,6 +48,7 @@ from .hf_experts_detect import (
     _forward_args,
     _forward_names,
     _plain_swiglu,
+    expert_rows,
     find_hf_experts,
     is_hf_experts_sharded,
 )
@@ -74,7 +75,7 @@ def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
     eager HF forward then returns zeros unconnected to both): every rank's backward then runs the same collectives
     (the all-to-all back to the senders) and gives every expert tensor a grad (zero where unused) for the data-parallel
     reduction, a collective over the ranks holding the same experts."""
-    return (x.reshape(-1)[:1].sum() + sum(p.reshape(-1)[:1].sum() for p in experts.parameters(recurse=False))) * 0
+    return (x.reshape(-1)[:1].sum() + sum(p.reshape(-1)[:1].sum() for p in experts.parameters())) * 0
 
 
 def _ep_forward(
@@ -83,6 +84,8 @@ def _ep_forward(
     st: _EPState = self._hfpar_ep
     if st.group is None and not grouped_linear_applies(hidden_states, self.gate_up_proj):
         return st.base.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)  # e.g. moved to GPU
+    shape = hidden_states.shape  # (N, H), or (B, T, H) where the block hands its rows unflattened (DBRX)
+    hidden_states = hidden_states.reshape(-1, shape[-1])
     N, k = top_k_index.shape[0], top_k_index.shape[-1]
     idx = top_k_index.reshape(-1)  # (N*k,)
     order = torch.argsort(idx, stable=True)  # copies sorted by global expert
@@ -97,7 +100,7 @@ def _ep_forward(
             return out if st.group is None else out + _in_graph(self, x)
         ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]  # (R, 1)
         ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)  # (R, 1)
-        out = st.base.forward(self, x, ids, ones, *args, **kwargs)  # (R, H)
+        out = st.base.forward(self, x, ids, ones, *args, **kwargs).reshape(-1, x.shape[-1])  # (R, H); R may be 0
         return out + _in_graph(self, x)
 
     if st.group is None:  # ep = 1: every expert is here
@@ -107,7 +110,8 @@ def _ep_forward(
     weighted = y_sorted * top_k_weights.reshape(-1)[order, None]  # promoted dtype, as transformers' grouped_mm
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    return weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)  # (N, H)
+    out = weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)  # (N, H)
+    return out.reshape(*shape[:-1], out.shape[-1])  # the shape it was handed
 
 
 def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
@@ -152,19 +156,26 @@ def _shard(x: HFExperts, ep_group) -> None:
     m, ep = x.module, group_size(ep_group)
     count = x.E // ep
     start = group_rank(ep_group) * count
-    saved = {n: p for n, p in m.named_parameters(recurse=False)}
+    saved = dict(m.named_parameters())  # its own and a child's (DBRX's GLU): every one expert-indexed
     for n, p in saved.items():
-        local = nn.Parameter(p.detach()[start : start + count].clone(), requires_grad=p.requires_grad)
+        r = expert_rows(p, x.E)
+        local = nn.Parameter(p.detach()[start * r : (start + count) * r].clone(), requires_grad=p.requires_grad)
         set_shard_spec(
             local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep, experts={"num_experts": x.E, "start": start})
         )
-        setattr(m, n, local)
+        _set(m, n, local)
     attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) == x.E}
     for a in attrs:
         setattr(m, a, count)
     base = type(m)
     m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs}, _plain_swiglu(m))
     m.__class__ = _ep_class(base, dense=_forward_args(m) == 1)
+
+
+def _set(m: nn.Module, dotted: str, value) -> None:
+    """setattr on the submodule that holds `dotted` (a parameter or count attribute of m or of a child)."""
+    owner, _, name = dotted.rpartition(".")
+    setattr(m.get_submodule(owner) if owner else m, name, value)
 
 
 def _speed_up(x: HFExperts) -> None:
@@ -176,7 +187,7 @@ def _speed_up(x: HFExperts) -> None:
 def _unshard(x: HFExperts) -> None:
     m, st = x.module, x.module._hfpar_ep
     for n, v in st.saved.items():
-        setattr(m, n, v)
+        _set(m, n, v)
     m.__class__ = st.base
     m._hfpar_ep = None
 
@@ -221,11 +232,12 @@ def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> 
     prefix = x.path.rpartition(".")[2]
     count = x.E // group_size(ep_group) if ep_group is not None else x.E
     start = rank * count
-    for n, p in x.module.named_parameters(recurse=False):  # EP grads sum every rank's tokens; the
+    for n, p in x.module.named_parameters():  # EP grads sum every rank's tokens; the
         if p.requires_grad and ep_group is not None:  # same order on every rank (collectives)
             g = want.get(f"{prefix}.{n}")
             g = torch.zeros_like(p) if g is None else g
-            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start : start + count]
+            r = expert_rows(p, x.E)
+            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start * r : (start + count) * r]
     _shard(x, ep_group) if ep_group is not None else _speed_up(x)
     got_out, got = _run(x.block, inp, 7 + rank, **kw)
     scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])

@@ -27,16 +27,33 @@ class HFExperts:
     E: int
 
 
+def _count(m: nn.Module) -> int | None:
+    """The expert count the module states (num_experts, ...), if any."""
+    return next((v for a in _COUNT_ATTRS if isinstance(v := getattr(m, a, None), int) and v > 0), None)
+
+
 def _expert_candidate(name: str, m: nn.Module) -> bool:
+    """An experts module: named for experts, holding either 3-D tensors of its own (transformers' stacked experts)
+    or, under a stated expert count E, experts stacked as 2-D row blocks (DBRX: w1 / v1 / w2 (E * F, H) in a child
+    GLU module; every tensor's dim 0 a multiple of E)."""
     own = list(m.parameters(recurse=False))
+    every = list(m.parameters())
     last = name.rpartition(".")[2].lower()
+    E = _count(m)
+    stacked = any(p.dim() == 3 for p in own) or (
+        E is not None and E > 1 and bool(every) and all(p.dim() >= 2 and p.shape[0] % E == 0 for p in every)
+    )
     return (
-        bool(own)
-        and any(p.dim() == 3 for p in own)
+        stacked
         and not last.startswith("shared")
         and not isinstance(m, GroupedExperts)  # hfpar's own MoELayer experts
         and ("expert" in last or "Expert" in type(m).__name__ or hasattr(m, "_is_expert_parallel"))
     )
+
+
+def expert_rows(p, E: int) -> int:
+    """Rows of dim 0 per expert: 1 for (E, ...) tensors, F for DBRX's (E * F, H) row blocks."""
+    return p.shape[0] // E
 
 
 def _forward_names(m: nn.Module) -> list[str]:
@@ -56,12 +73,16 @@ def _forward_args(m: nn.Module) -> int:
 
 def _problem(m: nn.Module) -> tuple[int, str | None]:
     own = dict(m.named_parameters(recurse=False))
-    E = next(p.shape[0] for p in own.values() if p.dim() == 3)
-    if {p.shape[0] for p in own.values()} != {E}:
-        dims = ", ".join(f"{n} {p.shape[0]}" for n, p in own.items())
-        return E, f"its parameters do not share one expert dim 0 ({dims})"
-    if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
-        return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
+    if any(p.dim() == 3 for p in own.values()):  # transformers' stacked experts: dim 0 is the expert
+        E = next(p.shape[0] for p in own.values() if p.dim() == 3)
+        if {p.shape[0] for p in own.values()} != {E}:
+            dims = ", ".join(f"{n} {p.shape[0]}" for n, p in own.items())
+            return E, f"its parameters do not share one expert dim 0 ({dims})"
+        if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
+            return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
+    else:  # row blocks under the stated count (DBRX): every tensor, own or a child's, E blocks of dim 0
+        E = _count(m)
+        own = dict(m.named_parameters())
     n_args = _forward_args(m)
     if n_args == 1 and any(p.dim() != 3 for p in own.values()):
         return E, (
