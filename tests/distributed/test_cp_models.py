@@ -1,8 +1,9 @@
 """Context parallelism on HF families, float64, 2 gloo ranks, ring and Ulysses: the original five (Llama, Mistral,
-Qwen2, Qwen3 with q/k norms, Gemma with scaled embeddings) and families accepted by the behaviour probe alone
-(no name list): OLMo-2, Phi-3, Granite, Cohere, StableLM, SmolLM3 (no-RoPE layers), Mistral and Qwen2 with
-sliding windows shorter than the row, Cohere 2 (sliding layers), GPT-OSS (attention sinks, sliding layers, MoE)
-and Gemma 2 (sliding layers and logit soft-capping, hard enough to bite: cap 1.0).
+Qwen2, Qwen3 with q/k norms, Gemma with scaled embeddings) and families accepted by the behaviour probe alone (no
+name list): OLMo-2, Phi-3, Granite, Cohere, StableLM, SmolLM3 (no-RoPE layers), Mistral and Qwen2 with sliding
+windows shorter than the row, Cohere 2 (sliding layers), GPT-OSS (attention sinks, sliding layers, MoE), Phi-3 with
+longrope switching factors between the ranks' largest positions, and Gemma 2 (sliding layers and logit soft-capping,
+hard enough to bite: cap 1.0).
 
 hfpar's attention injected through transformers' registry (`set_attn_implementation("hfpar_cp")`) on a row cut
 over the cp ranks gives the logits of the unsharded model with its stock attention (SDPA; eager for Gemma 2,
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
+from hfpar.parallel.context_parallel.rotary import cp_rotary
 from tests.helpers.dist import run_distributed
 
 T = 24
@@ -64,6 +66,22 @@ FAMILIES = {  # name: (model_type, config overrides, reference attention)
         },
         "eager",
     ),
+    # longrope: its factors switch at original_max_position_embeddings 20, between the ranks' largest positions of a
+    # 24-token row (23 on rank 0, 17 on rank 1): equal only when every rank sees the whole row's (rotary.py)
+    "phi3_longrope": (
+        "phi3",
+        {
+            "original_max_position_embeddings": 20,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 20,
+                "short_factor": [1.0, 1.1, 1.3, 1.5],
+                "long_factor": [2.0, 3.0, 5.0, 9.0],
+            },
+        },
+        "sdpa",
+    ),
     "gemma2_softcap_window": (
         "gemma2",
         {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8},
@@ -95,6 +113,7 @@ def _check(rank: int, world: int) -> dict:
         for mode in ("ring", "ulysses"):
             model = _model(name)
             model.set_attn_implementation(register_cp_attention())
+            cp_rotary(model)  # as enable_cp_attention does
             local, rows = shard_batch(shift_labels({"input_ids": ids, "labels": ids}), rank, world)
             with cp_rows(rows, dist.group.WORLD, mode):
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits

@@ -4,7 +4,8 @@ against the same copy cut over two emulated cp ranks (threads, hfpar's CP attent
 attention, a temperature from the local sequence length) and Doge (a learned dynamic mask) trained other math under
 CP without a word (benchmarks/context_parallel/family_sweep.py); the families accepted here are exact under real cp
 ranks there. The meta probe's fallback to the tiny copy (GPT-2 reads a value: `.item()`), the class-table families
-named (Falcon). One process, ~10 s.
+named (Falcon). Dynamic rotary embeddings (Phi-3's longrope) given the whole rows' largest position. One process,
+~10 s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformers import AutoConfig, GPT2Config
 from hfpar.parallel.context_parallel import enable_cp_attention
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.context_parallel.shard_check import EmulatedGroup, _compare, shard_problem
-from hfpar.parallel.tiny_copy import tiny_model
+from hfpar.parallel.tiny_copy import build_float64, tiny_model
 
 DIFFER = {  # model_type: where the cut rows first part from the whole row
     "llama4_text": "model.layers.0.self_attn (Llama4TextAttention) differs by",
@@ -54,6 +55,41 @@ def test_a_model_reading_the_local_length_is_found():
     rotary.forward = local_positions
     why = _compare(model)
     assert why is not None and why.startswith("model.rotary_emb (LlamaRotaryEmbedding) differs by"), why
+
+
+def _longrope_phi3():
+    """Phi-3 with longrope whose threshold (original_max_position_embeddings 13) lies between the ranks' largest
+    positions of a 16-token row at cp = 2 (15 on rank 0, 11 on rank 1): rank 1 alone would pick the short factors."""
+    return AutoConfig.for_model(
+        "phi3",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+        original_max_position_embeddings=13,
+        pad_token_id=0,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 13,
+            "short_factor": [1.0, 1.1, 1.3, 1.5],
+            "long_factor": [2.0, 3.0, 5.0, 9.0],
+        },
+    )
+
+
+def test_dynamic_rotary_sees_the_whole_rows(monkeypatch):
+    """longrope picks its factors from the largest position id it is given: under CP each rank would see its own
+    (rotary.py gives it the whole rows'). Exact with it; without it the check names the rotary module."""
+    from hfpar.parallel.context_parallel import shard_check
+
+    assert _compare(build_float64(_longrope_phi3())) is None
+    monkeypatch.setattr(shard_check, "cp_rotary", lambda model: [])
+    why = _compare(build_float64(_longrope_phi3()))
+    assert why is not None and why.startswith("model.rotary_emb (Phi3RotaryEmbedding) differs by"), why
 
 
 def test_enable_cp_attention_refuses_it_in_users_code():

@@ -66,6 +66,12 @@ def cp_row_slice(start: int, stop: int):
         yield
 
 
+def current_tops() -> torch.Tensor | None:
+    """Inside cp_rows: the (B,) largest position id of each whole row (rotary.py), else None."""
+    state = getattr(_state, "cur", None)
+    return None if state is None else state[0].tops
+
+
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)  # (B, Hkv * n, T, D)
 

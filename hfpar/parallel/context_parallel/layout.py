@@ -28,6 +28,7 @@ class RowLayout:
     local: torch.Tensor  # (T / cp,) global positions this rank holds, in its local order
     cp: int
     causal: bool = False  # every row is one document without padding: plain causal attention suffices
+    tops: torch.Tensor | None = None  # (B,) largest position id of each whole row (dynamic rotary: rotary.py)
     cache: dict = field(
         default_factory=dict, repr=False, compare=False
     )  # kernel calls (fused.row_calls), docs, layouts
@@ -43,6 +44,7 @@ class RowLayout:
                 local=self.local,
                 cp=self.cp,
                 causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
+                tops=None if self.tops is None else self.tops[start:stop],
             )
         return self.cache[key]
 
@@ -116,5 +118,6 @@ def shard_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, RowLayout]:
         local=local,
         cp=cp,
         causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
+        tops=pos.amax(dim=1),
     )
     return out, rows
