@@ -20,6 +20,7 @@ from benchmarks.tensor_parallel.family_sweep import (
     STATE_SPACE,
     build,
     per_type,
+    rel,
     report,
     sweep,
     vocab,
@@ -31,10 +32,6 @@ from hfpar.parallel.context_parallel.shard_check import shard_problem
 
 TOL = 1e-6
 T = 16
-
-
-def _rel(a, b) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()  # the floor: as shard_check
 
 
 def check(model_type: str) -> dict:
@@ -77,13 +74,13 @@ def check(model_type: str) -> dict:
             with cp_rows(rows, dist.group.WORLD, mode):
                 lg = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
                 (lg * w[:, rows.local, : lg.shape[-1]]).sum().backward()
-            worst, name = _rel(lg.detach(), ref_logits[:, rows.local]), "logits"
+            worst, name = rel(lg.detach(), ref_logits[:, rows.local]), "logits"
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 if q.grad is None:
                     continue
                 g = p.grad.clone() if p.grad is not None else torch.zeros_like(q.grad)
                 dist.all_reduce(g)
-                worst, name = max((worst, name), (_rel(g, q.grad), n))
+                worst, name = max((worst, name), (rel(g, q.grad), n))
         except Exception as e:  # noqa: BLE001
             worst, name = float("inf"), f"{type(e).__name__}: {str(e)[:200]} {traceback.format_exc()[-300:]}"
         out[mode] = {"worst_rel": worst, "worst": name}

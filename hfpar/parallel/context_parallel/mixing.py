@@ -66,7 +66,7 @@ def _outputs(model: nn.Module, ids: torch.Tensor) -> list[tuple[str, nn.Module, 
     return [*seen, ("the model's logits", model, logits)]
 
 
-def _calls(outputs: list) -> list[tuple[str, int]]:
+def call_keys(outputs: list) -> list[tuple[str, int]]:
     """(module name, how many times it had been called before) of each recorded output."""
     seen: dict[str, int] = {}
     keys = []
@@ -95,8 +95,8 @@ def _mixing(model: nn.Module) -> str | None:
     others = [t for t in range(T) if t != T // 2]
     a, b = _outputs(model, ids), _outputs(model, changed)
     # matched by module and call (a module called a data-dependent number of times stays aligned)
-    by_call = {key: y for key, (_, _, y) in zip(_calls(b), b, strict=True)}
-    for key, (name, mod, x) in zip(_calls(a), a, strict=True):
+    by_call = {key: y for key, (_, _, y) in zip(call_keys(b), b, strict=True)}
+    for key, (name, mod, x) in zip(call_keys(a), a, strict=True):
         if key not in by_call or by_call[key].shape != x.shape:
             continue
         x, y = x[:, others], by_call[key][:, others]

@@ -35,13 +35,12 @@ from ..tiny_copy import LAYERS, PROBE_SHRINK, shrink
 PROBE = "hfpar_cp_probe"
 _NEEDS = "context parallelism needs attention through transformers' attention registry"
 SUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")  # honoured (kernel_calls.py / blockwise.py / fused.py)
-REFUSED_KWARGS: dict[str, str] = {}  # a kwarg that would be silently dropped: refused, named
 
 
 def _record(calls):
     def probe(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-        keys = {"keys": key.shape[-2]} if key.shape[-2] != query.shape[-2] else {}  # meta shapes are known
-        calls.append((module, dropout, {**kwargs, **keys}))
+        keys = key.shape[-2] if key.shape[-2] != query.shape[-2] else None  # meta shapes are known
+        calls.append((module, dropout, keys))
         b, h, t, _ = query.shape  # (B, T, H, Dv): value's head dim (MLA: Dv != Dqk)
         return query.new_zeros(b, t, h, value.shape[-1]), None
 
@@ -51,7 +50,7 @@ def _record(calls):
 def _probed(config, calls: list, tokens: int, tiny: bool):
     """The model of `config` after one training-mode forward with the recording attention: on the meta device at
     its own sizes, or (tiny) its tiny copy on CPU, for families whose forward reads a value (`.item()`, `nonzero`)
-    or copies a tensor the meta device cannot give. (model, name) or raises."""
+    or copies a tensor the meta device cannot give. Raises what the family raises."""
     calls.clear()
     with set_zero3_state():
         if tiny:  # real values, sizes shrunk, dropout kept: the meta probe's answer for a family meta cannot run
@@ -138,11 +137,11 @@ def cp_attention_problems(config, tokens: int = 8) -> list[str]:
             )
             break
     seen = set()
-    for module, dropout, kwargs in calls:
+    for module, dropout, keys in calls:
         cls = type(module).__name__
-        feats = [REFUSED_KWARGS[k] for k in REFUSED_KWARGS if kwargs.get(k) is not None]
-        if "keys" in kwargs:  # DeepSeek-V4: compressed keys beside the row's own
-            feats.append(f"keys of its own making ({kwargs['keys']} keys for {tokens} queries: compressed or extra)")
+        feats = []
+        if keys is not None:  # DeepSeek-V4: compressed keys beside the row's own
+            feats.append(f"keys of its own making ({keys} keys for {tokens} queries: compressed or extra)")
         if dropout:
             feats.append(f"attention dropout {dropout} (set attention_dropout 0)")
         if getattr(module, "is_causal", True) is False:

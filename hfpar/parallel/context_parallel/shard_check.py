@@ -38,7 +38,7 @@ from ..tiny_copy import check_once, runnable
 from .attention import cp_rows, register_cp_attention
 from .blockwise import block_attention
 from .layout import shard_batch, shift_labels
-from .mixing import in_layer
+from .mixing import call_keys, in_layer
 from .rotary import cp_rotary
 
 CP = 2  # emulated ranks
@@ -119,13 +119,8 @@ def _recorder(model: nn.Module, store: dict, rank):
 
 
 def _keyed(outputs: list) -> dict:
-    """(module name, call index) -> output."""
-    seen: dict[str, int] = {}
-    keyed = {}
-    for name, mod, t in outputs:
-        keyed[(name, seen.get(name, 0))] = (mod, t)
-        seen[name] = seen.get(name, 0) + 1
-    return keyed
+    """(module name, call index) -> (module, output): mixing.call_keys' keys."""
+    return {key: (mod, t) for key, (_, mod, t) in zip(call_keys(outputs), outputs, strict=True)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
