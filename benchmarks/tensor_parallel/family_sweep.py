@@ -298,10 +298,10 @@ def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = F
     return per_type(types, lambda mt: check(mt, sp), _line if verbose else None)
 
 
-def sweep(worker, argv: list[str], statuses: tuple[str, ...]) -> dict:
-    """`worker` over argv's model types (none: every causal-LM type) on 2 ranks -> counts, exact share, wall time,
-    results."""
-    types = argv or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+def sweep(worker, argv: list[str], statuses: tuple[str, ...], every=MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) -> dict:
+    """`worker` over argv's model types (none: every type of `every`, by default every causal-LM type) on 2 ranks ->
+    counts, exact share, wall time, results."""
+    types = argv or sorted(every)
     t0 = time.perf_counter()
     res = run_ranks(worker, 2, types, True, timeout=7200)[0]
     counts = {s: sum(r["status"] == s for r in res.values()) for s in statuses}

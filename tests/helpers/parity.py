@@ -125,13 +125,23 @@ def assert_steps_match(ref_dir, got_dir, what: str, steps: int = 8, tokens: bool
 
 
 def assert_export_matches(
-    ref_dir, got_dir, what: str, tol: float = TOL, *, initial: dict | None = None, update_tol: float | None = None
+    ref_dir,
+    got_dir,
+    what: str,
+    tol: float = TOL,
+    *,
+    initial: dict | None = None,
+    update_tol: float | None = None,
+    noise_only: tuple[str, ...] = (),
 ):
     """Exported weights equal the reference's: per tensor ||got - ref|| / ||ref|| <= tol; and, given the
     weights training started from (`initial`), relative to the training update: ||got - ref|| / ||ref -
     initial|| <= update_tol (UPDATE_TOL). The first alone would hide an update error on weights near 1.0
     (norms): the 8 steps of the parity runs move them by ~4e-3 of their magnitude. Tensors training left
-    unchanged (update 0) get the first check only. Prints the largest of both ratios (pytest -s) for the record."""
+    unchanged (update 0) get the first check only. Prints the largest of both ratios (pytest -s) for the record.
+    noise_only: name suffixes of tensors whose gradient is zero in exact arithmetic (a key bias: it adds the same
+    q . b_k to every score of a query's row, which softmax ignores), left out: AdamW turns their rounding-noise
+    gradients (~1e-9) into full-size steps of random sign, so two correct runs move them apart by ~lr a step."""
     ref = load_file(str(ref_dir / "model.safetensors"))
     got = load_file(str(got_dir / "model.safetensors"))
     assert ref.keys() == got.keys()
@@ -141,6 +151,8 @@ def assert_export_matches(
     update_tol = UPDATE_TOL if update_tol is None else update_tol
     worst, worst_update = (0.0, ""), (0.0, "")
     for k in ref:
+        if k.endswith(noise_only) and noise_only:
+            continue
         r, g = ref[k].float(), got[k].float()
         diff = float((r - g).norm() / r.norm().clamp(min=1e-12))
         worst = max(worst, (diff, k))

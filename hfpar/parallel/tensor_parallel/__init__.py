@@ -10,7 +10,7 @@ infer.py     plans inferred from the modules;  sequence_plan.py  sequence-parall
 norms.py     ShardedRMSNorm (a norm over all heads on sharded heads)
 shape_check.py  the plan matched to the modules, names / shapes / degrees checked (no compute, no collective)
 block_check.py  the plan checked numerically: sharded copies of the blocks against unsharded ones (fp64)
-hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi)
+hooks.py     the forward hooks (regions, sequence split / gather, per-head ALiBi);  rng.py  dropout in a region per rank
 apply.py     apply_tensor_parallel (+ sequence parallelism) on an HF model, in place: which plan, then
 shard_modules.py  each matched module replaced or hooked by its style
 grads.py     sync_sequence_parallel_grads, clip_tp_grad_norm_, gather_full_state_dict (users' own loops)

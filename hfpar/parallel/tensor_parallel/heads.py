@@ -45,7 +45,7 @@ def localize_heads(attn: nn.Module, config, tp: int, widths: bool = False) -> No
     head_dim: DBRX splits its fused qkv by `hidden_size`, XGLM reshapes its output by `embed_dim`) too (the plan's
     `attention_widths` regions: CodeGen's forward needs its embed_dim whole, so only a verified plan says which)."""
     heads = next((v for a in HEAD_COUNTS if isinstance(v := getattr(attn, a, None), int)), None)
-    head_dim = getattr(attn, "head_dim", None)
+    head_dim = getattr(attn, "head_dim", None) or getattr(attn, "attention_head_size", None)  # BERT's name
     for attr in _WIDTHS if widths else ():
         v = getattr(attn, attr, None)
         if isinstance(v, int) and isinstance(heads, int) and isinstance(head_dim, int) and v == heads * head_dim:

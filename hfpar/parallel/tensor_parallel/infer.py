@@ -7,7 +7,10 @@ The decoder blocks are the first ModuleList of blocks holding Linears. In the fi
 the one whose own Linears are q/k/v (separate) or one fused projection (query_key_value, c_attn, Wqkv, qkv_proj)
 plus an output projection; the MLP is the module (or the block itself: OPT's fc1 / fc2) whose own Linears are an
 input (fc1, c_fc, up/gate_proj, dense_h_to_4h, ...) and an output (fc2, c_proj, down_proj, dense_4h_to_h, ...)
-projection. A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
+projection. Encoders whose out-projections live in a sibling module (BERT and its copies: attention.self holds q / k /
+v, attention.output.dense projects out; intermediate.dense goes up, output.dense comes down) get the module holding
+the in-projections as the region and the first Linear after it that takes its width as the row-parallel layer
+(_split_regions). A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
 interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last
 candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama).
 apply_tensor_parallel keeps the first candidate that validates and passes verify_first_block (forward and backward of
@@ -29,11 +32,18 @@ from .shape_check import ATTENTION, lookup_only
 
 __all__ = ["infer_plans", "unrecognised"]
 
-_SPLIT = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("Wq", "Wk", "Wv"))
+_SPLIT = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("query", "key", "value"),
+    ("q", "k", "v"),
+    ("Wq", "Wk", "Wv"),
+    ("q_lin", "k_lin", "v_lin"),
+    ("query_proj", "key_proj", "value_proj"),
+)
 _FUSED = ("query_key_value", "c_attn", "Wqkv", "qkv_proj", "qkv")
-_OUT = ("o_proj", "out_proj", "dense", "c_proj", "o", "out", "Wo")
-_UP = ("gate_proj", "up_proj", "c_fc", "fc1", "dense_h_to_4h", "w1", "w3", "fc_in", "gate_up_proj", "Wi")
-_DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out", "Wo")
+_OUT = ("o_proj", "out_proj", "dense", "c_proj", "o", "out", "Wo", "out_lin")
+_UP = ("gate_proj", "up_proj", "c_fc", "fc1", "dense_h_to_4h", "w1", "w3", "fc_in", "gate_up_proj", "Wi", "lin1")
+_DOWN = ("down_proj", "c_proj", "fc2", "dense_4h_to_h", "w2", "fc_out", "Wo", "lin2")
 
 
 def _linears(mod: nn.Module) -> list[str]:
@@ -148,8 +158,57 @@ def _mlp(rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | 
     return ent, (f"{pre}{fused}" if fused and len(ups) == 1 else None)
 
 
-def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], list[str], list[str]]:
-    """(entries relative to the block, fused qkv names, fused gate|up names) of one decoder block."""
+def _linears_after(block: nn.Module, rel: str) -> list[tuple[str, nn.Module]]:
+    """The block's Linears / Conv1Ds that come after module `rel`'s subtree, in module (definition) order."""
+    out, seen = [], False
+    for n, m in block.named_modules():
+        if n == rel:
+            seen = True
+        elif seen and not n.startswith(rel + ".") and (isinstance(m, nn.Linear) or is_conv1d(m)):
+            out.append((n, m))
+    return out
+
+
+def _split_regions(block: nn.Module, ent: dict[str, str], attn: bool, mlp: bool) -> tuple[dict[str, str], list[str]]:
+    """Entries of an encoder block whose projections out of a region live in a sibling module (BERT and its many
+    copies: attention.self holds q / k / v, attention.output.dense projects out; intermediate.dense goes up,
+    output.dense comes down). The region is the module holding the in-projections alone (its input feeds them only;
+    BertAttention's also feeds the residual, which must not be summed over the TP ranks); the out-projection is the
+    first Linear after it in the block that takes its width. Verified like everything inferred. Returns the entries and
+    the attention's out-projection (outside its region: a plan that leaves the attention whole drops it too)."""
+    new: dict[str, str] = {}
+    outs: list[str] = []
+    for rel, m in block.named_modules():
+        lin = _linears(m)
+        if not rel or not lin or any(rel == k or rel.startswith(k + ".") or k.startswith(rel + ".") for k in ent):
+            continue
+        split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
+        up = getattr(m, lin[0])
+        if not attn and split and len(lin) == 3:
+            want, style = _width(getattr(m, split[2]), True), "attention"
+            region = {f"{rel}.{n}": "colwise" for n in split}
+        elif (  # an up-projection alone (and its activation): no other parameter in the region
+            not mlp
+            and len(lin) == 1
+            and _width(up, True) > _width(up, False)
+            and sum(1 for _ in m.parameters()) == sum(1 for _ in up.parameters())
+        ):
+            want, region, style = _width(up, True), {f"{rel}.{lin[0]}": "colwise"}, "mlp"
+        else:
+            continue
+        out = next((n for n, c in _linears_after(block, rel) if _width(c, False) == want and n not in ent), None)
+        if out is None:
+            continue
+        new.update({rel: style, **region, out: "rowwise"})
+        outs += [out] if style == "attention" else []
+        attn, mlp = attn or style == "attention", mlp or style == "mlp"
+        ent = {**ent, **new}
+    return new, outs
+
+
+def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], list[str], list[str], list[str]]:
+    """(entries relative to the block, fused qkv names, fused gate|up names, output projections of an attention
+    outside its region) of one decoder block."""
     ent: dict[str, str] = {}
     qkv: list[str] = []
     gate_up: list[str] = []
@@ -167,7 +226,9 @@ def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], 
             mlp = True
             ent.update(got[0])
             gate_up += [got[1]] if got[1] else []
-    return ent, qkv, gate_up
+    split, outs = _split_regions(block, ent, attn, mlp) if not (attn and mlp) else ({}, [])
+    ent.update(split)
+    return ent, qkv, gate_up, outs
 
 
 def infer_plans(model: nn.Module) -> list[dict[str, str]]:
@@ -177,8 +238,8 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         return []
     groups: dict[tuple, list[int]] = {}  # hybrid stacks: one set of entries per block structure
     for i, block in enumerate(model.get_submodule(blocks)):
-        ent, qkv, gate_up = _block_entries(model, block)
-        groups.setdefault((tuple(ent.items()), tuple(qkv), tuple(gate_up)), []).append(i)
+        ent, qkv, gate_up, outs = _block_entries(model, block)
+        groups.setdefault((tuple(ent.items()), tuple(qkv), tuple(gate_up), tuple(outs)), []).append(i)
     groups = {k: v for k, v in groups.items() if k[0]}
     if not groups:
         return []
@@ -191,9 +252,10 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         return pat + (re.escape(f".{rel}") if rel else "")
 
     common: dict[str, str] = {}
-    qkv, gate_up, split = [], [], []
-    for (ent, fq, fg), idx in groups.items():
+    qkv, gate_up, split, attn_outs = [], [], [], []
+    for (ent, fq, fg, outs), idx in groups.items():
         common.update({at(idx, r): s for r, s in ent})
+        attn_outs += [at(idx, r) for r in outs]
         qkv += [at(idx, r) for r in fq]
         gate_up += [at(idx, r) for r in fg]
         regions = [r for r, s in ent if s in ATTENTION]
@@ -243,6 +305,7 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
         p: st
         for p, st in out_plans[0].items()
         if p not in attn
+        and p not in attn_outs
         and not any(p.startswith(a + ".") or (a.startswith("re:") and p.startswith(a + re.escape("."))) for a in attn)
     }
     if attn and any(st == "mlp" for st in mlp_only.values()):

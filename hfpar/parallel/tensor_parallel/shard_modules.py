@@ -30,6 +30,7 @@ from .hooks import (
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .norms import ShardedRMSNorm
 from .plans import packed_splits
+from .rng import has_dropout, install_region_rng
 from .shape_check import REGIONS as _REGIONS
 
 __all__ = ["RegionColumnParallelLinear", "shard_modules"]
@@ -114,6 +115,8 @@ def shard_modules(
                     partial(enter_region_hook, group=tp_group, name=name, sequence_parallel=sequence_parallel),
                     with_kwargs=True,
                 )
+                if has_dropout(mod):  # this rank's heads / features draw masks of their own (rng.py)
+                    install_region_rng(mod, group_rank(tp_group))
             if base in ("attention", "attention_widths"):
                 localize_heads(mod, config, tp, widths=base == "attention_widths")
                 bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
