@@ -6,16 +6,23 @@ layers, on replicated activations), built so that rank 1's heads hold the very w
   the fork both ranks draw the same numbers, and identical heads give identical outputs; in eval they do);
 - everything replicated stays replicated: the logits are the same on both ranks, and so is the generator's next draw;
 - activation checkpointing recomputes the same masks: the gradients of a checkpointed forward equal those of the
-  plain forward under the same seed.
+  plain forward under the same seed;
+- under sequence parallelism a dropout of the decoder layer outside the regions (Falcon's, after the MLP's
+  row-parallel projection) acts on the rank's T/2 tokens: its masks differ over the ranks, the loss and the next draw
+  do not.
 """
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, FalconForCausalLM
 
+from benchmarks.tensor_parallel.family_sweep import tiny_config
+from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from tests.helpers.dist import run_distributed
 
 
@@ -50,8 +57,6 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world: int) -> dict:
-    from hfpar.parallel.tensor_parallel import apply_tensor_parallel
-
     model = _model()
     apply_tensor_parallel(model, dist.group.WORLD)
     region = model.bert.encoder.layer[0].attention.self
@@ -91,3 +96,43 @@ def test_region_dropout_draws_per_rank_and_the_rest_stays_in_step():
     assert res["train_logits_equal"] and res["eval_logits_equal"], "replicated activations differ over the TP ranks"
     assert res["train_next_draw_equal"], "the TP ranks' generators fell out of step"
     assert res["checkpoint_same_grads"], "a recomputed region drew other masks"
+
+
+def _sp_worker(rank: int, world: int) -> dict:
+    """Falcon with hidden dropout 0.5 under TP=2 + sequence parallelism: the decoder layer's own dropout (outside the
+    TP regions: after the MLP's row-parallel projection, added to the residual) acts on this rank's T/2 tokens; its
+    masks must be this rank's own."""
+    cfg = tiny_config("falcon")  # the TP sweep's (sequence parallelism exact on it), dropout off; then on:
+    cfg.hidden_dropout = 0.5
+    torch.manual_seed(0)
+    model = FalconForCausalLM(cfg)
+    apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True)
+    masks, dropout = [], torch.nn.functional.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        if p > 0 and training and x.shape[1] == 6:  # the block's T/2 tokens
+            masks.append(((out == 0) & (x != 0)).float())
+        return out
+
+    model.train()
+    torch.manual_seed(5)
+    ids = torch.randint(3, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with mock.patch.object(torch.nn.functional, "dropout", recording):
+        loss = model(input_ids=ids, labels=ids).loss  # replicated (the logits are this rank's vocabulary shard)
+    a, b = _gather(torch.stack(masks))
+    la, lb = _gather(loss.detach().reshape(1))
+    na, nb = _gather(torch.rand(4))
+    return {
+        "masks": len(masks),
+        "masks_equal": bool(torch.equal(a, b)),
+        "loss_equal": bool(torch.equal(la, lb)),
+        "next_draw_equal": bool(torch.equal(na, nb)),
+    }
+
+
+def test_sequence_parallel_chunks_draw_their_own_masks():
+    res = run_distributed(_sp_worker, 2)[0]
+    assert res["masks"] >= 2, res  # a dropout of the rank's tokens in each of the 2 layers
+    assert not res["masks_equal"], "the TP ranks' token chunks drew the same dropout masks"
+    assert res["loss_equal"] and res["next_draw_equal"], res

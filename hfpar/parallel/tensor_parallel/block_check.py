@@ -69,8 +69,13 @@ def first_block_name(assigned: Mapping[str, str]) -> str | None:
 
 
 def _cast(obj, dtype):
+    """A copy of the call's tensors in `dtype`, detached; those the model computed from its parameters (a relative
+    position bias built once outside the blocks) are leaves that require grad: their gradients are checked too."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to(dtype) if obj.is_floating_point() else obj
+        if not obj.is_floating_point():
+            return obj
+        out = obj.detach().to(dtype)
+        return out.requires_grad_() if obj.requires_grad else out
     if isinstance(obj, (tuple, list)):
         return type(obj)(_cast(o, dtype) for o in obj)
     if isinstance(obj, dict):
@@ -101,7 +106,7 @@ def _capture(model: nn.Module, block: nn.Module, device, tp: int):
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # which of the block's inputs come from parameters (their gradients are checked)
             try:
                 model(input_ids=ids, use_cache=False)
             except TypeError as e:
@@ -275,7 +280,7 @@ def _verify_block(
             raise
         dtype = torch.float32
         ref_run = _reference(block, call, dtype)
-    hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads = ref_run
+    hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads, (learned, learned_ref) = ref_run
     sharded = copy.deepcopy(block, _handles(block)).to(dtype).eval()
     rel = {
         n[len(name) + 1 :] if n != name else "": s for n, s in assigned.items() if n == name or n.startswith(name + ".")
@@ -317,6 +322,12 @@ def _verify_block(
     checks: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
         (f"{name} output", out.detach(), out_ref.detach()),
         (f"{name} input gradient", x.grad, g_in),
+        # an input built from parameters outside the block: each rank's gradient must be whole (the parameters it
+        # comes from are replicated), e.g. a per-head bias sliced to the rank's heads gathers its gradient back
+        *(
+            (f"{name} gradient of its input {i} (computed from parameters)", t.grad, g)
+            for i, (t, g) in enumerate(zip(learned, learned_ref))
+        ),
     ]
     mine = dict(sharded.named_parameters())
     for (n, _), g_ref in zip(ref_named, grads[1:]):
@@ -374,8 +385,31 @@ def _reference(block: nn.Module, call, dtype):
     out_ref = _first_tensor(ref(*rebuild(x_ref)[0], **rebuild(x_ref)[1]))
     cot = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(4321), dtype=dtype).to(out_ref.device)
     ref_named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    grads = torch.autograd.grad(out_ref, [x_ref] + [p for _, p in ref_named], cot, allow_unused=True)
-    return hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads
+    learned = [t for t in _leaves((args, kwargs)) if t.requires_grad and t is not hidden]
+    grads = torch.autograd.grad(out_ref, [x_ref, *learned] + [p for _, p in ref_named], cot, allow_unused=True)
+    return (
+        hidden,
+        rebuild,
+        seen_ref,
+        out_ref,
+        cot,
+        ref_named,
+        (grads[0], *grads[1 + len(learned) :]),
+        (
+            learned,
+            grads[1 : 1 + len(learned)],
+        ),
+    )
+
+
+def _leaves(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _leaves(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _leaves(o)]
+    return []
 
 
 def _entry(assigned: Mapping[str, str], module: str) -> str:

@@ -19,6 +19,7 @@ shards) is refused after the fact. Task heads that stay replicated (sequence cla
 
 from __future__ import annotations
 
+import inspect
 import types
 from contextlib import contextmanager
 from functools import partial
@@ -31,7 +32,13 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from ..comm import gather_from_parallel_region, group_size
 from .loss import vocab_parallel_cross_entropy
 
-__all__ = ["VocabParallelCausalLMLoss", "full_vocab_logits", "gather_vocab_logits", "install_hf_semantics"]
+__all__ = [
+    "VocabParallelCausalLMLoss",
+    "computes_own_loss",
+    "full_vocab_logits",
+    "gather_vocab_logits",
+    "install_hf_semantics",
+]
 
 CAUSAL_LOSS_TYPES = (None, "ForCausalLM", "ForConditionalGeneration")
 
@@ -40,6 +47,17 @@ def gather_vocab_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
     """(..., V/tp) vocab shards of a tensor-parallel LM head -> (..., V) on every rank (rank order = vocab order).
     Collective over the TP group; backward keeps this rank's slice of the gradient. Costs the full (..., V)."""
     return gather_from_parallel_region(logits, getattr(group, "tp_group", group))
+
+
+def computes_own_loss(model: nn.Module) -> bool:
+    """Whether the model's forward computes its loss by code of its own, not through `self.loss_function` (CPM-Ant:
+    CrossEntropyLoss on the logits as they come): a vocab-parallel LM head would hand it shards, so the plans keep
+    such a head (and an embedding tied to it) whole. Read from the forward's source; none to read: False."""
+    try:
+        src = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "loss_function" not in src and ("CrossEntropyLoss" in src or "cross_entropy" in src)
 
 
 class VocabParallelCausalLMLoss:

@@ -74,24 +74,32 @@ def enter_region_hook(module, args, kwargs, *, group, sequence_parallel: bool, n
 HEAD_BIAS_ARGS = ("alibi", "position_bias")  # per-head attention biases a model builds once for all heads
 
 
-def local_head_bias_hook(module, args, kwargs, *, names, tp: int, rank: int, heads: int):
-    """This rank's heads of a per-head bias argument: Bloom's alibi (B * H, 1, T), MPT's position_bias (H, 1, T).
-    The layout is read from the shape; one this does not recognise is passed as is (the plan's verification then
-    refuses the family)."""
+def local_head_bias_hook(module, args, kwargs, *, names, tp: int, heads: int, group, positions=None):
+    """This rank's heads of a per-head bias argument: Bloom's alibi (B * H, 1, T), MPT's position_bias (H, 1, T),
+    CPM-Ant's (B, H, T, T) passed positionally (positions: {name: index in forward's parameters}). The layout is read
+    from the shape; one this does not recognise is passed as is (the plan's verification then refuses the family).
+    The slice's backward all-gathers the heads' gradients: a bias the model learns (CPM-Ant's relative position bias,
+    built once outside the blocks) gets its whole gradient on every rank, as one process computes it."""
     hidden = args[0] if args else kwargs.get("hidden_states")
     b = hidden.shape[0] if isinstance(hidden, torch.Tensor) else None
     n = heads // tp
     for name in names:
-        t = kwargs.get(name)
+        pos = (positions or {}).get(name)
+        at = pos if name not in kwargs and pos is not None and pos < len(args) else None
+        t = kwargs.get(name) if at is None else args[at]
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
-        if b is not None and t.shape[0] == b * heads:  # (B * H, ...) -> (B * H/tp, ...)
-            t = t.view(b, heads, *t.shape[1:])[:, rank * n : (rank + 1) * n].reshape(b * n, *t.shape[1:])
+        own = partial(scatter_to_sequence_parallel_region, group=group)  # this rank's chunk; bwd all-gather
+        if t.shape[1] == heads and (t.dim() >= 4 or (b is not None and t.shape[0] in (b, 1))):
+            t = own(t, dim=1)  # (B, H, ...) -> (B, H/tp, ...): first, a batch as large as the heads is no head dim
+        elif b is not None and t.shape[0] == b * heads:  # (B * H, ...) -> (B * H/tp, ...)
+            t = own(t.view(b, heads, *t.shape[1:]), dim=1).reshape(b * n, *t.shape[1:])
         elif t.shape[0] == heads:  # (H, ...) -> (H/tp, ...)
-            t = t[rank * n : (rank + 1) * n]
-        elif t.shape[1] == heads:  # (B, H, ...) -> (B, H/tp, ...)
-            t = t[:, rank * n : (rank + 1) * n]
-        kwargs = {**kwargs, name: t}
+            t = own(t, dim=0)
+        if at is None:
+            kwargs = {**kwargs, name: t}
+        else:
+            args = (*args[:at], t, *args[at + 1 :])
     return args, kwargs
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from ..language_model import language_model_path, text_config
 from .conv1d import is_conv1d
 from .heads import HEAD_COUNTS, head_count_values
+from .hf_loss import computes_own_loss
 from .plans import compile_pattern
 from .shape_check import ATTENTION, lookup_only
 
@@ -96,6 +97,20 @@ def _heads(model: nn.Module, attn: nn.Module) -> set[int]:
     return {v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 1}
 
 
+def _qkvo_by_shape(m: nn.Module, lin: list[str]) -> tuple[str, str, str, str] | None:
+    """Names of q, k, v, o told by their shapes where the names are none of the known ones (CPM-Ant's project_q /
+    project_k / project_v / attention_out): exactly four own Linears, in definition order three from the same input
+    (k and v alike) and a fourth from q's width back to that input's. Verified like everything inferred."""
+    ls = [(n, getattr(m, n)) for n in lin if isinstance(getattr(m, n), nn.Linear)]
+    if len(ls) != 4 or len(lin) != 4:
+        return None
+    (q, qm), (k, km), (v, vm), (o, om) = ls
+    same_in = qm.in_features == km.in_features == vm.in_features == om.out_features
+    if same_in and km.out_features == vm.out_features and om.in_features == qm.out_features:
+        return q, k, v, o
+    return None
+
+
 def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | None] | None:
     """Relative entries of an attention module (its own q/k/v or fused projection plus an output projection), and the
     fused projection's name; None when `m` is not one. Beside q/k/v/o: an own Linear as wide as q from the same input
@@ -105,6 +120,8 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
     outs = [n for n in lin if n in _OUT]
     split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
     fuse = next((n for n in _FUSED if n in lin), None)
+    if not (outs and (split or fuse)) and (shaped := _qkvo_by_shape(m, lin)):
+        split, outs, fuse = shaped[:3], [shaped[3]], None
     if not (outs and (split or fuse)):
         return None
     ent = {rel: "attention"}
@@ -270,9 +287,10 @@ def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
-    if lookup_only(inp) and id(inp) in names:
+    own_loss = computes_own_loss(model)  # its loss would see vocab shards: the head stays whole
+    if lookup_only(inp) and id(inp) in names and not (tied and own_loss):
         common[names[id(inp)]] = "vocab_embedding"
-    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied):
+    if isinstance(out, nn.Linear) and id(out) in names and (lookup_only(inp) or not tied) and not own_loss:
         common[names[id(out)]] = "colwise_lm_head"
     # layouts the structure does not show, most likely first: fused q|k|v per head (plain colwise) or concatenated;
     # a fused gate|up concatenated (chunked in two halves) or interleaved

@@ -9,6 +9,10 @@ stay in step; no device sync) seeds it with that number + the TP rank; after the
 Activation checkpointing replays the forward from the saved generator state, so a recomputed region draws the same
 masks.
 
+Under sequence parallelism every decoder block holds this rank's T/tp tokens outside its regions too (the dropout
+after a row-parallel layer acts on the rank's chunk): the blocks are forked the same way, so rank r's tokens do not
+take the masks of rank 0's.
+
     install_region_rng(module, rank)   # where the region holds a dropout with p > 0 (has_dropout)
 """
 

@@ -119,15 +119,17 @@ def shard_modules(
                     install_region_rng(mod, group_rank(tp_group))
             if base in ("attention", "attention_widths"):
                 localize_heads(mod, config, tp, widths=base == "attention_widths")
-                bias_args = [a for a in inspect.signature(mod.forward).parameters if a in HEAD_BIAS_ARGS]
+                params = list(inspect.signature(mod.forward).parameters)
+                bias_args = [a for a in params if a in HEAD_BIAS_ARGS]
                 if bias_args and getattr(config, "num_attention_heads", None):  # ALiBi for all heads (Bloom, MPT)
                     mod.register_forward_pre_hook(
                         partial(
                             local_head_bias_hook,
                             names=bias_args,
                             tp=tp,
-                            rank=group_rank(tp_group),
+                            group=tp_group,
                             heads=config.num_attention_heads,
+                            positions={a: params.index(a) for a in bias_args},
                         ),
                         with_kwargs=True,
                     )
@@ -139,6 +141,11 @@ def shard_modules(
                 mod.register_forward_pre_hook(
                     partial(scatter_sequence_hook, group=tp_group, tp=tp, name=name), with_kwargs=True
                 )
+                # every block then holds this rank's T/tp tokens: its dropouts draw per rank too (rng.py)
+                stack = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
+                if isinstance(stack, nn.ModuleList) and any(has_dropout(b) for b in stack):
+                    for b in stack:
+                        install_region_rng(b, group_rank(tp_group))
             elif base == "replicated_heads" or (base == "replicated_sp" and sequence_parallel):
                 for p in mod.parameters():  # replicated; each rank's grad covers its tokens / heads only
                     set_shard_spec(p, ShardSpec(kind="replicated", partial_grad_group=tp_group))
