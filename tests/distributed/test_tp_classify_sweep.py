@@ -9,6 +9,8 @@ step, again; float64, loss and every gradient within 1e-4), on 2 gloo ranks (one
     deberta-v2              disentangled attention (relative position projections, query_proj / key_proj / value_proj)
     distilbert              q_lin / k_lin / v_lin / out_lin, lin1 / lin2
     longformer              global-attention projections beside q / k / v
+    xlm                     attentions and MLPs in two lists (q_lin / k_lin / v_lin / out_lin, lin1 / lin2): both
+                            planned, the list's element itself the attention region (infer.py _sibling_lists)
     mpnet                   a relative position bias (B, H, T, T) passed positionally, with as many rows as heads
                             (4): cut along the heads, not the batch (hooks.local_head_bias_hook)
     mobilebert, albert      refused in one line (a bottleneck LayerNorm inside the MLP; ALBERT's attention adds its
@@ -24,7 +26,18 @@ from tests.helpers.dist import run_distributed
 
 pytestmark = pytest.mark.slow
 
-EXACT = ("roberta", "electra", "esm", "megatron-bert", "roformer", "deberta-v2", "distilbert", "longformer", "mpnet")
+EXACT = (
+    "roberta",
+    "electra",
+    "esm",
+    "megatron-bert",
+    "roformer",
+    "deberta-v2",
+    "distilbert",
+    "longformer",
+    "mpnet",
+    "xlm",
+)
 REFUSED = ("mobilebert", "albert")
 
 

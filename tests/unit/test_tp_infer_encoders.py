@@ -43,3 +43,10 @@ def test_distilbert_names_and_an_mlp_with_a_norm_inside_is_not_a_region():
     assert plan[f"{lay}.ffn"] == "mlp" and plan[f"{lay}.ffn.lin2"] == "rowwise"
     mobile = infer_plans(build("mobilebert", 2, torch.float32))[0]
     assert not any(k.endswith("bottleneck.input") for k in mobile)  # dense + LayerNorm: not an MLP's up-projection
+
+
+def test_xlm_attention_and_mlp_lists_are_both_planned():
+    plan = infer_plans(build("xlm", 2, torch.float32))[0]
+    assert plan["transformer.attentions.*"] == "attention"  # the list element is the attention
+    assert plan["transformer.attentions.*.out_lin"] == "rowwise"
+    assert plan["transformer.ffns.*.lin1"] == "colwise" and plan["transformer.ffns.*.lin2"] == "rowwise"

@@ -10,9 +10,11 @@ input (fc1, c_fc, up/gate_proj, dense_h_to_4h, ...) and an output (fc2, c_proj, 
 projection. Encoders whose out-projections live in a sibling module (BERT and its copies: attention.self holds q / k /
 v, attention.output.dense projects out; intermediate.dense goes up, output.dense comes down) get the module holding
 the in-projections as the region and the first Linear after it that takes its width as the row-parallel layer
-(_split_regions). A fused projection's layout is not visible in the structure: one candidate per layout (per-head q|k|v
-interleaved: plain colwise; [q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last
-candidate with each split as two halves (differential attention pairs head i with head i + H/2: DiffLlama).
+(_split_regions). Lists beside the block list, as long and holding Linears, are planned too (XLM / FlauBERT: attentions
+in one list, MLPs in another; a list element that is the attention itself is its region). A fused projection's
+layout is not visible in the structure: one candidate per layout (per-head q|k|v interleaved: plain colwise;
+[q | k | v] concatenated: colwise_packed:qkv); separate q / k / v also get a last candidate with each split as two
+halves (differential attention pairs head i with head i + H/2: DiffLlama).
 apply_tensor_parallel keeps the first candidate that validates and passes verify_first_block (forward and backward of
 the first block against the unsharded block), else refuses in one line with the last candidate's reason. The embedding
 is vocab-parallel and the LM head column-parallel (vocab shards); position embeddings and norms stay replicated.
@@ -21,6 +23,7 @@ is vocab-parallel and the LM head column-parallel (vocab shards); position embed
 from __future__ import annotations
 
 import re
+from functools import partial
 
 from torch import nn
 
@@ -124,11 +127,12 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
         split, outs, fuse = shaped[:3], [shaped[3]], None
     if not (outs and (split or fuse)):
         return None
+    pre = f"{rel}." if rel else ""  # rel "": the block is the attention (XLM's list of attentions)
     ent = {rel: "attention"}
     for n in split or ():
-        ent[f"{rel}.{n}"] = "colwise"
+        ent[f"{pre}{n}"] = "colwise"
     out = outs[0]
-    ent[f"{rel}.{out}"] = "rowwise"
+    ent[f"{pre}{out}"] = "rowwise"
     widths = {_width(getattr(m, out), False)}
     if split:
         q = getattr(m, split[0])
@@ -141,16 +145,16 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
                 and _width(c, False) == _width(q, False)
                 and _width(c, True) == _width(q, True)
             ):
-                ent[f"{rel}.{n}"] = "colwise"
+                ent[f"{pre}{n}"] = "colwise"
     heads, model_width = _heads(model, m), _width(getattr(m, out), True)
     for n, p in m.named_parameters(recurse=False):
         if p.dim() >= 1 and p.shape[0] in heads:
-            ent[f"{rel}.{n}"] = "head_param"
+            ent[f"{pre}{n}"] = "head_param"
         elif p.dim() == 1 and p.numel() == model_width:  # as wide as the output: applied after the all-reduce
-            ent[f"{rel}.{n}"] = "output_param"
+            ent[f"{pre}{n}"] = "output_param"
     for n in _norms(m, widths, getattr(m, "head_dim", None)):
-        ent[f"{rel}.{n}"] = "sharded_rmsnorm"
-    return ent, (f"{rel}.{fuse}" if fuse and not split else None)
+        ent[f"{pre}{n}"] = "sharded_rmsnorm"
+    return ent, (f"{pre}{fuse}" if fuse and not split else None)
 
 
 def _mlp(rel: str, m: nn.Module, lin: list[str]) -> tuple[dict[str, str], str | None] | None:
@@ -232,7 +236,9 @@ def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], 
     attn = mlp = False
     for rel, m in block.named_modules():
         lin = _linears(m)
-        got = _attention(model, rel, m, lin) if rel and not attn else None
+        got = _attention(model, rel, m, lin) if not attn else None
+        if got and not rel and any(n not in got[0] for n in lin):  # the block itself: only if it is the attention
+            got = None  # (XLM's list of attentions), else its input also feeds the rest of the block
         if got:
             attn = True
             ent.update(got[0])
@@ -248,29 +254,48 @@ def _block_entries(model: nn.Module, block: nn.Module) -> tuple[dict[str, str], 
     return ent, qkv, gate_up, outs
 
 
+def _sibling_lists(model: nn.Module, blocks: str) -> list[str]:
+    """The block list and the lists beside it of as many modules holding Linears (XLM / FlauBERT keep their
+    attentions in one list and their MLPs in another)."""
+    parent = blocks.rpartition(".")[0]
+    first = model.get_submodule(blocks)
+    out = [blocks]
+    for n, m in (model.get_submodule(parent) if parent else model).named_children():
+        name = f"{parent}.{n}" if parent else n
+        if (
+            name != blocks
+            and isinstance(m, nn.ModuleList)
+            and len(m) == len(first)
+            and any(isinstance(x, nn.Linear) or is_conv1d(x) for x in m[0].modules())
+        ):
+            out.append(name)
+    return out
+
+
 def infer_plans(model: nn.Module) -> list[dict[str, str]]:
     """Candidate plans (see the module docstring); [] when the structure is not recognised."""
-    blocks = _blocks(model)
-    if blocks is None:
+    first = _blocks(model)
+    if first is None:
         return []
-    groups: dict[tuple, list[int]] = {}  # hybrid stacks: one set of entries per block structure
-    for i, block in enumerate(model.get_submodule(blocks)):
-        ent, qkv, gate_up, outs = _block_entries(model, block)
-        groups.setdefault((tuple(ent.items()), tuple(qkv), tuple(gate_up), tuple(outs)), []).append(i)
-    groups = {k: v for k, v in groups.items() if k[0]}
+    groups: dict[tuple, list[int]] = {}  # hybrid stacks: one set of entries per block structure (and list)
+    for blocks in _sibling_lists(model, first):
+        for i, block in enumerate(model.get_submodule(blocks)):
+            ent, qkv, gate_up, outs = _block_entries(model, block)
+            groups.setdefault((blocks, tuple(ent.items()), tuple(qkv), tuple(gate_up), tuple(outs)), []).append(i)
+    groups = {k: v for k, v in groups.items() if k[1]}
     if not groups:
         return []
-    n = len(model.get_submodule(blocks))
 
-    def at(idx: list[int], rel: str) -> str:
-        if len(idx) == n:
+    def at_(blocks: str, idx: list[int], rel: str) -> str:
+        if len(idx) == len(model.get_submodule(blocks)):
             return f"{blocks}.*.{rel}" if rel else f"{blocks}.*"
         pat = rf"re:{re.escape(blocks)}\.(?:{'|'.join(map(str, idx))})"
         return pat + (re.escape(f".{rel}") if rel else "")
 
     common: dict[str, str] = {}
     qkv, gate_up, split, attn_outs = [], [], [], []
-    for (ent, fq, fg, outs), idx in groups.items():
+    for (blocks, ent, fq, fg, outs), idx in groups.items():
+        at = partial(at_, blocks)
         common.update({at(idx, r): s for r, s in ent})
         attn_outs += [at(idx, r) for r in outs]
         qkv += [at(idx, r) for r in fq]
