@@ -23,7 +23,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from transformers import LogitsProcessorList
 
 from benchmarks.common.launch import results_dir
 from benchmarks.tensor_parallel.family_sweep import (
@@ -38,7 +37,7 @@ from benchmarks.tensor_parallel.family_sweep import (
 from hfpar.parallel.expert_parallel import apply_expert_parallel
 from hfpar.parallel.tensor_parallel import apply_tensor_parallel
 from hfpar.rollout.engine import left_pad
-from hfpar.rollout.sampling import RowGumbelNoise, row_key
+from hfpar.rollout.sampling import row_key, sample
 
 TOL = 1e-6
 PROMPTS = (5, 3, 7, 4)
@@ -46,20 +45,14 @@ NEW = 6
 
 
 def _generate(model, ids, mask, keys, synced: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, (B, NEW, V) logits of every step) of hfpar's sampler's generate call, with the raw logits kept."""
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        logits_processor=LogitsProcessorList([RowGumbelNoise(keys, ids.device)]),
-        do_sample=False,
+    """(token ids, (B, NEW, V) raw logits of every step) of hfpar's sampler (the rollout's own call)."""
+    out = sample(
+        model,
+        ids,
+        mask,
+        keys,
         max_new_tokens=NEW,
-        eos_token_id=None,
         pad_token_id=0,
-        num_beams=1,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        use_cache=True,
         synced_gpus=synced,
         output_logits=True,
         return_dict_in_generate=True,

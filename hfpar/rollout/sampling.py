@@ -74,12 +74,15 @@ def sample(
     eos_token_id=None,
     pad_token_id=None,
     synced_gpus: bool = False,
+    **generate_kwargs,
 ) -> torch.Tensor:
     """prompt_ids / prompt_mask: (B, P) left-padded; keys: one row_key per row. -> (B, P + new) token ids, rows that
     stopped at EOS padded with pad_token_id after it. min_new_tokens: EOS masked before that many new tokens
     (transformers' processor, before the warpers and the noise: a row's draws stay its own). synced_gpus: every rank
     runs a forward per decoding step until all are done (transformers' own flag; needed where the forward is
-    collective: sharded or model-parallel layers)."""
+    collective: sharded or model-parallel layers). generate_kwargs: more of generate's own (output_logits=True,
+    return_dict_in_generate=True: its output object, with each step's raw logits: benchmarks/grpo/
+    generation_sweep.py)."""
     if len(keys) != prompt_ids.size(0):
         raise ValueError(f"sample: {len(keys)} row keys for {prompt_ids.size(0)} rows")
     processors = LogitsProcessorList([*warpers(temperature, top_k, top_p), RowGumbelNoise(keys, prompt_ids.device)])
@@ -98,6 +101,7 @@ def sample(
         top_k=None,
         use_cache=True,
         synced_gpus=synced_gpus,
+        **generate_kwargs,
     )
 
 
