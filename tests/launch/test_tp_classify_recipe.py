@@ -17,7 +17,6 @@ other (tests/helpers/recipe_runs.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from hfpar import data
 from hfpar.parallel.tiny_copy import shrink
-from tests.helpers.launch import RECIPE_RUNS, launch_all, read_metrics
+from tests.helpers.launch import launch_all, read_metrics
 from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
 
 pytestmark = pytest.mark.slow
@@ -47,23 +46,17 @@ def save_classifier(model_type: str, path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """{model_type: (base dir, one-process run, TP=2 run)}."""
+    """{model_type: (base dir, one-process run, TP=2 run)}; launch_all runs the jobs of one accelerate config in one
+    launch (tests/helpers/recipe_runs.py)."""
     root = tmp_path_factory.mktemp("tp_classify")
-    out, specs = {}, {"single": [], "tp2": []}
+    out, jobs = {}, {}
     for mt in FAMILIES:
         base = save_classifier(mt, root / mt / "base")
         out[mt] = (base, root / mt / "single", root / mt / "tp2")
         common = [*COMMON, "--model_name_or_path", base, "--per_device_train_batch_size", "4"]
-        specs["single"].append([*common, "--output_dir", str(out[mt][1])])
-        specs["tp2"].append([*common, "--tp_size", "2", "--output_dir", str(out[mt][2])])
-    for key, argvs in specs.items():
-        (root / f"{key}.json").write_text(json.dumps({"kind": "classify", "runs": argvs}))
-    launch_all(
-        {
-            "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
-            "tp2": ("ddp", 2, RECIPE_RUNS, [str(root / "tp2.json")]),
-        }
-    )
+        jobs[f"{mt}_single"] = ("single", 1, "classify", [*common, "--output_dir", str(out[mt][1])])
+        jobs[f"{mt}_tp2"] = ("ddp", 2, "classify", [*common, "--tp_size", "2", "--output_dir", str(out[mt][2])])
+    launch_all(jobs)
     return out
 
 

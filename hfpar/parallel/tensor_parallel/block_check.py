@@ -280,7 +280,7 @@ def _verify_block(
             raise
         dtype = torch.float32
         ref_run = _reference(block, call, dtype)
-    hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads, (learned, learned_ref) = ref_run
+    hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads, learned = ref_run
     sharded = copy.deepcopy(block, _handles(block)).to(dtype).eval()
     rel = {
         n[len(name) + 1 :] if n != name else "": s for n, s in assigned.items() if n == name or n.startswith(name + ".")
@@ -326,7 +326,7 @@ def _verify_block(
         # comes from are replicated), e.g. a per-head bias sliced to the rank's heads gathers its gradient back
         *(
             (f"{name} gradient of its input {i} (computed from parameters)", t.grad, g)
-            for i, (t, g) in enumerate(zip(learned, learned_ref))
+            for i, (t, g) in enumerate(learned)
         ),
     ]
     mine = dict(sharded.named_parameters())
@@ -375,7 +375,7 @@ def _verify_block(
 
 def _reference(block: nn.Module, call, dtype):
     """The unsharded copy's run in `dtype`: (hidden, rebuild, recorded outputs, output, cotangent, named params,
-    grads of [input] + params)."""
+    grads of [input] + params, [(input computed from parameters, its grad)])."""
     args, kwargs = _cast(call, dtype)
     hidden, rebuild = _split_hidden(args, kwargs)
     ref = copy.deepcopy(block, _handles(block)).to(dtype).eval()
@@ -386,20 +386,9 @@ def _reference(block: nn.Module, call, dtype):
     cot = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(4321), dtype=dtype).to(out_ref.device)
     ref_named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
     learned = [t for t in _leaves((args, kwargs)) if t.requires_grad and t is not hidden]
-    grads = torch.autograd.grad(out_ref, [x_ref, *learned] + [p for _, p in ref_named], cot, allow_unused=True)
-    return (
-        hidden,
-        rebuild,
-        seen_ref,
-        out_ref,
-        cot,
-        ref_named,
-        (grads[0], *grads[1 + len(learned) :]),
-        (
-            learned,
-            grads[1 : 1 + len(learned)],
-        ),
-    )
+    n = 1 + len(ref_named)
+    grads = torch.autograd.grad(out_ref, [x_ref, *(p for _, p in ref_named), *learned], cot, allow_unused=True)
+    return hidden, rebuild, seen_ref, out_ref, cot, ref_named, grads[:n], list(zip(learned, grads[n:]))
 
 
 def _leaves(obj) -> list[torch.Tensor]:

@@ -83,13 +83,13 @@ def local_head_bias_hook(module, args, kwargs, *, names, tp: int, heads: int, gr
     hidden = args[0] if args else kwargs.get("hidden_states")
     b = hidden.shape[0] if isinstance(hidden, torch.Tensor) else None
     n = heads // tp
+    own = partial(scatter_to_sequence_parallel_region, group=group)  # this rank's chunk of a dim; bwd all-gather
     for name in names:
         pos = (positions or {}).get(name)
         at = pos if name not in kwargs and pos is not None and pos < len(args) else None
         t = kwargs.get(name) if at is None else args[at]
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
-        own = partial(scatter_to_sequence_parallel_region, group=group)  # this rank's chunk; bwd all-gather
         if t.shape[1] == heads and (t.dim() >= 4 or (b is not None and t.shape[0] in (b, 1))):
             t = own(t, dim=1)  # (B, H, ...) -> (B, H/tp, ...): first, a batch as large as the heads is no head dim
         elif b is not None and t.shape[0] == b * heads:  # (B * H, ...) -> (B * H/tp, ...)

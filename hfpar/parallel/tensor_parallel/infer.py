@@ -100,6 +100,11 @@ def _heads(model: nn.Module, attn: nn.Module) -> set[int]:
     return {v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v > 1}
 
 
+def _split_names(lin: list[str]) -> tuple[str, str, str] | None:
+    """The known names of separate q / k / v projections among a module's own Linears."""
+    return next((s for s in _SPLIT if all(n in lin for n in s)), None)
+
+
 def _qkvo_by_shape(m: nn.Module, lin: list[str]) -> tuple[str, str, str, str] | None:
     """Names of q, k, v, o told by their shapes where the names are none of the known ones (CPM-Ant's project_q /
     project_k / project_v / attention_out): exactly four own Linears, in definition order three from the same input
@@ -121,7 +126,7 @@ def _attention(model: nn.Module, rel: str, m: nn.Module, lin: list[str]) -> tupl
     head_param, own 1-D parameters as wide as the output (GPT-NeoX-Japanese's dense_bias) output_param, own RMSNorms
     over the whole sharded width sharded_rmsnorm. Verified like everything inferred."""
     outs = [n for n in lin if n in _OUT]
-    split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
+    split = _split_names(lin)
     fuse = next((n for n in _FUSED if n in lin), None)
     if not (outs and (split or fuse)) and (shaped := _qkvo_by_shape(m, lin)):
         split, outs, fuse = shaped[:3], [shaped[3]], None
@@ -203,7 +208,7 @@ def _split_regions(block: nn.Module, ent: dict[str, str], attn: bool, mlp: bool)
         lin = _linears(m)
         if not rel or not lin or any(rel == k or rel.startswith(k + ".") or k.startswith(rel + ".") for k in ent):
             continue
-        split = next((s for s in _SPLIT if all(n in lin for n in s)), None)
+        split = _split_names(lin)
         up = getattr(m, lin[0])
         if not attn and split and len(lin) == 3:
             want, style = _width(getattr(m, split[2]), True), "attention"

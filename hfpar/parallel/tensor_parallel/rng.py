@@ -52,8 +52,8 @@ def _device(args: tuple, kwargs: dict) -> torch.device | None:
 
 @torch.compiler.disable  # generator state is host-side bookkeeping: run eagerly around a compiled block's region
 def _fork(module, args, kwargs, *, rank: int):
-    device = _device(args, kwargs)
-    if not module.training or device is None:
+    device = _device(args, kwargs) if module.training else None
+    if device is None:
         return None
     # the seed comes from the host's generator (no device sync); drawn alike on every TP rank
     seed = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator))
