@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hfpar.loading.lora import apply_lora, is_peft_model, trainable_summary
+from hfpar.loading.lora import apply_lora, is_peft_model, lora_targets, trainable_summary
 from hfpar.loading.sharded import is_meta
 from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import enable_cp_attention
@@ -43,6 +43,19 @@ from hfpar.train.liger import apply_liger
 
 def is_moe(model) -> bool:
     return has_moe_blocks(model)  # the library's detection (hfpar.parallel.expert_parallel), no family table
+
+
+def lora_in_moe_blocks(model) -> list[str]:
+    """Paths of PEFT LoRA layers in MoE blocks: on the experts (PEFT's ParamWrapper, "all-linear" picks them) or
+    beside them (a router)."""
+    out = []
+    for path, m in model.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+            continue
+        parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+        if type(m).__name__ == "ParamWrapper" or any("expert" in n for n, _ in parent.named_children()):
+            out.append(path)
+    return out
 
 
 def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
@@ -80,6 +93,14 @@ def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
             else 0.0
         )
     )
+    if lora_at := lora_in_moe_blocks(model):  # hfpar's MoE layers compute from those weights directly, past PEFT
+        if coef:
+            raise ValueError(
+                f"--use_peft with output_router_logits (router_aux_loss_coef {coef}): LoRA adapters sit in the MoE "
+                f"blocks ({lora_at[0]}), which then train as the HF model's own, without hfpar's aux-loss path; "
+                "set output_router_logits false in the model config, or name --lora_target_modules outside them"
+            )
+        return f"MoE blocks train as the HF model's own (LoRA adapters in them: {lora_at[0]}, ...)"
     # one process: the same hfpar MoE layers (and aux-loss injection) as distributed runs; a meta skeleton
     # (hfpar.loading.sharded) has no weights to compare across ranks yet: each rank reads its own experts after this
     try:
@@ -141,14 +162,20 @@ def parallelize(model, args, ctx, plan) -> tuple:
         ctx.strategy.adjust_model(model)
     if args.use_liger_kernel:  # the model's own modules get Liger's kernels, before any layer wraps them
         info["liger"] = apply_liger(model)
-    if args.use_peft:  # before TP / MoE (refused with LoRA by the preflight), the stage split and the wrap
+    # LoRA before MoE (refused with LoRA by the preflight), the stage split and the wrap; under TP right after it,
+    # on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora)
+    tp_lora = lora_targets(model, args, task) if args.use_peft and ctx.tp > 1 else None
+    if args.use_peft and tp_lora is None:
         model = apply_lora(model, args, task)
-        info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
     if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches)):
         info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)
+    if tp_lora is not None:
+        model = apply_lora(model, args, task, tp_targets=tp_lora)
+    if args.use_peft:
+        info["peft"] = {"lora_r": args.lora_r, "lora_alpha": args.lora_alpha, **trainable_summary(model)}
     if ctx.cp > 1:  # every attention of the model through hfpar's (transformers' attention-function registry)
         enable_cp_attention(model)
     if plan.fp8 is not None:  # after TP (its layers' shards), before the data-parallel wrap (FSDP2's fp8 all-gather)

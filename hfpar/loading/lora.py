@@ -25,6 +25,8 @@ import copy
 import torch
 
 from hfpar.distributed import swapped
+from hfpar.parallel.sharding import shard_spec
+from hfpar.parallel.tensor_parallel.lora import get_tp_peft_model
 
 ADAPTER = "default"
 
@@ -53,8 +55,18 @@ def lora_config(args, task: str):
     )
 
 
-def apply_lora(model: torch.nn.Module, args, task: str) -> torch.nn.Module:
-    """Wrap `model` with LoRA adapters; raises ValueError (one line) when no module matches the targets."""
+def lora_targets(model: torch.nn.Module, args, task: str):
+    """The module names PEFT's own "all-linear" picks on `model` (the output head left out), or the listed names.
+    Called on the model BEFORE tensor parallelism: its parallel layers are no nn.Linear to PEFT."""
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers  # noqa: PLC0415 (optional extra)
+
+    return _maybe_include_all_linear_layers(lora_config(args, task), model).target_modules
+
+
+def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torch.nn.Module:
+    """Wrap `model` with LoRA adapters; raises ValueError (one line) when no module matches the targets.
+    tp_targets (lora_targets of the model before TP): `model` is tensor-parallel; its parallel layers get hfpar's
+    split adapters (hfpar.parallel.tensor_parallel.lora), drawn as on the unsplit model."""
     from peft import get_peft_model
 
     config = lora_config(args, task)
@@ -62,10 +74,16 @@ def apply_lora(model: torch.nn.Module, args, task: str) -> torch.nn.Module:
     meta = any(p.is_meta for p in model.parameters())
     try:
         with swapped(torch.nn.Module, "to", _not_to_meta) if meta else contextlib.nullcontext():
-            return get_peft_model(model, config)
+            model = (
+                get_peft_model(model, config) if tp_targets is None else get_tp_peft_model(model, config, tp_targets)
+            )
     except ValueError as exc:  # e.g. target modules not found in the base model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "ParamWrapper" in first and "lora_dropout" in first:  # PEFT's LoRA on 3-D expert weights (MoE)
+            first += f" (the MoE experts' weights): pass --lora_dropout 0 (not {args.lora_dropout}), or name "
+            first += "--lora_target_modules outside the experts"
         raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
+    return model
 
 
 _module_to = torch.nn.Module.to
@@ -81,10 +99,14 @@ def _not_to_meta(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
 
 
 def trainable_summary(model: torch.nn.Module) -> dict:
-    """{"trainable_parameters", "all_parameters"} (ZeRO-3 placeholders counted by their full shape)."""
+    """{"trainable_parameters", "all_parameters"} of the whole model (ZeRO-3 placeholders and TP shards counted by
+    their full shape, as one process counts them)."""
 
     def numel(p: torch.nn.Parameter) -> int:
-        return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        if hasattr(p, "ds_numel"):
+            return p.ds_numel
+        spec = shard_spec(p)
+        return p.numel() * (spec.size if spec is not None and spec.sharded else 1)
 
     params = list(model.parameters())
     return {

@@ -10,7 +10,9 @@ Each matches single per step (loss, grad_norm) and in the exported adapter withi
 adapter loads with `PeftModel.from_pretrained`. An fsdp2 run with --merge_adapter exports a plain HF model
 whose weights differ from the base by the single run's B @ A * alpha / r only (so only LoRA params were
 trained) and whose logits equal the single run's merged model; so does a --pp_size 2 run (2 stages, dp 1),
-which also matches single per step. The ddp run also reports to
+which also matches single per step. Under --tp_size 2 (dp 1; the adapters of column / row parallel layers split like
+them: hfpar/parallel/tensor_parallel/lora.py) the run matches single per step and in the exported adapter, and with
+--sequence_parallel under fsdp2 its merged export is the single run's. The ddp run also reports to
 tensorboard, and resuming it from checkpoint-4 reproduces steps 5..8. Launches share one fixture, two
 at a time.
 """
@@ -44,7 +46,8 @@ LORA = [*COMMON, "--use_peft", "--lora_dropout", "0"]
 STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
-MERGED = ["fsdp2_merged", "pp2_merged"]
+MERGED = ["fsdp2_merged", "pp2_merged", "tp2_sp_fsdp2_merged"]
+TP = ["tp2"]  # tensor parallelism, dp 1: global batch 8 (hfpar.parallel.tensor_parallel.lora)
 RECORD_CMD = (
     "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora/parity_cpu.json (docs/lora.md)
 )
@@ -57,6 +60,14 @@ RUNS = {
     "zero3": ("zero3", 2, "sft", []),
     "fsdp2_merged": ("fsdp2", 2, "sft", ["--merge_adapter"]),
     "classify": ("single", 1, "classify", ["--max_steps", "4"]),
+    # TP=2 (in the ddp / fsdp2 launches): adapters split like their layers, sequence parallelism in the merged one
+    "tp2": ("ddp", 2, "sft", ["--tp_size", "2", "--per_device_train_batch_size", "4"]),
+    "tp2_sp_fsdp2_merged": (
+        "fsdp2",
+        2,
+        "sft",
+        ["--tp_size", "2", "--sequence_parallel", "--per_device_train_batch_size", "4", "--merge_adapter"],
+    ),
     "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
     # two pipeline ranks (dp 1: global batch 8), interleaved: each holds 2 chunks of 1 layer with their adapters; the
     # chunks merged at export (1F1B stages share the same PipelineStage code: each chunk is one)
@@ -203,7 +214,7 @@ def _fails_with(argv: list[str], capsys) -> str:
 
 def test_lora_with_expert_parallel_options_refused_before_loading(tmp_path, capsys):
     err = _fails_with(["--use_peft", "--upcycle_experts", "4", "--output_dir", str(tmp_path / "o")], capsys)
-    assert "--use_peft with --upcycle_experts 4" in err and "drop the TP / EP options" in err
+    assert "--use_peft with --upcycle_experts 4" in err and "drop the EP options" in err
 
 
 def test_unknown_target_module_is_one_line(tmp_path, capsys):
@@ -213,7 +224,7 @@ def test_unknown_target_module_is_one_line(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------ end to end
 @slow
-@pytest.mark.parametrize("strategy", STRATEGIES + MERGED)
+@pytest.mark.parametrize("strategy", STRATEGIES + TP + MERGED)
 def test_per_step_loss_and_grad_norm_match_single(runs, strategy):
     ref, _ = read_metrics(runs["single"])
     got, _ = read_metrics(runs[strategy])
@@ -241,7 +252,7 @@ def test_lora_with_context_parallelism_matches_single(runs):
 
 
 @slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + TP)
 def test_exported_adapter_matches_single(runs, strategy):
     ref, got = _adapter(runs["single"]), _adapter(runs[strategy])
     assert ref.keys() == got.keys() and len(ref) == 2 * 7 * 4  # A and B of 7 linear layers x 4 blocks
@@ -259,7 +270,7 @@ def test_exported_adapter_matches_single(runs, strategy):
 
 
 @slow
-@pytest.mark.parametrize("strategy", ["single", *STRATEGIES])
+@pytest.mark.parametrize("strategy", ["single", *STRATEGIES, *TP])
 def test_adapter_loads_with_peft(runs, base_model, reference_merged, strategy):
     from peft import PeftModel
 
@@ -303,7 +314,7 @@ def test_merged_export_is_base_plus_single_runs_lora_delta(runs, base_model, ref
 
 @slow
 def test_only_lora_params_trainable_and_counted(runs):
-    for name in ("single", "zero3"):
+    for name in ("single", "zero3", "tp2"):  # ZeRO-3's placeholders and TP's shards counted whole
         peft_info = read_run_info(runs[name])["peft"]
         assert peft_info["trainable_parameters"] == 4 * LORA_PER_BLOCK
         assert peft_info["all_parameters"] > 5 * peft_info["trainable_parameters"]

@@ -143,6 +143,14 @@ def apply_tensor_parallel(
     tp = group_size(tp_group)
     if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) for m in model.modules()):
         raise ParallelError("apply_tensor_parallel", ["the model is already tensor-parallel"])
+    if hasattr(model, "peft_config") or any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ParallelError(  # PEFT's layers hide the Linears the plans name, and their adapters would stay whole
+            "apply_tensor_parallel",
+            [
+                "the model has PEFT adapters; apply tensor parallelism first, then LoRA: "
+                "hfpar.parallel.tensor_parallel.lora.get_tp_peft_model (docs/lora.md)"
+            ],
+        )
     if tp == 1:  # nothing to shard; logits stay full
         return model
     # a multimodal wrapper (Gemma-3, LLaVA, Fuyu, ...) is sized and planned by its language model: heads, layers,

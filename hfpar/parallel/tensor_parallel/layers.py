@@ -155,11 +155,19 @@ class ColumnParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.exit_region(self._linear(self.enter_region(x)))
+
+    # The three steps of forward, apart so that an adapter (tensor_parallel/lora.py) adds its local product
+    # between them: enter_region(x) -> local (B, T, out/tp) -> exit_region.
+    def enter_region(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and not self.in_region:  # in a region: its hook did this once for q/k/v
-            x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.group)  # (B, T/tp, in) -> (B, T, in)
-        elif not self.in_region:
-            x = copy_to_parallel_region(x, self.group)  # (B, T, in)
-        y = self._linear(x)  # (B, T, out/tp)
+            return gather_from_sequence_parallel_region(x, self.sequence_dim, self.group)  # (B, T/tp, in) -> (B, T, in)
+        if not self.in_region:
+            return copy_to_parallel_region(x, self.group)  # (B, T, in)
+        return x
+
+    def exit_region(self, y: torch.Tensor) -> torch.Tensor:
+        """y: this rank's (B, T, out/tp)."""
         if self.gather_output:
             y = gather_from_parallel_region(y, self.group)  # (B, T, out)
             if self.packed_splits is not None and self.tp > 1:
@@ -263,9 +271,16 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.exit_region(self._linear(self.enter_region(x)))
+
+    # forward's steps apart, as ColumnParallelLinear's: an adapter adds its partial sums before the reduction
+    def enter_region(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_parallel_region(x, self.group)  # (B, T, in) -> (B, T, in/tp)
-        y = self._linear(x)  # (B, T, out) partial sums
+            return scatter_to_parallel_region(x, self.group)  # (B, T, in) -> (B, T, in/tp)
+        return x
+
+    def exit_region(self, y: torch.Tensor) -> torch.Tensor:
+        """y: this rank's partial sums (B, T, out); the reduction, then the bias."""
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_dim, self.group)  # (B, T/tp, out)
             bias = None if self.bias is None else copy_to_parallel_region(self.bias, self.group)

@@ -1,0 +1,67 @@
+"""LoRA on a MoE model without expert parallelism (PEFT 0.21's "all-linear" puts adapters on the routers and, through
+its ParamWrapper, on the experts' 3-D weights): the MoE blocks stay the HF model's own, so the adapters train; before,
+hfpar's MoE conversion met PEFT's wrapper and the recipe died with an AttributeError traceback. The routers' aux loss
+through hfpar's path is refused in one line; PEFT's own refusal of dropout on expert weights names the flag to pass.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.tensor_parallel.family_sweep import batch, build, vocab
+from hfpar.loading.lora import apply_lora
+from hfpar.parallelize import apply_moe, lora_in_moe_blocks
+
+pytest.importorskip("peft")
+
+LORA = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear", seed=0)
+MOE_ARGS = SimpleNamespace(upcycle_experts=0, gradient_accumulation_steps=1)
+CTX = SimpleNamespace(ep=1, grad_replicas=1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_lora_in_moe_blocks_keeps_the_hf_blocks_and_trains_them(model_type):
+    model = apply_lora(build(model_type, dtype=torch.float32), LORA, "lm")
+    at = lora_in_moe_blocks(model)
+    assert any(p.endswith("mlp.experts") for p in at) and any(p.endswith("mlp.gate") for p in at), at
+    note = apply_moe(model, MOE_ARGS, CTX)
+    assert note.startswith("MoE blocks train as the HF model's own (LoRA adapters in them"), note
+    with torch.no_grad():  # B starts at 0: give it values, so every adapter's A gets a gradient
+        for m in model.modules():
+            if hasattr(m, "lora_B") and "default" in m.lora_B:
+                m.lora_B["default"].weight.normal_()
+    ids, labels = batch(vocab(model))
+    model(input_ids=ids, labels=labels).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_A" in n and ("experts" in n or "gate." in n)}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values()), grads.keys()
+
+
+def test_aux_loss_with_lora_in_moe_blocks_is_refused_in_one_line():
+    model = build("qwen3_moe", dtype=torch.float32)
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.01
+    model = apply_lora(model, LORA, "lm")
+    with pytest.raises(ValueError) as e:
+        apply_moe(model, MOE_ARGS, CTX)
+    assert "\n" not in str(e.value) and "output_router_logits" in str(e.value) and "lora_target_modules" in str(e.value)
+
+
+def test_dropout_on_expert_weights_names_the_flag():
+    with pytest.raises(ValueError) as e:
+        apply_lora(
+            build("qwen3_moe", dtype=torch.float32), SimpleNamespace(**{**vars(LORA), "lora_dropout": 0.05}), "lm"
+        )
+    msg = str(e.value)
+    assert "\n" not in msg and "--lora_dropout 0 (not 0.05)" in msg, msg
+
+
+def test_targets_outside_the_moe_blocks_keep_hfpar_moe_layers():
+    model = apply_lora(
+        build("qwen3_moe", dtype=torch.float32),
+        SimpleNamespace(**{**vars(LORA), "lora_target_modules": "q_proj,v_proj"}),
+        "lm",
+    )
+    assert lora_in_moe_blocks(model) == []
+    assert apply_moe(model, MOE_ARGS, CTX) is None  # converted: hfpar's MoE layers, as without LoRA
