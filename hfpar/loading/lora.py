@@ -26,7 +26,7 @@ import torch
 
 from hfpar.distributed import swapped
 from hfpar.parallel.sharding import shard_spec
-from hfpar.parallel.tensor_parallel.lora import get_tp_peft_model
+from hfpar.parallel.tensor_parallel.lora import get_tp_peft_model, refuse_moe
 
 ADAPTER = "default"
 
@@ -70,6 +70,8 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
     from peft import get_peft_model
 
     config = lora_config(args, task)
+    if tp_targets is not None:
+        refuse_moe(model)  # its own line, before PEFT's errors are prefixed with the targets below
     torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
     meta = any(p.is_meta for p in model.parameters())
     try:

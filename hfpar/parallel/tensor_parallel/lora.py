@@ -35,7 +35,7 @@ from ..expert_parallel.families import has_moe_blocks
 from ..sharding import ShardSpec, partial_grad_hooks, set_shard_spec, shard_spec, shard_tensor
 from .layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["get_tp_peft_model"]
+__all__ = ["get_tp_peft_model", "refuse_moe"]
 
 
 def _lora_linear():
@@ -137,11 +137,7 @@ def get_tp_peft_model(model: nn.Module, config, targets: set[str] | list[str] | 
     run records them; None: the config's own (names). Raises ValueError (PEFT's, or DoRA / lora_bias refused)."""
     from peft import get_peft_model  # noqa: PLC0415 (optional extra)
 
-    if has_moe_blocks(model):  # the adapters would follow hfpar's MoE layers, which read routers and experts
-        raise ValueError(  # from their weights directly (measured: their adapters got no gradient)
-            f"LoRA with tensor parallelism (--use_peft with --tp_size): {type(model).__name__} has MoE layers; it "
-            "covers dense models: use tp_size 1 (LoRA with DDP / FSDP2 / ZeRO) or full fine-tuning"
-        )
+    refuse_moe(model)
     if not _TP_LORA_MODULES:
         _TP_LORA_MODULES.update({c: _tp_lora_class(c) for c in (ColumnParallelLinear, RowParallelLinear)})
     if targets is not None:
@@ -150,6 +146,16 @@ def get_tp_peft_model(model: nn.Module, config, targets: set[str] | list[str] | 
     model = get_peft_model(model, config)
     _mark_region_adapters(model)
     return model
+
+
+def refuse_moe(model: nn.Module) -> None:
+    """One line for a MoE model: the adapters would follow hfpar's MoE layers, which read routers and experts from
+    their weights directly (measured: those adapters got no gradient)."""
+    if has_moe_blocks(model):
+        raise ValueError(
+            f"LoRA with tensor parallelism (--use_peft with --tp_size): {type(model).__name__} has MoE layers; it "
+            "covers dense models: use tp_size 1 (LoRA with DDP / FSDP2 / ZeRO) or full fine-tuning"
+        )
 
 
 def _mark_region_adapters(model: nn.Module) -> int:
