@@ -6,10 +6,13 @@ decoders' classifiers): a tiny model of each, TP=2 against the unsharded model, 
 
     python -m benchmarks.tensor_parallel.classify_sweep                   # all types -> results/tensor_parallel/
     python -m benchmarks.tensor_parallel.classify_sweep roberta deberta-v2  # some types, printed only
+    python -m benchmarks.tensor_parallel.classify_sweep --lora [types]    # PEFT's LoRA (SEQ_CLS) on both sides
 
 Rows: 4 of 10 tokens, three right-padded with their attention mask (the classify collator's layout: the classifier
 reads each row's last real token, or its first for encoders). Each type ends exact, refused (apply_tensor_parallel's
-one-line ValueError), mismatched, or skipped (tiny config not buildable: the reason kept).
+one-line ValueError), mismatched, or skipped (tiny config not buildable: the reason kept). With --lora, the LoRA
+sweep's adapters (lora_sweep.py: "all-linear", r 4, SEQ_CLS: the head trained whole) on the unsplit model and on the
+TP model (hfpar.parallel.tensor_parallel.lora), compared as above -> results/tensor_parallel/classify_lora_sweep.json.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def _loss(model, ids, mask, labels) -> torch.Tensor:
     return loss
 
 
-def check(model_type: str) -> dict:
+def check(model_type: str, lora: bool = False) -> dict:
+    from benchmarks.tensor_parallel.lora_sweep import LORA
+    from hfpar.loading.lora import apply_lora, lora_targets
     from hfpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel
 
     for layers, dtype in ((2, torch.float64), (4, torch.float64), (2, torch.float32)):
@@ -86,6 +91,8 @@ def check(model_type: str) -> dict:
             model = build(model_type, layers, dtype)
             ref = copy.deepcopy(model)
             batch = rows(model)
+            if lora:
+                targets, ref = lora_targets(model, LORA, "classify"), apply_lora(ref, LORA, "classify")
             _loss(ref, *batch)
             break
         except Exception as e:  # noqa: BLE001 - a family whose tiny classifier does not build is skipped, reason kept
@@ -94,6 +101,7 @@ def check(model_type: str) -> dict:
         return {"status": "skipped", "why": why}
     try:
         apply_tensor_parallel(model, dist.group.WORLD)
+        model = apply_lora(model, LORA, "classify", tp_targets=targets) if lora else model
     except ValueError as e:
         return {"status": "refused", "why": str(e)}
     try:
@@ -120,16 +128,24 @@ def _line(mt: str, r: dict) -> str:
     return f"{mt:24s} {r['status']:10s} {r.get('worst_rel', '')!s:10.10s} {r.get('worst', '')} {r.get('why', '')[:300]}"
 
 
-def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
+def sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False, lora: bool = False) -> dict:
     """check() every type on this rank (run_ranks); rank 0 prints a line per type when verbose."""
-    return per_type(types, check, _line if verbose else None)
+    return per_type(types, lambda mt: check(mt, lora), _line if verbose else None)
+
+
+def lora_sweep_worker(rank: int, world_size: int, types: list[str], verbose: bool = False) -> dict:
+    return sweep_worker(rank, world_size, types, verbose, lora=True)
 
 
 def main(argv: list[str]) -> dict:
+    lora = "--lora" in argv
+    argv = [a for a in argv if a != "--lora"]
     statuses = ("exact", "refused", "mismatched", "skipped")
-    summary = sweep(sweep_worker, argv, statuses, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    worker = lora_sweep_worker if lora else sweep_worker
+    summary = sweep(worker, argv, statuses, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     summary["tol"] = TOL
-    return report(summary, results_dir("tensor_parallel") / "classify_sweep.json", argv)
+    name = "classify_lora_sweep.json" if lora else "classify_sweep.json"
+    return report(summary, results_dir("tensor_parallel") / name, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ every adapter's gradient, one SGD step, again; float64, within 1e-4), on 2 gloo 
     falcon             fused query_key_value, a parallel attention + MLP block
     llama, gpt2 + SP   sequence parallelism: the adapters inside the regions see the gathered sequence
     qwen3_moe          refused in one line (hfpar's MoE layers read routers / experts from their weights)
+    roberta, deberta-v2, xlm   classifiers (benchmarks/tensor_parallel/classify_sweep.py --lora, PEFT's SEQ_CLS: the
+                       head trained whole): BERT-style regions whose out-projection sits in a sibling module
 Without the in-backward sum of the partial grads (A of a column-parallel layer, B of a row-parallel one) the first
 step's B gradients of o / down differ by ~1 (measured).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.tensor_parallel.classify_sweep import lora_sweep_worker as classify_lora_worker
 from benchmarks.tensor_parallel.lora_sweep import sweep_worker
 from tests.helpers.dist import run_distributed
 
@@ -24,12 +27,14 @@ pytestmark = pytest.mark.slow
 
 EXACT = ("llama", "gemma2", "phi3", "gpt2", "falcon")
 SP = ("llama", "gpt2")
+CLASSIFIERS = ("roberta", "deberta-v2", "xlm")
 
 
 def _worker(rank: int, world: int) -> dict:
     return {
         "tp": sweep_worker(rank, world, [*EXACT, "qwen3_moe"]),
         "sp": sweep_worker(rank, world, list(SP), sp=True),
+        "classify": classify_lora_worker(rank, world, list(CLASSIFIERS)),
     }
 
 
@@ -55,3 +60,9 @@ def test_lora_with_tp_on_a_moe_model_is_refused_in_one_line(results):
     r = results["tp"]["qwen3_moe"]
     assert r["status"] == "refused" and "MoE layers" in r["why"] and "tp_size 1" in r["why"], r
     assert "\n" not in r["why"]
+
+
+@pytest.mark.parametrize("model_type", CLASSIFIERS)
+def test_lora_on_tp_classifiers(results, model_type):
+    r = results["classify"][model_type]
+    assert r["status"] == "exact" and r["worst_rel"] < 1e-10 and r["blocks_sharded"], r
