@@ -3,18 +3,17 @@ benchmarks/tensor_parallel/classify_sweep.py (every sequence-classification type
 against the unsharded model in a plain loop (cross-entropy of the logits on right-padded rows, backward, one SGD
 step, again; float64, loss and every gradient within 1e-4), on 2 gloo ranks (one spawn).
 
-    roberta, electra, esm   BERT copies: q / k / v in attention.self, the out-projection in the sibling
+    roberta                 BERT copies: q / k / v in attention.self, the out-projection in the sibling
                             attention.output, the MLP split over intermediate / output (infer.py _split_regions)
     megatron-bert, roformer the self-attention reshapes by all_head_size (localized: attention_widths)
     deberta-v2              disentangled attention (relative position projections, query_proj / key_proj / value_proj)
     distilbert              q_lin / k_lin / v_lin / out_lin, lin1 / lin2
-    longformer              global-attention projections beside q / k / v
     xlm                     attentions and MLPs in two lists (q_lin / k_lin / v_lin / out_lin, lin1 / lin2): both
                             planned, the list's element itself the attention region (infer.py _sibling_lists)
     mpnet                   a relative position bias (B, H, T, T) passed positionally, with as many rows as heads
                             (4): cut along the heads, not the batch (hooks.local_head_bias_hook)
-    mobilebert, albert      refused in one line (a bottleneck LayerNorm inside the MLP; ALBERT's attention adds its
-                            residual inside the module): no plan reproduces the block
+    mobilebert              refused in one line (a bottleneck LayerNorm inside the MLP): no plan reproduces the
+                            block (ALBERT, whose attention adds its residual inside the module, in the full sweep)
 """
 
 from __future__ import annotations
@@ -26,19 +25,10 @@ from tests.helpers.dist import run_distributed
 
 pytestmark = pytest.mark.slow
 
-EXACT = (
-    "roberta",
-    "electra",
-    "esm",
-    "megatron-bert",
-    "roformer",
-    "deberta-v2",
-    "distilbert",
-    "longformer",
-    "mpnet",
-    "xlm",
-)
-REFUSED = ("mobilebert", "albert")
+# electra, esm, longformer (9 s alone: global-attention projections) and albert's refusal: in the full sweep only,
+# for the suite's budget (2026-11-29; each passed here before)
+EXACT = ("roberta", "megatron-bert", "roformer", "deberta-v2", "distilbert", "mpnet", "xlm")
+REFUSED = ("mobilebert",)
 
 
 @pytest.fixture(scope="module")
