@@ -88,7 +88,9 @@ def estimate(
     local = stats.n_tp_replicated + (stats.n_params - stats.n_tp_replicated) / tp_size
     local -= stats.n_expert * (1 - 1 / ep_size)
     layer = stats.largest_layer / tp_size
-    trainable = lora_rank * stats.lora_unit / tp_size if lora_rank else local
+    # LoRA under TP (tensor_parallel/lora.py): of each adapter's r x (in + out), one factor is split and the other
+    # whole (A whole on column-parallel layers, B whole on row-parallel ones): about half of it split
+    trainable = lora_rank * stats.lora_unit * (1 + 1 / tp_size) / 2 if lora_rank else local
     shard_p, shard_g, shard_o = (dp if sharded else 1 for sharded in s.shards)
     out = {"params": local * bp / shard_p, "grads": trainable * bg / shard_g, "optimizer": trainable * bo / shard_o}
     if s.buffers == "bucket":
@@ -163,6 +165,12 @@ def memory_table(
             raise PlannerError(
                 f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)"
             )
+    if lora_rank and (ep_size or (tp_size and stats.num_experts)):  # as the recipes' preflight / apply_lora
+        what = f"--ep_size {ep_size}" if ep_size else f"--tp_size {tp_size} on a MoE model"
+        raise PlannerError(
+            f"{what} with --lora: the recipes train LoRA without expert parallelism and, on MoE "
+            "models, without tensor parallelism; drop it"
+        )
     if ep_size:
         check_ep(stats, ep_size)
         if world % ep_size:
@@ -175,7 +183,7 @@ def memory_table(
         lora_rank=lora_rank,
         attn_implementation=attn_implementation,
     )
-    kw.pop("lora_rank")  # hfpar's pipeline trains every parameter (LoRA with PP is refused)
+    kw.pop("lora_rank")  # pipeline rows: not estimated with LoRA (the recipes run it; _pp_worst counts full training)
     rows = [
         (
             c,
@@ -199,6 +207,7 @@ def memory_table(
         )
         for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
         if not (c.pp > 1 and (lora_rank or loss_chunk_size))
+        and not (lora_rank and (c.ep > 1 or (c.tp > 1 and stats.num_experts)))  # refused with LoRA (above)
     ]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
@@ -261,8 +270,10 @@ def memory_table(
     lines += [
         "",
         f"recommended: {cand.label}" + (" with activation checkpointing" if ckpt else ""),
-        launch_command(cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision, loss_chunk_size),
+        launch_command(
+            cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision, loss_chunk_size, lora_rank
+        ),
     ]
     if lora_rank:
-        lines.append("note: hfpar's recipes train every parameter; the LoRA estimate is for a PEFT LoRA run")
+        lines.append("note: pipeline rows are not estimated with LoRA (the recipes run --use_peft with --pp_size)")
     return "\n".join(lines), cand
