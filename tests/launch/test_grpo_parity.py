@@ -14,7 +14,8 @@ Launched, each against its reference:
   ddp, fsdp2 (checkpoint-3, inside a generation window, resumed in `fsdp2_resumed`), zero3 (live reference),
   tp2 (vocab-parallel log-probs; generation on the TP shards), cp2_ring / cp2_ulysses (prompt + completion rows cut
   over 2 ranks for the training forward), pp2 (1F1B; the completions from a whole replica synced from the two
-  stages), ep2 (the upcycled model's experts over 2 ranks), lora_fsdp2.
+  stages), ep2 (the upcycled model's experts over 2 ranks), lora_fsdp2, lora_tp2 (LoRA split over TP=2, generating
+  through the split adapters).
 Each generates the completions of its reference, token for token (completions.jsonl), and matches it per step (loss,
 grad_norm, kl, entropy, reward, clip ratio) within 1e-4 relative and in the exported weights; its evaluations (steps
 4 and 8: generation on the eval prompts, scored) equal the reference's. bf16: ddp, fsdp2, tp2
@@ -69,6 +70,7 @@ CASES = {  # name: (config, processes, per-device completions, extra flags, refe
     "pp2": ("ddp", 2, 8, {"pp_size": 2}, "single"),  # generation by a replica synced from the stages
     "ep2": ("ddp", 2, 4, {**MOE, "ep_size": 2}, "single_moe"),
     "lora_fsdp2": ("fsdp2", 2, 4, LORA, "single_lora"),
+    "lora_tp2": ("ddp", 2, 8, {**LORA, "tp_size": 2}, "single_lora"),  # split adapters; generation through them
 }
 # on demand (-m extended): ZeRO-2 and compositions of the support table, each against one process
 COMPOSED = {
