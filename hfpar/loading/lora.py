@@ -26,7 +26,7 @@ import torch
 
 from hfpar.distributed import swapped
 from hfpar.parallel.sharding import shard_spec
-from hfpar.parallel.tensor_parallel.lora import get_tp_peft_model, refuse_moe
+from hfpar.parallel.tensor_parallel.lora import TPLoraRefusal, get_tp_peft_model
 
 ADAPTER = "default"
 
@@ -70,8 +70,6 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
     from peft import get_peft_model
 
     config = lora_config(args, task)
-    if tp_targets is not None:
-        refuse_moe(model)  # its own line, before PEFT's errors are prefixed with the targets below
     torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
     meta = any(p.is_meta for p in model.parameters())
     try:
@@ -79,6 +77,8 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
             model = (
                 get_peft_model(model, config) if tp_targets is None else get_tp_peft_model(model, config, tp_targets)
             )
+    except TPLoraRefusal:  # its own line: not about the targets
+        raise
     except ValueError as exc:  # e.g. target modules not found in the base model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "ParamWrapper" in first and "lora_dropout" in first:  # PEFT's LoRA on 3-D expert weights (MoE)

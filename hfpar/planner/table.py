@@ -137,6 +137,11 @@ def check_loss_chunk(stats: ModelStats, loss_chunk_size: int | None) -> None:
         )
 
 
+def _lora_refused(ep: int, tp: int, stats) -> bool:
+    """What the recipes refuse with --use_peft (preflight: EP; apply_lora: TP on a MoE model)."""
+    return ep > 1 or (tp > 1 and bool(stats.num_experts))
+
+
 def memory_table(
     config,
     model: str,
@@ -165,7 +170,7 @@ def memory_table(
             raise PlannerError(
                 f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)"
             )
-    if lora_rank and (ep_size or (tp_size and stats.num_experts)):  # as the recipes' preflight / apply_lora
+    if lora_rank and _lora_refused(ep_size or 1, tp_size or 1, stats):
         what = f"--ep_size {ep_size}" if ep_size else f"--tp_size {tp_size} on a MoE model"
         raise PlannerError(
             f"{what} with --lora: the recipes train LoRA without expert parallelism and, on MoE "
@@ -206,8 +211,7 @@ def memory_table(
             ),
         )
         for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
-        if not (c.pp > 1 and (lora_rank or loss_chunk_size))
-        and not (lora_rank and (c.ep > 1 or (c.tp > 1 and stats.num_experts)))  # refused with LoRA (above)
+        if not (c.pp > 1 and (lora_rank or loss_chunk_size)) and not (lora_rank and _lora_refused(c.ep, c.tp, stats))
     ]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731

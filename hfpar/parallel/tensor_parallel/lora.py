@@ -35,7 +35,7 @@ from ..expert_parallel.families import has_moe_blocks
 from ..sharding import ShardSpec, partial_grad_hooks, set_shard_spec, shard_spec, shard_tensor
 from .layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["get_tp_peft_model", "refuse_moe"]
+__all__ = ["TPLoraRefusal", "get_tp_peft_model"]
 
 
 def _lora_linear():
@@ -45,8 +45,12 @@ def _lora_linear():
     return Linear
 
 
+class TPLoraRefusal(ValueError):
+    """A one-line refusal of LoRA on a tensor-parallel model (a MoE model, DoRA, lora_bias): raised as it is."""
+
+
 def _refuse(layer, what: str) -> None:
-    raise ValueError(
+    raise TPLoraRefusal(
         f"LoRA with --tp_size: {what} is not supported on a tensor-parallel layer "
         f"({type(layer.base_layer).__name__}); use plain LoRA (lora_bias=False, no DoRA) or tp_size 1"
     )
@@ -134,10 +138,15 @@ def get_tp_peft_model(model: nn.Module, config, targets: set[str] | list[str] | 
     """PEFT's get_peft_model on a tensor-parallel `model`, with hfpar's split adapters on its parallel layers.
     `targets`: the module names PEFT's "all-linear" picks on the model BEFORE tensor parallelism (hfpar's parallel
     layers are no nn.Linear, so PEFT cannot tell them after), kept as the config's target_modules, as a one-process
-    run records them; None: the config's own (names). Raises ValueError (PEFT's, or DoRA / lora_bias refused)."""
+    run records them; None: the config's own (names). Raises TPLoraRefusal (a MoE model, DoRA, lora_bias) or PEFT's
+    ValueError."""
     from peft import get_peft_model  # noqa: PLC0415 (optional extra)
 
-    refuse_moe(model)
+    if has_moe_blocks(model):  # the adapters would follow hfpar's MoE layers, which read routers and experts from
+        raise TPLoraRefusal(  # their weights directly (measured: those adapters got no gradient)
+            f"LoRA with tensor parallelism (--use_peft with --tp_size): {type(model).__name__} has MoE layers; it "
+            "covers dense models: use tp_size 1 (LoRA with DDP / FSDP2 / ZeRO) or full fine-tuning"
+        )
     if not _TP_LORA_MODULES:
         _TP_LORA_MODULES.update({c: _tp_lora_class(c) for c in (ColumnParallelLinear, RowParallelLinear)})
     if targets is not None:
@@ -146,16 +155,6 @@ def get_tp_peft_model(model: nn.Module, config, targets: set[str] | list[str] | 
     model = get_peft_model(model, config)
     _mark_region_adapters(model)
     return model
-
-
-def refuse_moe(model: nn.Module) -> None:
-    """One line for a MoE model: the adapters would follow hfpar's MoE layers, which read routers and experts from
-    their weights directly (measured: those adapters got no gradient)."""
-    if has_moe_blocks(model):
-        raise ValueError(
-            f"LoRA with tensor parallelism (--use_peft with --tp_size): {type(model).__name__} has MoE layers; it "
-            "covers dense models: use tp_size 1 (LoRA with DDP / FSDP2 / ZeRO) or full fine-tuning"
-        )
 
 
 def _mark_region_adapters(model: nn.Module) -> int:
