@@ -15,6 +15,8 @@ Names are imported lazily so `import hfpar` stays cheap (torch + transformers: ~
 
 import logging
 
+from hfpar.parallel.exports import lazy_exports
+
 __version__ = "0.1.0"
 
 # transformers imports torchao whenever it is installed (its quantizer registry), and torchao 0.18 under another torch
@@ -25,56 +27,56 @@ __version__ = "0.1.0"
 for _noisy in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
 
-_LAZY = {
-    "apply_tensor_parallel": "hfpar.parallel.tensor_parallel",
-    "sync_sequence_parallel_grads": "hfpar.parallel.tensor_parallel",
-    "clip_tp_grad_norm_": "hfpar.parallel.tensor_parallel",
-    "tp_grad_norm": "hfpar.parallel.tensor_parallel",
-    "gather_full_state_dict": "hfpar.parallel.tensor_parallel",
-    "ColumnParallelLinear": "hfpar.parallel.tensor_parallel",
-    "RowParallelLinear": "hfpar.parallel.tensor_parallel",
-    "VocabParallelEmbedding": "hfpar.parallel.tensor_parallel",
-    "vocab_parallel_cross_entropy": "hfpar.parallel.tensor_parallel",
-    "TopKRouter": "hfpar.parallel.expert_parallel",
-    "GroupedExperts": "hfpar.parallel.expert_parallel",
-    "MoELayer": "hfpar.parallel.expert_parallel",
-    "apply_expert_parallel": "hfpar.parallel.expert_parallel",
-    "upcycle_to_moe": "hfpar.parallel.expert_parallel",
-    "expert_parallel_groups": "hfpar.parallel.expert_parallel",
-    "ShardSpec": "hfpar.parallel.sharding",
-    "shard_spec": "hfpar.parallel.sharding",
-    "clip_grads_": "hfpar.parallel.sharding",
-    "full_state_dict": "hfpar.parallel.sharding",
-    "ParallelContext": "hfpar.context",
-    "parallelize": "hfpar.integrations",
-    "prepare_trainer": "hfpar.integrations",
-    "prepare_accelerator": "hfpar.integrations",
-    "gathered_state_dict": "hfpar.integrations",
-    "gathered_grads": "hfpar.integrations",
-    "full_vocab_logits": "hfpar.parallel.tensor_parallel",
-    "gather_vocab_logits": "hfpar.parallel.tensor_parallel",
-    "expert_parameters": "hfpar.parallel.expert_parallel",
-    "non_expert_parameters": "hfpar.parallel.expert_parallel",
-    "register_cp_attention": "hfpar.parallel.context_parallel",
-    "shard_batch": "hfpar.parallel.context_parallel",
-    "cp_rows": "hfpar.parallel.context_parallel",
-    "PipelineStage": "hfpar.parallel.pipeline",
-    "PipelineRunner": "hfpar.parallel.pipeline",
-    "balanced_split": "hfpar.parallel.pipeline",
-    "register_varlen_attention": "hfpar.train.varlen",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __dir__():
-    """The public API for dir(hfpar) / autocomplete (names are imported on first access)."""
-    return sorted({*globals(), *_LAZY})
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hfpar' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "hfpar.parallel.tensor_parallel": (
+            "apply_tensor_parallel",
+            "sync_sequence_parallel_grads",
+            "clip_tp_grad_norm_",
+            "tp_grad_norm",
+            "gather_full_state_dict",
+            "ColumnParallelLinear",
+            "RowParallelLinear",
+            "VocabParallelEmbedding",
+            "vocab_parallel_cross_entropy",
+            "full_vocab_logits",
+            "gather_vocab_logits",
+        ),
+        "hfpar.parallel.expert_parallel": (
+            "TopKRouter",
+            "GroupedExperts",
+            "MoELayer",
+            "apply_expert_parallel",
+            "upcycle_to_moe",
+            "expert_parallel_groups",
+            "expert_parameters",
+            "non_expert_parameters",
+        ),
+        "hfpar.parallel.sharding": (
+            "ShardSpec",
+            "shard_spec",
+            "clip_grads_",
+            "full_state_dict",
+        ),
+        "hfpar.context": ("ParallelContext",),
+        "hfpar.integrations": (
+            "parallelize",
+            "prepare_trainer",
+            "prepare_accelerator",
+            "gathered_state_dict",
+            "gathered_grads",
+        ),
+        "hfpar.parallel.context_parallel": (
+            "register_cp_attention",
+            "shard_batch",
+            "cp_rows",
+        ),
+        "hfpar.parallel.pipeline": (
+            "PipelineStage",
+            "PipelineRunner",
+            "balanced_split",
+        ),
+        "hfpar.train.varlen": ("register_varlen_attention",),
+    },
+)

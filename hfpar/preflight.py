@@ -26,7 +26,7 @@ from typing import Any
 from accelerate.utils import DistributedType
 from transformers import AutoConfig
 
-from hfpar import data, recipes
+from hfpar import data, recipes, train
 from hfpar.backends import resolve_strategy, select_backend
 from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.reshard import resume_mode
@@ -47,7 +47,6 @@ from hfpar.parallel.pipeline import microbatches, parse_split, pipeline_problem,
 from hfpar.parallel.tensor_parallel import derived_plan_refusal
 from hfpar.parallel.tensor_parallel.plans import TP_PLANS
 from hfpar.precision.fp8 import fp8_problems, fp8_settings
-from hfpar.train import varlen
 from hfpar.train.liger import liger_problems
 
 
@@ -189,19 +188,19 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
                 f"--loss_chunk_size {args.loss_chunk_size} with --pp_size {ctx.pp}: the pipeline's last stage "
                 "computes its loss from the logits; pass 0 or leave it unset"
             )
-    if args.attn_implementation == varlen.NAME:  # in transformers' registries before the model is built
-        varlen.register()
+    if args.attn_implementation == train.VARLEN:  # in transformers' registries before the model is built
+        train.register_varlen_attention()
     why_not = None
-    if args.padding_free or args.attn_implementation == varlen.NAME:  # asked for (unset: decided by the run plan)
+    if args.padding_free or args.attn_implementation == train.VARLEN:  # asked for (unset: decided by the run plan)
         _, why_not = data.padding_free_mode(args, task, config, packed=args.packing)
     if args.padding_free and why_not:  # asked for explicitly (unset: padded batches, said once in the log)
         p.append(f"--padding_free true: {why_not}; drop the option or pass false")
-    if args.attn_implementation == varlen.NAME and (why_not or args.padding_free is False):
+    if args.attn_implementation == train.VARLEN and (why_not or args.padding_free is False):
         why = why_not or "--padding_free false asks for padded rows"
-        p.append(f"--attn_implementation {varlen.NAME} takes padding-free rows only, and here {why}; use sdpa")
-    elif args.attn_implementation == varlen.NAME and image_text:
+        p.append(f"--attn_implementation {train.VARLEN} takes padding-free rows only, and here {why}; use sdpa")
+    elif args.attn_implementation == train.VARLEN and image_text:
         p.append(
-            f"--attn_implementation {varlen.NAME}: computes causal attention only, and this vision-language "
+            f"--attn_implementation {train.VARLEN}: computes causal attention only, and this vision-language "
             "model's vision encoder attends both ways; use sdpa"
         )
     if task == "lm" and args.upcycle_experts:

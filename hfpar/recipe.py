@@ -30,7 +30,7 @@ from transformers import (
 )
 from transformers.integrations import deepspeed as hf_ds
 
-from hfpar import data, recipes
+from hfpar import data, loading, recipes
 from hfpar.checkpoint.output_dir import claim_output_dir, overwrite_previous_run, release_output_dir
 from hfpar.config import ConfigError, RecipeArgs, parse_args, to_dict
 from hfpar.data.dropped import announce_data_loss
@@ -78,7 +78,6 @@ def load_model(
     sharded / fsdp2 return a meta skeleton that hfpar.loading.sharded fills with this rank's slices (after LoRA, TP / EP
     and the pipeline stage split, or during the FSDP2 wrap). image_text: a vision-language model
     (AutoModelForImageTextToText; plan.image_text)."""
-    from hfpar.loading import sharded as loading  # noqa: PLC0415  (transformers' conversion mapping: after the preflight, as below)
 
     cls = AutoModelForCausalLM if task == "lm" else AutoModelForSequenceClassification
     cls = AutoModelForImageTextToText if image_text else cls
@@ -161,7 +160,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         # every problem (the recipe's own checks last), before any weight is read; plan: what the run derives
         ctx, backend_cls, plan = preflight(args, accelerator, task, recipe)
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
-        # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay (under 10 s)
+        # torch._dynamo (about 2 s measured with -X importtime), which a refusal must not pay
         from hfpar.checkpoint.checkpointer import PREEMPTED_EXIT, Preempted  # noqa: PLC0415  (the trainer's, as below)
         from hfpar.parallelize import parallelize  # noqa: PLC0415
         from hfpar.train.trainer import NonFiniteError, Trainer  # noqa: PLC0415
@@ -191,9 +190,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         if extra.get("moe_note"):
             accelerator.print(f"[hfpar] {extra['moe_note']}")
         if load["mode"] == "sharded":  # TP / EP / stage split applied on the meta skeleton: this rank's slices
-            from hfpar.loading.sharded import load_sharded  # noqa: PLC0415
-
-            load.update(load_sharded(model, load["index"]))
+            load.update(loading.load_sharded(model, load["index"]))
     except ValueError as exc:  # what only the loaded model reveals (LoRA targets, plan mismatches, MoE shapes)
         _fail(str(exc))
     accelerator.print(f"[hfpar] model loading: {load['mode']} ({load['why']})")

@@ -13,8 +13,8 @@ import json
 from accelerate.utils import DistributedDataParallelKwargs, fsdp_utils
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from hfpar import loading
 from hfpar.distributed import swapped
-from hfpar.loading.sharded import fsdp2_loader
 
 from .base import Backend, accelerate_clip
 from .optim import build_optimizer
@@ -91,7 +91,7 @@ class AccelerateBackend(Backend):
         self.base_optimizer = build_optimizer(model, self.args)
         with (
             swapped(plugin, "cpu_ram_efficient_loading", True),
-            swapped(fsdp_utils, "fsdp2_load_full_state_dict", fsdp2_loader(self.checkpoint_index)),
+            swapped(fsdp_utils, "fsdp2_load_full_state_dict", loading.fsdp2_loader(self.checkpoint_index)),
         ):
             self.model, self.optimizer = self.acc.prepare(model, self.base_optimizer)
         real = build_optimizer(self.model, self.args)

@@ -37,26 +37,46 @@ The embedded datasets live in hfpar/data/synthetic.py.
 
 from importlib import resources
 
-from .cache import cached
-from .chat import _render_chat  # noqa: F401  (used by tests/unit/test_data.py)
-from .collate import DataCollator, pack, pack_batch
-from .errors import DataError
-from .load import (
-    BUILDERS,
-    EMBEDDED,
-    EMBEDDED_MODELS,
-    EMBEDDED_VLM,
-    EVAL_NAMES,
-    FILE_LIKE,
-    FORMATS,
-    KINDS,
-    embedded_model_path,
-    label_names_of,
-    load_splits,
-    load_tokenizer,
+from hfpar.parallel.exports import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".cache": ("cached",),
+        ".chat": ("_render_chat",),
+        ".collate": (
+            "DataCollator",
+            "pack",
+            "pack_batch",
+        ),
+        ".errors": ("DataError",),
+        ".load": (
+            "BUILDERS",
+            "EMBEDDED",
+            "EMBEDDED_MODELS",
+            "EMBEDDED_VLM",
+            "EVAL_NAMES",
+            "FILE_LIKE",
+            "FORMATS",
+            "KINDS",
+            "embedded_model_path",
+            "label_names_of",
+            "load_splits",
+            "load_tokenizer",
+        ),
+        ".padding_free": (
+            "one_row",
+            "padding_free_mode",
+        ),
+        ".tokenize": (
+            "IGNORE",
+            "_tokenize_spans",
+            "tokenize_classify",
+            "tokenize_clm",
+            "tokenize_sft",
+        ),
+    },
 )
-from .padding_free import one_row, padding_free_mode
-from .tokenize import IGNORE, _tokenize_spans, tokenize_classify, tokenize_clm, tokenize_sft  # noqa: F401
 
 # The GRPO warm start: the embedded tiny model after a short SFT on the embedded GRPO task (hfpar/data/grpo_task.py),
 # a normal HF model directory built by scripts/make_grpo_start.py; a path, so it works as --model_name_or_path as is.
@@ -68,30 +88,4 @@ def grpo_start_path() -> str:
     return str(resources.files("hfpar") / "assets" / "grpo_start")
 
 
-__all__ = [
-    "BUILDERS",
-    "EMBEDDED",
-    "EMBEDDED_MODELS",
-    "EMBEDDED_VLM",
-    "EVAL_NAMES",
-    "FILE_LIKE",
-    "FORMATS",
-    "GRPO_START",
-    "IGNORE",
-    "KINDS",
-    "DataCollator",
-    "DataError",
-    "cached",
-    "embedded_model_path",
-    "grpo_start_path",
-    "label_names_of",
-    "load_splits",
-    "load_tokenizer",
-    "pack",
-    "pack_batch",
-    "one_row",
-    "padding_free_mode",
-    "tokenize_classify",
-    "tokenize_clm",
-    "tokenize_sft",
-]
+__all__ = sorted([*__all__, "GRPO_START", "grpo_start_path"])

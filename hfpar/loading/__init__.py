@@ -6,3 +6,20 @@ views.py     the slice of a checkpoint tensor a sharded parameter holds
 upcycle.py   --upcycle_experts on the meta skeleton (each rank builds only its experts)
 lora.py      PEFT LoRA adapters: applied before the data-parallel wrap, exported after training
 """
+
+from hfpar.parallel.exports import lazy_exports
+
+# sharded.py imports transformers' conversion mapping and FSDP2: imported when a run loads, not by the preflight
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".sharded": (
+            "build_skeleton",
+            "checkpoint_index",
+            "fsdp2_loader",
+            "load_sharded",
+            "loading_mode",
+            "resolve_checkpoint",
+        ),
+    },
+)

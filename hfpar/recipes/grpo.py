@@ -29,7 +29,7 @@ from hfpar.rollout.loop import Rollout, RolloutConfig
 from hfpar.rollout.policy_loss import IMPORTANCE_LEVELS, LOSS_TYPES, PolicyLossConfig
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
 from hfpar.rollout.schedule import RolloutSchedule
-from hfpar.train import varlen
+from hfpar.train import VARLEN
 
 ESTIMATORS = ("grpo", "rloo")
 
@@ -131,9 +131,9 @@ def problems(args, ctx, plan) -> list[str]:
         )
     else:
         p += [x for x in schedule(args, ctx, 10**9).problems() if "prompts" not in x]
-    if args.attn_implementation == varlen.NAME:
+    if args.attn_implementation == VARLEN:
         p.append(
-            f"--attn_implementation {varlen.NAME}: computes training forwards only, and grpo generates with a KV "
+            f"--attn_implementation {VARLEN}: computes training forwards only, and grpo generates with a KV "
             "cache; use sdpa or flash_attention_2"
         )
     if args.max_completion_length < 1:

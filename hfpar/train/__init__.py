@@ -11,3 +11,12 @@ compile.py       regional compilation: each decoder block compiled in place (--t
 liger.py         Liger's kernels in the model's modules (--use_liger_kernel)
 varlen.py        variable-length attention over one-row padding-free batches (--attn_implementation hfpar_varlen)
 """
+
+from hfpar.parallel.exports import lazy_exports
+
+VARLEN = (
+    "hfpar_varlen"  # --attn_implementation's name for varlen.py (here: the preflight compares without importing it)
+)
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {".varlen": ("register_varlen_attention",)})
+__all__ = [*__all__, "VARLEN"]

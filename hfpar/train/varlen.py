@@ -33,10 +33,10 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+import transformers  # its registries imported on registering, not here (hfpar/parallel/exports.py: why)
 
 from hfpar.data.collate import sample_bounds
+from hfpar.train import VARLEN
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -45,16 +45,17 @@ except ImportError:  # older torch: the per-sample SDPA path only
 # torch 2.13's varlen_attn takes enable_gqa; 2.11's has no such argument (k / v then get the query's heads here)
 _GQA_ARG = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
-NAME = "hfpar_varlen"
+NAME = VARLEN
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _cache: list = [None, None, None]  # [weakref to the position_ids tensor, its _version, (cu_seqlens, bounds)]
 
 
 def register() -> str:  # also hfpar.register_varlen_attention
     """Adds hfpar_varlen to transformers' attention and mask registries (idempotent); returns the name."""
-    AttentionInterface.register(NAME, varlen_attention_forward)
+    transformers.AttentionInterface.register(NAME, varlen_attention_forward)
     # no (T, T) mask: None, or a 2-D padding mask that the attention refuses (padded rows have no place here)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
+    masks = transformers.masking_utils
+    masks.ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, masks.flash_attention_mask)
     return NAME
 
 

@@ -11,34 +11,34 @@ enable.py     a model's attention switched to CP's (checked) and back (whole_seq
 blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """
 
-from .attention import (
-    MODES,
-    cp_attention_forward,
-    cp_row_slice,
-    cp_rows,
-    register_cp_attention,
-    ring_attention,
-    ulysses_attention,
-)
-from .blockwise import block_attention, doc_causal_mask
-from .enable import enable_cp_attention, whole_sequence
-from .layout import RowLayout, document_ids, shard_batch, shift_labels, zigzag_indices
+from ..exports import lazy_exports
 
-__all__ = [
-    "block_attention",
-    "doc_causal_mask",
-    "MODES",
-    "cp_attention_forward",
-    "cp_row_slice",
-    "cp_rows",
-    "enable_cp_attention",
-    "register_cp_attention",
-    "whole_sequence",
-    "ring_attention",
-    "ulysses_attention",
-    "RowLayout",
-    "document_ids",
-    "shard_batch",
-    "shift_labels",
-    "zigzag_indices",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".attention": (
+            "MODES",
+            "cp_attention_forward",
+            "cp_row_slice",
+            "cp_rows",
+            "register_cp_attention",
+            "ring_attention",
+            "ulysses_attention",
+        ),
+        ".blockwise": (
+            "block_attention",
+            "doc_causal_mask",
+        ),
+        ".enable": (
+            "enable_cp_attention",
+            "whole_sequence",
+        ),
+        ".layout": (
+            "RowLayout",
+            "document_ids",
+            "shard_batch",
+            "shift_labels",
+            "zigzag_indices",
+        ),
+    },
+)

@@ -28,7 +28,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+import transformers  # transformers.AttentionInterface when registering (hfpar/parallel/exports.py says why)
 
 from ..comm import all_to_all_single_autograd, group_rank, group_size
 from .blockwise import BLOCK, block_attention
@@ -193,5 +193,5 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
 
 
 def register_cp_attention() -> str:
-    AttentionInterface.register(NAME, cp_attention_forward)
+    transformers.AttentionInterface.register(NAME, cp_attention_forward)
     return NAME

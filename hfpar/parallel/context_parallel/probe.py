@@ -23,11 +23,7 @@ import copy
 import inspect
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
-
-# under a ZeRO-3 launch, from_config would build the probe inside deepspeed.zero.Init (which cannot copy meta
-# tensors); transformers' own marker for "zero.Init is already active" keeps the probe a plain meta model
-from transformers.modeling_utils import set_zero3_state
+import transformers  # its modeling code is imported when a probe runs (cp > 1), not by the preflight's import
 
 from ..language_model import language_model, language_model_path
 from ..tiny_copy import LAYERS, PROBE_SHRINK, shrink
@@ -52,7 +48,9 @@ def _probed(config, calls: list, tokens: int, tiny: bool):
     its own sizes, or (tiny) its tiny copy on CPU, for families whose forward reads a value (`.item()`, `nonzero`)
     or copies a tensor the meta device cannot give. Raises what the family raises."""
     calls.clear()
-    with set_zero3_state():
+    # under a ZeRO-3 launch, from_config would build the probe inside deepspeed.zero.Init (which cannot copy meta
+    # tensors); transformers' own marker for "zero.Init is already active" keeps the probe a plain meta model
+    with transformers.modeling_utils.set_zero3_state():
         if tiny:  # real values, sizes shrunk, dropout kept: the meta probe's answer for a family meta cannot run
             cfg = shrink(copy.deepcopy(config), LAYERS, extra=PROBE_SHRINK)
             for k, v in _dropouts(config).items():
@@ -63,7 +61,7 @@ def _probed(config, calls: list, tokens: int, tiny: bool):
         with device:
             # a copy: from_config records both implementations on the config it gets. batched_mm experts (MoE
             # families): grouped_mm refuses fp32 on CPU and eager indexes by data (nonzero), neither runs on meta
-            model = AutoModelForCausalLM.from_config(
+            model = transformers.AutoModelForCausalLM.from_config(
                 cfg, attn_implementation=PROBE, experts_implementation="batched_mm"
             )
     if "position_ids" not in inspect.signature(model.forward).parameters:
@@ -89,7 +87,7 @@ def _dropouts(config) -> dict:
 def cp_attention_problems(config, tokens: int = 8) -> list[str]:
     """One line per attention module / feature of `config`'s causal LM that hfpar's CP attention cannot honour."""
     calls: list = []
-    AttentionInterface.register(PROBE, _record(calls))
+    transformers.AttentionInterface.register(PROBE, _record(calls))
     name = (getattr(config, "architectures", None) or [getattr(config, "model_type", "model")])[0]
     try:
         try:

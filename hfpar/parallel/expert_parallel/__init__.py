@@ -13,41 +13,42 @@ upcycle_check.py  which HF MoE architecture reproduces an upcycled model (a tiny
 upcycle_export.py  upcycled_hf_config, save_upcycled_pretrained
 """
 
-from .apply import (
-    MOE_FAMILIES,
-    apply_expert_parallel,
-    attach_moe_token_mask,
-    expert_parallel_groups,
-    expert_parameters,
-    gather_expert_state_dict,
-    non_expert_parameters,
-)
-from .families import config_num_experts, has_moe_blocks
-from .moe import GroupedExperts, MoELayer
-from .router import TopKRouter, moe_token_mask, set_aux_loss_grad_scale, set_aux_loss_loss_scale
-from .upcycle import is_upcycled, upcycle_to_moe
-from .upcycle_check import upcycle_problem
-from .upcycle_export import save_upcycled_pretrained, upcycled_hf_config
+from ..exports import lazy_exports
 
-__all__ = [
-    "MOE_FAMILIES",
-    "apply_expert_parallel",
-    "attach_moe_token_mask",
-    "expert_parallel_groups",
-    "expert_parameters",
-    "gather_expert_state_dict",
-    "non_expert_parameters",
-    "config_num_experts",
-    "has_moe_blocks",
-    "GroupedExperts",
-    "MoELayer",
-    "TopKRouter",
-    "moe_token_mask",
-    "set_aux_loss_grad_scale",
-    "set_aux_loss_loss_scale",
-    "is_upcycled",
-    "save_upcycled_pretrained",
-    "upcycle_to_moe",
-    "upcycle_problem",
-    "upcycled_hf_config",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".apply": (
+            "MOE_FAMILIES",
+            "apply_expert_parallel",
+            "attach_moe_token_mask",
+            "expert_parallel_groups",
+            "expert_parameters",
+            "gather_expert_state_dict",
+            "non_expert_parameters",
+        ),
+        ".families": (
+            "config_num_experts",
+            "has_moe_blocks",
+        ),
+        ".moe": (
+            "GroupedExperts",
+            "MoELayer",
+        ),
+        ".router": (
+            "TopKRouter",
+            "moe_token_mask",
+            "set_aux_loss_grad_scale",
+            "set_aux_loss_loss_scale",
+        ),
+        ".upcycle": (
+            "is_upcycled",
+            "upcycle_to_moe",
+        ),
+        ".upcycle_check": ("upcycle_problem",),
+        ".upcycle_export": (
+            "save_upcycled_pretrained",
+            "upcycled_hf_config",
+        ),
+    },
+)

@@ -10,30 +10,30 @@ The recipes run them with --pp_size (hfpar.backends.pipeline); tests/distributed
 loop.
 """
 
-from .chunks import PipelineChunks, chunk_layers
-from .schedule import SCHEDULES, PipelineRunner, microbatches, pipeline_stages, schedule_order, split_microbatches
-from .stage import (
-    PipelineStage,
-    balanced_split,
-    decoder_layers,
-    parse_split,
-    pipeline_problem,
-    tied_embedding_group,
-)
+from ..exports import lazy_exports
 
-__all__ = [
-    "PipelineChunks",
-    "chunk_layers",
-    "SCHEDULES",
-    "PipelineRunner",
-    "microbatches",
-    "pipeline_stages",
-    "schedule_order",
-    "split_microbatches",
-    "PipelineStage",
-    "balanced_split",
-    "decoder_layers",
-    "parse_split",
-    "pipeline_problem",
-    "tied_embedding_group",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".chunks": (
+            "PipelineChunks",
+            "chunk_layers",
+        ),
+        ".schedule": (
+            "SCHEDULES",
+            "PipelineRunner",
+            "microbatches",
+            "pipeline_stages",
+            "schedule_order",
+            "split_microbatches",
+        ),
+        ".stage": (
+            "PipelineStage",
+            "balanced_split",
+            "decoder_layers",
+            "parse_split",
+            "pipeline_problem",
+            "tied_embedding_group",
+        ),
+    },
+)

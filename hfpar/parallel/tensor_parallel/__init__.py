@@ -16,49 +16,42 @@ shard_modules.py  each matched module replaced or hooked by its style
 grads.py     sync_sequence_parallel_grads, clip_tp_grad_norm_, gather_full_state_dict (users' own loops)
 """
 
-from .apply import (
-    apply_tensor_parallel,
-    clip_tp_grad_norm_,
-    gather_full_state_dict,
-    sequence_parallel_grad_hooks,
-    sync_sequence_parallel_grads,
-    tp_grad_norm,
-)
-from .conv1d import ColumnParallelConv1D, RowParallelConv1D
-from .derived import derive_plan, derived_plan_problem, derived_plan_refusal
-from .hf_loss import VocabParallelCausalLMLoss, full_vocab_logits, gather_vocab_logits
-from .layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    gather_shards,
-    shard_tensor,
-    tp_sharded_parameters,
-)
-from .loss import vocab_parallel_cross_entropy
-from .plans import get_plan
+from ..exports import lazy_exports
 
-__all__ = [
-    "apply_tensor_parallel",
-    "clip_tp_grad_norm_",
-    "gather_full_state_dict",
-    "sequence_parallel_grad_hooks",
-    "sync_sequence_parallel_grads",
-    "tp_grad_norm",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "ColumnParallelConv1D",
-    "RowParallelConv1D",
-    "gather_shards",
-    "shard_tensor",
-    "tp_sharded_parameters",
-    "vocab_parallel_cross_entropy",
-    "VocabParallelCausalLMLoss",
-    "gather_vocab_logits",
-    "full_vocab_logits",
-    "get_plan",
-    "derive_plan",
-    "derived_plan_problem",
-    "derived_plan_refusal",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".apply": (
+            "apply_tensor_parallel",
+            "clip_tp_grad_norm_",
+            "gather_full_state_dict",
+            "sequence_parallel_grad_hooks",
+            "sync_sequence_parallel_grads",
+            "tp_grad_norm",
+        ),
+        ".conv1d": (
+            "ColumnParallelConv1D",
+            "RowParallelConv1D",
+        ),
+        ".derived": (
+            "derive_plan",
+            "derived_plan_problem",
+            "derived_plan_refusal",
+        ),
+        ".hf_loss": (
+            "VocabParallelCausalLMLoss",
+            "full_vocab_logits",
+            "gather_vocab_logits",
+        ),
+        ".layers": (
+            "ColumnParallelLinear",
+            "RowParallelLinear",
+            "VocabParallelEmbedding",
+            "gather_shards",
+            "shard_tensor",
+            "tp_sharded_parameters",
+        ),
+        ".loss": ("vocab_parallel_cross_entropy",),
+        ".plans": ("get_plan",),
+    },
+)
