@@ -24,6 +24,7 @@ from hfpar.parallel.expert_parallel import (
     apply_expert_parallel,
     attach_moe_token_mask,
     has_moe_blocks,
+    moe_replaced_paths,
     set_aux_loss_grad_scale,
     upcycle_to_moe,
 )
@@ -45,25 +46,27 @@ def is_moe(model) -> bool:
     return has_moe_blocks(model)  # the library's detection (hfpar.parallel.expert_parallel), no family table
 
 
-def lora_in_moe_blocks(model) -> list[str]:
-    """Paths of PEFT LoRA layers in MoE blocks: on the experts (PEFT's ParamWrapper, "all-linear" picks them) or
-    beside them (a router)."""
-    out = []
-    for path, m in model.named_modules():
-        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
-            continue
-        parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
-        if type(m).__name__ == "ParamWrapper" or any("expert" in n for n, _ in parent.named_children()):
-            out.append(path)
-    return out
+def lora_in_moe_blocks(model, replaced: list[str]) -> list[str]:
+    """Paths (in the model PEFT wraps) of LoRA layers that hfpar's MoE conversion would bypass: inside the modules it
+    takes over (replaced: moe_replaced_paths of the model before LoRA; a router, the experts) or on expert weights
+    (PEFT's ParamWrapper, on 3-D tensors)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [
+        path
+        for path, m in base.named_modules()
+        if hasattr(m, "lora_A")
+        and hasattr(m, "base_layer")
+        and (type(m).__name__ == "ParamWrapper" or any(path == r or path.startswith(f"{r}.") for r in replaced))
+    ]
 
 
-def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
+def apply_moe(model, args, ctx, microbatches: int = 1, moe_replaced: list[str] | None = None) -> str | None:
     """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over ctx's EP groups. Any MoE model gets
     router statistics over all data-parallel ranks, so EP and DP do not change the aux loss; padding takes no
     part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization (microbatches: the
     pipeline's per accumulation step, RunPlan.microbatches). Without
-    --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None)."""
+    --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None).
+    moe_replaced: moe_replaced_paths of the model before LoRA wrapped it (None: of `model` as it is)."""
     if args.upcycle_experts:
         upcycle_to_moe(
             model,
@@ -93,7 +96,9 @@ def apply_moe(model, args, ctx, microbatches: int = 1) -> str | None:
             else 0.0
         )
     )
-    if lora_at := lora_in_moe_blocks(model):  # hfpar's MoE layers compute from those weights directly, past PEFT
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    replaced = moe_replaced if moe_replaced is not None else moe_replaced_paths(base)
+    if lora_at := lora_in_moe_blocks(model, replaced):  # hfpar's MoE layers would compute past PEFT's adapters
         if coef:
             raise ValueError(
                 f"--use_peft with output_router_logits (router_aux_loss_coef {coef}): LoRA adapters sit in the MoE "
@@ -165,10 +170,11 @@ def parallelize(model, args, ctx, plan) -> tuple:
     # LoRA before MoE (refused with LoRA by the preflight), the stage split and the wrap; under TP right after it,
     # on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora)
     tp_lora = lora_targets(model, args, task) if args.use_peft and ctx.tp > 1 else None
+    replaced = moe_replaced_paths(model) if args.use_peft and task == "lm" else None  # before PEFT wraps the experts
     if args.use_peft and tp_lora is None:
         model = apply_lora(model, args, task)
     # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
-    if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches)):
+    if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches, replaced)):
         info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)

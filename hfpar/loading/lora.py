@@ -85,7 +85,26 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
             first += f" (the MoE experts' weights): pass --lora_dropout 0 (not {args.lora_dropout}), or name "
             first += "--lora_target_modules outside the experts"
         raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
+    if odd := _own_forward_linears(model):
+        path, cls = odd[0]
+        raise ValueError(
+            f"--lora_target_modules {args.lora_target_modules}: {path} ({cls}) is an nn.Linear with a forward of its "
+            "own (not its product alone: PEFT would add the adapter to whatever it returns); name "
+            "--lora_target_modules without it"
+        )
     return model
+
+
+def _own_forward_linears(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """LoRA layers whose base layer is an nn.Linear subclass that overrides forward (Llama 4's router returns the
+    top-k scores and the logits): PEFT's LoRA Linear adds B A x to the base layer's output as if it were W x."""
+    return [
+        (path, type(m.base_layer).__name__)
+        for path, m in model.named_modules()
+        if hasattr(m, "lora_A")
+        and isinstance(getattr(m, "base_layer", None), torch.nn.Linear)
+        and type(m.base_layer).forward is not torch.nn.Linear.forward
+    ]
 
 
 _module_to = torch.nn.Module.to

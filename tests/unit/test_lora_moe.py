@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.moe import lora_moe_sweep
 from benchmarks.tensor_parallel.family_sweep import batch, build, vocab
 from hfpar.loading.lora import apply_lora
+from hfpar.parallel.expert_parallel import moe_replaced_paths
 from hfpar.parallelize import apply_moe, lora_in_moe_blocks
 
 pytest.importorskip("peft")
@@ -24,10 +26,15 @@ CTX = SimpleNamespace(ep=1, grad_replicas=1)
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_lora_in_moe_blocks_keeps_the_hf_blocks_and_trains_them(model_type):
-    model = apply_lora(build(model_type, dtype=torch.float32), LORA, "lm")
-    at = lora_in_moe_blocks(model)
+    hf = build(model_type, dtype=torch.float32)
+    replaced = moe_replaced_paths(hf)
+    assert replaced == [
+        f"model.layers.{i}.mlp.{c}" for i in range(hf.config.num_hidden_layers) for c in ("experts", "gate")
+    ]
+    model = apply_lora(hf, LORA, "lm")
+    at = lora_in_moe_blocks(model, replaced)
     assert any(p.endswith("mlp.experts") for p in at) and any(p.endswith("mlp.gate") for p in at), at
-    note = apply_moe(model, MOE_ARGS, CTX)
+    note = apply_moe(model, MOE_ARGS, CTX, moe_replaced=replaced)
     assert note.startswith("MoE blocks train as the HF model's own (LoRA adapters in them"), note
     with torch.no_grad():  # B starts at 0: give it values, so every adapter's A gets a gradient
         for m in model.modules():
@@ -63,5 +70,32 @@ def test_targets_outside_the_moe_blocks_keep_hfpar_moe_layers():
         SimpleNamespace(**{**vars(LORA), "lora_target_modules": "q_proj,v_proj"}),
         "lm",
     )
-    assert lora_in_moe_blocks(model) == []
+    assert lora_in_moe_blocks(model, moe_replaced_paths(model.get_base_model())) == []
     assert apply_moe(model, MOE_ARGS, CTX) is None  # converted: hfpar's MoE layers, as without LoRA
+
+
+# Qwen2-MoE: "all-linear" puts adapters on the shared expert and its gate only (its router holds a bare weight, its
+# experts 3-D tensors), which hfpar's MoE layer calls as the HF modules they are: the blocks are converted (before, the
+# shared_expert_gate's "experts" sibling kept them the HF model's own) and the adapters train. Qwen3-MoE: on the router
+# too, the blocks stay the HF model's own. Routers of other shapes (GPT-OSS, DeepSeek-V3), GraniteMoE-shared, and
+# Llama 4 / PhiMoE whose routers are nn.Linear subclasses returning (scores, logits): PEFT's own LoRA layer fails
+# there (refused in one line)
+@pytest.mark.parametrize(
+    "model_type, status, hf_blocks",
+    [
+        ("qwen2_moe", "exact", False),
+        ("qwen3_moe", "exact", True),
+        ("gpt_oss", "exact", False),
+        ("deepseek_v3", "exact", True),
+        ("granitemoeshared", "exact", False),
+        ("llama4_text", "refused", None),
+        ("phimoe", "refused", None),
+    ],
+)
+def test_lora_moe_sweep_subset(model_type, status, hf_blocks):
+    """benchmarks/moe/lora_moe_sweep.py's check: apply_moe on the PEFT model against PEFT on the HF model, loss and
+    every adapter gradient within 1e-4 (the whole sweep: every MoE type, benchmarks/results/moe/lora_moe_sweep.json)."""
+    r = lora_moe_sweep.check(model_type)
+    assert r["status"] == status and r.get("hf_blocks") == hf_blocks, r
+    if status == "refused":
+        assert "is an nn.Linear with a forward of its own" in r["why"] and "\n" not in r["why"], r

@@ -101,6 +101,35 @@ def has_moe_blocks(model: nn.Module) -> bool:
     return bool(found or problems)
 
 
+def moe_replaced_paths(model: nn.Module) -> list[str]:
+    """Paths of the modules whose computation hfpar's MoE conversion takes over, by what the blocks hold (no probe, no
+    weights read): hfpar MoELayers; in an MOE_FAMILIES block of the model type or a generic block (a child holding 3-D
+    gate_up_proj / down_proj: find_moe_blocks' generic detection) every child but the shared expert(s) and their gate,
+    which the converted layer calls as they are (apply.py); each experts module find_hf_experts finds (its block's own
+    code still runs). A PEFT adapter inside one of them would be bypassed by the converted layer."""
+    fam = MOE_FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    kept = {*_SHARED, *((fam.shared_expert, fam.shared_expert_gate) if fam is not None else ())}
+    paths = set()
+    for path, m in model.named_modules():
+        if isinstance(m, MoELayer):
+            paths.add(path)
+        elif (fam is not None and type(m).__name__ == fam.block) or _stacked_child(m):
+            paths.update(f"{path}.{n}" if path else n for n, _ in m.named_children() if n not in kept)
+    paths.update(e.path for e in find_hf_experts(model)[0])
+    return sorted(paths)
+
+
+def _stacked_child(m: nn.Module) -> bool:
+    return any(
+        all(isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3 for p in _STACKED)
+        for c in m.children()
+    )
+
+
+_STACKED = ("gate_up_proj", "down_proj")
+_SHARED = ("shared_expert", "shared_experts", "shared_expert_gate")  # _describe's names for them
+
+
 def config_value(cfg, spec):
     return spec if isinstance(spec, bool) else getattr(cfg, spec)
 
@@ -197,10 +226,7 @@ def _generic_blocks(model, cfg, model_type, probe) -> tuple[list[MoEBlock], list
         ex = [
             (n, c)
             for n, c in m.named_children()
-            if all(
-                isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3
-                for p in ("gate_up_proj", "down_proj")
-            )
+            if all(isinstance(c._parameters.get(p), torch.Tensor) and c._parameters[p].dim() == 3 for p in _STACKED)
         ]
         if not ex:
             continue
