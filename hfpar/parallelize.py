@@ -99,6 +99,12 @@ def apply_moe(model, args, ctx, microbatches: int = 1, moe_replaced: list[str] |
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     replaced = moe_replaced if moe_replaced is not None else moe_replaced_paths(base)
     if lora_at := lora_in_moe_blocks(model, replaced):  # hfpar's MoE layers would compute past PEFT's adapters
+        if ctx.ep > 1:  # expert parallelism needs hfpar's MoE layers, which would bypass these adapters
+            raise ValueError(
+                f"--use_peft with --ep_size {ctx.ep}: LoRA adapters sit on what expert parallelism computes "
+                f"({lora_at[0]}: a router or the experts); name --lora_target_modules outside the MoE blocks' routers "
+                "and experts (e.g. q_proj,k_proj,v_proj,o_proj), or drop --ep_size"
+            )
         if coef:
             raise ValueError(
                 f"--use_peft with output_router_logits (router_aux_loss_coef {coef}): LoRA adapters sit in the MoE "

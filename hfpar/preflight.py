@@ -117,15 +117,12 @@ def fp16_loss_scaling(accelerator) -> bool:
 
 def feature_problems(args, ctx: ParallelContext, task: str) -> list[str]:
     p = []
-    sharding_flags = [f"--ep_size {args.ep_size}"] if args.ep_size > 1 else []
-    sharding_flags += [f"--upcycle_experts {args.upcycle_experts}"] if args.upcycle_experts else []
     if args.use_peft and importlib.util.find_spec("peft") is None:
         p.append("--use_peft needs the peft package: pip install 'hfpar[peft]' (or pip install peft)")
-    if args.use_peft and sharding_flags:
+    if args.use_peft and args.upcycle_experts:  # new experts are trained whole, which LoRA's frozen base is not
         p.append(
-            f"--use_peft with {' and '.join(sharding_flags)}: LoRA composes with the data-parallel strategies "
-            "(single, ddp, fsdp2, zero1/2/3) and --tp_size / --cp_size / --pp_size, not with expert parallelism; "
-            "drop the EP options"
+            f"--use_peft with --upcycle_experts {args.upcycle_experts}: upcycled experts start as copies of the MLP "
+            "and only diverge by training them whole, while LoRA freezes them; drop one of the two"
         )
     if ctx.tp > 1 and task != "lm" and args.sequence_parallel:
         p.append(

@@ -51,6 +51,7 @@ class ExpertsBesideZeRO:
     """
 
     experts: tuple | list = ()  # none until _setup_experts
+    frozen_experts: tuple | list = ()  # LoRA's: restored after DeepSpeed's broadcast and load, gathered at export
     expert_norm_group = None  # a group the experts' squared norm is also summed over (the pipeline's stages)
 
     def _take_experts(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -59,15 +60,16 @@ class ExpertsBesideZeRO:
         return experts, [p.detach().clone() for p in experts]
 
     def _setup_experts(self, experts: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
-        self.experts = experts
-        if not experts:
-            return
-        with torch.no_grad():
-            for p, s in zip(self.experts, saved):
+        with torch.no_grad():  # frozen experts too (LoRA): restored after the broadcast, never stepped
+            for p, s in zip(experts, saved):
                 p.copy_(s)
+        trained = [(p, s) for p, s in zip(experts, saved) if p.requires_grad]
+        self.experts = [p for p, _ in trained]
+        self.frozen_experts = [p for p in experts if not p.requires_grad]
+        if not self.experts:
+            return
         self.masters = [
-            p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32))
-            for p, s in zip(self.experts, saved)
+            p if p.dtype == torch.float32 else torch.nn.Parameter(s.to(p.device, torch.float32)) for p, s in trained
         ]
         self.expert_optimizer = build_optimizer(self.masters, self.args)
         zopt = self.model.optimizer  # DeepSpeedZeroOptimizer (stage 1 or 2), or BF16_Optimizer (bf16 + stage 1)
@@ -161,18 +163,19 @@ class ExpertsBesideZeRO:
         )
 
     def save_rank_state(self, ckpt_dir) -> None:
-        if self.experts:  # DeepSpeed's checkpoint holds rank 0's experts only
-            torch.save(
-                {
-                    "experts": [p.detach() for p in self.experts],
-                    "masters": [m.detach() for m in self.masters],
-                    "optimizer": self.expert_optimizer.state_dict(),
-                },
-                rank_state_file(ckpt_dir, self.ctx),
+        if not self.experts and not self.frozen_experts:
+            return
+        state = {"frozen_experts": [p.detach() for p in self.frozen_experts]}  # DeepSpeed's holds rank 0's experts only
+        if self.experts:
+            state.update(
+                experts=[p.detach() for p in self.experts],
+                masters=[m.detach() for m in self.masters],
+                optimizer=self.expert_optimizer.state_dict(),
             )
+        torch.save(state, rank_state_file(ckpt_dir, self.ctx))
 
     def load_rank_state(self, ckpt_dir) -> None:
-        if not self.experts:
+        if not self.experts and not self.frozen_experts:
             return
         f = rank_state_file(ckpt_dir, self.ctx)
         if not f.is_file():
@@ -181,6 +184,11 @@ class ExpertsBesideZeRO:
             )
         state = torch.load(f, map_location=self.acc.device, weights_only=True)  # tensors and plain values only
         with torch.no_grad():  # after DeepSpeed's load, which put rank 0's experts everywhere
+            for p, t in zip(self.frozen_experts, state.get("frozen_experts", []), strict=True):
+                p.copy_(t)
+        if not self.experts:
+            return
+        with torch.no_grad():
             for p, t in zip(self.experts, state["experts"]):
                 p.copy_(t)
             for m, t in zip(self.masters, state["masters"]):
@@ -237,6 +245,6 @@ class ModelParallelDeepSpeed(ExpertsBesideZeRO, EngineSteps, Backend):
         self._zero_expert_grads()
 
     def full_state_dict(self) -> dict | None:
-        if self.ctx.tp == 1 and not self.experts:
+        if self.ctx.tp == 1 and not self.experts and not self.frozen_experts:
             return None
         return full_state_dict(self.unwrapped(), base=self.acc.get_state_dict(self.model))

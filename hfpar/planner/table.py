@@ -173,8 +173,9 @@ def memory_table(
     if lora_rank and _lora_refused(ep_size or 1, tp_size or 1, stats):
         what = f"--ep_size {ep_size}" if ep_size else f"--tp_size {tp_size} on a MoE model"
         raise PlannerError(
-            f"{what} with --lora: the recipes train LoRA without expert parallelism and, on MoE "
-            "models, without tensor parallelism; drop it"
+            f"{what} with --lora: the planned command trains PEFT's all-linear targets, which reach the MoE routers "
+            "/ experts that expert parallelism computes (the recipes run --ep_size with --lora_target_modules outside "
+            "them), and LoRA on MoE models without tensor parallelism; drop it"
         )
     if ep_size:
         check_ep(stats, ep_size)

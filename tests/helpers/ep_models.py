@@ -3,6 +3,8 @@
 Used by tests/distributed/test_ep_models.py and test_ep_single_process.py:
     model = _build("mixtral", "float64")          # TINY + MOE[model_type]
     ids, mask = _batch(seed=0)
+and by the recipe launches of native MoE models (tests/launch/test_ep_families_parity.py, test_lora.py):
+    path = save_tiny_moe("qwen3_moe", tmp / "m")  # a checkpoint directory with the embedded tokenizer
 """
 
 from __future__ import annotations
@@ -61,3 +63,25 @@ def _batch(seed: int):
 
 def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def save_tiny_moe(model_type: str, path, **over) -> str:
+    """The TP sweep's tiny config of `model_type` with `over`, vocabulary 128 (the embedded tokenizer's), random init
+    (seed 0), saved with the embedded tokenizer; a bias-corrected router gets a bias that really corrects."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.tensor_parallel.family_sweep import tiny_config
+    from hfpar import data
+
+    cfg = tiny_config(model_type)
+    for k, v in {**over, "vocab_size": 128, "max_position_embeddings": 512, "use_cache": False}.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    model.save_pretrained(path)
+    data.load_tokenizer(None).save_pretrained(path)
+    return str(path)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tests.helpers.ep_models import save_tiny_moe
 from tests.helpers.launch import RECIPE_RUNS, launch_all, read_run_info
 from tests.helpers.parity import COMMON, assert_export_matches, assert_steps_match
 from tests.helpers.shared import built_once
@@ -43,26 +43,6 @@ FAMILIES = {
 }
 
 
-def _save_tiny(model_type: str, over: dict, path) -> str:
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.tensor_parallel.family_sweep import tiny_config
-    from hfpar import data
-
-    cfg = tiny_config(model_type)
-    for k, v in {**over, "vocab_size": 128, "max_position_embeddings": 512, "use_cache": False}.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # a bias-corrected router that really corrects
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    model.save_pretrained(path)
-    data.load_tokenizer(None).save_pretrained(path)
-    return str(path)
-
-
 EP_CP = ("deepseek_v3", "ernie4_5_moe", "gpt_oss")  # GPT-OSS: attention sinks under CP
 
 
@@ -74,7 +54,7 @@ def runs(tmp_path_factory):
     def build(root):
         cases, specs = {}, {"single": [], "ep2": []}
         for mt, over in FAMILIES.items():
-            model = _save_tiny(mt, over, root / f"{mt}_model")
+            model = save_tiny_moe(mt, root / f"{mt}_model", **over)
             kinds = [("single", "4", []), ("ep2", "2", ["--ep_size", "2"])]
             if mt in EP_CP:  # EP=2 drawn from the cp ranks (dp 1): in the ep2 launch (same config, processes)
                 kinds.append(("ep2_cp2", "4", ["--ep_size", "2", "--cp_size", "2", "--save_steps", "0"]))

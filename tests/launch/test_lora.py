@@ -13,8 +13,9 @@ trained) and whose logits equal the single run's merged model; so does a --pp_si
 which also matches single per step. Under --tp_size 2 (dp 1; the adapters of column / row parallel layers split like
 them: hfpar/parallel/tensor_parallel/lora.py) the run matches single per step and in the exported adapter, and with
 --sequence_parallel under fsdp2 its merged export is the single run's. The ddp run also reports to
-tensorboard, and resuming it from checkpoint-4 reproduces steps 5..8. Launches share one fixture, two
-at a time.
+tensorboard, and resuming it from checkpoint-4 reproduces steps 5..8. A native MoE model (tiny Qwen3-MoE) with
+adapters on the attention under --ep_size 2 (DDP; ZeRO-2, merged) matches its one-process LoRA run per step and in
+the export. Launches share one fixture, two at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from hfpar.config import ConfigError, parse_args
+from tests.helpers.ep_models import save_tiny_moe
 from tests.helpers.launch import (
     launch,
     launch_all,
@@ -47,6 +49,9 @@ STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
 # r x (in + out) per linear of a tiny-Llama block: q 128->128, k/v 128->64, o 128->128, gate/up 128->256, down 256->128
 LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 256) + (256 + 128))
 MERGED = ["fsdp2_merged", "pp2_merged", "tp2_sp_fsdp2_merged"]
+MOE_MODEL = "<moe>"  # the runs fixture's tiny Qwen3-MoE checkpoint
+MOE_LORA = ["--model_name_or_path", MOE_MODEL, "--lora_target_modules", "q_proj,v_proj"]
+MOE_RESUMED = "moe_ep2_zero2_resumed"
 TP = ["tp2"]  # tensor parallelism, dp 1: global batch 8 (hfpar.parallel.tensor_parallel.lora)
 RECORD_CMD = (
     "python -m pytest -q tests/launch/test_lora.py"  # writes benchmarks/results/lora/parity_cpu.json (docs/lora.md)
@@ -69,6 +74,11 @@ RUNS = {
         ["--tp_size", "2", "--sequence_parallel", "--per_device_train_batch_size", "4", "--merge_adapter"],
     ),
     "cp2": ("ddp", 2, "sft", ["--cp_size", "2", "--per_device_train_batch_size", "4"]),  # dp 1: global batch 8
+    # a native MoE model (tiny Qwen3-MoE), adapters on the attention: one process, and its experts split over EP=2
+    # (DDP; ZeRO-2 with the experts beside DeepSpeed's optimizer, frozen there, merged export)
+    "moe_single": ("single", 1, "sft", [*MOE_LORA]),
+    "moe_ep2": ("ddp", 2, "sft", [*MOE_LORA, "--ep_size", "2"]),
+    "moe_ep2_zero2_merged": ("zero2", 2, "sft", [*MOE_LORA, "--ep_size", "2", "--merge_adapter"]),
     # two pipeline ranks (dp 1: global batch 8), interleaved: each holds 2 chunks of 1 layer with their adapters; the
     # chunks merged at export (1F1B stages share the same PipelineStage code: each chunk is one)
     "pp2_merged": (
@@ -122,29 +132,38 @@ def _resume_ddp(base: str, root: Path, ddp_out: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(base_model, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    outs = {name: root / name for name in RUNS}
-    # one launch per (config, processes, recipe): the runs of a group share the workers' start-up
-    launch_all(
-        {
-            name: (
-                config,
-                nproc,
-                recipe,
-                [
-                    *LORA,
-                    "--model_name_or_path",
-                    base_model,
-                    "--output_dir",
-                    str(outs[name]),
-                    "--per_device_train_batch_size",
-                    str(4 // nproc),
-                    *extra,
-                ],
-            )
-            for name, (config, nproc, recipe, extra) in RUNS.items()
-        }
+    outs = {name: root / name for name in [*RUNS, MOE_RESUMED]}
+    moe = save_tiny_moe("qwen3_moe", root / "moe_model")
+
+    def argv(name: str, nproc: int, extra: list[str]) -> list[str]:
+        return [
+            *LORA,
+            "--model_name_or_path",
+            base_model,
+            "--output_dir",
+            str(outs[name]),
+            "--per_device_train_batch_size",
+            str(4 // nproc),
+            *[moe if a == MOE_MODEL else a for a in extra],  # the later --model_name_or_path wins
+        ]
+
+    jobs = {
+        name: (config, nproc, recipe, argv(name, nproc, extra)) for name, (config, nproc, recipe, extra) in RUNS.items()
+    }
+    # ZeRO-2 x EP resumed from checkpoint-4 after the run that writes it, in the same launch (the frozen experts of
+    # rank 1 come from its rank-state file: DeepSpeed's load puts rank 0's everywhere)
+    config, nproc, recipe, extra = RUNS["moe_ep2_zero2_merged"]
+    src = outs["moe_ep2_zero2_merged"] / "checkpoint-4"
+    jobs[MOE_RESUMED] = (
+        config,
+        nproc,
+        recipe,
+        [*argv(MOE_RESUMED, nproc, extra), "--resume_from_checkpoint", "latest"],
+        (src, outs[MOE_RESUMED] / "checkpoint-4"),
     )
-    return {**outs, "ddp_resumed": _resume_ddp(base_model, root, outs["ddp"])}
+    # one launch per (config, processes, recipe): the runs of a group share the workers' start-up
+    launch_all(jobs)
+    return {**outs, "moe_model": moe, "ddp_resumed": _resume_ddp(base_model, root, outs["ddp"])}
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -212,9 +231,9 @@ def _fails_with(argv: list[str], capsys) -> str:
     return err[0]
 
 
-def test_lora_with_expert_parallel_options_refused_before_loading(tmp_path, capsys):
+def test_lora_with_upcycling_refused_before_loading(tmp_path, capsys):
     err = _fails_with(["--use_peft", "--upcycle_experts", "4", "--output_dir", str(tmp_path / "o")], capsys)
-    assert "--use_peft with --upcycle_experts 4" in err and "drop the EP options" in err
+    assert "--use_peft with --upcycle_experts 4" in err and "drop one of the two" in err
 
 
 def test_unknown_target_module_is_one_line(tmp_path, capsys):
@@ -370,3 +389,32 @@ def test_tensorboard_events_hold_the_logged_loss(runs):
     assert [s for s, _ in points] == [r["step"] for r in train], points
     assert all(rel_close(v, r["loss"], 1e-6) for (_, v), r in zip(points, train))
     assert tensorboard_scalars(out, "eval_loss"), "the final eval is logged too"
+
+
+@slow
+@pytest.mark.parametrize("case", ["moe_ep2", "moe_ep2_zero2_merged"])
+def test_lora_with_expert_parallelism_matches_one_process(runs, case):
+    """Adapters on the attention of a native MoE model whose experts are split over EP=2 (frozen: DeepSpeed's broadcast
+    at initialize restored, no optimizer of their own under ZeRO-2) against the one-process LoRA run: per step, and
+    the exported adapter (DDP) or the merged model with its experts gathered back (ZeRO-2) against PEFT's merge of the
+    one-process adapter; ZeRO-2 resumed from checkpoint-4 repeats steps 5..8 exactly."""
+    from peft import PeftModel
+
+    ref, _ = read_metrics(runs["moe_single"])
+    got, _ = read_metrics(runs[case])
+    assert len(got) == 8 and read_run_info(runs[case])["ep_size"] == 2
+    assert_close_series(ref, got, "loss", TOL, case)
+    assert_close_series(ref, got, "grad_norm", TOL, case)
+    if case == "moe_ep2":
+        a, b = _adapter(runs["moe_single"]), _adapter(runs[case])
+        assert a.keys() == b.keys() and all((a[k] - b[k]).norm() <= TOL * a[k].norm().clamp(min=1e-12) for k in a)
+        return
+    resumed, _ = read_metrics(runs[MOE_RESUMED])  # steps 5..8 again, from checkpoint-4: bit-identical
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert all(
+        r["loss"] == got[r["step"] - 1]["loss"] and r["grad_norm"] == got[r["step"] - 1]["grad_norm"] for r in resumed
+    )
+    merged = PeftModel.from_pretrained(_base(runs["moe_model"]), runs["moe_single"]).merge_and_unload().state_dict()
+    got_w = _base(str(runs[case])).state_dict()  # from_pretrained: the checkpoint's expert layout converted back
+    assert sorted(got_w) == sorted(merged), sorted(set(got_w) ^ set(merged))
+    assert all((got_w[k] - merged[k]).norm() <= TOL * merged[k].norm().clamp(min=1e-12) for k in merged)

@@ -1,7 +1,8 @@
 """LoRA on a MoE model without expert parallelism (PEFT 0.21's "all-linear" puts adapters on the routers and, through
 its ParamWrapper, on the experts' 3-D weights): the MoE blocks stay the HF model's own, so the adapters train; before,
 hfpar's MoE conversion met PEFT's wrapper and the recipe died with an AttributeError traceback. The routers' aux loss
-through hfpar's path is refused in one line; PEFT's own refusal of dropout on expert weights names the flag to pass.
+through hfpar's path is refused in one line; PEFT's own refusal of dropout on expert weights names the flag to pass;
+with --ep_size, adapters on a router or the experts are refused in one line.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def test_aux_loss_with_lora_in_moe_blocks_is_refused_in_one_line():
     with pytest.raises(ValueError) as e:
         apply_moe(model, MOE_ARGS, CTX)
     assert "\n" not in str(e.value) and "output_router_logits" in str(e.value) and "lora_target_modules" in str(e.value)
+
+
+def test_adapters_on_what_expert_parallelism_computes_are_refused_in_one_line():
+    """--ep_size needs hfpar's MoE layers, which would bypass adapters on a router or the experts: refused, naming
+    the module and the flag (targets outside them train under EP: tests/launch/test_lora.py)."""
+    hf = build("qwen3_moe", dtype=torch.float32)
+    replaced = moe_replaced_paths(hf)
+    model = apply_lora(hf, LORA, "lm")
+    with pytest.raises(ValueError) as e:
+        apply_moe(model, MOE_ARGS, SimpleNamespace(ep=2, grad_replicas=1), moe_replaced=replaced)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--use_peft with --ep_size 2: LoRA adapters sit on what"), msg
+    assert "model.layers.0.mlp." in msg and "--lora_target_modules" in msg, msg
 
 
 def test_dropout_on_expert_weights_names_the_flag():

@@ -381,5 +381,5 @@ def test_plan_with_lora_recommends_a_run_the_recipes_accept():
     labels = [ln.split("  ")[0] for ln in text.splitlines() if ln.endswith((" yes", " no")) or " yes  +" in ln]
     assert "DDP" in labels and not any("EP" in x or "TP" in x for x in labels), labels
     for kw in ({"ep_size": 2}, {"tp_size": 2}):
-        with pytest.raises(PlanError, match="with --lora: the recipes train LoRA without expert parallelism"):
+        with pytest.raises(PlanError, match="with --lora: the planned command trains PEFT's all-linear targets"):
             plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16, **kw)
