@@ -173,8 +173,8 @@ def parallelize(model, args, ctx, plan) -> tuple:
         ctx.strategy.adjust_model(model)
     if args.use_liger_kernel:  # the model's own modules get Liger's kernels, before any layer wraps them
         info["liger"] = apply_liger(model)
-    # LoRA before MoE (refused with LoRA by the preflight), the stage split and the wrap; under TP right after it,
-    # on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora)
+    # LoRA before MoE (upcycling refused with LoRA by the preflight), the stage split and the wrap; under TP right
+    # after it, on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora)
     tp_lora = lora_targets(model, args, task) if args.use_peft and ctx.tp > 1 else None
     replaced = moe_replaced_paths(model) if args.use_peft and task == "lm" else None  # before PEFT wraps the experts
     if args.use_peft and tp_lora is None:

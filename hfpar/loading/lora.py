@@ -85,26 +85,46 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
             first += f" (the MoE experts' weights): pass --lora_dropout 0 (not {args.lora_dropout}), or name "
             first += "--lora_target_modules outside the experts"
         raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
-    if odd := _own_forward_linears(model):
+    if odd := _not_their_product(model):
         path, cls = odd[0]
         raise ValueError(
-            f"--lora_target_modules {args.lora_target_modules}: {path} ({cls}) is an nn.Linear with a forward of its "
-            "own (not its product alone: PEFT would add the adapter to whatever it returns); name "
+            f"--lora_target_modules {args.lora_target_modules}: {path} ({cls}) is an nn.Linear whose forward returns "
+            "something other than its product x W^T + b (PEFT would add the adapter to it); name "
             "--lora_target_modules without it"
         )
     return model
 
 
-def _own_forward_linears(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """LoRA layers whose base layer is an nn.Linear subclass that overrides forward (Llama 4's router returns the
-    top-k scores and the logits): PEFT's LoRA Linear adds B A x to the base layer's output as if it were W x."""
+def _not_their_product(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """LoRA layers whose base layer is an nn.Linear subclass with a forward of its own that does not return x W^T + b
+    (Llama 4's and PhiMoE's routers return the top-k scores and the logits; DeepSeek-V4's grouped projection splits
+    its input): PEFT's LoRA Linear adds B A x to whatever the base layer returns, as if it were W x (and fails there
+    with a traceback). Falcon's FalconLinear computes its product its own way and passes."""
     return [
         (path, type(m.base_layer).__name__)
         for path, m in model.named_modules()
         if hasattr(m, "lora_A")
         and isinstance(getattr(m, "base_layer", None), torch.nn.Linear)
         and type(m.base_layer).forward is not torch.nn.Linear.forward
+        and not _computes_its_product(m.base_layer)
     ]
+
+
+def _computes_its_product(layer: torch.nn.Linear) -> bool:
+    """Whether the layer's own forward returns x W^T + b: run on random weights of its shapes in float64 (through
+    torch.func.functional_call, so a meta skeleton's layer is probed too; nothing of the model is changed)."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in layer.named_parameters(recurse=False)
+    }
+    x = torch.randn(3, layer.in_features, generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(layer, params, (x,))
+    except Exception:  # noqa: BLE001  (a forward that cannot run on its own weights' shapes is not a plain product)
+        return False
+    want = torch.nn.functional.linear(x, params["weight"], params.get("bias"))
+    return isinstance(out, torch.Tensor) and out.shape == want.shape and torch.allclose(out, want, rtol=1e-9, atol=1e-9)
 
 
 _module_to = torch.nn.Module.to

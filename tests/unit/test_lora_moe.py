@@ -112,4 +112,14 @@ def test_lora_moe_sweep_subset(model_type, status, hf_blocks):
     r = lora_moe_sweep.check(model_type)
     assert r["status"] == status and r.get("hf_blocks") == hf_blocks, r
     if status == "refused":
-        assert "is an nn.Linear with a forward of its own" in r["why"] and "\n" not in r["why"], r
+        assert "whose forward returns something other than its product" in r["why"] and "\n" not in r["why"], r
+
+
+def test_a_linear_computing_its_product_its_own_way_stays_a_target():
+    """Falcon's FalconLinear (an nn.Linear subclass, x @ W.T + b in its own forward) passes the probe: its adapters
+    are built and train, as before the refusal of Linear subclasses that return something else."""
+    model = apply_lora(build("falcon", dtype=torch.float32), LORA, "lm")
+    assert any(type(m.base_layer).__name__ == "FalconLinear" for m in model.modules() if hasattr(m, "lora_A"))
+    ids, labels = batch(vocab(model))
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
