@@ -94,6 +94,7 @@ def test_targets_outside_the_moe_blocks_keep_hfpar_moe_layers():
 # too, the blocks stay the HF model's own. Routers of other shapes (GPT-OSS, DeepSeek-V3), GraniteMoE-shared, and
 # Llama 4 / PhiMoE whose routers are nn.Linear subclasses returning (scores, logits): PEFT's own LoRA layer fails
 # there (refused in one line)
+@pytest.mark.slow  # ~40 s: out of the fast tier (pytest -m "not slow", under 5 minutes)
 @pytest.mark.parametrize(
     "model_type, status, hf_blocks",
     [
