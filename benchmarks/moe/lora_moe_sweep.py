@@ -19,6 +19,7 @@ import copy
 import json
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -98,8 +99,6 @@ def moe_types() -> list[str]:
 
 
 def main(argv: list[str]) -> dict:
-    import warnings
-
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     types, t0, res = argv or moe_types(), time.perf_counter(), {}

@@ -14,9 +14,8 @@ varlen.py        variable-length attention over one-row padding-free batches (--
 
 from hfpar.parallel.exports import lazy_exports
 
-VARLEN = (
-    "hfpar_varlen"  # --attn_implementation's name for varlen.py (here: the preflight compares without importing it)
-)
+# --attn_implementation's name for varlen.py, here so the preflight and the data plan compare without importing it
+VARLEN = "hfpar_varlen"
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {".varlen": ("register_varlen_attention",)})
 __all__ = [*__all__, "VARLEN"]
