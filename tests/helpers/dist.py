@@ -15,8 +15,8 @@
 (env:// variables MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK set; the caller's os.environ is
 copied in); the call returns the list of per-rank return values (they must pickle). Start ranks
 once per world size and run many checks inside `fn`. Ranks are forked from a forkserver that has
-torch imported already (milliseconds per rank instead of a multi-second torch import); note that
-env vars torch reads at import time are those of the first call's environment.
+torch and transformers imported already (milliseconds per rank instead of seconds of imports); note that
+env vars they read at import time are those of the first call's environment.
 
 No port race: the parent process hosts the rendezvous TCPStore on a port the OS picks (port 0),
 and the ranks connect to it as clients. When a rank fails, the other ranks are usually blocked in
@@ -77,14 +77,17 @@ def _secondary(msg: str) -> bool:
 
 
 def _context(start_method: str | None):
-    """forkserver (Linux): one server process imports torch once, then every rank of every call
+    """forkserver (Linux): one server process imports torch and transformers once, then every rank of every call
     forks from it, so starting ranks costs milliseconds instead of a torch import each (seconds
     on a busy 2-core box). The server is single-threaded, so forking it is safe. Else spawn."""
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+        # transformers' modeling code too: nearly every rank builds an HF model (~5 CPU-s of imports each otherwise)
+        ctx.set_forkserver_preload(
+            ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", __name__]
+        )
     return ctx
 
 

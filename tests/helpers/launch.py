@@ -24,12 +24,24 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE_RUNS = str(ROOT / "tests" / "helpers" / "recipe_runs.py")  # many recipe runs in one launch (its docstring)
 
 
+# Set in the pytest process by torch's inductor when a test compiles in-process (cpp_builder loads an OpenMP runtime
+# with KMP_DUPLICATE_LIB_OK=TRUE): a user's launch does not carry it, so the launches keep the session's start value
+# (a launch after such a test is the same as one before it, and its ranks still fork: rank_zygote.py)
+_SET_BY_TESTS = {key: os.environ.get(key) for key in ("KMP_DUPLICATE_LIB_OK",)}
+
+
 def env() -> dict:
     """The suite's launches compare CPU + gloo runs with each other (the parity contract): on a machine with a GPU
     they are kept on the CPU too, since a 2-process launch on a one-GPU machine is refused (one CUDA device per
     process) and a GPU reference would add device-numerics noise. HFPAR_TEST_CUDA=1 launches on the GPUs instead."""
     # PYTHONFAULTHANDLER: a worker killed by a fatal signal (SIGABRT, SIGSEGV) prints every thread's Python stack
-    return {**launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1"), "PYTHONFAULTHANDLER": "1"}
+    e = {**launch_env(cpu=os.environ.get("HFPAR_TEST_CUDA") != "1"), "PYTHONFAULTHANDLER": "1"}
+    for key, value in _SET_BY_TESTS.items():
+        if value is None:
+            e.pop(key, None)
+        else:
+            e[key] = value
+    return e
 
 
 _BAR = re.compile(r"(it/s|s/it)(, [^\]]*)?\]\s*$|^\s*$")
@@ -65,16 +77,28 @@ class _Zygote:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._tmp = tempfile.mkdtemp(prefix="hfpar-launch-")
+        self.ranks = os.path.join(self._tmp, "ranks")  # the rank zygotes' sockets and logs (rank_zygote.py)
         self._n = 0
 
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            server = [sys.executable, str(Path(__file__).with_name("zygote.py"))]
+            os.makedirs(self.ranks, exist_ok=True)
+            server = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.ranks]
             self._proc = subprocess.Popen(
                 server, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
             atexit.register(self.close)
         return self._proc
+
+    def rank_forks(self, timeout: float = 120) -> str:
+        """The rank zygotes' decision logs so far ("fork PID ..." / "fresh WHY" lines, rank_zygote.py), once all
+        of them accept requests (they start with this launcher and import for ~10 s)."""
+        self._server()
+        deadline = time.monotonic() + timeout
+        while not all(os.path.exists(os.path.join(self.ranks, f"rank-{k}.sock")) for k in range(4)):
+            assert time.monotonic() < deadline, f"the rank zygotes in {self.ranks} did not start"
+            time.sleep(0.1)
+        return "".join(Path(p).read_text() for p in sorted(Path(self.ranks).glob("rank-*.sock.log")))
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -143,7 +167,9 @@ def launch(
     return proc
 
 
-def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = None, group: bool = True) -> None:
+def launch_all(
+    jobs: dict, workers: int = 2, extra_launch: list[str] | None = None, group: bool = True, fresh: bool = False
+) -> None:
     """{name: (config, nproc, recipe, args[, copy])} launched `workers` at a time (a launch is mostly process start-up
     and rendezvous, which overlap well on 2 cores); raises the first failure.
 
@@ -153,12 +179,18 @@ def launch_all(jobs: dict, workers: int = 2, extra_launch: list[str] | None = No
     once per group. group=False for jobs that measure their process (peak RSS) or must each start fresh.
 
     copy: (src, dst), a directory copied just before the job runs: a resume from a checkpoint that an earlier job of
-    the same (config, nproc, recipe) group writes (jobs of a group run in the dict's order; grouped jobs only)."""
+    the same (config, nproc, recipe) group writes (jobs of a group run in the dict's order; grouped jobs only).
+    fresh: every rank a fresh interpreter, not a fork of a rank zygote (HFPAR_TEST_RANKS=fresh: runs that measure
+    their process's memory measure what a user's process holds)."""
     assert group or all(len(job) == 4 for job in jobs.values()), "a job with a copy step needs group=True"
     launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
     launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)  # the longest groups first: better packing
     with ThreadPoolExecutor(workers) as pool:
-        done = [pool.submit(launch, *job[:4], extra_launch=extra_launch, timeout=_timeout(job)) for job in launches]
+        extra_env = {"HFPAR_TEST_RANKS": "fresh"} if fresh else None
+        done = [
+            pool.submit(launch, *job[:4], extra_launch=extra_launch, timeout=_timeout(job), extra_env=extra_env)
+            for job in launches
+        ]
         for f in done:
             f.result()
 

@@ -1,30 +1,86 @@
 """A pre-imported `accelerate launch` the suite's launches fork from.
 
-    python tests/helpers/zygote.py        # started once per pytest session by tests/helpers/launch.py
+    python tests/helpers/zygote.py RANKS_DIR   # started once per pytest session by tests/helpers/launch.py
 
 Every launch of the suite used to start a new Python that imports torch and accelerate (about 3 s of CPU, a
 quarter of a tiny 2-process launch) only to parse the command line and start the workers. This process imports
 them once; for each request (one JSON line on stdin) it forks, and the child runs the same entry point as the
 `accelerate launch` command, `accelerate.commands.launch.main()`, with the same argv, in the launch's own
 environment and working directory, stdout / stderr to the files named, its exit status written to a file. The
-workers it starts are fresh interpreters, exactly as under the command. Nothing here touches torch before the
-fork (no thread pool, no CUDA context), so the child starts from a clean state.
+workers it starts fork in turn from the rank zygotes this process starts in RANKS_DIR (tests/helpers/
+rank_zygote.py: its `sys.executable` is their trampoline), or are fresh interpreters where a rank zygote refuses
+(HFPAR_TEST_RANKS=fresh: always). Nothing here touches torch before the fork (no thread pool, no CUDA context), so
+the child starts from a clean state.
 
 A request: {"argv": [...], "env": {...}, "cwd": "...", "out": path, "err": path, "rc": path[, "module":
 "hfpar.launch"]} (module: `python -m hfpar.launch ARGS`, hfpar's wrapper of the same launch); the reply line:
 {"pid": child pid}. The child leads its own session (its process group is its pid), so a timeout kills the
-launcher and its workers together.
+launcher (torchrun starts each worker in a session of its own: a worker still running is left to its own
+collective timeout, as it was before the rank zygotes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
+import subprocess
 import sys
+import tempfile
 import traceback
 
 import accelerate.commands.launch as accelerate_launch  # the import this process exists to share
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANK_ZYGOTES = 4  # one per local rank (the suite's launches have up to 4 processes; rank k uses zygote k % 4)
+
+
+class _Ranks:
+    """The rank zygotes (tests/helpers/rank_zygote.py), one per local rank with its own PYTHONHASHSEED, and the
+    trampoline a launch starts its ranks with (tests/helpers/rank_trampoline.py). HFPAR_TEST_RANKS=fresh: none,
+    every rank a fresh interpreter."""
+
+    def __init__(self, folder: str | None):
+        self.dir = folder or tempfile.mkdtemp(prefix="hfpar-ranks-")
+        self.procs = []
+        if os.environ.get("HFPAR_TEST_RANKS") == "fresh":
+            self.python = None
+            return
+        for k in range(RANK_ZYGOTES):
+            env = {**os.environ, "PYTHONHASHSEED": str(secrets.randbelow(2**32 - 1) + 1)}
+            server = [sys.executable, os.path.join(HERE, "rank_zygote.py"), os.path.join(self.dir, f"rank-{k}.sock")]
+            with open(os.path.join(self.dir, f"rank-{k}.out"), "w") as out:  # its imports' warnings, once
+                self.procs.append(
+                    subprocess.Popen(server, env=env, stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=os.getcwd())
+                )
+        self.python = os.path.join(self.dir, "python")
+        with open(self.python, "w") as f:  # an interpreter path for torchrun / Accelerate: the trampoline
+            f.write(
+                f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {HERE!r})\nimport rank_trampoline\n"
+                f"rank_trampoline.main({sys.executable!r})\n"
+            )
+        os.chmod(self.python, 0o755)
+
+    def use_in_launcher(self) -> None:
+        """In a launch's process (forked from here): its ranks start through the trampoline."""
+        for proc in self.procs:  # the zygotes see their stdin close when this process's parent ends, not later
+            proc.stdin.close()
+        if self.python is not None and os.environ.get("HFPAR_TEST_RANKS") != "fresh":
+            sys.executable = self.python
+            os.environ["HFPAR_TEST_RANK_ZYGOTES"] = f"{self.dir}:{RANK_ZYGOTES}"
+
+    def close(self) -> None:
+        for proc in self.procs:  # a zygote ends when its stdin closes (one still importing: after its imports)
+            proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+RANKS: _Ranks | None = None
 
 
 def _exit_status(e: SystemExit) -> int:
@@ -42,6 +98,7 @@ def _run_child(req: dict) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    RANKS.use_in_launcher()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, req["out"]), (2, req["err"])):
@@ -81,6 +138,8 @@ def _reap() -> None:
 
 
 def main() -> None:
+    global RANKS
+    RANKS = _Ranks(sys.argv[1] if len(sys.argv) > 1 else None)
     stdin = sys.stdin.fileno()
     buf = b""
     while True:
@@ -105,6 +164,7 @@ def main() -> None:
                     os._exit(1)
             sys.stdout.write(json.dumps({"pid": pid}) + "\n")
             sys.stdout.flush()
+    RANKS.close()
     _reap()
 
 

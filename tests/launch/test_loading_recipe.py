@@ -103,7 +103,7 @@ def runs(big_model, base_model, tmp_path_factory) -> dict:
                 "sft",
                 [*FLAGS, *extra, *more, "--model_name_or_path", model, "--output_dir", str(outs[(name, variant)])],
             )
-    launch_all(jobs, group=False)  # each run measures its own peak RSS: a fresh process each
+    launch_all(jobs, group=False, fresh=True)  # each run measures its own peak RSS: a fresh interpreter each
     return outs
 
 

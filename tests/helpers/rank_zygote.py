@@ -1,0 +1,236 @@
+"""A pre-imported Python the suite's rank processes fork from (the launcher's counterpart: tests/helpers/zygote.py).
+
+    python tests/helpers/rank_zygote.py SOCKET      # started by zygote.py, one per local rank, each its own hash seed
+
+Every rank of a test launch used to be a fresh interpreter importing torch, transformers, accelerate and datasets:
+~5-9 CPU-s each (benchmarks/suite/launch_cost.py), about half the suite's CPU on 2 cores. This process imports them
+once; torchrun's worker command reaches it through tests/helpers/rank_trampoline.py (the launcher's python, there),
+and it forks the rank: the same argv, environment, working directory and stdin / stdout / stderr (passed as file
+descriptors), `python -u script.py ARGS` or `python -u -m module ARGS` run as `__main__`. The rank exits through
+the interpreter's own exit (atexit, stdio flush, finalization) and its wait status goes back to the trampoline,
+which ends with it; signals sent to the trampoline are forwarded.
+
+A fork is exact only where the imports done here would have gone the same way in the rank: so a request is refused
+(the trampoline then runs a fresh interpreter, as without this file) when its environment differs from this
+process's in any variable other than the launch's own run-time ones (`LAUNCH_VARIABLES`), or in one of those that
+an import here read (recorded while importing). Each local rank has its own zygote started with its own
+PYTHONHASHSEED, so ranks still hash strings differently, as fresh interpreters do (a rank-dependent set order stays
+visible to the tests). Nothing here runs a torch op or starts a thread before the fork.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import fcntl
+import functools
+import io
+import json
+import os
+import random
+import re
+import runpy
+import select
+import signal
+import socket
+import sys
+import time
+
+LAUNCH_VARIABLES = re.compile(
+    r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE"
+    r"|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_NCCL_ASYNC_ERROR_HANDLING|NCCL_ASYNC_ERROR_HANDLING"
+    r"|ACCELERATE_\w+|FSDP_\w+|CUDA_VISIBLE_DEVICES"  # the launcher's (Accelerate's sets the device of 'single')
+    r"|HFPAR_\w+|PYTEST_\w+)"  # hfpar's (imported fresh in the rank), pytest's current test
+)
+# what every rank of a recipe imports anyway (third-party only: hfpar's own code is imported fresh);
+# HFPAR_TEST_RANK_IMPORTS=a,b replaces the list (tests/unit/test_rank_fork.py: the mechanism without the stack)
+PREIMPORTED = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "accelerate",
+    "transformers",
+    "transformers.modeling_utils",
+    "datasets",
+    "safetensors.torch",
+)
+
+
+class _RecordingEnviron(os._Environ):
+    """os.environ that remembers which variables were read (while the stack is imported). Values fetched for the
+    keys a walk of the environment yielded are not counted until the next walk: copying it (fsspec's
+    `dict(os.environ)`) or filtering it by prefix (tqdm's TQDM_*) reads no one variable."""
+
+    read: set = set()
+    walked: set = set()
+
+    def __iter__(self):
+        self.walked.clear()
+        for key in super().__iter__():
+            self.walked.add(key)
+            yield key
+
+    def __getitem__(self, key):
+        if key in self.walked:
+            self.walked.discard(key)
+        else:
+            self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _import_stack() -> tuple[dict, set]:
+    os.environ.pop("PYTHONHASHSEED", None)  # set for this process's hashes only: a rank's env does not have it
+    base = dict(os.environ)
+    env = os.environ
+    os.environ = _RecordingEnviron(env._data, env.encodekey, env.decodekey, env.encodevalue, env.decodevalue)
+    try:
+        names = os.environ.get("HFPAR_TEST_RANK_IMPORTS")
+        for name in names.split(",") if names else PREIMPORTED:
+            __import__(name)
+    finally:
+        os.environ = env
+    return base, set(_RecordingEnviron.read)
+
+
+def refusal(env: dict, base: dict, read_at_import: set) -> str | None:
+    """Why `env` cannot be a fork of this process (None: it can)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
+        return "CUDA is initialised in the zygote"
+    for key in sorted(set(env) | set(base)):
+        if env.get(key) == base.get(key):
+            continue
+        if not LAUNCH_VARIABLES.fullmatch(key):
+            return f"{key} differs from the zygote's environment"
+        if key in read_at_import:
+            return f"{key} was read while importing the stack"
+    return None
+
+
+def _reap(ranks: dict, log) -> None:
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = ranks.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+            except OSError:  # the trampoline is gone (its rank was told by SIGIO)
+                pass
+            conn.close()
+            log(f"exit {pid} {status}")
+
+
+def serve(path: str) -> dict | None:
+    """Serve fork requests until stdin closes (the launch zygote ended); returns only in a forked rank: its
+    request (argv, env, cwd, mode, fds)."""
+    base, read_at_import = _import_stack()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.replace(path + ".tmp", path)  # the trampolines connect only once the stack is imported
+    log_file = open(path + ".log", "a", buffering=1)  # noqa: SIM115 -- the decisions, read by the tests
+    ranks: dict = {}  # pid -> the trampoline's connection
+
+    def log(line: str) -> None:
+        log_file.write(f"{time.time():.3f} {line}\n")
+
+    stdin = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([stdin, listener], [], [], 0.05)
+        _reap(ranks, log)
+        if stdin in ready and not os.read(stdin, 1 << 16):
+            break
+        if listener not in ready:
+            continue
+        conn, _ = listener.accept()
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
+        req = json.loads(msg)
+        why = refusal(req["env"], base, read_at_import)
+        if why is not None:
+            conn.sendall(json.dumps({"fresh": why}).encode() + b"\n")
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            log(f"fresh {why}")
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in ranks.values():
+                other.close()
+            conn.close()
+            log_file.close()
+            return {**req, "fds": fds}
+        for fd in fds:
+            os.close(fd)
+        ranks[pid] = conn
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        log(f"fork {pid} {req['argv'][:1]}")
+    listener.close()
+    os.unlink(path)
+    return None
+
+
+def _stdio(fd: int, unbuffered: bool) -> io.TextIOWrapper:
+    """As the interpreter opens stdout (fd 1) / stderr (fd 2): -u write-through over an unbuffered file, else
+    buffered, line-buffered on a terminal and always for stderr (Python >= 3.9); stderr's errors backslashreplace."""
+    binary = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)  # noqa: SIM115
+    return io.TextIOWrapper(
+        binary,
+        encoding="utf-8",
+        errors="backslashreplace" if fd == 2 else "strict",
+        line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)),
+        write_through=unbuffered,
+    )
+
+
+def become(req: dict) -> None:
+    """In the forked rank: take the request's session, stdio, pipe watch, cwd, env, argv and sys.path[0], then run
+    its script or module as __main__ (what `python [-u] script.py ARGS` / `python [-u] -m module ARGS` does)."""
+    os.setsid()  # its own session and process group, as torchrun starts a worker (start_new_session)
+    stdin, stdout, stderr, watch = req["fds"]
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    # the trampoline holds the pipe's other end: when it dies (SIGKILL included), the kernel sends this process
+    # SIGIO, whose default action ends it, so a rank never outlives the process torchrun watches
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fcntl.fcntl(watch, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(watch, fcntl.F_SETFL, fcntl.fcntl(watch, fcntl.F_GETFL) | os.O_ASYNC | os.O_NONBLOCK)
+    # its parent as a fresh worker's: the process that started the trampoline (torchrun's agent, Accelerate's launcher);
+    # hfpar names a launch's shared directory by it (hfpar/observe/refusal.py: one refusal line per launch)
+    os.getppid = functools.partial(int, req["ppid"])
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 -- the interpreter's own stdio, on the request's descriptors
+    sys.stdout = _stdio(1, req["unbuffered"])
+    sys.stderr = _stdio(2, req["unbuffered"])
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(sys.stderr)
+    random.seed()  # a fresh interpreter seeds from the OS
+    sys.argv = list(req["argv"])
+    if req["module"]:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    request = serve(sys.argv[1])
+    if request is not None:
+        become(request)  # the rank's script: its exit, exceptions included, is this interpreter's own
