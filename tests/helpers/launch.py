@@ -79,6 +79,7 @@ class _Zygote:
         self._tmp = tempfile.mkdtemp(prefix="hfpar-launch-")
         self.ranks = os.path.join(self._tmp, "ranks")  # the rank zygotes' sockets and logs (rank_zygote.py)
         self._n = 0
+        atexit.register(self.close)  # the folder goes at exit, also in a session that launched nothing
 
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -87,7 +88,6 @@ class _Zygote:
             self._proc = subprocess.Popen(
                 server, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
-            atexit.register(self.close)
         return self._proc
 
     def rank_forks(self, timeout: float = 120) -> str:
@@ -183,10 +183,10 @@ def launch_all(
     fresh: every rank a fresh interpreter, not a fork of a rank zygote (HFPAR_TEST_RANKS=fresh: runs that measure
     their process's memory measure what a user's process holds)."""
     assert group or all(len(job) == 4 for job in jobs.values()), "a job with a copy step needs group=True"
-    launches = _grouped(jobs, Path(tempfile.mkdtemp(prefix="hfpar-runs-"))) if group else list(jobs.values())
-    launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)  # the longest groups first: better packing
-    with ThreadPoolExecutor(workers) as pool:
-        extra_env = {"HFPAR_TEST_RANKS": "fresh"} if fresh else None
+    extra_env = {"HFPAR_TEST_RANKS": "fresh"} if fresh else None
+    with tempfile.TemporaryDirectory(prefix="hfpar-runs-") as specs, ThreadPoolExecutor(workers) as pool:
+        launches = _grouped(jobs, Path(specs)) if group else list(jobs.values())
+        launches.sort(key=lambda job: -job[4] if len(job) > 4 else 0)  # the longest groups first: better packing
         done = [
             pool.submit(launch, *job[:4], extra_launch=extra_launch, timeout=_timeout(job), extra_env=extra_env)
             for job in launches
