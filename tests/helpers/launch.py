@@ -76,13 +76,16 @@ class _Zygote:
     def __init__(self):
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
-        self._tmp = tempfile.mkdtemp(prefix="hfpar-launch-")
-        self.ranks = os.path.join(self._tmp, "ranks")  # the rank zygotes' sockets and logs (rank_zygote.py)
+        self._tmp: str | None = None  # made with the server: a process that launches nothing leaves no folder
+        self.ranks = ""  # the rank zygotes' sockets and logs (rank_zygote.py), in it
         self._n = 0
-        atexit.register(self.close)  # the folder goes at exit, also in a session that launched nothing
 
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
+            if self._tmp is None:
+                self._tmp = tempfile.mkdtemp(prefix="hfpar-launch-")
+                self.ranks = os.path.join(self._tmp, "ranks")
+                atexit.register(self.close)
             os.makedirs(self.ranks, exist_ok=True)
             server = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.ranks]
             self._proc = subprocess.Popen(
@@ -104,11 +107,13 @@ class _Zygote:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
         assert cmd[1] == "-m" and cmd[2] in ("accelerate.commands.launch", "hfpar.launch"), cmd
         with self._lock:
+            server = self._server()
             self._n += 1
             base = os.path.join(self._tmp, str(self._n))
             req = {
@@ -120,7 +125,6 @@ class _Zygote:
                 "rc": base + ".rc",
                 "module": cmd[2],
             }
-            server = self._server()
             server.stdin.write(json.dumps(req) + "\n")
             server.stdin.flush()
             pid = json.loads(server.stdout.readline())["pid"]
