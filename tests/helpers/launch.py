@@ -22,6 +22,7 @@ from benchmarks.common.launch import env as launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE_RUNS = str(ROOT / "tests" / "helpers" / "recipe_runs.py")  # many recipe runs in one launch (its docstring)
+RANK_ZYGOTES = 4  # one per local rank (tests/helpers/rank_zygote.py): the suite's launches have up to 4 processes
 
 
 # Set in the pytest process by torch's inductor when a test compiles in-process (cpp_builder loads an OpenMP runtime
@@ -87,21 +88,16 @@ class _Zygote:
                 self.ranks = os.path.join(self._tmp, "ranks")
                 atexit.register(self.close)
             os.makedirs(self.ranks, exist_ok=True)
-            server = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.ranks]
+            server = [sys.executable, str(Path(__file__).with_name("zygote.py")), self.ranks, str(RANK_ZYGOTES)]
             self._proc = subprocess.Popen(
                 server, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
         return self._proc
 
     def rank_forks(self, timeout: float = 120) -> str:
-        """The rank zygotes' decision logs so far ("fork PID ..." / "fresh WHY" lines, rank_zygote.py), once all
-        of them accept requests (they start with this launcher and import for ~10 s)."""
+        """rank_decisions of this launcher's rank zygotes (they start with it)."""
         self._server()
-        deadline = time.monotonic() + timeout
-        while not all(os.path.exists(os.path.join(self.ranks, f"rank-{k}.sock")) for k in range(4)):
-            assert time.monotonic() < deadline, f"the rank zygotes in {self.ranks} did not start"
-            time.sleep(0.1)
-        return "".join(Path(p).read_text() for p in sorted(Path(self.ranks).glob("rank-*.sock.log")))
+        return rank_decisions(self.ranks, timeout)
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -143,6 +139,16 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
+
+
+def rank_decisions(folder: str | Path, timeout: float = 120) -> str:
+    """The decision logs of the rank zygotes in `folder` ("fork PID ..." / "fresh WHY" lines, rank_zygote.py), once
+    all RANK_ZYGOTES of them accept requests (each imports the stack first)."""
+    deadline = time.monotonic() + timeout
+    while not all(Path(folder, f"rank-{k}.sock").exists() for k in range(RANK_ZYGOTES)):
+        assert time.monotonic() < deadline, f"the rank zygotes in {folder} did not start"
+        time.sleep(0.05)
+    return "".join(p.read_text() for p in sorted(Path(folder).glob("rank-*.sock.log")))
 
 
 def launch(

@@ -132,7 +132,7 @@ def _reap(ranks: dict, log) -> None:
 
 def serve(path: str) -> dict | None:
     """Serve fork requests until stdin closes (the launch zygote ended); returns only in a forked rank: its
-    request (argv, env, cwd, mode, fds)."""
+    request (rank_trampoline.py's: argv, module, unbuffered, env, cwd, ppid) and the descriptors it passed."""
     base, read_at_import = _import_stack()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")

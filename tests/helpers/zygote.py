@@ -1,6 +1,6 @@
 """A pre-imported `accelerate launch` the suite's launches fork from.
 
-    python tests/helpers/zygote.py RANKS_DIR   # started once per pytest session by tests/helpers/launch.py
+    python tests/helpers/zygote.py RANKS_DIR COUNT   # started once per pytest session by tests/helpers/launch.py
 
 Every launch of the suite used to start a new Python that imports torch and accelerate (about 3 s of CPU, a
 quarter of a tiny 2-process launch) only to parse the command line and start the workers. This process imports
@@ -27,29 +27,28 @@ import secrets
 import select
 import subprocess
 import sys
-import tempfile
 import traceback
 
 import accelerate.commands.launch as accelerate_launch  # the import this process exists to share
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RANK_ZYGOTES = 4  # one per local rank (the suite's launches have up to 4 processes; rank k uses zygote k % 4)
 
 
 class _Ranks:
-    """The rank zygotes (tests/helpers/rank_zygote.py), one per local rank with its own PYTHONHASHSEED, and the
-    trampoline a launch starts its ranks with (tests/helpers/rank_trampoline.py). HFPAR_TEST_RANKS=fresh: none,
-    every rank a fresh interpreter."""
+    """`count` rank zygotes in `folder` (tests/helpers/rank_zygote.py), one per local rank (rank k uses zygote
+    k % count) with its own PYTHONHASHSEED, and the trampoline a launch starts its ranks with
+    (tests/helpers/rank_trampoline.py). HFPAR_TEST_RANKS=fresh: none, every rank a fresh interpreter."""
 
-    def __init__(self, folder: str | None):
-        self.dir = folder or tempfile.mkdtemp(prefix="hfpar-ranks-")
+    def __init__(self, folder: str, count: int):
+        self.dir = folder
+        self.count = count
         self.procs = []
         # a shebang line holds the interpreter's path: one with a space, or one too long for the kernel's line
         # (127 bytes before Linux 5.1), cannot start the trampoline; every rank is then a fresh interpreter
         if os.environ.get("HFPAR_TEST_RANKS") == "fresh" or " " in sys.executable or len(sys.executable) > 100:
             self.python = None
             return
-        for k in range(RANK_ZYGOTES):
+        for k in range(count):
             env = {**os.environ, "PYTHONHASHSEED": str(secrets.randbelow(2**32 - 1) + 1)}
             server = [sys.executable, os.path.join(HERE, "rank_zygote.py"), os.path.join(self.dir, f"rank-{k}.sock")]
             with open(os.path.join(self.dir, f"rank-{k}.out"), "w") as out:  # its imports' warnings, once
@@ -70,7 +69,7 @@ class _Ranks:
             proc.stdin.close()
         if self.python is not None and os.environ.get("HFPAR_TEST_RANKS") != "fresh":
             sys.executable = self.python
-            os.environ["HFPAR_TEST_RANK_ZYGOTES"] = f"{self.dir}:{RANK_ZYGOTES}"
+            os.environ["HFPAR_TEST_RANK_ZYGOTES"] = f"{self.dir}:{self.count}"
 
     def close(self) -> None:
         for proc in self.procs:  # a zygote ends when its stdin closes (one still importing: after its imports)
@@ -141,7 +140,7 @@ def _reap() -> None:
 
 def main() -> None:
     global RANKS
-    RANKS = _Ranks(sys.argv[1] if len(sys.argv) > 1 else None)
+    RANKS = _Ranks(sys.argv[1], int(sys.argv[2]))
     stdin = sys.stdin.fileno()
     buf = b""
     while True:

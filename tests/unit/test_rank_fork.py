@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.zygote import RANK_ZYGOTES, _Ranks
+from tests.helpers.launch import RANK_ZYGOTES, rank_decisions
+from tests.helpers.zygote import _Ranks
 
 SCRIPT = """import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("HFPAR_X"),
@@ -41,26 +42,28 @@ def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HFPAR_TEST_RANK_IMPORTS", "json")
-        r = _Ranks(str(folder))
-    deadline = time.monotonic() + 60
-    while not all((folder / f"rank-{k}.sock").exists() for k in range(RANK_ZYGOTES)):
-        assert time.monotonic() < deadline, "the rank zygotes did not start"
-        time.sleep(0.05)
+        r = _Ranks(str(folder), RANK_ZYGOTES)
+    rank_decisions(folder, timeout=60)  # all of them accept requests
     yield r
     r.close()
 
 
-def _run(ranks, tmp_path, *args, env=None, local_rank="0", **kw):
+def _trampoline(ranks, tmp_path, args, env=None, local_rank="0") -> tuple[list, dict]:
+    """The command and environment of SCRIPT started through the trampoline, as a launcher of `ranks` starts it."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     full = {**os.environ, "HFPAR_TEST_RANK_IMPORTS": "json", "LOCAL_RANK": local_rank, **(env or {})}
     full["HFPAR_TEST_RANK_ZYGOTES"] = f"{ranks.dir}:{RANK_ZYGOTES}"
-    cmd = [ranks.python, "-u", str(script), *args]
-    return subprocess.run(cmd, env=full, cwd=tmp_path, capture_output=True, text=True, timeout=60, **kw)
+    return [ranks.python, "-u", str(script), *args], full
+
+
+def _run(ranks, tmp_path, *args, env=None, local_rank="0"):
+    cmd, full = _trampoline(ranks, tmp_path, args, env, local_rank)
+    return subprocess.run(cmd, env=full, cwd=tmp_path, capture_output=True, text=True, timeout=60)
 
 
 def _decisions(ranks) -> str:
-    return "".join(p.read_text() for p in sorted(Path(ranks.dir).glob("rank-*.sock.log")))
+    return rank_decisions(ranks.dir)
 
 
 def test_a_rank_runs_as_a_fresh_interpreter_would(ranks, tmp_path):
@@ -93,11 +96,8 @@ def test_signals_reach_the_rank_and_a_rank_dies_with_its_trampoline(ranks, tmp_p
     pidfile = tmp_path / "pid"
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pidfile.unlink(missing_ok=True)
-        script = tmp_path / "script.py"
-        script.write_text(SCRIPT)
-        env = {**os.environ, "HFPAR_TEST_RANK_IMPORTS": "json", "HFPAR_MODE": "sleep", "LOCAL_RANK": "1"}
-        env["HFPAR_TEST_RANK_ZYGOTES"] = f"{ranks.dir}:{RANK_ZYGOTES}"
-        proc = subprocess.Popen([ranks.python, "-u", str(script), "x", str(pidfile)], env=env, stdout=subprocess.PIPE)
+        cmd, env = _trampoline(ranks, tmp_path, ["x", str(pidfile)], {"HFPAR_MODE": "sleep"}, local_rank="1")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
         deadline = time.monotonic() + 30
         while not pidfile.exists() or not pidfile.read_text():
             assert time.monotonic() < deadline
