@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.loading.lora import apply_lora, is_peft_model, lora_targets, trainable_summary
+from hfpar.loading.lora_targets import adapters_in_moe_blocks, ep_lora_refusal, inside
 from hfpar.loading.sharded import is_meta
 from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import enable_cp_attention
@@ -56,17 +57,21 @@ def lora_in_moe_blocks(model, replaced: list[str]) -> list[str]:
         for path, m in base.named_modules()
         if hasattr(m, "lora_A")
         and hasattr(m, "base_layer")
-        and (type(m).__name__ == "ParamWrapper" or any(path == r or path.startswith(f"{r}.") for r in replaced))
+        and (type(m).__name__ == "ParamWrapper" or inside(path, replaced))
     ]
 
 
-def apply_moe(model, args, ctx, microbatches: int = 1, moe_replaced: list[str] | None = None) -> str | None:
+def apply_moe(
+    model, args, ctx, microbatches: int = 1, moe_replaced: list[str] | None = None, lora_at: list[str] | None = None
+) -> str | None:
     """Upcycle (--upcycle_experts) and make MoE layers expert-parallel over ctx's EP groups. Any MoE model gets
     router statistics over all data-parallel ranks, so EP and DP do not change the aux loss; padding takes no
     part in routing statistics; the aux-loss gradient is scaled for hfpar's loss normalization (microbatches: the
     pipeline's per accumulation step, RunPlan.microbatches). Without
     --ep_size, blocks hfpar cannot convert stay the HF model's own: returns that one-line note (else None).
-    moe_replaced: moe_replaced_paths of the model before LoRA wrapped it (None: of `model` as it is)."""
+    moe_replaced: moe_replaced_paths of the model before LoRA wrapped it (None: of `model` as it is). lora_at: the
+    adapters that will sit in those modules when LoRA comes after (tensor parallelism: lora_targets'
+    adapters_in_moe_blocks on the unsplit model); None: those `model` holds now."""
     if args.upcycle_experts:
         upcycle_to_moe(
             model,
@@ -96,15 +101,12 @@ def apply_moe(model, args, ctx, microbatches: int = 1, moe_replaced: list[str] |
             else 0.0
         )
     )
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    replaced = moe_replaced if moe_replaced is not None else moe_replaced_paths(base)
-    if lora_at := lora_in_moe_blocks(model, replaced):  # hfpar's MoE layers would compute past PEFT's adapters
+    if lora_at is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lora_at = lora_in_moe_blocks(model, moe_replaced if moe_replaced is not None else moe_replaced_paths(base))
+    if lora_at:  # hfpar's MoE layers would compute past PEFT's adapters
         if ctx.ep > 1:  # expert parallelism needs hfpar's MoE layers, which would bypass these adapters
-            raise ValueError(
-                f"--use_peft with --ep_size {ctx.ep}: LoRA adapters sit on what expert parallelism computes "
-                f"({lora_at[0]}: a router or the experts); name --lora_target_modules outside the MoE blocks' routers "
-                "and experts (e.g. q_proj,k_proj,v_proj,o_proj), or drop --ep_size"
-            )
+            raise ValueError(ep_lora_refusal(ctx.ep, lora_at[0]))
         if coef:
             raise ValueError(
                 f"--use_peft with output_router_logits (router_aux_loss_coef {coef}): LoRA adapters sit in the MoE "
@@ -174,13 +176,17 @@ def parallelize(model, args, ctx, plan) -> tuple:
     if args.use_liger_kernel:  # the model's own modules get Liger's kernels, before any layer wraps them
         info["liger"] = apply_liger(model)
     # LoRA before MoE (upcycling refused with LoRA by the preflight), the stage split and the wrap; under TP right
-    # after it, on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora)
-    tp_lora = lora_targets(model, args, task) if args.use_peft and ctx.tp > 1 else None
-    replaced = moe_replaced_paths(model) if args.use_peft and task == "lm" else None  # before PEFT wraps the experts
-    if args.use_peft and tp_lora is None:
+    # after it, on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora). Either way a
+    # MoE block holding adapters (a router, the experts) stays the HF model's own (apply_moe)
+    tp_lora, lora_at = (lora_targets(model, args, task), None) if args.use_peft and ctx.tp > 1 else (None, None)
+    if tp_lora is not None and task == "lm":
+        lora_at = adapters_in_moe_blocks(model, tp_lora)
+    elif args.use_peft:
+        replaced = moe_replaced_paths(model) if task == "lm" else None  # before PEFT wraps the experts
         model = apply_lora(model, args, task)
+        lora_at = lora_in_moe_blocks(model, replaced) if replaced is not None else None
     # MoE before TP, which leaves MoE blocks whole on every TP rank (EP splits them)
-    if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches, replaced)):
+    if task == "lm" and (note := apply_moe(model, args, ctx, plan.microbatches, lora_at=lora_at)):
         info["moe_note"] = note
     if ctx.tp > 1:
         apply_tensor_parallel(model, ctx, sequence_parallel=args.sequence_parallel)

@@ -36,6 +36,8 @@ from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolv
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
 from hfpar.data.vision import image_cp_refusal, is_image_text
+from hfpar.loading.lora import lora_config
+from hfpar.loading.lora_targets import ep_lora_problem
 from hfpar.loading.sources import causal_lm_problem
 from hfpar.parallel.chunked_loss import logits_problem
 from hfpar.parallel.context_parallel.mixing import token_mixing_problem
@@ -205,6 +207,9 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
             p.append(f"--upcycle_experts {args.upcycle_experts}: model_type {model_type!r} cannot be upcycled: {why}")
         elif args.upcycle_experts % ctx.ep:
             p.append(f"--upcycle_experts {args.upcycle_experts} is not divisible by --ep_size {ctx.ep}")
+    if task == "lm" and ctx.ep > 1 and args.use_peft and not args.upcycle_experts:  # adapters EP would bypass
+        if why := ep_lora_problem(config, lora_config(args, task), ctx.ep):
+            p.append(why)
     if task == "lm" and ctx.ep > 1 and not args.upcycle_experts and config_num_experts(config) is None:
         name = (getattr(config, "architectures", None) or [model_type])[0]
         p.append(

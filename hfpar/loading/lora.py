@@ -25,6 +25,7 @@ import copy
 import torch
 
 from hfpar.distributed import swapped
+from hfpar.loading.lora_targets import resolve_lora_config
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.lora import TPLoraRefusal, get_tp_peft_model
 
@@ -56,35 +57,31 @@ def lora_config(args, task: str):
 
 
 def lora_targets(model: torch.nn.Module, args, task: str):
-    """The module names PEFT's own "all-linear" picks on `model` (the output head left out), or the listed names.
+    """The recipe's LoraConfig, its targets resolved on `model` as PEFT's get_peft_model resolves them ("all-linear":
+    the model's Linear layers, the output head left out; on a MoE model, also the experts' and routers' weights).
     Called on the model BEFORE tensor parallelism: its parallel layers are no nn.Linear to PEFT."""
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers  # noqa: PLC0415 (optional extra)
-
-    return _maybe_include_all_linear_layers(lora_config(args, task), model).target_modules
+    try:
+        return resolve_lora_config(lora_config(args, task), model)
+    except ValueError as exc:  # e.g. Mixtral's w1 named without w3 (fused into one expert weight)
+        raise _targets_error(args, exc) from None
 
 
 def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torch.nn.Module:
     """Wrap `model` with LoRA adapters; raises ValueError (one line) when no module matches the targets.
-    tp_targets (lora_targets of the model before TP): `model` is tensor-parallel; its parallel layers get hfpar's
-    split adapters (hfpar.parallel.tensor_parallel.lora), drawn as on the unsplit model."""
+    tp_targets (lora_targets of the model before TP: a resolved LoraConfig): `model` is tensor-parallel; its parallel
+    layers get hfpar's split adapters (hfpar.parallel.tensor_parallel.lora), drawn as on the unsplit model."""
     from peft import get_peft_model
 
-    config = lora_config(args, task)
+    config = lora_config(args, task) if tp_targets is None else copy.deepcopy(tp_targets)
     torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
     meta = any(p.is_meta for p in model.parameters())
     try:
         with swapped(torch.nn.Module, "to", _not_to_meta) if meta else contextlib.nullcontext():
-            model = (
-                get_peft_model(model, config) if tp_targets is None else get_tp_peft_model(model, config, tp_targets)
-            )
+            model = get_peft_model(model, config) if tp_targets is None else get_tp_peft_model(model, config)
     except TPLoraRefusal:  # its own line: not about the targets
         raise
     except ValueError as exc:  # e.g. target modules not found in the base model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "ParamWrapper" in first and "lora_dropout" in first:  # PEFT's LoRA on 3-D expert weights (MoE)
-            first += f" (the MoE experts' weights): pass --lora_dropout 0 (not {args.lora_dropout}), or name "
-            first += "--lora_target_modules outside the experts"
-        raise ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}") from None
+        raise _targets_error(args, exc) from None
     if odd := _not_their_product(model):
         path, cls = odd[0]
         raise ValueError(
@@ -93,6 +90,15 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
             "--lora_target_modules without it"
         )
     return model
+
+
+def _targets_error(args, exc: ValueError) -> ValueError:
+    """PEFT's error about the targets, in one line naming the option."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "ParamWrapper" in first and "lora_dropout" in first:  # PEFT's LoRA on 3-D expert weights (MoE)
+        first += f" (the MoE experts' weights): pass --lora_dropout 0 (not {args.lora_dropout}), or name "
+        first += "--lora_target_modules outside the experts"
+    return ValueError(f"--lora_target_modules {args.lora_target_modules}: {first}")
 
 
 def _not_their_product(model: torch.nn.Module) -> list[tuple[str, str]]:

@@ -153,7 +153,9 @@ def launch_command(
     mixed_precision: str,
     loss_chunk_size: int | None = None,
     lora_rank: int = 0,
+    moe: bool = False,
 ) -> str:
+    """moe: PEFT's all-linear reaches the experts' weights, where PEFT refuses dropout (--lora_dropout 0)."""
     # one GPU and a strategy that shards nothing, no model parallelism: the single-process config
     single = gpus_per_node * nodes == 1 and not any(cand.spec.shards) and cand.tp == cand.ep == cand.cp == cand.pp == 1
     cmd = (
@@ -171,7 +173,7 @@ def launch_command(
         f" recipes/sft.py --model_name_or_path {model} --max_seq_length {seq_len} "
         f"--per_device_train_batch_size {batch_size}"
     )
-    cmd += f" --use_peft --lora_r {lora_rank}" if lora_rank else ""
+    cmd += f" --use_peft --lora_r {lora_rank}" + (" --lora_dropout 0" if moe else "") if lora_rank else ""
     cmd += f" --tp_size {cand.tp}" if cand.tp > 1 else ""
     cmd += f" --ep_size {cand.ep}" if cand.ep > 1 else ""
     cmd += f" --cp_size {cand.cp}" if cand.cp > 1 else ""

@@ -93,6 +93,7 @@ class ModelStats:
     chunk_problem: str = ""  # why the recipe's chunked LM loss is off for it (chunked_loss.logits_problem), "" if on
     checkpoint_bytes: int = 4  # bytes per parameter of the checkpoint files (config dtype; unknown: fp32)
     pipeline_refusal: str = ""  # why pipeline stages cannot cut it (a multimodal wrapper), "" when they can
+    lora_unit_whole: int = 0  # the part of lora_unit on weights TP leaves whole (MoE routers and experts)
 
 
 def _cfg(config, *names: str, default: int = 0) -> int:
@@ -112,7 +113,7 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
     with torch.device("meta"):
         # a config of custom code (auto_map) exists only if its code was trusted: `hfpar plan --trust_remote_code`
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
-    total = replicated = expert = lora = 0
+    total = replicated = expert = lora = lora_whole = 0
     per_layer: dict[str, int] = {}
     # a multimodal wrapper: decoder layers are its language model's; its towers stay whole (replicated) under TP
     lm = language_model_path(model)
@@ -123,13 +124,16 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
         is_expert = ".experts." in name and "shared_expert" not in name
         expert += n if is_expert else 0
         tower = bool(lm) and not name.startswith(lm + ".") and id(p) not in embeds
-        if tower or p.dim() < 2 or re.search(r"\.(gate|router)\.weight$", name):
+        router = bool(re.search(r"\.(gate|router)\.weight$", name))
+        if tower or p.dim() < 2 or router:
             replicated += n
         m = re.search(r"\.layers\.(\d+)\.", name)
         if m and not tower:
             per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + n
             if p.dim() >= 2:  # [out, in] or experts [E, a, b]
-                lora += (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
+                unit = (p.shape[0] if p.dim() == 3 else 1) * (p.shape[-1] + p.shape[-2])
+                lora += unit
+                lora_whole += unit if is_expert or router else 0  # MoE blocks stay whole under TP
     text = text_config(config)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     n_head = head.weight.numel() if head is not None else 0
@@ -147,6 +151,7 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
         n_expert=expert,
         largest_layer=max(per_layer.values(), default=total),
         lora_unit=lora,
+        lora_unit_whole=lora_whole,
         n_layers=_cfg(text, "num_hidden_layers", "n_layer", default=1),
         pipeline_refusal=pipeline_refusal(config) or "",
         hidden=_cfg(text, "hidden_size", "n_embd", "d_model"),

@@ -89,8 +89,10 @@ def estimate(
     local -= stats.n_expert * (1 - 1 / ep_size)
     layer = stats.largest_layer / tp_size
     # LoRA under TP (tensor_parallel/lora.py): of each adapter's r x (in + out), one factor is split and the other
-    # whole (A whole on column-parallel layers, B whole on row-parallel ones): about half of it split
-    trainable = lora_rank * stats.lora_unit * (1 + 1 / tp_size) / 2 if lora_rank else local
+    # whole (A whole on column-parallel layers, B whole on row-parallel ones): about half of it split; adapters on
+    # MoE routers and experts whole (the blocks stay whole on every TP rank)
+    split = stats.lora_unit - stats.lora_unit_whole
+    trainable = lora_rank * (stats.lora_unit_whole + split * (1 + 1 / tp_size) / 2) if lora_rank else local
     shard_p, shard_g, shard_o = (dp if sharded else 1 for sharded in s.shards)
     out = {"params": local * bp / shard_p, "grads": trainable * bg / shard_g, "optimizer": trainable * bo / shard_o}
     if s.buffers == "bucket":
@@ -137,9 +139,10 @@ def check_loss_chunk(stats: ModelStats, loss_chunk_size: int | None) -> None:
         )
 
 
-def _lora_refused(ep: int, tp: int, stats) -> bool:
-    """What the recipes refuse with --use_peft (preflight: EP; apply_lora: TP on a MoE model)."""
-    return ep > 1 or (tp > 1 and bool(stats.num_experts))
+def _lora_refused(ep: int) -> bool:
+    """What the recipes refuse with the planned --use_peft (all-linear): EP, whose MoE layers would bypass adapters on
+    the routers / experts (preflight; all-linear reaches them on most MoE families)."""
+    return ep > 1
 
 
 def memory_table(
@@ -170,12 +173,11 @@ def memory_table(
             raise PlannerError(
                 f"--tp_size {tp_size}: must divide the {num_gpus} GPUs of a node (TP stays inside a node)"
             )
-    if lora_rank and _lora_refused(ep_size or 1, tp_size or 1, stats):
-        what = f"--ep_size {ep_size}" if ep_size else f"--tp_size {tp_size} on a MoE model"
+    if lora_rank and _lora_refused(ep_size or 1):
         raise PlannerError(
-            f"{what} with --lora: the planned command trains PEFT's all-linear targets, which reach the MoE routers "
-            "/ experts that expert parallelism computes (the recipes run --ep_size with --lora_target_modules outside "
-            "them), and LoRA on MoE models without tensor parallelism; drop it"
+            f"--ep_size {ep_size} with --lora: the planned command trains PEFT's all-linear targets, which reach the "
+            "MoE routers / experts that expert parallelism computes (the recipes run --ep_size with "
+            "--lora_target_modules outside them); drop it"
         )
     if ep_size:
         check_ep(stats, ep_size)
@@ -212,7 +214,7 @@ def memory_table(
             ),
         )
         for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
-        if not (c.pp > 1 and (lora_rank or loss_chunk_size)) and not (lora_rank and _lora_refused(c.ep, c.tp, stats))
+        if not (c.pp > 1 and (lora_rank or loss_chunk_size)) and not (lora_rank and _lora_refused(c.ep))
     ]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
@@ -276,7 +278,17 @@ def memory_table(
         "",
         f"recommended: {cand.label}" + (" with activation checkpointing" if ckpt else ""),
         launch_command(
-            cand, model, num_gpus, num_nodes, seq_len, batch_size, ckpt, mixed_precision, loss_chunk_size, lora_rank
+            cand,
+            model,
+            num_gpus,
+            num_nodes,
+            seq_len,
+            batch_size,
+            ckpt,
+            mixed_precision,
+            loss_chunk_size,
+            lora_rank,
+            moe=bool(stats.num_experts),
         ),
     ]
     if lora_rank:

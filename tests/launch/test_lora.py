@@ -15,7 +15,9 @@ them: hfpar/parallel/tensor_parallel/lora.py) the run matches single per step an
 --sequence_parallel under fsdp2 its merged export is the single run's. The ddp run also reports to
 tensorboard, and resuming it from checkpoint-4 reproduces steps 5..8. A native MoE model (tiny Qwen3-MoE) with
 adapters on the attention under --ep_size 2 (DDP; ZeRO-2, merged) matches its one-process LoRA run per step and in
-the export. Launches share one fixture, two at a time.
+the export; so does it under --tp_size 2, with adapters on the attention (its MoE blocks hfpar's layers) and with
+all-linear (adapters on the routers' and experts' weights: the blocks stay the HF model's own). Launches share one
+fixture, two at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ LORA_PER_BLOCK = 16 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 2
 MERGED = ["fsdp2_merged", "pp2_merged", "tp2_sp_fsdp2_merged"]
 MOE_MODEL = "<moe>"  # the runs fixture's tiny Qwen3-MoE checkpoint
 MOE_LORA = ["--model_name_or_path", MOE_MODEL, "--lora_target_modules", "q_proj,v_proj"]
+MOE_ALL = ["--model_name_or_path", MOE_MODEL, "--lora_target_modules", "all-linear"]
 MOE_RESUMED = "moe_ep2_zero2_resumed"
 TP = ["tp2"]  # tensor parallelism, dp 1: global batch 8 (hfpar.parallel.tensor_parallel.lora)
 RECORD_CMD = (
@@ -79,6 +82,12 @@ RUNS = {
     "moe_single": ("single", 1, "sft", [*MOE_LORA]),
     "moe_ep2": ("ddp", 2, "sft", [*MOE_LORA, "--ep_size", "2"]),
     "moe_ep2_zero2_merged": ("zero2", 2, "sft", [*MOE_LORA, "--ep_size", "2", "--merge_adapter"]),
+    # the MoE model under TP=2 (dp 1; its blocks whole on both ranks): adapters on the attention (hfpar's MoE layers),
+    # and all-linear, which reaches the routers' and experts' weights (the blocks stay the HF model's own), each
+    # against its one-process run
+    "moe_tp2": ("ddp", 2, "sft", [*MOE_LORA, "--tp_size", "2", "--per_device_train_batch_size", "4"]),
+    "moe_all_single": ("single", 1, "sft", [*MOE_ALL]),
+    "moe_all_tp2": ("ddp", 2, "sft", [*MOE_ALL, "--tp_size", "2", "--per_device_train_batch_size", "4"]),
     # two pipeline ranks (dp 1: global batch 8), interleaved: each holds 2 chunks of 1 layer with their adapters; the
     # chunks merged at export (1F1B stages share the same PipelineStage code: each chunk is one)
     "pp2_merged": (
@@ -418,3 +427,32 @@ def test_lora_with_expert_parallelism_matches_one_process(runs, case):
     got_w = _base(str(runs[case])).state_dict()  # from_pretrained: the checkpoint's expert layout converted back
     assert sorted(got_w) == sorted(merged), sorted(set(got_w) ^ set(merged))
     assert all((got_w[k] - merged[k]).norm() <= TOL * merged[k].norm().clamp(min=1e-12) for k in merged)
+
+
+@slow
+@pytest.mark.parametrize("case, ref", [("moe_tp2", "moe_single"), ("moe_all_tp2", "moe_all_single")])
+def test_lora_with_tensor_parallelism_on_a_moe_model_matches_one_process(runs, case, ref):
+    """Refused before this round. The MoE blocks are whole on both TP ranks: with adapters on the attention they are
+    hfpar's MoE layers; with all-linear PEFT also targets the router's and experts' weights (resolved before the
+    split, as one process resolves them), and the blocks train as the HF model's own, as in the one-process run."""
+    want, _ = read_metrics(runs[ref])
+    got, _ = read_metrics(runs[case])
+    assert len(got) == 8 and read_run_info(runs[case])["tp_size"] == 2
+    assert_close_series(want, got, "loss", TOL, case)
+    assert_close_series(want, got, "grad_norm", TOL, case)
+    a, b = _adapter(runs[ref]), _adapter(runs[case])
+    rel = lambda x, y: abs(x - y) / max(abs(x), abs(y), 1e-12)
+    record(
+        "lora/parity_cpu",
+        f"{case} max relative diff (per step loss / grad_norm, adapter) against {ref}",
+        {
+            **{k: max(rel(r[k], g[k]) for r, g in zip(want, got)) for k in ("loss", "grad_norm")},
+            "adapter": max(float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)) for k in a),
+        },
+        command=RECORD_CMD,
+    )
+    assert a.keys() == b.keys() and all((a[k] - b[k]).norm() <= TOL * a[k].norm().clamp(min=1e-12) for k in a)
+    experts = [k for k in a if ".mlp.experts." in k]
+    assert bool(experts) == (case == "moe_all_tp2"), sorted(a)[:6]
+    notes = [read_run_info(runs[n]).get("moe_note", "") for n in (ref, case)]
+    assert all(n.startswith("MoE blocks train as the HF model's own") == (case == "moe_all_tp2") for n in notes), notes

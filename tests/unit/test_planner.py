@@ -367,19 +367,27 @@ def test_launch_command_on_one_gpu_picks_the_single_config_only_when_nothing_is_
 
 
 def test_plan_with_lora_recommends_a_run_the_recipes_accept():
-    """--lora: the command trains LoRA (--use_peft --lora_r), no row the recipes refuse (EP; TP on a MoE model), and
-    TP's adapters half split (tensor_parallel/lora.py: A whole on column layers, B whole on row layers)."""
+    """--lora: the command trains LoRA (--use_peft --lora_r; on a MoE model --lora_dropout 0, which PEFT needs on the
+    experts' weights), no row the recipes refuse (EP), and TP's adapters half split (tensor_parallel/lora.py: A whole
+    on column layers, B whole on row layers) but for those on MoE routers / experts (whole on every TP rank)."""
     from transformers import Qwen3MoeConfig
 
     dense = LlamaConfig(**LLAMA3_8B)
     text, _ = plan(dense, "llama-7b", num_gpus=8, gpu_memory_gb=80, lora_rank=16)
-    assert "--use_peft --lora_r 16" in text.splitlines()[-2], text  # the command (the note follows)
+    assert text.splitlines()[-2].endswith("--use_peft --lora_r 16") and "--lora_dropout" not in text, text
     one, two = (estimate(dense, "ddp", 8, tp_size=t, lora_rank=16)["grads"] for t in (1, 2))
     assert abs(two / one - 0.75) < 1e-9
     moe = Qwen3MoeConfig(**{**LLAMA3_8B, "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 1024})
     text, _ = plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16)
     labels = [ln.split("  ")[0] for ln in text.splitlines() if ln.endswith((" yes", " no")) or " yes  +" in ln]
-    assert "DDP" in labels and not any("EP" in x or "TP" in x for x in labels), labels
-    for kw in ({"ep_size": 2}, {"tp_size": 2}):
-        with pytest.raises(PlanError, match="with --lora: the planned command trains PEFT's all-linear targets"):
-            plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16, **kw)
+    assert "DDP" in labels and not any("EP" in x for x in labels), labels
+    assert "--use_peft --lora_r 16 --lora_dropout 0" in text, text
+    stats = model_stats(moe)
+    assert 0 < stats.lora_unit_whole < stats.lora_unit
+    one, two = (estimate(moe, "ddp", 4, tp_size=t, lora_rank=16)["grads"] for t in (1, 2))
+    whole = stats.lora_unit_whole / stats.lora_unit
+    assert abs(two / one - (whole + (1 - whole) * 0.75)) < 1e-6
+    text, _ = plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16, tp_size=2)  # accepted (refused before)
+    assert "DDP + TP2" in text and "FSDP2 + TP2" in text, text
+    with pytest.raises(PlanError, match="--ep_size 2 with --lora: the planned command trains PEFT's all-linear"):
+        plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16, ep_size=2)

@@ -1,11 +1,11 @@
 """LoRA adapters on tensor-parallel layers: PEFT's LoRA, each adapter split like the layer it adapts.
 
     from peft import LoraConfig
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    from hfpar.loading.lora_targets import resolve_lora_config
     config = LoraConfig(target_modules="all-linear", r=16, lora_dropout=0.0)
-    targets = _maybe_include_all_linear_layers(config, model).target_modules   # on the unsplit model
+    config = resolve_lora_config(config, model)             # PEFT's own targets, on the unsplit model
     apply_tensor_parallel(model, tp_group)                  # first: TP plans and checks the plain HF model
-    model = get_tp_peft_model(model, config, targets)       # PeftModel; adapters on the TP layers split
+    model = get_tp_peft_model(model, config)                # PeftModel; adapters on the TP layers split
 
 PEFT (0.21) has LoRA layers for Megatron's parallel layers only (they build Megatron's own parallel Linears),
 so hfpar registers its own through PEFT's custom-module API (`LoraConfig._register_custom_module`):
@@ -22,7 +22,13 @@ norm, the optimizer and the export (full_state_dict: the adapter gathered under 
 A LoRA layer PEFT builds itself on a whole Linear inside a TP region (a replicated projection acting on this
 rank's heads) gets its base weight's partial-grad group. Every adapter with a partial grad gets the in-backward sum
 apply_tensor_parallel gives the model's own, so a plain loop's backward leaves complete grads.
-Refused in one line: DoRA and other LoRA variants, lora_bias, merging on the split layers (merge the export).
+MoE blocks stay whole on every TP rank (expert parallelism splits them): adapters there (a router, the experts'
+weights through PEFT's ParamWrapper, a shared expert) are PEFT's own, on replicated modules whose grads are complete on
+every rank, as long as the block is the HF model's own; inside one of hfpar's MoE layers (which compute the routers and
+experts from their weights) an adapter would get no gradient, and is refused.
+Refused in one line: DoRA and other LoRA variants, lora_bias, merging on the split layers (merge the export), an
+unresolved "all-linear" (PEFT would pick the whole Linear layers left after TP only), adapters inside hfpar's MoE
+layers.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 
 from ..comm import group_rank
-from ..expert_parallel.families import has_moe_blocks
+from ..expert_parallel.moe import MoELayer
 from ..sharding import ShardSpec, partial_grad_hooks, set_shard_spec, shard_spec, shard_tensor
 from .layers import ColumnParallelLinear, RowParallelLinear
 
@@ -46,7 +52,8 @@ def _lora_linear():
 
 
 class TPLoraRefusal(ValueError):
-    """A one-line refusal of LoRA on a tensor-parallel model (a MoE model, DoRA, lora_bias): raised as it is."""
+    """A one-line refusal of LoRA on a tensor-parallel model (DoRA, lora_bias, adapters in hfpar's MoE layers, an
+    unresolved all-linear): raised as it is."""
 
 
 def _refuse(layer, what: str) -> None:
@@ -134,27 +141,53 @@ def _partial(linear: nn.Linear, group) -> None:
 _TP_LORA_MODULES: dict[type, type] = {}
 
 
-def get_tp_peft_model(model: nn.Module, config, targets: set[str] | list[str] | None = None):
+def get_tp_peft_model(model: nn.Module, config, targets=None):
     """PEFT's get_peft_model on a tensor-parallel `model`, with hfpar's split adapters on its parallel layers.
-    `targets`: the module names PEFT's "all-linear" picks on the model BEFORE tensor parallelism (hfpar's parallel
-    layers are no nn.Linear, so PEFT cannot tell them after), kept as the config's target_modules, as a one-process
-    run records them; None: the config's own (names). Raises TPLoraRefusal (a MoE model, DoRA, lora_bias) or PEFT's
-    ValueError."""
+    `config`: a LoraConfig resolved on the model BEFORE tensor parallelism (hfpar.loading.lora_targets.
+    resolve_lora_config: hfpar's parallel layers are no nn.Linear, so PEFT cannot pick "all-linear" after), as a
+    one-process run records it. Raises TPLoraRefusal (DoRA, lora_bias, adapters in hfpar's MoE layers, an unresolved
+    "all-linear") or PEFT's ValueError."""
     from peft import get_peft_model  # noqa: PLC0415 (optional extra)
 
-    if has_moe_blocks(model):  # the adapters would follow hfpar's MoE layers, which read routers and experts from
-        raise TPLoraRefusal(  # their weights directly (measured: those adapters got no gradient)
-            f"LoRA with tensor parallelism (--use_peft with --tp_size): {type(model).__name__} has MoE layers; it "
-            "covers dense models: use tp_size 1 (LoRA with DDP / FSDP2 / ZeRO) or full fine-tuning"
+    if targets is not None:  # the earlier API: a list of module names misses PEFT's expert-weight targets
+        raise TPLoraRefusal(
+            "get_tp_peft_model(model, config, targets): pass the config resolved on the unsplit model instead "
+            "(hfpar.loading.lora_targets.resolve_lora_config(config, model) before apply_tensor_parallel): on a MoE "
+            "model PEFT also targets the experts' weights (target_parameters), which a list of module names misses"
+        )
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear":
+        raise TPLoraRefusal(
+            "LoRA with tensor parallelism: target_modules 'all-linear' must be resolved on the model before "
+            "apply_tensor_parallel (hfpar.loading.lora_targets.resolve_lora_config(config, model)); after it PEFT "
+            "would find only the Linear layers TP left whole"
         )
     if not _TP_LORA_MODULES:
         _TP_LORA_MODULES.update({c: _tp_lora_class(c) for c in (ColumnParallelLinear, RowParallelLinear)})
-    if targets is not None:
-        config.target_modules = set(targets)
     config._register_custom_module(_TP_LORA_MODULES)
     model = get_peft_model(model, config)
+    if bypassed := _in_moe_layers(model):  # hfpar's MoE layers read routers and experts from their weights
+        raise TPLoraRefusal(  # (measured: such adapters got no gradient)
+            f"LoRA with tensor parallelism: an adapter sits inside hfpar's MoE layer ({bypassed[0]}), which computes "
+            "its routers and experts from their weights and would bypass it; name --lora_target_modules outside the "
+            "MoE blocks' routers and experts (e.g. q_proj,k_proj,v_proj,o_proj), or keep the HF blocks (no "
+            "apply_expert_parallel before LoRA)"
+        )
     _mark_region_adapters(model)
     return model
+
+
+def _in_moe_layers(model: nn.Module) -> list[str]:
+    """Adapters inside hfpar's MoE layers, but for their shared expert(s) and its gate (called as the HF modules they
+    are: adapters there train)."""
+    layers = [(p, m) for p, m in model.named_modules() if isinstance(m, MoELayer)]
+    kept = [f"{p}.{n}" for p, m in layers for n in (m.shared_name, "shared_expert_gate")]
+    return [
+        p
+        for p, m in model.named_modules()
+        if hasattr(m, "lora_A")
+        and any(p.startswith(f"{r}.") for r, _ in layers)
+        and not any(p == k or p.startswith(f"{k}.") for k in kept)
+    ]
 
 
 def _mark_region_adapters(model: nn.Module) -> int:
