@@ -2,8 +2,8 @@
 global batch 8), against one process: loss and grad norm per step and the exported adapter within the parity
 tolerance. On demand (-m extended: launches of 4 processes on 2 cores, over the suite's budget); each case records its
 figures in benchmarks/results/lora/tp_compositions_cpu.json (2026-11-30: loss / grad norm within 1.0e-7 / 1.1e-7 for
-tp2 x pp2 and tp2 x cp2, adapters within 1.9e-6 / 2.5e-6). A tiny Qwen3-MoE with adapters on q / v under TP=2 x EP=2 (dp 2) against its one-process
-LoRA run, the same way (refused before 2026-11-30).
+tp2 x pp2 and tp2 x cp2, adapters within 1.9e-6 / 2.5e-6). A tiny Qwen3-MoE with adapters on q / v under TP=2 x
+EP=2 (dp 2) against its one-process LoRA run, the same way (refused before 2026-11-30).
 """
 
 from __future__ import annotations
