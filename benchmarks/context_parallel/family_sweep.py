@@ -26,6 +26,7 @@ from benchmarks.tensor_parallel.family_sweep import (
     vocab,
 )
 from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels
+from hfpar.parallel.context_parallel.adapt import cp_adapt
 from hfpar.parallel.context_parallel.mixing import token_mixing_problem
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.context_parallel.shard_check import shard_problem
@@ -70,6 +71,7 @@ def check(model_type: str) -> dict:
         model = build(model_type, layers=layers, dtype=dtype)
         try:
             model.set_attn_implementation(register_cp_attention())
+            cp_adapt(model)  # as enable_cp_attention does (without its refusals: the run decides)
             local, rows = shard_batch(shift_labels({"input_ids": ids, "labels": ids}), rank, world)
             with cp_rows(rows, dist.group.WORLD, mode):
                 lg = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits

@@ -92,6 +92,7 @@ SHRINK = {
     "word_embed_proj_dim": 64,
     "max_seq_len": 64,
     "attention_chunk_size": 4,
+    "floor_scale": 4,  # Llama 4's attention temperature: its scaling steps every floor_scale tokens (8192)
     "rotary_dim": 8,
     "partial_rotary_factor": 0.5,
     "num_nextn_predict_layers": 0,

@@ -2,8 +2,8 @@
 Qwen2, Qwen3 with q/k norms, Gemma with scaled embeddings) and families accepted by the behaviour probe alone (no
 name list): OLMo-2, Phi-3, Granite, Cohere, StableLM, SmolLM3 (no-RoPE layers), Mistral and Qwen2 with sliding
 windows shorter than the row, Cohere 2 (sliding layers), GPT-OSS (attention sinks, sliding layers, MoE), Phi-3 with
-longrope switching factors between the ranks' largest positions, and Gemma 2 (sliding layers and logit soft-capping,
-hard enough to bite: cap 1.0).
+longrope switching factors between the ranks' largest positions, Gemma 2 (sliding layers and logit soft-capping,
+hard enough to bite: cap 1.0), and Llama 4 (chunked attention, its attention temperature from the index in the row).
 
 hfpar's attention injected through transformers' registry (`set_attn_implementation("hfpar_cp")`) on a row cut
 over the cp ranks gives the logits of the unsharded model with its stock attention (SDPA; eager for Gemma 2,
@@ -19,9 +19,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpar.parallel.context_parallel import cp_rows, register_cp_attention, shard_batch, shift_labels
+from hfpar.parallel.context_parallel.adapt import cp_adapt
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
-from hfpar.parallel.context_parallel.rotary import cp_rotary
 from tests.helpers.dist import run_distributed
+from tests.helpers.tiny_configs import llama4_cp
 
 T = 24
 TINY = {
@@ -82,6 +83,13 @@ FAMILIES = {  # name: (model_type, config overrides, reference attention)
         },
         "sdpa",
     ),
+    # Llama 4: chunked attention on its RoPE layer (chunks of 5 positions: cut across both ranks' shards), the
+    # attention temperature on its NoPE layer (floor_scale 4: the scaling steps inside the row); MoE feed-forward
+    "llama4_chunked_temperature": (
+        "llama4_text",
+        llama4_cp(5),
+        "sdpa",
+    ),
     "gemma2_softcap_window": (
         "gemma2",
         {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8},
@@ -113,7 +121,7 @@ def _check(rank: int, world: int) -> dict:
         for mode in ("ring", "ulysses"):
             model = _model(name)
             model.set_attn_implementation(register_cp_attention())
-            cp_rotary(model)  # as enable_cp_attention does
+            cp_adapt(model)  # as enable_cp_attention does
             local, rows = shard_batch(shift_labels({"input_ids": ids, "labels": ids}), rank, world)
             with cp_rows(rows, dist.group.WORLD, mode):
                 logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits

@@ -5,6 +5,7 @@ check against each sample alone (tests/unit/test_padding_free.py, tests/unit/tes
 tests/distributed/test_chunked_loss.py)
 save_tiny(model_type, layers, path): a random-init tiny model of any family (the family sweep's tiny config) and the
 embedded tokenizer saved for a recipe launch (tests/launch/test_tp_families_recipe.py, test_padding_free_recipe.py)
+llama4_cp(chunk): Llama 4 text overrides that make what context parallelism must honour act in a short row
 """
 
 from __future__ import annotations
@@ -62,3 +63,16 @@ def save_tiny(model_type: str, layers: int, path: Path) -> str:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     data.load_tokenizer(None).save_pretrained(path)
     return str(path)
+
+
+def llama4_cp(chunk: int) -> dict:
+    """Llama 4 text: chunked attention on its RoPE layer (chunks of `chunk` positions, shorter than the rows), the
+    attention temperature on its NoPE layer (floor_scale 4: it steps inside the row), a small MoE feed-forward."""
+    return {
+        "attention_chunk_size": chunk,
+        "no_rope_layers": [1, 0],
+        "floor_scale": 4,
+        "attn_temperature_tuning": True,
+        "intermediate_size_mlp": 64,
+        "num_local_experts": 4,
+    }

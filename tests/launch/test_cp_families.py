@@ -13,11 +13,13 @@ the training update).
     granite    embedding, attention, residual and logits multipliers (none of them 1)
     stablelm   partial rotary (half of each head), per-head q / k LayerNorm, qkv biases
     gpt_oss    attention sinks (one more logit per head in every softmax) on sliding and full layers, MoE experts
+    llama4     chunked attention (chunks of 8 positions) on its RoPE layer, the attention temperature (from the token's
+               index in the row) on its NoPE layer, MoE feed-forward
 
 Batches: padding-free rows where hfpar.data.padding_free applies (gemma2, olmo2, phi3), padded rows with their
 attention mask elsewhere (the padding-free family list is its own, not CP's), the same in the reference.
 Every run is `hfpar.recipe.main("sft", argv)`; the runs share two launches (tests/helpers/recipe_runs.py): one
-process for the six references, two processes for the twelve cp runs (each family ring then Ulysses).
+process for the references, two processes for the cp runs (each family ring then Ulysses).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tests.helpers.launch import (
     rel_diff,
 )
 from tests.helpers.parity import COMMON, TOL, assert_close_series, assert_export_matches
+from tests.helpers.tiny_configs import llama4_cp
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]  # on demand: -m extended (docs/testing.md)
 
@@ -81,6 +84,13 @@ FAMILIES = {  # name: (model_type, config overrides, the reference's attention i
     "stablelm": ("stablelm", {"partial_rotary_factor": 0.5, "qk_layernorm": True, "use_qkv_bias": True}, "sdpa"),
     # attention sinks on sliding and full layers, MoE experts (eager: GPT-OSS has no SDPA path)
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, **LAYERS}, "eager"),
+    # chunked attention on the RoPE layer (chunks of 8 positions), the attention temperature on the NoPE layer
+    # (floor_scale 4: it steps inside the rows), MoE feed-forward (was refused: 2026-11-30)
+    "llama4": (
+        "llama4_text",
+        llama4_cp(8),
+        "sdpa",
+    ),
 }
 MODES = ("ring", "ulysses")
 # no evaluation, no intermediate checkpoint: what the contract compares is the training and the export; clipping

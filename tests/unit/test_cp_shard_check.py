@@ -2,10 +2,11 @@
 (hfpar.parallel.context_parallel.shard_check, probe): the run's tiny float64 copy whole with its stock attention
 against the same copy cut over two emulated cp ranks (threads, hfpar's CP attention function). Llama 4 (chunked
 attention, a temperature from the local sequence length) and Doge (a learned dynamic mask) trained other math under
-CP without a word (benchmarks/context_parallel/family_sweep.py); the families accepted here are exact under real cp
-ranks there. The meta probe's fallback to the tiny copy (GPT-2 reads a value: `.item()`), the class-table families
-named (Falcon). Dynamic rotary embeddings (Phi-3's longrope) given the whole rows' largest position. One process,
-~10 s.
+CP without a word (benchmarks/context_parallel/family_sweep.py); Doge is refused, Llama 4 now computes the same (its
+chunks as documents of the layer's row layout, its temperature from the whole row's index: each named by the check
+when switched off); the families accepted here are exact under real cp ranks there. The meta probe's fallback to
+the tiny copy (GPT-2 reads a value: `.item()`), the class-table families named (Falcon). Dynamic rotary embeddings
+(Phi-3's longrope) given the whole rows' largest position. One process, ~10 s.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from hfpar.parallel.context_parallel.shard_check import EmulatedGroup, _compare,
 from hfpar.parallel.tiny_copy import build_float64, tiny_model
 
 DIFFER = {  # model_type: where the cut rows first part from the whole row
-    "llama4_text": "model.layers.0.self_attn (Llama4TextAttention) differs by",
     "doge": "the gradient of model.layers.0.self_attn.A differs by",
 }
-# plain, sliding windows with a soft cap, sinks with windows and experts, MLA, no-RoPE layers, partial rotary
-SAME = ("llama", "gemma2", "gpt_oss", "deepseek_v3", "smollm3", "phi", "cohere2")
+# plain, sliding windows with a soft cap, sinks with windows and experts, MLA, no-RoPE layers, partial rotary, chunked
+# attention with a temperature on the NoPE layers
+SAME = ("llama", "gemma2", "gpt_oss", "deepseek_v3", "smollm3", "phi", "cohere2", "llama4_text")
 
 
 @pytest.mark.parametrize("model_type", sorted(DIFFER))
@@ -84,18 +85,51 @@ def _longrope_phi3():
 def test_dynamic_rotary_sees_the_whole_rows(monkeypatch):
     """longrope picks its factors from the largest position id it is given: under CP each rank would see its own
     (rotary.py gives it the whole rows'). Exact with it; without it the check names the rotary module."""
-    from hfpar.parallel.context_parallel import shard_check
+    from hfpar.parallel.context_parallel import adapt
 
     assert _compare(build_float64(_longrope_phi3())) is None
-    monkeypatch.setattr(shard_check, "cp_rotary", lambda model: [])
+    monkeypatch.setattr(adapt, "cp_rotary", lambda model: [])
     why = _compare(build_float64(_longrope_phi3()))
     assert why is not None and why.startswith("model.rotary_emb (Phi3RotaryEmbedding) differs by"), why
 
 
 def test_enable_cp_attention_refuses_it_in_users_code():
-    model = tiny_model(AutoConfig.for_model("llama4_text"))
-    with pytest.raises(ValueError, match=r"^context parallelism: model.layers.0.self_attn \(Llama4TextAttention\)"):
+    model = tiny_model(AutoConfig.for_model("doge"))
+    with pytest.raises(ValueError, match=r"^context parallelism: the gradient of model.layers.0.self_attn.A differs"):
         enable_cp_attention(model)
+
+
+@pytest.mark.parametrize(
+    "switched_off, named",
+    [("chunks", "model.layers.0.self_attn (Llama4TextAttention)"), ("temperature", "model.layers.3.self_attn")],
+)
+def test_llama4_needs_its_chunks_and_its_temperature(monkeypatch, switched_off, named):
+    """Llama 4 computes the same under CP with both (the SAME list above); without either, the check names the first
+    layer that differs: a chunked layer without its chunks, the NoPE layer (its 4th) without its temperature."""
+    from hfpar.parallel.context_parallel import adapt, layout
+
+    if switched_off == "chunks":
+        monkeypatch.setattr(layout.RowLayout, "chunked", lambda self, chunk: self)
+    else:
+        monkeypatch.setattr(adapt, "cp_temperature", lambda model: [])
+    why = _compare(tiny_model(AutoConfig.for_model("llama4_text")))
+    assert why is not None and why.startswith(named), why
+
+
+def test_llama4_temperature_is_its_own_outside_cp_rows():
+    """enable_cp_attention turns the NoPE layers' own scaling off inside cp_rows only: outside (generation with whole
+    rows: whole_sequence) the module reads its own setting, as transformers' code does."""
+    from hfpar.parallel.context_parallel import cp_rows, shard_batch, shift_labels
+
+    model = tiny_model(AutoConfig.for_model("llama4_text"))
+    enable_cp_attention(model)
+    nope = [m for m in model.modules() if type(m).__name__ == "ContextParallelLlama4TextAttention"]
+    assert nope and all(not m.use_rope and m.attn_temperature_tuning for m in nope)
+    ids = torch.arange(16)[None]
+    _, rows = shard_batch(shift_labels({"input_ids": ids, "labels": ids}), 0, 2)
+    with cp_rows(rows, None, "ring"):
+        assert not any(m.attn_temperature_tuning for m in nope)
+    assert all(m.attn_temperature_tuning for m in nope)
 
 
 def test_an_emulated_rank_that_fails_releases_the_others():

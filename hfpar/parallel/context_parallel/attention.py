@@ -19,12 +19,12 @@ log-sum-exp on CPU and CUDA), one call per document part of a block, so packed d
 other; padding tokens attend to themselves only (no empty softmax row, no NaN). Sliding windows (the registry's
 `sliding_window=`, per layer) cut the blocks' kernel calls (kernel_calls.py). Logit soft-capping (`softcap=`, Gemma 2)
 has no fused kernel: those layers take the named fallback, blockwise.block_attention (ring: its all-gather form).
+A `chunked_attention` layer (the config's layer_types: Llama 4) attends within chunks of attention_chunk_size
+positions too (RowLayout.chunked: the chunks become documents of the layout); a query scaling by the token's index in
+the row (Llama 4's attention temperature) is applied with the whole row's index (temperature.py).
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -35,41 +35,10 @@ from .blockwise import BLOCK, block_attention
 from .fused import fused_attention
 from .layout import RowLayout
 from .ring import overlapped_ring_attention
+from .state import MODES, _state, cp_row_slice, cp_rows, current_layout, current_tops  # noqa: F401 (this module's API)
+from .temperature import temperature
 
 NAME = "hfpar_cp"
-MODES = ("ring", "ulysses")
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def cp_rows(rows: RowLayout, group, mode: str):
-    """Publish the current batch's row layout, cp group and mode to the attention function."""
-    if mode not in MODES:
-        raise ValueError(f"cp_mode {mode!r}: valid values are {', '.join(MODES)}")
-    previous = getattr(_state, "cur", None)
-    _state.cur = (rows, group, mode)
-    try:
-        yield
-    finally:
-        _state.cur = previous
-
-
-@contextlib.contextmanager
-def cp_row_slice(start: int, stop: int):
-    """Inside `cp_rows(...)`: publish the layout of rows start:stop only, same group and mode (a pipeline
-    micro-batch's forward and backward); outside one, nothing to narrow."""
-    state = getattr(_state, "cur", None)
-    if state is None:
-        yield
-        return
-    with cp_rows(state[0].row_slice(start, stop), state[1], state[2]):
-        yield
-
-
-def current_tops() -> torch.Tensor | None:
-    """Inside cp_rows: the (B,) largest position id of each whole row (rotary.py), else None."""
-    state = getattr(_state, "cur", None)
-    return None if state is None else state[0].tops
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -172,6 +141,8 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if dropout:
         raise ValueError("context-parallel attention: attention dropout is not supported; set attention_dropout 0")
     rows, group, mode = state
+    query = temperature(module, query, rows.local)  # Llama 4's NoPE layers: scaled by whole-row indices
+    rows = _layer_rows(module, rows)
     dq, dv = query.shape[-1], value.shape[-1]
     if dq != dv:  # MLA (DeepSeek-V2/V3): the fused kernels take one head size; zero columns change no dot product
         scaling = dq**-0.5 if scaling is None else scaling  # and no output column kept
@@ -190,6 +161,16 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         sink=kwargs.get("s_aux"),  # attention sinks (GPT-OSS): (H,) logits, one per (this TP rank's) head
     )
     return out[..., :dv].transpose(1, 2).contiguous(), None
+
+
+def _layer_rows(module, rows: RowLayout) -> RowLayout:
+    """The rows as this layer attends over them: a `chunked_attention` layer (the config's layer_types, as
+    transformers builds its masks) within chunks of the config's attention_chunk_size as well (RowLayout.chunked)."""
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(idx, int) and types and idx < len(types) and types[idx] == "chunked_attention":
+        return rows.chunked(config.attention_chunk_size)
+    return rows
 
 
 def register_cp_attention() -> str:

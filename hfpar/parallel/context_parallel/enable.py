@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 
 from ..language_model import language_model
+from .adapt import cp_adapt
 from .attention import NAME, register_cp_attention
 from .mixing import token_mixing_problem
-from .rotary import cp_rotary
 from .shard_check import shard_problem
 
 
@@ -21,13 +21,14 @@ def enable_cp_attention(model) -> None:
     (whole_sequence). A multimodal wrapper's towers keep theirs: their patches are not the sharded sequence.
     ValueError in one line where a module mixes tokens outside the attention (mixing.py: it would see this rank's
     part of the row alone) or the model computes otherwise once its rows are cut (shard_check.py). Dynamic rotary
-    embeddings are made to choose their frequencies from the whole rows (rotary.py)."""
+    embeddings are made to choose their frequencies from the whole rows (rotary.py), a query scaling by the token's
+    index in the row to take its index in the whole row (temperature.py)."""
     if why := token_mixing_problem(model.config) or shard_problem(model.config):
         raise ValueError(f"context parallelism: {why}")
     lm = language_model(model)
     before = lm.config._attn_implementation
     lm.set_attn_implementation(register_cp_attention())
-    cp_rotary(lm)  # dynamic rotary (longrope, dynamic NTK): the whole rows' largest position, as one process
+    cp_adapt(lm)  # dynamic rotary, Llama 4's attention temperature: computed from the whole rows, as one process
     model._hfpar_attn_before_cp = before
 
 

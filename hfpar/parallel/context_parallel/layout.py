@@ -29,6 +29,7 @@ class RowLayout:
     cp: int
     causal: bool = False  # every row is one document without padding: plain causal attention suffices
     tops: torch.Tensor | None = None  # (B,) largest position id of each whole row (dynamic rotary: rotary.py)
+    positions: torch.Tensor | None = None  # (B, T) position id per global position (chunked attention: chunked)
     cache: dict = field(
         default_factory=dict, repr=False, compare=False
     )  # kernel calls (fused.row_calls), docs, layouts
@@ -37,16 +38,29 @@ class RowLayout:
         """The layout of rows start:stop only (a pipeline micro-batch), made once per batch."""
         key = ("rows", start, stop)
         if key not in self.cache:
-            doc = self.doc[start:stop]
-            self.cache[key] = RowLayout(
-                doc=doc,
-                order=self.order,
-                local=self.local,
-                cp=self.cp,
-                causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
-                tops=None if self.tops is None else self.tops[start:stop],
-            )
+            tops, pos = (None if t is None else t[start:stop] for t in (self.tops, self.positions))
+            self.cache[key] = self._with(self.doc[start:stop], tops, pos)
         return self.cache[key]
+
+    def chunked(self, chunk: int) -> RowLayout:
+        """The layout a chunked-attention layer sees (transformers' `chunked_attention` layer type, Llama 4): a token
+        attends within its document and its chunk of `chunk` positions (masking_utils.chunked_overlay, on the position
+        ids as its packed-sequence remap puts it): a new document wherever a position id is a multiple of `chunk`.
+        Made once per batch and chunk size."""
+        key = ("chunked", chunk)
+        if key not in self.cache:
+            if self.positions is None:
+                raise ValueError("context parallelism: a chunked-attention layer needs the rows' position ids")
+            starts = torch.ones_like(self.doc, dtype=torch.bool)
+            starts[:, 1:] = (self.doc[:, 1:] != self.doc[:, :-1]) | (self.positions[:, 1:] % chunk == 0)
+            doc = starts.long().cumsum(dim=1).masked_fill(self.doc < 0, -1)
+            self.cache[key] = self._with(doc, self.tops, self.positions)
+        return self.cache[key]
+
+    def _with(self, doc: torch.Tensor, tops, positions) -> RowLayout:
+        """The same cut (order, local, cp) over other rows or documents."""
+        causal = bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all())
+        return RowLayout(doc, self.order, self.local, self.cp, causal=causal, tops=tops, positions=positions)
 
     def doc_lists(self) -> list[list[int]]:
         """rows.doc as Python lists (made once per batch, for the kernel calls)."""
@@ -119,5 +133,6 @@ def shard_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, RowLayout]:
         cp=cp,
         causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
         tops=pos.amax(dim=1),
+        positions=pos,
     )
     return out, rows

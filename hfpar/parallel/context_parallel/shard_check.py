@@ -35,11 +35,11 @@ from torch import nn
 
 from ..language_model import text_config
 from ..tiny_copy import check_once, runnable
+from .adapt import cp_adapt
 from .attention import cp_rows, register_cp_attention
 from .blockwise import block_attention
 from .layout import shard_batch, shift_labels
 from .mixing import call_keys, in_layer
-from .rotary import cp_rotary
 
 CP = 2  # emulated ranks
 T = 16  # tokens per row: 4 chunks of 4, shards of 8 (the tiny copy's windows and chunks: 4)
@@ -152,7 +152,7 @@ def _compare(model: nn.Module) -> str | None:
     (logits * w).sum().backward()
 
     cp_model.set_attn_implementation(register_cp_attention())
-    cp_rotary(cp_model)  # as enable_cp_attention does
+    cp_adapt(cp_model)  # as enable_cp_attention does
     group = EmulatedGroup(CP)
     batch = shift_labels({"input_ids": ids, "labels": ids, "attention_mask": mask})
     shards = [shard_batch(batch, r, CP) for r in range(CP)]
