@@ -25,7 +25,7 @@ import copy
 import torch
 
 from hfpar.distributed import swapped
-from hfpar.loading.lora_targets import resolve_lora_config
+from hfpar.loading.lora_targets import resolve_lora_config, saved_whole
 from hfpar.parallel.sharding import shard_spec
 from hfpar.parallel.tensor_parallel.lora import TPLoraRefusal, get_tp_peft_model
 
@@ -72,7 +72,7 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
     layers get hfpar's split adapters (hfpar.parallel.tensor_parallel.lora), drawn as on the unsplit model."""
     from peft import get_peft_model
 
-    config = lora_config(args, task) if tp_targets is None else copy.deepcopy(tp_targets)
+    config = lora_targets(model, args, task) if tp_targets is None else copy.deepcopy(tp_targets)
     torch.manual_seed(args.seed)  # the same LoRA init on every rank and in the single-process reference
     meta = any(p.is_meta for p in model.parameters())
     try:
@@ -82,6 +82,13 @@ def apply_lora(model: torch.nn.Module, args, task: str, tp_targets=None) -> torc
         raise
     except ValueError as exc:  # e.g. target modules not found in the base model
         raise _targets_error(args, exc) from None
+    except TypeError as exc:  # a named target PEFT also saves whole (modules_to_save): a TypeError in PEFT 0.21
+        if "modules_to_save" not in str(exc):
+            raise
+        raise ValueError(
+            f"--lora_target_modules {args.lora_target_modules}: names a module PEFT trains whole as part of the "
+            f"head ({', '.join(saved_whole(config))}: modules_to_save), which cannot hold LoRA too; leave it out"
+        ) from None
     if odd := _not_their_product(model):
         path, cls = odd[0]
         raise ValueError(

@@ -10,8 +10,9 @@ and experts themselves):
 PEFT resolves a config's targets inside get_peft_model, in two steps this replays on a copy of the config: under
 transformers 5 it first maps a MoE family's targets onto the fused 3-D expert weights (`target_parameters`, PEFT's
 ParamWrapper; "all-linear" there also reaches the routers' and experts' weights), then expands "all-linear" to the
-model's nn.Linear / Conv1D module names. Resolving only the second step (what hfpar did before) put no adapter on the
-experts under --tp_size, where one process puts them there: a different model trained.
+model's nn.Linear / Conv1D module names (here without the modules PEFT saves whole: saved_whole). Resolving only the
+second step (what hfpar did before) put no adapter on the experts under --tp_size, where one process puts them there:
+a different model trained.
 Written here because PEFT has no public call that returns the resolved config without building the adapters.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "ep_lora_refusal",
     "inside",
     "resolve_lora_config",
+    "saved_whole",
 ]
 
 
@@ -50,7 +52,22 @@ def resolve_lora_config(config, model: torch.nn.Module):
         )
 
         convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
-    return _maybe_include_all_linear_layers(config, model)
+    all_linear = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+    config = _maybe_include_all_linear_layers(config, model)
+    if all_linear and (saved := saved_whole(config)):  # DistilBERT's pre_classifier: a Linear PEFT also saves whole
+        config.target_modules = {t for t in config.target_modules if not any(t.endswith(s) for s in saved)}
+    return config
+
+
+def saved_whole(config) -> list[str]:
+    """The module names PEFT trains and saves whole (modules_to_save; a SEQ_CLS model's head: PeftModelForSequence-
+    Classification adds "classifier" and "score"), matched as PEFT's _set_trainable matches them (a plain suffix:
+    "pre_classifier" ends with "classifier"). PEFT cannot put LoRA on such a module as well (a TypeError), so
+    "all-linear" leaves them out: the head is trained whole, as its name asks."""
+    saved = list(config.modules_to_save or [])
+    if getattr(config, "task_type", None) == "SEQ_CLS":  # PEFT's TaskType is a str enum
+        saved += ["classifier", "score"]
+    return saved
 
 
 def adapter_paths(model: torch.nn.Module, config) -> list[str]:

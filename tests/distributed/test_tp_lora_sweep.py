@@ -12,8 +12,10 @@ every adapter's gradient, one SGD step, again; float64, within 1e-4), on 2 gloo 
                        before TP): the blocks stay the HF model's own, whole on every TP rank, the adapters PEFT's
     qwen2_moe          MoE: adapters on the shared expert and its gate only: the blocks become hfpar's MoE layers,
                        which call them as the HF modules they are
-    roberta, deberta-v2, xlm   classifiers (benchmarks/tensor_parallel/classify_sweep.py --lora, PEFT's SEQ_CLS: the
-                       head trained whole): BERT-style regions whose out-projection sits in a sibling module
+    roberta, deberta-v2, xlm, distilbert
+                       classifiers (benchmarks/tensor_parallel/classify_sweep.py --lora, PEFT's SEQ_CLS: the head
+                       trained whole, DistilBERT's pre_classifier with it): BERT-style regions whose out-projection
+                       sits in a sibling module
 Without the in-backward sum of the partial grads (A of a column-parallel layer, B of a row-parallel one) the first
 step's B gradients of o / down differ by ~1 (measured).
 """
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 EXACT = ("llama", "gemma2", "phi3", "gpt2", "falcon")
 SP = ("llama", "gpt2")
-CLASSIFIERS = ("roberta", "deberta-v2", "xlm")
+CLASSIFIERS = ("roberta", "deberta-v2", "xlm", "distilbert")
 MOE = {"qwen3_moe": True, "qwen2_moe": False}  # model type -> its blocks kept the HF model's own
 
 

@@ -112,3 +112,35 @@ def test_the_preflight_refuses_adapters_expert_parallelism_would_bypass():
         args = parse_args(["--use_peft", "--lora_target_modules", targets, "--lora_dropout", "0", "--ep_size", "2"])
         lines = [p for p in model_problems(args, ctx, "lm", config) if "--use_peft with --ep_size 2" in p]
         assert len(lines) == refused, lines
+
+
+def _distilbert_classifier():
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = AutoConfig.for_model("distilbert", dim=32, hidden_dim=64, n_layers=2, n_heads=4, vocab_size=128, num_labels=3)
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(cfg)
+
+
+def test_all_linear_leaves_the_head_peft_saves_whole():
+    """DistilBERT's pre_classifier ends with "classifier" (PEFT's SEQ_CLS head name, matched as a plain suffix): PEFT
+    put LoRA on it and then failed to save it whole (a TypeError traceback); now it is trained whole with the head."""
+    model = _distilbert_classifier()
+    config = lora_targets(model, LORA, "classify")
+    assert not any(t.endswith("classifier") for t in config.target_modules), config.target_modules
+    wrapped = apply_lora(model, LORA, "classify")
+    adapters = _built(wrapped)
+    assert len(adapters) == 12 and all(".transformer.layer." in p for p in adapters), adapters  # 6 Linear x 2 layers
+    whole = {n for n, p in wrapped.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert any("pre_classifier" in n for n in whole) and any(".classifier." in n for n in whole), whole
+
+
+def test_a_named_target_peft_saves_whole_is_refused_in_one_line():
+    args = SimpleNamespace(**{**vars(LORA), "lora_target_modules": "q_lin,pre_classifier"})
+    with pytest.raises(ValueError) as e:
+        apply_lora(_distilbert_classifier(), args, "classify")
+    msg = str(e.value)
+    assert (
+        msg.startswith("--lora_target_modules q_lin,pre_classifier: names a module PEFT trains whole")
+        and "\n" not in msg
+    )
