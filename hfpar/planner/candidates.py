@@ -189,7 +189,8 @@ def _pp_worst(stats: ModelStats, pp: int, world: int, **kw) -> dict[str, int]:
     worst = max(rows, key=lambda r: r["total"])
     stage_params = worst["params"] / state_bytes_per_param(kw.get("mixed_precision", "bf16"))[0]
     over = next(s for s in PLANNER_ROWS if "pp" in s.planner_with)  # the data parallelism the pipeline runs over
-    host = host_ram_bytes(stats, over, dp=world // pp, pp=pp, local=stage_params)["peak"]
+    lora = bool(kw.get("lora_rank"))
+    host = host_ram_bytes(stats, over, dp=world // pp, pp=pp, lora=lora, local=stage_params)["peak"]
     return {k: worst[k] for k in ("params", "grads", "optimizer", "buffers", "activations", "total")} | {
         "cpu": 0,
         "host": host,

@@ -56,9 +56,12 @@ def pipeline_estimate(
     mixed_precision: str = "bf16",
     checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    lora_rank: int = 0,
 ) -> tuple[list[dict], float]:
     """([bytes per rank of stage s, by category, + "layers" and "in_flight"] for s in stages, bubble fraction);
-    PlannerError (one line) for a degree or micro-batch count hfpar's preflight would refuse."""
+    PlannerError (one line) for a degree or micro-batch count hfpar's preflight would refuse. lora_rank: grads and
+    optimizer hold the stage's adapters only (rank x (in + out) per linear weight of its layers: the stage's share
+    of stats.lora_unit; the embedding and the head hold none), the frozen weights as in full training."""
 
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     if schedule not in SCHEDULES:
@@ -113,11 +116,12 @@ def pipeline_estimate(
             live, count = (live + b, count + 1) if kind == "F" else (live - b, count - 1)
             peak, peak_count = max(peak, live), max(peak_count, count)
         dp = world // pp
+        trainable = lora_rank * stats.lora_unit * layers / stats.n_layers if lora_rank else params
         row = {
             "params": params * bp,
-            "grads": params * bg,
-            "optimizer": params * bo,
-            "buffers": params * bg if dp > 1 else 0,  # the flat bucket of hfpar's dp all-reduce
+            "grads": trainable * bg,
+            "optimizer": trainable * bo,
+            "buffers": trainable * bg if dp > 1 else 0,  # the flat bucket of hfpar's dp all-reduce
             "activations": peak + transient,
         }
         row = {key: int(val) for key, val in row.items()}

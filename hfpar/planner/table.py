@@ -191,7 +191,6 @@ def memory_table(
         lora_rank=lora_rank,
         attn_implementation=attn_implementation,
     )
-    kw.pop("lora_rank")  # pipeline rows: not estimated with LoRA (the recipes run it; _pp_worst counts full training)
     rows = [
         (
             c,
@@ -206,7 +205,6 @@ def memory_table(
                     ep_size=c.ep,
                     cp_size=c.cp,
                     checkpointing=ck,
-                    lora_rank=lora_rank,
                     loss_chunk_size=loss_chunk_size,
                     **kw,
                 )
@@ -214,7 +212,7 @@ def memory_table(
             ),
         )
         for c in candidates(stats, num_gpus, world, tp_size, ep_size, cp_size, num_nodes)
-        if not (c.pp > 1 and (lora_rank or loss_chunk_size)) and not (lora_rank and _lora_refused(c.ep))
+        if not (c.pp > 1 and loss_chunk_size) and not (lora_rank and _lora_refused(c.ep))
     ]
     unit, scale = ("GiB", GiB) if max(r[1]["total"] for r in rows) >= GiB else ("MiB", 1024**2)
     g = lambda b: f"{b / scale:.2f}"  # noqa: E731
@@ -268,6 +266,7 @@ def memory_table(
             batch_size=batch_size,
             mixed_precision=mixed_precision,
             attn_implementation=attn_implementation,
+            lora_rank=lora_rank,
         )
     best = recommend(rows, budget, num_nodes)
     if best is None:
@@ -291,6 +290,4 @@ def memory_table(
             moe=bool(stats.num_experts),
         ),
     ]
-    if lora_rank:
-        lines.append("note: pipeline rows are not estimated with LoRA (the recipes run --use_peft with --pp_size)")
     return "\n".join(lines), cand

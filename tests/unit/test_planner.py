@@ -374,7 +374,7 @@ def test_plan_with_lora_recommends_a_run_the_recipes_accept():
 
     dense = LlamaConfig(**LLAMA3_8B)
     text, _ = plan(dense, "llama-7b", num_gpus=8, gpu_memory_gb=80, lora_rank=16)
-    assert text.splitlines()[-2].endswith("--use_peft --lora_r 16") and "--lora_dropout" not in text, text
+    assert text.splitlines()[-1].endswith("--use_peft --lora_r 16") and "--lora_dropout" not in text, text
     one, two = (estimate(dense, "ddp", 8, tp_size=t, lora_rank=16)["grads"] for t in (1, 2))
     assert abs(two / one - 0.75) < 1e-9
     moe = Qwen3MoeConfig(**{**LLAMA3_8B, "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 1024})
@@ -391,3 +391,21 @@ def test_plan_with_lora_recommends_a_run_the_recipes_accept():
     assert "DDP + TP2" in text and "FSDP2 + TP2" in text, text
     with pytest.raises(PlanError, match="--ep_size 2 with --lora: the planned command trains PEFT's all-linear"):
         plan(moe, "moe", num_gpus=4, gpu_memory_gb=80, lora_rank=16, ep_size=2)
+
+
+def test_pipeline_rows_with_lora_hold_the_stage_adapters():
+    """--lora with pipeline stages (was: rows left out, "not estimated"): each stage's grads and optimizer hold the
+    adapters of its layers only (its share of rank x (in + out)), its frozen weights as in full training."""
+    from hfpar.planner.pipeline import pipeline_estimate
+
+    dense = LlamaConfig(**LLAMA3_8B)
+    text, _ = plan(dense, "llama-8b", num_gpus=8, gpu_memory_gb=80, lora_rank=16)
+    assert "DDP + PP2" in text and "not estimated" not in text, text
+    stats = model_stats(dense)
+    whole = estimate(dense, "ddp", 8, lora_rank=16)["grads"]
+    full, _ = pipeline_estimate(stats, 2, 8)
+    rows, _ = pipeline_estimate(stats, 2, 8, lora_rank=16)
+    assert sum(r["layers"] for r in rows) == stats.n_layers
+    for r, f in zip(rows, full):
+        assert r["grads"] == int(whole * r["layers"] / stats.n_layers) and r["params"] == f["params"]
+        assert r["optimizer"] < f["optimizer"] / 50
