@@ -5,7 +5,9 @@ the model's own config, not by a list of family names.
   sliding + global layers, GLM-4, Phi, OLMo, GPT-NeoX, DeepSeek-V3's MLA and MoE, Llama-4's chunked attention,
   Gemma-3's windows) keep samples apart; masks built without the position ids (OPT, BLOOM's ALiBi), layers that carry
   state along the row (Mamba, Jamba, Falcon-H1, Qwen3-Next's and MiniMax's linear attention, LFM2's convolutions)
-  and bidirectional encoders (BERT, CamemBERT as decoders) do not.
+  and bidirectional encoders (BERT, CamemBERT as decoders) do not, nor does Llama 4's attention temperature (its NoPE
+  layers scale queries by the index in the row, not the position id: a packed sample past floor_scale tokens into
+  the row is scaled as that index; seen since the tiny copy shrinks floor_scale, 8192 by default).
 - The run's own config counts, not its family's defaults: LFM2 with convolution layers leaks, LFM2 without them
   does not.
 - The answer matches the recipe's: tests/launch/test_padding_free_recipe.py trains Cohere-2 padding-free and padded.
@@ -20,7 +22,7 @@ from transformers import AutoConfig
 
 from hfpar.data.packing_probe import packing_problem
 
-APART = ["llama", "cohere2", "glm4", "phi", "olmo", "gpt_neox", "deepseek_v3", "llama4_text", "gemma3_text", "granite"]
+APART = ["llama", "cohere2", "glm4", "phi", "olmo", "gpt_neox", "deepseek_v3", "gemma3_text", "granite"]
 MIXED = {  # model_type: what the probe's reason says
     "opt": "see each other",
     "bloom": "see each other",
@@ -31,6 +33,7 @@ MIXED = {  # model_type: what the probe's reason says
     "minimax": "see each other",
     "bert": "see each other",
     "camembert": "see each other",
+    "llama4_text": "positions not restarted",  # its attention temperature: the index in the row
 }
 
 
@@ -50,6 +53,8 @@ def test_the_runs_own_config_decides():
     attention_only = AutoConfig.for_model("lfm2", num_hidden_layers=8, layer_types=["full_attention"] * 8)
     assert "see each other" in packing_problem(conv)
     assert packing_problem(attention_only) is None
+    # Llama 4 without its attention temperature: the chunked attention alone keeps packed samples apart
+    assert packing_problem(AutoConfig.for_model("llama4_text", attn_temperature_tuning=False)) is None
     # an attention the family lacks is the run's: BLOOM has no sdpa, so its tiny copy cannot run it
     assert "could not be checked" in packing_problem(AutoConfig.for_model("bloom"), "sdpa")
 
