@@ -18,7 +18,6 @@ Llama, Mistral, Qwen3, Gemma2, Qwen3-MoE, GPT-2.
 from __future__ import annotations
 
 from ..parallel.language_model import text_config
-from ..train import VARLEN
 from .packing_probe import packing_problem
 
 # vision-language model types whose image rows pack (hfpar.data.vision.VisionCollator(padding_free=True)): 1-D
@@ -31,7 +30,7 @@ VLM_FAMILIES = ("idefics3", "llava")
 # block mask): with them each micro-batch goes into ONE row, packed rows concatenated too (no padding at all, as TRL's
 # padding_free). sdpa and eager compute every block of the (T, T) block-diagonal mask, so with them rows stay at most
 # --max_seq_length long and packed rows stay as they are.
-ONE_ROW_ATTENTIONS = (VARLEN, "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+ONE_ROW_ATTENTIONS = ("hfpar_varlen", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 
 
 def one_row(args) -> bool:

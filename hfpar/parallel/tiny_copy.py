@@ -22,8 +22,6 @@ import copy
 
 import torch
 
-from ..train import VARLEN
-
 # the size fields of transformers' configs, shrunk (by name) so every tiny model builds in well under a second
 TINY = {
     "hidden_size": 64,
@@ -242,7 +240,7 @@ PROBE_SHRINK = {
 }
 # the attention the tiny copy runs: the run's where it runs on CPU in float64, else transformers' default for the
 # model (sdpa where the family has it: the same packed mask; flash kernels take the same position ids)
-CPU_ATTENTIONS = ("eager", "sdpa", VARLEN)
+CPU_ATTENTIONS = ("eager", "sdpa", "hfpar_varlen")  # hfpar.train.VARLEN (parallel/ imports no train)
 
 
 @contextlib.contextmanager

@@ -162,8 +162,10 @@ def test_default_learns_and_exports_a_reward_model(tmp_path):
     accs = [e["eval_accuracy"] for e in evals]
     by_step = [(e["step"], a) for e, a in zip(evals, accs)]
     print(f"DEFAULT reward: {elapsed:.0f} s wall, {cpu:.0f} CPU-s, eval accuracy by step {by_step}")
-    # one thread (env(): OMP_NUM_THREADS=1): its CPU time is its wall time on an idle core, whatever else runs
-    assert cpu < 90, f"the embedded default took {cpu:.0f} CPU-s ({elapsed:.0f} s wall)"
+    # one thread (env(): OMP_NUM_THREADS=1): its CPU time is its wall time on an idle core. Measured 2026-11-30 under
+    # PyPI's CUDA build: 73 CPU-s alone, 96 beside the parallel suite (two pytest workers on 2 cores inflate CPU time
+    # too): the bound catches a default grown ~1.6x, not the machine's load
+    assert cpu < 120, f"the embedded default took {cpu:.0f} CPU-s ({elapsed:.0f} s wall)"
     # untrained, both rewards of a pair are ~equal: accuracy ~0.5, loss ln 2 = 0.693 (measured first step: 0.69)
     assert len(evals) == 10 and accs[-1] >= 0.8 and accs[-1] > accs[0], accs
     assert evals[-1]["eval_loss"] < 0.35 and train[0]["loss"] > 0.6, (train[0], evals[-1])
