@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfpar.loading.lora import apply_lora, is_peft_model, lora_targets, trainable_summary
-from hfpar.loading.lora_targets import adapters_in_moe_blocks, ep_lora_refusal, inside
+from hfpar.loading.lora_targets import adapters_in_moe_blocks, ep_lora_refusal
 from hfpar.loading.sharded import is_meta
 from hfpar.parallel.chunked_loss import chunkable, install_chunked_loss
 from hfpar.parallel.context_parallel import enable_cp_attention
@@ -25,6 +25,7 @@ from hfpar.parallel.expert_parallel import (
     apply_expert_parallel,
     attach_moe_token_mask,
     has_moe_blocks,
+    inside,
     moe_replaced_paths,
     set_aux_loss_grad_scale,
     upcycle_to_moe,
@@ -178,9 +179,10 @@ def parallelize(model, args, ctx, plan) -> tuple:
     # LoRA before MoE (upcycling refused with LoRA by the preflight), the stage split and the wrap; under TP right
     # after it, on the targets PEFT picks on the unsplit model (hfpar.parallel.tensor_parallel.lora). Either way a
     # MoE block holding adapters (a router, the experts) stays the HF model's own (apply_moe)
-    tp_lora, lora_at = (lora_targets(model, args, task), None) if args.use_peft and ctx.tp > 1 else (None, None)
-    if tp_lora is not None and task == "lm":
-        lora_at = adapters_in_moe_blocks(model, tp_lora)
+    tp_lora = lora_targets(model, args, task) if args.use_peft and ctx.tp > 1 else None
+    lora_at = None  # adapters in what hfpar's MoE conversion computes (None: none planned; apply_moe looks)
+    if tp_lora is not None:
+        lora_at = adapters_in_moe_blocks(model, tp_lora) if task == "lm" else None
     elif args.use_peft:
         replaced = moe_replaced_paths(model) if task == "lm" else None  # before PEFT wraps the experts
         model = apply_lora(model, args, task)

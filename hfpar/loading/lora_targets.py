@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from hfpar.parallel.expert_parallel import moe_replaced_paths
+from hfpar.parallel.expert_parallel import inside, moe_replaced_paths
 from hfpar.parallel.tiny_copy import tiny_model
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "adapters_in_moe_blocks",
     "ep_lora_problem",
     "ep_lora_refusal",
-    "inside",
     "resolve_lora_config",
     "saved_whole",
 ]
@@ -89,10 +88,6 @@ def adapter_paths(model: torch.nn.Module, config) -> list[str]:
 
 def _param_match(key: str, targets: list[str]) -> bool:  # BaseTuner._inject_parameters' rule
     return key in targets or any(key.endswith(f".{t}") for t in targets)
-
-
-def inside(path: str, roots: list[str]) -> bool:
-    return any(path == r or path.startswith(f"{r}.") for r in roots)
 
 
 def adapters_in_moe_blocks(model: torch.nn.Module, config) -> list[str]:

@@ -59,14 +59,20 @@ class RowLayout:
 
     def _with(self, doc: torch.Tensor, tops, positions) -> RowLayout:
         """The same cut (order, local, cp) over other rows or documents."""
-        causal = bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all())
-        return RowLayout(doc, self.order, self.local, self.cp, causal=causal, tops=tops, positions=positions)
+        return RowLayout(
+            doc, self.order, self.local, self.cp, causal=_one_document(doc), tops=tops, positions=positions
+        )
 
     def doc_lists(self) -> list[list[int]]:
         """rows.doc as Python lists (made once per batch, for the kernel calls)."""
         if "docs" not in self.cache:
             self.cache["docs"] = self.doc.tolist()
         return self.cache["docs"]
+
+
+def _one_document(doc: torch.Tensor) -> bool:
+    """Every row one document without padding: plain causal attention suffices (RowLayout.causal)."""
+    return bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all())
 
 
 def zigzag_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -131,7 +137,7 @@ def shard_batch(batch: dict, cp_rank: int, cp: int) -> tuple[dict, RowLayout]:
         order=gathered_order(seq_len, cp).to(ids.device),
         local=local,
         cp=cp,
-        causal=bool((doc == doc[:, :1]).all()) and bool((doc >= 0).all()),
+        causal=_one_document(doc),
         tops=pos.amax(dim=1),
         positions=pos,
     )

@@ -51,5 +51,5 @@ def current_layout() -> RowLayout | None:
 
 def current_tops() -> torch.Tensor | None:
     """Inside cp_rows: the (B,) largest position id of each whole row (rotary.py), else None."""
-    state = getattr(_state, "cur", None)
-    return None if state is None else state[0].tops
+    rows = current_layout()
+    return None if rows is None else rows.tops

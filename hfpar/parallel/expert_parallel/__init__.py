@@ -30,6 +30,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ".families": (
             "config_num_experts",
             "has_moe_blocks",
+            "inside",
             "moe_replaced_paths",
         ),
         ".moe": (

@@ -34,6 +34,7 @@ __all__ = [
     "config_num_experts",
     "find_moe_blocks",
     "has_moe_blocks",
+    "inside",
 ]
 
 # the config fields transformers' MoE configs name their routed-expert count with (DBRX: in its ffn_config;
@@ -117,6 +118,12 @@ def moe_replaced_paths(model: nn.Module) -> list[str]:
             paths.update(f"{path}.{n}" if path else n for n, _ in m.named_children() if n not in kept)
     paths.update(e.path for e in find_hf_experts(model)[0])
     return sorted(paths)
+
+
+def inside(path: str, roots: list[str]) -> bool:
+    """Whether module `path` is one of `roots` or inside one (moe_replaced_paths' roots: what a converted layer
+    computes itself)."""
+    return any(path == r or path.startswith(f"{r}.") for r in roots)
 
 
 def _stacked_child(m: nn.Module) -> bool:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..comm import group_rank
+from ..expert_parallel.families import inside
 from ..expert_parallel.moe import MoELayer
 from ..sharding import ShardSpec, partial_grad_hooks, set_shard_spec, shard_spec, shard_tensor
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -181,13 +182,8 @@ def _in_moe_layers(model: nn.Module) -> list[str]:
     are: adapters there train)."""
     layers = [(p, m) for p, m in model.named_modules() if isinstance(m, MoELayer)]
     kept = [f"{p}.{n}" for p, m in layers for n in (m.shared_name, "shared_expert_gate")]
-    return [
-        p
-        for p, m in model.named_modules()
-        if hasattr(m, "lora_A")
-        and any(p.startswith(f"{r}.") for r, _ in layers)
-        and not any(p == k or p.startswith(f"{k}.") for k in kept)
-    ]
+    roots = [p for p, _ in layers]
+    return [p for p, m in model.named_modules() if hasattr(m, "lora_A") and inside(p, roots) and not inside(p, kept)]
 
 
 def _mark_region_adapters(model: nn.Module) -> int:
