@@ -83,7 +83,7 @@ def _is_moe(model) -> bool:
 
 def _reduced_grads(model, ref) -> tuple[dict, dict]:
     """(EP model's grads after the dp reduction, the reference's grads averaged over the ranks, expert slices)."""
-    from hfpar.parallel.sharding import reduce_dp_grads, shard_spec
+    from hfpar.parallel.sharding import reduce_dp_grads, shard_spec, shard_tensor
 
     ws = dist.get_world_size()
     got, want = {}, {}
@@ -106,8 +106,8 @@ def _reduced_grads(model, ref) -> tuple[dict, dict]:
             dist.all_reduce(p.grad)
             p.grad.div_(ws)
         g = refp[n].grad
-        if g is not None and s is not None and s.kind == "ep":
-            g = g[s.extra["start"] : s.extra["start"] + p.shape[0]]
+        if g is not None and s is not None and s.kind == "ep":  # this rank's rows (of each packed part)
+            g = shard_tensor(g, s.dim, dist.get_rank(s.group), s.size, s.packed_splits)
         got[n], want[n] = p.grad, g
     return got, want
 

@@ -14,9 +14,13 @@ Families whose blocks keep their own HF code, only the experts sharded (hfpar.pa
     lfm2_moe        the block's own expert_bias (drawn at random by the sweep, as every routing-correction buffer)
     kimi_linear     linear-attention hybrid, DeepSeek-V3-style routing
     dbrx            experts stacked as 2-D row blocks (E * F, H) in a child GLU module, rows handed unflattened
+    longcat_flash   zero-computation experts: routed indices E .. E + Z - 1 run no weights (identity), gate_up_proj
+                    holds E + Z rows, down_proj E; its forward cannot take one choice per row (squeeze)
 and refused in one line naming the module: jetmoe (experts split into two modules called with per-expert counts).
-Plus the check's sensitivity: a block whose experts weight their input (not their output), and row-block experts
-holding a shared matrix whose dim 0 also divides by E, are refused, not sharded.
+Plus the check's sensitivity: a block whose experts weight their input (not their output), row-block experts
+holding a shared matrix whose dim 0 also divides by E, and zero-computation experts computed wrongly where the
+token is (which the tiny LongCat-Flash's routing, dominated by its correction bias, never picks: the check's direct
+call of the experts module reaches every expert) are refused, not sharded.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ EXACT = (
     "lfm2_moe",
     "kimi_linear",
     "dbrx",
+    "longcat_flash",
 )
 
 
@@ -125,10 +130,35 @@ def _sensitivity(rank: int, world_size: int, experts: type = _InputWeightedExper
     return "accepted"
 
 
+def _sensitivity_zero(rank: int, world_size: int) -> str:
+    """LongCat-Flash with its experts without weights computed 1.5x where the token is: refused by the check."""
+    from benchmarks.moe.ep_family_sweep import build
+    from hfpar.parallel.expert_parallel import hf_experts
+
+    model = build("longcat_flash")
+    found, _ = hf_experts.find_hf_experts(model)
+    assert [x.zero for x in found] == [2, 2], found
+    own = hf_experts._own_forward
+
+    def wrong(self, x, ids, dtype, *args, **kwargs):
+        y = own(self, x, ids, dtype, *args, **kwargs)
+        return y * 1.5 if ids.numel() and int(ids.min()) >= self._hfpar_ep.count else y
+
+    hf_experts._own_forward = wrong
+    try:
+        hf_experts.shard_hf_experts(found, dist.group.WORLD, model.config.hidden_size)
+        return "accepted"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        hf_experts._own_forward = own
+
+
 def _worker(rank: int, world_size: int) -> dict:
     res = sweep_worker(rank, world_size, [*EXACT, "jetmoe"])
     res["sensitivity"] = _sensitivity(rank, world_size)
     res["sensitivity_rows"] = _sensitivity(rank, world_size, _RowBlockExperts)
+    res["sensitivity_zero"] = _sensitivity_zero(rank, world_size)
     return res
 
 
@@ -155,3 +185,5 @@ def test_check_refuses_a_block_it_would_change(results):
     assert "\n" not in why
     why = results["sensitivity_rows"]  # a shared tensor among row-block experts: sliced, it fails the check
     assert "mlp.experts (_RowBlockExperts): the expert-parallel block" in why and "\n" not in why, why
+    why = results["sensitivity_zero"]  # zero-computation experts wrong where the token is: the direct call sees it
+    assert "(LongcatFlashExperts): the expert-parallel block differs" in why and "experts called directly" in why, why

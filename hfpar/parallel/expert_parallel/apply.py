@@ -173,6 +173,13 @@ def _hf_path(model, cfg, blocks: list[MoEBlock], problems: list[str]) -> tuple[l
 
 def _validate_hf(found: list[HFExperts], ep: int, aux_loss_coef, z_loss_coef, capacity_factor) -> list[str | Problem]:
     problems = [f"{x.path}: num_experts {x.E} is not divisible by ep_size {ep}" for x in found if x.E % ep]
+    problems += [
+        f"{x.path}: its {x.zero} experts without weights (routed indices {x.E}..{x.E + x.zero - 1}) keep rows in "
+        f"{', '.join(n for n, p in x.module.named_parameters() if p.shape[0] == x.E + x.zero)}, which split over the "
+        f"ep ranks: {x.zero} is not divisible by ep_size {ep}"
+        for x in found
+        if x.zero % ep
+    ]
     asked = {
         k: v
         for k, v in (

@@ -41,14 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce, group_rank, group_size
-from ..sharding import ShardSpec, set_shard_spec
+from ..sharding import ShardSpec, set_shard_spec, shard_tensor
 from .hf_experts_detect import (
     _COUNT_ATTRS,
     HFExperts,
     _forward_args,
     _forward_names,
     _plain_swiglu,
-    expert_rows,
     find_hf_experts,
     is_hf_experts_sharded,
 )
@@ -68,6 +67,8 @@ class _EPState:
     base: type  # the original class: its forward computes the local experts
     saved: dict  # what unshard() restores: parameters and count attributes
     plain: bool = False  # plain SwiGLU layout: hfpar's kernel runs the local experts on CPU
+    zero: int = 0  # experts without weights of their own, routed to E .. E + zero - 1: run where the token is
+    pairs: bool = False  # its forward needs two choices per row (_own_forward)
 
 
 def _in_graph(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -88,30 +89,63 @@ def _ep_forward(
     hidden_states = hidden_states.reshape(-1, shape[-1])
     N, k = top_k_index.shape[0], top_k_index.shape[-1]
     idx = top_k_index.reshape(-1)  # (N*k,)
-    order = torch.argsort(idx, stable=True)  # copies sorted by global expert
-    counts = torch.bincount(idx, minlength=st.E)  # (E,)
-    if counts.numel() != st.E:
-        raise ValueError(f"{type(self).__name__}: expert index {int(idx.max())} >= num_experts {st.E}")
+    order = torch.argsort(idx, stable=True)  # copies sorted by global expert (experts without weights last)
+    counts = torch.bincount(idx, minlength=st.E + st.zero)  # (E + zero,)
+    if counts.numel() != st.E + st.zero:
+        raise ValueError(f"{type(self).__name__}: expert index {int(idx.max())} >= num_experts {st.E + st.zero}")
     x_sorted = hidden_states[order // k]  # (N*k, H)
 
     def local(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         if st.plain and grouped_linear_applies(x, self.gate_up_proj):
             out = swiglu_experts(self, x, local_counts.tolist())  # (R, H)
             return out if st.group is None else out + _in_graph(self, x)
-        ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)[:, None]  # (R, 1)
-        ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device)  # (R, 1)
-        out = st.base.forward(self, x, ids, ones, *args, **kwargs).reshape(-1, x.shape[-1])  # (R, H); R may be 0
-        return out + _in_graph(self, x)
+        ids = torch.repeat_interleave(torch.arange(st.count, device=x.device), local_counts)  # (R,)
+        return _own_forward(self, x, ids, top_k_weights.dtype, *args, **kwargs) + _in_graph(self, x)
 
+    if st.zero:  # the copies routed to experts without weights: the module's own forward, on this rank, under
+        real = int(counts[: st.E].sum())  # their local index (count + j); a host read, as dispatch_rows' counts
+        ids = idx[order[real:]] - st.E + st.count
+        y_zero = _own_forward(self, x_sorted[real:], ids, top_k_weights.dtype, *args, **kwargs)
+        x_sorted, counts = x_sorted[:real], counts[: st.E]
     if st.group is None:  # ep = 1: every expert is here
         y_sorted = local(x_sorted, counts)  # (N*k, H), unweighted
     else:
         y_sorted, _, _ = dispatch_rows(x_sorted, counts, st.group, local)
+    if st.zero:
+        y_sorted = torch.cat([y_sorted, y_zero.to(y_sorted.dtype)])
     weighted = y_sorted * top_k_weights.reshape(-1)[order, None]  # promoted dtype, as transformers' grouped_mm
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     out = weighted[inv].view(N, k, -1).sum(dim=1).to(hidden_states.dtype)  # (N, H)
     return out.reshape(*shape[:-1], out.shape[-1])  # the shape it was handed
+
+
+def _own_forward(self, x: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, *args, **kwargs) -> torch.Tensor:
+    """The module's original forward on rows x (R, H), row i to its local expert ids[i], weight 1: (R, H). A forward
+    that cannot take one choice per row (LongCat-Flash's squeezes the choice dim away: transformers assumes top_k > 1)
+    gets every row twice, weights 1 and 0: the second copy adds an exact zero (and zero gradients), twice the work."""
+    st: _EPState = self._hfpar_ep
+    ids = ids[:, None].expand(-1, 2) if st.pairs else ids[:, None]  # (R, 1) or (R, 2)
+    w = torch.ones(ids.shape, dtype=dtype, device=x.device)
+    if st.pairs:
+        w[:, 1] = 0
+    return st.base.forward(self, x, ids, w, *args, **kwargs).reshape(-1, x.shape[-1])  # R may be 0
+
+
+def _one_choice_fails(m: nn.Module, hidden_size: int) -> bool:
+    """Whether m's own forward (not yet sharded) raises on one row with one choice (see _own_forward)."""
+    p = next(m.parameters())
+    x = torch.zeros(1, hidden_size, dtype=p.dtype, device=p.device)
+    one = torch.zeros(1, 1, dtype=torch.long, device=p.device)
+    try:
+        with torch.no_grad():
+            m(x, one, torch.ones(1, 1, dtype=p.dtype, device=p.device))
+    except (ValueError, IndexError, RuntimeError):
+        return True
+    return False
+
+
+_PAIRS: dict[type, bool] = {}  # experts class -> its forward needs two choices per row (_own_forward)
 
 
 def _ep_dense_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
@@ -150,6 +184,13 @@ def _ep_class(cls: type, dense: bool) -> type:
     return _CLASSES[cls]
 
 
+def _local_rows(p: torch.Tensor, x: HFExperts, rank: int, ep: int) -> tuple[torch.Tensor, list[int] | None]:
+    """This rank's rows of an expert-indexed tensor of x (its experts' rows; of a tensor that also holds rows for the
+    experts without weights, those rows split over the ranks too: packed parts [E, zero]) and the packed parts."""
+    packed = [x.E, x.zero] if x.zero and p.shape[0] == x.E + x.zero else None
+    return shard_tensor(p.detach(), 0, rank, ep, packed), packed
+
+
 def _shard(x: HFExperts, ep_group) -> None:
     if is_hf_experts_sharded(x.module):  # sped up at ep = 1 before: undo first
         _unshard(x)
@@ -158,17 +199,19 @@ def _shard(x: HFExperts, ep_group) -> None:
     start = group_rank(ep_group) * count
     saved = dict(m.named_parameters())  # its own and a child's (DBRX's GLU): every one expert-indexed
     for n, p in saved.items():
-        r = expert_rows(p, x.E)
-        local = nn.Parameter(p.detach()[start * r : (start + count) * r].clone(), requires_grad=p.requires_grad)
+        rows, packed = _local_rows(p, x, group_rank(ep_group), ep)
+        local = nn.Parameter(rows, requires_grad=p.requires_grad)
+        experts = {"num_experts": x.E, "start": start}
         set_shard_spec(
-            local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep, experts={"num_experts": x.E, "start": start})
+            local, ShardSpec(kind="ep", group=ep_group, dim=0, size=ep, packed_splits=packed, experts=experts)
         )
         _set(m, n, local)
-    attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) == x.E}
-    for a in attrs:
-        setattr(m, a, count)
+    attrs = {a: getattr(m, a) for a in _COUNT_ATTRS if getattr(m, a, None) in (x.E, x.E + x.zero)}
+    for a, v in attrs.items():  # the local routing range: count experts here, then the ones without weights
+        setattr(m, a, count if v == x.E else count + x.zero)
     base = type(m)
-    m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs}, _plain_swiglu(m))
+    plain, pairs = _plain_swiglu(m), _PAIRS.get(base, False)
+    m._hfpar_ep = _EPState(x.E, start, count, ep_group, base, {**saved, **attrs}, plain, x.zero, pairs)
     m.__class__ = _ep_class(base, dense=_forward_args(m) == 1)
 
 
@@ -216,6 +259,41 @@ def _run(block: nn.Module, x: torch.Tensor, cot_seed: int, **kw) -> tuple[torch.
     return out.detach(), {"input": grads[0], **dict(zip(names, grads[1:]))}
 
 
+class _Routed(nn.Module):
+    """The experts module called directly, with routing given (see _routed_everywhere); under its own name."""
+
+    def __init__(self, name: str, experts: nn.Module, idx: torch.Tensor, weights: torch.Tensor):
+        super().__init__()
+        self.add_module(name, experts)
+        self._name, self._idx, self._weights = name, idx, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = getattr(self, self._name)(x, self._idx, self._weights)  # DBRX's: (N, 1, H) for rows (N, H)
+        return out.reshape(-1, x.shape[-1])
+
+
+def _routed_everywhere(x: HFExperts, hidden_size: int, rank: int, inp: torch.Tensor) -> tuple | None:
+    """The check's second run: the experts module called with routing that reaches every expert, those without
+    weights too (a block's own router may pick few of them on random tokens: a tiny model's routing biases).
+    None where its forward does not take (rows, top_k_index, top_k_weights) rows as given (checked on its
+    unsharded self): the block run alone then."""
+    if _forward_args(x.module) != 3:
+        return None
+    routed = x.E + x.zero
+    n = torch.arange(2 * routed, device=inp.device)
+    idx = torch.stack([n % routed, (n + 1 + rank % max(routed - 1, 1)) % routed], dim=1)  # (N, 2)
+    g = torch.Generator().manual_seed(2000 + rank)
+    weights = (torch.rand(idx.shape, generator=g) + 0.5).to(device=inp.device, dtype=inp.dtype)
+    rows = torch.randn(idx.shape[0], hidden_size, generator=g).to(inp).requires_grad_()
+    wrapper = _Routed(x.path.rpartition(".")[2], x.module, idx, weights)
+    try:
+        with torch.no_grad():
+            wrapper(rows)
+    except Exception:  # noqa: BLE001 - the module takes its rows otherwise (DBRX: unflattened): the block run only
+        return None
+    return wrapper, rows, {}
+
+
 def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> tuple[float, str]:
     """Shards x (in place) and returns the worst relative difference to the unsharded block, over the EP group.
     ep_group None: this process alone, x sped up (ep = 1) instead of sharded."""
@@ -228,23 +306,27 @@ def _check(x: HFExperts, ep_group, hidden_size: int, vocab_size: int | None) -> 
     kw = {}
     if vocab_size and "input_ids" in _forward_names(x.block):  # hash routing (DeepSeek-V4) reads the ids
         kw["input_ids"] = torch.randint(0, vocab_size, (2, 8), generator=g).to(w.device)
-    want_out, want = _run(x.block, inp, 7 + rank, **kw)
+    runs = [(x.block, inp, kw)]
+    if direct := _routed_everywhere(x, hidden_size, rank, inp):
+        runs.append(direct)
+    wants = [_run(block, i, 7 + rank, **k) for block, i, k in runs]
     prefix = x.path.rpartition(".")[2]
-    count = x.E // group_size(ep_group) if ep_group is not None else x.E
-    start = rank * count
-    for n, p in x.module.named_parameters():  # EP grads sum every rank's tokens; the
-        if p.requires_grad and ep_group is not None:  # same order on every rank (collectives)
-            g = want.get(f"{prefix}.{n}")
-            g = torch.zeros_like(p) if g is None else g
-            r = expert_rows(p, x.E)
-            want[f"{prefix}.{n}"] = all_reduce(g, ep_group)[start * r : (start + count) * r]
+    _PAIRS[type(x.module)] = _forward_args(x.module) == 3 and _one_choice_fails(x.module, hidden_size)
+    for _, want in wants:
+        for n, p in x.module.named_parameters():  # EP grads sum every rank's tokens; the
+            if p.requires_grad and ep_group is not None:  # same order on every rank (collectives)
+                g = want.get(f"{prefix}.{n}")
+                g = torch.zeros_like(p) if g is None else g
+                want[f"{prefix}.{n}"] = _local_rows(all_reduce(g, ep_group), x, rank, group_size(ep_group))[0]
     _shard(x, ep_group) if ep_group is not None else _speed_up(x)
-    got_out, got = _run(x.block, inp, 7 + rank, **kw)
-    scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])
-    worst = max(
-        [(_rel(got_out, want_out), "output")]
-        + [(_rel(got.get(n), v, 1e-3 * scale), f"grad {n}") for n, v in want.items()]
-    )
+    worst = (0.0, "output")
+    for (block, i, k), (want_out, want), what in zip(runs, wants, ("", "experts called directly: ")):
+        got_out, got = _run(block, i, 7 + rank, **k)
+        scale = max([float(v.abs().max()) for v in want.values() if v is not None and v.numel()] + [0.0])
+        worst = max(
+            [worst, (_rel(got_out, want_out), f"{what}output")]
+            + [(_rel(got.get(n), v, 1e-3 * scale), f"{what}grad {n}") for n, v in want.items()]
+        )
     if ep_group is None:
         return worst
     every = all_reduce(torch.tensor([worst[0]], dtype=torch.float64, device=w.device), ep_group, op=dist.ReduceOp.MAX)

@@ -24,7 +24,8 @@ class HFExperts:
     path: str  # the experts module's name in the model
     module: nn.Module  # transformers' experts module (e.g. DeepseekV3NaiveMoe / GptOssExperts)
     block: nn.Module  # its parent: the HF MoE block whose forward routes and calls it
-    E: int
+    E: int  # experts with weights of their own (sharded over the EP ranks)
+    zero: int = 0  # routed indices E .. E + zero - 1: experts without weights of their own (run where the token is)
 
 
 def _count(m: nn.Module) -> int | None:
@@ -71,32 +72,52 @@ def _forward_args(m: nn.Module) -> int:
     return len(_forward_names(m))
 
 
-def _problem(m: nn.Module) -> tuple[int, str | None]:
+def _problem(m: nn.Module) -> tuple[int, int, str | None]:
+    """(E, zero, why): the experts with weights of their own, the routed experts without (zero-computation experts:
+    LongCat-Flash's identity experts, routed to indices E .. E + zero - 1, whose rows only the tensors holding
+    E + zero rows keep, unused), and why the module cannot be sharded (None: it can)."""
     own = dict(m.named_parameters(recurse=False))
+    zero = 0
     if any(p.dim() == 3 for p in own.values()):  # transformers' stacked experts: dim 0 is the expert
-        E = next(p.shape[0] for p in own.values() if p.dim() == 3)
-        if {p.shape[0] for p in own.values()} != {E}:
+        rows = sorted({p.shape[0] for p in own.values()})
+        E = rows[0]
+        if len(rows) == 2 and rows[1] == _count_total(m) and all(p.dim() == 3 for p in own.values()):
+            zero = rows[1] - E  # every tensor holds the E experts; the longer ones rows for the others too
+        elif len(rows) != 1:
             dims = ", ".join(f"{n} {p.shape[0]}" for n, p in own.items())
-            return E, f"its parameters do not share one expert dim 0 ({dims})"
+            return E, 0, f"its parameters do not share one expert dim 0 ({dims})"
         if sub := [n for n, c in m.named_children() if any(True for _ in c.parameters())]:
-            return E, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
+            return E, zero, f"it holds submodules with parameters ({', '.join(sub)}), not only expert-indexed tensors"
     else:  # row blocks under the stated count (DBRX): every tensor, own or a child's, E blocks of dim 0
         E = _count(m)
         own = dict(m.named_parameters())
     n_args = _forward_args(m)
     if n_args == 1 and any(p.dim() != 3 for p in own.values()):
-        return E, (
-            "its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
-            "(zeroed) row would not give a zero output, so rows cannot be left out"
+        return (
+            E,
+            zero,
+            (
+                "its forward takes every token for every expert (E*N, H) and it has biases: an unselected "
+                "(zeroed) row would not give a zero output, so rows cannot be left out"
+            ),
         )
-    if n_args == 2 or n_args == 0:
-        return E, (
-            f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
-            f"top_k_weights) nor the dense (E*N, H) routed input"
+    if n_args == 2 or n_args == 0 or (zero and n_args == 1):
+        return (
+            E,
+            zero,
+            (
+                f"its forward takes ({', '.join(_forward_names(m))}), neither (hidden_states, top_k_index, "
+                f"top_k_weights) nor the dense (E*N, H) routed input"
+            ),
         )
     if E < 2:
-        return E, f"it holds {E} expert"
-    return E, None
+        return E, zero, f"it holds {E} expert"
+    return E, zero, None
+
+
+def _count_total(m: nn.Module) -> int | None:
+    """The largest expert count the module states (routed experts with and without weights of their own)."""
+    return max((v for a in _COUNT_ATTRS if isinstance(v := getattr(m, a, None), int) and v > 0), default=None)
 
 
 def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
@@ -106,9 +127,9 @@ def find_hf_experts(model: nn.Module) -> tuple[list[HFExperts], list[str]]:
         st = getattr(m, "_hfpar_ep", None)
         if not path or not _expert_candidate(path, m) or (st is not None and st.count < st.E):  # sharded already
             continue
-        E, why = _problem(m)
+        E, zero, why = _problem(m)
         if why is None:
-            found.append(HFExperts(path, m, model.get_submodule(path.rpartition(".")[0]), E))
+            found.append(HFExperts(path, m, model.get_submodule(path.rpartition(".")[0]), E, zero))
         elif type(m) not in seen:
             seen.add(type(m))
             problems.append(f"{path} ({type(m).__name__}) cannot be sharded by expert: {why}")
