@@ -9,6 +9,9 @@ configs (random init, the embedded tokenizer) of
     ernie4_5_moe    moe_statics.e_score_correction_bias, a shared expert (refused even without --ep_size before)
     dbrx            experts stacked as 2-D row blocks (w1 / v1 / w2 (E * F, H)) in a child GLU module, rows handed
                     to the experts unflattened (B, T, H), router jitter off (the tiny copy zeroes it)
+    longcat_flash   zero-computation (identity) experts: routed indices 4, 5 of 6 run no weights, where the token
+                    is; gate_up_proj's rows for them split over the ranks as a second packed part (sharded loading,
+                    export)
 each trained once in one process and once with EP=2 under DDP (DeepSeek-V3, Ernie-4.5-MoE and GPT-OSS, whose attention
 sinks CP now computes, also with EP=2 x CP=2, EP drawn from the cp ranks): loss and grad_norm per step within 1e-4
 relative, and the exported checkpoint (experts gathered back, HF names) within 1e-4 of the one-process one. Two
@@ -40,6 +43,7 @@ FAMILIES = {
     "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"]},
     "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
     "dbrx": {},
+    "longcat_flash": {},
 }
 
 
