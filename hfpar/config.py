@@ -3,7 +3,11 @@
     from hfpar.config import parse_args
     args = parse_args(["--max_steps", "20", "--learning_rate", "3e-4"], recipe="sft")
 
-Sources, later wins: dataclass defaults < recipe defaults < `--config recipe.yaml` < CLI flags.
+Sources, later wins: dataclass defaults < recipe defaults < the embedded run's options < `--config recipe.yaml` <
+CLI flags. The embedded run's options (a recipe's `demo`: its tiny model's steps, learning rate, lengths) apply only
+to a run that names no model (no --model_name_or_path, on the command line or in --config): a user's model trains
+with the defaults `--help` shows, never with the demo's (HFPAR_DEMO_OPTIONS=always: every run, as the test suite and
+the benchmarks run their tiny models).
 Every problem (unknown key, bad value, inconsistent combination) is collected and raised once,
 as a `ConfigError` whose message lists one problem per line, before any expensive work starts.
 """
@@ -28,6 +32,11 @@ REPORT_TO = ("none", "all", "tensorboard", "wandb", "mlflow", "comet_ml", "aim",
 TRUNCATION = ("truncate", "drop")
 PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 NONFINITE = ("error", "skip")
+# "always": every run takes its recipe's embedded-run options beneath its own (the test suite and the benchmarks set
+# it: their tiny and random-init models train as the demo does); "auto" (unset): only a run that names no model
+DEMO_ENV = "HFPAR_DEMO_OPTIONS"
+# list options (TRL / TrainingArguments take them space-separated: `--reward_weights 1 0.5`): either form, joined by ","
+LISTS = ("reward_funcs", "reward_weights", "lora_target_modules", "loss_type", "loss_weights", "report_to")
 CP_MODES = ("auto", "ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # hfpar.parallel.pipeline.SCHEDULES (a test keeps them equal)
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # --torch_compile_backend: torch.compile's backends
@@ -191,21 +200,28 @@ def _field_help(args_class: type = RecipeArgs) -> dict[str, str]:
     return out
 
 
-def _build_parser(recipe: str, args_class: type = RecipeArgs) -> argparse.ArgumentParser:
+def _build_parser(
+    recipe: str, args_class: type = RecipeArgs, defaults: dict | None = None, demo: dict | None = None
+) -> argparse.ArgumentParser:
+    shown = ", ".join(f"--{k} {v}" for k, v in (demo or {}).items())
     p = argparse.ArgumentParser(
         prog=f"recipes/{recipe}.py",
         description=f"hfpar {recipe} recipe. Options use HF TrainingArguments names; "
         "launch with `accelerate launch --config_file accelerate_configs/<strategy>.yaml`.",
+        epilog=f"With no --model_name_or_path (the embedded demo run) these apply too: {shown}." if shown else None,
         allow_abbrev=False,
     )
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags override it)")
     helps = _field_help(args_class)
+    for key, val in (defaults or {}).items():  # the recipe's own defaults, shown as the ones a run uses
+        if key in helps:
+            helps[key] = re.sub(r"\(default: .*\)$", f"(default: {val!r})", helps[key])
     for f in dataclasses.fields(args_class):
         # every option takes a value as text; booleans may also be given bare (`--packing`)
         is_bool = "bool" in str(f.type)
         p.add_argument(
             f"--{f.name}",
-            nargs="?" if is_bool else None,
+            nargs="?" if is_bool else ("+" if f.name in LISTS else None),
             const="true" if is_bool else None,
             default=None,
             metavar="BOOL" if is_bool else "VALUE",
@@ -215,12 +231,20 @@ def _build_parser(recipe: str, args_class: type = RecipeArgs) -> argparse.Argume
 
 
 def parse_args(
-    argv: list[str] | None = None, *, recipe: str = "sft", defaults: dict | None = None, args_class: type = RecipeArgs
+    argv: list[str] | None = None,
+    *,
+    recipe: str = "sft",
+    defaults: dict | None = None,
+    args_class: type = RecipeArgs,
+    demo: dict | None = None,
+    embedded: tuple = (),
 ) -> RecipeArgs:
     """Parse CLI + YAML into args_class (RecipeArgs, or a recipe's subclass with its own options: Recipe.args_class);
-    raise ConfigError listing every problem."""
+    raise ConfigError listing every problem. defaults: the recipe's own (every run); demo: the embedded run's
+    options, applied only when no model is named (module docstring); embedded: model names that are the embedded
+    run's own (hfpar-tiny, hfpar-tiny-vlm: naming one is still the demo)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _build_parser(recipe, args_class)
+    parser = _build_parser(recipe, args_class, defaults, demo)
     problems: list[str] = []
     known = _fields(args_class)
     # Unknown / misspelled flags: report them all with a suggestion instead of argparse's first-only exit.
@@ -235,6 +259,12 @@ def parse_args(
     ns = parser.parse_args(argv)
 
     values: dict[str, Any] = dict(defaults or {})
+    when = os.environ.get(DEMO_ENV, "auto")
+    if when not in ("auto", "always"):
+        raise ConfigError(f"{DEMO_ENV}={when}: valid values are auto (the default), always")
+    named = ns.model_name_or_path not in (None, *embedded) or _config_names_model(ns.config, embedded)
+    if not named or when == "always":  # the embedded run: its steps / learning rate / lengths, beneath --config and
+        values.update(demo or {})  # the flags (always: the tests' and benchmarks' tiny models run as the demo)
     if ns.config:
         if not os.path.isfile(ns.config):
             raise ConfigError(f"--config {ns.config}: file not found")
@@ -256,7 +286,7 @@ def parse_args(
     for key in known:
         val = getattr(ns, key)
         if val is not None:
-            values[key] = val
+            values[key] = ",".join(val) if isinstance(val, list) else val
 
     kwargs: dict[str, Any] = {}
     for key, val in values.items():
@@ -271,6 +301,17 @@ def parse_args(
     if problems:
         raise ConfigError("\n".join(problems))
     return args
+
+
+def _config_names_model(path: str | None, embedded: tuple) -> bool:
+    """Whether a --config file names a model not in `embedded` (an unreadable file is refused by parse_args right
+    after)."""
+    try:
+        with open(path) as fh:
+            loaded = yaml.safe_load(fh)
+    except (OSError, TypeError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and loaded.get("model_name_or_path") not in (None, *embedded)
 
 
 def validate(a: RecipeArgs) -> list[str]:
@@ -297,6 +338,8 @@ def validate(a: RecipeArgs) -> list[str]:
     ):
         if getattr(a, name) <= 0:
             p.append(f"--{name} {getattr(a, name)}: must be a positive integer")
+    if not 0 <= a.seed < 2**32:  # numpy's and torch's generators take seeds in [0, 2**32)
+        p.append(f"--seed {a.seed}: must be an integer in [0, {2**32 - 1}]")
     if a.max_steps == 0 or a.max_steps < -1:
         p.append(f"--max_steps {a.max_steps}: must be > 0, or -1 to use num_train_epochs")
     if a.max_steps == -1 and a.num_train_epochs <= 0:

@@ -148,7 +148,15 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     recipe = recipes.get(recipe) if isinstance(recipe, str) else recipe
     kind, task = recipe.name, recipe.task
     try:
-        args = parse_args(argv, recipe=kind, defaults=recipe.defaults, args_class=recipe.args_class)
+        embedded = (*data.EMBEDDED_MODELS, recipe.defaults.get("model_name_or_path"))  # naming one: still the demo
+        args = parse_args(
+            argv,
+            recipe=kind,
+            defaults=recipe.defaults,
+            args_class=recipe.args_class,
+            demo=recipe.demo,
+            embedded=embedded,
+        )
         lock = claim_output_dir(args)  # one run per --output_dir; nothing there that hfpar did not write is touched
         check_sources(args)  # no code from a model dir without --trust_remote_code; bounded, parseable JSON
     except ConfigError as exc:

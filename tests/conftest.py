@@ -21,6 +21,9 @@ from tests.helpers.shared import built_once
 # rather than compute (measured: tests/unit/test_grpo_objective.py 5 s alone, 300 s beside launches with two threads)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# the suite's tiny models train with their recipe's embedded-run options beneath each test's own flags, as they did
+# before those options became the no-model run's only (hfpar.config.DEMO_ENV; tests/unit/test_config.py checks both)
+os.environ.setdefault("HFPAR_DEMO_OPTIONS", "always")
 
 
 @pytest.fixture(scope="session")

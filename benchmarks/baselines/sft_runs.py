@@ -60,7 +60,9 @@ def recipe_rows(flags: list[str], steps: int, batch: int = BS) -> tuple:
     from hfpar.train.sampler import GlobalBatchSampler
 
     recipe = recipes.get("sft")
-    args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
+    args = parse_args(
+        flags, recipe="sft", defaults=dict(recipe.defaults), demo=dict(recipe.demo), args_class=recipe.args_class
+    )
     one_process = SimpleNamespace(seq_multiple=1)  # the data builder's view of the context and run plan
     plan = SimpleNamespace(task="lm", padding_free=False, one_row=False, image_text=False)  # the text data builder
     train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), one_process, plan)

@@ -81,7 +81,9 @@ def hfpar_rows(flags: list[str], steps: int, batch: int) -> list[dict]:
     benchmarks/baselines/sft_runs.py's recipe_rows (its data builder and sampler), with the plan field one_row that
     recipe_rows lacks at 55b8681 (AttributeError in hfpar/recipes/_text.py)."""
     recipe = recipes.get("sft")
-    args = parse_args(flags, recipe="sft", defaults=dict(recipe.defaults), args_class=recipe.args_class)
+    args = parse_args(
+        flags, recipe="sft", defaults=dict(recipe.defaults), demo=dict(recipe.demo), args_class=recipe.args_class
+    )
     plan = types.SimpleNamespace(task="lm", padding_free=False, image_text=False, one_row=False)
     ctx = types.SimpleNamespace(seq_multiple=1)
     train, *_ = recipe.build_data(args, data.load_tokenizer(args.tokenizer_path), ctx, plan)

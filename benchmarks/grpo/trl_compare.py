@@ -170,6 +170,7 @@ def run_trl(model_dir: str, data_file: str, out: str, completions: list[dict] | 
         epsilon_high=float(kw["epsilon_high"]) if kw.get("epsilon_high") is not None else None,
         scale_rewards=kw.get("scale_rewards", "group"),
         mask_truncated_completions=bool(kw.get("mask_truncated_completions", False)),
+        temperature=float(kw.get("temperature", 1.0)),  # TRL scores the completions at it (given ones here too)
         disable_tqdm=True,
         optim="adamw_torch_fused",
         gradient_checkpointing=False,

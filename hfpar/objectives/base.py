@@ -13,6 +13,7 @@ whose unit is the pair and which owns a reference model). The trainer calls, in 
     sample(split, index, sample)          every dataset item the trainer reads ("train" / "eval")
     padding_sample(sample)                an eval padding slot (same shapes, no targets)
     count(batch), tokens(sample)          the normalization units of a micro-batch; real tokens of a sample
+    empty_step_units(step)                a step whose global batch has no units: raise, or the units to use
     before_micro(backend, batch, replan)  before each micro-batch's forward (train and eval)
     __call__(out, labels)                 (loss sum, units) of a forward; `scope(labels)` around it if not None
     step_sums(device) / metrics(sums)     extra sums reduced with the step's loss -> fields of its record
@@ -87,6 +88,15 @@ class Objective:
         """Real tokens of a sample (tokens/s)."""
         return len(sample["input_ids"])
 
+    def empty_step_units(self, step: int) -> float:
+        """The units to divide by when a training step's global batch has none (every target masked): by default
+        an error, since for data read from a dataset it is a data bug; an objective whose rows may all be masked by
+        design returns a count (online RL: every completion truncated, TRL's clamp to 1: a zero-loss step)."""
+        raise ValueError(
+            f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / "
+            "--completion_only_loss"
+        )
+
     # ------------------------------------------------------------------ the step
     def before_micro(self, backend, batch: dict, replan: Callable[[], tuple[dict, object]]) -> None:
         """Before a micro-batch's forward (in place on `batch`); replan() -> the same rows planned again with a
@@ -121,3 +131,12 @@ class Objective:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Resume: what state_dict() returned, on every rank."""
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout module's p to 0, LoRA's included (TRL's disable_dropout_in_model, applied after get_peft_model:
+    DPOConfig / RewardConfig default true, GRPOConfig false). Attention dropout a config passes to the attention
+    function as a number is not a module: untouched, as in TRL."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

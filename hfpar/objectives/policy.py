@@ -21,6 +21,7 @@ clip_ratio/*.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -61,7 +62,8 @@ class GRPOObjective(TargetsHead, Objective):
         made = self.chunked.values_made if self.chunked else 0
         try:
             with TargetsHead.select_targets(self, labels):
-                with self.chunked.token_values(self._targets.token) if self.chunked else contextlib.nullcontext():
+                values = self.chunked.token_values(self._targets.token, self.cfg.temperature) if self.chunked else None
+                with values or contextlib.nullcontext():
                     yield
         finally:
             # whether this forward's output is the chunked head's values (a reference model of its own, ZeRO-3's,
@@ -71,12 +73,15 @@ class GRPOObjective(TargetsHead, Objective):
     def _token_values(self, out: torch.Tensor, labels: torch.Tensor, entropy: bool):
         """(N,) log-probs of the targets (differentiable), their rows, their flat positions in the micro-batch's
         (B, T) tensors (a pipeline's loss gets a slice of its rows: each target's row is in its label), and (N,)
-        entropies or None."""
+        entropies or None; all of softmax(logits / temperature), the distribution the completions were sampled from,
+        for the policy, the old policy and the reference alike (TRL's)."""
         if self._head_values:  # the chunked head's (1, N, 2): log-prob, entropy (select_targets)
             t = self.targets(labels)
             rows = t.seq // 2
             lp, ent = out.reshape(-1, 2).unbind(-1)
             return lp, rows, rows * labels.shape[1] + t.index % labels.shape[1], ent.detach() if entropy else None
+        if self.cfg.temperature != 1.0:  # full logits (or their vocab shard): scaled before the softmax
+            out = out / self.cfg.temperature
         lp, t, flat = self.target_logps(out, labels, logits=entropy)
         rows = t.seq // 2
         whole = rows * labels.shape[1] + t.index % labels.shape[1]
@@ -124,6 +129,18 @@ class GRPOObjective(TargetsHead, Objective):
             return batch["advantages"].numel() * self.cfg.max_completion_length / self.cp
         return float((batch["labels"] != IGNORE).sum())
 
+    def empty_step_units(self, step: int) -> float:
+        """Every completion target of the step masked (--mask_truncated_completions with every completion
+        truncated): TRL clamps its normalizer to 1 and trains the step with loss 0 (zero gradients, the optimizer and
+        schedule still step), so hfpar does too, rather than the data error of a dataset's all-masked batch."""
+        if _rank() == 0:
+            print(
+                f"[hfpar] step {step + 1}: every completion of the global batch is masked (truncated, "
+                "--mask_truncated_completions): a zero-loss step, as TRL's",
+                file=sys.stderr,
+            )
+        return 1.0
+
     @staticmethod
     def tokens(sample: dict) -> int:
         return len(sample["prompt_ids"]) + len(sample["completion_ids"])
@@ -156,9 +173,8 @@ class GRPOObjective(TargetsHead, Objective):
 
     def metrics(self, sums) -> dict:
         """Global ratios: the values are per target; ranks holding the same targets (tp) count them alike."""
-        tok, clipw = sums[_TOK], sums[_CLIPW]
-        if not tok:
-            return {}
+        # no target at all (every completion masked): 0 / 1, TRL's clamped means
+        tok, clipw = max(sums[_TOK], 1.0), max(sums[_CLIPW], 1.0)
         out = {"entropy": sums[_ENT] / tok}
         if self.cfg.beta != 0.0:
             out["kl"] = sums[_KL] / tok
@@ -211,6 +227,10 @@ class GRPOObjective(TargetsHead, Objective):
 
     def load_state_dict(self, state: dict) -> None:
         self.rollout.load_state_dict(state)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Per-token log-probs and entropies of an LM head's targets, computed over token chunks: the [tokens, vocab] logits
 never exist at once (what an RL objective needs: a differentiable log-prob per completion token, not a loss sum).
 
-    lp, ent = chunked_token_logps(h, weight, bias, target, group=None, chunk=2048)
+    lp, ent = chunked_token_logps(h, weight, bias, target, group=None, chunk=2048, temperature=1.0)
     # h (N, H) the head's input rows, target (N,) token ids (IGNORE = -100: lp 0); lp (N,) fp32 differentiable
-    # w.r.t. h, weight, bias; ent (N,) fp32 the entropy of each row's next-token distribution, no gradient
+    # w.r.t. h, weight, bias; ent (N,) fp32 the entropy of each row's next-token distribution, no gradient;
+    # temperature: of the distribution, softmax(logits / temperature) (a sampler's: what RL scores its tokens under)
 
 Forward: for each chunk of C rows the logits (C, V/tp) are formed in the compute dtype, upcast to fp32 and reduced to
 the log-sum-exp, the target's logit and sum(p * z) (over the tensor-parallel group when the head is vocab-parallel:
@@ -43,14 +44,14 @@ def _local(target: torch.Tensor, start: int, width: int):
 
 class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, target, group, chunk, cdt):
+    def forward(ctx, h, weight, bias, target, group, chunk, cdt, temperature=1.0):
         tp, start, acc = vocab_shard(weight, group, cdt)
         n = h.shape[0]
         lp, ent, lse = (torch.zeros(n, dtype=acc, device=h.device) for _ in range(3))
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
             w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
             for s in range(0, n, chunk):
-                z = F.linear(h[s : s + chunk].to(cdt), w, b).to(acc)  # (C, V_l)
+                z = _scaled(F.linear(h[s : s + chunk].to(cdt), w, b).to(acc), temperature)  # (C, V_l)
                 m = z.max(dim=-1).values
                 if tp > 1:
                     m = all_reduce(m, group, op=dist.ReduceOp.MAX)
@@ -68,7 +69,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 ent[s : s + chunk] = log_z - ez / sum_exp
                 lse[s : s + chunk] = m + log_z
         ctx.save_for_backward(h, weight, bias, target, lse)
-        ctx.group, ctx.chunk, ctx.cdt, ctx.start = group, chunk, cdt, start
+        ctx.group, ctx.chunk, ctx.cdt, ctx.start, ctx.temperature = group, chunk, cdt, start, temperature
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -85,11 +86,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             w, b = weight.to(cdt), None if bias is None else bias.to(cdt)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(cdt)
-                z = F.linear(hc, w, b).to(acc)
+                z = _scaled(F.linear(hc, w, b).to(acc), ctx.temperature)
                 z.sub_(lse[s : s + chunk].unsqueeze(-1)).exp_().neg_()  # - softmax (this vocab shard)
                 valid, mine, lt = _local(target[s : s + chunk], ctx.start, z.shape[1])
                 z[torch.arange(z.shape[0], device=z.device), lt] += mine.to(acc)  # + one-hot
-                z.mul_((g[s : s + chunk].to(acc) * valid).unsqueeze(-1))  # d loss / d logits
+                # d loss / d logits (the 1 / temperature of the scaled logits' chain rule)
+                z.mul_((g[s : s + chunk].to(acc) * valid / ctx.temperature).unsqueeze(-1))
                 if grad_h is not None:
                     grad_h[s : s + chunk] = (z.to(cdt) @ w).to(h.dtype)
                 if grad_w is not None:
@@ -98,20 +100,27 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                     grad_b += z.sum(0)
         out_w = grad_w.to(weight.dtype) if grad_w is not None else None
         out_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, out_w, out_b, None, None, None, None
+        return grad_h, out_w, out_b, None, None, None, None, None
 
 
-def chunked_apply(fn, h, weight, bias, target, group, chunk):
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits of the distribution at `temperature` (z / T, in place: z is the chunk's own fp32 copy)."""
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def chunked_apply(fn, h, weight, bias, target, group, chunk, *extra):
     """fn.apply over flattened rows (h (..., H), target (...)), in the compute dtype (autocast's, else h's), `chunk`
-    rows at a time (None: LOGITS_PER_CHUNK logits of the local vocab): the one call of both chunked heads."""
+    rows at a time (None: LOGITS_PER_CHUNK logits of the local vocab): the one call of both chunked heads. extra: the
+    function's own trailing arguments."""
     dev = h.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     chunk = chunk or max(1, LOGITS_PER_CHUNK // weight.shape[0])
-    return fn.apply(h.reshape(-1, h.shape[-1]), weight, bias, target.reshape(-1), group, chunk, cdt)
+    return fn.apply(h.reshape(-1, h.shape[-1]), weight, bias, target.reshape(-1), group, chunk, cdt, *extra)
 
 
-def chunked_token_logps(h, weight, bias, target, *, group=None, chunk: int | None = None):
-    """(log softmax(F.linear(h, weight, bias))[target], entropy) per row, chunked over rows (see the module
-    docstring). h (..., H) and target (...) flattened alike; weight the local vocab rows of a vocab-parallel head when
-    group is its tensor-parallel group. Under autocast the matmuls run in the autocast dtype, the softmax in fp32."""
-    return chunked_apply(_ChunkedTokenLogps, h, weight, bias, target, group, chunk)
+def chunked_token_logps(h, weight, bias, target, *, group=None, chunk: int | None = None, temperature: float = 1.0):
+    """(log softmax(F.linear(h, weight, bias) / temperature)[target], entropy) per row, chunked over rows (see the
+    module docstring). h (..., H) and target (...) flattened alike; weight the local vocab rows of a vocab-parallel
+    head when group is its tensor-parallel group. Under autocast the matmuls run in the autocast dtype, the softmax in
+    fp32."""
+    return chunked_apply(_ChunkedTokenLogps, h, weight, bias, target, group, chunk, float(temperature))

@@ -127,6 +127,7 @@ class ChunkedLoss:
 
     def __init__(self, head: nn.Module, chunk: int | None):
         self.head, self.chunk, self._target, self._values = head, chunk, None, None
+        self._temperature = 1.0  # of the token values' distribution (token_values)
         self.values_made = 0  # forwards that returned token values (token_values): whether a forward went here
         self._forward = head.forward
         tp = isinstance(head, ColumnParallelLinear) and head.tp > 1
@@ -143,15 +144,16 @@ class ChunkedLoss:
             self._target = None
 
     @contextlib.contextmanager
-    def token_values(self, target: torch.Tensor):
+    def token_values(self, target: torch.Tensor, temperature: float = 1.0):
         """The head's forwards inside the block return (..., 2) per input row: the log-prob of its `target` token
         (target's elements in the order of the head's input rows; differentiable) and the entropy of its next-token
-        distribution (no gradient), chunked (hfpar.parallel.chunked_logps): what an RL objective takes."""
-        self._values = target
+        distribution (no gradient), of softmax(logits / temperature), chunked (hfpar.parallel.chunked_logps): what an
+        RL objective takes."""
+        self._values, self._temperature = target, temperature
         try:
             yield self
         finally:
-            self._values = None
+            self._values, self._temperature = None, 1.0
 
     def _head_input(self, x: torch.Tensor) -> torch.Tensor:
         h = self.head
@@ -170,7 +172,13 @@ class ChunkedLoss:
                     f"{tuple(self._values.shape)}"
                 )
             lp, ent = chunked_token_logps(
-                x, self.head.weight, self.head.bias, self._values, group=self.group, chunk=self.chunk
+                x,
+                self.head.weight,
+                self.head.bias,
+                self._values,
+                group=self.group,
+                chunk=self.chunk,
+                temperature=self._temperature,
             )
             self.values_made += 1
             return torch.stack([lp, ent], -1).view(*x.shape[:-1], 2)

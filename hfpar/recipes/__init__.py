@@ -8,7 +8,9 @@ each; hfpar.recipe.main runs any of them without testing a name.
 
 A Recipe's fields (all but name / task have a default):
     task          "lm" (causal LM) | "classify": the model head and the default objective
-    defaults      the embedded run's options (what `python recipes/<name>.py` with no arguments runs)
+    defaults      the recipe's own option defaults (every run; --help shows them)
+    demo          the embedded run's options (its tiny model's steps, learning rate, lengths): only where the run
+                  names no model (`python recipes/<name>.py` with no arguments), never for a user's model
     args_class    RecipeArgs or a subclass with the recipe's own options (parsed by the one parser)
     build_data    (args, tokenizer, ctx, plan) -> RecipeData
     packed        (args) -> whether the data's rows are packed already (padding-free batches then do nothing)
@@ -65,6 +67,7 @@ class Recipe:
     name: str
     task: str = "lm"
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    demo: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     args_class: type = RecipeArgs
     build_data: Callable[..., RecipeData] | None = None
     packed: Callable[[Any], bool] = _packing

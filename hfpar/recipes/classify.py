@@ -22,8 +22,8 @@ RECIPE = register(
         name="classify",
         task="classify",
         build_data=build_data,
-        defaults=dict(
-            output_dir="outputs/classify",
+        defaults=dict(output_dir="outputs/classify", learning_rate=5e-5),  # TrainingArguments' (run_glue: 128 tokens)
+        demo=dict(
             max_steps=150,
             per_device_train_batch_size=32,
             learning_rate=2e-3,

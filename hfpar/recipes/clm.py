@@ -29,8 +29,9 @@ RECIPE = register(
         build_data=build_data,
         one_row=True,  # hfpar.recipes._text: DataCollator(one_row=plan.one_row)
         packed=packed,
-        defaults=dict(
-            output_dir="outputs/clm",
+        # TrainingArguments' learning rate; run_clm.py's block size (min(1024, the model's))
+        defaults=dict(output_dir="outputs/clm", learning_rate=5e-5, max_seq_length=1024),
+        demo=dict(
             max_steps=150,
             per_device_train_batch_size=16,
             learning_rate=3e-3,

@@ -17,6 +17,7 @@ from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import preference
 from hfpar.data.share_probe import prompt_sharing_problem
+from hfpar.objectives.base import disable_dropout
 from hfpar.objectives.preference import LOSS_TYPES, DPOObjective, loss_terms
 from hfpar.objectives.reference import FrozenReference, LoRABaseReference, PrecomputedReference, ZeRO3Reference
 from hfpar.recipes import Recipe, RecipeData, register
@@ -40,6 +41,7 @@ class DPOArgs(RecipeArgs):
     truncation_mode: str = "keep_start"  # keep_start | keep_end (TRL's)
     max_prompt_length: int | None = None  # prompt tokens kept (its end), before --max_length
     max_completion_length: int | None = None  # completion tokens kept (its start), before --max_length
+    disable_dropout: bool = True  # set every dropout module's p to 0, LoRA's too (TRL's default)
 
 
 def dpo_problems(args, ctx, model_type: str | None = None, why_not_packed: str | None = None) -> list[str]:
@@ -139,7 +141,9 @@ def objective(args, ctx, plan, model, data: RecipeData) -> DPOObjective:
     """The DPO loss and the reference it owns: none (--reference_free), precomputed log-probs (the initial model,
     before resume), the LoRA base (adapters disabled), a frozen copy of this rank's shards, or under ZeRO-3 (its
     parameters live outside the module between forwards) a copy of the initial model in a DeepSpeed engine of its
-    own."""
+    own. Dropout off first with --disable_dropout (TRL's default): the policy's forward is then the reference's."""
+    if args.disable_dropout:
+        disable_dropout(model)
     if args.reference_free:
         reference = None
     elif args.precompute_ref_log_probs:
@@ -174,15 +178,14 @@ RECIPE = register(
         problems=problems,
         resolve=resolve,
         objective=objective,
-        defaults=dict(
-            output_dir="outputs/dpo",
+        defaults=dict(output_dir="outputs/dpo", learning_rate=1e-6, max_seq_length=1024),  # DPOConfig's
+        demo=dict(
             max_steps=120,
             per_device_train_batch_size=16,
             learning_rate=3e-4,
             warmup_ratio=0.05,
             logging_steps=10,
             max_seq_length=128,
-            beta=0.1,
             lora_dropout=0.0,
         ),
     )

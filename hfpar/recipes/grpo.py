@@ -10,6 +10,7 @@ owns (hfpar.objectives.reference).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,16 @@ from hfpar.objectives.reference import FrozenReference, LoRABaseReference, ZeRO3
 from hfpar.recipes import Recipe, RecipeData, register
 from hfpar.rollout.advantages import SCALE_REWARDS
 from hfpar.rollout.collate import RolloutCollator
-from hfpar.rollout.engine import GenerationConfig, InPlaceEngine, ReplicaEngine
+from hfpar.rollout.engine import (
+    GenerationConfig,
+    InPlaceEngine,
+    ReplicaEngine,
+    checkpoint_generation_config,
+    eos_token_ids,
+)
 from hfpar.rollout.loop import Rollout, RolloutConfig
 from hfpar.rollout.policy_loss import IMPORTANCE_LEVELS, LOSS_TYPES, PolicyLossConfig
+from hfpar.rollout.reward_log import RunProgress
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
 from hfpar.rollout.schedule import RolloutSchedule
 from hfpar.train import VARLEN
@@ -45,10 +53,12 @@ class GRPOArgs(RecipeArgs):
     steps_per_generation: int | None = None  # micro-steps per generation (default: gradient_accumulation_steps)
     num_iterations: int = 1  # times each generation batch is trained on (old log-probs, importance ratio)
     max_prompt_length: int | None = 512  # longer prompts are refused, not cut (None: no limit)
-    max_completion_length: int = 256  # new tokens per completion
+    max_completion_length: int = 512  # new tokens per completion (GRPOConfig's)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float | None = None  # None: off (or the checkpoint's generation_config's, as TRL)
+    repetition_penalty: float = 1.0  # TRL's default: a checkpoint's own (Qwen2.5-Instruct's 1.05) does not apply
     generation_kwargs: str | None = None  # extra generation settings, a JSON / YAML mapping (TRL's): min_new_tokens
     loss_type: str = "dapo"  # grpo | dr_grpo | dapo | bnpo | cispo
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
@@ -146,6 +156,10 @@ def problems(args, ctx, plan) -> list[str]:
         p.append(f"--top_p {args.top_p}: must be in (0, 1]")
     if args.top_k < 0:
         p.append(f"--top_k {args.top_k}: must be >= 0 (0: off)")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        p.append(f"--min_p {args.min_p}: must be in [0, 1] (or None: off)")
+    if args.repetition_penalty <= 0:
+        p.append(f"--repetition_penalty {args.repetition_penalty}: must be > 0 (1.0: off)")
     try:
         extra = generation_kwargs(args.generation_kwargs)
         if extra.get("min_new_tokens", 0) > args.max_completion_length:
@@ -219,6 +233,21 @@ class RolloutRows:
         raise IndexError("grpo's rows come from the rollout (GRPOObjective.step_samples)")
 
 
+def progress(args, ctx, sched: RolloutSchedule) -> RunProgress:
+    """The run's numbers the reward functions' trainer_state carries, as the trainer counts them (its sampler's
+    steps per epoch over the rollout's rows, max_steps or the epochs' steps)."""
+    global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
+    per_epoch = max(1, sched.rows_per_epoch // global_batch)
+    return RunProgress(
+        max_steps=args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * per_epoch)),
+        steps_per_epoch=per_epoch,
+        logging_steps=args.logging_steps,
+        eval_steps=args.eval_steps or 0,
+        save_steps=args.save_steps or 0,
+        train_batch_size=args.per_device_train_batch_size,
+    )
+
+
 def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
     rows: RolloutRows = data_.train
     sched, tok = rows.schedule, rows.tokenizer
@@ -231,6 +260,7 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
         beta=args.beta,
         use_bias_correction_kl=args.use_bias_correction_kl,
         max_completion_length=args.max_completion_length,
+        temperature=args.temperature,  # the log-probs' and entropies' distribution is the sampler's (TRL's)
     )
     if args.beta == 0.0:
         reference = None
@@ -244,14 +274,22 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
         reference = FrozenReference()
     specs = _list(args.reward_funcs)
     weights = [float(w) for w in _list(args.reward_weights)] if args.reward_weights else [1.0] * len(specs)
+    # TRL's generation settings, the checkpoint's generation_config completing them; its EOS ids stop completions
+    checkpoint = checkpoint_generation_config(
+        None if args.model_name_or_path == data.EMBEDDED else args.model_name_or_path, model
+    )
     generation = GenerationConfig(
         max_new_tokens=args.max_completion_length,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         min_new_tokens=generation_kwargs(args.generation_kwargs).get("min_new_tokens", 0),
-        eos_token_id=tok.eos_token_id,
+        eos_token_id=eos_token_ids(checkpoint, tok.eos_token_id),
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        bos_token_id=tok.bos_token_id,
+        checkpoint=checkpoint,
     )
     # a pipeline holds no whole model on a rank: a replica synced from the stages generates
     engine = ReplicaEngine(generation, ctx) if ctx.pp > 1 else InPlaceEngine(generation)
@@ -273,6 +311,7 @@ def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
             ref_logps=args.beta != 0.0,
             seed=args.seed,
             log_completions=str(Path(args.output_dir) / "completions.jsonl") if args.log_completions else None,
+            progress=progress(args, ctx, sched),
         ),
         plan.cp_mode,
     )
@@ -291,6 +330,9 @@ RECIPE = register(
         defaults=dict(
             output_dir="outputs/grpo",
             model_name_or_path=data.grpo_start_path(),  # the embedded model after a short SFT on the task
+            learning_rate=1e-6,  # GRPOConfig's
+        ),
+        demo=dict(
             max_steps=60,
             per_device_train_batch_size=64,  # 8 prompts x 8 completions a step
             num_generations=8,
@@ -300,7 +342,6 @@ RECIPE = register(
             eval_steps=0,
             max_completion_length=16,
             max_prompt_length=64,
-            beta=0.0,
         ),
     )
 )

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import reward_pairs
+from hfpar.objectives.base import disable_dropout
 from hfpar.objectives.reward import RewardObjective
 from hfpar.parallel.language_model import text_config
 from hfpar.recipes import Recipe, RecipeData, register
@@ -28,7 +27,7 @@ class RewardArgs(RecipeArgs):
     # --- reward modelling (the reward recipe; TRL RewardConfig's names) ------------------------------
     center_rewards_coefficient: float | None = None  # weight of mean (r_chosen + r_rejected)^2 in the loss (TRL: 0.01)
     max_length: int | None = None  # longer pairs (chosen or rejected) are left out, as TRL; unset = --max_seq_length
-    disable_dropout: bool = True  # set every dropout module's p to 0 (LoRA's --lora_dropout kept)
+    disable_dropout: bool = True  # set every dropout module's p to 0, LoRA's too (TRL's default)
     eos_token: str | None = None  # the tokenizer's eos (appended to standard-text completions); unset = its own
     pad_to_multiple_of: int | None = None  # pad each batch's rows to a multiple of this many tokens
 
@@ -86,9 +85,7 @@ def objective(args, ctx, plan, model, built) -> RewardObjective:
         tok.eos_token = args.eos_token
         text.eos_token_id = model.config.eos_token_id = tok.eos_token_id
     if args.disable_dropout:
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name:
-                module.p = 0.0
+        disable_dropout(model)
     return RewardObjective(args.center_rewards_coefficient)
 
 
@@ -105,8 +102,8 @@ RECIPE = register(
         packed=packed,
         problems=problems,
         objective=objective,
-        defaults=dict(
-            output_dir="outputs/reward",
+        defaults=dict(output_dir="outputs/reward", learning_rate=1e-4, max_seq_length=1024),  # RewardConfig's
+        demo=dict(
             max_steps=100,
             per_device_train_batch_size=16,
             per_device_eval_batch_size=50,

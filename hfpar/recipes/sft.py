@@ -51,8 +51,8 @@ RECIPE = register(
         one_row=True,  # hfpar.recipes._text: DataCollator(one_row=plan.one_row)
         problems=problems,
         image_text=True,
-        defaults=dict(
-            output_dir="outputs/sft",
+        defaults=dict(output_dir="outputs/sft", learning_rate=2e-5, max_seq_length=1024),  # TRL SFTConfig's
+        demo=dict(
             max_steps=150,
             per_device_train_batch_size=16,
             learning_rate=1e-3,

@@ -1,7 +1,7 @@
 """Where completions come from: the interface a rollout engine implements, and the engine hfpar has, the policy
 generating in its own parallel layout.
 
-    engine = InPlaceEngine(GenerationConfig(max_new_tokens=16, temperature=1.0, eos_token_id=2, pad_token_id=0))
+    engine = InPlaceEngine(GenerationConfig(max_new_tokens=16, temperature=1.0, eos_token_id=[2], pad_token_id=0))
     completions = engine.generate(backend, prompt_ids, keys)    # collective; list of token-id lists, EOS kept
 
 InPlaceEngine calls transformers' `generate` (its KV cache, EOS stopping) on the model as the backend holds it:
@@ -9,7 +9,10 @@ TP shards, EP experts, FSDP2 / ZeRO-3 parameters gathered layer by layer by thei
 backend's autocast. Every rank runs the same number of forwards per decoding step (transformers' `synced_gpus`)
 when there is more than one process, since those forwards are collective. Context-parallel ranks of a replica
 generate the same rows (generation needs no cut of the sequence). Sampling is hfpar.rollout.sampling's: each row's
-tokens depend on its key, never on the batch.
+tokens depend on its key, never on the batch. The settings are TRL GRPOTrainer's (hfpar.rollout.sampling): its own
+generation config, completed by the checkpoint's generation_config (`checkpoint_generation_config`, read from the
+model's directory, so the same under hfpar's sharded loading), and every EOS id the checkpoint declares plus the
+tokenizer's stops a completion, cuts it and marks it terminated (`eos_token_ids`, `truncated`).
 
 ReplicaEngine is the colocated kind (TRL's vLLM colocate mode, transformers' generate in place of vLLM): a pipeline
 has no whole model on a rank, so each rank generates with a whole replica of the policy, its weights synced from
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
+from transformers import GenerationConfig as HFGenerationConfig
 
 from hfpar.distributed import unwrap
 from hfpar.parallel.context_parallel import whole_sequence
@@ -39,8 +43,39 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     min_new_tokens: int = 0  # no EOS before this many new tokens (transformers' min_new_tokens)
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # every id ends a completion (eos_token_ids: TRL's list)
     pad_token_id: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0  # TRL's default: a checkpoint's own (e.g. 1.05) does not apply
+    bos_token_id: int | None = None
+    checkpoint: HFGenerationConfig | None = None  # its generation_config: what TRL's settings leave unset
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+
+def checkpoint_generation_config(source: str | None, model) -> HFGenerationConfig | None:
+    """The generation_config the checkpoint ships (generation_config.json of `source`, a directory or hub id), as
+    from_pretrained gives a model; without one, the one transformers derives from the model's config. Read from the
+    files, not the model object: hfpar's sharded loading builds the model from its config alone."""
+    if source:
+        try:
+            return HFGenerationConfig.from_pretrained(source)
+        except (OSError, ValueError):
+            pass  # no generation_config.json: transformers derives one from config.json, as below
+    config = getattr(model, "config", None)
+    return HFGenerationConfig.from_model_config(config) if config is not None else None
+
+
+def eos_token_ids(checkpoint: HFGenerationConfig | None, tokenizer_eos: int | None) -> list[int]:
+    """TRL GRPOTrainer's EOS list: every id of the checkpoint's generation_config, the tokenizer's first if missing."""
+    ids = checkpoint.eos_token_id if checkpoint is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids = [tokenizer_eos, *ids]
+    return ids
 
 
 def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,12 +90,19 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def cut_at_eos(row: list[int], eos_token_id: int | None) -> tuple[list[int], bool]:
-    """(the completion up to and including its first EOS, whether it ended with EOS)."""
-    if eos_token_id is not None and eos_token_id in row:
-        end = row.index(eos_token_id)
-        return row[: end + 1], True
+def cut_at_eos(row: list[int], eos_token_id: int | list[int] | None) -> tuple[list[int], bool]:
+    """(the completion up to and including its first EOS (an id, or any of a list), whether it ended with one)."""
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    for end, t in enumerate(row):
+        if t in eos:
+            return row[: end + 1], True
     return row, False
+
+
+def truncated(row: list[int], eos_ids: list[int], pad_token_id: int | None) -> bool:
+    """TRL's rule (GRPOTrainer, mask_truncated_completions and completions/clipped_ratio): a completion is
+    truncated when its last token is neither an EOS id nor the pad token."""
+    return not row or row[-1] not in (*eos_ids, pad_token_id)
 
 
 class InPlaceEngine:
@@ -101,16 +143,21 @@ class InPlaceEngine:
                     top_p=cfg.top_p,
                     top_k=cfg.top_k,
                     min_new_tokens=cfg.min_new_tokens,
-                    eos_token_id=cfg.eos_token_id,
+                    eos_token_id=cfg.eos_ids or None,
                     pad_token_id=cfg.pad_token_id,
                     synced_gpus=synced,
+                    min_p=cfg.min_p,
+                    repetition_penalty=cfg.repetition_penalty,
+                    bos_token_id=cfg.bos_token_id,
+                    # the checkpoint's, also where the model object lacks it (built from its config)
+                    base_config=cfg.checkpoint,
                 )
         finally:
             model.train(was_training)
             if root is not None:
                 root.reshard()
         new = out[:, ids.shape[1] :].cpu().tolist()
-        return [cut_at_eos(row, cfg.eos_token_id)[0] for row in new]
+        return [cut_at_eos(row, cfg.eos_ids)[0] for row in new]
 
 
 class ReplicaEngine(InPlaceEngine):

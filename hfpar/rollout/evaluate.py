@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from hfpar.rollout import advantages as A
-from hfpar.rollout.engine import cut_at_eos
+from hfpar.rollout.engine import truncated
 from hfpar.rollout.metrics import window_metrics
+from hfpar.rollout.reward_log import RewardLog
 from hfpar.rollout.sampling import row_key
 
 EVAL_STEP = -1  # the step of an eval row's sampling key (training windows are >= 0)
@@ -28,8 +29,10 @@ def evaluate_prompts(rollout, backend, batches: list[list[int | None]], prompts)
     rollout.device = backend.acc.device
     n = max((i for idx in batches for i in idx if i is not None), default=-1) + 1
     n = int(_max_over_ranks(n, rollout.device))  # every rank's table covers the whole eval set
-    eos = rollout.tokenizer.eos_token_id
+    eos, pad = rollout.engine.config.eos_ids, rollout.engine.config.pad_token_id
     flat, per_func, completions, ended = [], [], [], []
+    done = rollout.step + 1 if rollout.window is not None else 0  # optimizer steps trained (trainer_state)
+    rollout.reward_log = RewardLog()
     for idx in batches:
         rows = [(i, j) for i in idx for j in range(g)]
         items = [prompts[i if i is not None else 0] for i, _ in rows]
@@ -39,10 +42,11 @@ def evaluate_prompts(rollout, backend, batches: list[list[int | None]], prompts)
         if not keep:
             continue
         comps = [out[k] for k in keep]
-        per_func.append(rollout._score([items[k] for k in keep], comps, rollout.step))
-        flat += [rows[k][0] * g + rows[k][1] for k in keep]
+        where = [rows[k][0] * g + rows[k][1] for k in keep]
+        per_func.append(rollout._score([items[k] for k in keep], comps, done, where))
+        flat += where
         completions += comps
-        ended += [cut_at_eos(c, eos)[1] for c in comps]
+        ended += [not truncated(c, eos, pad) for c in comps]
     f = len(rollout.rewards)
     scores = torch.cat(per_func) if per_func else torch.zeros((0, f), dtype=torch.float32)
     table = rollout._gather(flat, scores, completions, ended, n * g)
@@ -52,7 +56,9 @@ def evaluate_prompts(rollout, backend, batches: list[list[int | None]], prompts)
     else:
         stats = {"std_is_zero": torch.ones_like(rewards, dtype=torch.bool)}
     names = [rf.name for rf in rollout.rewards]
-    fields = window_metrics(table, rewards, stats, names, eos, rollout.tokenizer.pad_token_id)
+    fields = window_metrics(table, rewards, stats, names, eos, pad)
+    fields.update(rollout.reward_log.metrics(rollout.device))  # the reward functions' log_metric (TRL: eval_<name>)
+    rollout.reward_log = RewardLog()  # log_extra: eval completions are not written (completions.jsonl is training's)
     return {f"eval_{k}": v for k, v in fields.items()}
 
 

@@ -24,9 +24,10 @@ import torch
 from hfpar.distributed import all_reduce_sum
 from hfpar.rollout import advantages as A
 from hfpar.rollout.collate import RolloutCollator
-from hfpar.rollout.engine import cut_at_eos
+from hfpar.rollout.engine import truncated
 from hfpar.rollout.evaluate import evaluate_prompts
 from hfpar.rollout.metrics import window_metrics
+from hfpar.rollout.reward_log import RewardLog, RunProgress
 from hfpar.rollout.rewards import score
 from hfpar.rollout.sampling import row_key
 from hfpar.train.batch_plan import BatchPlan
@@ -43,6 +44,7 @@ class RolloutConfig:
     ref_logps: bool = False  # beta != 0
     seed: int = 42
     log_completions: str | None = None  # a path: completions.jsonl (rank 0)
+    progress: RunProgress | None = None  # the run's numbers the reward functions' trainer_state carries
 
 
 class Rollout:
@@ -57,6 +59,7 @@ class Rollout:
         self.step = 0  # the last optimizer step's (0-based): an eval's reward functions get it
         self.rows: list[list[dict]] = []  # this rank's rows, per micro-step of a pass
         self._metrics: dict = {}
+        self.reward_log = RewardLog()  # what the reward functions log (log_metric, log_extra), until flushed
         self.owner = ctx.tp_rank == 0 and ctx.cp_rank == 0 and ctx.pp_rank == 0
 
     # ------------------------------------------------------------------ the trainer's side
@@ -85,9 +88,10 @@ class Rollout:
         t0 = time.perf_counter()
         completions = self.engine.generate(backend, [it["prompt_ids"] for it in items], keys)
         t1 = time.perf_counter()
-        eos = self.tokenizer.eos_token_id
-        ended = [cut_at_eos(c, eos)[1] for c in completions]
-        per_func = self._score(items, completions, step)
+        eos = self.engine.config.eos_ids  # TRL's list: the checkpoint's EOS ids and the tokenizer's
+        pad = self.engine.config.pad_token_id
+        ended = [not truncated(c, eos, pad) for c in completions]  # ends in EOS or pad (TRL's rule)
+        per_func = self._score(items, completions, step, flat)
         table = self._gather(flat, per_func, completions, ended, sched.generation_batch)
         rewards = A.weighted_rewards(table["rewards"], torch.tensor(self.weights, dtype=torch.float64))
         if cfg.advantage == "rloo":
@@ -95,9 +99,9 @@ class Rollout:
             stats = {"std": torch.zeros_like(rewards), "std_is_zero": torch.zeros_like(rewards, dtype=torch.bool)}
         else:
             adv, stats = A.group_advantages(rewards, sched.num_generations, cfg.scale_rewards)
-        self._metrics = window_metrics(
-            table, rewards, stats, [rf.name for rf in self.rewards], eos, self.tokenizer.pad_token_id
-        )
+        self._metrics = window_metrics(table, rewards, stats, [rf.name for rf in self.rewards], eos, pad)
+        self._metrics.update(self.reward_log.metrics(self.device))  # log_metric's: TRL logs them on this step
+        extra = self.reward_log.extra() if cfg.log_completions else {}  # log_extra's: completions.jsonl columns
         self.rows = []
         for rows in mine:
             batch = []
@@ -118,10 +122,12 @@ class Rollout:
         # this rank's seconds: generation, then scoring + advantages + old / reference log-probs
         self._metrics.update(generation_time_s=t1 - t0, rollout_rest_time_s=time.perf_counter() - t1)
         if cfg.log_completions and _rank() == 0:
-            self._log(step, window, prompts, table, rewards, adv)
+            self._log(step, window, prompts, table, rewards, adv, extra)
+        self.reward_log = RewardLog()  # what was not flushed (log_extra without --log_completions) goes
 
-    def _score(self, items, completions, step) -> torch.Tensor:
-        """(n, F) rewards of this rank's rows (NaN: None), scored by a replica's leading rank only."""
+    def _score(self, items, completions, global_step: int, rows: list[int]) -> torch.Tensor:
+        """(n, F) rewards of this rank's rows (NaN: None; `rows`: their numbers in the batch), scored by a
+        replica's leading rank only; global_step: the optimizer steps done (the reward functions' trainer_state)."""
         n = len(completions)
         if not self.owner:
             return torch.zeros((n, len(self.rewards)), dtype=torch.float32)
@@ -130,7 +136,10 @@ class Rollout:
         conversational = isinstance(prompts[0], list)
         comps = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [it[k] for it in items] for k in items[0] if k not in ("prompt", "prompt_ids")}
-        out = score(self.rewards, prompts, comps, completions, columns, step + 1, {"global_step": step})
+        progress = self.cfg.progress or RunProgress(max_steps=0, steps_per_epoch=1)
+        state = progress.state(global_step)
+        out = score(self.rewards, prompts, comps, completions, columns, global_step + 1, state, self.reward_log)
+        self.reward_log.scored(rows)
         for j, rf in enumerate(self.rewards):
             if rf.func is None:  # a reward model directory
                 out[:, j] = torch.tensor(self._reward_model(rf)(prompts, comps), dtype=torch.float32)
@@ -186,7 +195,7 @@ class Rollout:
                     p, n = len(row["prompt_ids"]), len(row["completion_ids"])
                     row[key] = values[r, p - 1 : p + n - 1].tolist()
 
-    def _log(self, step, window, prompts, table, rewards, adv) -> None:
+    def _log(self, step, window, prompts, table, rewards, adv, extra: dict) -> None:
         with open(self.cfg.log_completions, "a") as fh:
             for r in range(self.schedule.generation_batch):
                 p, g = self.schedule.row(prompts, r)
@@ -203,6 +212,7 @@ class Rollout:
                             "completion_ids": table["ids"][r, :n].tolist(),
                             "reward": None if math.isnan(float(rewards[r])) else float(rewards[r]),
                             "advantage": float(adv[r]),
+                            **{k: v.get(r) for k, v in extra.items()},  # the reward functions' log_extra columns
                         }
                     )
                     + "\n"

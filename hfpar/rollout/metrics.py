@@ -1,7 +1,7 @@
 """The metrics of a generation batch, TRL 1.16 GRPOTrainer's names and formulas, from the whole batch's table
 (hfpar.rollout.loop: the same on every rank).
 
-    fields = window_metrics(table, rewards, stats, ["exact_match"], eos_token_id=2, pad_token_id=0)
+    fields = window_metrics(table, rewards, stats, ["exact_match"], eos_token_id=[2], pad_token_id=0)
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from hfpar.rollout.advantages import nanstd
 def window_metrics(
     table: dict, rewards: torch.Tensor, stats: dict, names: list[str], eos_token_id, pad_token_id
 ) -> dict:
-    """completions/* (lengths; clipped: the last token neither EOS nor padding, TRL's rule), rewards/<name>/mean and
-    std, reward, reward_std, frac_reward_zero_std."""
+    """completions/* (lengths; clipped: the last token neither an EOS id (an id or TRL's list) nor padding, TRL's
+    rule), rewards/<name>/mean and std, reward, reward_std, frac_reward_zero_std."""
     lengths = table["lengths"]
     ids = table["ids"]
     last = ids[torch.arange(ids.size(0)), (lengths.long() - 1).clamp(min=0)]
-    truncated = (last != eos_token_id) & (last != pad_token_id)
+    eos = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [] if eos_token_id is None else [eos_token_id]
+    eos = torch.tensor(eos, dtype=torch.long)
+    truncated = ~torch.isin(last, eos) & (last != pad_token_id)
     term = lengths[~truncated]
     if term.numel() == 0:
         term = torch.zeros(1, dtype=lengths.dtype)

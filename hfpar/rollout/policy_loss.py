@@ -34,6 +34,7 @@ class PolicyLossConfig:
     beta: float = 0.0  # KL coefficient (0: no reference)
     use_bias_correction_kl: bool = True  # TRL 1.16's default: the KL term times the importance ratio
     max_completion_length: int = 256  # dr_grpo's constant
+    temperature: float = 1.0  # the sampler's: log-probs and entropies are of softmax(logits / temperature) (TRL's)
 
     @property
     def eps_high(self) -> float:

@@ -6,8 +6,9 @@
 A spec is one of:
   - a built-in name (BUILTINS: exact_match, numeric_match: the completion against the dataset's `answer` column);
   - `module.path:function`, a callable with TRL's signature `f(prompts, completions, completion_ids, **kwargs) ->
-    list[float | None]` (kwargs: the dataset's other columns, one value per completion, and `trainer_state`); the
-    module is imported (the user's own code, named by the user on the command line);
+    list[float | None]` (kwargs: the dataset's other columns, one value per completion, `trainer_state` (a
+    transformers TrainerState), `log_metric` and `log_extra` (hfpar.rollout.reward_log)); the module is imported
+    (the user's own code, named by the user on the command line);
   - a directory holding a sequence-classification model (e.g. `recipes/reward.py`'s output): its first logit is the
     reward, scored on prompt + completion (TRL's reward-model path). Loaded later (load_reward_model).
 Problems are one line naming the value and what would be valid (RewardError), before the policy loads where they can
@@ -115,6 +116,8 @@ def resolve_reward_funcs(specs: list[str], weights: list[float] | None = None) -
 
 
 def _checked(rf: RewardFunc, values, n: int, step: int) -> list[float]:
+    if getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):  # a 1-D tensor / array (TRL iterates it)
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise RewardError(
@@ -123,8 +126,8 @@ def _checked(rf: RewardFunc, values, n: int, step: int) -> list[float]:
         )
     out = []
     for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)  # unscorable by this function (TRL)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            out.append(math.nan)  # unscorable by this function (TRL: None becomes NaN, left out by its nansum)
             continue
         try:
             f = float(v)
@@ -149,11 +152,14 @@ def score(
     columns: dict[str, list],
     step: int,
     trainer_state=None,
+    log=None,
 ) -> torch.Tensor:
     """(N, F) rewards of the callables (reward models are scored by their own component, which fills their
-    column); an exception inside a function becomes one line naming it."""
+    column); an exception inside a function becomes one line naming it. trainer_state: a transformers TrainerState;
+    log: a hfpar.rollout.reward_log.RewardLog, whose log_metric / log_extra the functions get (TRL's kwargs)."""
     n = len(completions)
     out = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
+    logging = {"log_extra": log.log_extra, "log_metric": log.log_metric} if log is not None else {}
     for j, rf in enumerate(funcs):
         if rf.func is None:
             continue
@@ -163,6 +169,7 @@ def score(
                 completions=completions,
                 completion_ids=completion_ids,
                 trainer_state=trainer_state,
+                **logging,
                 **columns,
             )
         except RewardError:

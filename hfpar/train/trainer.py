@@ -226,12 +226,9 @@ class Trainer:
         batches = [self.batch_plan(b) for b in raw]
         # the loss units and real tokens were counted on the host (no device read): one collective, read once
         totals = all_reduce_sum([loaded.units, loaded.real], self._count_device) / ctx.data_replicas
-        n_global = float(totals[0])
-        if n_global == 0:
-            raise ValueError(
-                f"step {step + 1}: the global batch has no target tokens (all labels masked); check the data / "
-                "--completion_only_loss"
-            )
+        n_units = n_global = float(totals[0])
+        if n_global == 0:  # the objective decides: a data bug (raises) or a zero-loss step (online RL)
+            n_global = float(obj.empty_step_units(step))
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         loss_scale = (
             self.backend.loss_scale()
@@ -274,7 +271,7 @@ class Trainer:
             "tokens_per_s": float(totals[1]) / dt,
             "step_time_s": dt,
             "step_cpu_s": time.process_time() - c0,  # this process's CPU seconds (all its threads)
-            "num_target_tokens": int(n_global),
+            "num_target_tokens": int(n_units),
             "peak_mem_bytes": M.peak_memory_bytes(acc.device),
         }
         rec.update(obj.metrics(sums[1:]))

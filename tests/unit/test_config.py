@@ -21,6 +21,64 @@ def test_recipe_defaults_are_below_yaml_and_cli(tmp_path):
     assert a.max_steps == 4
 
 
+@pytest.mark.parametrize("name", ["sft", "clm", "classify", "dpo", "reward", "grpo"])
+def test_demo_options_only_for_the_run_that_names_no_model(name, tmp_path, monkeypatch):
+    """The embedded run's options (its tiny model's steps, learning rate, lengths) never reach a user's model: a run
+    naming one (flag or --config) trains with the recipe's defaults, which --help shows; HFPAR_DEMO_OPTIONS=always
+    (the suite's) gives every run the demo's, beneath its flags."""
+    from hfpar import recipes
+
+    r = recipes.get(name)
+    kw = dict(recipe=name, defaults=dict(r.defaults), demo=dict(r.demo), args_class=r.args_class)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name_or_path: some/model\n")
+    monkeypatch.setenv("HFPAR_DEMO_OPTIONS", "auto")
+    demo = parse_args([], **kw)
+    for argv in (["--model_name_or_path", "some/model"], ["--config", str(cfg)]):
+        user = parse_args(argv, **kw)
+        assert user.max_steps == -1 and demo.max_steps == r.demo["max_steps"] > 0, argv
+        assert user.learning_rate == r.defaults["learning_rate"] != demo.learning_rate == r.demo["learning_rate"]
+    assert parse_args(["--model_name_or_path", "m", "--max_steps", "5"], **kw).max_steps == 5
+    embedded = parse_args(["--model_name_or_path", "hfpar-tiny-vlm"], **kw, embedded=("hfpar-tiny", "hfpar-tiny-vlm"))
+    assert embedded.max_steps == r.demo["max_steps"]  # an embedded model named: still the demo
+    monkeypatch.setenv("HFPAR_DEMO_OPTIONS", "always")
+    assert parse_args(["--model_name_or_path", "m"], **kw).max_steps == r.demo["max_steps"]
+    monkeypatch.setenv("HFPAR_DEMO_OPTIONS", "sometimes")
+    with pytest.raises(ConfigError, match="HFPAR_DEMO_OPTIONS=sometimes: valid values are auto"):
+        parse_args([], **kw)
+
+
+def test_help_shows_the_defaults_a_run_uses(capsys, monkeypatch):
+    from hfpar import recipes
+
+    r = recipes.get("grpo")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], recipe="grpo", defaults=dict(r.defaults), demo=dict(r.demo), args_class=r.args_class)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--learning_rate VALUE (default: 1e-06)" in out  # GRPOConfig's, not the demo's 3e-4
+    assert "--max_completion_length VALUE new tokens per completion (GRPOConfig's) (default: 512)" in out
+    assert "With no --model_name_or_path (the embedded demo run) these apply too: --max_steps 60" in out
+
+
+def test_list_options_take_trl_space_separated_values():
+    from hfpar import recipes
+
+    r = recipes.get("grpo")
+    a = parse_args(
+        ["--reward_funcs", "exact_match", "numeric_match", "--reward_weights", "1", "0.5", "--report_to", "none"],
+        recipe="grpo",
+        args_class=r.args_class,
+    )
+    assert a.reward_funcs == "exact_match,numeric_match" and a.reward_weights == "1,0.5" and a.report_to == "none"
+    assert parse_args(["--lora_target_modules", "q_proj,v_proj"]).lora_target_modules == "q_proj,v_proj"
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_numpy_cannot_take_is_one_line(seed):
+    with pytest.raises(ConfigError, match=rf"^--seed {seed}: must be an integer in \[0, 4294967295\]$"):
+        parse_args(["--seed", seed])
+
+
 def test_bool_and_none_values():
     a = parse_args(["--packing", "false", "--eval_steps", "none", "--resume_from_checkpoint", "latest"])
     assert a.packing is False and a.eval_steps is None and a.resume_from_checkpoint == "latest"

@@ -77,3 +77,16 @@ def test_a_family_whose_mask_ignores_position_ids_trains_through_shared_rows(tmp
     for step, (t, h) in enumerate(zip(trl, ours), start=1):
         for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
             assert _close(h[key], t[key]), f"step {step} {key}: hfpar {h[key]} vs TRL {t[key]}"
+
+
+def test_dropout_off_as_trl_does(tmp_path):
+    """TRL's DPOConfig.disable_dropout (default true) zeroes every dropout module of the policy (and reference):
+    hfpar's --disable_dropout (same default) too, so a family with dropout modules (Phi-3's resid / embd pdrop) takes
+    TRL's steps; with dropout left on, its first step's policy would differ from its reference (loss != ln 2)."""
+    case = make_case(tmp_path / "case", model_type="phi3", config_updates={"resid_pdrop": 0.1, "embd_pdrop": 0.1})
+    trl = run_trl(*case, str(tmp_path / "trl"), steps=3)
+    ours = run_hfpar(*case, str(tmp_path / "hfpar"), steps=3)
+    assert abs(ours[0]["loss"] - 0.6931471805599453) < 1e-6, ours[0]["loss"]
+    for step, (t, h) in enumerate(zip(trl, ours), start=1):
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            assert _close(h[key], t[key]), f"step {step} {key}: hfpar {h[key]} vs TRL {t[key]}"

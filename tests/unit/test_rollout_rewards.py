@@ -10,6 +10,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs, score
 
@@ -22,8 +23,12 @@ def returns_two(prompts, completions, **kwargs):
     return [1.0, 2.0]
 
 
-def returns_nan(prompts, completions, **kwargs):
-    return [math.nan] * len(completions)
+def returns_inf(prompts, completions, **kwargs):
+    return [math.inf] * len(completions)
+
+
+def returns_tensor_with_nan(prompts, completions, **kwargs):
+    return torch.tensor([math.nan] + [2.0] * (len(completions) - 1))
 
 
 def returns_none_for_first(prompts, completions, **kwargs):
@@ -43,6 +48,9 @@ def test_builtins_and_user_callables_score_with_trl_signature():
     got = score(funcs, ["1+1=", "2+3="], [" 2", "is 5!"], [[1], [2]], {"answer": ["2", "5"]}, step=1)
     assert got[:, 0].tolist() == [1.0, 0.0] and got[:, 1].tolist() == [1.0, 1.0] and got[:, 2].tolist() == [2.0, 5.0]
     assert math.isnan(got[0, 3]) and got[1, 3] == 1.0
+    # TRL iterates what a function returns (a tensor too) and turns None into NaN: a NaN is "cannot score" too
+    got = score(resolve_reward_funcs([f"{ME}:returns_tensor_with_nan"]), ["a", "b"], ["x", "y"], [[1], [2]], {}, step=1)
+    assert math.isnan(got[0, 0]) and got[1, 0] == 2.0
     convo = score(
         funcs[:1],
         [[{"role": "user", "content": "q"}]],
@@ -91,7 +99,7 @@ def test_a_directory_that_is_not_a_reward_model_and_bad_weights(tmp_path):
     "func,message",
     [
         ("returns_two", r"step 3: reward function 'returns_two' returned 2 rewards for 3 completions"),
-        ("returns_nan", r"step 3: reward function 'returns_nan' returned nan for completion 0: rewards must be finite"),
+        ("returns_inf", r"step 3: reward function 'returns_inf' returned inf for completion 0: rewards must be finite"),
         ("raises", r"step 3: reward function 'raises' raised KeyError: 'solution'"),
     ],
 )
