@@ -20,6 +20,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from hfpar import data
 from hfpar.config import RecipeArgs
 from hfpar.data import DataError, prompts
+from hfpar.objectives.base import disable_dropout
 from hfpar.objectives.policy import GRPOObjective
 from hfpar.objectives.reference import FrozenReference, LoRABaseReference, ZeRO3Reference
 from hfpar.recipes import Recipe, RecipeData, register
@@ -72,6 +73,7 @@ class GRPOArgs(RecipeArgs):
     advantage_estimator: str = "grpo"  # grpo | rloo (RLOOTrainer's leave-one-out baseline)
     normalize_advantages: bool = False  # rloo: standardize the advantages over the batch (RLOOConfig's)
     log_completions: bool = False  # write every completion, its reward and advantage to completions.jsonl
+    disable_dropout: bool = False  # set every dropout module's p to 0, LoRA's too (GRPOConfig's default: off)
 
 
 def _list(text: str | None) -> list[str]:
@@ -249,6 +251,8 @@ def progress(args, ctx, sched: RolloutSchedule) -> RunProgress:
 
 
 def objective(args, ctx, plan, model, data_: RecipeData) -> GRPOObjective:
+    if args.disable_dropout:  # before the reference copy (beta > 0) is made: both without dropout, as TRL
+        disable_dropout(model)
     rows: RolloutRows = data_.train
     sched, tok = rows.schedule, rows.tokenizer
     cfg = PolicyLossConfig(

@@ -73,6 +73,15 @@ def test_list_options_take_trl_space_separated_values():
     assert parse_args(["--lora_target_modules", "q_proj,v_proj"]).lora_target_modules == "q_proj,v_proj"
 
 
+@pytest.mark.parametrize("name,default", [("grpo", False), ("dpo", True), ("reward", True)])
+def test_disable_dropout_with_trls_default(name, default):
+    from hfpar import recipes
+
+    cls = recipes.get(name).args_class
+    assert parse_args([], recipe=name, args_class=cls).disable_dropout is default  # GRPOConfig / DPOConfig / ...
+    assert parse_args(["--disable_dropout"], recipe=name, args_class=cls).disable_dropout is True
+
+
 @pytest.mark.parametrize("seed", ["-1", "4294967296"])
 def test_a_seed_numpy_cannot_take_is_one_line(seed):
     with pytest.raises(ConfigError, match=rf"^--seed {seed}: must be an integer in \[0, 4294967295\]$"):
