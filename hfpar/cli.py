@@ -101,7 +101,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust_remote_code",
         action="store_true",
-        help="run the Python files of a model directory whose config has auto_map (default: refused)",
+        help="run the Python code a model's config names (auto_map), local or hub (default: never; a known "
+        "model_type is planned with transformers' own class, an unknown one refused)",
     )
     return p
 
@@ -129,6 +130,19 @@ def load_config(model: str, trust_remote_code: bool = False):
             )
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep in model.replace("/", ""):
         fail(f"--model {model}: no such model directory (give a directory with config.json or a hub id)")
+    if not trust_remote_code:  # a hub config whose model only exists as its auto_map code: refused, naming the flag
+        from transformers import PretrainedConfig  # noqa: PLC0415
+
+        from hfpar.planner.memory import PlannerError, untrusted_fields  # noqa: PLC0415
+
+        try:
+            fields, _ = PretrainedConfig.get_config_dict(model)  # config.json only: no code is fetched or run
+        except Exception:  # noqa: BLE001 - AutoConfig below says why in one line
+            fields = {}
+        try:
+            untrusted_fields(fields)
+        except PlannerError as e:
+            fail(f"--model {model}: {e}")
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as e:  # network, unknown id, gated repo: one line with the cause
@@ -158,6 +172,7 @@ def plan_main(argv: list[str]) -> None:
             attn_implementation=a.attn_implementation,
             cp_size=a.cp_size,
             loss_chunk_size=a.loss_chunk_size,
+            trust_remote_code=a.trust_remote_code,
         )
     except PlannerError as e:
         fail(str(e))
@@ -203,6 +218,13 @@ def export_main(argv: list[str]) -> None:
     )
     a = p.parse_args(argv)
     from hfpar.checkpoint.export import ExportError, export_checkpoint  # noqa: PLC0415  (subcommands import on use: see main)
+
+    ckpt = Path(a.checkpoint_dir).expanduser()
+    for name, what in (("config.json", "the config"), ("tokenizer_config.json", "the tokenizer")):
+        # export falls back to the run's output dir (the checkpoint's parent) for these: reading outside the
+        # directory named is said (its files are checked as the checkpoint's are: no link out, no code)
+        if ckpt.is_dir() and not (ckpt / name).is_file() and (ckpt.parent / name).is_file():
+            print(f"[hfpar] {ckpt} has no {name}: {what} is read from {ckpt.parent} (the run's output dir)")
 
     try:
         print(

@@ -17,6 +17,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from hfpar.data.synthetic import embedded_splits
+from hfpar.loading.contained import escape_problems
 
 from .errors import DataError, _one_line
 
@@ -84,6 +85,8 @@ def load_splits(
 def _load_raw(name: str) -> DatasetDict:
     path = Path(name).expanduser()
     if path.is_dir():
+        for problem in escape_problems(name, option="dataset", walk=True):  # a file of it linking out: never read
+            raise DataError(problem)
         builder, data_files = _dir_files(path)
     elif path.is_file():
         builder, data_files = _builder_of(path), {"train": [str(path)]}

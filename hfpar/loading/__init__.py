@@ -5,6 +5,9 @@ files.py     safetensors / .bin (zip, read without pickle) checkpoint files and 
 views.py     the slice of a checkpoint tensor a sharded parameter holds
 upcycle.py   --upcycle_experts on the meta skeleton (each rank builds only its experts)
 lora.py      PEFT LoRA adapters: applied before the data-parallel wrap, exported after training
+sources.py   what a model / tokenizer / dataset dir is checked for before anything loads (no code, no adapter, ...)
+contained.py nothing read from outside the directory named (links, index entries; HF cache snapshots allowed)
+json_limits.py  bounded reads of an untrusted directory's JSON files
 """
 
 from hfpar.parallel.exports import lazy_exports

@@ -18,9 +18,12 @@ import os
 import re
 import zipfile
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from hfpar.loading.contained import bound, index_entry_problem, outside
 
 __all__ = ["checkpoint_index", "Files", "read", "SAFETENSORS_INDEX", "BIN_INDEX"]
 
@@ -29,9 +32,24 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 _BIN = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin$")
 
 
+def _inside(path: str, name: str) -> bool:
+    """True, or ValueError if `name` of checkpoint dir `path` is absolute, climbs out, or links outside it. The
+    run's preflight refused such a local dir in one line (hfpar.loading.contained); this reader refuses it again
+    for any caller (a hub snapshot too: its links may reach its repo's blobs, nothing else)."""
+    why = index_entry_problem(name) or (
+        f"{name!r} resolves outside" if outside(Path(path, name), bound(Path(path))) else None
+    )
+    if why:
+        raise ValueError(f"{path}: {why}; hfpar reads only the files inside a checkpoint directory")
+    return True
+
+
 def _from_index(path: str, name: str) -> dict[str, str]:
     with open(os.path.join(path, name)) as f:
-        return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        wmap = json.load(f)["weight_map"]
+    for v in set(wmap.values()):
+        _inside(path, v)
+    return {k: os.path.join(path, v) for k, v in wmap.items()}
 
 
 def checkpoint_index(path: str | None) -> dict[str, str] | None:
@@ -43,6 +61,7 @@ def checkpoint_index(path: str | None) -> dict[str, str] | None:
         return _from_index(path, SAFETENSORS_INDEX)
     index = {}
     for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        _inside(path, name)
         with safe_open(os.path.join(path, name), "pt") as f:
             index.update({k: os.path.join(path, name) for k in f.keys()})
     if index:
@@ -51,7 +70,7 @@ def checkpoint_index(path: str | None) -> dict[str, str] | None:
         index = _from_index(path, BIN_INDEX)
         files = sorted(set(index.values()))
     else:
-        files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if _BIN.match(f)]
+        files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if _BIN.match(f) and _inside(path, f)]
     if not files or not all(zipfile.is_zipfile(f) for f in files):
         return None  # a legacy pickle cannot be memory-mapped: from_pretrained reads it whole
     for f in files if not index else []:

@@ -13,58 +13,18 @@ itself, since trust_remote_code=False is passed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from hfpar.loading.contained import escape_problems
+from hfpar.loading.json_limits import MAX_CONFIG_BYTES, MAX_JSON_DEPTH, read_json  # noqa: F401  (also this module's API)
+from hfpar.loading.json_limits import json_depth as _depth
 from hfpar.parallel.language_model import is_nested, text_config
 
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "adapter_config.json")
-MAX_CONFIG_BYTES = 16 << 20  # a config is kilobytes; 16 MiB leaves room for huge vocab maps
 MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
-MAX_JSON_DEPTH = 64  # real configs nest a few levels; deep nesting exhausts recursive parsers
-
-
-def _depth(text: str) -> int:
-    depth = best = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            best = max(best, depth)
-        elif ch in "]}":
-            depth -= 1
-    return best
-
-
-def read_json(path: Path, limit: int = MAX_CONFIG_BYTES) -> tuple[object, str | None]:
-    """(parsed, None) or (None, one line): size bounded, nesting bounded, syntax checked."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        return None, f"{path}: unreadable ({exc.strerror})"
-    if size > limit:
-        return None, f"{path}: {size:,} bytes, over the {limit:,} hfpar reads for such a file"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, f"{path}: unreadable ({type(exc).__name__})"
-    if _depth(text) > MAX_JSON_DEPTH:
-        return None, f"{path}: nested deeper than {MAX_JSON_DEPTH} levels, not a file transformers writes"
-    try:
-        return json.loads(text), None
-    except ValueError as exc:
-        return None, f"{path}: not valid JSON ({str(exc).splitlines()[0]})"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -> list[str]:
@@ -74,6 +34,9 @@ def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -
     root = Path(path).expanduser()
     if not root.is_dir():
         return []
+    escapes = escape_problems(path, option=option)  # links / index entries out of the dir: nothing else is read
+    if escapes:
+        return escapes
     problems = []
     for name in CONFIG_FILES:
         f = root / name
@@ -111,10 +74,39 @@ def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -
     return problems
 
 
+def adapter_problem(path: str | None, *, option: str) -> str | None:
+    """Why a model directory holding a PEFT adapter (adapter_config.json) is refused, or None. transformers'
+    from_pretrained loads such a directory as a base model plus that adapter, frozen (its adapter is not trainable,
+    the base is frozen: hfpar's optimizer would get no parameter), and with no config.json beside it, loads the base
+    from the adapter's base_model_name_or_path, a path or hub id outside the directory named. hfpar starts a run from
+    a whole model only; what to do instead is said."""
+    root = Path(path).expanduser() if path else None
+    if root is None or not (root / "adapter_config.json").is_file():
+        return None
+    if (root / "config.json").is_file():
+        return (
+            f"{option} {path}: holds a model (config.json) and a PEFT adapter (adapter_config.json), which "
+            "transformers would load frozen onto it; hfpar starts from a whole model only: merge the adapter into it "
+            "first (peft: PeftModel.from_pretrained(model, dir).merge_and_unload().save_pretrained(new_dir)) and name "
+            "new_dir, or move adapter_config.json and adapter_model.* out to train the model alone"
+        )
+    data, _ = read_json(root / "adapter_config.json")
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    return (
+        f"{option} {path}: a PEFT adapter (adapter_config.json) with no config.json; transformers would load its base "
+        f"model from {base!r}, outside this directory; hfpar starts from a whole model only: name the base with "
+        "--model_name_or_path (with --use_peft for a new adapter), or merge the adapter into it first"
+    )
+
+
 def run_source_problems(args) -> list[str]:
-    """The recipe's model and tokenizer directories, and the checkpoint it resumes from (its config.json)."""
+    """The recipe's model and tokenizer directories, the checkpoint it resumes from (its config.json), and its
+    dataset directory (no file of it may lead outside it)."""
     trust = bool(getattr(args, "trust_remote_code", False))
     p = source_problems(args.model_name_or_path, trust_remote_code=trust, option="--model_name_or_path")
+    if not p and (adapter := adapter_problem(args.model_name_or_path, option="--model_name_or_path")):
+        p.append(adapter)
+    p += escape_problems(getattr(args, "dataset_name", None), option="--dataset_name", walk=True)
     if args.tokenizer_name_or_path and args.tokenizer_name_or_path != args.model_name_or_path:
         p += source_problems(args.tokenizer_name_or_path, trust_remote_code=trust, option="--tokenizer_name_or_path")
     resume = args.resume_from_checkpoint

@@ -6,7 +6,9 @@
         ... fail("--tp_size 3 does not divide the world size 2")     # prints `hfpar: error: ...`, exits 2
 
 The rank that finds a problem prints it itself; ranks that find the same line claim it first in a directory of
-this launch on this node (`O_EXCL`: one winner), so it is printed once per node. A rank that then fails in a
+this launch on this node (`O_EXCL`: one winner), so it is printed once per node. That directory is used only when
+it is private to this user (a real directory of this uid, not writable by others: `_root`), and pruning it never
+follows a link. A rank that then fails in a
 collective because its peer left sees that a refusal of this launch was said and exits with the same code, quietly.
 why: docs/architecture.md#why-spine-and-launch
 
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -33,9 +36,37 @@ PREEMPTED_EXIT = 75  # hfpar.checkpoint.checkpointer's (not imported: the launch
 _PRUNE_AFTER_S = 24 * 3600
 
 
-def agent_dir(agent_pid: int) -> Path:
-    """What the workers of the launcher (torchrun's agent) `agent_pid` on this node leave for each other and for it."""
-    return Path(tempfile.gettempdir()) / f"hfpar-{os.getuid()}-refusals" / f"{socket.gethostname()}-{agent_pid}"
+def _private(path: Path) -> bool:
+    """A real directory (not a symlink) of this user that no one else can write into: only then are its entries
+    this user's own (another local user can create `<tmp>/hfpar-<uid>-refusals` first, and plant links in it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _root() -> Path | None:
+    """Where this user's launches leave their records on this node: `<tmp>/hfpar-<uid>-refusals` (created 0700),
+    else `$XDG_RUNTIME_DIR/hfpar-refusals` (a 0700 directory of the user's session) when the first is not private;
+    None when neither is (no record: each rank then says its refusal itself). The same answer for the workers and
+    for `hfpar launch`, which reads their exit codes there."""
+    candidates = [Path(tempfile.gettempdir()) / f"hfpar-{os.getuid()}-refusals"]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        candidates.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hfpar-refusals")
+    for root in candidates:
+        with contextlib.suppress(OSError):
+            os.mkdir(root, 0o700)  # (an existing one is checked as it is: never chmod-ed or followed)
+        if _private(root):
+            return root
+    return None
+
+
+def agent_dir(agent_pid: int) -> Path | None:
+    """What the workers of the launcher (torchrun's agent) `agent_pid` on this node leave for each other and for it;
+    None when no private place exists for it (_root)."""
+    root = _root()
+    return None if root is None else root / f"{socket.gethostname()}-{agent_pid}"
 
 
 def _attempt() -> str:
@@ -45,29 +76,48 @@ def _attempt() -> str:
 
 def _launch_dir() -> Path | None:
     """This launch's directory on this node: the torchrun agent (the workers' parent process) names it. None
-    outside a launcher (one process: nothing to share)."""
+    outside a launcher (one process: nothing to share) or without a private place for it."""
     if "LOCAL_RANK" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
     d = agent_dir(os.getppid())
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    if d is None:
         return None
-    _prune(d.parent, keep=d)
+    with contextlib.suppress(OSError):  # (an existing one: checked below)
+        os.mkdir(d, 0o700)
+    if not _private(d):
+        return None
+    _prune(d.parent, keep=d.name)
     return d
 
 
-def _prune(root: Path, keep: Path) -> None:
-    """Old launches' directories (a day old) go; they hold a few bytes each."""
+def _prune(root: Path, keep: str) -> None:
+    """Old launches' directories (a day old) go; they hold a few bytes each. Nothing is followed: entries are
+    lstat-ed, only real directories are opened (O_NOFOLLOW, then read and unlinked by name through that descriptor,
+    so a swapped path cannot redirect it), and only the regular files inside them are unlinked."""
     now = time.time()
     try:
-        for d in root.iterdir():
-            if d != keep and now - d.stat().st_mtime > _PRUNE_AFTER_S:
-                for f in d.iterdir():
-                    f.unlink()
-                d.rmdir()
+        entries = list(os.scandir(root))
     except OSError:
-        pass
+        return
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if entry.name == keep or not stat.S_ISDIR(st.st_mode) or now - st.st_mtime <= _PRUNE_AFTER_S:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            for name in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(entry.path)  # fails while anything but its regular files is left in it: it stays
 
 
 def _claim(d: Path | None, line: str) -> bool:
@@ -131,13 +181,14 @@ def record_exit(code: int) -> None:
     d = _launch_dir()
     if d is not None:
         with contextlib.suppress(OSError):
-            (d / f"exit-{int(code)}").touch()
+            os.close(os.open(d / f"exit-{int(code)}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def recorded_exits(agent_pid: int) -> set[int]:
     """The exit codes the workers of launcher `agent_pid` recorded (hfpar launch asks for its own pid)."""
+    d = agent_dir(agent_pid)
     try:
-        return {int(f.name[5:]) for f in agent_dir(agent_pid).iterdir() if f.name.startswith("exit-")}
+        return {int(f.name[5:]) for f in d.iterdir() if f.name.startswith("exit-")} if d and _private(d) else set()
     except (OSError, ValueError):
         return set()
 

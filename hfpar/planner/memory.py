@@ -45,6 +45,7 @@ from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from hfpar.loading.sharded import loading_mode
 from hfpar.loading.sources import causal_lm_problem
@@ -104,15 +105,33 @@ def _cfg(config, *names: str, default: int = 0) -> int:
     return default
 
 
+def untrusted_fields(fields: dict) -> dict:
+    """The config as training builds it without --trust_remote_code: a model_type transformers knows is its
+    built-in class (auto_map dropped, so nothing downstream takes the model for custom code); an unknown one exists
+    only as the custom code, which the planner must not run: refused in one line."""
+    if not fields.get("auto_map"):
+        return fields
+    mt = fields.get("model_type")
+    if mt not in CONFIG_MAPPING_NAMES:
+        raise PlannerError(
+            f"model_type {mt!r} is custom code (the config's auto_map), unknown to transformers; hfpar plan builds "
+            "the model to count it, so it runs that code only with --trust_remote_code (read the code first)"
+        )
+    return {k: v for k, v in fields.items() if k != "auto_map"}
+
+
 @functools.lru_cache(maxsize=8)
-def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
+def _stats_from_json(config_cls: type, config_json: str, trust_remote_code: bool) -> ModelStats:
     fields = json.loads(config_json)
+    if not trust_remote_code:
+        fields = untrusted_fields(fields)
     config = config_cls.from_dict(fields)
     if why := causal_lm_problem(config):
         raise PlannerError(why)
     with torch.device("meta"):
-        # a config of custom code (auto_map) exists only if its code was trusted: `hfpar plan --trust_remote_code`
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+        # model code runs only when the user said so (`hfpar plan --trust_remote_code`), never because a config
+        # (a hub repo's, possibly) asks for it with auto_map
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     total = replicated = expert = lora = lora_whole = 0
     per_layer: dict[str, int] = {}
     # a multimodal wrapper: decoder layers are its language model's; its towers stay whole (replicated) under TP
@@ -163,11 +182,12 @@ def _stats_from_json(config_cls: type, config_json: str) -> ModelStats:
     )
 
 
-def model_stats(config) -> ModelStats:
-    """Parameter statistics of a transformers config (built on the meta device: no memory, no weights)."""
+def model_stats(config, *, trust_remote_code: bool = False) -> ModelStats:
+    """Parameter statistics of a transformers config (built on the meta device: no memory, no weights). A config
+    with auto_map runs its code only with trust_remote_code (else: the built-in class of its model_type)."""
     if isinstance(config, ModelStats):
         return config
-    return _stats_from_json(type(config), config.to_json_string(use_diff=False))
+    return _stats_from_json(type(config), config.to_json_string(use_diff=False), trust_remote_code)
 
 
 def chunk_tokens(stats, tp: int = 1, loss_chunk_size: int | None = None) -> int:

@@ -161,10 +161,12 @@ def memory_table(
     attn_implementation: str = "sdpa",
     cp_size: int | None = None,
     loss_chunk_size: int | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[str, Candidate | None]:
     """The readable table, the recommendation and its launch command; returns (text, recommended).
-    loss_chunk_size as the recipe's option; an explicit chunk drops pipeline rows (the recipe refuses them)."""
-    stats = model_stats(config)
+    loss_chunk_size as the recipe's option; an explicit chunk drops pipeline rows (the recipe refuses them).
+    trust_remote_code: `hfpar plan --trust_remote_code`, the only way a config's auto_map code runs here."""
+    stats = model_stats(config, trust_remote_code=trust_remote_code)
     check_loss_chunk(stats, loss_chunk_size)
     world = num_gpus * num_nodes
     if tp_size:
