@@ -32,7 +32,8 @@ from hfpar.backends.launch_config import launch_config_problems
 from hfpar.backends.reshard import resume_mode
 from hfpar.backends.zero import deepspeed_fp16_problem
 from hfpar.checkpoint.file_checks import data_file_problems, weights_problems
-from hfpar.checkpoint.layout import identity_problem, read_trainer_state, resolve_resume
+from hfpar.checkpoint.layout import RESUME_KEYS, identity_problem, read_trainer_state, resolve_resume
+from hfpar.checkpoint.resume_checks import checkpoint_problems
 from hfpar.config import ConfigError
 from hfpar.context import ParallelContext, RunPlan, model_config_problems
 from hfpar.data.vision import image_cp_refusal, is_image_text
@@ -96,7 +97,7 @@ def preflight(args, accelerator, task: str, recipe: recipes.Recipe | None = None
         image_text = recipe.image_text and is_image_text(config)
         problems += [config_problem] if config is None else model_problems(args, ctx, task, config, image_text)
     if not problems and backend_cls is not None:
-        problems += resume_problems(args, ctx, backend_cls)
+        problems += resume_problems(args, ctx, backend_cls, config)
     if not problems:  # the files themselves, last (their headers are read): weights present and whole, data UTF-8
         problems += weights_problems(args.model_name_or_path) + data_file_problems(args.dataset_name)
     if problems:
@@ -300,14 +301,14 @@ def pp_model_problems(args, ctx: ParallelContext, config) -> list[str]:
     return p
 
 
-def resume_problems(args, ctx: ParallelContext, backend_cls) -> list[str]:
+def resume_problems(args, ctx: ParallelContext, backend_cls, config=None) -> list[str]:
     """A checkpoint from an incompatible run (this run's strategy: ctx.strategy), found from its trainer_state.json
-    alone."""
+    and its own files (hfpar.checkpoint.resume_checks: another model's config, planted pickles, RNG files)."""
     path = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if path is None:
         return []
-    state = read_trainer_state(path)
-    p = []
+    state = read_trainer_state(path, RESUME_KEYS)  # an untrusted file: not hfpar's shape is one line (ConfigError)
+    p = checkpoint_problems(path, args, config)
     if args.resume_from_checkpoint == "latest" and (why := identity_problem(state, args, path)):
         p.append(why)  # another run's checkpoint (or one past --max_steps): refused unless passed by its path
     chunks = pipeline_stage_count(args) // ctx.pp  # a rank's state holds its chunks' layers (interleaved: V)

@@ -164,7 +164,6 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
     log_with = None if args.report_to == "none" else [t.strip() for t in args.report_to.split(",")]
     try:
         accelerator = setup_accelerator(args, log_with=log_with, project_dir=args.output_dir)
-        overwrite_previous_run(args, accelerator)
         # every problem (the recipe's own checks last), before any weight is read; plan: what the run derives
         ctx, backend_cls, plan = preflight(args, accelerator, task, recipe)
         # imported after the preflight: the parallel layers pull in transformers' attention / loss modules and
@@ -186,6 +185,7 @@ def main(recipe: str | recipes.Recipe, argv: list[str] | None = None) -> dict:
         announce_data_loss(info, args, accelerator.print, len(train_ds), ctx.dp)  # what truncation left out: said
     except (ConfigError, data.DataError) as exc:
         _fail(str(exc))
+    overwrite_previous_run(args, accelerator)  # after every refusal before the model loads: a refused run moves nothing
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     accelerator.wait_for_everyone()

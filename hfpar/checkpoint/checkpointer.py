@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from hfpar.checkpoint import final_model
 from hfpar.checkpoint.full_state import read_full_state
-from hfpar.checkpoint.layout import read_trainer_state, resolve_resume
+from hfpar.checkpoint.layout import RESUME_KEYS, read_trainer_state, resolve_resume
 from hfpar.checkpoint.rank_state import load_rng, rng_accelerate_step, save_rng
 from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
 from hfpar.checkpoint.write import (  # apply_retention, DiskFullError: re-exported (they lived here before write.py)
@@ -196,7 +196,7 @@ class Checkpointer:
         """Collective: the one place a checkpoint is read back (Accelerate's state, then the backend's per-rank
         files); returns its trainer state."""
         check_dcp_metadata(path)
-        if self.backend.resume_mode(read_trainer_state(path), self.pp_virtual_stages) == "reshard":
+        if self.backend.resume_mode(read_trainer_state(path, RESUME_KEYS), self.pp_virtual_stages) == "reshard":
             return self._load_resharded(path)
         with safe_loading(path):
             state = load_checkpoint(self.acc, path)
@@ -212,7 +212,7 @@ class Checkpointer:
             return state
         try:
             self.acc.step = load_rng(path, self.acc.process_index)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"{path}: rank {self.acc.process_index}'s RNG state unreadable ({exc}); the resume would not be exact"
             ) from None

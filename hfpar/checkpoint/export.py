@@ -20,8 +20,9 @@ from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from hfpar.checkpoint import layout
 from hfpar.checkpoint.full_state import read_full_state
-from hfpar.checkpoint.manifest import MANIFEST, verify
-from hfpar.checkpoint.safe_load import CheckpointError, check_dcp_metadata, safe_loading
+from hfpar.checkpoint.manifest import MANIFEST, symlink_problem, verify
+from hfpar.checkpoint.safe_load import check_dcp_metadata, safe_loading
+from hfpar.config import ConfigError
 from hfpar.loading.sources import source_problems
 
 
@@ -30,7 +31,10 @@ class ExportError(ValueError):
 
 
 def _verified(ckpt: Path) -> None:
-    """A checkpoint hfpar wrote (COMPLETE / MANIFEST.json) is exported only if every file matches its manifest."""
+    """A checkpoint hfpar wrote (COMPLETE / MANIFEST.json) is exported only if every file matches its manifest; with
+    or without one, nothing is read through a symlink inside it (it could point anywhere on the disk)."""
+    if problem := symlink_problem(ckpt):
+        raise ExportError(problem)
     if (ckpt / MANIFEST).is_file() or (ckpt / layout.MARKER).is_file():
         problem = verify(ckpt)
         if problem is not None:
@@ -48,7 +52,7 @@ def load_checkpoint_state_dict(ckpt: str | Path) -> dict[str, torch.Tensor]:
         check_dcp_metadata(ckpt)
         with safe_loading(ckpt):  # every torch.load weights_only, DCP's metadata through a restricted unpickler
             return read_full_state(ckpt, optimizer=False).model
-    except CheckpointError as exc:
+    except ConfigError as exc:  # CheckpointError, or an untrusted trainer_state.json / DeepSpeed `latest`
         raise ExportError(str(exc)) from None
 
 
@@ -122,7 +126,10 @@ def export_checkpoint(
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             ) from None
         tokenizer.save_pretrained(str(out))
-    step = layout.read_trainer_state(ckpt).get("global_step") if (ckpt / layout.STATE_FILE).is_file() else "?"
+    try:
+        step = layout.read_trainer_state(ckpt)["global_step"] if (ckpt / layout.STATE_FILE).exists() else "?"
+    except ConfigError as exc:  # an untrusted file: one line
+        raise ExportError(str(exc)) from None
     n = sum(t.numel() for t in state.values())
     return f"exported {ckpt} (step {step}, {n:,} parameters) to {out}" + (
         "" if tok_dir else "; no tokenizer files found, copy them yourself"

@@ -6,15 +6,23 @@ export_final(accelerator, backend, tokenizer, output_dir, peft=False, merge_adap
   2. write       the main process: the LoRA adapter (or the merged model), an upcycled model as its HF MoE
                  architecture, or the model itself; save_pretrained, safetensors
   3. tokenizer   the main process, next to the weights
+Both written into a staging dir `.final-model.tmp/` first, then each file renamed into the output dir (publish): a
+rename replaces a link of that name, never writes through it, and transformers' cleanup of "stale" shards runs in
+the empty staging dir, never on a user's files at the root.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
 
 import torch
 from transformers.integrations import deepspeed as hf_ds
 
+from hfpar.checkpoint.ownership import STAGING_MARK, is_staging, owned_names, record_written
 from hfpar.distributed import gathered_state_dict, swapped, unwrap, without_deepspeed_import
 from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel import is_upcycled, save_upcycled_pretrained
@@ -28,10 +36,43 @@ def export_final(
     output_dir = str(output_dir)
     full = gather_full_state(accelerator, backend)
     if accelerator.is_main_process:
-        write_model(backend, full, output_dir, peft, merge_adapter)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(output_dir)
+        stage = Path(output_dir) / ".final-model.tmp"
+        if is_staging(stage):
+            shutil.rmtree(stage)  # a killed export's leftover
+        if stage.exists() or stage.is_symlink():  # the claim refused it; appeared since: left, said
+            print(f"hfpar: warning: {stage} is not hfpar's: left as it is, the final model not saved", file=sys.stderr)
+        else:
+            stage.mkdir()
+            (stage / STAGING_MARK).write_text("final")
+            write_model(backend, full, str(stage), peft, merge_adapter)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(stage))
+            publish(stage, Path(output_dir))
     accelerator.wait_for_everyone()
+
+
+_WEIGHTS_RE = re.compile(r"^(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+
+
+def publish(stage: Path, out: Path) -> None:
+    """Main process: each file of the staged final model renamed into out (replacing hfpar's own file of that name,
+    or a link itself: never its target), then an earlier export's weight files that the new one does not have (a
+    different sharding) deleted where hfpar's ledger lists them; the staging dir removed."""
+    (stage / STAGING_MARK).unlink()
+    names = sorted(p.name for p in stage.iterdir())
+    written = owned_names(out) or set()
+    for name in names:
+        dest = out / name
+        if dest.is_dir() and not dest.is_symlink():  # a user's folder of that name (refused by the claim)
+            print(f"hfpar: warning: {dest} is a folder hfpar did not write: {name} not saved", file=sys.stderr)
+            continue
+        os.replace(stage / name, dest)
+    for old in out.iterdir():
+        stale = _WEIGHTS_RE.match(old.name) and old.name not in names and old.name in written
+        if stale and old.is_file() and not old.is_symlink():
+            old.unlink()
+    shutil.rmtree(stage, ignore_errors=True)
+    record_written(out, add=tuple(names))
 
 
 def gather_full_state(accelerator, backend) -> dict[str, torch.Tensor]:

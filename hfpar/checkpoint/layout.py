@@ -24,7 +24,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 from hfpar.checkpoint.manifest import MANIFEST, verify
@@ -177,6 +176,7 @@ def identity_problem(state: dict, args, path: Path) -> str | None:
 
 PREVIOUS_RUN = (
     "metrics.jsonl",
+    "completions.jsonl",
     "run_info.json",
     "report.png",
     "config.json",
@@ -202,20 +202,6 @@ def previous_run_files(output_dir: str | os.PathLike) -> list[Path]:
         or re.match(r"^model-\d+-of-\d+\.safetensors$", c.name)
         or re.match(r"^\.checkpoint-\d+\.tmp$", c.name)
     )
-
-
-def set_aside_previous_run(output_dir: str | os.PathLike) -> Path | None:
-    """--overwrite_output_dir: the previous run's checkpoints, records and final model moved into
-    <output_dir>/.replaced/<UTC time>/ (never read again by `latest`); returns that dir, or None if nothing was
-    there."""
-    files = previous_run_files(output_dir)
-    if not files:
-        return None
-    dest = Path(output_dir) / ".replaced" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        os.replace(f, dest / f.name)
-    return dest
 
 
 def rank_state_file(ckpt_dir: str | os.PathLike, ctx) -> Path:
@@ -246,6 +232,55 @@ def model_state_kind(ckpt_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def read_trainer_state(path: Path) -> dict:
-    """trainer_state.json of a checkpoint (step, world size, dp/tp/ep, global batch): cheap, loads no tensors."""
-    return json.loads((Path(path) / STATE_FILE).read_text())
+# each integer of hfpar's trainer state and its least valid value; RESUME_KEYS: those a resume needs
+_STATE_INTS = {"global_step": 0, "global_batch": 1, "world_size": 1, "dp": 1, "tp": 1, "ep": 1, "cp": 1, "pp": 1}
+RESUME_KEYS = ("global_step", "global_batch", "world_size")
+MAX_STATE_BYTES = 1 << 20
+
+
+def read_trainer_state(path: Path, required: tuple[str, ...] = ("global_step",)) -> dict:
+    """trainer_state.json of a checkpoint (step, world size, dp/tp/ep, global batch): cheap, loads no tensors.
+    An untrusted file: anything but hfpar's shape (`required` keys present, its numbers integers) is a ConfigError
+    naming the file and what is wrong."""
+    f = Path(path) / STATE_FILE
+    if f.is_symlink() or not f.is_file():
+        raise ConfigError(f"{f}: {'a symlink, refused' if f.is_symlink() else 'missing'} (the checkpoint's state)")
+    if f.stat().st_size > MAX_STATE_BYTES:
+        raise ConfigError(f"{f}: {f.stat().st_size} bytes, not hfpar's trainer state (at most {MAX_STATE_BYTES})")
+    try:
+        state = json.loads(f.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(
+            f"{f}: not valid JSON ({str(exc).splitlines()[0][:120]}); not hfpar's trainer state"
+        ) from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"{f}: holds a JSON {type(state).__name__}, hfpar's trainer state is an object")
+    for key, least in _STATE_INTS.items():
+        if key not in state and key not in required:
+            continue
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            got = "no such key" if key not in state else f"{v!r}"
+            raise ConfigError(f"{f}: {key!r} must be an integer >= {least} ({got}); not hfpar's trainer state")
+    return state
+
+
+def deepspeed_tag(ckpt: str | os.PathLike) -> Path:
+    """The directory a DeepSpeed checkpoint's `latest` file names: a plain tag (no path separator, no `..`) of a real
+    directory inside the checkpoint; else ConfigError (the file is untrusted: it could name any directory)."""
+    ckpt = Path(ckpt)
+    latest = ckpt / "latest"
+    if latest.is_symlink() or not latest.is_file() or latest.stat().st_size > 4096:
+        raise ConfigError(f"{latest}: not a DeepSpeed `latest` file (a symlink, missing or too large)")
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except ValueError:
+        raise ConfigError(f"{latest}: not UTF-8 text; it should name a folder of the checkpoint") from None
+    target = ckpt / tag
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise ConfigError(
+            f"{latest} names {tag[:80]!r}: valid is a plain folder name inside {ckpt} (no path separator, no '..')"
+        )
+    if target.is_symlink() or not target.is_dir():
+        raise ConfigError(f"{latest} names {tag!r}: {'a symlink' if target.is_symlink() else 'no such folder'}")
+    return target

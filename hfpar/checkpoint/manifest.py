@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 MANIFEST = "MANIFEST.json"
-_SKIP = {MANIFEST, "COMPLETE"}  # the manifest itself and the marker written after it
+# the manifest itself, the marker written after it, and the staging mark (ownership.STAGING_MARK) removed after it
+_SKIP = {MANIFEST, "COMPLETE", ".hfpar-staging"}
 
 
 def _files(root: Path) -> list[Path]:
@@ -51,6 +52,24 @@ def write_manifest(root: str | os.PathLike) -> dict:
     return manifest
 
 
+def symlink_problem(root: str | os.PathLike) -> str | None:
+    """A symlink anywhere inside a checkpoint (it could point anywhere on the disk): refused, manifest or not."""
+    for p in Path(root).rglob("*"):
+        if p.is_symlink():
+            return f"{p}: a symlink inside a checkpoint, refused"
+    return None
+
+
+def entry_problem(rel) -> str | None:
+    """Why a manifest entry is not a plain relative path inside the checkpoint, or None."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return "is not a relative path"
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or p.as_posix() != rel:
+        return "points outside the checkpoint (absolute, '..' or not normalized)"
+    return None
+
+
 def verify(root: str | os.PathLike) -> str | None:
     """None when every file listed is there with its size and hash and nothing else was added; else one line."""
     root = Path(root)
@@ -61,9 +80,13 @@ def verify(root: str | os.PathLike) -> str | None:
         files = json.loads(mpath.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         return f"{mpath}: unreadable"
-    for p in root.rglob("*"):
-        if p.is_symlink():
-            return f"{p}: a symlink inside a checkpoint, refused"
+    if not isinstance(files, dict):
+        return f"{mpath}: unreadable ('files' is not an object)"
+    if problem := symlink_problem(root):
+        return problem
+    for rel, want in files.items():  # untrusted: an entry naming a file elsewhere would have it hashed
+        if (bad := entry_problem(rel)) or not isinstance(want, dict):
+            return f"{mpath}: entry {str(rel)[:120]!r} {bad or 'has no size and hash'}; not hfpar's manifest"
     present = {p.relative_to(root).as_posix() for p in _files(root)}
     for extra in sorted(present - set(files)):
         return f"{root / extra}: not in the checkpoint's manifest (added after it was written)"
@@ -72,8 +95,8 @@ def verify(root: str | os.PathLike) -> str | None:
         if not p.is_file():
             return f"{p}: missing"
         size = p.stat().st_size
-        if size != want["size"]:
-            return f"{p}: {size} bytes, the manifest says {want['size']} (truncated or replaced)"
-        if file_hash(p) != want["sha256"]:
+        if size != want.get("size"):
+            return f"{p}: {size} bytes, the manifest says {want.get('size')} (truncated or replaced)"
+        if file_hash(p) != want.get("sha256"):
             return f"{p}: content differs from the manifest's hash (altered after it was written)"
     return None

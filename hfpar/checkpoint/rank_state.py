@@ -89,6 +89,39 @@ def save_rng(ckpt_dir, rank: int, accelerate_step: int) -> None:
     save_file(tensors, str(rng_file(ckpt_dir, rank)), metadata={"state": json.dumps(meta)})
 
 
+_META = {  # hfpar's RNG metadata: each key and the types its value may have
+    "python_version": (int,),
+    "python_gauss": (float, type(None)),
+    "numpy_name": (str,),
+    "numpy_pos": (int,),
+    "numpy_has_gauss": (int,),
+    "numpy_gauss": (float, int),
+    "accelerate_step": (int,),
+}
+_TENSORS = ("python", "numpy", "torch_cpu")
+
+
+def rng_problem(path: Path) -> str | None:
+    """Why path is not an RNG file hfpar wrote (its header and metadata, no tensor read), or None."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta, keys = fh.metadata(), set(fh.keys())  # noqa: SIM118  (safe_open has no __iter__)
+    except Exception as exc:  # noqa: BLE001 - safetensors' own SafetensorError, OSError: an unreadable file, one line
+        return f"{path}: not a safetensors file ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+    try:
+        state = json.loads((meta or {})["state"])
+    except (KeyError, ValueError, TypeError):
+        return f"{path}: no generator state in its metadata ('state': JSON); not hfpar's RNG file"
+    if not isinstance(state, dict):
+        return f"{path}: its 'state' metadata is not a JSON object; not hfpar's RNG file"
+    bad = [k for k, types in _META.items() if isinstance(state.get(k), bool) or not isinstance(state.get(k), types)]
+    missing = [k for k in _TENSORS if k not in keys]
+    if bad or missing:
+        what = ", ".join([*(f"state {k!r}" for k in bad), *(f"tensor {k!r}" for k in missing)])
+        return f"{path}: missing or invalid {what}; not hfpar's RNG file"
+    return None
+
+
 def rng_accelerate_step(ckpt_dir, rank: int) -> int:
     """Accelerate's micro-step counter saved with rank's generators, without restoring them (another world size)."""
     with safe_open(str(rng_file(ckpt_dir, rank)), framework="pt") as fh:
@@ -96,7 +129,10 @@ def rng_accelerate_step(ckpt_dir, rank: int) -> int:
 
 
 def load_rng(ckpt_dir, rank: int) -> int:
-    """Restores this rank's generators; returns Accelerate's micro-step counter saved with them."""
+    """Restores this rank's generators; returns Accelerate's micro-step counter saved with them. ValueError naming
+    the file when it is not hfpar's (the preflight said so first: checkpoint_problems)."""
+    if problem := rng_problem(rng_file(ckpt_dir, rank)):
+        raise ValueError(problem)
     with safe_open(str(rng_file(ckpt_dir, rank)), framework="pt") as fh:
         meta = json.loads(fh.metadata()["state"])
         t = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118  (safe_open has no __iter__)

@@ -32,8 +32,9 @@ from hfpar.checkpoint.layout import (
     verified,
 )
 from hfpar.checkpoint.manifest import write_manifest
+from hfpar.checkpoint.ownership import STAGING_MARK, is_staging, owned_names, record_written
 from hfpar.checkpoint.safe_load import CheckpointError
-from hfpar.distributed import unwrap
+from hfpar.distributed import all_reduce_sum, unwrap
 from hfpar.parallel.expert_parallel import is_upcycled, upcycled_hf_config
 
 
@@ -50,13 +51,23 @@ def save_checkpoint(
     Accelerate does not know (per-TP-rank shards). Returns the final checkpoint path."""
     final = checkpoint_dir(output_dir, step)
     tmp = staging_dir(output_dir, step)
+    blocked = 0
     if accelerator.is_main_process:
-        if tmp.is_symlink():
-            tmp.unlink()  # the link only, never what it points to
-        elif tmp.exists():
-            shutil.rmtree(tmp)  # our own leftover from a killed save (the name is hfpar's staging dir)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
+        if is_staging(tmp):
+            shutil.rmtree(tmp)  # our own leftover from a killed save (it holds hfpar's staging mark)
+        if tmp.exists() or tmp.is_symlink():  # a user's folder, link or file of that name, since the claim: kept
+            blocked = 1
+            print(
+                f"hfpar: warning: {tmp} is not a staging dir hfpar made (a user's folder, a link or a file): left "
+                f"as it is, step {step} not saved",
+                file=sys.stderr,
+            )
+        else:
+            tmp.mkdir(parents=True)
+            (tmp / STAGING_MARK).write_text(str(step))  # first: what tells hfpar's staging dir from a user's
+    # every rank writes into tmp: they all learn whether the main process made it
+    if all_reduce_sum(blocked, getattr(accelerator, "device", None)).item() > 0:
+        return final
     with _disk_full_reported(tmp, step, accelerator.is_main_process):
         accelerator.save_state(str(tmp))
         if extra is not None:
@@ -81,7 +92,10 @@ def save_checkpoint(
             fh.write(str(step))
             fh.flush()
             os.fsync(fh.fileno())
+        (final / STAGING_MARK).unlink(missing_ok=True)
+        record_written(output_dir, add=(final.name,))  # this dir's hfpar run wrote it: retention may delete it
         apply_retention(output_dir, save_total_limit)
+        record_written(output_dir)
     accelerator.wait_for_everyone()
     return final
 
@@ -104,7 +118,8 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
 
 def apply_retention(output_dir: str, limit: int | None) -> None:
     """Keep the `limit` newest complete checkpoints (all when limit is 0 / None), and always the newest one that
-    verifies (a damaged newer one never costs the last good state)."""
+    verifies (a damaged newer one never costs the last good state). Only checkpoints this output dir's hfpar runs
+    wrote (its ledger, ownership.py) are deleted: one the user copied in (to resume from) is never."""
     if not limit:
         return
     ckpts = list_checkpoints(output_dir)
@@ -113,8 +128,9 @@ def apply_retention(output_dir: str, limit: int | None) -> None:
         if verified(path) is None:
             keep.add(path)
             break
+    written = owned_names(output_dir) or set()
     for old in ckpts:
-        if old not in keep and is_hfpar_checkpoint(old):
+        if old not in keep and old.name in written and is_hfpar_checkpoint(old):
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from hfpar.checkpoint.layout import deepspeed_tag
 from hfpar.checkpoint.safe_load import CheckpointError
+from hfpar.config import ConfigError
 
 try:  # an optional dependency (hfpar[deepspeed]), needed for ZeRO checkpoints only
     from deepspeed.utils import zero_to_fp32 as z
@@ -32,7 +34,10 @@ except ImportError:  # pragma: no cover  (the CI installs it)
 def read_zero_state(ckpt: Path, optimizer: bool = True) -> tuple[dict, dict]:
     if z is None:
         raise CheckpointError(f"{ckpt} is a DeepSpeed checkpoint: pip install hfpar[deepspeed] to read it")
-    ds_dir = ckpt / (ckpt / "latest").read_text().strip()
+    try:
+        ds_dir = deepspeed_tag(ckpt)  # `latest` is untrusted: a plain folder name inside ckpt, nothing else
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     model_files = z.get_model_state_files(str(ds_dir))
     mp_ranks = {m.group(1) for f in model_files if (m := re.search(r"mp_rank_(\d+)", Path(f).name))}
     if len(mp_ranks) > 1:

@@ -2,7 +2,8 @@
 mesh independence of the rollouts, and the same training as one process.
 
 fp32, the tiny Llama of benchmarks/grpo/trl_compare.py, its prompts and dense reward (letter_share: a random model's
-completions already differ in it), 8 optimizer steps, accumulation 2, num_iterations 2 (a generation every 2 steps:
+completions already differ in it), temperature 0.8 (sampling and log-probs: every strategy's path divides by it), 8
+optimizer steps, accumulation 2, num_iterations 2 (a generation every 2 steps:
 old log-probs, the importance ratio moves off 1), epsilon 0.1 (clipping active), max_grad_norm 0.5, beta 0.05 (the
 reference model of each backend: a frozen copy of the rank's shards, the LoRA base, a ZeRO-3 engine of its own).
 The global micro-batch is 8 completions (4 per prompt): 1 process x 8, or 2 data-parallel ranks x 4.
@@ -48,6 +49,7 @@ COMMON = {
     "max_grad_norm": 0.5,
     "epsilon": 0.1,
     "beta": 0.05,
+    "temperature": 0.8,  # sampled and scored at logits / 0.8 (TRL's): every strategy's log-prob path divides by it
     "logging_steps": 1,
     "reward_funcs": REWARD,
     "log_completions": "true",

@@ -8,6 +8,7 @@ tests/launch/test_output_dir.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from hfpar.checkpoint.output_dir import (
     foreign_entries,
     held_by_another_launch,
 )
+from hfpar.checkpoint.ownership import record_written
 from hfpar.config import ConfigError
 from hfpar.data.dropped import MAX_LOST_FRACTION, announce_data_loss, data_loss_lines
 from hfpar.loading import sources
@@ -69,10 +71,27 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_and_said(tmp_path):
 
 
 def test_other_ranks_see_another_launchs_live_lock(tmp_path):
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "launch": "other"}))
-    assert held_by_another_launch(tmp_path)["launch"] == "other"
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": 999999999, "launch": "other"}))
+    host = os.uname().nodename
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": host, "pid": os.getpid(), "launch": "other"}))
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # that launch's main process holds it
+    try:
+        assert held_by_another_launch(tmp_path)["launch"] == "other"
+    finally:
+        os.close(fd)
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": host, "pid": 999999999, "launch": "other"}))
     assert held_by_another_launch(tmp_path) is None  # dead: the main process takes it over
+
+
+def test_a_stale_lock_whose_pid_lives_on_is_decided_alike_by_every_rank(tmp_path):
+    """A killed run's lock whose pid now belongs to another live process (pid 1 here), no flock on it: stale for the
+    other ranks too (they asked the pid only, and refused while rank 0 took it over)."""
+    stale = {"host": os.uname().nodename, "pid": 1, "started": "2026-11-01T00:00:00Z", "launch": "10.9.9.9:1234:"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale))
+    assert held_by_another_launch(tmp_path) is None
+    lock = OutputDirLock(tmp_path)
+    assert "took over a stale lock of pid 1" in lock.acquire()
+    lock.release()
 
 
 # ---------------------------------------------------------------------------------------------- ownership
@@ -83,22 +102,24 @@ def test_only_what_hfpar_wrote_is_its_own(tmp_path):
     (tmp_path / "checkpoint-6").write_text("a file")
     (tmp_path / "checkpoint-7").symlink_to(tmp_path / "checkpoint-2")
     (tmp_path / "metrics.jsonl").mkdir()
-    lines = foreign_entries(tmp_path)
-    assert len(lines) == 4, lines
-    assert "checkpoint-5 is a directory without hfpar's COMPLETE marker and MANIFEST.json" in lines[0]
-    assert "checkpoint-6 is a file" in lines[1] and "checkpoint-7 is a symlink" in lines[2]
-    assert "metrics.jsonl is not a file" in lines[3]
+    assert foreign_entries(tmp_path) == [
+        ("checkpoint-5", "a directory without hfpar's COMPLETE marker and MANIFEST.json"),
+        ("checkpoint-6", "a file"),
+        ("checkpoint-7", "a symlink"),
+        ("metrics.jsonl", "not a file"),
+    ]
     assert is_hfpar_checkpoint(tmp_path / "checkpoint-2") and not is_hfpar_checkpoint(tmp_path / "checkpoint-7")
 
 
 def test_retention_never_deletes_a_folder_hfpar_did_not_write(tmp_path):
     (tmp_path / "checkpoint-1").mkdir()
     (tmp_path / "checkpoint-1" / MARKER).write_text("someone's")  # a marker, but no manifest: not hfpar's
-    for step in (2, 3):
+    for step in (2, 3, 4):
         _hfpar_checkpoint(tmp_path / f"checkpoint-{step}")
+    record_written(tmp_path, add=("checkpoint-3", "checkpoint-4"))  # written here; checkpoint-2: copied in by the user
     apply_retention(str(tmp_path), 1)
-    assert (tmp_path / "checkpoint-1" / MARKER).is_file() and not (tmp_path / "checkpoint-2").exists()
-    assert (tmp_path / "checkpoint-3").is_dir()
+    assert (tmp_path / "checkpoint-1" / MARKER).is_file() and (tmp_path / "checkpoint-2").is_dir()
+    assert not (tmp_path / "checkpoint-3").exists() and (tmp_path / "checkpoint-4").is_dir()
 
 
 class _OneProcess:

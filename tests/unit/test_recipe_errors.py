@@ -31,9 +31,11 @@ def test_output_dir_with_checkpoints_is_never_overwritten(tmp_path, capsys):
     (tmp_path / "checkpoint-10").mkdir()
     (tmp_path / "checkpoint-10" / "keep.txt").write_text("user data")
     err = _run(["--output_dir", str(tmp_path)], capsys)  # a user's folder of that name: never hfpar's to touch
-    assert "checkpoint-10 is a directory without hfpar's COMPLETE marker" in err[0] and "move or rename it" in err[0]
+    assert "checkpoint-10 (a directory without hfpar's COMPLETE marker" in err[0] and "move them out" in err[0]
     err = _run(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--save_steps", "10"], capsys)
-    assert len(err) == 1 and "not a checkpoint hfpar wrote" in err[0]
+    assert len(err) == 1 and "holds what hfpar did not write: checkpoint-10" in err[0]
+    err = _run(["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"], capsys)  # not moved aside either
+    assert len(err) == 1 and "never writes through a symlink nor moves or deletes a folder" in err[0]
     assert (tmp_path / "checkpoint-10" / "keep.txt").read_text() == "user data"
 
 
