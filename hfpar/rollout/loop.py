@@ -27,6 +27,7 @@ from hfpar.rollout.collate import RolloutCollator
 from hfpar.rollout.engine import truncated
 from hfpar.rollout.evaluate import evaluate_prompts
 from hfpar.rollout.metrics import window_metrics
+from hfpar.rollout.parse import assistant_messages
 from hfpar.rollout.reward_log import RewardLog, RunProgress
 from hfpar.rollout.rewards import score
 from hfpar.rollout.sampling import row_key
@@ -131,10 +132,11 @@ class Rollout:
         n = len(completions)
         if not self.owner:
             return torch.zeros((n, len(self.rewards)), dtype=torch.float32)
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         prompts = [it["prompt"] for it in items]
-        conversational = isinstance(prompts[0], list)
-        comps = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        if isinstance(prompts[0], list):  # conversational: TRL's messages (the tokenizer's response parser, if any)
+            comps = assistant_messages(self.tokenizer, completions, [it["prompt_ids"] for it in items])
+        else:
+            comps = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         columns = {k: [it[k] for it in items] for k in items[0] if k not in ("prompt", "prompt_ids")}
         progress = self.cfg.progress or RunProgress(max_steps=0, steps_per_epoch=1)
         state = progress.state(global_step)
