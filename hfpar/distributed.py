@@ -193,6 +193,11 @@ def configure_deepspeed(accelerator: Accelerator, args, dp: int) -> None:
     ds_cfg["gradient_clipping"] = args.max_grad_norm if args.max_grad_norm > 0 else 0.0
 
 
+def process_rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def all_reduce_sum(value: float | int | torch.Tensor, device) -> torch.Tensor:
     """Sum a scalar over all ranks (float64, exact for token counts)."""
     t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()

@@ -20,7 +20,6 @@ Layout (hfpar.checkpoint.checkpointer writes it, the preflight, the backends and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from hfpar.checkpoint.manifest import MANIFEST, verify
 from hfpar.config import ConfigError
+from hfpar.loading.json_limits import read_json
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -245,14 +245,9 @@ def read_trainer_state(path: Path, required: tuple[str, ...] = ("global_step",))
     f = Path(path) / STATE_FILE
     if f.is_symlink() or not f.is_file():
         raise ConfigError(f"{f}: {'a symlink, refused' if f.is_symlink() else 'missing'} (the checkpoint's state)")
-    if f.stat().st_size > MAX_STATE_BYTES:
-        raise ConfigError(f"{f}: {f.stat().st_size} bytes, not hfpar's trainer state (at most {MAX_STATE_BYTES})")
-    try:
-        state = json.loads(f.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(
-            f"{f}: not valid JSON ({str(exc).splitlines()[0][:120]}); not hfpar's trainer state"
-        ) from None
+    state, problem = read_json(f, limit=MAX_STATE_BYTES)  # size, nesting and syntax bounded
+    if problem:
+        raise ConfigError(f"{problem}; not hfpar's trainer state")
     if not isinstance(state, dict):
         raise ConfigError(f"{f}: holds a JSON {type(state).__name__}, hfpar's trainer state is an object")
     for key, least in _STATE_INTS.items():

@@ -17,8 +17,9 @@ import os
 from pathlib import Path, PurePosixPath
 
 MANIFEST = "MANIFEST.json"
-# the manifest itself, the marker written after it, and the staging mark (ownership.STAGING_MARK) removed after it
-_SKIP = {MANIFEST, "COMPLETE", ".hfpar-staging"}
+STAGING_MARK = ".hfpar-staging"  # first file of a staging dir hfpar creates (hfpar.checkpoint.ownership)
+# the manifest itself, the marker written after it, and the staging mark removed after it
+_SKIP = {MANIFEST, "COMPLETE", STAGING_MARK}
 
 
 def _files(root: Path) -> list[Path]:

@@ -49,7 +49,6 @@ from hfpar.checkpoint.ownership import (
 from hfpar.config import ConfigError
 
 _HELD: dict[str, OutputDirLock] = {}  # output dir (real path) -> the lock this process holds there
-_CKPT_PREFIXES = ("checkpoint-", ".checkpoint-")
 
 
 def _is_main() -> bool:
@@ -317,8 +316,9 @@ def check_output_dir(args) -> None:
             "continue or --overwrite_output_dir to start over there (or pick another --output_dir)"
         )
     path = resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a bad PATH fails here, before any work
-    left = [f.name for f in previous_run_files(args.output_dir) if not CKPT_RE.match(f.name)]
-    left = [n for n in left if not STAGING_RE.match(n)]
+    left = [
+        f.name for f in previous_run_files(args.output_dir) if not (CKPT_RE.match(f.name) or STAGING_RE.match(f.name))
+    ]
     if path is None and left:
         raise ConfigError(
             f"--output_dir {args.output_dir} holds a previous run ({', '.join(left[:3])}) and no checkpoint "

@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 from hfpar.checkpoint.layout import MARKER, PREVIOUS_RUN, is_hfpar_checkpoint
-from hfpar.checkpoint.manifest import MANIFEST
+from hfpar.checkpoint.manifest import MANIFEST, STAGING_MARK  # (the mark is never part of a manifest)
 
 LEDGER = ".hfpar.owned.json"
 LOCK_FILE = ".hfpar.lock"
-STAGING_MARK = ".hfpar-staging"  # first file of a staging dir hfpar creates (never part of a checkpoint's manifest)
 REPLACED = ".replaced"
 CKPT_RE = re.compile(r"^checkpoint-\d+$")
 STAGING_RE = re.compile(r"^\.(checkpoint-\d+|final-model)\.tmp$")

@@ -14,14 +14,13 @@ Every file of a checkpoint is untrusted (a copied or shared one): read here as h
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hfpar.checkpoint.layout import deepspeed_tag
 from hfpar.checkpoint.rank_state import rng_problem
 from hfpar.config import ConfigError
+from hfpar.loading.json_limits import read_json
 
-MAX_CONFIG_BYTES = 16 << 20
 # fields of a (text) config that set some weight's shape; compared where both configs have them
 SHAPE_FIELDS = (
     "vocab_size",
@@ -71,12 +70,11 @@ def config_problem(path: Path, args, config) -> str | None:
     f = path / "config.json"
     if not f.is_file():
         return None  # a checkpoint that keeps none (older ones): Accelerate's own shape check stays
-    if f.is_symlink() or f.stat().st_size > MAX_CONFIG_BYTES:
-        return f"{f}: a symlink or over {MAX_CONFIG_BYTES} bytes: not hfpar's config"
-    try:
-        theirs = json.loads(f.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError):
-        return f"{f}: not valid JSON"
+    if f.is_symlink():
+        return f"{f}: a symlink: not hfpar's config"
+    theirs, problem = read_json(f)  # size, nesting and syntax bounded
+    if problem:
+        return problem
     if not isinstance(theirs, dict):
         return f"{f}: not a JSON object"
     mine = config.to_dict()

@@ -93,9 +93,8 @@ def save_checkpoint(
             fh.flush()
             os.fsync(fh.fileno())
         (final / STAGING_MARK).unlink(missing_ok=True)
-        record_written(output_dir, add=(final.name,))  # this dir's hfpar run wrote it: retention may delete it
-        apply_retention(output_dir, save_total_limit)
-        record_written(output_dir)
+        apply_retention(output_dir, save_total_limit)  # (the newest is always kept: it needs no listing first)
+        record_written(output_dir, add=(final.name,))  # this dir's hfpar run wrote it: a later retention may delete it
     accelerator.wait_for_everyone()
     return final
 

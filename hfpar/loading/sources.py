@@ -24,7 +24,6 @@ from hfpar.parallel.language_model import is_nested, text_config
 
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "adapter_config.json")
 MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of the largest vocabularies is ~35 MB; 1 GiB bounds the parser's memory
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def source_problems(path: str | None, *, trust_remote_code: bool, option: str) -> list[str]:

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from hfpar.distributed import process_rank
 from hfpar.objectives.base import Objective
 from hfpar.objectives.reference import Reference
 from hfpar.objectives.targets import Targets, TargetsHead
@@ -133,7 +134,7 @@ class GRPOObjective(TargetsHead, Objective):
         """Every completion target of the step masked (--mask_truncated_completions with every completion
         truncated): TRL clamps its normalizer to 1 and trains the step with loss 0 (zero gradients, the optimizer and
         schedule still step), so hfpar does too, rather than the data error of a dataset's all-masked batch."""
-        if _rank() == 0:
+        if process_rank() == 0:
             print(
                 f"[hfpar] step {step + 1}: every completion of the global batch is masked (truncated, "
                 "--mask_truncated_completions): a zero-loss step, as TRL's",
@@ -227,10 +228,6 @@ class GRPOObjective(TargetsHead, Objective):
 
     def load_state_dict(self, state: dict) -> None:
         self.rollout.load_state_dict(state)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:

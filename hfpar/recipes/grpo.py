@@ -10,7 +10,6 @@ owns (hfpar.objectives.reference).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from hfpar.rollout.reward_log import RunProgress
 from hfpar.rollout.rewards import RewardError, resolve_reward_funcs
 from hfpar.rollout.schedule import RolloutSchedule
 from hfpar.train import VARLEN
+from hfpar.train.sampler import total_steps
 
 ESTIMATORS = ("grpo", "rloo")
 
@@ -241,7 +241,7 @@ def progress(args, ctx, sched: RolloutSchedule) -> RunProgress:
     global_batch = args.per_device_train_batch_size * ctx.dp * args.gradient_accumulation_steps
     per_epoch = max(1, sched.rows_per_epoch // global_batch)
     return RunProgress(
-        max_steps=args.max_steps if args.max_steps > 0 else max(1, math.ceil(args.num_train_epochs * per_epoch)),
+        max_steps=total_steps(args.max_steps, args.num_train_epochs, per_epoch),  # as the trainer counts them
         steps_per_epoch=per_epoch,
         logging_steps=args.logging_steps,
         eval_steps=args.eval_steps or 0,

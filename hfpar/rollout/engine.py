@@ -33,7 +33,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from hfpar.distributed import unwrap
 from hfpar.parallel.context_parallel import whole_sequence
-from hfpar.rollout.sampling import sample
+from hfpar.rollout.sampling import eos_list, sample
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ class GenerationConfig:
 
     @property
     def eos_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else [e] if isinstance(e, int) else list(e)
+        return eos_list(self.eos_token_id)
 
 
 def checkpoint_generation_config(source: str | None, model) -> HFGenerationConfig | None:
@@ -71,8 +70,7 @@ def checkpoint_generation_config(source: str | None, model) -> HFGenerationConfi
 
 def eos_token_ids(checkpoint: HFGenerationConfig | None, tokenizer_eos: int | None) -> list[int]:
     """TRL GRPOTrainer's EOS list: every id of the checkpoint's generation_config, the tokenizer's first if missing."""
-    ids = checkpoint.eos_token_id if checkpoint is not None else None
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    ids = eos_list(checkpoint.eos_token_id if checkpoint is not None else None)
     if tokenizer_eos is not None and tokenizer_eos not in ids:
         ids = [tokenizer_eos, *ids]
     return ids
@@ -92,7 +90,7 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def cut_at_eos(row: list[int], eos_token_id: int | list[int] | None) -> tuple[list[int], bool]:
     """(the completion up to and including its first EOS (an id, or any of a list), whether it ended with one)."""
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    eos = set(eos_list(eos_token_id))
     for end, t in enumerate(row):
         if t in eos:
             return row[: end + 1], True

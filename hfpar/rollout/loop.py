@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfpar.distributed import all_reduce_sum
+from hfpar.distributed import all_reduce_sum, process_rank
 from hfpar.rollout import advantages as A
 from hfpar.rollout.collate import RolloutCollator
 from hfpar.rollout.engine import truncated
@@ -122,7 +122,7 @@ class Rollout:
         self.window = window
         # this rank's seconds: generation, then scoring + advantages + old / reference log-probs
         self._metrics.update(generation_time_s=t1 - t0, rollout_rest_time_s=time.perf_counter() - t1)
-        if cfg.log_completions and _rank() == 0:
+        if cfg.log_completions and process_rank() == 0:
             self._log(step, window, prompts, table, rewards, adv, extra)
         self.reward_log = RewardLog()  # what was not flushed (log_extra without --log_completions) goes
 
@@ -277,7 +277,3 @@ class Rollout:
                     row["ref_logps"] = state["ref_logps"][r, :m].float().tolist()
                 batch.append(row)
             self.rows.append(batch)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hfpar.rollout.advantages import nanstd
+from hfpar.rollout.sampling import eos_list
 
 
 def window_metrics(
@@ -19,8 +20,7 @@ def window_metrics(
     lengths = table["lengths"]
     ids = table["ids"]
     last = ids[torch.arange(ids.size(0)), (lengths.long() - 1).clamp(min=0)]
-    eos = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [] if eos_token_id is None else [eos_token_id]
-    eos = torch.tensor(eos, dtype=torch.long)
+    eos = torch.tensor(eos_list(eos_token_id), dtype=torch.long)
     truncated = ~torch.isin(last, eos) & (last != pad_token_id)
     term = lengths[~truncated]
     if term.numel() == 0:

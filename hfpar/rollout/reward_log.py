@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers.trainer_callback import TrainerState
 
-from hfpar.distributed import all_reduce_sum
+from hfpar.distributed import all_reduce_sum, process_rank
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class RunProgress:
             eval_steps=self.eval_steps,
             save_steps=self.save_steps,
             train_batch_size=self.train_batch_size,
-            is_world_process_zero=_rank() == 0,
+            is_world_process_zero=process_rank() == 0,
             is_local_process_zero=int(os.environ.get("LOCAL_RANK", "0")) == 0,
         )
 
@@ -105,10 +105,6 @@ class RewardLog:
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
 
 
 def _gather(obj) -> list:

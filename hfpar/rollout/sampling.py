@@ -43,6 +43,11 @@ from transformers import (
 WARPER_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
+def eos_list(eos_token_id) -> list[int]:
+    """An EOS id, a list of them, or None, as a list (generate takes either; TRL's GRPOTrainer holds a list)."""
+    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
 def row_key(seed: int, step: int, prompt_index: int, generation: int) -> int:
     """A 63-bit seed for one completion row, stable across processes and Python runs (not Python's salted hash)."""
     digest = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{generation}".encode(), digest_size=8).digest()
@@ -163,8 +168,8 @@ def sample(
 def completion_mask(completion_ids: torch.Tensor, eos_token_id) -> torch.Tensor:
     """(B, C) -> (B, C) 1 up to and including each row's first EOS (an id or a list of ids), 0 after (TRL's
     completion_mask); a row with no EOS (truncated at max_new_tokens) keeps every token."""
-    eos = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, dtype=torch.long, device=completion_ids.device))
+    eos = torch.tensor(eos_list(eos_token_id), dtype=torch.long, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)
     first = torch.where(
         is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], completion_ids.size(1), dtype=torch.long)
     )

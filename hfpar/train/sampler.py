@@ -15,7 +15,14 @@ The last incomplete global batch of an epoch is dropped (same rule for every wor
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def total_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
+    """A run's optimizer steps: --max_steps when > 0, else its epochs' (at least one)."""
+    return max_steps if max_steps > 0 else max(1, math.ceil(num_train_epochs * steps_per_epoch))
 
 
 class GlobalBatchSampler:

@@ -36,7 +36,7 @@ from hfpar.parallel.labels import IGNORE
 from hfpar.train.batch_plan import BatchPlan
 from hfpar.train.compile import compile_seconds
 from hfpar.train.prefetch import StepBatches, StepLoader, pin_and_copy
-from hfpar.train.sampler import GlobalBatchSampler, eval_shard
+from hfpar.train.sampler import GlobalBatchSampler, eval_shard, total_steps
 from hfpar.train.schedules import get_scheduler
 
 
@@ -86,10 +86,7 @@ class Trainer:
             args.seed,
             splits=plan.microbatches,
         )
-        if args.max_steps > 0:
-            self.total_steps = args.max_steps
-        else:
-            self.total_steps = max(1, math.ceil(args.num_train_epochs * self.sampler.steps_per_epoch))
+        self.total_steps = total_steps(args.max_steps, args.num_train_epochs, self.sampler.steps_per_epoch)
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.total_steps)
         # metrics.jsonl, run_info.json, trackers, console, report.png; counts the parameters before any wrap
         self.recorder = RunRecorder(
