@@ -222,12 +222,13 @@ def model_problems(args, ctx: ParallelContext, task: str, config=None, image_tex
 
 def cp_problems(args, ctx: ParallelContext, config) -> list[str]:
     """Whether the model's attention goes through transformers' registry with nothing CP cannot honour (probed on
-    the meta device: hfpar.parallel.context_parallel.probe), no other module mixes tokens (its tiny copy:
-    context_parallel.mixing), the tiny copy cut over emulated cp ranks computes what it computes whole
+    the meta device: hfpar.parallel.context_parallel.probe), every other module that mixes tokens can run on the whole
+    rows (its tiny copy: context_parallel.mixing / gathered), the tiny copy cut over emulated cp ranks computes what it
+    computes whole
     (context_parallel.shard_check), and --cp_mode ulysses against the heads (auto: see resolve_cp_mode)."""
     p = [f"--cp_size {ctx.cp}: {x}" for x in cp_attention_problems(config)]
-    if not p and (why := token_mixing_problem(config) or shard_problem(config)):  # other token mixers: state
-        p.append(f"--cp_size {ctx.cp}: {why}")  # along the row; a model that computes otherwise once its rows are cut
+    if not p and (why := token_mixing_problem(config) or shard_problem(config)):  # a token mixer that cannot run on
+        p.append(f"--cp_size {ctx.cp}: {why}")  # whole rows; a model that computes otherwise once its rows are cut
     heads = getattr(text_config(config), "num_attention_heads", 0) // ctx.tp
     if args.cp_mode == "ulysses" and heads % ctx.cp:
         p.append(

@@ -2,10 +2,11 @@
 type's default config (with the fields a checkpoint has and its defaults lack: the TP family sweep's FAMILY_KW): the
 meta-device probe of the attention (hfpar.parallel.context_parallel.probe: every attention through transformers'
 registry, nothing it cannot honour; the tiny copy where meta cannot run it), the token-mixing check of the tiny copy
-(hfpar.parallel.context_parallel.mixing: nothing else mixes tokens) and the tiny copy cut over emulated cp ranks
+(hfpar.parallel.context_parallel.mixing: what else mixes tokens, run on the whole rows: "accepted" names those
+classes; refused where one cannot be) and the tiny copy cut over emulated cp ranks
 (hfpar.parallel.context_parallel.shard_check: it computes what it computes whole).
 
-    python -m benchmarks.context_parallel.families     # ~1 minute on 2 CPU cores -> results/context_parallel/
+    python -m benchmarks.context_parallel.families     # ~4 minutes on 2 CPU cores -> results/context_parallel/
 
 Outcomes: accepted; refused by the attention probe; refused by the token-mixing check or the cut-rows check (a
 module named), or not checked (its tiny copy could not be built or run). Writes families.json (type -> the
@@ -27,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from benchmarks.common.family_report import write_report
 from benchmarks.common.launch import results_dir
 from benchmarks.tensor_parallel.family_sweep import FAMILY_KW
-from hfpar.parallel.context_parallel.mixing import token_mixing_problem
+from hfpar.parallel.context_parallel.mixing import token_mixers
 from hfpar.parallel.context_parallel.probe import cp_attention_problems
 from hfpar.parallel.context_parallel.shard_check import shard_problem
 
@@ -44,11 +45,12 @@ def verdict(config) -> tuple[str, list[str]]:
     """(outcome, reasons) for one config, as the preflight decides (the mixing check only where the probe passes)."""
     if problems := cp_attention_problems(config):
         return "refused: attention", problems
-    if why := token_mixing_problem(config):
+    mixers, why = token_mixers(config)
+    if why:
         return ("refused: not checked" if "could not be checked" in why else "refused: token mixing"), [why]
     if why := shard_problem(config):
         return ("refused: not checked" if "could not be checked" in why else "refused: cut rows differ"), [why]
-    return "accepted", []
+    return "accepted", [f"on whole rows: {c.rsplit('.', 1)[-1]}" for c in mixers]
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ preflight's three checks deciding first. Families this round opened or closed:
     doge                                  refused by the cut-rows check (a learned dynamic mask), confirmed: the real
                                           cp run differs
     deepseek_v4                           refused by the probe: compressed keys beside the row's own
+    olmo_hybrid, lfm3                     gated-DeltaNet / short-convolution layers run on the whole rows on every cp
+                                          rank (context_parallel/gathered.py; were refused by the mixing check)
 """
 
 from __future__ import annotations
@@ -36,18 +38,26 @@ EXACT = (
     "ctrl",
     "llama4_text",
 )
+GATHERED = {"olmo_hybrid": ["OlmoHybridGatedDeltaNet"], "lfm3": ["Lfm3ShortConv"]}
 CUT_ROWS = {"doge": "self_attn.A differs"}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(sweep_worker, 2, [*EXACT, *CUT_ROWS, "deepseek_v4"], timeout=900)[0]
+    return run_distributed(sweep_worker, 2, [*EXACT, *GATHERED, *CUT_ROWS, "deepseek_v4"], timeout=900)[0]
 
 
 @pytest.mark.parametrize("model_type", EXACT)
 def test_exact_under_ring_and_ulysses(results, model_type):
     r = results[model_type]
     assert r["status"] == "exact" and r["ring"]["worst_rel"] < 1e-6 and r["ulysses"]["worst_rel"] < 1e-6, r
+
+
+@pytest.mark.parametrize("model_type", sorted(GATHERED))
+def test_mixers_on_whole_rows_exact_under_ring_and_ulysses(results, model_type):
+    r = results[model_type]
+    assert r["status"] == "exact" and r["gathered"] == GATHERED[model_type], r
+    assert r["ring"]["worst_rel"] < 1e-6 and r["ulysses"]["worst_rel"] < 1e-6, r
 
 
 @pytest.mark.parametrize("model_type", sorted(CUT_ROWS))

@@ -6,7 +6,8 @@ ring.py       the overlapped ring: K / V pieces passed by batched isend / irecv 
 fused.py      attention through the device's fused kernel per block, merged by log-sum-exp (kernels.py)
 kernel_calls.py  which kernel calls (no mask / causal / window mask) cover a block's documents
 probe.py      whether a model's attention goes through transformers' registry (the preflight's CP check)
-mixing.py     whether anything else mixes tokens; shard_check.py: whether the tiny copy cut over emulated ranks agrees
+mixing.py     what else mixes tokens (Mamba, linear attention, convolutions); gathered.py runs those on whole rows
+shard_check.py  whether the tiny copy cut over emulated ranks agrees
 enable.py     a model's attention switched to CP's (checked) and back (whole_sequence)
 blockwise.py  exact document-causal attention by blocks in torch ops: reference, softcap fallback, all-gather
 """

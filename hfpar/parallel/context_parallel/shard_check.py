@@ -21,7 +21,9 @@ its dropout, MLA and window handling), whose exchange between the ranks is done 
 gathered, exact document-causal attention by blockwise.block_attention (the reference the ring and Ulysses kernels
 are tested against). Every module's output at every position, the logits, and every parameter's gradient of a random
 cotangent must agree within 1e-6 relative (1e-3 for a family that runs float32 only); the first module whose output
-differs is named, else the first parameter.
+differs is named, else the first parameter. Token mixers outside the attention (mixing.token_mixers) run on the whole
+rows as under CP (gathered.py, the all-gather done in memory too); their gradients, summed over the ranks' shares in
+the mixer's own arithmetic, within NOISE_X times what one process shows summing them the same way (split_noise).
 Milliseconds to a second, once per config.
 """
 
@@ -38,13 +40,20 @@ from ..tiny_copy import check_once, runnable
 from .adapt import cp_adapt
 from .attention import cp_rows, register_cp_attention
 from .blockwise import block_attention
+from .gathered import gather_mixers
 from .layout import shard_batch, shift_labels
-from .mixing import call_keys, in_layer
+from .mixing import call_keys, in_layer, token_mixers
 
 CP = 2  # emulated ranks
 T = 16  # tokens per row: 4 chunks of 4, shards of 8 (the tiny copy's windows and chunks: 4)
 PAD = 5  # right padding of the second row: inside the last chunk and the one before (both ranks hold some)
 TOL64, TOL32 = 1e-6, 1e-3
+# gradients where a mixer runs on the whole rows (gathered.py): each rank back-propagates its own positions through
+# it and the shares are summed in the mixer's own arithmetic (transformers' gated-DeltaNet kernels compute in float32
+# whatever the model's dtype). One process shows the same when it sums a gradient over two parts of the row (4.5e-2
+# on a small gradient of Qwen3.5's tiny copy): a gradient may differ by NOISE_X times that (split_noise), a wrong
+# gather or order moves it by O(1)
+NOISE_X = 10.0
 _WAIT_S = 60.0
 
 
@@ -82,13 +91,22 @@ class EmulatedGroup:
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         return out
 
-    def attention(self, q, k, v, rows, group, scaling=None, *, window=None, softcap=None, sink=None) -> torch.Tensor:
+    def _meet(self, x) -> list:
+        """Every thread's `x` of its n-th exchange (this one's n), in rank order."""
         rank, call = self.local.rank, self.local.calls
         self.local.calls += 1
         with self.lock:
             slot = self.slots.setdefault(call, [None] * self.size)
-        slot[rank] = (k, v)
+        slot[rank] = x
         self.barrier.wait()
+        return slot
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Tl, ...) -> (B, cp * Tl, ...) in rank order (gathered.py's all-gather), autograd to every thread."""
+        return torch.cat(self._meet(x), dim=1)
+
+    def attention(self, q, k, v, rows, group, scaling=None, *, window=None, softcap=None, sink=None) -> torch.Tensor:
+        slot = self._meet((k, v))
         kf, vf = (torch.cat([s[i] for s in slot], dim=2) for i in (0, 1))  # rank order: rows.order
         return block_attention(
             q, kf, vf, rows.doc, rows.local, rows.order, scaling, window=window, softcap=softcap, sink=sink
@@ -98,8 +116,11 @@ class EmulatedGroup:
 def shard_problem(config) -> str | None:
     """Why context parallelism would train `config`'s model differently from one process (one line naming the module
     or parameter), or None. A copy that cannot be built or run: why (the caller refuses with it)."""
+    mixers, why = token_mixers(config)
+    if why is not None:
+        return why
     with torch.enable_grad():
-        why = check_once("cp_shards", text_config(config), _compare)
+        why = check_once("cp_shards", text_config(config), lambda m: _compare(m, mixers))
     if why is None or "when its rows are cut" in why:
         return why
     return f"whether it computes the same when its rows are cut could not be checked: {why}"
@@ -129,7 +150,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def _compare(model: nn.Module) -> str | None:
+def _compare(model: nn.Module, mixers: tuple[str, ...] = ()) -> str | None:
     model = runnable(model)  # float32 where the family cannot run float64 (the shared copy left float64)
     dtype = next(model.parameters()).dtype
     tol = TOL64 if dtype == torch.float64 else TOL32
@@ -153,6 +174,7 @@ def _compare(model: nn.Module) -> str | None:
 
     cp_model.set_attn_implementation(register_cp_attention())
     cp_adapt(cp_model)  # as enable_cp_attention does
+    gather_mixers(cp_model, mixers)
     group = EmulatedGroup(CP)
     batch = shift_labels({"input_ids": ids, "labels": ids, "attention_mask": mask})
     shards = [shard_batch(batch, r, CP) for r in range(CP)]
@@ -186,13 +208,35 @@ def _compare(model: nn.Module) -> str | None:
         full[:, rows.local] = lg.detach()
     if (d := _rel(full[real], logits.detach()[real])) > tol:
         return _named("the model's logits", model, d, tol)
+    noise = {}
+    if mixers:
+        run = lambda m: m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits  # noqa: E731
+        noise = split_noise(ref, run, w, [rows.local for _, rows in shards])
     for (name, p), q in zip(cp_model.named_parameters(), ref.parameters(), strict=True):
         if q.grad is None:
             continue
         g = torch.zeros_like(q.grad) if p.grad is None else p.grad
-        if (d := _rel(g, q.grad)) > tol:
+        if (d := _rel(g, q.grad)) > max(tol, NOISE_X * noise.get(name, 0.0)):
             return _named(f"the gradient of {name}", None, d, tol)
     return None
+
+
+def split_noise(model: nn.Module, run, w: torch.Tensor, parts: list[torch.Tensor]) -> dict[str, float]:
+    """name -> how far one process's gradient of sum(run(model) * w) (in model's .grad) moves when it is summed
+    over `parts` of the row (each (T',) positions: w there only), relative: what a mixer's own arithmetic does to a
+    gradient CP sums over the ranks' shares (gathered.py), with nothing cut. `run(m)`: m's (B, T, V) logits."""
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
+    for idx in parts:
+        keep = torch.zeros(w.shape[1], dtype=w.dtype)
+        keep[idx] = 1
+        (run(m) * w * keep[None, :, None]).sum().backward()
+    whole = dict(model.named_parameters())
+    return {
+        n: _rel(p.grad, whole[n].grad)
+        for n, p in m.named_parameters()
+        if p.grad is not None and whole[n].grad is not None
+    }
 
 
 def _named(name: str, mod: nn.Module | None, d: float, tol: float) -> str:
