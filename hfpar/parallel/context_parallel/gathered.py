@@ -19,8 +19,10 @@ residual stream stay sharded.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
+import zlib
 
 import torch
 from torch import nn
@@ -68,6 +70,13 @@ def _position_order(order: torch.Tensor) -> torch.Tensor:
     return torch.argsort(order)
 
 
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    """A mixer class's forward signature without `self` (read once per class: the hook runs every call)."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return inspect.Signature(params)
+
+
 def _whole_mask(local, rows) -> torch.Tensor | None:
     """The (B, T) padding mask of the whole rows, from the layout every rank shares (RowLayout.doc: -1 at padding),
     for a mixer's `attention_mask`. A model that passes None where its part holds no padding (Qwen3.5's linear
@@ -83,15 +92,17 @@ def _per_token(x, b: int, tl: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[:2]) == (b, tl)
 
 
-def _agree(mod: nn.Module, flags: list[int], group, device) -> None:
-    """Every cp rank gathers the same arguments (else the all-gathers would pair wrongly or wait forever): their
-    per-token flags compared over the group first (one small all-gather); RuntimeError naming the module if not."""
-    mine = torch.tensor([flags], dtype=torch.long, device=device)  # (1, n)
-    every = _gather(mine, group).view(-1, len(flags))  # (cp, n)
-    if not bool((every == every[:1]).all()):
+def _agree(mod: nn.Module, gathered: list[str], group, device) -> None:
+    """Every cp rank gathers the same arguments (else the all-gathers would pair wrongly or wait forever): the names
+    of the arguments this rank gathers, as one checksum, compared over the group first (one small all-gather, and on
+    a GPU a wait for it: a cost per mixer call, paid because a wrong pairing could otherwise train silently wrong);
+    RuntimeError naming the module and this rank's arguments if they differ."""
+    mine = torch.tensor([[zlib.crc32(",".join(gathered).encode())]], dtype=torch.long, device=device)  # (1, 1)
+    every = _gather(mine, group).view(-1)  # (cp,)
+    if not bool((every == every[0]).all()):
         raise RuntimeError(
             f"context parallelism: the cp ranks called {type(mod).__name__} with different per-token arguments "
-            f"({every.tolist()}, by argument); it cannot run on the whole rows"
+            f"(this rank: {', '.join(gathered)}); it cannot run on the whole rows"
         )
 
 
@@ -105,14 +116,14 @@ def _gather_inputs(mod: nn.Module, args: tuple, kwargs: dict):
         return None
     rows, group, _ = state
     b, tl = rows.doc.shape[0], rows.local.numel()
-    bound = inspect.signature(mod.forward).bind_partial(*args, **kwargs)
+    bound = _signature(type(mod)).bind_partial(*args, **kwargs)
     named = bound.arguments
     mask = "attention_mask" in named and (named["attention_mask"] is None or _per_token(named["attention_mask"], b, tl))
     if mask:
         named["attention_mask"] = _whole_mask(named["attention_mask"], rows)
     args, kwargs = bound.args, bound.kwargs
-    flags = [int(_per_token(a, b, tl)) for a in args] + [int(_per_token(kwargs[k], b, tl)) for k in sorted(kwargs)]
-    _agree(mod, flags, group, rows.doc.device)
+    gathered = [f"#{i}" for i, a in enumerate(args) if _per_token(a, b, tl)]
+    _agree(mod, gathered + sorted(k for k, v in kwargs.items() if _per_token(v, b, tl)), group, rows.doc.device)
     inv = _position_order(rows.order)
 
     def whole(x):
