@@ -95,9 +95,22 @@ def _write_model(backend, full: dict[str, torch.Tensor], output_dir: str, peft: 
     elif is_upcycled(backend.unwrapped()):  # written as the HF MoE architecture it became
         save_upcycled_pretrained(backend.unwrapped(), output_dir, state_dict=full, is_main_process=True)
     else:
-        saving_model(unwrap(backend.model)).save_pretrained(
-            output_dir, state_dict=on_cpu(full), safe_serialization=True
+        model = unwrap(backend.model)
+        saving_model(model).save_pretrained(
+            output_dir, state_dict=on_cpu(without_tied_copies(model, full)), safe_serialization=True
         )
+
+
+def without_tied_copies(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`full` less the second name of each tensor the model holds under two (a LM head tied to the embedding).
+    save_pretrained drops a tied weight's second name only where the two share storage; gathered from FSDP2 shards
+    they are two tensors, and the export held the head twice where one process writes the embedding alone."""
+    first: dict[int, str] = {}
+    copies = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if first.setdefault(id(t), name) != name:
+            copies.add(name)
+    return {k: v for k, v in full.items() if k not in copies}
 
 
 def saving_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -209,7 +209,9 @@ def _cat_dim(boxes) -> int:
 
 
 def _load_tensor(files: Files, sources: _Sources, names: list[str], t: torch.Tensor, model) -> torch.Tensor:
-    name = next(n for n in names if sources.has(n))
+    name = next((n for n in names if sources.has(n)), None)
+    if name is None:
+        raise ValueError(f"sharded loading: no checkpoint tensor holds {' or '.join(names)} (the model's parameter)")
     if isinstance(t, DTensor):  # FSDP2: a DTensor's shape is the full one
         shape = list(t.shape)
     else:
@@ -345,6 +347,15 @@ def fsdp2_loader(index: dict[str, str]):
         hf, hf_name = hf_view(model)  # a PEFT model (LoRA): its base layers' names
         sharded = model.state_dict()
         names = {n: hf_name(n) for n in sharded}
+        # a tied weight (the LM head of a model that ties it to the embedding) is one tensor under two names, of which
+        # the checkpoint holds one: each name may be read from any of them (accelerate ties them again after loading)
+        shared: dict[int, list[str]] = {}
+        for n, t in model.state_dict(keep_vars=True).items():
+            shared.setdefault(id(t), []).append(names[n])
+        aliases = {
+            n: [names[n], *(a for a in shared[id(t)] if a != names[n])]
+            for n, t in model.state_dict(keep_vars=True).items()
+        }
         sources = _Sources(hf, index, {names[n]: t for n, t in sharded.items()})
         files = Files(index, _keys_needed(sources, [names[n] for n in sharded if sources.has(names[n])]))
         out = {}
@@ -354,7 +365,7 @@ def fsdp2_loader(index: dict[str, str]):
                 box = _boxes(t, list(t.shape))[0]
                 local = full[tuple(slice(a, b) for a, b in box)].to(t.dtype).contiguous()
             else:
-                local = _load_tensor(files, sources, [names[name]], t, hf)
+                local = _load_tensor(files, sources, aliases[name], t, hf)
             local = _like_skeleton(local.to(accelerator.device if not cpu_offload else "cpu"), t)
             out[name] = DTensor.from_local(
                 local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()

@@ -159,7 +159,8 @@ def test_pipeline_stage_of_tensor_parallel_model(tmp_path):
 
 
 def _shard(model, mesh) -> None:
-    for layer in model.get_base_model().model.layers:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -183,9 +184,35 @@ def _lora_fsdp2(rank, world, path):
     _assert_same(ref, got, "lora x fsdp2")
 
 
+def _tied_fsdp2(rank, world, path):
+    """A model whose LM head is tied to its embedding (the checkpoint holds the embedding only), through accelerate's
+    order: skeleton, meta, tie, fully_shard, hfpar's fsdp2_loader, tie again: was a StopIteration (the head's name
+    read from the files alone); now the full load's values, one tensor under both names."""
+    mesh = init_device_mesh("cpu", (world,))
+    ref = _full(path)
+    _shard(ref, mesh)
+    got = _skeleton(path)
+    full_sd = got.state_dict()
+    got = got.to(torch.device("meta"))
+    got.tie_weights()
+    _shard(got, mesh)
+    fsdp2_loader(checkpoint_index(path))(SimpleNamespace(device=torch.device("cpu")), got, full_sd)
+    got.tie_weights()  # accelerate's fsdp2_prepare_model does, after loading
+    for name, buf in ref.named_buffers():  # accelerate re-registers the non-persistent buffers (rotary inv_freq)
+        owner, _, leaf = name.rpartition(".")
+        got.get_submodule(owner)._buffers[leaf] = buf
+    _assert_same(ref, got, "tied x fsdp2")
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+
+
 def test_lora_fsdp2_loader(tmp_path):
     path = _save(tmp_path / "m", LlamaConfig(**LAYERS4, tie_word_embeddings=False))
     run_distributed(_lora_fsdp2, 2, path)
+
+
+def test_tied_lm_head_fsdp2_loader(tmp_path):
+    path = _save(tmp_path / "m", LlamaConfig(**LAYERS4, tie_word_embeddings=True))
+    run_distributed(_tied_fsdp2, 2, path)
 
 
 def test_bin_checkpoint_read_through_mmap(tmp_path):

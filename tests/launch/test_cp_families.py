@@ -19,6 +19,8 @@ the training update).
                layer: the DeltaNet runs on the whole rows on every cp rank (context_parallel/gathered.py)
     lfm2       a short-convolution layer beside an attention layer (gathered likewise)
     jamba      a Mamba layer beside an attention layer, MoE feed-forward (gathered likewise)
+The three hybrids also under tp 2 x cp 2 (4 processes) and FSDP2 with activation checkpointing (the gathers
+recomputed in backward), to the same single-process runs.
 
 Batches: padding-free rows where hfpar.data.padding_free applies (gemma2, olmo2, phi3), padded rows with their
 attention mask elsewhere (the padding-free family list is its own, not CP's), the same in the reference.
@@ -134,6 +136,13 @@ UPDATE_TOL_OF = {"qwen3_5": 3e-3}
 if os.environ.get("HFPAR_CP_FAMILIES"):
     FAMILIES = {k: FAMILIES[k] for k in os.environ["HFPAR_CP_FAMILIES"].split(",")}
 MODES = ("ring", "ulysses")
+# the hybrids' mixers on whole rows composed with what else runs them: TP (4 processes, dp 1: each TP rank gathers its
+# cp group's rows) and FSDP2 with activation checkpointing (the gathers run again in the recompute)
+HYBRIDS = [name for name in ("qwen3_5", "lfm2", "jamba") if name in FAMILIES]
+COMPOSED = {
+    "tp2_cp2": ("ddp", 4, ["--tp_size", "2", "--cp_size", "2"]),
+    "cp2_fsdp2_ckpt": ("fsdp2", 2, ["--cp_size", "2", "--gradient_checkpointing"]),
+}
 # no evaluation, no intermediate checkpoint: what the contract compares is the training and the export; clipping
 # below every family's grad norms (the smallest measured: granite 0.67, cohere2 0.85), active at every step (checked)
 FLAGS = [
@@ -163,9 +172,12 @@ def family_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cp_families")
     models = {name: _save_model(name, root / "models" / name) for name in FAMILIES}
     out = {(name, m): root / f"{name}_{m}" for name in FAMILIES for m in ("single", *MODES)}
+    out |= {(name, c): root / f"{name}_{c}" for name in HYBRIDS for c in COMPOSED}
 
     def argv(name: str, mode: str) -> list[str]:
-        cp = [] if mode == "single" else ["--cp_size", "2", "--cp_mode", mode]
+        cp = (
+            [] if mode == "single" else COMPOSED[mode][2] if mode in COMPOSED else ["--cp_size", "2", "--cp_mode", mode]
+        )
         return [
             *FLAGS,
             "--model_name_or_path",
@@ -178,14 +190,15 @@ def family_runs(tmp_path_factory) -> dict:
         ]
 
     specs = {"single": [argv(n, "single") for n in FAMILIES], "cp2": [argv(n, m) for n in FAMILIES for m in MODES]}
+    specs |= {c: [argv(n, c) for n in HYBRIDS] for c in COMPOSED if HYBRIDS}
     for key, runs in specs.items():
         (root / f"{key}.json").write_text(json.dumps({"kind": "sft", "runs": runs}))
-    launch_all(
-        {
-            "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
-            "cp2": ("ddp", 2, RECIPE_RUNS, [str(root / "cp2.json")]),
-        }
-    )
+    jobs = {
+        "single": ("single", 1, RECIPE_RUNS, [str(root / "single.json")]),
+        "cp2": ("ddp", 2, RECIPE_RUNS, [str(root / "cp2.json")]),
+    }
+    jobs |= {c: (cfg, n, RECIPE_RUNS, [str(root / f"{c}.json")]) for c, (cfg, n, _) in COMPOSED.items() if HYBRIDS}
+    launch_all(jobs)
     return {"models": models, "out": out}
 
 
@@ -209,3 +222,21 @@ def test_cp_family_matches_single(family_runs, family, mode):
     assert_export_matches(single, got_dir, what, initial=initial, update_tol=UPDATE_TOL_OF.get(family))
     info, ref_info = read_run_info(got_dir), read_run_info(single)
     assert (info["cp_size"], info["cp_mode"], info["padding_free"]) == (2, mode, ref_info["padding_free"]), info
+
+
+@pytest.mark.parametrize("composed", list(COMPOSED))
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_mixers_compose(family_runs, family, composed):
+    single, got_dir = family_runs["out"][family, "single"], family_runs["out"][family, composed]
+    ref, _ = read_metrics(single)
+    got, _ = read_metrics(got_dir)
+    what = f"{family} {composed}"
+    assert len(got) == 8, what
+    assert_close_series(ref, got, "loss", TOL, what)
+    assert_close_series(ref, got, "grad_norm", TOL, what)
+    print(
+        f"PARITY {what}: max relative diff loss {max(rel_diff(g['loss'], r['loss']) for r, g in zip(ref, got)):.1e}, "
+        f"grad_norm {max(rel_diff(g['grad_norm'], r['grad_norm']) for r, g in zip(ref, got)):.1e}"
+    )
+    initial = load_file(str(family_runs["models"][family] + "/model.safetensors"))
+    assert_export_matches(single, got_dir, what, initial=initial, update_tol=UPDATE_TOL_OF.get(family))

@@ -80,5 +80,6 @@ def test_ranks_with_different_per_token_arguments_are_refused():
         with cp_rows(rows, group, "ring"):
             return mod(x, seq_idx=torch.zeros(2, T // CP, dtype=torch.long) if r == 0 else None)
 
-    with pytest.raises(RuntimeError, match=r"^context parallelism: the cp ranks called RunningSum with different per-token arguments \(this rank: "):
+    refused = r"^context parallelism: the cp ranks called RunningSum with different per-token arguments \(this rank: "
+    with pytest.raises(RuntimeError, match=refused):
         group.run(rank, shards)
