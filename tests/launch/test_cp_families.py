@@ -202,13 +202,11 @@ def family_runs(tmp_path_factory) -> dict:
     return {"models": models, "out": out}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_cp_family_matches_single(family_runs, family, mode):
-    single, got_dir = family_runs["out"][family, "single"], family_runs["out"][family, mode]
+def _matches_single(family_runs, family: str, run: str, what: str) -> None:
+    """The run's per-step loss / grad norm, target tokens and export against the family's single-process run."""
+    single, got_dir = family_runs["out"][family, "single"], family_runs["out"][family, run]
     ref, _ = read_metrics(single)
     got, _ = read_metrics(got_dir)
-    what = f"{family} cp2 {mode}"
     assert len(got) == 8, what
     assert_close_series(ref, got, "loss", TOL, what)
     assert_close_series(ref, got, "grad_norm", TOL, what)
@@ -220,23 +218,20 @@ def test_cp_family_matches_single(family_runs, family, mode):
     )
     initial = load_file(str(family_runs["models"][family] + "/model.safetensors"))
     assert_export_matches(single, got_dir, what, initial=initial, update_tol=UPDATE_TOL_OF.get(family))
-    info, ref_info = read_run_info(got_dir), read_run_info(single)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cp_family_matches_single(family_runs, family, mode):
+    _matches_single(family_runs, family, mode, f"{family} cp2 {mode}")
+    info, ref_info = (
+        read_run_info(family_runs["out"][family, mode]),
+        read_run_info(family_runs["out"][family, "single"]),
+    )
     assert (info["cp_size"], info["cp_mode"], info["padding_free"]) == (2, mode, ref_info["padding_free"]), info
 
 
 @pytest.mark.parametrize("composed", list(COMPOSED))
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_hybrid_mixers_compose(family_runs, family, composed):
-    single, got_dir = family_runs["out"][family, "single"], family_runs["out"][family, composed]
-    ref, _ = read_metrics(single)
-    got, _ = read_metrics(got_dir)
-    what = f"{family} {composed}"
-    assert len(got) == 8, what
-    assert_close_series(ref, got, "loss", TOL, what)
-    assert_close_series(ref, got, "grad_norm", TOL, what)
-    print(
-        f"PARITY {what}: max relative diff loss {max(rel_diff(g['loss'], r['loss']) for r, g in zip(ref, got)):.1e}, "
-        f"grad_norm {max(rel_diff(g['grad_norm'], r['grad_norm']) for r, g in zip(ref, got)):.1e}"
-    )
-    initial = load_file(str(family_runs["models"][family] + "/model.safetensors"))
-    assert_export_matches(single, got_dir, what, initial=initial, update_tol=UPDATE_TOL_OF.get(family))
+    _matches_single(family_runs, family, composed, f"{family} {composed}")
