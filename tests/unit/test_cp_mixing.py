@@ -102,3 +102,24 @@ def test_a_gather_in_the_wrong_order_is_refused(monkeypatch):
     config = AutoConfig.for_model("lfm3", vocab_size=97)  # a config of its own: the checks' answers are per config
     why = shard_problem(config)
     assert why is not None and "differs by" in why and "when its rows are cut" in why, why
+
+
+def test_a_gated_deltanet_hybrid_cut_over_emulated_ranks_computes_what_it_computes_whole():
+    """Qwen3.5's gated DeltaNet (float32 kernels) beside full attention, small: the cut-rows check with its mixers on
+    whole rows passes (its gradients within the one-process noise floor, split_noise)."""
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    assert shard_problem(config) is None
