@@ -27,6 +27,7 @@ from hfpar.distributed import gathered_state_dict, swapped, unwrap, without_deep
 from hfpar.loading.lora import full_peft_model, merged_state_model
 from hfpar.parallel.expert_parallel import is_upcycled, save_upcycled_pretrained
 from hfpar.parallel.language_model import is_nested
+from hfpar.parallel.sharding import tensor_names
 
 
 def export_final(
@@ -105,11 +106,7 @@ def without_tied_copies(model: torch.nn.Module, full: dict[str, torch.Tensor]) -
     """`full` less the second name of each tensor the model holds under two (a LM head tied to the embedding).
     save_pretrained drops a tied weight's second name only where the two share storage; gathered from FSDP2 shards
     they are two tensors, and the export held the head twice where one process writes the embedding alone."""
-    first: dict[int, str] = {}
-    copies = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if first.setdefault(id(t), name) != name:
-            copies.add(name)
+    copies = {n for _, names in tensor_names(model).values() for n in names[1:]}
     return {k: v for k, v in full.items() if k not in copies}
 
 

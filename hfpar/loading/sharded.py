@@ -45,7 +45,7 @@ from hfpar.loading.upcycle import load_upcycled_experts
 from hfpar.loading.views import hf_view
 from hfpar.parallel.comm import group_rank
 from hfpar.parallel.expert_parallel.families import MOE_FAMILIES, config_num_experts
-from hfpar.parallel.sharding import set_shard_spec, shard_spec
+from hfpar.parallel.sharding import set_shard_spec, shard_spec, tensor_names
 
 __all__ = [
     "resolve_checkpoint",
@@ -240,14 +240,6 @@ def _keys_needed(sources: _Sources, names: list[str]) -> list[str]:
     return keys
 
 
-def _tensor_names(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
-    """id -> (tensor, every state-dict name of it): tied parameters are one entry with both names."""
-    out: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        out.setdefault(id(t), (t, []))[1].append(name)
-    return out
-
-
 # ----------------------------------------------------------------------------- skeleton, missing keys
 def build_skeleton(
     cls,
@@ -270,9 +262,9 @@ def build_skeleton(
     model.tie_weights()
     model.eval()
     sources = _Sources(model, index)
-    missing = [(t, names) for t, names in _tensor_names(model).values() if not any(sources.has(n) for n in names)]
+    missing = [(t, names) for t, names in tensor_names(model).values() if not any(sources.has(n) for n in names)]
     if missing:
-        for t, _ in _tensor_names(model).values():
+        for t, _ in tensor_names(model).values():
             t._is_hf_initialized = True  # transformers' init functions skip flagged tensors
         for t, names in missing:
             _assign(model, names, torch.empty(t.shape, dtype=t.dtype), t)
@@ -305,7 +297,7 @@ def load_sharded(model: nn.Module, index: dict[str, str]) -> dict:
     layers, PEFT's base layers). Returns {"tensors": n, "bytes_read": b} (this rank's)."""
     upcycled = load_upcycled_experts(model, index)  # --upcycle_experts: this rank's experts from the dense MLPs
     hf, hf_name = hf_view(model)
-    tensors = _tensor_names(model)
+    tensors = tensor_names(model)
     full = {n: hf_name(n) for t, names in tensors.values() for n in names}  # this model's name -> the HF model's
     sources = _Sources(hf, index, {full[n]: t for t, names in tensors.values() for n in names})
     todo = [(t, names) for t, names in tensors.values() if t.is_meta]
@@ -349,13 +341,10 @@ def fsdp2_loader(index: dict[str, str]):
         names = {n: hf_name(n) for n in sharded}
         # a tied weight (the LM head of a model that ties it to the embedding) is one tensor under two names, of which
         # the checkpoint holds one: each name may be read from any of them (accelerate ties them again after loading)
-        shared: dict[int, list[str]] = {}
-        for n, t in model.state_dict(keep_vars=True).items():
-            shared.setdefault(id(t), []).append(names[n])
-        aliases = {
-            n: [names[n], *(a for a in shared[id(t)] if a != names[n])]
-            for n, t in model.state_dict(keep_vars=True).items()
-        }
+        aliases = {}
+        for _, held in tensor_names(model).values():
+            for n in held:
+                aliases[n] = [names[n], *(names[a] for a in held if a != n)]
         sources = _Sources(hf, index, {names[n]: t for n, t in sharded.items()})
         files = Files(index, _keys_needed(sources, [names[n] for n in sharded if sources.has(names[n])]))
         out = {}

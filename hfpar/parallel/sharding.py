@@ -107,6 +107,15 @@ def carry_shard_specs(model: nn.Module, specs: dict[str, ShardSpec]) -> None:
             set_shard_spec(p, specs[name])
 
 
+def tensor_names(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
+    """id -> (tensor, every state-dict name of it): tied parameters are one entry with both names, in state-dict order
+    (a LM head tied to the embedding: the embedding's name first)."""
+    out: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        out.setdefault(id(t), (t, []))[1].append(name)
+    return out
+
+
 def unique_params(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     seen: set[int] = set()

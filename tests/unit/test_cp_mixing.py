@@ -98,7 +98,7 @@ def test_enable_cp_attention_gathers_the_mixers_in_users_code():
 def test_a_gather_in_the_wrong_order_is_refused(monkeypatch):
     """The cut-rows check runs the gathered mixers over emulated ranks: rows put back in gathered (rank) order instead
     of position order train something else, and the check names it."""
-    monkeypatch.setattr(gathered, "_position_order", lambda order: torch.arange(order.numel()))
+    monkeypatch.setattr(gathered, "_position_order", lambda rows: torch.arange(rows.order.numel()))
     config = AutoConfig.for_model("lfm3", vocab_size=97)  # a config of its own: the checks' answers are per config
     why = shard_problem(config)
     assert why is not None and "differs by" in why and "when its rows are cut" in why, why

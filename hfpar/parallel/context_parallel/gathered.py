@@ -65,9 +65,11 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
     return all_gather(x, 1, group)
 
 
-def _position_order(order: torch.Tensor) -> torch.Tensor:
-    """(T,) index that puts a row gathered in rank order (RowLayout.order) back in position order."""
-    return torch.argsort(order)
+def _position_order(rows) -> torch.Tensor:
+    """(T,) index that puts a row gathered in rank order (RowLayout.order) back in position order; once per batch."""
+    if "position_order" not in rows.cache:
+        rows.cache["position_order"] = torch.argsort(rows.order)
+    return rows.cache["position_order"]
 
 
 @functools.cache
@@ -81,9 +83,13 @@ def _whole_mask(local, rows) -> torch.Tensor | None:
     """The (B, T) padding mask of the whole rows, from the layout every rank shares (RowLayout.doc: -1 at padding),
     for a mixer's `attention_mask`. A model that passes None where its part holds no padding (Qwen3.5's linear
     attention mask) would pass None on one rank and a mask on another: each rank then passes what one process passes
-    for the whole rows (None where they hold no padding and this rank's part came as None)."""
-    real = rows.doc >= 0
-    if local is None and bool(real.all()):
+    for the whole rows (None where they hold no padding and this rank's part came as None). Made once per batch
+    (RowLayout.cache): every mixer layer of the forward asks."""
+    if "real" not in rows.cache:
+        real = rows.doc >= 0
+        rows.cache["real"] = (real, bool(real.all()))
+    real, unpadded = rows.cache["real"]
+    if local is None and unpadded:
         return None
     return real.to(local.dtype if isinstance(local, torch.Tensor) else torch.long)
 
@@ -124,7 +130,7 @@ def _gather_inputs(mod: nn.Module, args: tuple, kwargs: dict):
     args, kwargs = bound.args, bound.kwargs
     gathered = [f"#{i}" for i, a in enumerate(args) if _per_token(a, b, tl)]
     _agree(mod, gathered + sorted(k for k, v in kwargs.items() if _per_token(v, b, tl)), group, rows.doc.device)
-    inv = _position_order(rows.order)
+    inv = _position_order(rows)
 
     def whole(x):
         if _per_token(x, b, tl):
@@ -143,9 +149,7 @@ def _cut_outputs(mod: nn.Module, args, out):
     local, b, t = cut
 
     def own(x):
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[:2]) == (b, t):
-            return x.index_select(1, local.to(x.device))
-        return x
+        return x.index_select(1, local.to(x.device)) if _per_token(x, b, t) else x
 
     if isinstance(out, torch.Tensor):
         return own(out)

@@ -173,5 +173,6 @@ def _mixing(model: nn.Module) -> Mixers | str:
                     handles.append(m.register_forward_hook(_held_at_zero))
         return f"each of more than {KINDS} kinds of module mixes tokens outside the attention ({', '.join(examples)})"
     finally:
+        _CALLED.clear()  # no module of the tiny copy held after the check
         for h in handles:
             h.remove()
