@@ -13,13 +13,16 @@ which ends with it; signals sent to the trampoline are forwarded.
 A fork is exact only where the imports done here would have gone the same way in the rank: so a request is refused
 (the trampoline then runs a fresh interpreter, as without this file) when its environment differs from this
 process's in any variable other than the launch's own run-time ones (`LAUNCH_VARIABLES`), or in one of those that
-an import here read (recorded while importing). Each local rank has its own zygote started with its own
+an import here read (recorded while importing); two exceptions, each exact: a PYTHONPATH whose added entries hold
+no name imported here (nor a start-up hook), and the variables that pick CUDA devices on a machine without a CUDA
+driver (`refusal`). Each local rank has its own zygote started with its own
 PYTHONHASHSEED, so ranks still hash strings differently, as fresh interpreters do (a rank-dependent set order stays
 visible to the tests). Nothing here runs a torch op or starts a thread before the fork.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import fcntl
 import functools
@@ -41,6 +44,7 @@ LAUNCH_VARIABLES = re.compile(
     r"|ACCELERATE_\w+|FSDP_\w+|CUDA_VISIBLE_DEVICES"  # the launcher's (Accelerate's sets the device of 'single')
     r"|HFPAR_\w+|PYTEST_\w+)"  # hfpar's (imported fresh in the rank), pytest's current test
 )
+CUDA_DISCOVERY = ("CUDA_VISIBLE_DEVICES", "PYTORCH_NVML_BASED_CUDA_CHECK")  # what decides which CUDA devices torch sees
 # what every rank of a recipe imports anyway (third-party only: hfpar's own code is imported fresh);
 # HFPAR_TEST_RANK_IMPORTS=a,b replaces the list (tests/unit/test_rank_fork.py: the mechanism without the stack)
 PREIMPORTED = (
@@ -54,6 +58,8 @@ PREIMPORTED = (
     "transformers.modeling_utils",
     "datasets",
     "safetensors.torch",
+    "matplotlib.figure",  # the run's report.png, drawn by Agg (hfpar/observe/plot.py): ~1 CPU-s a run
+    "matplotlib.backends.backend_agg",
 )
 
 
@@ -97,18 +103,70 @@ def _import_stack() -> tuple[dict, set]:
     return base, set(_RecordingEnviron.read)
 
 
-def refusal(env: dict, base: dict, read_at_import: set) -> str | None:
-    """Why `env` cannot be a fork of this process (None: it can)."""
+def refusal(env: dict, base: dict, read_at_import: set, no_cuda_device: bool = False) -> str | None:
+    """Why `env` cannot be a fork of this process (None: it can). no_cuda_device: this machine has no CUDA driver
+    (`_no_cuda_device`)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
         return "CUDA is initialised in the zygote"
     for key in sorted(set(env) | set(base)):
         if env.get(key) == base.get(key):
             continue
+        if key == "PYTHONPATH":
+            why = _path_refusal(env.get(key, ""), base.get(key, ""))
+            if why is not None:
+                return why
+            continue
+        if key in CUDA_DISCOVERY and no_cuda_device:
+            # torch's import counts the CUDA devices through these (dynamo registers one device interface each):
+            # without a driver it counts none whatever they say. A CPU machine under PyPI's CUDA build (CI's):
+            # Accelerate sets CUDA_VISIBLE_DEVICES=0 for the `single` config's rank, PYTORCH_NVML_BASED_CUDA_CHECK
+            # for DeepSpeed's ranks
+            continue
         if not LAUNCH_VARIABLES.fullmatch(key):
             return f"{key} differs from the zygote's environment"
         if key in read_at_import:
             return f"{key} was read while importing the stack"
+    return None
+
+
+def _no_cuda_device() -> bool:
+    """No CUDA device can exist here: torch built without CUDA, or no driver library to load (dlopen only: no CUDA
+    call, nothing a fork would inherit)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled():
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False
+
+
+def _entries(pythonpath: str) -> list:
+    return [p for p in pythonpath.split(os.pathsep) if p]
+
+
+def _path_refusal(pythonpath: str, base: str) -> str | None:
+    """Why a rank with this PYTHONPATH would not import what the zygote did (None: it would). Its entries come
+    before site-packages, so an entry that holds a top-level name the zygote imported (or a sitecustomize /
+    usercustomize, run at start-up) could have changed an import; one that does not leaves every import here as
+    it was, and become() puts the entries where the interpreter puts them. The suite's own-code and example
+    launches add the repository root (hfpar, recipes, tests, ...: none imported here)."""
+    old, new = _entries(base), _entries(pythonpath)
+    if any(p not in new for p in old):
+        return "PYTHONPATH drops an entry of the zygote's"
+    imported = {name.partition(".")[0] for name in sys.modules} | {"sitecustomize", "usercustomize"}
+    for entry in new:
+        if entry in old:
+            continue
+        if not os.path.isabs(entry):
+            return f"PYTHONPATH entry {entry!r} is relative"
+        if os.path.isfile(entry):
+            return f"PYTHONPATH entry {entry} is a file (an archive)"
+        for child in os.listdir(entry) if os.path.isdir(entry) else ():
+            if child.partition(".")[0] in imported:
+                return f"PYTHONPATH entry {entry} holds {child}"
     return None
 
 
@@ -134,6 +192,7 @@ def serve(path: str) -> dict | None:
     """Serve fork requests until stdin closes (the launch zygote ended); returns only in a forked rank: its
     request (rank_trampoline.py's: argv, module, unbuffered, env, cwd, ppid) and the descriptors it passed."""
     base, read_at_import = _import_stack()
+    no_cuda_device = _no_cuda_device()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -155,7 +214,7 @@ def serve(path: str) -> dict | None:
         conn, _ = listener.accept()
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
         req = json.loads(msg)
-        why = refusal(req["env"], base, read_at_import)
+        why = refusal(req["env"], base, read_at_import, no_cuda_device)
         if why is not None:
             conn.sendall(json.dumps({"fresh": why}).encode() + b"\n")
             conn.close()
@@ -172,7 +231,7 @@ def serve(path: str) -> dict | None:
                 other.close()
             conn.close()
             log_file.close()
-            return {**req, "fds": fds}
+            return {**req, "fds": fds, "base_pythonpath": base.get("PYTHONPATH", "")}
         for fd in fds:
             os.close(fd)
         ranks[pid] = conn
@@ -197,7 +256,7 @@ def _stdio(fd: int, unbuffered: bool) -> io.TextIOWrapper:
 
 
 def become(req: dict) -> None:
-    """In the forked rank: take the request's session, stdio, pipe watch, cwd, env, argv and sys.path[0], then run
+    """In the forked rank: take the request's session, stdio, pipe watch, cwd, env, argv and sys.path, then run
     its script or module as __main__ (what `python [-u] script.py ARGS` / `python [-u] -m module ARGS` does)."""
     os.setsid()  # its own session and process group, as torchrun starts a worker (start_new_session)
     stdin, stdout, stderr, watch = req["fds"]
@@ -221,6 +280,10 @@ def become(req: dict) -> None:
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable(sys.stderr)
     random.seed()  # a fresh interpreter seeds from the OS
+    old, new = _entries(req["base_pythonpath"]), _entries(os.environ.get("PYTHONPATH", ""))
+    if new != old:  # PYTHONPATH's entries follow the script's directory (refusal: none shadows an import here)
+        old, new = {os.path.abspath(p) for p in old}, [os.path.abspath(p) for p in new]
+        sys.path[1:] = [*new, *(p for p in sys.path[1:] if p not in old and p not in new)]
     sys.argv = list(req["argv"])
     if req["module"]:
         sys.path[0] = os.getcwd()

@@ -15,15 +15,18 @@ from tests.helpers.parity import COMMON
 pytestmark = pytest.mark.slow
 
 
-def test_forked_ranks_train_what_fresh_interpreters_train(base_model, tmp_path):
+# single: Accelerate sets CUDA_VISIBLE_DEVICES for its rank; zero2: DeepSpeed's launch sets PYTHONPATH (the working
+# directory) and PYTORCH_NVML_BASED_CUDA_CHECK: forked where they cannot change an import (rank_zygote.refusal)
+@pytest.mark.parametrize(("config", "nproc"), [("ddp", 2), ("single", 1), ("zero2", 2)])
+def test_forked_ranks_train_what_fresh_interpreters_train(base_model, tmp_path, config, nproc):
     forks = _ZYGOTE.rank_forks().count(" fork ")
     runs = {}
     for mode in ("forked", "fresh"):
         runs[mode] = tmp_path / mode
         args = [*COMMON, "--model_name_or_path", base_model, "--output_dir", str(runs[mode])]
         extra = {"HFPAR_TEST_RANKS": "fresh"} if mode == "fresh" else None
-        launch("ddp", 2, "sft", [*args, "--per_device_train_batch_size", "2"], extra_env=extra)
-        assert _ZYGOTE.rank_forks().count(" fork ") == forks + 2, _ZYGOTE.rank_forks()  # the fresh one forks none
+        launch(config, nproc, "sft", [*args, "--per_device_train_batch_size", str(4 // nproc)], extra_env=extra)
+        assert _ZYGOTE.rank_forks().count(" fork ") == forks + nproc, _ZYGOTE.rank_forks()  # fresh: forks none
     forked, fresh = (read_metrics(runs[m])[0] for m in ("forked", "fresh"))
     assert len(forked) == 8 and [(r["loss"], r["grad_norm"]) for r in forked] == [
         (r["loss"], r["grad_norm"]) for r in fresh

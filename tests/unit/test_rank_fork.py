@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.launch import RANK_ZYGOTES, rank_decisions
+from tests.helpers.rank_zygote import refusal
 from tests.helpers.zygote import _Ranks
 
 SCRIPT = """import json, os, sys
-print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("HFPAR_X"),
-                  "hash": hash("hfpar"), "pid": os.getpid(), "ppid": os.getppid(), "main": __name__,
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "path": sys.path, "cwd": os.getcwd(),
+                  "x": os.environ.get("HFPAR_X"), "hash": hash("hfpar"), "pid": os.getpid(), "ppid": os.getppid(),
+                  "main": __name__,
                   "zygotes": "HFPAR_TEST_RANK_ZYGOTES" in os.environ}))
 print("to stderr", file=sys.stderr)
 mode = os.environ.get("HFPAR_MODE", "")
@@ -131,3 +133,41 @@ def test_an_environment_the_imports_could_have_read_differently_runs_fresh(ranks
     # a launch's own variables (rank, ports, Accelerate's) may differ: still forked
     proc = _run(ranks, tmp_path, env={"MASTER_PORT": "1234", "ACCELERATE_MIXED_PRECISION": "bf16"})
     assert f"fork {json.loads(proc.stdout)['pid']}" in _decisions(ranks)
+
+
+def test_a_pythonpath_that_shadows_no_import_forks_with_its_entries_where_the_interpreter_puts_them(ranks, tmp_path):
+    """The suite's own-code and example launches put the repository root on PYTHONPATH: forked, sys.path as fresh."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "mine.py").write_text("X = 1\n")
+    forked = _run(ranks, tmp_path, env={"PYTHONPATH": str(extra)})
+    fresh = subprocess.run(
+        [sys.executable, "-u", str(tmp_path / "script.py")],
+        env={**os.environ, "PYTHONPATH": str(extra)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    got, want = json.loads(forked.stdout), json.loads(fresh.stdout)
+    assert f"fork {got['pid']}" in _decisions(ranks)
+    assert got["path"] == want["path"] and str(extra) in got["path"]
+    # an entry that holds a name the zygote imported (its runpy) or a start-up hook could change an import: fresh
+    for name in ("runpy.py", "sitecustomize.py"):
+        folder = tmp_path / name.partition(".")[0]
+        folder.mkdir()
+        (folder / name).write_text("")
+        proc = _run(ranks, tmp_path, env={"PYTHONPATH": str(folder)})
+        assert f"fresh PYTHONPATH entry {folder} holds {name}" in _decisions(ranks), proc.stderr
+    assert refusal({"PYTHONPATH": "rel"}, {}, set()) == "PYTHONPATH entry 'rel' is relative"
+
+
+def test_cuda_device_variables_read_at_import_fork_only_where_no_cuda_driver_exists():
+    """Under PyPI's CUDA build torch counts the visible devices while imported: without a driver it counts none,
+    whatever Accelerate sets for a `single` rank (CUDA_VISIBLE_DEVICES=0) or DeepSpeed's (PYTORCH_NVML_BASED_...)."""
+    read = {"CUDA_VISIBLE_DEVICES", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    for key, value in (("CUDA_VISIBLE_DEVICES", "0"), ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")):
+        assert refusal({key: value}, {}, read, no_cuda_device=True) is None
+        assert refusal({key: value}, {key: ""}, read, no_cuda_device=True) is None
+        assert refusal({key: value}, {}, read, no_cuda_device=False) is not None  # a machine with a driver
+    assert refusal({"CUDA_VISIBLE_DEVICES": "0"}, {}, set()) is None  # not read at import (the +cpu wheel)
