@@ -107,7 +107,7 @@ class _Zygote:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        assert cmd[1] == "-m" and cmd[2] in ("accelerate.commands.launch", "hfpar.launch"), cmd
+        assert cmd[1] == "-m" and cmd[2] in ("accelerate.commands.launch", "hfpar.launch", "torch.distributed.run"), cmd
         with self._lock:
             server = self._server()
             self._n += 1
@@ -139,6 +139,55 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
+
+
+class Started:
+    """A `python ARGS` started by start_python: communicate(timeout) -> (stdout, stderr), then returncode, as
+    subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True) gives them."""
+
+    def __init__(self, popen: subprocess.Popen | None = None, future=None):
+        self._popen, self._future, self.returncode = popen, future, None
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        if self._popen is not None:
+            out, err = self._popen.communicate(timeout=timeout)
+            self.returncode = self._popen.returncode
+            return out, err
+        proc = self._future.result(timeout=timeout)
+        self.returncode = proc.returncode
+        return proc.stdout, proc.stderr
+
+
+_STARTS = ThreadPoolExecutor(4, thread_name_prefix="start_python")
+
+
+def start_python(args: list[str], env: dict, timeout: float = 600) -> Started:
+    """`python ARGS` in ROOT as the examples and own-code tests run them (torchrun or one process), its processes
+    forked from the pre-imported zygotes where they can be, as the recipe launches' are: `-m torch.distributed.run
+    ...` through the launch zygote (its workers through the rank trampoline), a script through the trampoline
+    (forking_python). HFPAR_TEST_LAUNCHER=subprocess: a plain subprocess."""
+    if os.environ.get("HFPAR_TEST_LAUNCHER") != "subprocess" and args[:2] == ["-m", "torch.distributed.run"]:
+        _ZYGOTE.rank_forks()  # the rank zygotes accept requests (until then a trampoline runs a fresh interpreter)
+        return Started(future=_STARTS.submit(_ZYGOTE.run, [sys.executable, *args], env, timeout))
+    python, env = forking_python(env) if not args[0].startswith("-") else (sys.executable, env)
+    return Started(popen=_popen([python, *args], env))
+
+
+def forking_python(env: dict) -> tuple[str, dict]:
+    """(python, env) that run `python SCRIPT ARGS` as a fork of the rank zygote of env's LOCAL_RANK (0 when unset):
+    the trampoline (rank_trampoline.py; a fresh interpreter where the zygote refuses the environment); sys.executable
+    and env as they are with HFPAR_TEST_LAUNCHER=subprocess or HFPAR_TEST_RANKS=fresh."""
+    if os.environ.get("HFPAR_TEST_LAUNCHER") == "subprocess":
+        return sys.executable, env
+    _ZYGOTE.rank_forks()
+    trampoline = Path(_ZYGOTE.ranks, "python")
+    if not trampoline.exists():
+        return sys.executable, env
+    return str(trampoline), {**env, "HFPAR_TEST_RANK_ZYGOTES": f"{_ZYGOTE.ranks}:{RANK_ZYGOTES}"}
+
+
+def _popen(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def rank_decisions(folder: str | Path, timeout: float = 120) -> str:

@@ -13,7 +13,8 @@ rank_zygote.py: its `sys.executable` is their trampoline), or are fresh interpre
 the child starts from a clean state.
 
 A request: {"argv": [...], "env": {...}, "cwd": "...", "out": path, "err": path, "rc": path[, "module":
-"hfpar.launch"]} (module: `python -m hfpar.launch ARGS`, hfpar's wrapper of the same launch); the reply line:
+"hfpar.launch" | "torch.distributed.run"]} (module: `python -m hfpar.launch ARGS`, hfpar's wrapper of the same launch,
+or torchrun); the reply line:
 {"pid": child pid}. The child leads its own session (its process group is its pid), so a timeout kills the
 launcher (torchrun starts each worker in a session of its own: a worker still running is left to its own
 collective timeout, as it was before the rank zygotes).
@@ -112,6 +113,10 @@ def _run_child(req: dict) -> None:
             from hfpar.launch import main as hfpar_launch  # noqa: PLC0415  (in the child: hfpar as the launch's env has it)
 
             hfpar_launch(req["argv"])
+        elif req.get("module") == "torch.distributed.run":  # torchrun: the examples' and own-code launches
+            from torch.distributed.run import main as torchrun  # noqa: PLC0415  (imported by accelerate already)
+
+            torchrun(req["argv"])
         else:
             accelerate_launch.main()
         rc = 0

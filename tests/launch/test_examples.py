@@ -6,14 +6,12 @@ tests/distributed/test_tp_hf_loss.py, tests/distributed/test_ep_hf_semantics.py)
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, Started, env, start_python
 
 TOL = 1e-4  # the parity contract
 
@@ -28,10 +26,10 @@ def _losses(out: str) -> list[float]:
 
 
 def _run(cmd: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+    p = start_python(cmd[1:], {**env(), "PYTHONPATH": str(ROOT)})
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 @pytest.mark.slow
@@ -47,7 +45,7 @@ def test_example_loop_matches_one_process():
     assert ref[-2] < ref[0] - 0.3, ref  # it learns
 
 
-def _example(nproc: int) -> subprocess.Popen:
+def _example(nproc: int) -> Started:
     cmd = (
         [sys.executable, "examples/ep_accelerate_loop.py"]
         if nproc == 1
@@ -63,7 +61,7 @@ def _example(nproc: int) -> subprocess.Popen:
     )
     e = env()
     e["CUDA_VISIBLE_DEVICES"] = ""
-    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_python(cmd[1:], e)
 
 
 @pytest.mark.slow
@@ -87,15 +85,9 @@ def test_cp_example_matches_one_process():
     the cut) vs the 1-process run, loss and grad norm per step."""
     cmd = [sys.executable, "examples/cp_loop.py"]
     procs = {
-        n: subprocess.Popen(
-            cmd
-            if n == 1
-            else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]],
-            cwd=ROOT,
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        n: start_python(
+            cmd[1:] if n == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]],
+            env(),
         )
         for n in (2, 1)
     }
@@ -120,18 +112,10 @@ def test_pp_example_matches_one_process(tmp_path):
 
     cmd = [sys.executable, "examples/pp_loop.py", "--output_dir"]
     procs = {
-        n: subprocess.Popen(
-            (
-                cmd
-                if n == 1
-                else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]]
-            )
+        n: start_python(
+            (cmd[1:] if n == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd[1:]])
             + [str(tmp_path / str(n))],
-            cwd=ROOT,
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            env(),
         )
         for n in (2, 1)
     }

@@ -12,13 +12,11 @@ with from_pretrained) within 1e-4; two bf16 cases (TP, EP) within the bf16 toler
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, Started, env, start_python
 from tests.helpers.trainer_cases import MAX_NORM, STEPS
 
 TOL = 1e-4
@@ -42,25 +40,14 @@ LAUNCHES = {
 }
 
 
-def _start(out, cases: list[str], nproc: int, *extra: str) -> subprocess.Popen:
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    )
-    return subprocess.Popen(
-        [*launcher, SCRIPT, str(out), "--cases", ",".join(cases), *extra],
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def _start(out, cases: list[str], nproc: int, *extra: str) -> Started:
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return start_python([*launcher, SCRIPT, str(out), "--cases", ",".join(cases), *extra], env())
 
 
-def _wait(p: subprocess.Popen) -> None:
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-4000:]
+def _wait(p: Started) -> None:
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, (out + err)[-4000:]
 
 
 def _rel(a: float, b: float) -> float:

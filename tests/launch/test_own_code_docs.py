@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, env, forking_python
 from tests.helpers.own_code_snippets import snippets
 
 RUNNER = str(ROOT / "tests" / "helpers" / "own_code_snippets.py")
@@ -52,7 +51,8 @@ def _start(workdir, indices, rank=None, world=1, ports=()):
         )
     workdir.mkdir(parents=True, exist_ok=True)
     err = open(workdir / f"stderr-{rank}", "w+")  # noqa: SIM115 - read back after the process ends
-    cmd = [sys.executable, RUNNER, str(workdir), *map(str, indices)]
+    python, e = forking_python(e)  # a fork of a pre-imported rank zygote (tests/helpers/rank_zygote.py)
+    cmd = [python, RUNNER, str(workdir), *map(str, indices)]
     return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=err, stderr=subprocess.STDOUT, text=True), err
 
 

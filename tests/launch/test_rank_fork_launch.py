@@ -15,9 +15,10 @@ from tests.helpers.parity import COMMON
 pytestmark = pytest.mark.slow
 
 
-# single: Accelerate sets CUDA_VISIBLE_DEVICES for its rank; zero2: DeepSpeed's launch sets PYTHONPATH (the working
-# directory) and PYTORCH_NVML_BASED_CUDA_CHECK: forked where they cannot change an import (rank_zygote.refusal)
-@pytest.mark.parametrize(("config", "nproc"), [("ddp", 2), ("single", 1), ("zero2", 2)])
+# single: Accelerate sets CUDA_VISIBLE_DEVICES for its rank; zero2 (2 ranks, as DDP's are forked): DeepSpeed's
+# launch sets PYTHONPATH (the working directory) and PYTORCH_NVML_BASED_CUDA_CHECK: forked where they cannot change
+# an import (rank_zygote.refusal)
+@pytest.mark.parametrize(("config", "nproc"), [("single", 1), ("zero2", 2)])
 def test_forked_ranks_train_what_fresh_interpreters_train(base_model, tmp_path, config, nproc):
     forks = _ZYGOTE.rank_forks().count(" fork ")
     runs = {}
