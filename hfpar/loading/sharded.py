@@ -262,9 +262,10 @@ def build_skeleton(
     model.tie_weights()
     model.eval()
     sources = _Sources(model, index)
-    missing = [(t, names) for t, names in tensor_names(model).values() if not any(sources.has(n) for n in names)]
+    tensors = tensor_names(model)
+    missing = [(t, names) for t, names in tensors.values() if not any(sources.has(n) for n in names)]
     if missing:
-        for t, _ in tensor_names(model).values():
+        for t, _ in tensors.values():
             t._is_hf_initialized = True  # transformers' init functions skip flagged tensors
         for t, names in missing:
             _assign(model, names, torch.empty(t.shape, dtype=t.dtype), t)
